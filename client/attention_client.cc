@@ -1,0 +1,78 @@
+#include "client/attention_client.h"
+
+#include "absl/time/clock.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+
+namespace mha {
+
+absl::Status FromGrpcStatus(const grpc::Status& status) {
+  if (status.ok()) return absl::OkStatus();
+  return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
+}
+
+AttentionClient::AttentionClient(const ClientOptions& options) : options_(options) {
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(options.max_message_mb << 20);
+  args.SetMaxSendMessageSize(options.max_message_mb << 20);
+  if (!options.lb_policy.empty()) args.SetLoadBalancingPolicyName(options.lb_policy);
+  channel_ = grpc::CreateCustomChannel(options.target, grpc::InsecureChannelCredentials(), args);
+  stub_ = v1::Attention::NewStub(channel_);
+}
+
+namespace {
+
+// One unary call through a stub method, with the client's deadline.
+template <typename Request, typename Response>
+absl::StatusOr<Response> Unary(
+    v1::Attention::Stub* stub,
+    grpc::Status (v1::Attention::Stub::*method)(grpc::ClientContext*, const Request&, Response*),
+    const Request& request, absl::Duration timeout) {
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
+  Response response;
+  const grpc::Status status = (stub->*method)(&context, request, &response);
+  if (!status.ok()) return FromGrpcStatus(status);
+  return response;
+}
+
+}  // namespace
+
+absl::StatusOr<v1::MultiHeadAttentionResponse> AttentionClient::MultiHeadAttention(
+    const v1::MultiHeadAttentionRequest& request) {
+  return Unary(stub_.get(), &v1::Attention::Stub::MultiHeadAttention, request, options_.timeout);
+}
+
+absl::StatusOr<v1::ScaledDotProductAttentionResponse> AttentionClient::ScaledDotProductAttention(
+    const v1::ScaledDotProductAttentionRequest& request) {
+  return Unary(stub_.get(), &v1::Attention::Stub::ScaledDotProductAttention, request, options_.timeout);
+}
+
+absl::StatusOr<v1::LoadLayerResponse> AttentionClient::LoadLayer(const v1::LoadLayerRequest& request) {
+  return Unary(stub_.get(), &v1::Attention::Stub::LoadLayer, request, options_.timeout);
+}
+
+absl::Status AttentionClient::UnloadLayer(const std::string& name) {
+  v1::UnloadLayerRequest request;
+  request.set_name(name);
+  return Unary(stub_.get(), &v1::Attention::Stub::UnloadLayer, request, options_.timeout).status();
+}
+
+absl::StatusOr<v1::ListLayersResponse> AttentionClient::ListLayers() {
+  return Unary(stub_.get(), &v1::Attention::Stub::ListLayers, v1::ListLayersRequest(), options_.timeout);
+}
+
+absl::StatusOr<v1::GetServerInfoResponse> AttentionClient::GetServerInfo() {
+  return Unary(stub_.get(), &v1::Attention::Stub::GetServerInfo, v1::GetServerInfoRequest(), options_.timeout);
+}
+
+absl::StatusOr<bool> AttentionClient::Serving() {
+  auto health = grpc::health::v1::Health::NewStub(channel_);
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(absl::Now() + options_.timeout));
+  grpc::health::v1::HealthCheckResponse response;
+  const grpc::Status status = health->Check(&context, grpc::health::v1::HealthCheckRequest(), &response);
+  if (!status.ok()) return FromGrpcStatus(status);
+  return response.status() == grpc::health::v1::HealthCheckResponse::SERVING;
+}
+
+}  // namespace mha

@@ -1,0 +1,55 @@
+// A thin C++ client for the Attention service: one channel (any gRPC target, optionally load-balanced), typed
+// calls with a per-call deadline, message limits matching the server's, and gRPC errors turned into
+// absl::Status. Thread-safe: calls may be made concurrently from many threads.
+#ifndef MHA_CLIENT_ATTENTION_CLIENT_H_
+#define MHA_CLIENT_ATTENTION_CLIENT_H_
+
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "grpcpp/grpcpp.h"
+#include "proto/mha/v1/attention.grpc.pb.h"
+
+namespace mha {
+
+struct ClientOptions {
+  // Any gRPC target: "127.0.0.1:50051", "dns:///mha.svc:50051", "ipv4:127.0.0.1:50051,127.0.0.1:50052".
+  std::string target = "127.0.0.1:50051";
+  // Should match the server's --max_message_mb.
+  int max_message_mb = 256;
+  // gRPC load-balancing policy across the target's addresses: "pick_first" (gRPC's default) or "round_robin".
+  std::string lb_policy;
+  // Deadline of every call.
+  absl::Duration timeout = absl::Seconds(60);
+};
+
+// grpc::Status -> absl::Status (the codes share their numbering).
+absl::Status FromGrpcStatus(const grpc::Status& status);
+
+class AttentionClient {
+ public:
+  explicit AttentionClient(const ClientOptions& options);
+
+  absl::StatusOr<v1::MultiHeadAttentionResponse> MultiHeadAttention(const v1::MultiHeadAttentionRequest& request);
+  absl::StatusOr<v1::ScaledDotProductAttentionResponse> ScaledDotProductAttention(
+      const v1::ScaledDotProductAttentionRequest& request);
+  absl::StatusOr<v1::LoadLayerResponse> LoadLayer(const v1::LoadLayerRequest& request);
+  absl::Status UnloadLayer(const std::string& name);
+  absl::StatusOr<v1::ListLayersResponse> ListLayers();
+  absl::StatusOr<v1::GetServerInfoResponse> GetServerInfo();
+  // grpc.health.v1 Check for the whole server (service ""): true when SERVING.
+  absl::StatusOr<bool> Serving();
+
+  const std::shared_ptr<grpc::Channel>& channel() const { return channel_; }
+
+ private:
+  ClientOptions options_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::Attention::Stub> stub_;
+};
+
+}  // namespace mha
+
+#endif  // MHA_CLIENT_ATTENTION_CLIENT_H_

@@ -1,0 +1,94 @@
+#include "server/layer_store.h"
+
+#include <algorithm>
+#include <filesystem>
+
+#include "absl/strings/str_cat.h"
+#include "server/safetensors.h"
+#include "server/status_macros.h"
+
+namespace mha {
+
+LayerStore::LayerStore(int64_t max_total_bytes) : max_total_bytes_(max_total_bytes) {}
+
+absl::Status LayerStore::CheckName(absl::string_view name) {
+  if (name.empty() || name.size() > 128) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("name must be 1..128 characters, got ", name.size()));
+  }
+  for (char c : name) {
+    if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' || c == '-')) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("name may only hold [A-Za-z0-9._-], got '", name, "'"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status LayerStore::Add(std::shared_ptr<const Layer> layer) {
+  RETURN_IF_ERROR(CheckName(layer->name));
+  const int64_t size = layer->SizeBytes();
+  absl::MutexLock lock(&mu_);
+  if (layers_.count(layer->name) != 0) {
+    return absl::AlreadyExistsError(absl::StrCat("layer '", layer->name, "' already exists; unload it first"));
+  }
+  if (total_bytes_ + size > max_total_bytes_) {
+    return absl::ResourceExhaustedError(absl::StrCat("layer '", layer->name, "' needs ", size,
+                                                     " bytes; registered layers hold ", total_bytes_, " of ",
+                                                     max_total_bytes_, " (--max_layer_mb)"));
+  }
+  total_bytes_ += size;
+  layers_.emplace(layer->name, std::move(layer));
+  return absl::OkStatus();
+}
+
+absl::Status LayerStore::Remove(absl::string_view name) {
+  absl::MutexLock lock(&mu_);
+  auto it = layers_.find(name);
+  if (it == layers_.end()) return absl::NotFoundError(absl::StrCat("name: no layer '", name, "'"));
+  if (it->second->source == "builtin") {
+    return absl::FailedPreconditionError(absl::StrCat("name: layer '", name, "' is built in"));
+  }
+  total_bytes_ -= it->second->SizeBytes();
+  layers_.erase(it);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::shared_ptr<const Layer>> LayerStore::Get(absl::string_view name) const {
+  absl::MutexLock lock(&mu_);
+  auto it = layers_.find(name);
+  if (it == layers_.end()) {
+    return absl::NotFoundError(absl::StrCat("layer: no layer named '", name, "' (see ListLayers)"));
+  }
+  return it->second;
+}
+
+std::vector<std::shared_ptr<const Layer>> LayerStore::List() const {
+  absl::MutexLock lock(&mu_);
+  std::vector<std::shared_ptr<const Layer>> out;
+  for (const auto& [name, layer] : layers_) out.push_back(layer);
+  return out;
+}
+
+absl::Status LayerStore::LoadDirectory(const std::string& dir) {
+  std::error_code ec;
+  std::vector<std::filesystem::path> files;
+  for (const auto& entry : std::filesystem::directory_iterator(dir, ec)) {
+    if (entry.is_regular_file() && entry.path().extension() == ".safetensors") files.push_back(entry.path());
+  }
+  if (ec) return absl::NotFoundError(absl::StrCat("--layers_dir ", dir, ": ", ec.message()));
+  std::sort(files.begin(), files.end());
+  for (const auto& path : files) {
+    ASSIGN_OR_RETURN(SafetensorsLayer file, ReadSafetensorsLayer(path.string()));
+    absl::StatusOr<std::shared_ptr<const Layer>> layer =
+        BuildLayer(path.stem().string(), absl::StrCat("file:", path.string()), file.weights, file.heads,
+                   path.filename().string());
+    if (!layer.ok()) {
+      return absl::Status(layer.status().code(), absl::StrCat(path.string(), ": ", layer.status().message()));
+    }
+    RETURN_IF_ERROR(Add(*std::move(layer)));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace mha

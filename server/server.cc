@@ -1,0 +1,89 @@
+#include "server/server.h"
+
+#include <fstream>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "grpcpp/ext/proto_server_reflection_plugin.h"
+#include "grpcpp/health_check_service_interface.h"
+#include "server/status_macros.h"
+#include "spdlog/spdlog.h"
+
+namespace mha {
+
+absl::StatusOr<std::unique_ptr<MhaServer>> MhaServer::Start(ServerOptions options) {
+  if (options.max_message_mb < 1 || options.max_message_mb > 2047) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--max_message_mb must be in [1, 2047] (gRPC's limit is below 2 GiB), got ",
+                     options.max_message_mb));
+  }
+  if (options.threads < 0) return absl::InvalidArgumentError("--threads must be >= 0");
+  if (options.threads == 0) options.threads = std::max(1u, std::thread::hardware_concurrency());
+  if (options.max_queue_size < 1) return absl::InvalidArgumentError("--max_queue_size must be >= 1");
+
+  std::unique_ptr<MhaServer> server(new MhaServer());
+  server->layers_ = std::make_unique<LayerStore>(static_cast<int64_t>(options.max_layer_mb) << 20);
+  RETURN_IF_ERROR(server->layers_->Add(MakeDemoLayer()));
+  if (!options.layers_dir.empty()) RETURN_IF_ERROR(server->layers_->LoadDirectory(options.layers_dir));
+
+  server->backends_ = BackendRegistry::Create();
+  if (options.backend != "auto") {
+    absl::StatusOr<Backend*> backend = server->backends_->Find(options.backend, "--backend");
+    if (!backend.ok()) return backend.status();
+  }
+  for (const BackendEntry& entry : server->backends_->entries()) {
+    spdlog::info("backend {}: {}", entry.name,
+                 entry.available() ? entry.device : absl::StrCat("unavailable (", entry.detail, ")"));
+  }
+  for (const auto& layer : server->layers_->List()) {
+    spdlog::info("layer {}: d_model={} H={} Hkv={} d_k={} ({})", layer->name, layer->d_model,
+                 layer->heads.num_heads, layer->heads.num_kv_heads, layer->heads.head_dim, layer->source);
+  }
+
+  server->scheduler_ = std::make_unique<Scheduler>(options.threads, options.max_queue_size);
+  server->service_ = std::make_unique<AttentionService>(options, server->layers_.get(), server->backends_.get(),
+                                                        server->scheduler_.get());
+
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  const int max_bytes = options.max_message_mb << 20;
+  builder.SetMaxReceiveMessageSize(max_bytes);
+  builder.SetMaxSendMessageSize(max_bytes);
+  if (!options.listen.empty()) {
+    builder.AddListeningPort(options.listen, grpc::InsecureServerCredentials(), &server->port_);
+  }
+  builder.RegisterService(server->service_.get());
+  server->server_ = builder.BuildAndStart();
+  if (server->server_ == nullptr || (!options.listen.empty() && server->port_ == 0)) {
+    return absl::UnavailableError(absl::StrCat("cannot listen on ", options.listen));
+  }
+  if (!options.port_file.empty()) {
+    const std::string tmp = options.port_file + ".tmp";
+    std::ofstream(tmp) << server->port_ << "\n";
+    std::rename(tmp.c_str(), options.port_file.c_str());  // readers never see a half-written file
+  }
+  server->options_ = std::move(options);
+  return server;
+}
+
+MhaServer::~MhaServer() { Shutdown(); }
+
+std::shared_ptr<grpc::Channel> MhaServer::InProcessChannel() {
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(options_.max_message_mb << 20);
+  args.SetMaxSendMessageSize(options_.max_message_mb << 20);
+  return server_->InProcessChannel(args);
+}
+
+void MhaServer::Shutdown(absl::Duration grace) {
+  if (shut_down_) return;
+  shut_down_ = true;
+  // In-flight calls finish on the scheduler thread, which keeps running until the gRPC server has drained.
+  server_->Shutdown(absl::ToChronoTime(absl::Now() + grace));
+  scheduler_->Shutdown();
+  scheduler_.reset();
+}
+
+}  // namespace mha

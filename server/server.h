@@ -1,0 +1,47 @@
+// Assembles a running server from ServerOptions: layer store (demo + --layers_dir), backends, scheduler,
+// the Attention service, health checking and reflection. Used by main() and by the in-process tests.
+#ifndef MHA_SERVER_SERVER_H_
+#define MHA_SERVER_SERVER_H_
+
+#include <memory>
+
+#include "absl/status/statusor.h"
+#include "grpcpp/grpcpp.h"
+#include "server/backend_registry.h"
+#include "server/layer_store.h"
+#include "server/scheduler.h"
+#include "server/server_options.h"
+#include "server/service.h"
+
+namespace mha {
+
+class MhaServer {
+ public:
+  // Starts serving. INVALID_ARGUMENT for bad options, the layer loader's error for a bad --layers_dir,
+  // UNAVAILABLE if the address cannot be bound. An empty options.listen serves in-process only.
+  static absl::StatusOr<std::unique_ptr<MhaServer>> Start(ServerOptions options);
+  // Shuts down (see Shutdown) if still running.
+  ~MhaServer();
+
+  int port() const { return port_; }  // the bound port; 0 when in-process only
+  std::shared_ptr<grpc::Channel> InProcessChannel();
+  // Stops accepting calls, lets in-flight ones finish (cancelling any still running after `grace`), then stops
+  // the compute thread. Idempotent.
+  void Shutdown(absl::Duration grace = absl::Seconds(30));
+
+ private:
+  MhaServer() = default;
+
+  ServerOptions options_;
+  std::unique_ptr<LayerStore> layers_;
+  std::unique_ptr<BackendRegistry> backends_;
+  std::unique_ptr<Scheduler> scheduler_;
+  std::unique_ptr<AttentionService> service_;
+  std::unique_ptr<grpc::Server> server_;
+  int port_ = 0;
+  bool shut_down_ = false;
+};
+
+}  // namespace mha
+
+#endif  // MHA_SERVER_SERVER_H_

@@ -1,0 +1,35 @@
+// Every knob of the server in one place; main() maps flags onto it and tests set it directly.
+#ifndef MHA_SERVER_SERVER_OPTIONS_H_
+#define MHA_SERVER_SERVER_OPTIONS_H_
+
+#include <cstdint>
+#include <string>
+
+namespace mha {
+
+struct ServerOptions {
+  // host:port to listen on. Port 0 picks a free port (see port_file).
+  std::string listen = "127.0.0.1:50051";
+  // When non-empty, the bound port is written to this file once the server accepts calls.
+  std::string port_file;
+  // When non-empty, every *.safetensors file here is registered as a layer named after its file at start.
+  std::string layers_dir;
+  // What BACKEND_AUTO means: "auto" (CUDA when available, else CPU), "cpu", "reference" or "cuda".
+  std::string backend = "auto";
+  // Largest request or response message, in MiB. Also bounds what a request can make the server allocate.
+  int max_message_mb = 256;
+  // OpenMP threads per computation; 0 means all cores.
+  int threads = 0;
+  // Requests waiting for the compute thread beyond which calls get RESOURCE_EXHAUSTED.
+  int max_queue_size = 64;
+  // Total fp32 MiB of all registered layers.
+  int max_layer_mb = 4096;
+  // Working memory a request may need beyond its own tensors (projections), in MiB.
+  int max_scratch_mb = 4096;
+  // Attention FLOPs (4 B H Tq Tk d_k) a single request may ask for, in GFLOP.
+  double max_request_gflop = 4000;
+};
+
+}  // namespace mha
+
+#endif  // MHA_SERVER_SERVER_OPTIONS_H_

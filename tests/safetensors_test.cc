@@ -1,0 +1,111 @@
+// Reading layers from .safetensors bytes: a valid file, and each malformed part rejected with a clear message.
+#include "server/safetensors.h"
+
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "server/layer.h"
+
+namespace mha {
+namespace {
+
+using ::testing::HasSubstr;
+
+// Builds a safetensors file: header JSON (given verbatim) then `data`.
+std::string File(const std::string& header, const std::string& data) {
+  std::string out(8, '\0');
+  const uint64_t n = header.size();
+  std::memcpy(out.data(), &n, 8);
+  return out + header + data;
+}
+
+std::string Floats(int n, float value) {
+  std::vector<float> v(n, value);
+  return std::string(reinterpret_cast<const char*>(v.data()), v.size() * 4);
+}
+
+// d_model 4, 2 heads of 2, F32, no bias; w_o stored as F16.
+std::string ValidHeader(const std::string& metadata) {
+  return R"({"w_q":{"dtype":"F32","shape":[4,4],"data_offsets":[0,64]},)"
+         R"("w_k":{"dtype":"F32","shape":[4,4],"data_offsets":[64,128]},)"
+         R"("w_v":{"dtype":"F32","shape":[4,4],"data_offsets":[128,192]},)"
+         R"("w_o":{"dtype":"F16","shape":[4,4],"data_offsets":[192,224]},)"
+         R"("__metadata__":)" + metadata + "}";
+}
+
+std::string ValidData() { return Floats(48, 0.5f) + std::string(32, '\0'); }
+
+TEST(Safetensors, ReadsWeightsAndHeadMetadata) {
+  const std::string bytes =
+      File(ValidHeader(R"({"num_heads":"2","num_kv_heads":"1","causal":"true","scale":"0.25"})"), ValidData());
+  absl::StatusOr<SafetensorsLayer> layer = ParseSafetensorsLayer(bytes, "x.safetensors");
+  ASSERT_TRUE(layer.ok()) << layer.status();
+  EXPECT_EQ(layer->heads.num_heads(), 2);
+  EXPECT_EQ(layer->heads.num_kv_heads(), 1);
+  EXPECT_TRUE(layer->heads.causal());
+  EXPECT_FLOAT_EQ(layer->heads.scale(), 0.25f);
+  EXPECT_EQ(layer->weights.w_o().dtype(), v1::FP16);
+  EXPECT_FALSE(layer->weights.has_b_q());
+}
+
+TEST(Safetensors, ParsedLayerBuildsOnlyWithConsistentShapes) {
+  // num_kv_heads 1 needs w_k [4, 2]; the file has [4, 4], so BuildLayer names w_k.
+  const std::string bytes = File(ValidHeader(R"({"num_heads":"2","num_kv_heads":"1"})"), ValidData());
+  absl::StatusOr<SafetensorsLayer> file = ParseSafetensorsLayer(bytes, "x");
+  ASSERT_TRUE(file.ok());
+  absl::StatusOr<std::shared_ptr<const Layer>> layer = BuildLayer("x", "file:x", file->weights, file->heads, "x");
+  EXPECT_EQ(layer.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(layer.status().message()), HasSubstr("x.w_k.shape must be [4, 2], got [4, 4]"));
+}
+
+TEST(Safetensors, RejectsTruncatedHeader) {
+  std::string bytes = File(ValidHeader(R"({"num_heads":"2"})"), ValidData());
+  bytes.resize(20);
+  const absl::Status s = ParseSafetensorsLayer(bytes, "x").status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("exceeds the file"));
+}
+
+TEST(Safetensors, RejectsOffsetsOutsideTheData) {
+  const std::string bytes = File(ValidHeader(R"({"num_heads":"2"})"), ValidData().substr(0, 100));
+  const absl::Status s = ParseSafetensorsLayer(bytes, "x").status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("fall outside"));
+}
+
+TEST(Safetensors, RejectsMissingTensor) {
+  const std::string header = R"({"w_q":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"__metadata__":{}})";
+  const absl::Status s = ParseSafetensorsLayer(File(header, Floats(1, 1)), "x").status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("missing tensor 'w_k'"));
+}
+
+TEST(Safetensors, RejectsUnsupportedDtype) {
+  std::string header = ValidHeader(R"({"num_heads":"2"})");
+  header.replace(header.find("F16"), 3, "I64");
+  const absl::Status s = ParseSafetensorsLayer(File(header, ValidData()), "x").status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("dtype I64"));
+}
+
+TEST(Safetensors, RejectsMissingNumHeads) {
+  const absl::Status s = ParseSafetensorsLayer(File(ValidHeader("{}"), ValidData()), "x").status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("num_heads"));
+}
+
+TEST(Safetensors, RejectsNonJsonHeader) {
+  const absl::Status s = ParseSafetensorsLayer(File("{not json", ""), "x").status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("not a JSON object"));
+}
+
+TEST(Safetensors, MissingFileIsNotFound) {
+  EXPECT_EQ(ReadSafetensorsLayer("/nonexistent/x.safetensors").status().code(), absl::StatusCode::kNotFound);
+}
+
+}  // namespace
+}  // namespace mha

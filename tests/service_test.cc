@@ -1,0 +1,582 @@
+// The Attention service end to end through an in-process channel: OK paths, every rejected input with its exact
+// status code and the field it names, and that the server keeps serving afterwards.
+#include "server/service.h"
+
+#include <chrono>
+#include <functional>
+#include <future>
+#include <limits>
+#include <ostream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
+#include "proto/mha/v1/attention.grpc.pb.h"
+#include "proto/mha/v1/tensor_codec.h"
+#include "server/server.h"
+#include "spdlog/spdlog.h"
+#include "tests/test_util.h"
+
+namespace mha {
+namespace {
+
+using ::mha::testing::AllClose;
+using ::mha::testing::RandomVector;
+using ::testing::HasSubstr;
+
+constexpr int64_t kBatch = 2, kLen = 3, kDModel = 8, kHeads = 2;
+
+void SetTensor(v1::Tensor* t, std::vector<int64_t> shape, uint32_t seed, v1::DataType dtype = v1::FP32) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  FloatsToTensor(RandomVector(n, seed, 0.5f), shape, dtype, t);
+}
+
+// A valid self-attention request with inline weights: B=2, T=3, d_model=8, H=2 (d_k 4).
+v1::MultiHeadAttentionRequest ValidRequest() {
+  v1::MultiHeadAttentionRequest r;
+  SetTensor(r.mutable_query(), {kBatch, kLen, kDModel}, 1);
+  v1::AttentionWeights* w = r.mutable_inline_weights();
+  SetTensor(w->mutable_w_q(), {kDModel, kDModel}, 2);
+  SetTensor(w->mutable_w_k(), {kDModel, kDModel}, 3);
+  SetTensor(w->mutable_w_v(), {kDModel, kDModel}, 4);
+  SetTensor(w->mutable_w_o(), {kDModel, kDModel}, 5);
+  r.mutable_heads()->set_num_heads(kHeads);
+  r.set_backend(v1::BACKEND_CPU);
+  return r;
+}
+
+class ServiceTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    spdlog::set_level(spdlog::level::warn);  // per-call info logs would drown the test output
+    StartServer(ServerOptions());
+  }
+
+  void StartServer(ServerOptions options) {
+    stub_.reset();
+    server_.reset();
+    options.listen = "";  // in-process only
+    options.threads = 2;
+    absl::StatusOr<std::unique_ptr<MhaServer>> server = MhaServer::Start(options);
+    ASSERT_TRUE(server.ok()) << server.status();
+    server_ = *std::move(server);
+    stub_ = v1::Attention::NewStub(server_->InProcessChannel());
+  }
+
+  grpc::Status Call(const v1::MultiHeadAttentionRequest& request, v1::MultiHeadAttentionResponse* response) {
+    grpc::ClientContext context;
+    return stub_->MultiHeadAttention(&context, request, response);
+  }
+  grpc::Status Call(const v1::ScaledDotProductAttentionRequest& request,
+                    v1::ScaledDotProductAttentionResponse* response) {
+    grpc::ClientContext context;
+    return stub_->ScaledDotProductAttention(&context, request, response);
+  }
+
+  // After every test: a valid call still succeeds, so nothing above broke the server.
+  void TearDown() override {
+    if (stub_ == nullptr) return;
+    v1::MultiHeadAttentionResponse response;
+    const grpc::Status status = Call(ValidRequest(), &response);
+    EXPECT_TRUE(status.ok()) << "server stopped serving: " << status.error_message();
+  }
+
+  std::unique_ptr<MhaServer> server_;
+  std::unique_ptr<v1::Attention::Stub> stub_;
+};
+
+TEST_F(ServiceTest, InlineWeightsCpuMatchesReference) {
+  v1::MultiHeadAttentionRequest request = ValidRequest();
+  request.set_return_attention_weights(true);
+  v1::MultiHeadAttentionResponse cpu, reference;
+  ASSERT_TRUE(Call(request, &cpu).ok());
+  request.set_backend(v1::BACKEND_REFERENCE);
+  ASSERT_TRUE(Call(request, &reference).ok());
+  EXPECT_EQ(cpu.backend(), "cpu");
+  EXPECT_EQ(reference.backend(), "reference");
+  EXPECT_THAT(cpu.output().shape(), ::testing::ElementsAre(kBatch, kLen, kDModel));
+  EXPECT_THAT(cpu.attention_weights().shape(), ::testing::ElementsAre(kBatch, kHeads, kLen, kLen));
+  EXPECT_EQ(cpu.output().dtype(), v1::FP32);
+  EXPECT_TRUE(AllClose(TensorToFloats(cpu.output()), TensorToFloats(reference.output()), 1e-5, 1e-4));
+  EXPECT_TRUE(AllClose(TensorToFloats(cpu.attention_weights()), TensorToFloats(reference.attention_weights()),
+                       1e-6, 1e-4));
+  EXPECT_GE(cpu.timing().compute_us(), 0);
+}
+
+TEST_F(ServiceTest, DemoLayerServesAtB8T512) {
+  v1::MultiHeadAttentionRequest request;
+  SetTensor(request.mutable_query(), {8, 512, 512}, 7);
+  request.set_layer("demo");
+  v1::MultiHeadAttentionResponse response;
+  const auto start = std::chrono::steady_clock::now();
+  ASSERT_TRUE(Call(request, &response).ok());
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_EQ(response.backend(), "cpu");  // BACKEND_AUTO on a machine without a GPU
+  EXPECT_THAT(response.output().shape(), ::testing::ElementsAre(8, 512, 512));
+  std::cout << "demo layer B=8 T=512: " << seconds * 1e3 << " ms end to end, " << response.timing().compute_us()
+            << " us compute\n";
+}
+
+// Half-precision wire types: the server widens, computes in fp32 and answers in the query's dtype.
+class WireDtypeTest : public ServiceTest, public ::testing::WithParamInterface<v1::DataType> {};
+
+TEST_P(WireDtypeTest, AnswersInTheQueryDtypeAndMatchesFp32) {
+  const v1::DataType dtype = GetParam();
+  v1::MultiHeadAttentionRequest request = ValidRequest();
+  v1::MultiHeadAttentionRequest fp32 = request;
+  // Round the fp32 inputs through the wire dtype so both requests carry the same values.
+  for (v1::Tensor* t : {request.mutable_query(), request.mutable_inline_weights()->mutable_w_q(),
+                        request.mutable_inline_weights()->mutable_w_k(),
+                        request.mutable_inline_weights()->mutable_w_v(),
+                        request.mutable_inline_weights()->mutable_w_o()}) {
+    const std::vector<int64_t> shape(t->shape().begin(), t->shape().end());
+    FloatsToTensor(TensorToFloats(*t), shape, dtype, t);
+  }
+  *fp32.mutable_query() = request.query();
+  FloatsToTensor(TensorToFloats(request.query()), {kBatch, kLen, kDModel}, v1::FP32, fp32.mutable_query());
+  for (auto [from, to] : {std::pair{&request.inline_weights().w_q(), fp32.mutable_inline_weights()->mutable_w_q()},
+                          std::pair{&request.inline_weights().w_k(), fp32.mutable_inline_weights()->mutable_w_k()},
+                          std::pair{&request.inline_weights().w_v(), fp32.mutable_inline_weights()->mutable_w_v()},
+                          std::pair{&request.inline_weights().w_o(), fp32.mutable_inline_weights()->mutable_w_o()}}) {
+    FloatsToTensor(TensorToFloats(*from), {kDModel, kDModel}, v1::FP32, to);
+  }
+  fp32.set_backend(v1::BACKEND_REFERENCE);
+  v1::MultiHeadAttentionResponse got, want;
+  ASSERT_TRUE(Call(request, &got).ok());
+  ASSERT_TRUE(Call(fp32, &want).ok());
+  EXPECT_EQ(got.output().dtype(), dtype);
+  EXPECT_EQ(got.output().data().size(), static_cast<size_t>(kBatch * kLen * kDModel * 2));
+  // Only the output's rounding to the wire dtype differs: bf16 keeps 8 bits of mantissa, fp16 11.
+  const double rtol = dtype == v1::BF16 ? 1.0 / 128 : 1.0 / 1024;
+  EXPECT_TRUE(AllClose(TensorToFloats(got.output()), TensorToFloats(want.output()), 1e-3, rtol));
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, WireDtypeTest, ::testing::Values(v1::FP16, v1::BF16),
+                         [](const auto& info) { return DTypeName(info.param); });
+
+TEST_F(ServiceTest, OutputDtypeOverridesTheQueryDtype) {
+  v1::MultiHeadAttentionRequest request = ValidRequest();
+  request.set_output_dtype(v1::FP16);
+  request.set_return_attention_weights(true);
+  v1::MultiHeadAttentionResponse response;
+  ASSERT_TRUE(Call(request, &response).ok());
+  EXPECT_EQ(response.output().dtype(), v1::FP16);
+  EXPECT_EQ(response.attention_weights().dtype(), v1::FP16);
+}
+
+TEST_F(ServiceTest, ScaledDotProductAttentionCpuMatchesReference) {
+  v1::ScaledDotProductAttentionRequest request;
+  SetTensor(request.mutable_q(), {2, 3, 4, 8}, 1);
+  SetTensor(request.mutable_k(), {2, 5, 2, 8}, 2);
+  SetTensor(request.mutable_v(), {2, 5, 2, 8}, 3);
+  request.mutable_heads()->set_causal(true);
+  request.add_key_lengths(5);
+  request.add_key_lengths(2);
+  request.set_return_attention_weights(true);
+  request.set_backend(v1::BACKEND_CPU);
+  v1::ScaledDotProductAttentionResponse cpu, reference;
+  ASSERT_TRUE(Call(request, &cpu).ok());
+  request.set_backend(v1::BACKEND_REFERENCE);
+  ASSERT_TRUE(Call(request, &reference).ok());
+  EXPECT_THAT(cpu.output().shape(), ::testing::ElementsAre(2, 3, 4, 8));
+  EXPECT_TRUE(AllClose(TensorToFloats(cpu.output()), TensorToFloats(reference.output()), 1e-5, 1e-4));
+  EXPECT_TRUE(AllClose(TensorToFloats(cpu.attention_weights()), TensorToFloats(reference.attention_weights()),
+                       1e-6, 1e-4));
+}
+
+TEST_F(ServiceTest, LoadedLayerAnswersLikeTheSameInlineWeights) {
+  const v1::MultiHeadAttentionRequest inline_request = ValidRequest();
+  v1::LoadLayerRequest load;
+  load.set_name("small");
+  *load.mutable_weights() = inline_request.inline_weights();
+  load.mutable_heads()->set_num_heads(kHeads);
+  v1::LoadLayerResponse loaded;
+  {
+    grpc::ClientContext context;
+    ASSERT_TRUE(stub_->LoadLayer(&context, load, &loaded).ok());
+  }
+  EXPECT_EQ(loaded.layer().heads().head_dim(), kDModel / kHeads);
+  v1::MultiHeadAttentionRequest by_name = inline_request;
+  by_name.set_layer("small");
+  by_name.clear_heads();
+  v1::MultiHeadAttentionResponse a, b;
+  ASSERT_TRUE(Call(inline_request, &a).ok());
+  ASSERT_TRUE(Call(by_name, &b).ok());
+  EXPECT_TRUE(AllClose(TensorToFloats(b.output()), TensorToFloats(a.output()), 1e-6, 1e-5));
+
+  v1::ListLayersResponse list;
+  {
+    grpc::ClientContext context;
+    ASSERT_TRUE(stub_->ListLayers(&context, v1::ListLayersRequest(), &list).ok());
+  }
+  ASSERT_EQ(list.layers_size(), 2);
+  EXPECT_EQ(list.layers(0).name(), "demo");
+  EXPECT_EQ(list.layers(1).name(), "small");
+
+  v1::UnloadLayerRequest unload;
+  unload.set_name("small");
+  v1::UnloadLayerResponse unloaded;
+  {
+    grpc::ClientContext context;
+    ASSERT_TRUE(stub_->UnloadLayer(&context, unload, &unloaded).ok());
+  }
+  EXPECT_EQ(Call(by_name, &b).error_code(), grpc::StatusCode::NOT_FOUND);
+}
+
+TEST_F(ServiceTest, LoadLayerRejectsATakenName) {
+  v1::LoadLayerRequest load;
+  load.set_name("demo");
+  *load.mutable_weights() = ValidRequest().inline_weights();
+  load.mutable_heads()->set_num_heads(kHeads);
+  v1::LoadLayerResponse response;
+  grpc::ClientContext context;
+  EXPECT_EQ(stub_->LoadLayer(&context, load, &response).error_code(), grpc::StatusCode::ALREADY_EXISTS);
+}
+
+TEST_F(ServiceTest, LoadLayerRejectsABadName) {
+  v1::LoadLayerRequest load;
+  load.set_name("../etc/passwd");
+  *load.mutable_weights() = ValidRequest().inline_weights();
+  load.mutable_heads()->set_num_heads(kHeads);
+  v1::LoadLayerResponse response;
+  grpc::ClientContext context;
+  const grpc::Status status = stub_->LoadLayer(&context, load, &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(status.error_message(), HasSubstr("name"));
+}
+
+TEST_F(ServiceTest, LoadLayerPastTheMemoryLimitIsResourceExhausted) {
+  ServerOptions options;
+  options.max_layer_mb = 7;  // exactly the demo layer: 4 weights of 1 MiB plus the fused 3 MiB Q|K|V copy
+  StartServer(options);
+  v1::LoadLayerRequest load;
+  load.set_name("one_more");
+  *load.mutable_weights() = ValidRequest().inline_weights();
+  load.mutable_heads()->set_num_heads(kHeads);
+  v1::LoadLayerResponse response;
+  grpc::ClientContext context;
+  EXPECT_EQ(stub_->LoadLayer(&context, load, &response).error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+}
+
+TEST_F(ServiceTest, UnloadingTheDemoLayerIsRefused) {
+  v1::UnloadLayerRequest unload;
+  unload.set_name("demo");
+  v1::UnloadLayerResponse response;
+  grpc::ClientContext context;
+  EXPECT_EQ(stub_->UnloadLayer(&context, unload, &response).error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+}
+
+TEST_F(ServiceTest, UnloadingAnUnknownLayerIsNotFound) {
+  v1::UnloadLayerRequest unload;
+  unload.set_name("nope");
+  v1::UnloadLayerResponse response;
+  grpc::ClientContext context;
+  EXPECT_EQ(stub_->UnloadLayer(&context, unload, &response).error_code(), grpc::StatusCode::NOT_FOUND);
+}
+
+TEST_F(ServiceTest, ServerInfoListsBackendsAndLimits) {
+  v1::GetServerInfoResponse info;
+  grpc::ClientContext context;
+  ASSERT_TRUE(stub_->GetServerInfo(&context, v1::GetServerInfoRequest(), &info).ok());
+  EXPECT_FALSE(info.version().empty());
+  EXPECT_EQ(info.default_backend(), "cpu");
+  std::map<std::string, bool> available;
+  for (const auto& b : info.backends()) available[b.name()] = b.available();
+  EXPECT_TRUE(available["cpu"]);
+  EXPECT_TRUE(available["reference"]);
+  EXPECT_FALSE(available["cuda"]);
+  EXPECT_EQ(info.limits().max_message_bytes(), 256 << 20);
+  EXPECT_EQ(info.limits().compute_threads(), 2);
+}
+
+TEST_F(ServiceTest, ResponseOverTheMessageLimitIsResourceExhausted) {
+  ServerOptions options;
+  options.max_message_mb = 1;
+  StartServer(options);
+  v1::MultiHeadAttentionRequest request = ValidRequest();
+  SetTensor(request.mutable_query(), {2, 300, kDModel}, 1);
+  request.set_return_attention_weights(true);  // [2, 2, 300, 300] fp32 = 1.44 MB of weights
+  v1::MultiHeadAttentionResponse response;
+  const grpc::Status status = Call(request, &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_THAT(status.error_message(), HasSubstr("output_dtype FP16"));
+}
+
+TEST_F(ServiceTest, AttentionWorkOverTheLimitIsResourceExhausted) {
+  ServerOptions options;
+  options.max_request_gflop = 0.001;
+  StartServer(options);
+  v1::MultiHeadAttentionRequest request = ValidRequest();
+  SetTensor(request.mutable_query(), {2, 300, kDModel}, 1);  // 4 * 2 * 2 * 300 * 300 * 4 = 5.8 MFLOP
+  v1::MultiHeadAttentionResponse response;
+  const grpc::Status status = Call(request, &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_THAT(status.error_message(), HasSubstr("--max_request_gflop"));
+}
+
+TEST_F(ServiceTest, FullyMaskedRowsGiveTheOutputBiasNotNaN) {
+  v1::MultiHeadAttentionRequest request = ValidRequest();
+  SetTensor(request.mutable_inline_weights()->mutable_b_o(), {kDModel}, 9);
+  request.add_key_lengths(0);  // batch item 0 sees no key
+  request.add_key_lengths(kLen);
+  request.set_return_attention_weights(true);
+  v1::MultiHeadAttentionResponse response;
+  ASSERT_TRUE(Call(request, &response).ok());
+  const std::vector<float> out = TensorToFloats(response.output());
+  const std::vector<float> bias = TensorToFloats(request.inline_weights().b_o());
+  for (int64_t i = 0; i < kLen; ++i) {
+    for (int64_t c = 0; c < kDModel; ++c) EXPECT_EQ(out[i * kDModel + c], bias[c]);
+  }
+  const std::vector<float> weights = TensorToFloats(response.attention_weights());
+  for (int64_t i = 0; i < kHeads * kLen * kLen; ++i) EXPECT_EQ(weights[i], 0.0f);
+}
+
+TEST_F(ServiceTest, HealthyWhileALongRequestComputes) {
+  v1::MultiHeadAttentionRequest slow;
+  SetTensor(slow.mutable_query(), {4, 256, 512}, 3);
+  slow.set_layer("demo");
+  slow.set_backend(v1::BACKEND_REFERENCE);  // about a second of scalar loops
+  auto pending = std::async(std::launch::async, [&] {
+    v1::MultiHeadAttentionResponse response;
+    return Call(slow, &response);
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  const auto start = std::chrono::steady_clock::now();
+  v1::GetServerInfoResponse info;
+  grpc::ClientContext context;
+  ASSERT_TRUE(stub_->GetServerInfo(&context, v1::GetServerInfoRequest(), &info).ok());
+  const auto waited = std::chrono::steady_clock::now() - start;
+  EXPECT_EQ(pending.wait_for(std::chrono::seconds(0)), std::future_status::timeout)
+      << "the slow request finished too early to prove anything; make it bigger";
+  EXPECT_LT(waited, std::chrono::milliseconds(500));
+  EXPECT_TRUE(pending.get().ok());
+}
+
+TEST_F(ServiceTest, FullQueueIsResourceExhausted) {
+  ServerOptions options;
+  options.max_queue_size = 1;
+  StartServer(options);
+  v1::MultiHeadAttentionRequest slow;
+  SetTensor(slow.mutable_query(), {2, 256, 512}, 3);
+  slow.set_layer("demo");
+  slow.set_backend(v1::BACKEND_REFERENCE);
+  std::vector<std::future<grpc::Status>> calls;
+  for (int i = 0; i < 4; ++i) {
+    calls.push_back(std::async(std::launch::async, [&] {
+      v1::MultiHeadAttentionResponse response;
+      return Call(slow, &response);
+    }));
+  }
+  int ok = 0, exhausted = 0;
+  for (auto& call : calls) {
+    const grpc::Status status = call.get();
+    ok += status.ok();
+    exhausted += status.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED;
+  }
+  EXPECT_EQ(ok + exhausted, 4);
+  EXPECT_GE(ok, 1);
+  EXPECT_GE(exhausted, 1);  // one computes, one waits, the rest are refused
+}
+
+// One rejected MultiHeadAttention input: how to break a valid request, and the status it must get.
+struct BadInput {
+  std::string name;
+  std::function<void(v1::MultiHeadAttentionRequest*)> mutate;
+  grpc::StatusCode code;
+  std::string message;  // a substring the message must contain (the field name, expected vs given)
+};
+
+std::ostream& operator<<(std::ostream& os, const BadInput& c) { return os << c.name; }
+
+v1::Tensor* Query(v1::MultiHeadAttentionRequest* r) { return r->mutable_query(); }
+v1::AttentionWeights* Weights(v1::MultiHeadAttentionRequest* r) { return r->mutable_inline_weights(); }
+constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
+
+std::vector<BadInput> BadInputs() {
+  using R = v1::MultiHeadAttentionRequest;
+  const grpc::StatusCode kInvalid = grpc::StatusCode::INVALID_ARGUMENT;
+  return {
+      {"missing_query", [](R* r) { r->clear_query(); }, kInvalid, "query is required"},
+      {"unspecified_dtype", [](R* r) { Query(r)->set_dtype(v1::DATA_TYPE_UNSPECIFIED); }, kInvalid,
+       "query.dtype must be FP32, FP16 or BF16, got unspecified"},
+      {"unknown_dtype", [](R* r) { Query(r)->set_dtype(static_cast<v1::DataType>(9)); }, kInvalid,
+       "query.dtype must be FP32, FP16 or BF16, got dtype(9)"},
+      {"short_data", [](R* r) { Query(r)->mutable_data()->resize(10); }, kInvalid,
+       "query.data has 10 bytes, expected 192"},
+      {"wrong_rank", [](R* r) { Query(r)->mutable_shape()->RemoveLast(); }, kInvalid,
+       "query must have rank 3 [B, Tq, d_model], got shape [2, 3]"},
+      {"zero_dim", [](R* r) { Query(r)->set_shape(1, 0); }, kInvalid, "query.shape[1] must be >= 1, got 0"},
+      {"negative_dim", [](R* r) { Query(r)->set_shape(0, -2); }, kInvalid, "query.shape[0] must be >= 1, got -2"},
+      {"overflowing_shape",
+       [](R* r) {
+         Query(r)->set_shape(0, int64_t{1} << 40);
+         Query(r)->set_shape(1, int64_t{1} << 40);
+       },
+       kInvalid, "overflow"},
+      {"no_weights", [](R* r) { r->clear_weights(); }, kInvalid, "set either layer"},
+      {"unknown_layer", [](R* r) { r->set_layer("nope"); }, grpc::StatusCode::NOT_FOUND, "no layer named 'nope'"},
+      {"inline_without_heads", [](R* r) { r->clear_heads(); }, kInvalid, "heads is required"},
+      {"zero_heads", [](R* r) { r->mutable_heads()->set_num_heads(0); }, kInvalid,
+       "heads.num_heads must be >= 1, got 0"},
+      {"negative_heads", [](R* r) { r->mutable_heads()->set_num_heads(-4); }, kInvalid,
+       "heads.num_heads must be >= 1, got -4"},
+      {"kv_heads_not_dividing", [](R* r) { r->mutable_heads()->set_num_kv_heads(3); }, kInvalid,
+       "heads.num_kv_heads (3) must divide num_heads (2)"},
+      {"head_dim_not_matching_weights", [](R* r) { r->mutable_heads()->set_head_dim(3); }, kInvalid,
+       "inline_weights.w_q.shape must be [8, 6], got [8, 8]"},
+      {"heads_not_dividing_d_model", [](R* r) { r->mutable_heads()->set_num_heads(3); }, kInvalid,
+       "d_model (8) must be divisible by num_heads (3)"},
+      {"non_finite_scale", [](R* r) { r->mutable_heads()->set_scale(kNaN); }, kInvalid, "heads.scale must be finite"},
+      {"w_o_wrong_shape", [](R* r) { SetTensor(Weights(r)->mutable_w_o(), {8, 4}, 1); }, kInvalid,
+       "inline_weights.w_o.shape must be [8, 8], got [8, 4]"},
+      {"w_k_rank_1", [](R* r) { SetTensor(Weights(r)->mutable_w_k(), {64}, 1); }, kInvalid,
+       "inline_weights.w_k must be a 2-d tensor"},
+      {"b_q_wrong_size", [](R* r) { SetTensor(Weights(r)->mutable_b_q(), {7}, 1); }, kInvalid,
+       "inline_weights.b_q.shape must be [8], got [7]"},
+      {"query_d_model_mismatch", [](R* r) { SetTensor(Query(r), {2, 3, 16}, 1); }, kInvalid,
+       "query.shape[2] (d_model) must be 8"},
+      {"query_d_model_mismatch_demo",
+       [](R* r) {
+         r->set_layer("demo");
+         r->clear_heads();
+       },
+       kInvalid, "query.shape[2] (d_model) must be 512 for layer 'demo', got 8"},
+      {"heads_disagree_with_layer",
+       [](R* r) {
+         r->set_layer("demo");
+         SetTensor(Query(r), {1, 2, 512}, 1);
+         r->mutable_heads()->set_num_heads(4);
+       },
+       kInvalid, "heads.num_heads is 4 but layer 'demo' has 8"},
+      {"key_batch_mismatch", [](R* r) { SetTensor(r->mutable_key(), {3, 5, 8}, 1); }, kInvalid,
+       "key.shape[0] (B) must be 2"},
+      {"key_features_mismatch", [](R* r) { SetTensor(r->mutable_key(), {2, 5, 6}, 1); }, kInvalid,
+       "key.shape[2] (d_kv_in) must have 8 features"},
+      {"value_length_mismatch",
+       [](R* r) {
+         SetTensor(r->mutable_key(), {2, 5, 8}, 1);
+         SetTensor(r->mutable_value(), {2, 4, 8}, 1);
+       },
+       kInvalid, "value.shape[1] (Tk) must be 5"},
+      {"value_rank", [](R* r) { SetTensor(r->mutable_value(), {2, 3, 8, 1}, 1); }, kInvalid,
+       "value must have rank 3"},
+      {"key_lengths_count",
+       [](R* r) {
+         r->add_key_lengths(1);
+       },
+       kInvalid, "key_lengths must have one entry per batch item (2), got 1"},
+      {"key_lengths_too_long",
+       [](R* r) {
+         r->add_key_lengths(1);
+         r->add_key_lengths(4);
+       },
+       kInvalid, "key_lengths[1] must be in [0, 3] (Tk), got 4"},
+      {"key_lengths_negative",
+       [](R* r) {
+         r->add_key_lengths(-1);
+         r->add_key_lengths(1);
+       },
+       kInvalid, "key_lengths[0] must be in [0, 3] (Tk), got -1"},
+      {"attn_mask_shape", [](R* r) { SetTensor(r->mutable_attn_mask(), {3, 4}, 1); }, kInvalid,
+       "attn_mask.shape must be [3, 3] [Tq, Tk] or [2, 3, 3] [B, Tq, Tk], got [3, 4]"},
+      {"attn_mask_nan",
+       [](R* r) {
+         std::vector<float> mask(9, 0.0f);
+         mask[4] = kNaN;
+         FloatsToTensor(mask, {3, 3}, v1::FP32, r->mutable_attn_mask());
+       },
+       kInvalid, "attn_mask element 4 is nan"},
+      {"attn_mask_plus_inf",
+       [](R* r) {
+         std::vector<float> mask(9, 0.0f);
+         mask[0] = std::numeric_limits<float>::infinity();
+         FloatsToTensor(mask, {3, 3}, v1::FP32, r->mutable_attn_mask());
+       },
+       kInvalid, "attn_mask element 0 is inf"},
+      {"attn_mask_no_dtype",
+       [](R* r) {
+         SetTensor(r->mutable_attn_mask(), {3, 3}, 1);
+         r->mutable_attn_mask()->set_dtype(v1::DATA_TYPE_UNSPECIFIED);
+       },
+       kInvalid, "attn_mask.dtype"},
+      {"head_mask_size", [](R* r) { r->add_head_mask(1.0f); }, kInvalid,
+       "head_mask must have num_heads (2) values, got 1"},
+      {"head_mask_nan",
+       [](R* r) {
+         r->add_head_mask(1.0f);
+         r->add_head_mask(kNaN);
+       },
+       kInvalid, "head_mask[1] must be finite"},
+      {"unknown_output_dtype", [](R* r) { r->set_output_dtype(static_cast<v1::DataType>(7)); }, kInvalid,
+       "output_dtype must be"},
+      {"unknown_backend", [](R* r) { r->set_backend(static_cast<v1::Backend>(17)); }, kInvalid,
+       "backend must be BACKEND_AUTO"},
+      {"cuda_not_compiled_in", [](R* r) { r->set_backend(v1::BACKEND_CUDA); }, kInvalid,
+       "backend 'cuda' is not compiled into this server"},
+  };
+}
+
+class BadInputTest : public ServiceTest, public ::testing::WithParamInterface<BadInput> {};
+
+TEST_P(BadInputTest, IsRejectedWithAClearStatus) {
+  v1::MultiHeadAttentionRequest request = ValidRequest();
+  GetParam().mutate(&request);
+  v1::MultiHeadAttentionResponse response;
+  const grpc::Status status = Call(request, &response);
+  EXPECT_EQ(status.error_code(), GetParam().code) << status.error_message();
+  EXPECT_THAT(status.error_message(), HasSubstr(GetParam().message));
+}
+
+INSTANTIATE_TEST_SUITE_P(MultiHeadAttention, BadInputTest, ::testing::ValuesIn(BadInputs()),
+                         [](const auto& info) { return info.param.name; });
+
+// Rejected ScaledDotProductAttention inputs.
+struct BadSdpa {
+  std::string name;
+  std::function<void(v1::ScaledDotProductAttentionRequest*)> mutate;
+  std::string message;
+};
+std::ostream& operator<<(std::ostream& os, const BadSdpa& c) { return os << c.name; }
+
+class BadSdpaTest : public ServiceTest, public ::testing::WithParamInterface<BadSdpa> {};
+
+TEST_P(BadSdpaTest, IsInvalidArgument) {
+  v1::ScaledDotProductAttentionRequest request;
+  SetTensor(request.mutable_q(), {2, 3, 4, 8}, 1);
+  SetTensor(request.mutable_k(), {2, 5, 2, 8}, 2);
+  SetTensor(request.mutable_v(), {2, 5, 2, 8}, 3);
+  GetParam().mutate(&request);
+  v1::ScaledDotProductAttentionResponse response;
+  const grpc::Status status = Call(request, &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << status.error_message();
+  EXPECT_THAT(status.error_message(), HasSubstr(GetParam().message));
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    ScaledDotProductAttention, BadSdpaTest,
+    ::testing::ValuesIn(std::vector<BadSdpa>{
+        {"missing_v", [](auto* r) { r->clear_v(); }, "v is required"},
+        {"q_rank", [](auto* r) { SetTensor(r->mutable_q(), {2, 3, 32}, 1); }, "q must have rank 4"},
+        {"kv_heads_not_dividing", [](auto* r) {
+           SetTensor(r->mutable_k(), {2, 5, 3, 8}, 1);
+           SetTensor(r->mutable_v(), {2, 5, 3, 8}, 1);
+         }, "k.shape[2] (Hkv = 3) must divide q.shape[2] (H = 4)"},
+        {"head_dim_mismatch", [](auto* r) { SetTensor(r->mutable_k(), {2, 5, 2, 4}, 1); },
+         "k.shape[3] (d_k) must be 8"},
+        {"v_shape_mismatch", [](auto* r) { SetTensor(r->mutable_v(), {2, 6, 2, 8}, 1); },
+         "v.shape must equal k.shape [2, 5, 2, 8], got [2, 6, 2, 8]"},
+        {"heads_disagree", [](auto* r) { r->mutable_heads()->set_num_heads(2); },
+         "heads.num_heads is 2 but q.shape[2] is 4"},
+        {"key_lengths_out_of_range", [](auto* r) {
+           r->add_key_lengths(6);
+           r->add_key_lengths(0);
+         }, "key_lengths[0] must be in [0, 5]"},
+    }),
+    [](const auto& info) { return info.param.name; });
+
+}  // namespace
+}  // namespace mha

@@ -1,0 +1,65 @@
+// Helpers shared by the C++ tests: deterministic random tensors, tolerant comparison, status matchers.
+#ifndef MHA_TESTS_TEST_UTIL_H_
+#define MHA_TESTS_TEST_UTIL_H_
+
+#include <cmath>
+#include <cstdint>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "gtest/gtest.h"
+
+namespace mha::testing {
+
+// n values uniform in [-bound, bound] from `seed`.
+inline std::vector<float> RandomVector(int64_t n, uint32_t seed, float bound = 1.0f) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> uniform(-bound, bound);
+  std::vector<float> v(n);
+  for (float& x : v) x = uniform(rng);
+  return v;
+}
+
+// Checks |got - want| <= atol + rtol * |want| elementwise and that got has no NaN; reports the worst element.
+inline ::testing::AssertionResult AllClose(const std::vector<float>& got, const std::vector<float>& want,
+                                           double atol, double rtol) {
+  if (got.size() != want.size()) {
+    return ::testing::AssertionFailure() << "size " << got.size() << " != " << want.size();
+  }
+  double worst = 0.0;
+  int64_t worst_index = -1, bad = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    if (std::isnan(got[i]) != std::isnan(want[i])) {
+      return ::testing::AssertionFailure() << "NaN mismatch at " << i << ": got " << got[i] << " want " << want[i];
+    }
+    const double err = std::abs(static_cast<double>(got[i]) - want[i]);
+    const double allowed = atol + rtol * std::abs(static_cast<double>(want[i]));
+    if (err > allowed) ++bad;
+    if (err - allowed > worst || (worst_index < 0 && err > allowed)) {
+      worst = err - allowed;
+      worst_index = static_cast<int64_t>(i);
+    }
+  }
+  if (bad == 0) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << bad << " of " << got.size() << " elements differ; worst at "
+                                       << worst_index << ": got " << got[worst_index] << " want "
+                                       << want[worst_index] << " (atol " << atol << ", rtol " << rtol << ")";
+}
+
+}  // namespace mha::testing
+
+#define EXPECT_OK(expr)                                      \
+  do {                                                       \
+    const ::absl::Status mha_test_status_ = (expr);          \
+    EXPECT_TRUE(mha_test_status_.ok()) << mha_test_status_;  \
+  } while (0)
+#define ASSERT_OK(expr)                                      \
+  do {                                                       \
+    const ::absl::Status mha_test_status_ = (expr);          \
+    ASSERT_TRUE(mha_test_status_.ok()) << mha_test_status_;  \
+  } while (0)
+
+#endif  // MHA_TESTS_TEST_UTIL_H_
