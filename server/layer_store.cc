@@ -9,7 +9,8 @@
 
 namespace mha {
 
-LayerStore::LayerStore(int64_t max_total_bytes) : max_total_bytes_(max_total_bytes) {}
+LayerStore::LayerStore(int64_t max_total_bytes, int max_layers)
+    : max_total_bytes_(max_total_bytes), max_layers_(max_layers) {}
 
 absl::Status LayerStore::CheckName(absl::string_view name) {
   if (name.empty() || name.size() > 128) {
@@ -31,6 +32,10 @@ absl::Status LayerStore::Add(std::shared_ptr<const Layer> layer) {
   absl::MutexLock lock(&mu_);
   if (layers_.count(layer->name) != 0) {
     return absl::AlreadyExistsError(absl::StrCat("layer '", layer->name, "' already exists; unload it first"));
+  }
+  if (static_cast<int>(layers_.size()) >= max_layers_) {
+    return absl::ResourceExhaustedError(absl::StrCat("layer '", layer->name, "': ", layers_.size(),
+                                                     " layers are registered, the limit (--max_layers)"));
   }
   if (total_bytes_ + size > max_total_bytes_) {
     return absl::ResourceExhaustedError(absl::StrCat("layer '", layer->name, "' needs ", size,

@@ -18,10 +18,11 @@ namespace mha {
 
 class LayerStore {
  public:
-  // max_total_bytes bounds the fp32 bytes of all layers together (the demo layer included).
-  explicit LayerStore(int64_t max_total_bytes);
+  // max_total_bytes bounds the fp32 bytes of all layers together and max_layers their number (the demo layer
+  // included in both).
+  LayerStore(int64_t max_total_bytes, int max_layers);
 
-  // INVALID_ARGUMENT for a bad name, ALREADY_EXISTS if taken, RESOURCE_EXHAUSTED past max_total_bytes.
+  // INVALID_ARGUMENT for a bad name, ALREADY_EXISTS if taken, RESOURCE_EXHAUSTED past either limit.
   absl::Status Add(std::shared_ptr<const Layer> layer);
   // NOT_FOUND if absent; FAILED_PRECONDITION for a built-in layer.
   absl::Status Remove(absl::string_view name);
@@ -29,6 +30,7 @@ class LayerStore {
   absl::StatusOr<std::shared_ptr<const Layer>> Get(absl::string_view name) const;
   std::vector<std::shared_ptr<const Layer>> List() const;  // sorted by name
   int64_t max_total_bytes() const { return max_total_bytes_; }
+  int max_layers() const { return max_layers_; }
 
   // Loads every *.safetensors file in `dir` (sorted by name) as a layer named after the file's stem. Returns the
   // first error, naming the file.
@@ -39,6 +41,7 @@ class LayerStore {
 
  private:
   const int64_t max_total_bytes_;
+  const int max_layers_;
   mutable absl::Mutex mu_;
   std::map<std::string, std::shared_ptr<const Layer>, std::less<>> layers_ ABSL_GUARDED_BY(mu_);
   int64_t total_bytes_ ABSL_GUARDED_BY(mu_) = 0;

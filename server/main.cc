@@ -21,6 +21,7 @@ ABSL_FLAG(std::string, log_level, "info", "trace, debug, info, warn, error or of
 ABSL_FLAG(int, threads, kDefaults.threads, "compute threads per request; 0 = all cores");
 ABSL_FLAG(int, max_queue_size, kDefaults.max_queue_size, "requests waiting to compute before RESOURCE_EXHAUSTED");
 ABSL_FLAG(int, max_layer_mb, kDefaults.max_layer_mb, "total fp32 MiB of registered layers");
+ABSL_FLAG(int, max_layers, kDefaults.max_layers, "registered layers at most, demo included");
 ABSL_FLAG(int, max_scratch_mb, kDefaults.max_scratch_mb, "working memory one request may need, MiB");
 ABSL_FLAG(double, max_request_gflop, kDefaults.max_request_gflop, "attention GFLOP one request may ask for");
 
@@ -28,7 +29,13 @@ int main(int argc, char** argv) {
   absl::SetProgramUsageMessage("Serves multi-head attention over gRPC (package mha.v1, service Attention).");
   absl::ParseCommandLine(argc, argv);
 
-  const spdlog::level::level_enum level = spdlog::level::from_str(absl::GetFlag(FLAGS_log_level));
+  const std::string level_name = absl::GetFlag(FLAGS_log_level);
+  const spdlog::level::level_enum level = spdlog::level::from_str(level_name);
+  if (level == spdlog::level::off && level_name != "off") {
+    std::fprintf(stderr, "--log_level must be trace, debug, info, warn, error, critical or off; got %s\n",
+                 level_name.c_str());
+    return 2;
+  }
   spdlog::set_level(level);
   spdlog::set_pattern("%Y-%m-%dT%H:%M:%S.%e %^%l%$ %v");
 
@@ -48,6 +55,7 @@ int main(int argc, char** argv) {
   options.threads = absl::GetFlag(FLAGS_threads);
   options.max_queue_size = absl::GetFlag(FLAGS_max_queue_size);
   options.max_layer_mb = absl::GetFlag(FLAGS_max_layer_mb);
+  options.max_layers = absl::GetFlag(FLAGS_max_layers);
   options.max_scratch_mb = absl::GetFlag(FLAGS_max_scratch_mb);
   options.max_request_gflop = absl::GetFlag(FLAGS_max_request_gflop);
   if (options.listen.empty()) {

@@ -23,7 +23,8 @@ absl::StatusOr<std::unique_ptr<MhaServer>> MhaServer::Start(ServerOptions option
   if (options.max_queue_size < 1) return absl::InvalidArgumentError("--max_queue_size must be >= 1");
 
   std::unique_ptr<MhaServer> server(new MhaServer());
-  server->layers_ = std::make_unique<LayerStore>(static_cast<int64_t>(options.max_layer_mb) << 20);
+  server->layers_ = std::make_unique<LayerStore>(static_cast<int64_t>(options.max_layer_mb) << 20,
+                                                  options.max_layers);
   RETURN_IF_ERROR(server->layers_->Add(MakeDemoLayer()));
   if (!options.layers_dir.empty()) RETURN_IF_ERROR(server->layers_->LoadDirectory(options.layers_dir));
 

@@ -22,8 +22,9 @@ struct ServerOptions {
   int threads = 0;
   // Requests waiting for the compute thread beyond which calls get RESOURCE_EXHAUSTED.
   int max_queue_size = 64;
-  // Total fp32 MiB of all registered layers.
+  // Total fp32 MiB of all registered layers, and how many layers at most.
   int max_layer_mb = 4096;
+  int max_layers = 256;
   // Working memory a request may need beyond its own tensors (projections), in MiB.
   int max_scratch_mb = 4096;
   // Attention FLOPs (4 B H Tq Tk d_k) a single request may ask for, in GFLOP.

@@ -1,0 +1,390 @@
+"""Thin Python client for mhaserve (gRPC package ``mha.v1``, service ``Attention``): numpy in, numpy out.
+
+Stubs
+-----
+The module needs Python stubs generated from the wire contract and from the standard gRPC health service.
+Generate them once, from the repository root, with::
+
+    protoc -I proto -I grpc_health/v1=/usr/share/grpc-proto/grpc/health/v1 --python_out=OUT --grpc_out=OUT \\
+        --plugin=protoc-gen-grpc=/usr/bin/grpc_python_plugin proto/mha/v1/attention.proto grpc_health/v1/health.proto
+
+and put ``OUT`` on ``PYTHONPATH`` (no ``__init__.py`` files are needed: ``mha`` and ``grpc_health`` are namespace
+packages). ``generate_stubs(OUT)`` runs exactly that command.
+
+Why ``grpc_health/v1`` and not ``grpc/health/v1``: generating health.proto under its own path writes
+``OUT/grpc/health/v1/health_pb2.py``, but the installed ``grpc`` is a regular package, so ``import grpc.health`` only
+searches the installed package and fails (the generated folder cannot be merged into it). The ``-I virtual=disk``
+mapping above compiles the very same health.proto (proto package ``grpc.health.v1``, so the RPC is still
+``/grpc.health.v1.Health/Check``) into ``OUT/grpc_health/v1/``, which is the module layout of PyPI's
+``grpcio-health-checking``; ``from grpc_health.v1 import health_pb2, health_pb2_grpc`` therefore works with either.
+
+Tensors
+-------
+Tensors travel as raw little-endian row-major bytes. On input, numpy ``float16`` arrays go as FP16 and every other
+array is converted to ``float32`` and goes as FP32, unless ``wire_dtype`` asks for 'fp32', 'fp16' or 'bf16' (BF16 is
+rounded to nearest even, see ``to_bf16_bytes``). On output, FP32 decodes to ``float32``, FP16 to ``float16`` and BF16
+(which numpy lacks) to ``float32``.
+
+Errors
+------
+Every RPC failure is raised unchanged as ``grpc.RpcError``; ``err.code()`` is a ``grpc.StatusCode``
+(INVALID_ARGUMENT for bad input, NOT_FOUND for an unknown layer, UNAVAILABLE when the server or a backend is not
+there, RESOURCE_EXHAUSTED for an oversized message or a full queue, DEADLINE_EXCEEDED after ``timeout``) and
+``err.details()`` the server's message. Bad arguments detected locally (e.g. an unknown dtype name) raise
+ValueError / TypeError.
+
+Example::
+
+    with MhaClient("127.0.0.1:50051") as c:
+        r = c.multi_head_attention(np.random.randn(2, 16, 512).astype(np.float32), layer="demo")
+        print(r.output.shape, r.backend, r.compute_us)
+"""
+
+import collections
+import os
+import subprocess
+
+import grpc
+import numpy as np
+
+__all__ = [
+    "MhaClient",
+    "AttentionResult",
+    "LayerInfo",
+    "generate_stubs",
+    "protoc_command",
+    "to_tensor",
+    "from_tensor",
+    "to_bf16_bytes",
+    "from_bf16_bytes",
+]
+
+_REPO_ROOT = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+
+
+def protoc_command(out_dir):
+    """The stub generation command (an argv list), to run with the repository root as working directory."""
+    return [
+        "protoc",
+        "-I", "proto",
+        "-I", "grpc_health/v1=/usr/share/grpc-proto/grpc/health/v1",
+        "--python_out=" + out_dir,
+        "--grpc_out=" + out_dir,
+        "--plugin=protoc-gen-grpc=/usr/bin/grpc_python_plugin",
+        "proto/mha/v1/attention.proto",
+        "grpc_health/v1/health.proto",
+    ]
+
+
+def generate_stubs(out_dir, repo_root=None):
+    """Generates mha/v1/attention_pb2*.py and grpc_health/v1/health_pb2*.py under out_dir (created if missing).
+
+    Runs ``protoc_command(out_dir)`` from repo_root (default: two levels above this file). Returns the absolute
+    out_dir; add it to sys.path / PYTHONPATH. Raises subprocess.CalledProcessError if protoc fails.
+    """
+    out_dir = os.path.abspath(out_dir)
+    os.makedirs(out_dir, exist_ok=True)
+    subprocess.run(protoc_command(out_dir), cwd=repo_root or _REPO_ROOT, check=True)
+    return out_dir
+
+
+_stub_modules = None
+
+
+def _stubs():
+    """Imports the generated stubs on first use, so that generate_stubs works before they exist."""
+    global _stub_modules
+    if _stub_modules is None:
+        from mha.v1 import attention_pb2, attention_pb2_grpc
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        _stub_modules = (attention_pb2, attention_pb2_grpc, health_pb2, health_pb2_grpc)
+    return _stub_modules
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Tensor conversion.
+
+_DTYPE_NAMES = {"fp32": 1, "float32": 1, "fp16": 2, "float16": 2, "half": 2, "bf16": 3, "bfloat16": 3}
+
+
+def _dtype_enum(dtype):
+    """Maps None / 'fp32' / 'fp16' / 'bf16' / np.float32 / np.float16 / enum value to the DataType number."""
+    if dtype is None:
+        return 0
+    if isinstance(dtype, (int, np.integer)) and not isinstance(dtype, bool):
+        if int(dtype) not in (0, 1, 2, 3):
+            raise ValueError("unknown DataType value %r" % (dtype,))
+        return int(dtype)
+    if isinstance(dtype, str):
+        key = dtype.lower()
+        if key not in _DTYPE_NAMES:
+            raise ValueError("unknown dtype %r; use 'fp32', 'fp16' or 'bf16'" % (dtype,))
+        return _DTYPE_NAMES[key]
+    np_dtype = np.dtype(dtype)
+    if np_dtype == np.float32:
+        return 1
+    if np_dtype == np.float16:
+        return 2
+    raise ValueError("unsupported dtype %r; use 'fp32', 'fp16' or 'bf16'" % (dtype,))
+
+
+def to_bf16_bytes(array):
+    """bfloat16 bytes (little-endian, row-major) of array, rounded to nearest even; NaN stays a (quiet) NaN."""
+    a = np.ascontiguousarray(np.asarray(array, dtype=np.float32))
+    u = a.view(np.uint32).astype(np.uint64)
+    rounded = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+    nan = np.isnan(a)
+    out = np.where(nan, (u >> 16) | 0x40, rounded).astype("<u2")
+    return out.tobytes()
+
+
+def from_bf16_bytes(data, shape=None):
+    """float32 array from bfloat16 bytes: each uint16 becomes the upper half of a float32."""
+    u16 = np.frombuffer(data, dtype="<u2")
+    out = (u16.astype(np.uint32) << 16).view(np.float32)
+    return out.reshape(shape) if shape is not None else out
+
+
+def to_tensor(array, dtype=None):
+    """An mha.v1.Tensor from a numpy array (or array-like). An existing Tensor message is returned unchanged.
+
+    dtype None: float16 arrays go as FP16, everything else as FP32. Otherwise 'fp32', 'fp16' or 'bf16'.
+    """
+    attention_pb2 = _stubs()[0]
+    if isinstance(array, attention_pb2.Tensor):
+        return array
+    a = np.asarray(array)
+    code = _dtype_enum(dtype)
+    if code == 0:
+        code = 2 if a.dtype == np.float16 else 1
+    if code == 1:
+        data = np.ascontiguousarray(a, dtype="<f4").tobytes()
+    elif code == 2:
+        data = np.ascontiguousarray(a, dtype="<f2").tobytes()
+    else:
+        data = to_bf16_bytes(a)
+    return attention_pb2.Tensor(shape=[int(d) for d in a.shape], dtype=code, data=data)
+
+
+def from_tensor(tensor):
+    """numpy array of a Tensor: FP32 -> float32, FP16 -> float16, BF16 -> float32. None for an unset tensor."""
+    if tensor is None or (len(tensor.shape) == 0 and len(tensor.data) == 0):
+        return None
+    shape = tuple(int(d) for d in tensor.shape)
+    if tensor.dtype == 1:
+        return np.frombuffer(tensor.data, dtype="<f4").astype(np.float32).reshape(shape)
+    if tensor.dtype == 2:
+        return np.frombuffer(tensor.data, dtype="<f2").astype(np.float16).reshape(shape)
+    if tensor.dtype == 3:
+        return from_bf16_bytes(tensor.data, shape)
+    raise ValueError("tensor has unknown dtype %r" % (tensor.dtype,))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Results.
+
+AttentionResult = collections.namedtuple(
+    "AttentionResult", ["output", "attention_weights", "backend", "queue_us", "compute_us"])
+AttentionResult.__doc__ = """Result of an attention call: output ndarray, attention_weights ndarray [B, H, Tq, Tk] or
+None, the backend that ran ("cpu", "reference", "cuda") and the server's queue / compute time in microseconds."""
+
+LayerInfo = collections.namedtuple(
+    "LayerInfo", ["name", "num_heads", "num_kv_heads", "head_dim", "causal", "scale", "d_model", "d_kv_in",
+                  "d_v_in", "has_bias", "source", "size_bytes"])
+LayerInfo.__doc__ = "A registered layer as described by the server (head config normalised)."
+
+_BACKENDS = {"auto": 0, "cpu": 1, "cuda": 2, "reference": 3}
+_WEIGHT_NAMES = ("w_q", "w_k", "w_v", "w_o", "b_q", "b_k", "b_v", "b_o")
+
+
+def _backend_enum(backend):
+    if backend is None:
+        return 0
+    if isinstance(backend, (int, np.integer)) and not isinstance(backend, bool):
+        return int(backend)
+    key = str(backend).lower()
+    if key not in _BACKENDS:
+        raise ValueError("unknown backend %r; use one of %s" % (backend, ", ".join(_BACKENDS)))
+    return _BACKENDS[key]
+
+
+def _result(resp):
+    return AttentionResult(
+        output=from_tensor(resp.output),
+        attention_weights=from_tensor(resp.attention_weights) if resp.HasField("attention_weights") else None,
+        backend=resp.backend,
+        queue_us=int(resp.timing.queue_us),
+        compute_us=int(resp.timing.compute_us),
+    )
+
+
+def _layer_info(info):
+    h = info.heads
+    return LayerInfo(info.name, h.num_heads, h.num_kv_heads, h.head_dim, h.causal, h.scale, int(info.d_model),
+                     int(info.d_kv_in), int(info.d_v_in), info.has_bias, info.source, int(info.size_bytes))
+
+
+def _to_dict(msg):
+    """Plain dict of a protobuf message (defaults included, enums as names, nested messages as dicts)."""
+    out = {}
+    for field in msg.DESCRIPTOR.fields:
+        value = getattr(msg, field.name)
+
+        def conv(v, field=field):
+            if field.type == field.TYPE_MESSAGE:
+                return _to_dict(v)
+            if field.type == field.TYPE_ENUM:
+                return field.enum_type.values_by_number[v].name if v in field.enum_type.values_by_number else v
+            return v
+
+        if field.label == field.LABEL_REPEATED:
+            out[field.name] = [conv(v) for v in value]
+        else:
+            out[field.name] = conv(value)
+    return out
+
+
+class MhaClient:
+    """Blocking client for one mhaserve server.
+
+    target: "host:port". timeout: seconds per call (None = no deadline). max_message_mb: send / receive limit of
+    the channel, which should match the server's --max_message_mb. Use as a context manager or call close().
+    All RPC errors are raised as grpc.RpcError (see the module docstring).
+    """
+
+    def __init__(self, target, timeout=30.0, max_message_mb=256):
+        attention_pb2, attention_pb2_grpc, health_pb2, health_pb2_grpc = _stubs()
+        self._pb = attention_pb2
+        self._health_pb = health_pb2
+        limit = int(max_message_mb * 1024 * 1024)
+        self.target = target
+        self.timeout = timeout
+        self._channel = grpc.insecure_channel(
+            target, options=[("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit)])
+        self._stub = attention_pb2_grpc.AttentionStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+
+    def close(self):
+        self._channel.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def wait_ready(self, timeout=10.0):
+        """Blocks until the channel connects; raises grpc.FutureTimeoutError after timeout seconds."""
+        grpc.channel_ready_future(self._channel).result(timeout=timeout)
+
+    # ---- helpers -------------------------------------------------------------------------------------------
+
+    def _heads(self, num_heads, num_kv_heads, head_dim, causal, scale):
+        return self._pb.HeadConfig(num_heads=int(num_heads), num_kv_heads=int(num_kv_heads),
+                                   head_dim=int(head_dim), causal=bool(causal), scale=float(scale))
+
+    def _weights(self, weights, wire_dtype):
+        if isinstance(weights, self._pb.AttentionWeights):
+            return weights
+        unknown = set(weights) - set(_WEIGHT_NAMES)
+        if unknown:
+            raise ValueError("unknown weight names %s; expected %s" % (sorted(unknown), ", ".join(_WEIGHT_NAMES)))
+        msg = self._pb.AttentionWeights()
+        for name in _WEIGHT_NAMES:
+            if weights.get(name) is not None:
+                getattr(msg, name).CopyFrom(to_tensor(weights[name], wire_dtype))
+        return msg
+
+    # ---- attention ----------------------------------------------------------------------------------------
+
+    def multi_head_attention(self, query, key=None, value=None, layer=None, weights=None, num_heads=0,
+                             num_kv_heads=0, head_dim=0, causal=False, scale=0.0, key_lengths=None,
+                             attn_mask=None, head_mask=None, return_weights=False, output_dtype=None,
+                             backend="auto", wire_dtype=None):
+        """Full attention layer: project, attend, concatenate heads, project out.
+
+        query [B, Tq, d_model]; key [B, Tk, d_kv_in] (None: self-attention); value [B, Tk, d_v_in] (None: key).
+        Exactly one of layer (a registered name) or weights (dict w_q, w_k, w_v, w_o and optional b_q, b_k, b_v,
+        b_o of arrays in the Y = X W convention, W [in, out]) must be given. With weights, num_heads is required.
+        num_kv_heads 0 = num_heads, head_dim 0 = d_model / num_heads, scale 0 = 1/sqrt(head_dim).
+        key_lengths: B ints; attn_mask: additive [Tq, Tk] or [B, Tq, Tk]; head_mask: H floats.
+        output_dtype: None (query's), 'fp32', 'fp16' or 'bf16'. backend: 'auto', 'cpu', 'cuda' or 'reference'.
+        wire_dtype: send every float tensor as this dtype instead of the arrays' own (see to_tensor).
+        Returns AttentionResult.
+        """
+        if (layer is None) == (weights is None):
+            raise ValueError("give exactly one of layer or weights")
+        req = self._pb.MultiHeadAttentionRequest(
+            query=to_tensor(query, wire_dtype),
+            return_attention_weights=bool(return_weights),
+            output_dtype=_dtype_enum(output_dtype),
+            backend=_backend_enum(backend),
+        )
+        if key is not None:
+            req.key.CopyFrom(to_tensor(key, wire_dtype))
+        if value is not None:
+            req.value.CopyFrom(to_tensor(value, wire_dtype))
+        if layer is not None:
+            req.layer = layer
+            if num_heads or num_kv_heads or head_dim or causal or scale:
+                req.heads.CopyFrom(self._heads(num_heads, num_kv_heads, head_dim, causal, scale))
+        else:
+            req.inline_weights.CopyFrom(self._weights(weights, wire_dtype))
+            req.heads.CopyFrom(self._heads(num_heads, num_kv_heads, head_dim, causal, scale))
+        if key_lengths is not None:
+            req.key_lengths.extend(int(x) for x in key_lengths)
+        if attn_mask is not None:
+            req.attn_mask.CopyFrom(to_tensor(attn_mask, wire_dtype))
+        if head_mask is not None:
+            req.head_mask.extend(float(x) for x in head_mask)
+        return _result(self._stub.MultiHeadAttention(req, timeout=self.timeout))
+
+    def scaled_dot_product_attention(self, q, k, v, causal=False, scale=0.0, key_lengths=None, attn_mask=None,
+                                     return_weights=False, output_dtype=None, backend="auto", wire_dtype=None):
+        """Attention core on head-packed tensors: q [B, Tq, H, d_k], k and v [B, Tk, Hkv, d_k] (Hkv divides H).
+
+        Returns AttentionResult with output [B, Tq, H, d_k] and, if asked, weights [B, H, Tq, Tk].
+        """
+        req = self._pb.ScaledDotProductAttentionRequest(
+            q=to_tensor(q, wire_dtype),
+            k=to_tensor(k, wire_dtype),
+            v=to_tensor(v, wire_dtype),
+            heads=self._pb.HeadConfig(causal=bool(causal), scale=float(scale)),
+            return_attention_weights=bool(return_weights),
+            output_dtype=_dtype_enum(output_dtype),
+            backend=_backend_enum(backend),
+        )
+        if key_lengths is not None:
+            req.key_lengths.extend(int(x) for x in key_lengths)
+        if attn_mask is not None:
+            req.attn_mask.CopyFrom(to_tensor(attn_mask, wire_dtype))
+        return _result(self._stub.ScaledDotProductAttention(req, timeout=self.timeout))
+
+    # ---- layers -------------------------------------------------------------------------------------------
+
+    def load_layer(self, name, weights, num_heads, num_kv_heads=0, head_dim=0, causal=False, scale=0.0,
+                   wire_dtype=None):
+        """Registers weights (dict as in multi_head_attention) under name. Returns the server's LayerInfo."""
+        req = self._pb.LoadLayerRequest(name=name, weights=self._weights(weights, wire_dtype),
+                                        heads=self._heads(num_heads, num_kv_heads, head_dim, causal, scale))
+        return _layer_info(self._stub.LoadLayer(req, timeout=self.timeout).layer)
+
+    def unload_layer(self, name):
+        self._stub.UnloadLayer(self._pb.UnloadLayerRequest(name=name), timeout=self.timeout)
+
+    def list_layers(self):
+        """List of LayerInfo for every registered layer (the built-in "demo" included)."""
+        resp = self._stub.ListLayers(self._pb.ListLayersRequest(), timeout=self.timeout)
+        return [_layer_info(info) for info in resp.layers]
+
+    # ---- server -------------------------------------------------------------------------------------------
+
+    def server_info(self):
+        """GetServerInfo as a plain dict: version, backends (list of dicts), default_backend, limits (dict)."""
+        return _to_dict(self._stub.GetServerInfo(self._pb.GetServerInfoRequest(), timeout=self.timeout))
+
+    def health(self, service=""):
+        """grpc.health.v1 Check: the status name, e.g. "SERVING" (service "" = the whole server)."""
+        resp = self._health.Check(self._health_pb.HealthCheckRequest(service=service), timeout=self.timeout)
+        return self._health_pb.HealthCheckResponse.ServingStatus.Name(resp.status)
