@@ -4,6 +4,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
@@ -43,6 +44,7 @@ absl::StatusOr<std::unique_ptr<MhaServer>> MhaServer::Start(ServerOptions option
   }
 
   server->scheduler_ = std::make_unique<Scheduler>(options.threads, options.max_queue_size);
+  server->WarmUp();
   server->service_ = std::make_unique<AttentionService>(options, server->layers_.get(), server->backends_.get(),
                                                         server->scheduler_.get());
 
@@ -70,6 +72,38 @@ absl::StatusOr<std::unique_ptr<MhaServer>> MhaServer::Start(ServerOptions option
 }
 
 MhaServer::~MhaServer() { Shutdown(); }
+
+void MhaServer::WarmUp() {
+  // The first oneDNN call pays for library start-up, JIT code generation and the OpenMP thread pool (tens of ms);
+  // pay it here, on the compute thread, rather than in the first client's latency.
+  absl::StatusOr<Backend*> cpu = backends_->Find("cpu", "warm-up");
+  absl::StatusOr<std::shared_ptr<const Layer>> demo = layers_->Get("demo");
+  if (!cpu.ok() || !demo.ok()) return;
+  absl::Notification done;
+  const absl::Time start = absl::Now();
+  const absl::Status submitted = scheduler_->Submit([&] {
+    const Layer& layer = **demo;
+    AttentionDims d;
+    d.batch = 1;
+    d.q_len = d.kv_len = 16;
+    d.num_heads = layer.heads.num_heads;
+    d.num_kv_heads = layer.heads.num_kv_heads;
+    d.head_dim = layer.heads.head_dim;
+    d.scale = layer.heads.scale;
+    std::vector<float> x(d.q_len * layer.d_model, 0.5f), out(x.size());
+    MhaArgs args;
+    args.dims = d;
+    args.weights = layer.Weights();
+    args.query = args.key = args.value = x.data();
+    args.self_attention = true;
+    args.out = out.data();
+    const absl::Status status = (*cpu)->MultiHeadAttention(args);
+    if (!status.ok()) spdlog::warn("warm-up failed: {}", status.ToString());
+    done.Notify();
+  });
+  if (submitted.ok()) done.WaitForNotification();
+  spdlog::info("cpu backend warmed up in {} ms", absl::ToInt64Milliseconds(absl::Now() - start));
+}
 
 std::shared_ptr<grpc::Channel> MhaServer::InProcessChannel() {
   grpc::ChannelArguments args;

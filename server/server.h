@@ -31,6 +31,8 @@ class MhaServer {
 
  private:
   MhaServer() = default;
+  // Runs one small demo-layer computation on the compute thread so the first call is not slow.
+  void WarmUp();
 
   ServerOptions options_;
   std::unique_ptr<LayerStore> layers_;
