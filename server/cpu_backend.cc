@@ -3,6 +3,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <fstream>
@@ -10,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
+#include "server/softmax_kernels.h"
 
 namespace mha {
 namespace {
@@ -108,122 +110,135 @@ void CpuBackend::RunMatmul(const Layout& src, const float* src_data, const Layou
   stream_.wait();
 }
 
-void CpuBackend::RunSoftmax(int64_t rows, int64_t cols, float* data) {
-  const std::vector<int64_t> key = {rows, cols};
-  const memory::desc md = ToDesc(key, {cols, 1});
-  auto it = softmaxes_.find(key);
-  if (it == softmaxes_.end()) {
-    if (softmaxes_.size() >= kMaxCachedPrimitives) softmaxes_.clear();
-    dnnl::softmax_forward::primitive_desc pd(
-        dnnl::softmax_forward::desc(dnnl::prop_kind::forward_inference, md, 1), engine_);
-    it = softmaxes_.emplace(key, dnnl::softmax_forward(pd)).first;
-  }
-  memory mem(md, engine_, data);
-  it->second.execute(stream_, {{DNNL_ARG_SRC, mem}, {DNNL_ARG_DST, mem}});
-  stream_.wait();
-}
-
 void CpuBackend::Linear(const float* x, int64_t m, int64_t k, int64_t ldx, const float* w, const float* bias,
                         int64_t n, float* y, int64_t ldy) {
   RunMatmul({{m, k}, {ldx, 1}}, x, {{k, n}, {n, 1}}, w, bias, {{m, n}, {ldy, 1}}, y, 1.0f);
 }
 
+namespace {
+
+// C[m, n] (row stride ldc) = alpha * A[m, k] op(B) + beta * C, row-major, through oneDNN's JIT sgemm. Inside an
+// OpenMP parallel region oneDNN runs it on the calling thread only.
+bool Gemm(bool transpose_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
+          const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+  return dnnl_sgemm('N', transpose_b ? 'T' : 'N', m, n, k, alpha, a, lda, b, ldb, beta, c, ldc) == dnnl_success;
+}
+
+// Per-thread scratch of the attention kernel, sized for one (query block x key block) tile.
+struct TileScratch {
+  std::vector<float> scores;      // [kQueryBlock, kKeyBlock]
+  std::vector<float> accumulator;  // [kQueryBlock, d_k]
+  std::vector<float> row_max, row_sum, row_factor;  // [kQueryBlock]
+};
+
+}  // namespace
+
 void CpuBackend::Attend(const AttentionDims& d, const AttentionMask& mask, Packed q, Packed k, Packed v,
                         float* out, int64_t out_stride, float* weights) {
-  const int64_t B = d.batch, Tq = d.q_len, Tk = d.kv_len, H = d.num_heads, Hkv = d.num_kv_heads,
-                G = d.group_size(), dk = d.head_dim;
+  const int64_t B = d.batch, Tq = d.q_len, Tk = d.kv_len, H = d.num_heads, G = d.group_size(), dk = d.head_dim;
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  const int64_t query_blocks = (Tq + kQueryBlock - 1) / kQueryBlock;
+  const int64_t items = B * H * query_blocks;
+  std::atomic<bool> failed{false};
 
-  // Tile: whole sequences for a chunk of batch items when they fit, else blocks of query rows of one item.
-  const int64_t row_bytes = H * Tk * static_cast<int64_t>(sizeof(float));  // one query row, all heads
-  int64_t batch_chunk = 1, q_block = Tq;
-  if (row_bytes * Tq <= kScoreTileBytes) {
-    batch_chunk = std::min(B, std::max<int64_t>(1, kScoreTileBytes / (row_bytes * Tq)));
-  } else {
-    q_block = std::max<int64_t>(1, kScoreTileBytes / row_bytes);
-  }
+  // One parallel region over (batch, head, query block); each item runs on one thread, tiles stay in its cache.
+#pragma omp parallel
+  {
+    TileScratch t;
+    t.row_max.resize(kQueryBlock);
+    t.row_sum.resize(kQueryBlock);
+    t.row_factor.resize(kQueryBlock);
+    if (weights == nullptr) {
+      t.scores.resize(kQueryBlock * kKeyBlock);
+      t.accumulator.resize(kQueryBlock * dk);
+    }
+#pragma omp for schedule(dynamic)
+    for (int64_t item = 0; item < items; ++item) {
+      const int64_t b = item / (H * query_blocks), h = (item / query_blocks) % H;
+      const int64_t i0 = (item % query_blocks) * kQueryBlock, rows = std::min(kQueryBlock, Tq - i0);
+      const float* q_tile = q.data + (b * Tq + i0) * q.row_stride + h * dk;
+      const float* k_head = k.data + b * Tk * k.row_stride + (h / G) * dk;
+      const float* v_head = v.data + b * Tk * v.row_stride + (h / G) * dk;
+      float* out_tile = out + (b * Tq + i0) * out_stride + h * dk;
+      const float* additive =
+          mask.additive == nullptr ? nullptr
+                                   : mask.additive + (mask.additive_per_batch ? b * Tq * Tk : 0) + i0 * Tk;
+      // Keys at or past `keys` are invisible to every row of the block (visible counts grow with the row).
+      const int64_t keys = VisibleKeyCount(d, mask, b, i0 + rows - 1);
+      bool ok = true;
 
-  for (int64_t b0 = 0; b0 < B; b0 += batch_chunk) {
-    const int64_t bc = std::min(batch_chunk, B - b0);
-    for (int64_t i0 = 0; i0 < Tq; i0 += q_block) {
-      const int64_t tb = std::min(q_block, Tq - i0);
-      // Keys beyond the last one any row of this tile may see are skipped (visible counts grow with i).
-      int64_t n = 0;
-      for (int64_t b = b0; b < b0 + bc; ++b) n = std::max(n, VisibleKeyCount(d, mask, b, i0 + tb - 1));
-      const int64_t rows = bc * H * tb;
-      if (n == 0) {  // Nothing visible: zero outputs (and weights) for the whole tile.
-        for (int64_t b = b0; b < b0 + bc; ++b) {
-          for (int64_t i = i0; i < i0 + tb; ++i) {
-            for (int64_t h = 0; h < H; ++h) {
-              std::fill_n(out + (b * Tq + i) * out_stride + h * dk, dk, 0.0f);
-              if (weights) std::fill_n(weights + ((b * H + h) * Tq + i) * Tk, Tk, 0.0f);
-            }
-          }
-        }
-        continue;
-      }
-      n = std::min(Tk, (n + 15) / 16 * 16);  // fewer distinct primitive shapes; the extra keys are masked
-
-      // The head-packed layout read as [bc, Hkv, G, T, d_k]; K and V broadcast over G.
-      const Layout q_layout{{bc, Hkv, G, tb, dk}, {Tq * q.row_stride, G * dk, dk, q.row_stride, 1}};
-      const Layout kt_layout{{bc, Hkv, 1, dk, n}, {Tk * k.row_stride, dk, dk, 1, k.row_stride}};
-      const Layout v_layout{{bc, Hkv, 1, n, dk}, {Tk * v.row_stride, dk, dk, v.row_stride, 1}};
-      const Layout s_layout{{bc, Hkv, G, tb, n}, {Hkv * G * tb * n, G * tb * n, tb * n, n, 1}};
-      const Layout o_layout{{bc, Hkv, G, tb, dk}, {Tq * out_stride, G * dk, dk, out_stride, 1}};
-
-      // Scores go straight into the returned weights when the tile covers them densely.
-      const bool direct = weights != nullptr && tb == Tq && n == Tk;
-      float* s;
-      if (direct) {
-        s = weights + b0 * H * Tq * Tk;
-      } else {
-        if (static_cast<int64_t>(scores_.size()) < rows * n) scores_.resize(rows * n);
-        s = scores_.data();
-      }
-      if (static_cast<int64_t>(dead_rows_.size()) < rows) dead_rows_.resize(rows);
-
-      RunMatmul(q_layout, q.data + (b0 * Tq + i0) * q.row_stride, kt_layout, k.data + b0 * Tk * k.row_stride,
-                nullptr, s_layout, s, d.scale);
-
-      // Masks: hide invisible keys with -inf, add the additive mask, and note rows left with nothing visible.
-#pragma omp parallel for schedule(static)
-      for (int64_t r = 0; r < rows; ++r) {
-        const int64_t b = b0 + r / (H * tb), i = i0 + r % tb;
-        float* row = s + r * n;
-        const int64_t visible = std::min(n, VisibleKeyCount(d, mask, b, i));
-        bool any = false;
-        if (mask.additive != nullptr) {
-          const float* add = mask.additive + (mask.additive_per_batch ? b * Tq * Tk : 0) + i * Tk;
-          for (int64_t j = 0; j < visible; ++j) {
-            row[j] += add[j];
-            any |= row[j] != kNegInf;
-          }
-        } else {
-          any = visible > 0;
-        }
-        std::fill(row + visible, row + n, kNegInf);
-        dead_rows_[r] = !any;
-      }
-      RunSoftmax(rows, n, s);
-#pragma omp parallel for schedule(static)
-      for (int64_t r = 0; r < rows; ++r) {
-        if (dead_rows_[r]) std::fill_n(s + r * n, n, 0.0f);  // softmax of all -inf is NaN; we promise zeros
-      }
-
-      if (weights != nullptr && !direct) {
-#pragma omp parallel for schedule(static)
+      if (weights != nullptr) {
+        // Exact softmax over whole rows, computed in place in the returned weights [B, H, Tq, Tk].
+        float* p = weights + ((b * H + h) * Tq + i0) * Tk;
+        if (keys > 0) ok &= Gemm(true, rows, keys, dk, d.scale, q_tile, q.row_stride, k_head, k.row_stride, 0.0f, p, Tk);
         for (int64_t r = 0; r < rows; ++r) {
-          const int64_t bh = r / tb, i = i0 + r % tb;  // bh = (b - b0) * H + h
-          float* dst = weights + ((b0 * H + bh) * Tq + i) * Tk;
-          std::memcpy(dst, s + r * n, n * sizeof(float));
-          std::fill(dst + n, dst + Tk, 0.0f);
+          float* row = p + r * Tk;
+          const int64_t visible = VisibleKeyCount(d, mask, b, i0 + r);
+          if (additive != nullptr) kernels::Add(row, additive + r * Tk, visible);
+          const float max = kernels::RowMax(row, visible);
+          if (max == kNegInf) {  // nothing visible: zero weights, zero output
+            std::fill(row, row + Tk, 0.0f);
+            continue;
+          }
+          kernels::Scale(row, visible, 1.0f / kernels::ExpShiftSum(row, visible, max));
+          std::fill(row + visible, row + Tk, 0.0f);
+        }
+        if (keys > 0) {
+          ok &= Gemm(false, rows, dk, keys, 1.0f, p, Tk, v_head, v.row_stride, 0.0f, out_tile, out_stride);
+        } else {
+          for (int64_t r = 0; r < rows; ++r) std::fill_n(out_tile + r * out_stride, dk, 0.0f);
+        }
+      } else {
+        // Online softmax over key blocks (FlashAttention's recurrence): running max m, running sum l, and the
+        // output accumulator rescaled by exp(m_old - m_new) whenever a row's max grows.
+        float* acc = t.accumulator.data();
+        std::fill_n(acc, rows * dk, 0.0f);
+        std::fill_n(t.row_max.data(), rows, kNegInf);
+        std::fill_n(t.row_sum.data(), rows, 0.0f);
+        for (int64_t j0 = 0; j0 < keys; j0 += kKeyBlock) {
+          const int64_t n = std::min(kKeyBlock, keys - j0);
+          float* s = t.scores.data();
+          ok &= Gemm(true, rows, n, dk, d.scale, q_tile, q.row_stride, k_head + j0 * k.row_stride, k.row_stride,
+                     0.0f, s, kKeyBlock);
+          for (int64_t r = 0; r < rows; ++r) {
+            float* row = s + r * kKeyBlock;
+            const int64_t visible = std::clamp<int64_t>(VisibleKeyCount(d, mask, b, i0 + r) - j0, 0, n);
+            if (additive != nullptr) kernels::Add(row, additive + r * Tk + j0, visible);
+            std::fill(row + visible, row + n, 0.0f);
+            const float block_max = kernels::RowMax(row, visible);
+            const float old_max = t.row_max[r];
+            const float new_max = std::max(old_max, block_max);
+            if (new_max == kNegInf) {  // nothing visible yet: this block contributes nothing
+              std::fill(row, row + visible, 0.0f);
+              t.row_factor[r] = 1.0f;
+              continue;
+            }
+            const float factor = old_max == kNegInf ? 0.0f : std::exp(old_max - new_max);
+            t.row_sum[r] = t.row_sum[r] * factor + kernels::ExpShiftSum(row, visible, new_max);
+            t.row_max[r] = new_max;
+            t.row_factor[r] = factor;
+          }
+          for (int64_t r = 0; r < rows; ++r) {
+            if (t.row_factor[r] != 1.0f) kernels::Scale(acc + r * dk, dk, t.row_factor[r]);
+          }
+          ok &= Gemm(false, rows, dk, n, 1.0f, s, kKeyBlock, v_head + j0 * v.row_stride, v.row_stride, 1.0f, acc,
+                     dk);
+        }
+        for (int64_t r = 0; r < rows; ++r) {
+          float* dst = out_tile + r * out_stride;
+          const float sum = t.row_sum[r];
+          if (sum > 0.0f) {
+            const float inverse = 1.0f / sum;
+            for (int64_t c = 0; c < dk; ++c) dst[c] = acc[r * dk + c] * inverse;
+          } else {
+            std::fill_n(dst, dk, 0.0f);  // every key masked: zero output, never NaN
+          }
         }
       }
-
-      RunMatmul(s_layout, s, v_layout, v.data + b0 * Tk * v.row_stride, nullptr, o_layout,
-                out + (b0 * Tq + i0) * out_stride, 1.0f);
+      if (!ok) failed = true;
     }
   }
+  if (failed) throw dnnl::error(dnnl_runtime_error, "dnnl_sgemm failed in the attention kernel");
 }
 
 absl::Status CpuBackend::ScaledDotProductAttention(const SdpaArgs& a) {

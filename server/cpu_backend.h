@@ -1,14 +1,13 @@
-// Attention on the host CPU through oneDNN primitives, fp32.
+// Attention on the host CPU, fp32, with oneDNN doing the matmuls.
 //
-// Projections are matmuls (one fused Q|K|V matmul for self-attention); the attention core runs over all heads at
-// once as batched matmuls [B, Hkv, G, T, d_k] that read the head-packed [B, T, H, d_k] layout through strided
-// memory descriptors (GQA/MQA broadcast K/V over the group G without copying), with the scale fused as an output
-// scale and the softmax primitive on dense tiles. Work is tiled over (batch, query block) so that score memory
-// is bounded by kScoreTileBytes rather than O(T^2); with causal or key_lengths, keys no query of a tile can see
-// are skipped. Primitives are created once per shape and cached.
-//
-// Not thread-safe: one computation at a time (the server's scheduler guarantees it). oneDNN parallelises each
-// primitive over the calling thread's OpenMP threads (omp_set_num_threads on that thread sets how many).
+// Projections are oneDNN matmul primitives (one fused Q|K|V matmul for self-attention), created once per shape
+// and cached. The attention core keeps the head-packed [B, T, H, d_k] layout and reads it in place through row
+// strides (GQA/MQA point each query head at its shared K/V head; nothing is copied or repeated). It runs as one
+// OpenMP region over (batch, head, query block of kQueryBlock rows); each item computes its score tiles with
+// oneDNN's sgemm (scale fused as alpha) on its own thread so tiles stay in that core's cache:
+//  - weights off: FlashAttention's online softmax over key blocks of kKeyBlock, so memory is O(T) per head;
+//  - weights on: exact row softmax written in place in the returned [B, H, Tq, Tk] tensor, then P V from it.
+// Key blocks that causal masking or key_lengths hide from every row of a query block are never computed.
 #ifndef MHA_SERVER_CPU_BACKEND_H_
 #define MHA_SERVER_CPU_BACKEND_H_
 
@@ -25,9 +24,10 @@ namespace mha {
 
 class CpuBackend final : public Backend {
  public:
-  // Upper bound on the score tile (and so on the attention core's scratch), in bytes. A single query row that
-  // needs more than this still runs, as a one-row tile.
-  static constexpr int64_t kScoreTileBytes = 32 << 20;
+  // Tile sizes of the attention core: a [kQueryBlock, kKeyBlock] fp32 score tile is 64 KiB, and with its K and V
+  // blocks stays within a core's L2.
+  static constexpr int64_t kQueryBlock = 64;
+  static constexpr int64_t kKeyBlock = 256;
 
   // UNAVAILABLE if oneDNN cannot create a CPU engine.
   static absl::StatusOr<std::unique_ptr<CpuBackend>> Create();
@@ -61,15 +61,11 @@ class CpuBackend final : public Backend {
   // dst = output_scale * src x weights (+ bias), through a cached primitive.
   void RunMatmul(const Layout& src, const float* src_data, const Layout& weights, const float* weights_data,
                  const float* bias_data, const Layout& dst, float* dst_data, float output_scale);
-  void RunSoftmax(int64_t rows, int64_t cols, float* data);
 
   dnnl::engine engine_;
   dnnl::stream stream_;
   std::map<std::vector<int64_t>, dnnl::matmul> matmuls_;
-  std::map<std::vector<int64_t>, dnnl::softmax_forward> softmaxes_;
   // Scratch reused across calls (grown on demand, never shrunk below the largest request seen).
-  std::vector<float> scores_;     // score tile
-  std::vector<char> dead_rows_;   // rows of the tile with no visible key
   std::vector<float> projected_;  // Q|K|V projections
   std::vector<float> heads_;      // concatenated head outputs [B*Tq, H*d_k]
   std::vector<float> fused_w_;    // fused Q|K|V weights and bias, when the layer has none precomputed

@@ -138,7 +138,9 @@ TEST_P(CpuParityTest, MatchesReference) {
   const std::vector<float> want = p.Run(reference, c.weights, &want_weights);
   const std::vector<float> got = p.Run(**cpu, c.weights, &got_weights);
   EXPECT_TRUE(AllClose(got, want, c.atol, c.rtol)) << "output";
-  if (c.weights) EXPECT_TRUE(AllClose(got_weights, want_weights, c.atol, c.rtol)) << "attention weights";
+  if (c.weights) {
+    EXPECT_TRUE(AllClose(got_weights, want_weights, c.atol, c.rtol)) << "attention weights";
+  }
   // The same backend again: cached primitives and reused scratch must give the same bits.
   std::vector<float> again_weights;
   EXPECT_EQ(p.Run(**cpu, c.weights, &again_weights), got);
@@ -207,14 +209,18 @@ std::vector<ParityCase> Cases() {
   c.weights = true;
   c.atol = 5e-5;
   cases.push_back(c);
-  // Tk = 3000, H = 8: one query row is 96 KB, so 32 MB tiles cut the 400 queries into blocks (with causal and
-  // lengths skipping keys per block, and a tile-local copy of the weights).
-  c = Case("query_blocks_long_keys", 1, 400, 3000, 32, 32, 8, 4, 4);
+  // Many query blocks (64 rows) and key blocks (256 keys): the online softmax carries its running max and sum
+  // across key blocks, with causal and lengths skipping blocks and an additive mask inside them.
+  c = Case("online_softmax_many_blocks_causal_mask", 2, 300, 1000, 32, 32, 8, 4, 4);
+  c.causal = true;
+  c.mask = Mask::kPerBatch;
+  cases.push_back(c);
+  c = Case("online_softmax_many_blocks_key_lengths", 5, 130, 3000, 16, 16, 16, 16, 1);
+  c.key_lengths = true;
+  cases.push_back(c);
+  c = Case("exact_softmax_many_blocks_weights", 1, 400, 3000, 32, 32, 8, 4, 4);
   c.causal = true;
   c.weights = true;
-  cases.push_back(c);
-  c = Case("query_blocks_key_lengths", 2, 300, 3000, 16, 16, 16, 16, 1);
-  c.key_lengths = true;
   cases.push_back(c);
   return cases;
 }

@@ -1,0 +1,196 @@
+// Backend-level multi-head attention throughput on a fixed table of shapes, as GFLOP/s and as a share of this
+// machine's fp32 peak measured in the same run (fma_probe). Google Benchmark flags apply, e.g.
+//   build/bin/attention_bench --benchmark_filter=b8_t512 --benchmark_min_time=1
+// `--memory_case` instead runs B=1, T=16384, d=1024, H=16 once (weights off) and prints the peak RSS above the
+// inputs and outputs.
+#include <omp.h>
+#include <sys/resource.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "benchmark/benchmark.h"
+#include "server/cpu_backend.h"
+#include "server/reference_backend.h"
+#include "tests/bench/fma_probe.h"
+
+namespace mha::bench {
+namespace {
+
+struct Shape {
+  std::string name;
+  int64_t batch, q_len, kv_len, d_model, heads, kv_heads;
+  bool causal;
+};
+
+// The table: (B, Tq, Tk, d_model, H, Hkv), causal variants of the last two.
+const std::vector<Shape>& Shapes() {
+  static const auto* shapes = new std::vector<Shape>{
+      {"b1_t16_d64_h4", 1, 16, 16, 64, 4, 4, false},
+      {"b32_t64_d256_h4", 32, 64, 64, 256, 4, 4, false},
+      {"b8_t128_d512_h8", 8, 128, 128, 512, 8, 8, false},
+      {"b8_t512_d512_h8", 8, 512, 512, 512, 8, 8, false},
+      {"b8_t512_d512_h8_gqa2", 8, 512, 512, 512, 8, 2, false},
+      {"b8_t512_d512_h8_gqa2_causal", 8, 512, 512, 512, 8, 2, true},
+      {"b1_t2048_d1024_h16", 1, 2048, 2048, 1024, 16, 16, false},
+      {"b1_t2048_d1024_h16_causal", 1, 2048, 2048, 1024, 16, 16, true},
+  };
+  return *shapes;
+}
+
+// FLOPs a kernel must do: projections Q, K, V, O and attention (half of it when causal).
+double Flops(const Shape& s) {
+  const double dk = static_cast<double>(s.d_model / s.heads);
+  const double B = s.batch, Tq = s.q_len, Tk = s.kv_len, d = s.d_model, H = s.heads, Hkv = s.kv_heads;
+  const double attention = 4 * B * H * Tq * Tk * dk;
+  return 2 * B * Tq * d * H * dk + 4 * B * Tk * d * Hkv * dk + 2 * B * Tq * H * dk * d +
+         (s.causal ? attention / 2 : attention);
+}
+
+// Inputs and outputs of one shape, filled deterministically.
+struct Problem {
+  AttentionDims dims;
+  std::vector<float> x, w_q, w_k, w_v, w_o, out, weights;
+
+  Problem(const Shape& s, bool with_weights) {
+    dims.batch = s.batch;
+    dims.q_len = s.q_len;
+    dims.kv_len = s.kv_len;
+    dims.num_heads = s.heads;
+    dims.num_kv_heads = s.kv_heads;
+    dims.head_dim = s.d_model / s.heads;
+    dims.causal = s.causal;
+    dims.scale = 1.0f / std::sqrt(static_cast<float>(dims.head_dim));
+    auto fill = [](std::vector<float>& v, int64_t n, float bound) {
+      v.resize(n);
+      uint32_t state = static_cast<uint32_t>(n);
+      for (float& x : v) {
+        state = state * 1664525u + 1013904223u;
+        x = bound * (static_cast<float>(state >> 8) / (1 << 23) - 1.0f);
+      }
+    };
+    const int64_t qw = s.heads * dims.head_dim, kvw = s.kv_heads * dims.head_dim;
+    fill(x, s.batch * s.q_len * s.d_model, 1.0f);
+    const float bound = 1.0f / std::sqrt(static_cast<float>(s.d_model));
+    fill(w_q, s.d_model * qw, bound);
+    fill(w_k, s.d_model * kvw, bound);
+    fill(w_v, s.d_model * kvw, bound);
+    fill(w_o, qw * s.d_model, bound);
+    out.resize(x.size());
+    if (with_weights) weights.resize(s.batch * s.heads * s.q_len * s.kv_len);
+  }
+
+  MhaArgs Args() {
+    MhaArgs a;
+    a.dims = dims;
+    a.weights.d_model = a.weights.d_kv_in = a.weights.d_v_in = static_cast<int64_t>(x.size() / (dims.batch * dims.q_len));
+    a.weights.w_q = w_q.data();
+    a.weights.w_k = w_k.data();
+    a.weights.w_v = w_v.data();
+    a.weights.w_o = w_o.data();
+    a.query = a.key = a.value = x.data();
+    a.self_attention = true;
+    a.out = out.data();
+    a.attention_weights = weights.empty() ? nullptr : weights.data();
+    return a;
+  }
+};
+
+PeakResult& Peak() {
+  static PeakResult peak;
+  return peak;
+}
+
+void BM_MultiHeadAttention(benchmark::State& state, Shape shape, bool with_weights) {
+  auto backend = CpuBackend::Create();
+  if (!backend.ok()) {
+    state.SkipWithError("no oneDNN CPU engine");
+    return;
+  }
+  Problem problem(shape, with_weights);
+  MhaArgs args = problem.Args();
+  if (!(*backend)->MultiHeadAttention(args).ok()) {  // warm-up: primitive creation, first touch
+    state.SkipWithError("backend failed");
+    return;
+  }
+  for (auto _ : state) {
+    benchmark::DoNotOptimize((*backend)->MultiHeadAttention(args));
+    benchmark::ClobberMemory();
+  }
+  const double flops = Flops(shape);
+  state.counters["GFLOPs"] = benchmark::Counter(flops / 1e9, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["pct_peak"] = benchmark::Counter(flops / 1e9 / Peak().gflops * 100,
+                                                  benchmark::Counter::kIsIterationInvariantRate);
+}
+
+long PeakRssKb() {
+  rusage usage;
+  getrusage(RUSAGE_SELF, &usage);
+  return usage.ru_maxrss;
+}
+
+long CurrentRssKb() {
+  FILE* f = std::fopen("/proc/self/statm", "r");
+  long pages = 0, resident = 0;
+  if (f) {
+    if (std::fscanf(f, "%ld %ld", &pages, &resident) != 2) resident = 0;
+    std::fclose(f);
+  }
+  return resident * (sysconf(_SC_PAGESIZE) / 1024);
+}
+
+int MemoryCase() {
+  const Shape shape{"b1_t16384_d1024_h16", 1, 16384, 16384, 1024, 16, 16, false};
+  Problem problem(shape, /*with_weights=*/false);
+  std::fill(problem.out.begin(), problem.out.end(), 0.0f);  // touch the output too
+  auto backend = CpuBackend::Create();
+  if (!backend.ok()) return 1;
+  const long before_kb = CurrentRssKb();
+  MhaArgs args = problem.Args();
+  const auto start = std::chrono::steady_clock::now();
+  const absl::Status status = (*backend)->MultiHeadAttention(args);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  if (!status.ok()) {
+    std::fprintf(stderr, "%s\n", status.ToString().c_str());
+    return 1;
+  }
+  const double above_mib = (PeakRssKb() - before_kb) / 1024.0;
+  std::printf("memory_case %s: %.1f s, %.1f GFLOP/s, peak RSS above inputs+outputs+weights %.0f MiB "
+              "(inputs+outputs %.0f MiB; an O(T^2) score matrix would be %.0f MiB)\n",
+              shape.name.c_str(), seconds, Flops(shape) / seconds / 1e9, above_mib,
+              2.0 * problem.x.size() * 4 / (1 << 20), 16.0 * 16384 * 16384 * 4 / (1 << 20));
+  return above_mib < 1024 ? 0 : 1;
+}
+
+}  // namespace
+}  // namespace mha::bench
+
+int main(int argc, char** argv) {
+  using namespace mha::bench;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--memory_case") == 0) return MemoryCase();
+  }
+  const int threads = omp_get_max_threads();
+  Peak() = MeasurePeak(threads);
+  std::printf("fp32 peak: %.1f GFLOP/s on %d threads (%s FMA chains)\n", Peak().gflops, Peak().threads,
+              Peak().isa.c_str());
+  benchmark::AddCustomContext("peak_gflops", std::to_string(Peak().gflops));
+  benchmark::AddCustomContext("peak_isa", Peak().isa);
+  for (const Shape& shape : Shapes()) {
+    for (bool with_weights : {false, true}) {
+      benchmark::RegisterBenchmark((shape.name + (with_weights ? "/weights_on" : "/weights_off")).c_str(),
+                                   BM_MultiHeadAttention, shape, with_weights)
+          ->Unit(benchmark::kMillisecond)
+          ->UseRealTime();
+    }
+  }
+  benchmark::Initialize(&argc, argv);
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}

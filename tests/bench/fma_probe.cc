@@ -1,0 +1,88 @@
+#include "tests/bench/fma_probe.h"
+
+#include <immintrin.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <chrono>
+
+namespace mha::bench {
+namespace {
+
+// 12 independent accumulators hide the FMA latency (4 cycles) on two FMA ports. Each iteration is
+// 12 FMAs x lanes x 2 flops.
+constexpr int kChains = 12;
+
+__attribute__((target("avx512f"))) float ChainsAvx512(long iterations) {
+  __m512 acc[kChains];
+  for (int c = 0; c < kChains; ++c) acc[c] = _mm512_set1_ps(0.001f * c);
+  const __m512 a = _mm512_set1_ps(0.999999f), b = _mm512_set1_ps(1e-7f);
+  for (long i = 0; i < iterations; ++i) {
+    for (int c = 0; c < kChains; ++c) acc[c] = _mm512_fmadd_ps(acc[c], a, b);
+  }
+  __m512 sum = acc[0];
+  for (int c = 1; c < kChains; ++c) sum = _mm512_add_ps(sum, acc[c]);
+  return _mm512_reduce_add_ps(sum);
+}
+
+__attribute__((target("avx2,fma"))) float ChainsAvx2(long iterations) {
+  __m256 acc[kChains];
+  for (int c = 0; c < kChains; ++c) acc[c] = _mm256_set1_ps(0.001f * c);
+  const __m256 a = _mm256_set1_ps(0.999999f), b = _mm256_set1_ps(1e-7f);
+  for (long i = 0; i < iterations; ++i) {
+    for (int c = 0; c < kChains; ++c) acc[c] = _mm256_fmadd_ps(acc[c], a, b);
+  }
+  __m256 sum = acc[0];
+  for (int c = 1; c < kChains; ++c) sum = _mm256_add_ps(sum, acc[c]);
+  float lanes[8];
+  _mm256_storeu_ps(lanes, sum);
+  float total = 0;
+  for (float x : lanes) total += x;
+  return total;
+}
+
+}  // namespace
+
+PeakResult MeasurePeak(int threads, double seconds) {
+  PeakResult result;
+  result.threads = threads;
+  int lanes;
+  float (*chains)(long);
+  if (__builtin_cpu_supports("avx512f")) {
+    result.isa = "avx512f";
+    lanes = 16;
+    chains = ChainsAvx512;
+  } else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+    result.isa = "avx2+fma";
+    lanes = 8;
+    chains = ChainsAvx2;
+  } else {
+    result.isa = "scalar";
+    return result;
+  }
+  // Calibrate the iteration count on one thread, then run it on all of them at once.
+  long iterations = 1 << 20;
+  for (;;) {
+    const auto start = std::chrono::steady_clock::now();
+    volatile float sink = chains(iterations);
+    (void)sink;
+    const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (elapsed > seconds / 4) {
+      iterations = static_cast<long>(iterations * (seconds / 4) / elapsed);
+      break;
+    }
+    iterations *= 2;
+  }
+  for (int repetition = 0; repetition < 4; ++repetition) {
+    const auto start = std::chrono::steady_clock::now();
+    float sink = 0;
+#pragma omp parallel num_threads(threads) reduction(+ : sink)
+    sink += chains(iterations);
+    const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    const double flops = 2.0 * kChains * lanes * static_cast<double>(iterations) * threads + 0 * sink;
+    result.gflops = std::max(result.gflops, flops / elapsed / 1e9);
+  }
+  return result;
+}
+
+}  // namespace mha::bench
