@@ -124,6 +124,22 @@ bool Gemm(bool transpose_b, int64_t m, int64_t n, int64_t k, float alpha, const 
   return dnnl_sgemm('N', transpose_b ? 'T' : 'N', m, n, k, alpha, a, lda, b, ldb, beta, c, ldc) == dnnl_success;
 }
 
+// Sets the calling thread's OpenMP thread count for a scope (oneDNN reads it when it executes a primitive).
+class ScopedOmpThreads {
+ public:
+  explicit ScopedOmpThreads(int threads) : saved_(omp_get_max_threads()) { omp_set_num_threads(threads); }
+  ~ScopedOmpThreads() { omp_set_num_threads(saved_); }
+  ScopedOmpThreads(const ScopedOmpThreads&) = delete;
+  ScopedOmpThreads& operator=(const ScopedOmpThreads&) = delete;
+
+ private:
+  const int saved_;
+};
+
+// Requests below this many flops run on the calling thread alone: waking the others costs more than they save
+// (tens of microseconds against a budget of that order for a tiny request).
+constexpr double kSerialFlops = 8e6;
+
 // Per-thread scratch of the attention kernel, sized for one (query block x key block) tile.
 struct TileScratch {
   std::vector<float> scores;      // [kQueryBlock, kKeyBlock]
@@ -243,6 +259,8 @@ void CpuBackend::Attend(const AttentionDims& d, const AttentionMask& mask, Packe
 
 absl::Status CpuBackend::ScaledDotProductAttention(const SdpaArgs& a) {
   const AttentionDims& d = a.dims;
+  const double flops = 4.0 * d.batch * d.num_heads * d.q_len * d.kv_len * d.head_dim;
+  ScopedOmpThreads threads(flops < kSerialFlops ? 1 : omp_get_max_threads());
   try {
     Attend(d, a.mask, {a.q, d.num_heads * d.head_dim}, {a.k, d.num_kv_heads * d.head_dim},
            {a.v, d.num_kv_heads * d.head_dim}, a.out, d.num_heads * d.head_dim, a.weights);
@@ -257,6 +275,9 @@ absl::Status CpuBackend::MultiHeadAttention(const MhaArgs& a) {
   const LayerWeights& w = a.weights;
   const int64_t q_width = d.num_heads * d.head_dim, kv_width = d.num_kv_heads * d.head_dim;
   const int64_t q_rows = d.batch * d.q_len, kv_rows = d.batch * d.kv_len;
+  const double flops = 2.0 * q_rows * w.d_model * q_width * 2 + 2.0 * kv_rows * (w.d_kv_in + w.d_v_in) * kv_width +
+                       4.0 * d.batch * d.num_heads * d.q_len * d.kv_len * d.head_dim;
+  ScopedOmpThreads threads(flops < kSerialFlops ? 1 : omp_get_max_threads());
   try {
     Packed q, k, v;
     if (a.self_attention) {

@@ -23,7 +23,7 @@ ABSL_FLAG(int, max_queue_size, kDefaults.max_queue_size, "requests waiting to co
 ABSL_FLAG(int, max_layer_mb, kDefaults.max_layer_mb, "total fp32 MiB of registered layers");
 ABSL_FLAG(int, max_layers, kDefaults.max_layers, "registered layers at most, demo included");
 ABSL_FLAG(int, max_scratch_mb, kDefaults.max_scratch_mb, "working memory one request may need, MiB");
-ABSL_FLAG(double, max_request_gflop, kDefaults.max_request_gflop, "attention GFLOP one request may ask for");
+ABSL_FLAG(double, max_request_gflop, kDefaults.max_request_gflop, "GFLOP (projections + attention) one request may ask for");
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage("Serves multi-head attention over gRPC (package mha.v1, service Attention).");

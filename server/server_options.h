@@ -27,7 +27,7 @@ struct ServerOptions {
   int max_layers = 256;
   // Working memory a request may need beyond its own tensors (projections), in MiB.
   int max_scratch_mb = 4096;
-  // Attention FLOPs (4 B H Tq Tk d_k) a single request may ask for, in GFLOP.
+  // FLOPs a single request may ask for (projections + attention 4 B H Tq Tk d_k), in GFLOP.
   double max_request_gflop = 4000;
 };
 

@@ -54,7 +54,7 @@ AttentionService::AttentionService(const ServerOptions& options, LayerStore* lay
   validation_.default_backend = options.backend == "auto" ? backends_->DefaultName() : options.backend;
   validation_.max_message_bytes = static_cast<int64_t>(options.max_message_mb) << 20;
   validation_.max_scratch_bytes = static_cast<int64_t>(options.max_scratch_mb) << 20;
-  validation_.max_attention_flops = options.max_request_gflop * 1e9;
+  validation_.max_request_flops = options.max_request_gflop * 1e9;
 }
 
 template <typename Request, typename Response, typename Plan>
@@ -83,6 +83,7 @@ grpc::ServerUnaryReactor* AttentionService::Compute(
       status = execute(*plan, response);
       response->mutable_timing()->set_queue_us(absl::ToInt64Microseconds(picked_up - queued_at));
       response->mutable_timing()->set_compute_us(absl::ToInt64Microseconds(absl::Now() - picked_up));
+      response->mutable_timing()->set_handler_us(absl::ToInt64Microseconds(absl::Now() - start));
     }
     if (!status.ok()) response->Clear();
     LogCall(id, rpc, plan->shapes, plan->backend->name(), status, start);

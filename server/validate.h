@@ -50,7 +50,7 @@ struct ValidationContext {
   std::string default_backend;    // what BACKEND_AUTO resolves to
   int64_t max_message_bytes = 0;  // responses larger than this are RESOURCE_EXHAUSTED
   int64_t max_scratch_bytes = 0;  // projection working memory beyond this is RESOURCE_EXHAUSTED
-  double max_attention_flops = 0;  // 4 B H Tq Tk d_k beyond this is RESOURCE_EXHAUSTED
+  double max_request_flops = 0;   // projections + attention (4 B H Tq Tk d_k) beyond this: RESOURCE_EXHAUSTED
 };
 
 absl::StatusOr<MhaPlan> ValidateMultiHeadAttention(const v1::MultiHeadAttentionRequest& request,

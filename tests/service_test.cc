@@ -311,7 +311,7 @@ TEST_F(ServiceTest, AttentionWorkOverTheLimitIsResourceExhausted) {
   options.max_request_gflop = 0.001;
   StartServer(options);
   v1::MultiHeadAttentionRequest request = ValidRequest();
-  SetTensor(request.mutable_query(), {2, 300, kDModel}, 1);  // 4 * 2 * 2 * 300 * 300 * 4 = 5.8 MFLOP
+  SetTensor(request.mutable_query(), {2, 300, kDModel}, 1);  // attention alone: 4 * 2 * 2 * 300 * 300 * 4 = 5.8 MFLOP
   v1::MultiHeadAttentionResponse response;
   const grpc::Status status = Call(request, &response);
   EXPECT_EQ(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);

@@ -1,0 +1,42 @@
+"""Merges attention_bench's JSON and peers.py's lines into one table (markdown) with ratios.
+
+Usage: report.py BENCH_JSON PEERS_JSONL
+"""
+
+import json
+import sys
+
+
+def main():
+    bench = json.load(open(sys.argv[1]))
+    peers = {}
+    for line in open(sys.argv[2]):
+        if line.strip():
+            p = json.loads(line)
+            peers[(p["shape"], p["weights"])] = p
+    context = bench["context"]
+    peak = float(context.get("peak_gflops", "nan"))
+    print("fp32 peak measured in the same run: %.1f GFLOP/s (%s FMA chains, %s threads); BLAS for numpy/torch: %s"
+          % (peak, context.get("peak_isa"), context.get("num_cpus"),
+             next(iter(peers.values()))["blas"] if peers else "n/a"))
+    print()
+    print("| shape (B,T,d,H,Hkv) | weights | ours GFLOP/s | % of peak | ms | numpy | torch | ours/numpy | ours/torch |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for b in bench["benchmarks"]:
+        name = b["name"].split("/")
+        shape, weights = name[0], name[1] == "weights_on"
+        ours = b["GFLOPs"]
+        p = peers.get((shape, weights))
+        np_g = p["numpy_gflops"] if p else float("nan")
+        t_g = p["torch_gflops"] if p else float("nan")
+        torch_note = "" if not p or p["torch_impl"] == "nn.MultiheadAttention" else "*"
+        print("| %s | %s | %.1f | %.0f%% | %.3f | %.1f | %.1f%s | %.1fx | %.1fx |" % (
+            shape, "on" if weights else "off", ours, 100 * ours / peak, b["real_time"], np_g, t_g, torch_note,
+            ours / np_g, ours / t_g))
+    print()
+    print("torch: nn.MultiheadAttention (eval, fast path) where it can express the shape; * = the same math in "
+          "plain torch ops (GQA). FLOPs: 2BTqdHdk + 4BTkdHkvdk + 2BTqHdkd + 4BHTqTkdk (half the last for causal).")
+
+
+if __name__ == "__main__":
+    main()
