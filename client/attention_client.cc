@@ -10,14 +10,17 @@ absl::Status FromGrpcStatus(const grpc::Status& status) {
   return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
 }
 
-AttentionClient::AttentionClient(const ClientOptions& options) : options_(options) {
+std::shared_ptr<grpc::Channel> CreateAttentionChannel(const ClientOptions& options) {
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(options.max_message_mb << 20);
   args.SetMaxSendMessageSize(options.max_message_mb << 20);
   if (!options.lb_policy.empty()) args.SetLoadBalancingPolicyName(options.lb_policy);
-  channel_ = grpc::CreateCustomChannel(options.target, grpc::InsecureChannelCredentials(), args);
-  stub_ = v1::Attention::NewStub(channel_);
+  if (options.dedicated_connection) args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  return grpc::CreateCustomChannel(options.target, grpc::InsecureChannelCredentials(), args);
 }
+
+AttentionClient::AttentionClient(const ClientOptions& options)
+    : options_(options), channel_(CreateAttentionChannel(options)), stub_(v1::Attention::NewStub(channel_)) {}
 
 namespace {
 

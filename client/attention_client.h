@@ -23,7 +23,13 @@ struct ClientOptions {
   std::string lb_policy;
   // Deadline of every call.
   absl::Duration timeout = absl::Seconds(60);
+  // Give this channel its own connections instead of sharing them with other channels of the same target and
+  // arguments (gRPC's default). Load tests set it to spread calls over several TCP connections.
+  bool dedicated_connection = false;
 };
+
+// A channel to options.target with the options' message limits, load-balancing policy and connection sharing.
+std::shared_ptr<grpc::Channel> CreateAttentionChannel(const ClientOptions& options);
 
 // grpc::Status -> absl::Status (the codes share their numbering).
 absl::Status FromGrpcStatus(const grpc::Status& status);

@@ -1,0 +1,41 @@
+// mha_client's subcommands and what they share: the connection flags, the output flags, exit codes and error
+// printing. Each subcommand lives in its own cli_<name>.cc; mha_client_main.cc only dispatches.
+//
+// Exit codes: 0 success; 1 failure (the server, a file, or a --check mismatch); 2 usage error (a bad flag value or
+// combination), detected before anything is sent.
+#ifndef MHA_CLIENT_CLI_H_
+#define MHA_CLIENT_CLI_H_
+
+#include <string>
+
+#include "absl/flags/declare.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "client/attention_client.h"
+
+ABSL_DECLARE_FLAG(std::string, output);
+ABSL_DECLARE_FLAG(std::string, weights_output);
+
+namespace mha::cli {
+
+inline constexpr int kExitOk = 0;
+inline constexpr int kExitFailure = 1;
+inline constexpr int kExitUsage = 2;
+
+// Prints "error: <status>" to stderr; returns kExitFailure.
+int Fail(const absl::Status& status);
+// Prints "usage error: <message>" and a hint to stderr; returns kExitUsage.
+int UsageError(const absl::Status& status);
+
+// --target, --lb, --timeout_s, --max_message_mb as ClientOptions; INVALID_ARGUMENT (a usage error) if out of range.
+absl::StatusOr<ClientOptions> ClientOptionsFromFlags();
+
+int RunHealth(const ClientOptions& options);
+int RunInfo(const ClientOptions& options);
+int RunCall(const ClientOptions& options);
+int RunBench(const ClientOptions& options);
+int RunPlot(const ClientOptions& options);
+
+}  // namespace mha::cli
+
+#endif  // MHA_CLIENT_CLI_H_

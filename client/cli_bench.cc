@@ -1,0 +1,160 @@
+// mha_client bench: a load test of MultiHeadAttention with the request the call flags describe. Closed loop
+// (-c streams, -n calls or -z time), open loop (--rps, latency from each call's intended send time), a concurrency
+// sweep (--concurrency_range), several connections (--connections); report as text, JSON or CSV on stdout and a
+// progress line on stderr. The report is printed whatever the calls' statuses (errors are part of it); the exit code
+// is 0 once a report is printed.
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
+#include "client/bench.h"
+#include "client/bench_report.h"
+#include "client/cli.h"
+#include "client/cli_request.h"
+
+ABSL_FLAG(int, c, 1, "bench: concurrency, calls in flight at once (closed loop)");
+ABSL_FLAG(int64_t, n, 0, "bench: measured calls (default 200 when -z is not given)");
+ABSL_FLAG(absl::Duration, z, absl::ZeroDuration(), "bench: duration, e.g. 10s; with -n, whichever ends first");
+ABSL_FLAG(double, rps, 0,
+          "bench: open loop at this many calls per second, latency measured from each call's intended send time");
+ABSL_FLAG(int, max_in_flight, 256, "bench: open loop, calls outstanding at most (a due call waits, and that counts)");
+ABSL_FLAG(int, connections, 1, "bench: channels (TCP connections) to spread the calls over");
+ABSL_FLAG(int64_t, warmup, 0, "bench: calls before each measured run, not counted");
+ABSL_FLAG(std::string, concurrency_range, "", "bench: sweep of closed-loop runs, start:end:step or start:end:xF");
+ABSL_FLAG(std::string, O, "pretty", "bench: report format, pretty, json or csv");
+ABSL_FLAG(bool, progress, false, "bench: progress line on stderr even when stderr is not a terminal");
+
+namespace mha::cli {
+namespace {
+
+constexpr int64_t kDefaultTotal = 200;
+constexpr int kMaxConnections = 256;
+constexpr absl::Duration kMaxConnectWait = absl::Seconds(10);
+
+// Rewrites one stderr line in place on a terminal; prints a line a second otherwise.
+class ProgressPrinter {
+ public:
+  ProgressPrinter(bool tty, std::string label, int64_t total)
+      : tty_(tty), label_(std::move(label)), total_(total) {}
+
+  void operator()(const LoadProgress& p) {
+    if (!tty_ && p.elapsed - last_printed_ < 1.0) return;
+    last_printed_ = p.elapsed;
+    const std::string line = absl::StrFormat(
+        "[bench %s] %d%s calls done, %d in flight, %d errors, %.1f s, %.1f calls/s", label_, p.completed,
+        total_ > 0 ? absl::StrCat("/", total_) : "", p.started - p.completed, p.errors, p.elapsed,
+        p.elapsed > 0 ? static_cast<double>(p.completed) / p.elapsed : 0.0);
+    std::fprintf(stderr, tty_ ? "\r%-100s" : "%s\n", line.c_str());
+    std::fflush(stderr);
+  }
+
+  void Clear() {
+    if (tty_) std::fprintf(stderr, "\r%100s\r", "");
+  }
+
+ private:
+  const bool tty_;
+  const std::string label_;
+  const int64_t total_;
+  double last_printed_ = -1;
+};
+
+}  // namespace
+
+int RunBench(const ClientOptions& options) {
+  absl::StatusOr<RequestFlags> flags = RequestFlagsFromCommandLine();
+  if (!flags.ok()) return UsageError(flags.status());
+
+  LoadOptions load;
+  load.concurrency = absl::GetFlag(FLAGS_c);
+  load.total = absl::GetFlag(FLAGS_n);
+  load.duration = absl::GetFlag(FLAGS_z);
+  load.rps = absl::GetFlag(FLAGS_rps);
+  load.max_in_flight = absl::GetFlag(FLAGS_max_in_flight);
+  load.warmup = absl::GetFlag(FLAGS_warmup);
+  load.timeout = options.timeout;
+  if (load.total == 0 && load.duration == absl::ZeroDuration()) load.total = kDefaultTotal;
+  if (absl::Status valid = ValidateLoadOptions(load); !valid.ok()) {
+    return UsageError(absl::InvalidArgumentError(absl::StrCat("bench: ", valid.message())));
+  }
+  const int connections = absl::GetFlag(FLAGS_connections);
+  if (connections < 1 || connections > kMaxConnections) {
+    return UsageError(absl::InvalidArgumentError(
+        absl::StrCat("--connections must be in [1, ", kMaxConnections, "]; got ", connections)));
+  }
+  const std::string format = absl::GetFlag(FLAGS_O);
+  if (format != "pretty" && format != "json" && format != "csv") {
+    return UsageError(absl::InvalidArgumentError(absl::StrCat("-O must be pretty, json or csv; got '", format, "'")));
+  }
+  std::vector<int> levels = {load.concurrency};
+  const std::string range = absl::GetFlag(FLAGS_concurrency_range);
+  if (!range.empty()) {
+    if (load.rps > 0) {
+      return UsageError(absl::InvalidArgumentError("--concurrency_range sweeps the closed loop; drop --rps"));
+    }
+    absl::StatusOr<std::vector<int>> parsed = ParseConcurrencyRange(range);
+    if (!parsed.ok()) {
+      return UsageError(absl::InvalidArgumentError(absl::StrCat("--concurrency_range ", parsed.status().message())));
+    }
+    levels = *parsed;
+  }
+
+  AttentionClient client(options);
+  absl::StatusOr<PreparedRequest> prepared = PrepareRequest(*flags, client);
+  if (!prepared.ok()) return Fail(prepared.status());
+
+  std::vector<std::shared_ptr<grpc::Channel>> channels;
+  ClientOptions channel_options = options;
+  channel_options.dedicated_connection = true;
+  for (int i = 0; i < connections; ++i) channels.push_back(CreateAttentionChannel(channel_options));
+  // Connection set-up is not part of any call's latency; a channel that cannot connect shows up as errors.
+  const absl::Duration connect_wait = std::min(options.timeout, kMaxConnectWait);
+  for (const auto& channel : channels) {
+    if (!channel->WaitForConnected(absl::ToChronoTime(absl::Now() + connect_wait))) {
+      std::fprintf(stderr, "warning: a channel to %s is not connected after %s\n", options.target.c_str(),
+                   absl::FormatDuration(connect_wait).c_str());
+    }
+  }
+
+  const bool show_progress = isatty(fileno(stderr)) || absl::GetFlag(FLAGS_progress);
+  std::vector<BenchReport> reports;
+  for (int level : levels) {
+    load.concurrency = level;
+    RunConfig config;
+    config.open_loop = load.rps > 0;
+    config.concurrency = level;
+    config.target_rps = load.rps;
+    config.max_in_flight = load.max_in_flight;
+    config.connections = connections;
+    config.warmup = load.warmup;
+    config.target = options.target;
+    config.weights = prepared->weights;
+    config.shape = prepared->shape;
+    config.request_bytes = static_cast<int64_t>(prepared->request.ByteSizeLong());
+
+    ProgressPrinter printer(isatty(fileno(stderr)),
+                            config.open_loop ? absl::StrFormat("rps=%.6g", load.rps) : absl::StrCat("c=", level),
+                            load.total);
+    std::function<void(const LoadProgress&)> on_progress;
+    if (show_progress) on_progress = [&printer](const LoadProgress& p) { printer(p); };
+    absl::StatusOr<LoadResult> result = RunLoad(load, channels, prepared->request, on_progress);
+    printer.Clear();
+    if (!result.ok()) return Fail(result.status());
+    reports.push_back(Summarize(config, *result));
+  }
+  const std::string text =
+      format == "json" ? FormatJson(reports) : format == "csv" ? FormatCsv(reports) : FormatPretty(reports);
+  std::fwrite(text.data(), 1, text.size(), stdout);
+  return kExitOk;
+}
+
+}  // namespace mha::cli

@@ -1,0 +1,41 @@
+// mha_client health and info: the server's health status, and its version, backends, limits and layers.
+#include <cstdio>
+
+#include "client/cli.h"
+
+namespace mha::cli {
+
+int RunHealth(const ClientOptions& options) {
+  AttentionClient client(options);
+  absl::StatusOr<bool> serving = client.Serving();
+  if (!serving.ok()) return Fail(serving.status());
+  std::printf("%s\n", *serving ? "SERVING" : "NOT_SERVING");
+  return *serving ? kExitOk : kExitFailure;
+}
+
+int RunInfo(const ClientOptions& options) {
+  AttentionClient client(options);
+  absl::StatusOr<v1::GetServerInfoResponse> info = client.GetServerInfo();
+  if (!info.ok()) return Fail(info.status());
+  std::printf("version %s, default backend %s\n", info->version().c_str(), info->default_backend().c_str());
+  for (const auto& b : info->backends()) {
+    std::printf("  backend %-9s %s %s\n", b.name().c_str(), b.available() ? "available  " : "unavailable",
+                b.available() ? b.device().c_str() : b.detail().c_str());
+  }
+  const auto& l = info->limits();
+  std::printf("limits: max_message %lld MiB, queue %d, compute threads %d, layers %lld MiB, scratch %lld MiB, "
+              "%.0f GFLOP per request\n",
+              static_cast<long long>(l.max_message_bytes() >> 20), l.max_queue_size(), l.compute_threads(),
+              static_cast<long long>(l.max_layer_bytes() >> 20), static_cast<long long>(l.max_scratch_bytes() >> 20),
+              l.max_request_gflop());
+  absl::StatusOr<v1::ListLayersResponse> layers = client.ListLayers();
+  if (!layers.ok()) return Fail(layers.status());
+  for (const auto& layer : layers->layers()) {
+    std::printf("  layer %-16s d_model %lld, heads %d (kv %d, d_k %d)%s, %s\n", layer.name().c_str(),
+                static_cast<long long>(layer.d_model()), layer.heads().num_heads(), layer.heads().num_kv_heads(),
+                layer.heads().head_dim(), layer.heads().causal() ? ", causal" : "", layer.source().c_str());
+  }
+  return kExitOk;
+}
+
+}  // namespace mha::cli

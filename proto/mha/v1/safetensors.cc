@@ -1,0 +1,144 @@
+#include "proto/mha/v1/safetensors.h"
+
+#include <cmath>
+#include <cstring>
+#include <fstream>
+#include <limits>
+#include <sstream>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "nlohmann/json.hpp"
+#include "proto/mha/v1/tensor_codec.h"
+
+namespace mha {
+namespace {
+
+// A header larger than this is not a layer file (safetensors itself caps it at 100 MB).
+constexpr uint64_t kMaxHeaderBytes = 100 << 20;
+
+absl::Status Bad(absl::string_view origin, absl::string_view what) {
+  return absl::InvalidArgumentError(absl::StrCat("safetensors ", origin, ": ", what));
+}
+
+absl::StatusOr<int32_t> MetadataInt(const nlohmann::json& meta, const char* key, absl::string_view origin) {
+  if (!meta.contains(key)) return 0;
+  const auto& value = meta[key];
+  int32_t n = 0;
+  if (!value.is_string() || !absl::SimpleAtoi(value.get<std::string>(), &n)) {
+    return Bad(origin, absl::StrCat("__metadata__.", key, " must be a string holding an integer"));
+  }
+  return n;
+}
+
+}  // namespace
+
+absl::StatusOr<SafetensorsLayer> ParseSafetensorsLayer(absl::string_view bytes, absl::string_view origin) {
+  if (bytes.size() < 8) return Bad(origin, "shorter than the 8-byte header length");
+  uint64_t header_len;
+  std::memcpy(&header_len, bytes.data(), 8);
+  if (header_len > kMaxHeaderBytes || header_len > bytes.size() - 8) {
+    return Bad(origin, absl::StrCat("header length ", header_len, " exceeds the file (", bytes.size(), " bytes)"));
+  }
+  const nlohmann::json header =
+      nlohmann::json::parse(bytes.substr(8, header_len).begin(), bytes.substr(8, header_len).end(), nullptr,
+                            /*allow_exceptions=*/false);
+  if (!header.is_object()) return Bad(origin, "header is not a JSON object");
+  const absl::string_view body = bytes.substr(8 + header_len);
+
+  SafetensorsLayer layer;
+  const std::pair<const char*, v1::Tensor*> slots[] = {
+      {"w_q", layer.weights.mutable_w_q()}, {"w_k", layer.weights.mutable_w_k()},
+      {"w_v", layer.weights.mutable_w_v()}, {"w_o", layer.weights.mutable_w_o()},
+      {"b_q", nullptr},                     {"b_k", nullptr},
+      {"b_v", nullptr},                     {"b_o", nullptr}};
+  for (const auto& [name, required_slot] : slots) {
+    if (!header.contains(name)) {
+      if (required_slot != nullptr) return Bad(origin, absl::StrCat("missing tensor '", name, "'"));
+      continue;
+    }
+    const nlohmann::json& entry = header[name];
+    if (!entry.is_object() || !entry.contains("dtype") || !entry.contains("shape") ||
+        !entry.contains("data_offsets") || !entry["dtype"].is_string() || !entry["shape"].is_array() ||
+        !entry["data_offsets"].is_array() || entry["data_offsets"].size() != 2) {
+      return Bad(origin, absl::StrCat("tensor '", name, "' needs dtype, shape and two data_offsets"));
+    }
+    v1::Tensor* tensor = required_slot;
+    if (tensor == nullptr) {
+      auto* w = &layer.weights;
+      const std::string n = name;
+      tensor = n == "b_q" ? w->mutable_b_q() : n == "b_k" ? w->mutable_b_k() : n == "b_v" ? w->mutable_b_v()
+                                                                                          : w->mutable_b_o();
+    }
+    const std::string dtype = entry["dtype"].get<std::string>();
+    if (dtype == "F32") {
+      tensor->set_dtype(v1::FP32);
+    } else if (dtype == "F16") {
+      tensor->set_dtype(v1::FP16);
+    } else if (dtype == "BF16") {
+      tensor->set_dtype(v1::BF16);
+    } else {
+      return Bad(origin, absl::StrCat("tensor '", name, "' has dtype ", dtype, "; expected F32, F16 or BF16"));
+    }
+    for (const auto& dim : entry["shape"]) {
+      if (!dim.is_number_integer() || dim.get<int64_t>() < 1) {
+        return Bad(origin, absl::StrCat("tensor '", name, "' has a shape entry that is not a positive integer"));
+      }
+      tensor->add_shape(dim.get<int64_t>());
+    }
+    const auto& offsets = entry["data_offsets"];
+    if (!offsets[0].is_number_unsigned() || !offsets[1].is_number_unsigned()) {
+      return Bad(origin, absl::StrCat("tensor '", name, "' has non-integer data_offsets"));
+    }
+    const uint64_t begin = offsets[0].get<uint64_t>(), end = offsets[1].get<uint64_t>();
+    if (begin > end || end > body.size()) {
+      return Bad(origin, absl::StrCat("tensor '", name, "' data_offsets [", begin, ", ", end,
+                                      ") fall outside the ", body.size(), "-byte data section"));
+    }
+    tensor->set_data(std::string(body.substr(begin, end - begin)));
+    absl::Status valid = CheckTensor(*tensor, name).status();
+    if (!valid.ok()) return Bad(origin, valid.message());
+  }
+
+  if (!header.contains("__metadata__") || !header["__metadata__"].is_object()) {
+    return Bad(origin, "missing __metadata__ with num_heads");
+  }
+  const nlohmann::json& meta = header["__metadata__"];
+  absl::StatusOr<int32_t> num_heads = MetadataInt(meta, "num_heads", origin);
+  if (!num_heads.ok()) return num_heads.status();
+  if (*num_heads <= 0) return Bad(origin, "__metadata__.num_heads is required and must be >= 1");
+  absl::StatusOr<int32_t> num_kv_heads = MetadataInt(meta, "num_kv_heads", origin);
+  if (!num_kv_heads.ok()) return num_kv_heads.status();
+  absl::StatusOr<int32_t> head_dim = MetadataInt(meta, "head_dim", origin);
+  if (!head_dim.ok()) return head_dim.status();
+  layer.heads.set_num_heads(*num_heads);
+  layer.heads.set_num_kv_heads(*num_kv_heads);
+  layer.heads.set_head_dim(*head_dim);
+  if (meta.contains("causal")) {
+    if (!meta["causal"].is_string() ||
+        (meta["causal"].get<std::string>() != "true" && meta["causal"].get<std::string>() != "false")) {
+      return Bad(origin, "__metadata__.causal must be \"true\" or \"false\"");
+    }
+    layer.heads.set_causal(meta["causal"].get<std::string>() == "true");
+  }
+  if (meta.contains("scale")) {
+    float scale = 0;
+    if (!meta["scale"].is_string() || !absl::SimpleAtof(meta["scale"].get<std::string>(), &scale) ||
+        !std::isfinite(scale)) {
+      return Bad(origin, "__metadata__.scale must be a string holding a finite number");
+    }
+    layer.heads.set_scale(scale);
+  }
+  return layer;
+}
+
+absl::StatusOr<SafetensorsLayer> ReadSafetensorsLayer(const std::string& path) {
+  std::ifstream file(path, std::ios::binary);
+  if (!file) return absl::NotFoundError(absl::StrCat("cannot open ", path));
+  std::ostringstream contents;
+  contents << file.rdbuf();
+  const std::string bytes = contents.str();
+  return ParseSafetensorsLayer(bytes, path);
+}
+
+}  // namespace mha

@@ -1,0 +1,33 @@
+// Reads one attention layer from a .safetensors file (https://github.com/huggingface/safetensors):
+// an 8-byte little-endian header length N, N bytes of JSON, then the tensor bytes.
+//
+// Tensors: w_q, w_k, w_v, w_o (required) and b_q, b_k, b_v, b_o (optional), dtype F32, F16 or BF16, shapes as in
+// AttentionWeights (Y = X W). The head configuration comes from "__metadata__" (string values, as the format
+// requires): num_heads (required), num_kv_heads, head_dim, causal ("true"/"false"), scale.
+//
+// Shared by the server (--layers_dir) and the clients (mha_client call --weights_file), like tensor_codec.h.
+#ifndef MHA_PROTO_SAFETENSORS_H_
+#define MHA_PROTO_SAFETENSORS_H_
+
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "proto/mha/v1/attention.pb.h"
+
+namespace mha {
+
+struct SafetensorsLayer {
+  v1::AttentionWeights weights;
+  v1::HeadConfig heads;
+};
+
+// INVALID_ARGUMENT (naming the file and what is wrong) for a malformed file; NOT_FOUND if it cannot be opened.
+absl::StatusOr<SafetensorsLayer> ReadSafetensorsLayer(const std::string& path);
+
+// The same from the file's bytes; `origin` names the source in error messages.
+absl::StatusOr<SafetensorsLayer> ParseSafetensorsLayer(absl::string_view bytes, absl::string_view origin);
+
+}  // namespace mha
+
+#endif  // MHA_PROTO_SAFETENSORS_H_
