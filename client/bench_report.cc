@@ -66,6 +66,11 @@ nlohmann::ordered_json ToJson(const BenchReport& r) {
     statuses.push_back({{"code", CodeName(st.code)}, {"count", st.count}, {"messages", messages}});
   }
   j["status"] = statuses;
+  if (r.health_calls > 0) {
+    const LatencySummary& h = r.health;
+    j["health_rtt_ms"] = {{"calls", r.health_calls}, {"mean", Ms(h.mean)}, {"p50", Ms(h.p50)},
+                          {"p90", Ms(h.p90)},        {"p99", Ms(h.p99)},   {"fastest", Ms(h.fastest)}};
+  }
   return j;
 }
 
@@ -99,6 +104,27 @@ std::vector<HistogramBucket> Histogram(const std::vector<double>& sorted, int bu
     out[i].count++;
   }
   return out;
+}
+
+LatencySummary SummarizeLatencies(std::vector<double> latencies) {
+  LatencySummary l;
+  if (latencies.empty()) return l;
+  std::sort(latencies.begin(), latencies.end());
+  const double n = static_cast<double>(latencies.size());
+  double sum = 0;
+  for (double x : latencies) sum += x;
+  l.fastest = latencies.front();
+  l.slowest = latencies.back();
+  l.mean = sum / n;
+  double squares = 0;
+  for (double x : latencies) squares += (x - l.mean) * (x - l.mean);
+  l.stddev = std::sqrt(squares / n);
+  l.p50 = Percentile(latencies, 50);
+  l.p90 = Percentile(latencies, 90);
+  l.p95 = Percentile(latencies, 95);
+  l.p99 = Percentile(latencies, 99);
+  l.p999 = Percentile(latencies, 99.9);
+  return l;
 }
 
 BenchReport Summarize(const RunConfig& config, const LoadResult& result) {
@@ -149,20 +175,8 @@ BenchReport Summarize(const RunConfig& config, const LoadResult& result) {
 
   std::sort(latencies.begin(), latencies.end());
   const double n = static_cast<double>(latencies.size());
-  double sum = 0;
-  for (double x : latencies) sum += x;
-  LatencySummary& l = r.latency;
-  l.fastest = latencies.front();
-  l.slowest = latencies.back();
-  l.mean = sum / n;
-  double squares = 0;
-  for (double x : latencies) squares += (x - l.mean) * (x - l.mean);
-  l.stddev = std::sqrt(squares / n);
-  l.p50 = Percentile(latencies, 50);
-  l.p90 = Percentile(latencies, 90);
-  l.p95 = Percentile(latencies, 95);
-  l.p99 = Percentile(latencies, 99);
-  l.p999 = Percentile(latencies, 99.9);
+  r.latency = SummarizeLatencies(latencies);
+  const LatencySummary& l = r.latency;
   r.histogram = Histogram(latencies, kHistogramBuckets);
 
   split.send_delay /= n;
@@ -220,6 +234,12 @@ std::string FormatPretty(const std::vector<BenchReport>& reports) {
                           "  other              %10.3f ms  (network, HTTP/2, gRPC parse/serialize on the server)\n",
                           Ms(p.serialize), Ms(p.server_queue), Ms(p.server_compute), Ms(p.server_other),
                           Ms(p.deserialize), Ms(p.other));
+    if (r.health_calls > 0) {
+      absl::StrAppendFormat(&out,
+                            "Health-check round trip (%d sequential calls, same run; the floor of any call):\n"
+                            "  p50 %.3f ms, p90 %.3f ms, p99 %.3f ms, mean %.3f ms\n",
+                            r.health_calls, Ms(r.health.p50), Ms(r.health.p90), Ms(r.health.p99), Ms(r.health.mean));
+    }
     out += "Status codes:\n";
     for (const StatusSummary& st : r.statuses) {
       absl::StrAppendFormat(&out, "  [%s] %d\n", CodeName(st.code), st.count);

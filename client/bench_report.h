@@ -71,7 +71,13 @@ struct BenchReport {
   std::vector<HistogramBucket> histogram;  // over OK calls
   LatencySplit split;
   std::vector<StatusSummary> statuses;   // ascending code
+  // grpc.health.v1 Check round trips measured right after the load (health_calls == 0: not measured).
+  int64_t health_calls = 0;
+  LatencySummary health;
 };
+
+// fastest/slowest/mean/stddev and nearest-rank percentiles of `latencies` (any order); all zero when empty.
+LatencySummary SummarizeLatencies(std::vector<double> latencies);
 
 // Nearest-rank percentile of ascending `sorted`: sorted[ceil(p / 100 * n) - 1], so p50 <= p90 <= ... <= max.
 // 0 when empty.

@@ -16,7 +16,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
+#include "client/attention_client.h"
 #include "client/bench.h"
+#include "grpc/health/v1/health.grpc.pb.h"
 #include "client/bench_report.h"
 #include "client/cli.h"
 #include "client/cli_request.h"
@@ -31,10 +33,33 @@ ABSL_FLAG(int, connections, 1, "bench: channels (TCP connections) to spread the 
 ABSL_FLAG(int64_t, warmup, 0, "bench: calls before each measured run, not counted");
 ABSL_FLAG(std::string, concurrency_range, "", "bench: sweep of closed-loop runs, start:end:step or start:end:xF");
 ABSL_FLAG(std::string, O, "pretty", "bench: report format, pretty, json or csv");
+ABSL_FLAG(int, health_baseline, 0,
+          "bench: after each run, this many sequential health checks on the first connection, reported as the "
+          "round-trip floor of any call");
 ABSL_FLAG(bool, progress, false, "bench: progress line on stderr even when stderr is not a terminal");
 
 namespace mha::cli {
 namespace {
+
+constexpr int kMaxHealthCalls = 1000000;
+
+// `calls` sequential grpc.health.v1 Check calls over `channel`, each timed from call to decoded response.
+absl::StatusOr<LatencySummary> MeasureHealthRoundTrip(const std::shared_ptr<grpc::Channel>& channel, int calls,
+                                                      absl::Duration timeout) {
+  auto stub = grpc::health::v1::Health::NewStub(channel);
+  std::vector<double> seconds;
+  seconds.reserve(calls);
+  for (int i = 0; i < calls; ++i) {
+    grpc::ClientContext context;
+    context.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
+    grpc::health::v1::HealthCheckResponse response;
+    const auto start = std::chrono::steady_clock::now();
+    const grpc::Status status = stub->Check(&context, grpc::health::v1::HealthCheckRequest(), &response);
+    seconds.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    if (!status.ok()) return FromGrpcStatus(status);
+  }
+  return SummarizeLatencies(std::move(seconds));
+}
 
 constexpr int64_t kDefaultTotal = 200;
 constexpr int kMaxConnections = 256;
@@ -90,6 +115,11 @@ int RunBench(const ClientOptions& options) {
   if (connections < 1 || connections > kMaxConnections) {
     return UsageError(absl::InvalidArgumentError(
         absl::StrCat("--connections must be in [1, ", kMaxConnections, "]; got ", connections)));
+  }
+  const int health_calls = absl::GetFlag(FLAGS_health_baseline);
+  if (health_calls < 0 || health_calls > kMaxHealthCalls) {
+    return UsageError(absl::InvalidArgumentError(
+        absl::StrCat("--health_baseline must be in [0, ", kMaxHealthCalls, "]; got ", health_calls)));
   }
   const std::string format = absl::GetFlag(FLAGS_O);
   if (format != "pretty" && format != "json" && format != "csv") {
@@ -150,6 +180,12 @@ int RunBench(const ClientOptions& options) {
     printer.Clear();
     if (!result.ok()) return Fail(result.status());
     reports.push_back(Summarize(config, *result));
+    if (health_calls > 0) {
+      absl::StatusOr<LatencySummary> health = MeasureHealthRoundTrip(channels.front(), health_calls, options.timeout);
+      if (!health.ok()) return Fail(health.status());
+      reports.back().health_calls = health_calls;
+      reports.back().health = *health;
+    }
   }
   const std::string text =
       format == "json" ? FormatJson(reports) : format == "csv" ? FormatCsv(reports) : FormatPretty(reports);

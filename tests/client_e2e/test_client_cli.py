@@ -236,6 +236,16 @@ def test_bench_closed_loop_json_report_adds_up(server, run_cli):
     assert report["split_ms"]["server_compute"] > 0
 
 
+def test_bench_health_baseline_measures_health_round_trips(server, run_cli):
+    report = bench_json(run_cli, "--target", server.target, "-n", "5", "--health_baseline", "20")
+    health = report["health_rtt_ms"]
+    assert health["calls"] == 20
+    assert 0 < health["fastest"] <= health["p50"] <= health["p90"] <= health["p99"]
+    # A health check does no attention work, so it is the floor of any call on the same connection.
+    assert health["p50"] <= report["latency_ms"]["p50"]
+    assert "health_rtt_ms" not in bench_json(run_cli, "--target", server.target, "-n", "2")
+
+
 def test_bench_counts_errors_with_their_messages(server, run_cli):
     report = bench_json(run_cli, "--target", server.target, "--heads", "3", "-n", "10", "-c", "2")
     assert_report_consistent(report)
