@@ -1,23 +1,66 @@
-# mhaserve container image (CPU). Multi-stage: build on Debian bookworm with the project's own install script,
-# run with the runtime libraries only. The deploy issue builds and tests this image in CI with podman.
+# mhaserve container image. Multi-stage: build on Debian bookworm with the project's own install script, run with
+# the runtime libraries only. deploy/container-test.sh builds and runs it in CI with podman; docs/DEPLOY.md has the
+# commands and the measured numbers.
+#
+#   podman build --format docker -t mhaserve:0.1.0 .      (docker build -t mhaserve:0.1.0 .)
+#   podman run --rm --init -p 50051:50051 mhaserve:0.1.0 [--threads N --layers_dir /layers ...]
+#
+# Build arguments:
+#   BASE_IMAGE  Debian bookworm image for both stages (default debian:bookworm; CI passes a debootstrapped local
+#               localhost/debian:bookworm since no registry is reachable there).
+#   VARIANT     cpu (default; what CI builds and tests) or cuda: adds Debian's CUDA 11.8 toolkit (contrib/non-free)
+#               to the build stage and its runtime libraries to the image, and configures with -DMHA_WITH_CUDA=ON.
+#               The CUDA backend is not in the tree yet (the server reports cuda "not compiled into this build"),
+#               so today the cuda variant serves on the CPU; run it with the GPU passed in (docker --gpus all,
+#               podman --device nvidia.com/gpu=all).
 ARG BASE_IMAGE=debian:bookworm
 
 FROM ${BASE_IMAGE} AS build
+ARG VARIANT=cpu
 WORKDIR /src
+# The install script alone first, so this layer (the slow part) is cached across source changes.
 COPY deploy/install-deps.sh deploy/install-deps.sh
-RUN deploy/install-deps.sh --build-only
+RUN deploy/install-deps.sh --build-only \
+ && if [ "$VARIANT" = cuda ]; then \
+      sed -i 's/^Components: main$/Components: main contrib non-free non-free-firmware/' \
+        /etc/apt/sources.list.d/debian.sources \
+      && apt-get update -qq \
+      && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends nvidia-cuda-toolkit; \
+    elif [ "$VARIANT" != cpu ]; then echo "VARIANT must be cpu or cuda, got $VARIANT" >&2; exit 2; fi \
+ && rm -rf /var/lib/apt/lists/*
 COPY . .
-RUN rm -rf build && cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DBUILD_TESTING=OFF \
- && cmake --build build --target mha_server mha_client
+# Only the two stripped binaries leave this step (in /out): the build tree would make every cached layer large.
+RUN cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DBUILD_TESTING=OFF \
+      $([ "$VARIANT" = cuda ] && echo -DMHA_WITH_CUDA=ON) \
+ && cmake --build build --target mha_server mha_client \
+ && mkdir /out && strip -o /out/mha_server build/bin/mha_server && strip -o /out/mha_client build/bin/mha_client \
+ && rm -rf build
 
 FROM ${BASE_IMAGE}
-RUN apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-      libgrpc++1.51 libprotobuf32 libdnnl2 libspdlog1.10 libgomp1 ca-certificates \
-      $(apt-cache search --names-only '^libabsl[0-9]+$' | cut -d' ' -f1) \
- && rm -rf /var/lib/apt/lists/* \
- && useradd --system --uid 10001 mha
-COPY --from=build /src/build/bin/mha_server /src/build/bin/mha_client /usr/local/bin/
-USER mha
+ARG VARIANT=cpu
+# Exactly the packages owning the shared libraries the two binaries link (ldd + dpkg -S), nothing to build with.
+RUN apt-get update -qq \
+ && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+      libgrpc++1.51 libgrpc29 libprotobuf32 libabsl20220623 libre2-9 libc-ares2 libssl3 zlib1g \
+      libdnnl2 ocl-icd-libopencl1 libgomp1 libspdlog1.10 libfmt9 libstdc++6 \
+ && if [ "$VARIANT" = cuda ]; then \
+      sed -i 's/^Components: main$/Components: main contrib non-free non-free-firmware/' \
+        /etc/apt/sources.list.d/debian.sources \
+      && apt-get update -qq \
+      && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends libcudart11.0 libcublas11; \
+    fi \
+ && apt-get clean && rm -rf /var/lib/apt/lists/* /var/cache/apt/*.bin \
+ && useradd --system --uid 10001 --no-create-home --shell /usr/sbin/nologin mha \
+ && mkdir /layers
+COPY --from=build /out/mha_server /out/mha_client /usr/local/bin/
+# Layers (*.safetensors) mounted at /layers are registered at start; the built-in "demo" layer is always there.
+USER 10001:10001
+# gRPC: mha.v1.Attention, grpc.health.v1.Health and reflection. There is no metrics port yet.
 EXPOSE 50051
-HEALTHCHECK --interval=10s --timeout=3s CMD ["/usr/local/bin/mha_client", "health", "--target", "127.0.0.1:50051", "--timeout_s", "2"]
-ENTRYPOINT ["/usr/local/bin/mha_server", "--listen", "0.0.0.0:50051"]
+# The server drains in-flight calls for up to 30 s on SIGTERM and exits 0; as PID 1 it handles the signal itself.
+STOPSIGNAL SIGTERM
+HEALTHCHECK --interval=10s --timeout=3s --start-period=10s --retries=3 \
+  CMD ["/usr/local/bin/mha_client", "health", "--target", "127.0.0.1:50051", "--timeout_s", "2"]
+# Arguments after the image name are appended, and a repeated flag takes its last value, so
+# `--listen 127.0.0.1:6000` or `--threads 4` override these defaults.
+ENTRYPOINT ["/usr/local/bin/mha_server", "--listen", "0.0.0.0:50051", "--layers_dir", "/layers"]

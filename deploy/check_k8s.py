@@ -1,0 +1,202 @@
+#!/usr/bin/python3
+"""Checks that the Kubernetes manifests in deploy/k8s/ fit together, without a cluster.
+
+Usage: check_k8s.py K8S_DIR DOCKERFILE
+
+Reads kustomization.yaml and every resource it lists (python3-yaml), then checks what `kubectl apply` would not:
+names and labels that select the Deployment's pods, ports that resolve to a container port, the ConfigMap and
+image the Deployment uses, flags that agree with the mounts and CPU limit, a grace period that covers the drain,
+an HPA and a PDB that can work together, and the container port matching the image's EXPOSE. Prints one line per
+problem and exits 1 when there is any.
+"""
+import re
+import sys
+
+import yaml
+
+# mha_server drains in-flight calls for up to this long after SIGTERM (MhaServer::Shutdown's default grace).
+SERVER_DRAIN_S = 30
+
+problems = []
+
+
+def check(condition, message):
+    if not condition:
+        problems.append(message)
+    return condition
+
+
+def selects(selector, labels):
+    """True when every key of a label selector (matchLabels or a Service's selector) is set the same in labels."""
+    return bool(selector) and all(labels.get(k) == v for k, v in selector.items())
+
+
+def cpu_cores(quantity):
+    quantity = str(quantity)
+    return float(quantity[:-1]) / 1000 if quantity.endswith("m") else float(quantity)
+
+
+def memory_bytes(quantity):
+    units = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
+    match = re.fullmatch(r"([0-9.]+)([A-Za-z]*)", str(quantity))
+    return float(match.group(1)) * units.get(match.group(2), 1)
+
+
+def flag_values(args):
+    """--name=value and --name value pairs; the last occurrence wins, as with absl flags."""
+    values = {}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if arg.startswith("--") and "=" in arg:
+            name, value = arg[2:].split("=", 1)
+            values[name] = value
+        elif arg.startswith("--") and i + 1 < len(args) and not args[i + 1].startswith("--"):
+            values[arg[2:]] = args[i + 1]
+            i += 1
+        i += 1
+    return values
+
+
+def load_resources(k8s_dir):
+    with open(f"{k8s_dir}/kustomization.yaml") as f:
+        kustomization = yaml.safe_load(f)
+    check(kustomization.get("kind") == "Kustomization", "kustomization.yaml: kind is not Kustomization")
+    resources = []
+    for path in kustomization.get("resources", []):
+        with open(f"{k8s_dir}/{path}") as f:
+            for doc in yaml.safe_load_all(f):
+                if doc is None:
+                    continue
+                for field in ("apiVersion", "kind"):
+                    check(field in doc, f"{path}: a document has no {field}")
+                check(doc.get("metadata", {}).get("name"), f"{path}: a {doc.get('kind')} has no metadata.name")
+                resources.append(doc)
+    keys = [(r.get("kind"), r.get("metadata", {}).get("name")) for r in resources]
+    for key in set(keys):
+        check(keys.count(key) == 1, f"{key[0]} {key[1]} is defined {keys.count(key)} times")
+    return kustomization, resources
+
+
+def main(k8s_dir, dockerfile):
+    kustomization, resources = load_resources(k8s_dir)
+
+    def of_kind(kind):
+        return [r for r in resources if r["kind"] == kind]
+
+    deployments = of_kind("Deployment")
+    if not check(len(deployments) == 1, f"expected one Deployment, found {len(deployments)}"):
+        return
+    deployment = deployments[0]
+    name = deployment["metadata"]["name"]
+    pod = deployment["spec"]["template"]
+    pod_labels = pod["metadata"]["labels"]
+    check(selects(deployment["spec"]["selector"]["matchLabels"], pod_labels),
+          f"Deployment {name}: selector does not match its pod template labels")
+    containers = pod["spec"]["containers"]
+    check(len(containers) == 1, f"Deployment {name}: expected one container")
+    container = containers[0]
+    ports = {p["containerPort"]: p.get("name") for p in container.get("ports", [])}
+    port_names = {v: k for k, v in ports.items() if v}
+
+    def resolve(port, where):
+        """A port number or name as the container sees it; None (and a problem) when it names no container port."""
+        number = port_names.get(port) if isinstance(port, str) else port
+        check(number in ports, f"{where}: port {port!r} is not a container port of Deployment {name}")
+        return number
+
+    # Flags against ports, mounts and resources.
+    flags = flag_values(container.get("args", []))
+    listen_port = int(flags.get("listen", "0.0.0.0:50051").rsplit(":", 1)[1])
+    check(listen_port in ports, f"Deployment {name}: --listen port {listen_port} is not a containerPort")
+    check(flags.get("listen", "0.0.0.0:").startswith("0.0.0.0:"),
+          f"Deployment {name}: --listen must bind 0.0.0.0 in a pod")
+    mounts = {m["mountPath"]: m["name"] for m in container.get("volumeMounts", [])}
+    volumes = {v["name"]: v for v in pod["spec"].get("volumes", [])}
+    for path, volume in mounts.items():
+        check(volume in volumes, f"Deployment {name}: volumeMount {path} names no volume {volume}")
+    layers_dir = flags.get("layers_dir", "/layers")
+    if check(layers_dir in mounts, f"Deployment {name}: --layers_dir {layers_dir} is not a mount"):
+        config_map = volumes.get(mounts[layers_dir], {}).get("configMap", {}).get("name")
+        check(config_map in {r["metadata"]["name"] for r in of_kind("ConfigMap")},
+              f"Deployment {name}: the layers volume names no ConfigMap in the kustomization ({config_map})")
+    resources_spec = container.get("resources", {})
+    requests, limits = resources_spec.get("requests", {}), resources_spec.get("limits", {})
+    for kind, parse in (("cpu", cpu_cores), ("memory", memory_bytes)):
+        if check(kind in requests and kind in limits, f"Deployment {name}: {kind} request and limit must be set"):
+            check(parse(requests[kind]) <= parse(limits[kind]), f"Deployment {name}: {kind} request over its limit")
+    if "threads" in flags and "cpu" in limits:
+        check(int(flags["threads"]) == int(cpu_cores(limits["cpu"])),
+              f"Deployment {name}: --threads {flags['threads']} differs from the CPU limit {limits['cpu']}")
+
+    # Probes: native gRPC on a container port.
+    for probe in ("readinessProbe", "livenessProbe"):
+        spec = container.get(probe)
+        if check(spec and "grpc" in spec, f"Deployment {name}: {probe} must be a native grpc probe"):
+            resolve(spec["grpc"]["port"], f"Deployment {name} {probe}")
+
+    # Termination: preStop sleep plus the server's drain fit in the grace period.
+    pre_stop = container.get("lifecycle", {}).get("preStop", {})
+    command = pre_stop.get("exec", {}).get("command", [])
+    pre_stop_s = pre_stop.get("sleep", {}).get("seconds", 0)
+    if len(command) == 2 and command[0].endswith("sleep"):
+        pre_stop_s = int(command[1])
+    check(pre_stop, f"Deployment {name}: no preStop hook")
+    grace = pod["spec"].get("terminationGracePeriodSeconds", 30)
+    check(grace >= pre_stop_s + SERVER_DRAIN_S, f"Deployment {name}: terminationGracePeriodSeconds {grace} < "
+          f"preStop {pre_stop_s} s + drain {SERVER_DRAIN_S} s")
+
+    # Services select the pods and target a container port; one of them is headless.
+    services = of_kind("Service")
+    for service in services:
+        where = f"Service {service['metadata']['name']}"
+        check(selects(service["spec"].get("selector"), pod_labels), f"{where}: selector does not match the pods")
+        for port in service["spec"]["ports"]:
+            resolve(port.get("targetPort", port["port"]), where)
+    check(any(s["spec"].get("clusterIP") == "None" for s in services), "no headless Service (clusterIP: None)")
+    check(any(s["spec"].get("type", "ClusterIP") == "ClusterIP" and s["spec"].get("clusterIP") != "None"
+              for s in services), "no ClusterIP Service")
+
+    # HPA scales this Deployment, on a resource whose request is set; the PDB leaves room to evict.
+    hpas = of_kind("HorizontalPodAutoscaler")
+    check(len(hpas) == 1, f"expected one HorizontalPodAutoscaler, found {len(hpas)}")
+    for hpa in hpas:
+        target = hpa["spec"]["scaleTargetRef"]
+        check((target["kind"], target["name"], target["apiVersion"]) == ("Deployment", name, deployment["apiVersion"]),
+              f"HorizontalPodAutoscaler {hpa['metadata']['name']}: scaleTargetRef is not Deployment {name}")
+        check(1 <= hpa["spec"].get("minReplicas", 1) <= hpa["spec"]["maxReplicas"],
+              "HorizontalPodAutoscaler: minReplicas must be in [1, maxReplicas]")
+        for metric in hpa["spec"].get("metrics", []):
+            if metric["type"] == "Resource":
+                check(metric["resource"]["name"] in requests,
+                      f"HorizontalPodAutoscaler: scales on {metric['resource']['name']} with no request set")
+    pdbs = of_kind("PodDisruptionBudget")
+    check(len(pdbs) == 1, f"expected one PodDisruptionBudget, found {len(pdbs)}")
+    for pdb in pdbs:
+        check(selects(pdb["spec"]["selector"]["matchLabels"], pod_labels), "PodDisruptionBudget: selects no pods")
+        min_replicas = min((h["spec"].get("minReplicas", 1) for h in hpas), default=1)
+        check(pdb["spec"].get("minAvailable", 0) < min_replicas,
+              "PodDisruptionBudget: minAvailable >= the HPA's minReplicas would block every eviction")
+
+    # The image the Deployment runs is the one kustomize rewrites, and it exposes the container port.
+    image_name = container["image"].rsplit(":", 1)[0]
+    check(any(i["name"] == image_name for i in kustomization.get("images", [])),
+          f"kustomization.yaml: images has no entry for {image_name}")
+    with open(dockerfile) as f:
+        exposed = {int(p.split("/")[0]) for line in f if line.startswith("EXPOSE") for p in line.split()[1:]}
+    check(set(ports) <= exposed,
+          f"container ports {sorted(ports)} are not all EXPOSEd by {dockerfile} {sorted(exposed)}")
+    print(f"check_k8s: {len(resources)} resources from {k8s_dir}/kustomization.yaml checked, "
+          f"{len(problems)} problem(s)")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3:
+        sys.exit(__doc__)
+    try:
+        main(sys.argv[1], sys.argv[2])
+    except (OSError, yaml.YAMLError, KeyError, TypeError, ValueError) as error:
+        problems.append(f"cannot read the manifests: {error!r}")
+    for problem in problems:
+        print(f"check_k8s: {problem}")
+    sys.exit(1 if problems else 0)

@@ -1,0 +1,166 @@
+#!/usr/bin/env bash
+# Builds the mhaserve image with podman (rootful, no daemon, no registry) and runs it for real on a free loopback
+# port: health (the image's HEALTHCHECK command), info, demo-layer calls checked against the reference backend
+# from a second container, then SIGTERM during a long call (it must finish, and the container must exit 0), once
+# under podman's --init and once with the server itself as PID 1 on a read-only root without capabilities (as the
+# Kubernetes Deployment runs it). Containers are removed; the images stay cached.
+#
+#   deploy/container-test.sh
+#
+# State lives in build/containers/ (override with MHA_CONTAINER_DIR): storage.conf, the overlay graphroot and the
+# debootstrapped base image localhost/debian:bookworm, made once (about a minute) and reused. Every container
+# uses --network=host (podman's default bridge would rewrite the host's firewall) and binds 127.0.0.1 only.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+root=$PWD
+t_start=$(date +%s)
+step() { echo "container-test: [$(($(date +%s) - t_start)) s] $*"; }
+
+deploy/install-deps.sh --container
+
+state=${MHA_CONTAINER_DIR:-$root/build/containers}
+mkdir -p "$state"
+state=$(cd "$state" && pwd)
+cat >"$state/storage.conf" <<EOF
+# Written by deploy/container-test.sh.
+[storage]
+driver = "overlay"
+graphroot = "$state/storage"
+runroot = "/run/mhaserve-containers"
+EOF
+export CONTAINERS_CONF=$root/deploy/podman/containers.conf
+export CONTAINERS_STORAGE_CONF=$state/storage.conf
+
+base_image=localhost/debian:bookworm
+image=${MHA_IMAGE:-localhost/mhaserve:test}
+work=$(mktemp -d)
+run_name=mhaserve-ct-$$
+podman_pid=""
+cleanup() {
+  if podman container exists "$run_name" 2>/dev/null; then podman rm -f -t 0 "$run_name" >/dev/null || true; fi
+  if [[ -n "$podman_pid" ]] && kill -0 "$podman_pid" 2>/dev/null; then kill -KILL "$podman_pid" || true; fi
+  if [[ -d "$work/rootfs" ]]; then rm -rf --one-file-system "$work/rootfs"; fi
+  rm -rf "$work"
+}
+trap cleanup EXIT
+
+# --- base image: debootstrap from the machine's own Debian mirror, then podman import -------------------------
+t_base=$(date +%s)
+if podman image exists "$base_image"; then
+  base_note="cached"
+else
+  mirror=$(apt-get indextargets --no-release-info --format '$(RELEASE) $(COMPONENT) $(REPO_URI)' |
+    awk '$1 == "bookworm" && $2 == "main" { print $3; exit }')
+  [[ -n "$mirror" ]] || { echo "container-test: no bookworm main mirror in the apt sources"; exit 1; }
+  step "debootstrap --variant=minbase bookworm from $mirror"
+  debootstrap --variant=minbase bookworm "$work/rootfs" "$mirror" >"$work/debootstrap.log" 2>&1 ||
+    { tail -30 "$work/debootstrap.log"; exit 1; }
+  # The host's Debian sources (those whose keyrings the new system has) in place of debootstrap's one line, and
+  # the host's apt acquisition settings, so that apt-get inside the image reaches the same mirror the same way.
+  mkdir "$work/sources"
+  for f in /etc/apt/sources.list /etc/apt/sources.list.d/*.list /etc/apt/sources.list.d/*.sources; do
+    [[ -s "$f" ]] || continue
+    keyrings_present=1
+    for key in $(grep -ohE '(Signed-By: *|signed-by=)[^] ]+' "$f" | sed -E 's/^(Signed-By: *|signed-by=)//' || true); do
+      [[ -e "$work/rootfs$key" ]] || keyrings_present=0
+    done
+    if [[ $keyrings_present -eq 1 ]]; then cp --parents "$f" "$work/sources/"; fi
+  done
+  if [[ -n "$(ls -A "$work/sources")" ]]; then
+    rm -f "$work/rootfs/etc/apt/sources.list"
+    cp -r "$work/sources/etc/apt/." "$work/rootfs/etc/apt/"
+  fi
+  apt-config dump | grep -E '^Acquire::(Check-Valid-Until|Check-Date|https?::Proxy) ' \
+    >"$work/rootfs/etc/apt/apt.conf.d/99host-acquire" || true
+  rm -rf "$work/rootfs/var/cache/apt/archives/"*.deb "$work/rootfs/var/lib/apt/lists/"*
+  tar -C "$work/rootfs" -c . | podman import - "$base_image" >/dev/null
+  rm -rf --one-file-system "$work/rootfs"
+  base_note="made"
+fi
+base_s=$(($(date +%s) - t_base))
+step "base image $base_image $base_note (${base_s} s)"
+
+# --- build ----------------------------------------------------------------------------------------------------
+t_build=$(date +%s)
+step "podman build $image"
+# --format docker keeps HEALTHCHECK (the OCI format has no field for it).
+podman build --network=host --pull=never --format docker --build-arg BASE_IMAGE="$base_image" \
+  -t "$image" -f Dockerfile . >"$work/build.log" 2>&1 || { tail -60 "$work/build.log"; exit 1; }
+build_s=$(($(date +%s) - t_build))
+size_mb=$(( $(podman image inspect --format '{{.Size}}' "$image") / 1000000 ))
+step "built $image: ${size_mb} MB in ${build_s} s"
+if ! podman image inspect --format '{{json .Config.Healthcheck}}' "$image" | grep -q 'mha_client","health'; then
+  echo "container-test: FAILED: the image has no mha_client health HEALTHCHECK"; exit 1
+fi
+
+# --- run ------------------------------------------------------------------------------------------------------
+fail() { echo "container-test: FAILED: $*"; if [[ -s "$work/server.log" ]]; then cat "$work/server.log"; fi; exit 1; }
+free_port() {
+  /usr/bin/python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
+}
+# A second container calling the server over loopback, as another service would.
+client() { podman run --rm --network=host --no-healthcheck --entrypoint /usr/local/bin/mha_client "$image" "$@"; }
+
+# start_server PODMAN_RUN_FLAGS...: runs the image in the background on a free loopback port (sets port and
+# podman_pid) with the image's health command pointed at that port, and waits until `podman healthcheck run`
+# reports healthy. (The healthcheck timer podman would start needs systemd, absent here: podman logs that.)
+start_server() {
+  port=$(free_port)
+  podman run --rm --network=host --name "$run_name" "$@" \
+    --health-cmd "[\"/usr/local/bin/mha_client\",\"health\",\"--target\",\"127.0.0.1:$port\",\"--timeout_s\",\"2\"]" \
+    "$image" --listen "127.0.0.1:$port" --threads 2 >"$work/server.log" 2>&1 &
+  podman_pid=$!
+  for _ in $(seq 120); do
+    if podman healthcheck run "$run_name" >/dev/null 2>&1; then return 0; fi
+    kill -0 "$podman_pid" 2>/dev/null || break
+    sleep 0.5
+  done
+  fail "the container did not become healthy"
+}
+
+# stop_during_long_call STOP_COMMAND...: a long call from the client container (about 4 s on the reference
+# backend's plain loops, which performance work leaves alone), STOP_COMMAND a second after its connection is up,
+# then: the call succeeded, the container exited 0, and the call was logged as OK after the server received
+# SIGTERM (it was in flight and drained, not refused).
+stop_during_long_call() {
+  client call --target "127.0.0.1:$port" --backend reference --batch 4 --seq 512 --timeout_s 120 \
+    >"$work/long.out" 2>&1 &
+  local client_pid=$!
+  for _ in $(seq 200); do
+    [[ -n "$(ss -tnH state established "( dport = :$port )")" ]] && break
+    sleep 0.1
+  done
+  sleep 1
+  "$@" >/dev/null
+  local client_status=0 server_status=0
+  wait "$client_pid" || client_status=$?
+  wait "$podman_pid" || server_status=$?
+  podman_pid=""
+  cat "$work/long.out"
+  [[ $client_status -eq 0 ]] || fail "the in-flight call failed"
+  [[ $server_status -eq 0 ]] || fail "the container exited $server_status after SIGTERM"
+  awk '/received SIGTERM/ { term = 1 } term && /query\[4, 512, 512\].*status=OK/ { drained = 1 }
+       /stopped/ { stopped = 1 } END { exit !(drained && stopped) }' "$work/server.log" ||
+    fail "no call drained after SIGTERM in the log"
+  if podman container exists "$run_name"; then fail "the container was not removed"; fi
+}
+
+step "run 1: podman run --init; health, info and checked calls from a second container"
+start_server --init
+[[ $(podman exec "$run_name" id -u) == 10001 ]] || fail "the server does not run as uid 10001"
+client health --target "127.0.0.1:$port" --timeout_s 5
+client info --target "127.0.0.1:$port" | grep -q "layer demo" || fail "info lists no demo layer"
+client call --target "127.0.0.1:$port" --batch 2 --seq 64 --causal --check
+client call --target "127.0.0.1:$port" --batch 1 --seq 16 --dtype fp16 --weights --check
+step "run 1: SIGTERM (through podman's init) during a call"
+stop_during_long_call podman kill --signal TERM "$run_name"
+
+# As the Kubernetes Deployment runs it: read-only root, no capabilities, no privilege escalation.
+step "run 2: mha_server as PID 1 (no --init), read-only, no capabilities; podman stop during a call"
+start_server --read-only --cap-drop=all --security-opt=no-new-privileges
+[[ $(podman exec "$run_name" cat /proc/1/comm) == mha_server ]] || fail "PID 1 is not mha_server"
+podman exec "$run_name" /bin/sleep 0 || fail "no /bin/sleep for the Kubernetes preStop hook"
+stop_during_long_call podman stop -t 40 "$run_name"
+
+total_s=$(($(date +%s) - t_start))
+step "passed: image ${size_mb} MB, base image ${base_note} ${base_s} s, build ${build_s} s, total ${total_s} s"
