@@ -24,10 +24,10 @@ namespace mha {
 
 class CpuBackend final : public Backend {
  public:
-  // Tile sizes of the attention core: a [kQueryBlock, kKeyBlock] fp32 score tile is 64 KiB, and with its K and V
+  // Tile sizes of the attention core: a [kQueryBlock, kKeyBlock] fp32 score tile is 256 KiB, and with its K and V
   // blocks stays within a core's L2.
-  static constexpr int64_t kQueryBlock = 64;
-  static constexpr int64_t kKeyBlock = 256;
+  static constexpr int64_t kQueryBlock = 128;
+  static constexpr int64_t kKeyBlock = 512;
 
   // UNAVAILABLE if oneDNN cannot create a CPU engine.
   static absl::StatusOr<std::unique_ptr<CpuBackend>> Create();

@@ -19,3 +19,5 @@ OMP_NUM_THREADS=$threads build/bin/attention_bench --benchmark_min_time="$min_ti
 /usr/bin/python3 tests/bench/report.py "$out/bench.json" "$out/peers.jsonl"
 echo
 OMP_NUM_THREADS=$threads build/bin/attention_bench --memory_case
+echo
+/usr/bin/python3 tests/bench/e2e.py --server build/bin/mha_server --client build/bin/mha_client
