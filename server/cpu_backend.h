@@ -1,7 +1,7 @@
 // Attention on the host CPU, fp32, with oneDNN doing the matmuls.
 //
-// Projections are oneDNN matmul primitives (one fused Q|K|V matmul for self-attention), created once per shape
-// and cached. The attention core keeps the head-packed [B, T, H, d_k] layout and reads it in place through row
+// Projections are oneDNN sgemm calls (one fused Q|K|V product for self-attention), which JIT and cache their
+// kernels inside oneDNN; measured here they beat the matmul primitive on every projection shape. The attention core keeps the head-packed [B, T, H, d_k] layout and reads it in place through row
 // strides (GQA/MQA point each query head at its shared K/V head; nothing is copied or repeated). It runs as one
 // OpenMP region over (batch, head, query block of kQueryBlock rows); each item computes its score tiles with
 // oneDNN's sgemm (scale fused as alpha) on its own thread so tiles stay in that core's cache:
@@ -11,7 +11,6 @@
 #ifndef MHA_SERVER_CPU_BACKEND_H_
 #define MHA_SERVER_CPU_BACKEND_H_
 
-#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -24,12 +23,12 @@ namespace mha {
 
 class CpuBackend final : public Backend {
  public:
-  // Tile sizes of the attention core: a [kQueryBlock, kKeyBlock] fp32 score tile is 256 KiB, and with its K and V
-  // blocks stays within a core's L2.
-  static constexpr int64_t kQueryBlock = 128;
+  // Tile sizes of the attention core: a [kQueryBlock, kKeyBlock] fp32 score tile is 128 KiB, and with its K and V
+  // blocks stays within a core's L2 (tuned with tests/bench/attention_bench; docs/PERFORMANCE.md).
+  static constexpr int64_t kQueryBlock = 64;
   static constexpr int64_t kKeyBlock = 512;
 
-  // UNAVAILABLE if oneDNN cannot create a CPU engine.
+  // UNAVAILABLE if oneDNN does not run on this machine.
   static absl::StatusOr<std::unique_ptr<CpuBackend>> Create();
 
   absl::string_view name() const override { return "cpu"; }
@@ -43,13 +42,8 @@ class CpuBackend final : public Backend {
     const float* data;
     int64_t row_stride;
   };
-  // A memory descriptor as plain numbers (dims and strides), which is also its cache key.
-  struct Layout {
-    std::vector<int64_t> dims;
-    std::vector<int64_t> strides;
-  };
 
-  CpuBackend(dnnl::engine engine, dnnl::stream stream);
+  CpuBackend() = default;
 
   // Writes attention over q, k, v into out (head-packed, row stride out_stride) and, when non-null, the
   // probabilities into weights [B, H, Tq, Tk]. Throws dnnl::error.
@@ -58,13 +52,7 @@ class CpuBackend final : public Backend {
   // y[m, n] (row stride ldy) = x[m, k] (row stride ldx) w[k, n] + bias[n] (bias may be null). Throws dnnl::error.
   void Linear(const float* x, int64_t m, int64_t k, int64_t ldx, const float* w, const float* bias, int64_t n,
               float* y, int64_t ldy);
-  // dst = output_scale * src x weights (+ bias), through a cached primitive.
-  void RunMatmul(const Layout& src, const float* src_data, const Layout& weights, const float* weights_data,
-                 const float* bias_data, const Layout& dst, float* dst_data, float output_scale);
 
-  dnnl::engine engine_;
-  dnnl::stream stream_;
-  std::map<std::vector<int64_t>, dnnl::matmul> matmuls_;
   // Scratch reused across calls (grown on demand, never shrunk below the largest request seen).
   std::vector<float> projected_;  // Q|K|V projections
   std::vector<float> heads_;      // concatenated head outputs [B*Tq, H*d_k]
