@@ -25,8 +25,8 @@ class CpuBackend final : public Backend {
  public:
   // Tile sizes of the attention core: a [kQueryBlock, kKeyBlock] fp32 score tile is 128 KiB, and with its K and V
   // blocks stays within a core's L2 (tuned with tests/bench/attention_bench; docs/PERFORMANCE.md).
-  static constexpr int64_t kQueryBlock = 64;
-  static constexpr int64_t kKeyBlock = 512;
+  static constexpr int64_t kQueryBlock = 128;
+  static constexpr int64_t kKeyBlock = 256;
 
   // UNAVAILABLE if oneDNN does not run on this machine.
   static absl::StatusOr<std::unique_ptr<CpuBackend>> Create();

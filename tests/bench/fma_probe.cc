@@ -73,7 +73,7 @@ PeakResult MeasurePeak(int threads, double seconds) {
     }
     iterations *= 2;
   }
-  for (int repetition = 0; repetition < 4; ++repetition) {
+  for (int repetition = 0; repetition < 8; ++repetition) {
     const auto start = std::chrono::steady_clock::now();
     float sink = 0;
 #pragma omp parallel num_threads(threads) reduction(+ : sink)
