@@ -2,6 +2,7 @@
 
 #include "absl/time/clock.h"
 #include "grpc/health/v1/health.grpc.pb.h"
+#include "proto/mha/v1/tensor_codec.h"
 
 namespace mha {
 
@@ -43,6 +44,39 @@ absl::StatusOr<Response> Unary(
 absl::StatusOr<v1::MultiHeadAttentionResponse> AttentionClient::MultiHeadAttention(
     const v1::MultiHeadAttentionRequest& request) {
   return Unary(stub_.get(), &v1::Attention::Stub::MultiHeadAttention, request, options_.timeout);
+}
+
+absl::StatusOr<MhaOutputs> AttentionClient::MultiHeadAttention(const MhaInputs& inputs) {
+  if (inputs.query == nullptr) return absl::InvalidArgumentError("query is required");
+  v1::MultiHeadAttentionRequest request;
+  // Outputs in fp32 whatever the wire dtype of the inputs, so MhaOutputs holds exactly what the server computed.
+  FloatsToTensor(inputs.query->values, inputs.query->shape, inputs.wire_dtype, request.mutable_query());
+  if (inputs.key != nullptr) {
+    FloatsToTensor(inputs.key->values, inputs.key->shape, inputs.wire_dtype, request.mutable_key());
+  }
+  if (inputs.value != nullptr) {
+    FloatsToTensor(inputs.value->values, inputs.value->shape, inputs.wire_dtype, request.mutable_value());
+  }
+  request.set_layer(inputs.layer);
+  if (inputs.causal) request.mutable_heads()->set_causal(true);
+  for (int32_t length : inputs.key_lengths) request.add_key_lengths(length);
+  for (float factor : inputs.head_mask) request.add_head_mask(factor);
+  request.set_return_attention_weights(inputs.return_attention_weights);
+  request.set_output_dtype(v1::FP32);
+  request.set_backend(inputs.backend);
+  absl::StatusOr<v1::MultiHeadAttentionResponse> response = MultiHeadAttention(request);
+  if (!response.ok()) return response.status();
+  MhaOutputs outputs;
+  outputs.output.shape.assign(response->output().shape().begin(), response->output().shape().end());
+  outputs.output.values = TensorToFloats(response->output());
+  if (response->has_attention_weights()) {
+    const v1::Tensor& weights = response->attention_weights();
+    outputs.attention_weights.shape.assign(weights.shape().begin(), weights.shape().end());
+    outputs.attention_weights.values = TensorToFloats(weights);
+  }
+  outputs.backend = response->backend();
+  outputs.timing = response->timing();
+  return outputs;
 }
 
 absl::StatusOr<v1::ScaledDotProductAttentionResponse> AttentionClient::ScaledDotProductAttention(

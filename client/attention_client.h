@@ -4,8 +4,10 @@
 #ifndef MHA_CLIENT_ATTENTION_CLIENT_H_
 #define MHA_CLIENT_ATTENTION_CLIENT_H_
 
+#include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
@@ -31,6 +33,33 @@ struct ClientOptions {
 // A channel to options.target with the options' message limits, load-balancing policy and connection sharing.
 std::shared_ptr<grpc::Channel> CreateAttentionChannel(const ClientOptions& options);
 
+// A dense fp32 array with its shape, row-major.
+struct Array {
+  std::vector<int64_t> shape;
+  std::vector<float> values;  // product(shape) values
+};
+
+// A MultiHeadAttention call on plain arrays. Borrowed pointers must outlive the call.
+struct MhaInputs {
+  const Array* query = nullptr;  // [B, Tq, d_model], required
+  const Array* key = nullptr;    // [B, Tk, d_kv_in]; null = self-attention
+  const Array* value = nullptr;  // [B, Tk, d_v_in]; null = key
+  std::string layer = "demo";    // a registered layer
+  bool causal = false;
+  std::vector<int32_t> key_lengths;  // empty or B values
+  std::vector<float> head_mask;      // empty or H values
+  bool return_attention_weights = false;
+  v1::DataType wire_dtype = v1::FP32;  // how the inputs travel (FP16/BF16 halve the bytes); outputs come back as fp32
+  v1::Backend backend = v1::BACKEND_AUTO;
+};
+
+struct MhaOutputs {
+  Array output;             // [B, Tq, d_model]
+  Array attention_weights;  // [B, H, Tq, Tk]; empty unless requested
+  std::string backend;      // which backend ran
+  v1::Timing timing;        // server queue / compute / handler microseconds
+};
+
 // grpc::Status -> absl::Status (the codes share their numbering).
 absl::Status FromGrpcStatus(const grpc::Status& status);
 
@@ -39,6 +68,8 @@ class AttentionClient {
   explicit AttentionClient(const ClientOptions& options);
 
   absl::StatusOr<v1::MultiHeadAttentionResponse> MultiHeadAttention(const v1::MultiHeadAttentionRequest& request);
+  // The same call on plain arrays: fp32 in and out, no protobuf in sight. See MhaInputs.
+  absl::StatusOr<MhaOutputs> MultiHeadAttention(const MhaInputs& inputs);
   absl::StatusOr<v1::ScaledDotProductAttentionResponse> ScaledDotProductAttention(
       const v1::ScaledDotProductAttentionRequest& request);
   absl::StatusOr<v1::LoadLayerResponse> LoadLayer(const v1::LoadLayerRequest& request);

@@ -1,0 +1,89 @@
+// The C++ client library against a real server on a loopback port: plain arrays in, plain arrays out, errors as
+// absl::Status with the server's code.
+#include "client/attention_client.h"
+
+#include <memory>
+
+#include "absl/strings/str_cat.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "server/server.h"
+#include "spdlog/spdlog.h"
+#include "tests/test_util.h"
+
+namespace mha {
+namespace {
+
+using ::mha::testing::AllClose;
+using ::mha::testing::RandomVector;
+
+class AttentionClientTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    spdlog::set_level(spdlog::level::warn);
+    ServerOptions options;
+    options.listen = "127.0.0.1:0";
+    options.threads = 2;
+    absl::StatusOr<std::unique_ptr<MhaServer>> server = MhaServer::Start(options);
+    ASSERT_TRUE(server.ok()) << server.status();
+    server_ = *std::move(server);
+    ClientOptions client_options;
+    client_options.target = absl::StrCat("127.0.0.1:", server_->port());
+    client_options.timeout = absl::Seconds(30);
+    client_ = std::make_unique<AttentionClient>(client_options);
+  }
+
+  std::unique_ptr<MhaServer> server_;
+  std::unique_ptr<AttentionClient> client_;
+};
+
+TEST_F(AttentionClientTest, ArraysInArraysOutMatchTheReferenceBackend) {
+  const Array query{{2, 5, 512}, RandomVector(2 * 5 * 512, 3)};
+  MhaInputs inputs;
+  inputs.query = &query;
+  inputs.causal = true;
+  inputs.key_lengths = {5, 3};
+  inputs.return_attention_weights = true;
+  absl::StatusOr<MhaOutputs> cpu = client_->MultiHeadAttention(inputs);
+  ASSERT_TRUE(cpu.ok()) << cpu.status();
+  inputs.backend = v1::BACKEND_REFERENCE;
+  absl::StatusOr<MhaOutputs> reference = client_->MultiHeadAttention(inputs);
+  ASSERT_TRUE(reference.ok()) << reference.status();
+  EXPECT_THAT(cpu->output.shape, ::testing::ElementsAre(2, 5, 512));
+  EXPECT_THAT(cpu->attention_weights.shape, ::testing::ElementsAre(2, 8, 5, 5));
+  EXPECT_EQ(cpu->backend, "cpu");
+  EXPECT_EQ(reference->backend, "reference");
+  EXPECT_TRUE(AllClose(cpu->output.values, reference->output.values, 1e-5, 1e-4));
+  EXPECT_TRUE(AllClose(cpu->attention_weights.values, reference->attention_weights.values, 1e-6, 1e-4));
+}
+
+TEST_F(AttentionClientTest, HalfPrecisionWireStillReturnsFp32) {
+  const Array query{{1, 4, 512}, RandomVector(4 * 512, 4)};
+  MhaInputs inputs;
+  inputs.query = &query;
+  inputs.wire_dtype = v1::FP16;
+  absl::StatusOr<MhaOutputs> out = client_->MultiHeadAttention(inputs);
+  ASSERT_TRUE(out.ok()) << out.status();
+  EXPECT_EQ(out->output.values.size(), 4u * 512);
+  EXPECT_TRUE(out->attention_weights.values.empty());
+}
+
+TEST_F(AttentionClientTest, ServerErrorsKeepTheirCode) {
+  const Array query{{1, 4, 64}, RandomVector(4 * 64, 5)};
+  MhaInputs inputs;
+  inputs.query = &query;  // 64 features, but the demo layer wants 512
+  EXPECT_EQ(client_->MultiHeadAttention(inputs).status().code(), absl::StatusCode::kInvalidArgument);
+  inputs.layer = "missing";
+  EXPECT_EQ(client_->MultiHeadAttention(inputs).status().code(), absl::StatusCode::kNotFound);
+  MhaInputs no_query;
+  EXPECT_EQ(client_->MultiHeadAttention(no_query).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST_F(AttentionClientTest, ReportsServing) {
+  absl::StatusOr<bool> serving = client_->Serving();
+  ASSERT_TRUE(serving.ok()) << serving.status();
+  EXPECT_TRUE(*serving);
+}
+
+}  // namespace
+}  // namespace mha
