@@ -92,9 +92,9 @@ constexpr double kSerialFlops = 8e6;
 
 // Per-thread scratch of the attention kernel, sized for one (query block x key block) tile.
 struct TileScratch {
-  std::vector<float> scores;      // [kQueryBlock, kKeyBlock]
-  std::vector<float> accumulator;  // [kQueryBlock, d_k]
-  std::vector<float> row_max, row_sum, row_factor;  // [kQueryBlock]
+  std::vector<float> scores;       // [row_block, key_block]
+  std::vector<float> accumulator;  // [row_block, d_k]
+  std::vector<float> row_max, row_sum, row_factor;  // [row_block]
 };
 
 }  // namespace
@@ -105,18 +105,20 @@ void CpuBackend::Attend(const AttentionDims& d, const AttentionMask& mask, Packe
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   const int64_t query_blocks = (Tq + kQueryBlock - 1) / kQueryBlock;
   const int64_t items = B * H * query_blocks;
+  const int64_t row_block = std::min(kQueryBlock, Tq), key_block = std::min(kKeyBlock, Tk);
   std::atomic<bool> failed{false};
 
   // One parallel region over (batch, head, query block); each item runs on one thread, tiles stay in its cache.
 #pragma omp parallel
   {
+    // Sized to the problem, not the tile constants, so a short sequence with a huge head_dim stays small.
     TileScratch t;
-    t.row_max.resize(kQueryBlock);
-    t.row_sum.resize(kQueryBlock);
-    t.row_factor.resize(kQueryBlock);
+    t.row_max.resize(row_block);
+    t.row_sum.resize(row_block);
+    t.row_factor.resize(row_block);
     if (weights == nullptr) {
-      t.scores.resize(kQueryBlock * kKeyBlock);
-      t.accumulator.resize(kQueryBlock * dk);
+      t.scores.resize(row_block * key_block);
+      t.accumulator.resize(row_block * dk);
     }
 #pragma omp for schedule(dynamic)
     for (int64_t item = 0; item < items; ++item) {
@@ -161,13 +163,13 @@ void CpuBackend::Attend(const AttentionDims& d, const AttentionMask& mask, Packe
         std::fill_n(acc, rows * dk, 0.0f);
         std::fill_n(t.row_max.data(), rows, kNegInf);
         std::fill_n(t.row_sum.data(), rows, 0.0f);
-        for (int64_t j0 = 0; j0 < keys; j0 += kKeyBlock) {
-          const int64_t n = std::min(kKeyBlock, keys - j0);
+        for (int64_t j0 = 0; j0 < keys; j0 += key_block) {
+          const int64_t n = std::min(key_block, keys - j0);
           float* s = t.scores.data();
           ok &= Gemm(true, rows, n, dk, d.scale, q_tile, q.row_stride, k_head + j0 * k.row_stride, k.row_stride,
-                     0.0f, s, kKeyBlock);
+                     0.0f, s, key_block);
           for (int64_t r = 0; r < rows; ++r) {
-            float* row = s + r * kKeyBlock;
+            float* row = s + r * key_block;
             const int64_t visible = std::clamp<int64_t>(VisibleKeyCount(d, mask, b, i0 + r) - j0, 0, n);
             if (additive != nullptr) kernels::Add(row, additive + r * Tk + j0, visible);
             std::fill(row + visible, row + n, 0.0f);
@@ -187,7 +189,7 @@ void CpuBackend::Attend(const AttentionDims& d, const AttentionMask& mask, Packe
           for (int64_t r = 0; r < rows; ++r) {
             if (t.row_factor[r] != 1.0f) kernels::Scale(acc + r * dk, dk, t.row_factor[r]);
           }
-          ok &= Gemm(false, rows, dk, n, 1.0f, s, kKeyBlock, v_head + j0 * v.row_stride, v.row_stride, 1.0f, acc,
+          ok &= Gemm(false, rows, dk, n, 1.0f, s, key_block, v_head + j0 * v.row_stride, v.row_stride, 1.0f, acc,
                      dk);
         }
         for (int64_t r = 0; r < rows; ++r) {

@@ -20,6 +20,7 @@ ABSL_FLAG(int, max_message_mb, kDefaults.max_message_mb, "largest request or res
 ABSL_FLAG(std::string, log_level, "info", "trace, debug, info, warn, error or off");
 ABSL_FLAG(int, threads, kDefaults.threads, "compute threads per request; 0 = all cores");
 ABSL_FLAG(int, max_queue_size, kDefaults.max_queue_size, "requests waiting to compute before RESOURCE_EXHAUSTED");
+ABSL_FLAG(int, max_queued_mb, kDefaults.max_queued_mb, "MiB of request data the waiting requests may hold");
 ABSL_FLAG(int, max_layer_mb, kDefaults.max_layer_mb, "total fp32 MiB of registered layers");
 ABSL_FLAG(int, max_layers, kDefaults.max_layers, "registered layers at most, demo included");
 ABSL_FLAG(int, max_scratch_mb, kDefaults.max_scratch_mb, "working memory one request may need, MiB");
@@ -54,6 +55,7 @@ int main(int argc, char** argv) {
   options.max_message_mb = absl::GetFlag(FLAGS_max_message_mb);
   options.threads = absl::GetFlag(FLAGS_threads);
   options.max_queue_size = absl::GetFlag(FLAGS_max_queue_size);
+  options.max_queued_mb = absl::GetFlag(FLAGS_max_queued_mb);
   options.max_layer_mb = absl::GetFlag(FLAGS_max_layer_mb);
   options.max_layers = absl::GetFlag(FLAGS_max_layers);
   options.max_scratch_mb = absl::GetFlag(FLAGS_max_scratch_mb);

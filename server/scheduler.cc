@@ -6,22 +6,30 @@
 
 namespace mha {
 
-Scheduler::Scheduler(int compute_threads, int max_queue)
-    : compute_threads_(compute_threads), max_queue_(max_queue), worker_([this] { Run(); }) {}
+Scheduler::Scheduler(int compute_threads, int max_queue, int64_t max_queued_bytes)
+    : compute_threads_(compute_threads),
+      max_queue_(max_queue),
+      max_queued_bytes_(max_queued_bytes),
+      worker_([this] { Run(); }) {}
 
 Scheduler::~Scheduler() {
   Shutdown();
   worker_.join();
 }
 
-absl::Status Scheduler::Submit(std::function<void()> job) {
+absl::Status Scheduler::Submit(std::function<void()> job, int64_t bytes) {
   absl::MutexLock lock(&mu_);
   if (stopping_) return absl::UnavailableError("server is shutting down");
   if (static_cast<int>(queue_.size()) >= max_queue_) {
     return absl::ResourceExhaustedError(
         absl::StrCat("compute queue is full (", max_queue_, " requests waiting, --max_queue_size); retry later"));
   }
-  queue_.push_back(std::move(job));
+  if (!queue_.empty() && queued_bytes_ + bytes > max_queued_bytes_) {
+    return absl::ResourceExhaustedError(absl::StrCat("compute queue is full (", queued_bytes_,
+                                                     " bytes of requests waiting, --max_queued_mb); retry later"));
+  }
+  queued_bytes_ += bytes;
+  queue_.push_back(Job{std::move(job), bytes});
   return absl::OkStatus();
 }
 
@@ -46,7 +54,8 @@ void Scheduler::Run() {
           +[](Scheduler* s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(s->mu_) { return s->stopping_ || !s->queue_.empty(); },
           this));
       if (queue_.empty()) return;  // stopping and drained
-      job = std::move(queue_.front());
+      job = std::move(queue_.front().run);
+      queued_bytes_ -= queue_.front().bytes;
       queue_.pop_front();
     }
     job();

@@ -18,15 +18,17 @@ namespace mha {
 class Scheduler {
  public:
   // compute_threads: OpenMP threads the worker uses for each job. max_queue: jobs waiting (not running) at most.
-  Scheduler(int compute_threads, int max_queue);
+  // max_queued_bytes: the request bytes those waiting jobs may hold together (each job declares its own).
+  Scheduler(int compute_threads, int max_queue, int64_t max_queued_bytes);
   // Runs every job already accepted, then joins the worker.
   ~Scheduler();
   Scheduler(const Scheduler&) = delete;
   Scheduler& operator=(const Scheduler&) = delete;
 
-  // Queues `job` to run on the compute thread. RESOURCE_EXHAUSTED when max_queue jobs are already waiting;
-  // UNAVAILABLE after Shutdown(). Thread-safe.
-  absl::Status Submit(std::function<void()> job);
+  // Queues `job`, which holds `bytes` of request data until it runs, for the compute thread. RESOURCE_EXHAUSTED
+  // when max_queue jobs are already waiting or their bytes would pass max_queued_bytes (a job alone larger than
+  // that still runs when nothing waits); UNAVAILABLE after Shutdown(). Thread-safe.
+  absl::Status Submit(std::function<void()> job, int64_t bytes = 0);
   // Stops accepting work; jobs already queued still run. Thread-safe, idempotent.
   void Shutdown();
   int queued() const;
@@ -36,8 +38,14 @@ class Scheduler {
 
   const int compute_threads_;
   const int max_queue_;
+  const int64_t max_queued_bytes_;
   mutable absl::Mutex mu_;
-  std::deque<std::function<void()>> queue_ ABSL_GUARDED_BY(mu_);
+  struct Job {
+    std::function<void()> run;
+    int64_t bytes;
+  };
+  std::deque<Job> queue_ ABSL_GUARDED_BY(mu_);
+  int64_t queued_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::thread worker_;
 };

@@ -22,6 +22,7 @@ absl::StatusOr<std::unique_ptr<MhaServer>> MhaServer::Start(ServerOptions option
   if (options.threads < 0) return absl::InvalidArgumentError("--threads must be >= 0");
   if (options.threads == 0) options.threads = std::max(1u, std::thread::hardware_concurrency());
   if (options.max_queue_size < 1) return absl::InvalidArgumentError("--max_queue_size must be >= 1");
+  if (options.max_queued_mb < 1) return absl::InvalidArgumentError("--max_queued_mb must be >= 1");
 
   std::unique_ptr<MhaServer> server(new MhaServer());
   server->layers_ = std::make_unique<LayerStore>(static_cast<int64_t>(options.max_layer_mb) << 20,
@@ -43,7 +44,8 @@ absl::StatusOr<std::unique_ptr<MhaServer>> MhaServer::Start(ServerOptions option
                  layer->heads.num_heads, layer->heads.num_kv_heads, layer->heads.head_dim, layer->source);
   }
 
-  server->scheduler_ = std::make_unique<Scheduler>(options.threads, options.max_queue_size);
+  server->scheduler_ = std::make_unique<Scheduler>(options.threads, options.max_queue_size,
+                                                   static_cast<int64_t>(options.max_queued_mb) << 20);
   server->WarmUp();
   server->service_ = std::make_unique<AttentionService>(options, server->layers_.get(), server->backends_.get(),
                                                         server->scheduler_.get());

@@ -20,13 +20,15 @@ struct ServerOptions {
   int max_message_mb = 256;
   // OpenMP threads per computation; 0 means all cores.
   int threads = 0;
-  // Requests waiting for the compute thread beyond which calls get RESOURCE_EXHAUSTED.
+  // Requests waiting for the compute thread beyond which calls get RESOURCE_EXHAUSTED, and the MiB of request
+  // data they may hold together (so a queue of large requests cannot take the machine's memory).
   int max_queue_size = 64;
+  int max_queued_mb = 1024;
   // Total fp32 MiB of all registered layers, and how many layers at most.
   int max_layer_mb = 4096;
   int max_layers = 256;
   // Working memory a request may need beyond its own tensors (projections), in MiB.
-  int max_scratch_mb = 4096;
+  int max_scratch_mb = 2048;
   // FLOPs a single request may ask for (projections + attention 4 B H Tq Tk d_k), in GFLOP.
   double max_request_gflop = 4000;
 };

@@ -74,6 +74,7 @@ grpc::ServerUnaryReactor* AttentionService::Compute(
   auto plan = std::make_shared<const Plan>(*std::move(validated));
   const absl::Time queued_at = absl::Now();
   // The request, response and context stay valid until Finish; the scheduler's thread calls it.
+  const int64_t request_bytes = static_cast<int64_t>(request->ByteSizeLong());
   absl::Status submitted = scheduler_->Submit([=] {
     const absl::Time picked_up = absl::Now();
     absl::Status status;
@@ -88,7 +89,7 @@ grpc::ServerUnaryReactor* AttentionService::Compute(
     if (!status.ok()) response->Clear();
     LogCall(id, rpc, plan->shapes, plan->backend->name(), status, start);
     reactor->Finish(ToGrpcStatus(status));
-  });
+  }, request_bytes);
   if (!submitted.ok()) {
     LogCall(id, rpc, plan->shapes, plan->backend->name(), submitted, start);
     reactor->Finish(ToGrpcStatus(submitted));

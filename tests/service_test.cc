@@ -382,6 +382,35 @@ TEST_F(ServiceTest, FullQueueIsResourceExhausted) {
   EXPECT_GE(exhausted, 1);  // one computes, one waits, the rest are refused
 }
 
+TEST_F(ServiceTest, QueuedBytesOverTheLimitAreResourceExhausted) {
+  ServerOptions options;
+  options.max_queued_mb = 1;  // each request below carries 2 MiB: one may wait, the next is refused
+  StartServer(options);
+  v1::MultiHeadAttentionRequest slow;
+  SetTensor(slow.mutable_query(), {4, 256, 512}, 3);
+  slow.set_layer("demo");
+  slow.set_backend(v1::BACKEND_REFERENCE);
+  std::vector<std::future<grpc::Status>> calls;
+  for (int i = 0; i < 4; ++i) {
+    calls.push_back(std::async(std::launch::async, [&] {
+      v1::MultiHeadAttentionResponse response;
+      return Call(slow, &response);
+    }));
+  }
+  int ok = 0, refused = 0;
+  for (auto& call : calls) {
+    const grpc::Status status = call.get();
+    ok += status.ok();
+    if (status.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED) {
+      ++refused;
+      EXPECT_THAT(status.error_message(), HasSubstr("--max_queued_mb"));
+    }
+  }
+  EXPECT_EQ(ok + refused, 4);
+  EXPECT_GE(ok, 1);
+  EXPECT_GE(refused, 1);
+}
+
 // One rejected MultiHeadAttention input: how to break a valid request, and the status it must get.
 struct BadInput {
   std::string name;
