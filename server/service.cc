@@ -168,6 +168,7 @@ grpc::ServerUnaryReactor* AttentionService::GetServerInfo(grpc::CallbackServerCo
   limits->set_compute_threads(options_.threads);
   limits->set_max_layer_bytes(layers_->max_total_bytes());
   limits->set_max_layers(layers_->max_layers());
+  limits->set_max_queued_bytes(static_cast<int64_t>(options_.max_queued_mb) << 20);
   limits->set_max_scratch_bytes(validation_.max_scratch_bytes);
   limits->set_max_request_gflop(options_.max_request_gflop);
   return FinishNow(context, absl::OkStatus());

@@ -291,6 +291,8 @@ TEST_F(ServiceTest, ServerInfoListsBackendsAndLimits) {
   EXPECT_FALSE(available["cuda"]);
   EXPECT_EQ(info.limits().max_message_bytes(), 256 << 20);
   EXPECT_EQ(info.limits().compute_threads(), 2);
+  EXPECT_EQ(info.limits().max_queued_bytes(), int64_t{1024} << 20);
+  EXPECT_EQ(info.limits().max_layers(), 256);
 }
 
 TEST_F(ServiceTest, ResponseOverTheMessageLimitIsResourceExhausted) {
