@@ -85,8 +85,8 @@ struct MhaArgs {
   float* attention_weights = nullptr;  // [B, H, Tq, Tk], written when non-null
 };
 
-// A way to compute attention. Implementations are not required to be thread-safe: the server runs one
-// computation at a time per backend. Errors from third-party libraries are converted to Status inside.
+// A way to compute attention. Implementations need not be thread-safe: the server's scheduler runs one
+// computation at a time. Errors from third-party libraries are converted to Status inside.
 class Backend {
  public:
   Backend() = default;
@@ -98,6 +98,9 @@ class Backend {
   virtual absl::string_view name() const = 0;
   // Human-readable device, e.g. the CPU model.
   virtual std::string device() const = 0;
+  // True when the backend is thread-safe and quick enough on tiny problems (tens of microseconds, one thread)
+  // that the server may run requests under --inline_max_mflop on the gRPC thread that received them.
+  virtual bool serves_inline() const { return false; }
 
   // Ask before computing: OK if this backend can run a problem of these dims; UNIMPLEMENTED otherwise.
   virtual absl::Status Supports(const AttentionDims& dims) const { return absl::OkStatus(); }

@@ -90,6 +90,19 @@ class ScopedOmpThreads {
 // (tens of microseconds against a budget of that order for a tiny request).
 constexpr double kSerialFlops = 8e6;
 
+// Buffers a MultiHeadAttention call reuses from the previous call on the same thread (grown on demand, kept at
+// the largest size seen): per thread, so that concurrent calls never share them.
+struct CallScratch {
+  std::vector<float> projected;  // Q|K|V projections
+  std::vector<float> heads;      // concatenated head outputs [B*Tq, H*d_k]
+  std::vector<float> fused_w;    // fused Q|K|V weights and bias, when the layer has none precomputed
+};
+
+CallScratch& ThreadScratch() {
+  thread_local CallScratch scratch;
+  return scratch;
+}
+
 // Per-thread scratch of the attention kernel, sized for one (query block x key block) tile.
 struct TileScratch {
   std::vector<float> scores;       // [row_block, key_block]
@@ -230,6 +243,7 @@ absl::Status CpuBackend::MultiHeadAttention(const MhaArgs& a) {
   const double flops = 2.0 * q_rows * w.d_model * q_width * 2 + 2.0 * kv_rows * (w.d_kv_in + w.d_v_in) * kv_width +
                        4.0 * d.batch * d.num_heads * d.q_len * d.kv_len * d.head_dim;
   ScopedOmpThreads threads(flops < kSerialFlops ? 1 : omp_get_max_threads());
+  CallScratch& scratch = ThreadScratch();
   try {
     Packed q, k, v;
     if (a.self_attention) {
@@ -239,32 +253,32 @@ absl::Status CpuBackend::MultiHeadAttention(const MhaArgs& a) {
       const float* b_qkv = w.b_qkv;
       if (w_qkv == nullptr) {
         const bool has_bias = w.b_q || w.b_k || w.b_v;
-        fused_w_.assign(w.d_model * width + (has_bias ? width : 0), 0.0f);
+        scratch.fused_w.assign(w.d_model * width + (has_bias ? width : 0), 0.0f);
         for (int64_t r = 0; r < w.d_model; ++r) {
-          float* row = fused_w_.data() + r * width;
+          float* row = scratch.fused_w.data() + r * width;
           std::memcpy(row, w.w_q + r * q_width, q_width * sizeof(float));
           std::memcpy(row + q_width, w.w_k + r * kv_width, kv_width * sizeof(float));
           std::memcpy(row + q_width + kv_width, w.w_v + r * kv_width, kv_width * sizeof(float));
         }
-        w_qkv = fused_w_.data();
+        w_qkv = scratch.fused_w.data();
         b_qkv = nullptr;
         if (has_bias) {
-          float* bias = fused_w_.data() + w.d_model * width;
+          float* bias = scratch.fused_w.data() + w.d_model * width;
           if (w.b_q) std::memcpy(bias, w.b_q, q_width * sizeof(float));
           if (w.b_k) std::memcpy(bias + q_width, w.b_k, kv_width * sizeof(float));
           if (w.b_v) std::memcpy(bias + q_width + kv_width, w.b_v, kv_width * sizeof(float));
           b_qkv = bias;
         }
       }
-      if (static_cast<int64_t>(projected_.size()) < q_rows * width) projected_.resize(q_rows * width);
-      Linear(a.query, q_rows, w.d_model, w.d_model, w_qkv, b_qkv, width, projected_.data(), width);
-      q = {projected_.data(), width};
-      k = {projected_.data() + q_width, width};
-      v = {projected_.data() + q_width + kv_width, width};
+      if (static_cast<int64_t>(scratch.projected.size()) < q_rows * width) scratch.projected.resize(q_rows * width);
+      Linear(a.query, q_rows, w.d_model, w.d_model, w_qkv, b_qkv, width, scratch.projected.data(), width);
+      q = {scratch.projected.data(), width};
+      k = {scratch.projected.data() + q_width, width};
+      v = {scratch.projected.data() + q_width + kv_width, width};
     } else {
       const int64_t total = q_rows * q_width + 2 * kv_rows * kv_width;
-      if (static_cast<int64_t>(projected_.size()) < total) projected_.resize(total);
-      float* qp = projected_.data();
+      if (static_cast<int64_t>(scratch.projected.size()) < total) scratch.projected.resize(total);
+      float* qp = scratch.projected.data();
       float* kp = qp + q_rows * q_width;
       float* vp = kp + kv_rows * kv_width;
       Linear(a.query, q_rows, w.d_model, w.d_model, w.w_q, w.b_q, q_width, qp, q_width);
@@ -275,11 +289,11 @@ absl::Status CpuBackend::MultiHeadAttention(const MhaArgs& a) {
       v = {vp, kv_width};
     }
 
-    if (static_cast<int64_t>(heads_.size()) < q_rows * q_width) heads_.resize(q_rows * q_width);
-    Attend(d, a.mask, q, k, v, heads_.data(), q_width, a.attention_weights);
+    if (static_cast<int64_t>(scratch.heads.size()) < q_rows * q_width) scratch.heads.resize(q_rows * q_width);
+    Attend(d, a.mask, q, k, v, scratch.heads.data(), q_width, a.attention_weights);
 
     if (!a.head_mask.empty()) {
-      float* heads = heads_.data();
+      float* heads = scratch.heads.data();
       const int64_t H = d.num_heads, dk = d.head_dim;
 #pragma omp parallel for schedule(static)
       for (int64_t r = 0; r < q_rows; ++r) {
@@ -289,7 +303,7 @@ absl::Status CpuBackend::MultiHeadAttention(const MhaArgs& a) {
         }
       }
     }
-    Linear(heads_.data(), q_rows, q_width, q_width, w.w_o, w.b_o, w.d_model, a.out, w.d_model);
+    Linear(scratch.heads.data(), q_rows, q_width, q_width, w.w_o, w.b_o, w.d_model, a.out, w.d_model);
   } catch (const dnnl::error& e) {
     return FromDnnlError(e, "multi-head attention");
   }

@@ -1,13 +1,18 @@
 // Attention on the host CPU, fp32, with oneDNN doing the matmuls.
 //
 // Projections are oneDNN sgemm calls (one fused Q|K|V product for self-attention), which JIT and cache their
-// kernels inside oneDNN; measured here they beat the matmul primitive on every projection shape. The attention core keeps the head-packed [B, T, H, d_k] layout and reads it in place through row
-// strides (GQA/MQA point each query head at its shared K/V head; nothing is copied or repeated). It runs as one
+// kernels inside oneDNN; measured here they beat the matmul primitive on every projection shape. The attention
+// core keeps the head-packed [B, T, H, d_k] layout and reads it in place through row strides (GQA/MQA point each
+// query head at its shared K/V head; nothing is copied or repeated). It runs as one
 // OpenMP region over (batch, head, query block of kQueryBlock rows); each item computes its score tiles with
 // oneDNN's sgemm (scale fused as alpha) on its own thread so tiles stay in that core's cache:
 //  - weights off: FlashAttention's online softmax over key blocks of kKeyBlock, so memory is O(T) per head;
 //  - weights on: exact row softmax written in place in the returned [B, H, Tq, Tk] tensor, then P V from it.
 // Key blocks that causal masking or key_lengths hide from every row of a query block are never computed.
+//
+// Thread-safe: scratch buffers belong to the calling thread. Each call parallelises over the calling thread's
+// OpenMP threads (omp_set_num_threads on that thread sets how many), so the server still runs one large
+// computation at a time; requests under 8 MFLOP run on the calling thread alone.
 #ifndef MHA_SERVER_CPU_BACKEND_H_
 #define MHA_SERVER_CPU_BACKEND_H_
 
@@ -32,6 +37,7 @@ class CpuBackend final : public Backend {
   static absl::StatusOr<std::unique_ptr<CpuBackend>> Create();
 
   absl::string_view name() const override { return "cpu"; }
+  bool serves_inline() const override { return true; }
   std::string device() const override;
   absl::Status ScaledDotProductAttention(const SdpaArgs& args) override;
   absl::Status MultiHeadAttention(const MhaArgs& args) override;
@@ -52,11 +58,6 @@ class CpuBackend final : public Backend {
   // y[m, n] (row stride ldy) = x[m, k] (row stride ldx) w[k, n] + bias[n] (bias may be null). Throws dnnl::error.
   void Linear(const float* x, int64_t m, int64_t k, int64_t ldx, const float* w, const float* bias, int64_t n,
               float* y, int64_t ldy);
-
-  // Scratch reused across calls (grown on demand, never shrunk below the largest request seen).
-  std::vector<float> projected_;  // Q|K|V projections
-  std::vector<float> heads_;      // concatenated head outputs [B*Tq, H*d_k]
-  std::vector<float> fused_w_;    // fused Q|K|V weights and bias, when the layer has none precomputed
 };
 
 }  // namespace mha

@@ -24,6 +24,8 @@ ABSL_FLAG(int, max_queued_mb, kDefaults.max_queued_mb, "MiB of request data the 
 ABSL_FLAG(int, max_layer_mb, kDefaults.max_layer_mb, "total fp32 MiB of registered layers");
 ABSL_FLAG(int, max_layers, kDefaults.max_layers, "registered layers at most, demo included");
 ABSL_FLAG(int, max_scratch_mb, kDefaults.max_scratch_mb, "working memory one request may need, MiB");
+ABSL_FLAG(double, inline_max_mflop, kDefaults.inline_max_mflop,
+          "requests up to this many MFLOP run on the receiving gRPC thread; 0 = always the compute thread");
 ABSL_FLAG(double, max_request_gflop, kDefaults.max_request_gflop, "GFLOP (projections + attention) one request may ask for");
 
 int main(int argc, char** argv) {
@@ -60,6 +62,7 @@ int main(int argc, char** argv) {
   options.max_layers = absl::GetFlag(FLAGS_max_layers);
   options.max_scratch_mb = absl::GetFlag(FLAGS_max_scratch_mb);
   options.max_request_gflop = absl::GetFlag(FLAGS_max_request_gflop);
+  options.inline_max_mflop = absl::GetFlag(FLAGS_inline_max_mflop);
   if (options.listen.empty()) {
     spdlog::error("--listen must not be empty");
     return 2;

@@ -23,6 +23,10 @@ absl::StatusOr<std::unique_ptr<MhaServer>> MhaServer::Start(ServerOptions option
   if (options.threads == 0) options.threads = std::max(1u, std::thread::hardware_concurrency());
   if (options.max_queue_size < 1) return absl::InvalidArgumentError("--max_queue_size must be >= 1");
   if (options.max_queued_mb < 1) return absl::InvalidArgumentError("--max_queued_mb must be >= 1");
+  // Above 8 MFLOP the CPU backend parallelises, which must not happen on gRPC's threads.
+  if (!(options.inline_max_mflop >= 0 && options.inline_max_mflop <= 8)) {
+    return absl::InvalidArgumentError("--inline_max_mflop must be in [0, 8]");
+  }
 
   std::unique_ptr<MhaServer> server(new MhaServer());
   server->layers_ = std::make_unique<LayerStore>(static_cast<int64_t>(options.max_layer_mb) << 20,

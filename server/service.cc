@@ -72,10 +72,8 @@ grpc::ServerUnaryReactor* AttentionService::Compute(
     return reactor;
   }
   auto plan = std::make_shared<const Plan>(*std::move(validated));
-  const absl::Time queued_at = absl::Now();
-  // The request, response and context stay valid until Finish; the scheduler's thread calls it.
-  const int64_t request_bytes = static_cast<int64_t>(request->ByteSizeLong());
-  absl::Status submitted = scheduler_->Submit([=] {
+  // Computes and finishes the call. The request, response and context stay valid until Finish.
+  auto run = [=](absl::Time queued_at) {
     const absl::Time picked_up = absl::Now();
     absl::Status status;
     if (context->IsCancelled()) {
@@ -89,7 +87,15 @@ grpc::ServerUnaryReactor* AttentionService::Compute(
     if (!status.ok()) response->Clear();
     LogCall(id, rpc, plan->shapes, plan->backend->name(), status, start);
     reactor->Finish(ToGrpcStatus(status));
-  }, request_bytes);
+  };
+  if (plan->flops <= options_.inline_max_mflop * 1e6 && plan->backend->serves_inline()) {
+    // Tiny (single-threaded, tens of microseconds): computing it here is cheaper than the hand-off.
+    run(absl::Now());
+    return reactor;
+  }
+  const int64_t request_bytes = static_cast<int64_t>(request->ByteSizeLong());
+  const absl::Time queued_at = absl::Now();
+  absl::Status submitted = scheduler_->Submit([run, queued_at] { run(queued_at); }, request_bytes);
   if (!submitted.ok()) {
     LogCall(id, rpc, plan->shapes, plan->backend->name(), submitted, start);
     reactor->Finish(ToGrpcStatus(submitted));

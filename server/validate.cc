@@ -129,6 +129,7 @@ absl::Status ValidateCommon(const Request& request, const ValidationContext& con
         plan->return_weights ? ", return_attention_weights=false" : "", " or fewer tokens"));
   }
   const double flops = projection_flops + 4.0 * Product({d.batch, d.num_heads, d.q_len, d.kv_len, d.head_dim});
+  plan->flops = flops;
   if (flops > context.max_request_flops) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "the request needs about ", flops / 1e9, " GFLOP, over the server's per-request limit of ",

@@ -27,6 +27,7 @@ struct AttentionPlan {
   bool return_weights = false;
   v1::DataType output_dtype = v1::FP32;
   std::string shapes;  // for logs, e.g. "q[8, 512, 512] k=q"
+  double flops = 0;    // projections + attention, as counted against max_request_flops
 };
 
 struct MhaPlan : AttentionPlan {

@@ -5,6 +5,7 @@
 #include <limits>
 #include <ostream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -144,6 +145,39 @@ TEST_P(CpuParityTest, MatchesReference) {
   // The same backend again: cached primitives and reused scratch must give the same bits.
   std::vector<float> again_weights;
   EXPECT_EQ(p.Run(**cpu, c.weights, &again_weights), got);
+}
+
+TEST(CpuBackend, ConcurrentCallsOnOneInstanceMatchSerialOnes) {
+  // Scratch is per calling thread, so threads sharing a backend must not disturb each other.
+  absl::StatusOr<std::unique_ptr<CpuBackend>> cpu = CpuBackend::Create();
+  ASSERT_TRUE(cpu.ok());
+  std::vector<ParityCase> cases;
+  for (int i = 0; i < 4; ++i) {
+    ParityCase c;
+    c.name = "thread";
+    c.batch = 1 + i;
+    c.q_len = c.kv_len = 8 + 5 * i;
+    c.d_model = 32;
+    c.d_kv_in = 0;
+    c.heads = 4;
+    c.kv_heads = i % 2 == 0 ? 4 : 2;
+    c.head_dim = 8;
+    c.causal = i % 2 == 1;
+    cases.push_back(c);
+  }
+  std::vector<std::vector<float>> serial, concurrent(cases.size());
+  std::vector<float> unused;
+  for (const ParityCase& c : cases) serial.push_back(Problem(c).Run(**cpu, false, &unused));
+  std::vector<std::thread> threads;
+  for (size_t i = 0; i < cases.size(); ++i) {
+    threads.emplace_back([&, i] {
+      std::vector<float> weights;
+      const Problem p(cases[i]);
+      for (int repeat = 0; repeat < 50; ++repeat) concurrent[i] = p.Run(**cpu, false, &weights);
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (size_t i = 0; i < cases.size(); ++i) EXPECT_EQ(concurrent[i], serial[i]) << "case " << i;
 }
 
 ParityCase Case(std::string name, int64_t b, int64_t tq, int64_t tk, int64_t d, int64_t dkv, int64_t h,

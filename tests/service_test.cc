@@ -278,6 +278,13 @@ TEST_F(ServiceTest, UnloadingAnUnknownLayerIsNotFound) {
   EXPECT_EQ(stub_->UnloadLayer(&context, unload, &response).error_code(), grpc::StatusCode::NOT_FOUND);
 }
 
+TEST(ServerOptionsTest, InlineLimitAboveTheSerialThresholdIsRejected) {
+  ServerOptions options;
+  options.listen = "";
+  options.inline_max_mflop = 50;
+  EXPECT_EQ(MhaServer::Start(options).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
 TEST_F(ServiceTest, ServerInfoListsBackendsAndLimits) {
   v1::GetServerInfoResponse info;
   grpc::ClientContext context;
@@ -357,6 +364,38 @@ TEST_F(ServiceTest, HealthyWhileALongRequestComputes) {
   EXPECT_LT(waited, std::chrono::milliseconds(500));
   EXPECT_TRUE(pending.get().ok());
 }
+
+// A tiny request next to a long one: computed on the gRPC thread by default, so it does not queue behind it.
+class InlineTest : public ServiceTest, public ::testing::WithParamInterface<bool> {};
+
+TEST_P(InlineTest, TinyRequestsSkipTheQueueOnlyWhenInlineIsOn) {
+  const bool inline_on = GetParam();
+  ServerOptions options;
+  options.inline_max_mflop = inline_on ? 4 : 0;
+  StartServer(options);
+  v1::MultiHeadAttentionRequest slow;
+  SetTensor(slow.mutable_query(), {4, 256, 512}, 3);
+  slow.set_layer("demo");
+  slow.set_backend(v1::BACKEND_REFERENCE);  // about a second on the compute thread
+  auto pending = std::async(std::launch::async, [&] {
+    v1::MultiHeadAttentionResponse response;
+    return Call(slow, &response);
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  v1::MultiHeadAttentionResponse tiny;
+  ASSERT_TRUE(Call(ValidRequest(), &tiny).ok());  // 2 x 3 tokens, d_model 8: a few kFLOP on the cpu backend
+  if (inline_on) {
+    EXPECT_EQ(tiny.timing().queue_us(), 0);
+    EXPECT_EQ(pending.wait_for(std::chrono::seconds(0)), std::future_status::timeout)
+        << "the long request finished first, so this proves nothing; make it longer";
+  } else {
+    EXPECT_GT(tiny.timing().queue_us(), 100000) << "it should have waited for the long request";
+  }
+  EXPECT_TRUE(pending.get().ok());
+}
+
+INSTANTIATE_TEST_SUITE_P(Inline, InlineTest, ::testing::Bool(),
+                         [](const auto& info) { return info.param ? "On" : "Off"; });
 
 TEST_F(ServiceTest, FullQueueIsResourceExhausted) {
   ServerOptions options;
