@@ -1,6 +1,7 @@
 #include "server/execute.h"
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "proto/mha/v1/tensor_codec.h"
@@ -69,6 +70,34 @@ AttentionMask MakeMask(const AttentionPlan& plan, const FloatInput& additive) {
   return mask;
 }
 
+// The response's output tensor and, when the plan asks for them, its attention weights [B, H, Tq, Tk].
+class ResponseTensors {
+ public:
+  // `weights` is null unless plan.return_weights (so that an unrequested field stays unset).
+  ResponseTensors(const AttentionPlan& plan, v1::Tensor* output, std::vector<int64_t> output_shape,
+                  v1::Tensor* weights)
+      : output_(output, std::move(output_shape), plan.output_dtype) {
+    const AttentionDims& d = plan.dims;
+    if (weights != nullptr) {
+      weights_ = std::make_unique<FloatOutput>(
+          weights, std::vector<int64_t>{d.batch, d.num_heads, d.q_len, d.kv_len}, plan.output_dtype);
+    }
+  }
+  float* output() { return output_.data(); }
+  float* weights() { return weights_ ? weights_->data() : nullptr; }
+  // Encodes what the backend wrote when `status` is OK; returns `status`.
+  absl::Status Finish(const absl::Status& status) {
+    if (!status.ok()) return status;
+    output_.Finish();
+    if (weights_) weights_->Finish();
+    return status;
+  }
+
+ private:
+  FloatOutput output_;
+  std::unique_ptr<FloatOutput> weights_;
+};
+
 }  // namespace
 
 absl::Status ExecuteMultiHeadAttention(const MhaPlan& plan, v1::MultiHeadAttentionResponse* response) {
@@ -88,21 +117,12 @@ absl::Status ExecuteMultiHeadAttention(const MhaPlan& plan, v1::MultiHeadAttenti
   args.self_attention = plan.self_attention;
   args.head_mask = plan.head_mask;
 
-  FloatOutput out(response->mutable_output(), {d.batch, d.q_len, plan.layer->d_model}, plan.output_dtype);
-  args.out = out.data();
-  std::unique_ptr<FloatOutput> weights;
-  if (plan.return_weights) {
-    weights = std::make_unique<FloatOutput>(response->mutable_attention_weights(),
-                                            std::vector<int64_t>{d.batch, d.num_heads, d.q_len, d.kv_len},
-                                            plan.output_dtype);
-    args.attention_weights = weights->data();
-  }
-  absl::Status status = plan.backend->MultiHeadAttention(args);
-  if (!status.ok()) return status;
-  out.Finish();
-  if (weights) weights->Finish();
+  ResponseTensors tensors(plan, response->mutable_output(), {d.batch, d.q_len, plan.layer->d_model},
+                          plan.return_weights ? response->mutable_attention_weights() : nullptr);
+  args.out = tensors.output();
+  args.attention_weights = tensors.weights();
   response->set_backend(std::string(plan.backend->name()));
-  return absl::OkStatus();
+  return tensors.Finish(plan.backend->MultiHeadAttention(args));
 }
 
 absl::Status ExecuteScaledDotProductAttention(const SdpaPlan& plan,
@@ -115,21 +135,12 @@ absl::Status ExecuteScaledDotProductAttention(const SdpaPlan& plan,
   args.q = q.data();
   args.k = k.data();
   args.v = v.data();
-  FloatOutput out(response->mutable_output(), {d.batch, d.q_len, d.num_heads, d.head_dim}, plan.output_dtype);
-  args.out = out.data();
-  std::unique_ptr<FloatOutput> weights;
-  if (plan.return_weights) {
-    weights = std::make_unique<FloatOutput>(response->mutable_attention_weights(),
-                                            std::vector<int64_t>{d.batch, d.num_heads, d.q_len, d.kv_len},
-                                            plan.output_dtype);
-    args.weights = weights->data();
-  }
-  absl::Status status = plan.backend->ScaledDotProductAttention(args);
-  if (!status.ok()) return status;
-  out.Finish();
-  if (weights) weights->Finish();
+  ResponseTensors tensors(plan, response->mutable_output(), {d.batch, d.q_len, d.num_heads, d.head_dim},
+                          plan.return_weights ? response->mutable_attention_weights() : nullptr);
+  args.out = tensors.output();
+  args.weights = tensors.weights();
   response->set_backend(std::string(plan.backend->name()));
-  return absl::OkStatus();
+  return tensors.Finish(plan.backend->ScaledDotProductAttention(args));
 }
 
 }  // namespace mha

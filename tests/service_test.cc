@@ -49,6 +49,16 @@ v1::MultiHeadAttentionRequest ValidRequest() {
   return r;
 }
 
+// The demo layer on [batch, 256, 512] through the reference backend: about a quarter second per batch item of
+// scalar loops on the compute thread, long enough to observe queueing.
+v1::MultiHeadAttentionRequest SlowDemoRequest(int64_t batch) {
+  v1::MultiHeadAttentionRequest r;
+  SetTensor(r.mutable_query(), {batch, 256, 512}, 3);
+  r.set_layer("demo");
+  r.set_backend(v1::BACKEND_REFERENCE);
+  return r;
+}
+
 class ServiceTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -75,6 +85,20 @@ class ServiceTest : public ::testing::Test {
                     v1::ScaledDotProductAttentionResponse* response) {
     grpc::ClientContext context;
     return stub_->ScaledDotProductAttention(&context, request, response);
+  }
+
+  // Sends `request` from `calls` threads at once and returns every status.
+  std::vector<grpc::Status> CallConcurrently(const v1::MultiHeadAttentionRequest& request, int calls) {
+    std::vector<std::future<grpc::Status>> pending;
+    for (int i = 0; i < calls; ++i) {
+      pending.push_back(std::async(std::launch::async, [&] {
+        v1::MultiHeadAttentionResponse response;
+        return Call(request, &response);
+      }));
+    }
+    std::vector<grpc::Status> statuses;
+    for (auto& call : pending) statuses.push_back(call.get());
+    return statuses;
   }
 
   // After every test: a valid call still succeeds, so nothing above broke the server.
@@ -157,6 +181,19 @@ TEST_P(WireDtypeTest, AnswersInTheQueryDtypeAndMatchesFp32) {
 
 INSTANTIATE_TEST_SUITE_P(Dtypes, WireDtypeTest, ::testing::Values(v1::FP16, v1::BF16),
                          [](const auto& info) { return DTypeName(info.param); });
+
+TEST_F(ServiceTest, WeightsAreAbsentUnlessRequested) {
+  v1::MultiHeadAttentionResponse response;
+  ASSERT_TRUE(Call(ValidRequest(), &response).ok());
+  EXPECT_FALSE(response.has_attention_weights());
+  v1::ScaledDotProductAttentionRequest sdpa;
+  SetTensor(sdpa.mutable_q(), {1, 2, 2, 4}, 1);
+  SetTensor(sdpa.mutable_k(), {1, 3, 2, 4}, 2);
+  SetTensor(sdpa.mutable_v(), {1, 3, 2, 4}, 3);
+  v1::ScaledDotProductAttentionResponse sdpa_response;
+  ASSERT_TRUE(Call(sdpa, &sdpa_response).ok());
+  EXPECT_FALSE(sdpa_response.has_attention_weights());
+}
 
 TEST_F(ServiceTest, OutputDtypeOverridesTheQueryDtype) {
   v1::MultiHeadAttentionRequest request = ValidRequest();
@@ -345,10 +382,7 @@ TEST_F(ServiceTest, FullyMaskedRowsGiveTheOutputBiasNotNaN) {
 }
 
 TEST_F(ServiceTest, HealthyWhileALongRequestComputes) {
-  v1::MultiHeadAttentionRequest slow;
-  SetTensor(slow.mutable_query(), {4, 256, 512}, 3);
-  slow.set_layer("demo");
-  slow.set_backend(v1::BACKEND_REFERENCE);  // about a second of scalar loops
+  const v1::MultiHeadAttentionRequest slow = SlowDemoRequest(4);
   auto pending = std::async(std::launch::async, [&] {
     v1::MultiHeadAttentionResponse response;
     return Call(slow, &response);
@@ -373,10 +407,7 @@ TEST_P(InlineTest, TinyRequestsSkipTheQueueOnlyWhenInlineIsOn) {
   ServerOptions options;
   options.inline_max_mflop = inline_on ? 4 : 0;
   StartServer(options);
-  v1::MultiHeadAttentionRequest slow;
-  SetTensor(slow.mutable_query(), {4, 256, 512}, 3);
-  slow.set_layer("demo");
-  slow.set_backend(v1::BACKEND_REFERENCE);  // about a second on the compute thread
+  const v1::MultiHeadAttentionRequest slow = SlowDemoRequest(4);
   auto pending = std::async(std::launch::async, [&] {
     v1::MultiHeadAttentionResponse response;
     return Call(slow, &response);
@@ -401,20 +432,8 @@ TEST_F(ServiceTest, FullQueueIsResourceExhausted) {
   ServerOptions options;
   options.max_queue_size = 1;
   StartServer(options);
-  v1::MultiHeadAttentionRequest slow;
-  SetTensor(slow.mutable_query(), {2, 256, 512}, 3);
-  slow.set_layer("demo");
-  slow.set_backend(v1::BACKEND_REFERENCE);
-  std::vector<std::future<grpc::Status>> calls;
-  for (int i = 0; i < 4; ++i) {
-    calls.push_back(std::async(std::launch::async, [&] {
-      v1::MultiHeadAttentionResponse response;
-      return Call(slow, &response);
-    }));
-  }
   int ok = 0, exhausted = 0;
-  for (auto& call : calls) {
-    const grpc::Status status = call.get();
+  for (const grpc::Status& status : CallConcurrently(SlowDemoRequest(2), 4)) {
     ok += status.ok();
     exhausted += status.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED;
   }
@@ -427,20 +446,8 @@ TEST_F(ServiceTest, QueuedBytesOverTheLimitAreResourceExhausted) {
   ServerOptions options;
   options.max_queued_mb = 1;  // each request below carries 2 MiB: one may wait, the next is refused
   StartServer(options);
-  v1::MultiHeadAttentionRequest slow;
-  SetTensor(slow.mutable_query(), {4, 256, 512}, 3);
-  slow.set_layer("demo");
-  slow.set_backend(v1::BACKEND_REFERENCE);
-  std::vector<std::future<grpc::Status>> calls;
-  for (int i = 0; i < 4; ++i) {
-    calls.push_back(std::async(std::launch::async, [&] {
-      v1::MultiHeadAttentionResponse response;
-      return Call(slow, &response);
-    }));
-  }
   int ok = 0, refused = 0;
-  for (auto& call : calls) {
-    const grpc::Status status = call.get();
+  for (const grpc::Status& status : CallConcurrently(SlowDemoRequest(4), 4)) {
     ok += status.ok();
     if (status.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED) {
       ++refused;
