@@ -43,6 +43,7 @@ RUN apt-get update -qq \
  && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
       libgrpc++1.51 libgrpc29 libprotobuf32 libabsl20220623 libre2-9 libc-ares2 libssl3 zlib1g \
       libdnnl2 ocl-icd-libopencl1 libgomp1 libspdlog1.10 libfmt9 libstdc++6 \
+      libprometheus-cpp-core1.0 libprometheus-cpp-pull1.0 \
  && if [ "$VARIANT" = cuda ]; then \
       sed -i 's/^Components: main$/Components: main contrib non-free non-free-firmware/' \
         /etc/apt/sources.list.d/debian.sources \
@@ -55,12 +56,13 @@ RUN apt-get update -qq \
 COPY --from=build /out/mha_server /out/mha_client /usr/local/bin/
 # Layers (*.safetensors) mounted at /layers are registered at start; the built-in "demo" layer is always there.
 USER 10001:10001
-# gRPC: mha.v1.Attention, grpc.health.v1.Health and reflection. There is no metrics port yet.
-EXPOSE 50051
+# gRPC: mha.v1.Attention, grpc.health.v1.Health and reflection; Prometheus metrics at :9464/metrics.
+EXPOSE 50051 9464
 # The server drains in-flight calls for up to 30 s on SIGTERM and exits 0; as PID 1 it handles the signal itself.
 STOPSIGNAL SIGTERM
 HEALTHCHECK --interval=10s --timeout=3s --start-period=10s --retries=3 \
   CMD ["/usr/local/bin/mha_client", "health", "--target", "127.0.0.1:50051", "--timeout_s", "2"]
 # Arguments after the image name are appended, and a repeated flag takes its last value, so
 # `--listen 127.0.0.1:6000` or `--threads 4` override these defaults.
-ENTRYPOINT ["/usr/local/bin/mha_server", "--listen", "0.0.0.0:50051", "--layers_dir", "/layers"]
+ENTRYPOINT ["/usr/local/bin/mha_server", "--listen", "0.0.0.0:50051", "--metrics_listen", "0.0.0.0:9464", \
+            "--layers_dir", "/layers"]

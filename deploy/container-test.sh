@@ -106,9 +106,11 @@ client() { podman run --rm --network=host --no-healthcheck --entrypoint /usr/loc
 # reports healthy. (The healthcheck timer podman would start needs systemd, absent here: podman logs that.)
 start_server() {
   port=$(free_port)
+  metrics_port=$(free_port)
   podman run --rm --network=host --name "$run_name" "$@" \
     --health-cmd "[\"/usr/local/bin/mha_client\",\"health\",\"--target\",\"127.0.0.1:$port\",\"--timeout_s\",\"2\"]" \
-    "$image" --listen "127.0.0.1:$port" --threads 2 >"$work/server.log" 2>&1 &
+    "$image" --listen "127.0.0.1:$port" --metrics_listen "127.0.0.1:$metrics_port" --threads 2 \
+    >"$work/server.log" 2>&1 &
   podman_pid=$!
   for _ in $(seq 120); do
     if podman healthcheck run "$run_name" >/dev/null 2>&1; then return 0; fi
@@ -152,6 +154,11 @@ client health --target "127.0.0.1:$port" --timeout_s 5
 client info --target "127.0.0.1:$port" | grep -q "layer demo" || fail "info lists no demo layer"
 client call --target "127.0.0.1:$port" --batch 2 --seq 64 --causal --check
 client call --target "127.0.0.1:$port" --batch 1 --seq 16 --dtype fp16 --weights --check
+/usr/bin/python3 -c "import sys, urllib.request; sys.stdout.write(urllib.request.urlopen(
+    'http://127.0.0.1:$metrics_port/metrics', timeout=5).read().decode())" >"$work/metrics.txt" ||
+  fail "no /metrics on port $metrics_port"
+grep -q 'mha_requests_total{backend="cpu",code="OK",rpc="MultiHeadAttention"} 2' "$work/metrics.txt" ||
+  fail "/metrics does not count the two checked cpu calls"
 step "run 1: SIGTERM (through podman's init) during a call"
 stop_during_long_call podman kill --signal TERM "$run_name"
 

@@ -14,6 +14,7 @@ const mha::ServerOptions kDefaults;
 
 ABSL_FLAG(std::string, listen, kDefaults.listen, "host:port to serve on; port 0 picks a free one");
 ABSL_FLAG(std::string, port_file, "", "write the bound port to this file once serving");
+ABSL_FLAG(std::string, metrics_listen, "", "serve Prometheus metrics at http://HOST:PORT/metrics; empty = off");
 ABSL_FLAG(std::string, layers_dir, "", "register every *.safetensors file in this folder as a layer");
 ABSL_FLAG(std::string, backend, kDefaults.backend, "default backend: auto, cpu, reference or cuda");
 ABSL_FLAG(int, max_message_mb, kDefaults.max_message_mb, "largest request or response, MiB");
@@ -53,6 +54,7 @@ int main(int argc, char** argv) {
   options.listen = absl::GetFlag(FLAGS_listen);
   options.port_file = absl::GetFlag(FLAGS_port_file);
   options.layers_dir = absl::GetFlag(FLAGS_layers_dir);
+  options.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
   options.backend = absl::GetFlag(FLAGS_backend);
   options.max_message_mb = absl::GetFlag(FLAGS_max_message_mb);
   options.threads = absl::GetFlag(FLAGS_threads);
@@ -74,6 +76,9 @@ int main(int argc, char** argv) {
     return 1;
   }
   spdlog::info("mha_server listening on {} (port {})", options.listen, (*server)->port());
+  if ((*server)->metrics_port() != 0) {
+    spdlog::info("metrics at http://{}/metrics (port {})", options.metrics_listen, (*server)->metrics_port());
+  }
 
   int signal_number = 0;
   sigwait(&signals, &signal_number);

@@ -51,8 +51,10 @@ absl::StatusOr<std::unique_ptr<MhaServer>> MhaServer::Start(ServerOptions option
   server->scheduler_ = std::make_unique<Scheduler>(options.threads, options.max_queue_size,
                                                    static_cast<int64_t>(options.max_queued_mb) << 20);
   server->WarmUp();
+  server->metrics_ = std::make_unique<ServerMetrics>();
+  if (!options.metrics_listen.empty()) RETURN_IF_ERROR(server->metrics_->Serve(options.metrics_listen));
   server->service_ = std::make_unique<AttentionService>(options, server->layers_.get(), server->backends_.get(),
-                                                        server->scheduler_.get());
+                                                        server->scheduler_.get(), server->metrics_.get());
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();

@@ -9,6 +9,7 @@
 #include "grpcpp/grpcpp.h"
 #include "server/backend_registry.h"
 #include "server/layer_store.h"
+#include "server/metrics.h"
 #include "server/scheduler.h"
 #include "server/server_options.h"
 #include "server/service.h"
@@ -24,6 +25,8 @@ class MhaServer {
   ~MhaServer();
 
   int port() const { return port_; }  // the bound port; 0 when in-process only
+  int metrics_port() const { return metrics_->port(); }  // 0 unless options.metrics_listen was set
+  const ServerMetrics& metrics() const { return *metrics_; }
   std::shared_ptr<grpc::Channel> InProcessChannel();
   // Stops accepting calls, lets in-flight ones finish (cancelling any still running after `grace`), then stops
   // the compute thread. Idempotent.
@@ -38,6 +41,7 @@ class MhaServer {
   std::unique_ptr<LayerStore> layers_;
   std::unique_ptr<BackendRegistry> backends_;
   std::unique_ptr<Scheduler> scheduler_;
+  std::unique_ptr<ServerMetrics> metrics_;
   std::unique_ptr<AttentionService> service_;
   std::unique_ptr<grpc::Server> server_;
   int port_ = 0;

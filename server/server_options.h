@@ -12,6 +12,9 @@ struct ServerOptions {
   std::string listen = "127.0.0.1:50051";
   // When non-empty, the bound port is written to this file once the server accepts calls.
   std::string port_file;
+  // When non-empty, Prometheus metrics are served over HTTP at http://<metrics_listen>/metrics (host:port; port 0
+  // picks a free one). Off by default so that several servers on one machine do not compete for a port.
+  std::string metrics_listen;
   // When non-empty, every *.safetensors file here is registered as a layer named after its file at start.
   std::string layers_dir;
   // What BACKEND_AUTO means: "auto" (CUDA when available, else CPU), "cpu", "reference" or "cuda".

@@ -16,12 +16,23 @@
 namespace mha {
 namespace {
 
-// Logs one finished call: request id, rpc, shapes, backend, status and latency.
-void LogCall(uint64_t id, const char* rpc, absl::string_view shapes, absl::string_view backend,
-             const absl::Status& status, absl::Time start) {
-  const int64_t latency_us = absl::ToInt64Microseconds(absl::Now() - start);
+grpc::ServerUnaryReactor* FinishNow(grpc::CallbackServerContext* context, const absl::Status& status) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(ToGrpcStatus(status));
+  return reactor;
+}
+
+}  // namespace
+
+void AttentionService::CallDone(uint64_t id, const char* rpc, absl::string_view shapes, absl::string_view backend,
+                                const absl::Status& status, absl::Time start, double compute_seconds,
+                                double flops) {
+  const absl::Duration latency = absl::Now() - start;
+  metrics_->RecordCall(rpc, status.code(), backend, absl::ToDoubleSeconds(latency), compute_seconds, flops);
+  const int64_t latency_us = absl::ToInt64Microseconds(latency);
   // abseil 20220623's string_view is not std's, so fmt needs std views.
-  const std::string_view shapes_sv(shapes.data(), shapes.size()), backend_sv(backend.data(), backend.size());
+  const std::string_view shapes_sv(shapes.data(), shapes.size());
+  const std::string_view backend_sv = backend.empty() ? "-" : std::string_view(backend.data(), backend.size());
   if (status.ok()) {
     spdlog::info("rid={} rpc={} {} backend={} status=OK latency_us={}", id, rpc, shapes_sv, backend_sv,
                  latency_us);
@@ -32,14 +43,6 @@ void LogCall(uint64_t id, const char* rpc, absl::string_view shapes, absl::strin
   }
 }
 
-grpc::ServerUnaryReactor* FinishNow(grpc::CallbackServerContext* context, const absl::Status& status) {
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  reactor->Finish(ToGrpcStatus(status));
-  return reactor;
-}
-
-}  // namespace
-
 grpc::Status ToGrpcStatus(const absl::Status& status) {
   if (status.ok()) return grpc::Status::OK;
   // absl::StatusCode and grpc::StatusCode share their numbering (both follow google.rpc.Code).
@@ -47,8 +50,8 @@ grpc::Status ToGrpcStatus(const absl::Status& status) {
 }
 
 AttentionService::AttentionService(const ServerOptions& options, LayerStore* layers, BackendRegistry* backends,
-                                   Scheduler* scheduler)
-    : options_(options), layers_(layers), backends_(backends), scheduler_(scheduler) {
+                                   Scheduler* scheduler, ServerMetrics* metrics)
+    : options_(options), layers_(layers), backends_(backends), scheduler_(scheduler), metrics_(metrics) {
   validation_.layers = layers_;
   validation_.backends = backends_;
   validation_.default_backend = options.backend == "auto" ? backends_->DefaultName() : options.backend;
@@ -67,7 +70,7 @@ grpc::ServerUnaryReactor* AttentionService::Compute(
   const absl::Time start = absl::Now();
   absl::StatusOr<Plan> validated = validate(*request, validation_);
   if (!validated.ok()) {
-    LogCall(id, rpc, "-", "-", validated.status(), start);
+    CallDone(id, rpc, "-", "", validated.status(), start);
     reactor->Finish(ToGrpcStatus(validated.status()));
     return reactor;
   }
@@ -85,7 +88,8 @@ grpc::ServerUnaryReactor* AttentionService::Compute(
       response->mutable_timing()->set_handler_us(absl::ToInt64Microseconds(absl::Now() - start));
     }
     if (!status.ok()) response->Clear();
-    LogCall(id, rpc, plan->shapes, plan->backend->name(), status, start);
+    CallDone(id, rpc, plan->shapes, plan->backend->name(), status, start, absl::ToDoubleSeconds(absl::Now() - picked_up),
+             plan->flops);
     reactor->Finish(ToGrpcStatus(status));
   };
   if (plan->flops <= options_.inline_max_mflop * 1e6 && plan->backend->serves_inline()) {
@@ -95,9 +99,15 @@ grpc::ServerUnaryReactor* AttentionService::Compute(
   }
   const int64_t request_bytes = static_cast<int64_t>(request->ByteSizeLong());
   const absl::Time queued_at = absl::Now();
-  absl::Status submitted = scheduler_->Submit([run, queued_at] { run(queued_at); }, request_bytes);
+  absl::Status submitted = scheduler_->Submit(
+      [this, run, queued_at] {
+        metrics_->SetQueueDepth(scheduler_->queued());
+        run(queued_at);
+      },
+      request_bytes);
+  metrics_->SetQueueDepth(scheduler_->queued());
   if (!submitted.ok()) {
-    LogCall(id, rpc, plan->shapes, plan->backend->name(), submitted, start);
+    CallDone(id, rpc, plan->shapes, plan->backend->name(), submitted, start);
     reactor->Finish(ToGrpcStatus(submitted));
   }
   return reactor;
@@ -135,7 +145,7 @@ grpc::ServerUnaryReactor* AttentionService::LoadLayer(grpc::CallbackServerContex
     }
   }
   if (!status.ok()) response->Clear();
-  LogCall(id, "LoadLayer", absl::StrCat("name=", request->name()), "-", status, start);
+  CallDone(id, "LoadLayer", absl::StrCat("name=", request->name()), "", status, start);
   return FinishNow(context, status);
 }
 
@@ -145,7 +155,7 @@ grpc::ServerUnaryReactor* AttentionService::UnloadLayer(grpc::CallbackServerCont
   const uint64_t id = next_request_id_++;
   const absl::Time start = absl::Now();
   absl::Status status = layers_->Remove(request->name());
-  LogCall(id, "UnloadLayer", absl::StrCat("name=", request->name()), "-", status, start);
+  CallDone(id, "UnloadLayer", absl::StrCat("name=", request->name()), "", status, start);
   return FinishNow(context, status);
 }
 

@@ -10,6 +10,7 @@
 #include "proto/mha/v1/attention.grpc.pb.h"
 #include "server/backend_registry.h"
 #include "server/layer_store.h"
+#include "server/metrics.h"
 #include "server/scheduler.h"
 #include "server/server_options.h"
 #include "server/validate.h"
@@ -22,7 +23,7 @@ class AttentionService final : public v1::Attention::CallbackService {
  public:
   // All pointers are borrowed and must outlive the service; options.backend must already be checked.
   AttentionService(const ServerOptions& options, LayerStore* layers, BackendRegistry* backends,
-                   Scheduler* scheduler);
+                   Scheduler* scheduler, ServerMetrics* metrics);
 
   grpc::ServerUnaryReactor* MultiHeadAttention(grpc::CallbackServerContext* context,
                                                const v1::MultiHeadAttentionRequest* request,
@@ -42,6 +43,11 @@ class AttentionService final : public v1::Attention::CallbackService {
                                           v1::GetServerInfoResponse* response) override;
 
  private:
+  // Logs one finished call (request id, rpc, shapes, backend, status, latency) and records it in the metrics.
+  // backend is empty when no backend was involved; compute_seconds and flops when compute ran.
+  void CallDone(uint64_t id, const char* rpc, absl::string_view shapes, absl::string_view backend,
+                const absl::Status& status, absl::Time start, double compute_seconds = 0, double flops = 0);
+
   // Validates with `validate`, queues `execute` on the scheduler and finishes the call from there.
   template <typename Request, typename Response, typename Plan>
   grpc::ServerUnaryReactor* Compute(const char* rpc, grpc::CallbackServerContext* context, const Request* request,
@@ -53,6 +59,7 @@ class AttentionService final : public v1::Attention::CallbackService {
   LayerStore* layers_;
   BackendRegistry* backends_;
   Scheduler* scheduler_;
+  ServerMetrics* metrics_;
   ValidationContext validation_;
   std::atomic<uint64_t> next_request_id_{1};
 };

@@ -1,0 +1,81 @@
+#include "server/metrics.h"
+
+#include <exception>
+#include <sstream>
+
+#include "absl/strings/str_cat.h"
+#include "prometheus/text_serializer.h"
+
+namespace mha {
+namespace {
+
+// 50 us to about 52 s, doubling: covers a tiny inline call and a long batch alike.
+const prometheus::Histogram::BucketBoundaries& LatencyBuckets() {
+  static const auto* buckets = [] {
+    auto* b = new prometheus::Histogram::BucketBoundaries();
+    for (double bound = 50e-6; bound < 60; bound *= 2) b->push_back(bound);
+    return b;
+  }();
+  return *buckets;
+}
+
+std::string Str(absl::string_view s) { return std::string(s.data(), s.size()); }
+
+}  // namespace
+
+ServerMetrics::ServerMetrics()
+    : registry_(std::make_shared<prometheus::Registry>()),
+      requests_(prometheus::BuildCounter()
+                    .Name("mha_requests_total")
+                    .Help("Calls finished, by rpc, gRPC status code and backend")
+                    .Register(*registry_)),
+      duration_(prometheus::BuildHistogram()
+                    .Name("mha_request_duration_seconds")
+                    .Help("Server-side latency of a call: validation, queue and compute")
+                    .Register(*registry_)),
+      compute_(prometheus::BuildHistogram()
+                   .Name("mha_compute_seconds")
+                   .Help("Time inside the backend, including dtype conversions")
+                   .Register(*registry_)),
+      flops_(prometheus::BuildCounter()
+                 .Name("mha_flops_total")
+                 .Help("Projection and attention FLOPs of successful calls; its rate is the achieved FLOP/s")
+                 .Register(*registry_)),
+      queue_depth_(prometheus::BuildGauge()
+                       .Name("mha_queue_depth")
+                       .Help("Requests waiting for the compute thread")
+                       .Register(*registry_)
+                       .Add({})) {}
+
+absl::Status ServerMetrics::Serve(const std::string& address) {
+  try {
+    exposer_ = std::make_unique<prometheus::Exposer>(address, /*num_threads=*/1);
+  } catch (const std::exception& e) {
+    return absl::UnavailableError(absl::StrCat("--metrics_listen ", address, ": ", e.what()));
+  }
+  exposer_->RegisterCollectable(registry_);
+  const std::vector<int> ports = exposer_->GetListeningPorts();
+  port_ = ports.empty() ? 0 : ports.front();
+  return absl::OkStatus();
+}
+
+void ServerMetrics::RecordCall(absl::string_view rpc, absl::StatusCode code, absl::string_view backend,
+                               double seconds, double compute_seconds, double flops) {
+  const std::string rpc_name = Str(rpc), backend_name = Str(backend);
+  requests_.Add({{"rpc", rpc_name}, {"code", absl::StatusCodeToString(code)}, {"backend", backend_name}})
+      .Increment();
+  duration_.Add({{"rpc", rpc_name}}, LatencyBuckets()).Observe(seconds);
+  if (backend_name.empty() || code != absl::StatusCode::kOk) return;
+  compute_.Add({{"backend", backend_name}}, LatencyBuckets()).Observe(compute_seconds);
+  flops_.Add({{"backend", backend_name}}).Increment(flops);
+}
+
+void ServerMetrics::SetQueueDepth(int depth) { queue_depth_.Set(depth); }
+
+std::string ServerMetrics::Text() const {
+  std::ostringstream out;
+  prometheus::TextSerializer().Serialize(out, registry_->Collect());
+  return out.str();
+}
+
+}  // namespace mha

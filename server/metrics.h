@@ -1,0 +1,58 @@
+// Prometheus metrics of the server (prometheus-cpp), served as text at http://<metrics_listen>/metrics when
+// ServerOptions::metrics_listen is set. Thread-safe: every method may be called from any thread.
+//
+//   mha_requests_total{rpc, code, backend}          calls finished, by gRPC status code name
+//   mha_request_duration_seconds{rpc}               handler latency: validation + queue + compute
+//   mha_compute_seconds{backend}                    time inside the backend
+//   mha_flops_total{backend}                        projection + attention FLOPs of OK calls (rate = FLOP/s)
+//   mha_queue_depth                                 requests waiting for the compute thread
+#ifndef MHA_SERVER_METRICS_H_
+#define MHA_SERVER_METRICS_H_
+
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/strings/string_view.h"
+#include "prometheus/counter.h"
+#include "prometheus/exposer.h"
+#include "prometheus/family.h"
+#include "prometheus/gauge.h"
+#include "prometheus/histogram.h"
+#include "prometheus/registry.h"
+
+namespace mha {
+
+class ServerMetrics {
+ public:
+  ServerMetrics();
+  ServerMetrics(const ServerMetrics&) = delete;
+  ServerMetrics& operator=(const ServerMetrics&) = delete;
+
+  // Starts the HTTP endpoint on `address` (host:port; port 0 picks one). UNAVAILABLE if it cannot bind.
+  absl::Status Serve(const std::string& address);
+  int port() const { return port_; }  // 0 until Serve succeeds
+
+  // One finished call. `backend` is empty for calls that reached none (rejected input, layer management);
+  // compute_seconds and flops are counted only when compute ran.
+  void RecordCall(absl::string_view rpc, absl::StatusCode code, absl::string_view backend, double seconds,
+                  double compute_seconds, double flops);
+  void SetQueueDepth(int depth);
+
+  // The current metrics in Prometheus' text format (what /metrics serves).
+  std::string Text() const;
+
+ private:
+  std::shared_ptr<prometheus::Registry> registry_;
+  prometheus::Family<prometheus::Counter>& requests_;
+  prometheus::Family<prometheus::Histogram>& duration_;
+  prometheus::Family<prometheus::Histogram>& compute_;
+  prometheus::Family<prometheus::Counter>& flops_;
+  prometheus::Gauge& queue_depth_;
+  std::unique_ptr<prometheus::Exposer> exposer_;
+  int port_ = 0;
+};
+
+}  // namespace mha
+
+#endif  // MHA_SERVER_METRICS_H_
