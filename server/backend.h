@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
@@ -109,21 +110,52 @@ class Backend {
   virtual absl::Status MultiHeadAttention(const MhaArgs& args) = 0;
 };
 
-// True when key j is visible to query i under causal (bottom-right aligned) and key_lengths; the additive mask
-// is applied separately. Shared by every backend so the rule lives in one place.
-inline bool KeyVisible(const AttentionDims& dims, const AttentionMask& mask, int64_t b, int64_t i, int64_t j) {
-  if (dims.causal && j > i + (dims.kv_len - dims.q_len)) return false;
-  if (!mask.key_lengths.empty() && j >= mask.key_lengths[b]) return false;
-  return true;
-}
-
-// Number of leading keys that causal and key_lengths leave visible to query i of batch item b: keys [0, n) may be
-// visible (the additive mask can still hide some), keys >= n are not. Between 0 and Tk.
+// Number of leading keys that causal (bottom-right aligned: key j is hidden from query i when
+// j > i + Tk - Tq) and key_lengths leave visible to query i of batch item b: keys [0, n) may be visible (the
+// additive mask can still hide some), keys >= n are not. Between 0 and Tk. Shared by every backend so the rule
+// lives in one place.
 inline int64_t VisibleKeyCount(const AttentionDims& dims, const AttentionMask& mask, int64_t b, int64_t i) {
   int64_t n = dims.kv_len;
   if (dims.causal) n = std::min<int64_t>(n, std::max<int64_t>(0, i + (dims.kv_len - dims.q_len) + 1));
   if (!mask.key_lengths.empty()) n = std::min<int64_t>(n, mask.key_lengths[b]);
   return n;
+}
+
+// True when key j is visible to query i under causal and key_lengths (see VisibleKeyCount).
+inline bool KeyVisible(const AttentionDims& dims, const AttentionMask& mask, int64_t b, int64_t i, int64_t j) {
+  return j < VisibleKeyCount(dims, mask, b, i);
+}
+
+// FLOPs of one request on these dims (multiply and add counted separately): the Q and output projections
+// 2 B Tq d_model H d_k each, the K and V projections 2 B Tk (d_kv_in + d_v_in) Hkv d_k, and attention
+// 4 B H Tq Tk d_k, not halved for causal (what a request may ask for). d_model 0 counts attention alone (SDPA).
+inline double RequestFlops(const AttentionDims& d, int64_t d_model, int64_t d_kv_in, int64_t d_v_in) {
+  const double B = static_cast<double>(d.batch), Tq = static_cast<double>(d.q_len),
+               Tk = static_cast<double>(d.kv_len), H = static_cast<double>(d.num_heads),
+               Hkv = static_cast<double>(d.num_kv_heads), dk = static_cast<double>(d.head_dim);
+  return 4.0 * B * Tq * static_cast<double>(d_model) * H * dk +
+         2.0 * B * Tk * static_cast<double>(d_kv_in + d_v_in) * Hkv * dk + 4.0 * B * H * Tq * Tk * dk;
+}
+
+// [w_q | w_k | w_v] as weights [d_model, q_width + 2 kv_width] and, when any of b_q, b_k, b_v is set, their
+// concatenation as bias (absent ones as zeros; bias is left empty otherwise): the operands of a fused
+// self-attention projection. Requires d_kv_in == d_v_in == d_model.
+inline void FuseQkvProjection(const LayerWeights& w, int64_t q_width, int64_t kv_width, std::vector<float>* weights,
+                              std::vector<float>* bias) {
+  const int64_t width = q_width + 2 * kv_width;
+  weights->resize(w.d_model * width);
+  for (int64_t r = 0; r < w.d_model; ++r) {
+    float* row = weights->data() + r * width;
+    std::copy_n(w.w_q + r * q_width, q_width, row);
+    std::copy_n(w.w_k + r * kv_width, kv_width, row + q_width);
+    std::copy_n(w.w_v + r * kv_width, kv_width, row + q_width + kv_width);
+  }
+  bias->clear();
+  if (w.b_q == nullptr && w.b_k == nullptr && w.b_v == nullptr) return;
+  bias->assign(width, 0.0f);
+  if (w.b_q) std::copy_n(w.b_q, q_width, bias->data());
+  if (w.b_k) std::copy_n(w.b_k, kv_width, bias->data() + q_width);
+  if (w.b_v) std::copy_n(w.b_v, kv_width, bias->data() + q_width + kv_width);
 }
 
 }  // namespace mha

@@ -96,6 +96,7 @@ struct CallScratch {
   std::vector<float> projected;  // Q|K|V projections
   std::vector<float> heads;      // concatenated head outputs [B*Tq, H*d_k]
   std::vector<float> fused_w;    // fused Q|K|V weights and bias, when the layer has none precomputed
+  std::vector<float> fused_b;
 };
 
 CallScratch& ThreadScratch() {
@@ -224,7 +225,7 @@ void CpuBackend::Attend(const AttentionDims& d, const AttentionMask& mask, Packe
 
 absl::Status CpuBackend::ScaledDotProductAttention(const SdpaArgs& a) {
   const AttentionDims& d = a.dims;
-  const double flops = 4.0 * d.batch * d.num_heads * d.q_len * d.kv_len * d.head_dim;
+  const double flops = RequestFlops(d, /*d_model=*/0, 0, 0);
   ScopedOmpThreads threads(flops < kSerialFlops ? 1 : omp_get_max_threads());
   try {
     Attend(d, a.mask, {a.q, d.num_heads * d.head_dim}, {a.k, d.num_kv_heads * d.head_dim},
@@ -240,8 +241,7 @@ absl::Status CpuBackend::MultiHeadAttention(const MhaArgs& a) {
   const LayerWeights& w = a.weights;
   const int64_t q_width = d.num_heads * d.head_dim, kv_width = d.num_kv_heads * d.head_dim;
   const int64_t q_rows = d.batch * d.q_len, kv_rows = d.batch * d.kv_len;
-  const double flops = 2.0 * q_rows * w.d_model * q_width * 2 + 2.0 * kv_rows * (w.d_kv_in + w.d_v_in) * kv_width +
-                       4.0 * d.batch * d.num_heads * d.q_len * d.kv_len * d.head_dim;
+  const double flops = RequestFlops(d, w.d_model, w.d_kv_in, w.d_v_in);
   ScopedOmpThreads threads(flops < kSerialFlops ? 1 : omp_get_max_threads());
   CallScratch& scratch = ThreadScratch();
   try {
@@ -252,23 +252,9 @@ absl::Status CpuBackend::MultiHeadAttention(const MhaArgs& a) {
       const float* w_qkv = w.w_qkv;
       const float* b_qkv = w.b_qkv;
       if (w_qkv == nullptr) {
-        const bool has_bias = w.b_q || w.b_k || w.b_v;
-        scratch.fused_w.assign(w.d_model * width + (has_bias ? width : 0), 0.0f);
-        for (int64_t r = 0; r < w.d_model; ++r) {
-          float* row = scratch.fused_w.data() + r * width;
-          std::memcpy(row, w.w_q + r * q_width, q_width * sizeof(float));
-          std::memcpy(row + q_width, w.w_k + r * kv_width, kv_width * sizeof(float));
-          std::memcpy(row + q_width + kv_width, w.w_v + r * kv_width, kv_width * sizeof(float));
-        }
+        FuseQkvProjection(w, q_width, kv_width, &scratch.fused_w, &scratch.fused_b);
         w_qkv = scratch.fused_w.data();
-        b_qkv = nullptr;
-        if (has_bias) {
-          float* bias = scratch.fused_w.data() + w.d_model * width;
-          if (w.b_q) std::memcpy(bias, w.b_q, q_width * sizeof(float));
-          if (w.b_k) std::memcpy(bias + q_width, w.b_k, kv_width * sizeof(float));
-          if (w.b_v) std::memcpy(bias + q_width + kv_width, w.b_v, kv_width * sizeof(float));
-          b_qkv = bias;
-        }
+        b_qkv = scratch.fused_b.empty() ? nullptr : scratch.fused_b.data();
       }
       if (static_cast<int64_t>(scratch.projected.size()) < q_rows * width) scratch.projected.resize(q_rows * width);
       Linear(a.query, q_rows, w.d_model, w.d_model, w_qkv, b_qkv, width, scratch.projected.data(), width);

@@ -99,22 +99,10 @@ absl::StatusOr<std::shared_ptr<const Layer>> BuildLayer(absl::string_view name, 
   if (w.has_b_v()) layer->b_v = TensorToFloats(w.b_v());
   if (w.has_b_o()) layer->b_o = TensorToFloats(w.b_o());
 
-  // Precompute [w_q | w_k | w_v] for the fused self-attention projection of registered layers.
+  // Precompute [w_q | w_k | w_v] for the fused self-attention projection of registered layers (inline weights
+  // serve one request: the backend fuses them itself if it wants to).
   if (source != "inline" && layer->d_kv_in == layer->d_model && layer->d_v_in == layer->d_model) {
-    const int64_t width = q_width + 2 * kv_width;
-    layer->w_qkv.resize(layer->d_model * width);
-    for (int64_t r = 0; r < layer->d_model; ++r) {
-      float* row = layer->w_qkv.data() + r * width;
-      std::copy_n(layer->w_q.data() + r * q_width, q_width, row);
-      std::copy_n(layer->w_k.data() + r * kv_width, kv_width, row + q_width);
-      std::copy_n(layer->w_v.data() + r * kv_width, kv_width, row + q_width + kv_width);
-    }
-    if (!layer->b_q.empty() || !layer->b_k.empty() || !layer->b_v.empty()) {
-      layer->b_qkv.assign(width, 0.0f);
-      std::copy(layer->b_q.begin(), layer->b_q.end(), layer->b_qkv.begin());
-      std::copy(layer->b_k.begin(), layer->b_k.end(), layer->b_qkv.begin() + q_width);
-      std::copy(layer->b_v.begin(), layer->b_v.end(), layer->b_qkv.begin() + q_width + kv_width);
-    }
+    FuseQkvProjection(layer->Weights(), q_width, kv_width, &layer->w_qkv, &layer->b_qkv);
   }
   return std::shared_ptr<const Layer>(std::move(layer));
 }

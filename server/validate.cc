@@ -44,7 +44,7 @@ double Product(std::initializer_list<int64_t> factors) {
 // Masks, dtypes, backend and the response size: the parts MHA and SDPA share.
 template <typename Request>
 absl::Status ValidateCommon(const Request& request, const ValidationContext& context, int input_dtype,
-                            int64_t output_elements, double projection_flops, AttentionPlan* plan) {
+                            int64_t output_elements, double flops, AttentionPlan* plan) {
   const AttentionDims& d = plan->dims;
 
   if (request.key_lengths_size() != 0) {
@@ -128,7 +128,6 @@ absl::Status ValidateCommon(const Request& request, const ValidationContext& con
         context.max_message_bytes, "-byte message limit (--max_message_mb); ask for output_dtype FP16",
         plan->return_weights ? ", return_attention_weights=false" : "", " or fewer tokens"));
   }
-  const double flops = projection_flops + 4.0 * Product({d.batch, d.num_heads, d.q_len, d.kv_len, d.head_dim});
   plan->flops = flops;
   if (flops > context.max_request_flops) {
     return absl::ResourceExhaustedError(absl::StrCat(
@@ -250,11 +249,8 @@ absl::StatusOr<MhaPlan> ValidateMultiHeadAttention(const v1::MultiHeadAttentionR
         context.max_scratch_bytes, "-byte limit (--max_scratch_mb); send fewer tokens or a smaller batch"));
   }
   RETURN_IF_ERROR(ValidateHeadMask(request, &plan));
-  const double projection_flops =
-      2.0 * (Product({batch, q_len, d_model, d.num_heads, d.head_dim}) +
-             Product({batch, d.kv_len, layer.d_kv_in + layer.d_v_in, d.num_kv_heads, d.head_dim}) +
-             Product({batch, q_len, d.num_heads, d.head_dim, d_model}));
-  RETURN_IF_ERROR(ValidateCommon(request, context, query.dtype(), batch * q_len * d_model, projection_flops, &plan));
+  RETURN_IF_ERROR(ValidateCommon(request, context, query.dtype(), batch * q_len * d_model,
+                                 RequestFlops(d, d_model, layer.d_kv_in, layer.d_v_in), &plan));
   plan.shapes = absl::StrCat("query", ShapeString(query.shape()),
                              request.has_key() ? absl::StrCat(" key", ShapeString(key->shape())) : " self",
                              " layer=", layer.name, " H=", d.num_heads, " Hkv=", d.num_kv_heads,
@@ -312,7 +308,7 @@ absl::StatusOr<SdpaPlan> ValidateScaledDotProductAttention(const v1::ScaledDotPr
   plan.k = &k;
   plan.v = &v;
   RETURN_IF_ERROR(ValidateCommon(request, context, q.dtype(), d.batch * d.q_len * d.num_heads * d.head_dim,
-                                 /*projection_flops=*/0.0, &plan));
+                                 RequestFlops(d, /*d_model=*/0, 0, 0), &plan));
   plan.shapes = absl::StrCat("q", ShapeString(q.shape()), " k", ShapeString(k.shape()), d.causal ? " causal" : "");
   return plan;
 }
