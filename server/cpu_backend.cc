@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
 #include "server/softmax_kernels.h"
+#include "server/tile_kernels.h"
 
 namespace mha {
 namespace {
@@ -35,19 +36,35 @@ std::string CpuModelName() {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<CpuBackend>> CpuBackend::Create() {
-  // Every computation goes through oneDNN's sgemm; a 1x1x1 product proves the library loads and runs here.
+absl::StatusOr<std::unique_ptr<CpuBackend>> CpuBackend::Create(absl::string_view tile_kernels) {
+  // Projections go through oneDNN's sgemm; a 1x1x1 product proves the library loads and runs here.
   const float one = 1.0f;
   float out = 0.0f;
   if (dnnl_sgemm('N', 'N', 1, 1, 1, 1.0f, &one, 1, &one, 1, 0.0f, &out, 1) != dnnl_success || out != 1.0f) {
     return absl::UnavailableError("oneDNN's sgemm does not run on this machine");
   }
-  return std::unique_ptr<CpuBackend>(new CpuBackend());
+  std::vector<const kernels::TileKernels*> tiles;
+  if (tile_kernels == "auto") {
+    for (const char* isa : {"avx512", "avx2"}) {
+      if (const kernels::TileKernels* k = kernels::TileKernelsFor(isa); k != nullptr) tiles.push_back(k);
+    }
+  } else if (tile_kernels == "avx512" || tile_kernels == "avx2") {
+    const kernels::TileKernels* k = kernels::TileKernelsFor(std::string(tile_kernels).c_str());
+    if (k == nullptr) {
+      return absl::UnavailableError(absl::StrCat("this CPU does not run the ", tile_kernels, " tile kernels"));
+    }
+    tiles.push_back(k);
+  } else if (tile_kernels != "sgemm") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("unknown tile kernels \"", tile_kernels, "\"; expected auto, avx512, avx2 or sgemm"));
+  }
+  return std::unique_ptr<CpuBackend>(new CpuBackend(std::move(tiles)));
 }
 
 std::string CpuBackend::device() const {
   const dnnl_version_t* v = dnnl_version();
   return absl::StrCat(CpuModelName(), " (oneDNN ", v->major, ".", v->minor, ".", v->patch, ", ",
+                      tile_kernels_.empty() ? "sgemm" : tile_kernels_.front()->isa, " attention tiles, ",
                       omp_get_max_threads(), " OpenMP threads)");
 }
 
@@ -97,6 +114,8 @@ struct CallScratch {
   std::vector<float> heads;      // concatenated head outputs [B*Tq, H*d_k]
   std::vector<float> fused_w;    // fused Q|K|V weights and bias, when the layer has none precomputed
   std::vector<float> fused_b;
+  std::vector<float> keys_t;  // K^T per (batch, kv head) for the tile kernels [B, Hkv, d_k, Tk_pad]
+  std::vector<float> values;  // V per (batch, kv head) for the tile kernels [B, Hkv, Tk, d_k]
 };
 
 CallScratch& ThreadScratch() {
@@ -106,6 +125,7 @@ CallScratch& ThreadScratch() {
 
 // Per-thread scratch of the attention kernel, sized for one (query block x key block) tile.
 struct TileScratch {
+  std::vector<float> queries;      // [row_block, d_k], scaled, for the tile kernels
   std::vector<float> scores;       // [row_block, key_block]
   std::vector<float> accumulator;  // [row_block, d_k]
   std::vector<float> row_max, row_sum, row_factor;  // [row_block]
@@ -113,13 +133,104 @@ struct TileScratch {
 
 }  // namespace
 
+namespace {
+
+// The two matmuls of one work item (one batch, head and query block), over a panel of its rows: through the tile
+// kernels on the packed Q, K^T and V, or through sgemm on the head-packed tensors in place.
+struct ItemMatmuls {
+  const kernels::TileKernels* tiles;  // null: sgemm
+  int64_t head_dim;
+  float scale;
+  const float* q;  // the block's first query; tiles: packed [rows, d_k] and already scaled
+  int64_t q_stride;
+  const float* k;  // tiles: K^T [d_k, k_stride]; sgemm: the head's first key, rows k_stride apart
+  int64_t k_stride;
+  const float* v;  // tiles: packed [Tk, d_k]; sgemm: the head's first value, rows v_stride apart
+  int64_t v_stride;
+  bool ok = true;  // false once an sgemm call failed
+
+  // s[rows, n] (row stride lds) = scale * Q[r0, r0 + rows) K[j0, j0 + n)^T.
+  void Scores(int64_t r0, int64_t rows, int64_t j0, int64_t n, float* s, int64_t lds) {
+    if (tiles != nullptr) {
+      tiles->scores(rows, n, head_dim, 1.0f, q + r0 * q_stride, q_stride, k + j0, k_stride, s, lds);
+    } else {
+      ok &= Gemm(true, rows, n, head_dim, scale, q + r0 * q_stride, q_stride, k + j0 * k_stride, k_stride, 0.0f,
+                 s, lds);
+    }
+  }
+
+  // o[rows, d_k] (row stride ldo) = p[rows, n] (row stride ldp) V[j0, j0 + n), plus o_scale[r] * o[r, :] for
+  // each row r when o_scale is not null.
+  void Values(int64_t rows, int64_t j0, int64_t n, const float* p, int64_t ldp, const float* o_scale, float* o,
+              int64_t ldo) {
+    if (tiles != nullptr) {
+      tiles->values(rows, n, head_dim, p, ldp, v + j0 * v_stride, v_stride, o_scale, o, ldo);
+      return;
+    }
+    if (o_scale != nullptr) {
+      for (int64_t r = 0; r < rows; ++r) kernels::Scale(o + r * ldo, head_dim, o_scale[r]);
+    }
+    ok &= Gemm(false, rows, head_dim, n, 1.0f, p, ldp, v + j0 * v_stride, v_stride, o_scale != nullptr ? 1.0f : 0.0f,
+               o, ldo);
+  }
+};
+
+}  // namespace
+
 void CpuBackend::Attend(const AttentionDims& d, const AttentionMask& mask, Packed q, Packed k, Packed v,
                         float* out, int64_t out_stride, float* weights) {
-  const int64_t B = d.batch, Tq = d.q_len, Tk = d.kv_len, H = d.num_heads, G = d.group_size(), dk = d.head_dim;
+  const int64_t B = d.batch, Tq = d.q_len, Tk = d.kv_len, H = d.num_heads, Hkv = d.num_kv_heads,
+                G = d.group_size(), dk = d.head_dim;
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  const kernels::TileKernels* tiles = nullptr;  // the first kernels whose vector width divides d_k
+  for (const kernels::TileKernels* candidate : tile_kernels_) {
+    if (dk % candidate->lanes == 0) {
+      tiles = candidate;
+      break;
+    }
+  }
   const int64_t query_blocks = (Tq + kQueryBlock - 1) / kQueryBlock;
   const int64_t items = B * H * query_blocks;
-  const int64_t row_block = std::min(kQueryBlock, Tq), key_block = std::min(kKeyBlock, Tk);
+  const int64_t row_block = std::min(kQueryBlock, Tq);
+  // Rows per panel: the tile kernels take a few rows at a time so that each panel's scores stay in L1 from the
+  // score matmul through the softmax to the value matmul; sgemm takes the whole block.
+  const int64_t panel = tiles != nullptr ? std::min<int64_t>(tiles->panel_rows, row_block) : row_block;
+  const int64_t key_block = std::min(tiles != nullptr ? kTileKeyBlock : kKeyBlock, Tk);
+
+  // The tile kernels read K^T and V of each (batch, kv head) as dense blocks, [d_k, kt_stride] and [Tk, d_k],
+  // packed once per call and shared by every query block and every query head of a group. Read in place through
+  // the head-packed row stride, consecutive rows fall into a handful of L1 sets (rows 3 * 512 floats apart all
+  // map to two of them) and evict each other.
+  CallScratch& scratch = ThreadScratch();
+  int64_t kt_stride = 0;
+  if (tiles != nullptr) {
+    // Rows of K^T one cache line longer than whole score blocks: a power-of-two row stride would put a block's
+    // rows in the same L1 set.
+    kt_stride = (Tk + tiles->score_columns - 1) / tiles->score_columns * tiles->score_columns + 16;
+    const int64_t kt_size = kt_stride * dk;
+    if (static_cast<int64_t>(scratch.keys_t.size()) < B * Hkv * kt_size) scratch.keys_t.resize(B * Hkv * kt_size);
+    if (static_cast<int64_t>(scratch.values.size()) < B * Hkv * Tk * dk) scratch.values.resize(B * Hkv * Tk * dk);
+    float* keys_t = scratch.keys_t.data();
+    float* values = scratch.values.data();
+    constexpr int64_t kChunk = 64;  // keys per packing task: their rows stay in L1 while they are transposed
+    const int64_t chunks = (Tk + kChunk - 1) / kChunk;
+#pragma omp parallel for schedule(static)
+    for (int64_t task = 0; task < B * Hkv * chunks; ++task) {
+      const int64_t b = task / (Hkv * chunks), h = (task / chunks) % Hkv, j0 = (task % chunks) * kChunk;
+      const int64_t j1 = std::min(Tk, j0 + kChunk);
+      const float* k_rows = k.data + b * Tk * k.row_stride + h * dk;
+      float* kt = keys_t + (b * Hkv + h) * kt_size;
+      for (int64_t c = 0; c < dk; ++c) {
+        float* dst = kt + c * kt_stride;
+        for (int64_t j = j0; j < j1; ++j) dst[j] = k_rows[j * k.row_stride + c];
+        if (j1 == Tk) std::fill(dst + Tk, dst + kt_stride, 0.0f);  // padding the kernels read in whole blocks
+      }
+      float* vp = values + (b * Hkv + h) * Tk * dk;
+      for (int64_t j = j0; j < j1; ++j) {
+        std::memcpy(vp + j * dk, v.data + (b * Tk + j) * v.row_stride + h * dk, dk * sizeof(float));
+      }
+    }
+  }
   std::atomic<bool> failed{false};
 
   // One parallel region over (batch, head, query block); each item runs on one thread, tiles stay in its cache.
@@ -127,65 +238,86 @@ void CpuBackend::Attend(const AttentionDims& d, const AttentionMask& mask, Packe
   {
     // Sized to the problem, not the tile constants, so a short sequence with a huge head_dim stays small.
     TileScratch t;
-    t.row_max.resize(row_block);
-    t.row_sum.resize(row_block);
-    t.row_factor.resize(row_block);
+    t.row_max.resize(panel);
+    t.row_sum.resize(panel);
+    t.row_factor.resize(panel);
+    if (tiles != nullptr) t.queries.resize(row_block * dk);
     if (weights == nullptr) {
-      t.scores.resize(row_block * key_block);
-      t.accumulator.resize(row_block * dk);
+      t.scores.resize(panel * key_block);
+      t.accumulator.resize(panel * dk);
     }
 #pragma omp for schedule(dynamic)
     for (int64_t item = 0; item < items; ++item) {
       const int64_t b = item / (H * query_blocks), h = (item / query_blocks) % H;
       const int64_t i0 = (item % query_blocks) * kQueryBlock, rows = std::min(kQueryBlock, Tq - i0);
       const float* q_tile = q.data + (b * Tq + i0) * q.row_stride + h * dk;
-      const float* k_head = k.data + b * Tk * k.row_stride + (h / G) * dk;
-      const float* v_head = v.data + b * Tk * v.row_stride + (h / G) * dk;
       float* out_tile = out + (b * Tq + i0) * out_stride + h * dk;
       const float* additive =
           mask.additive == nullptr ? nullptr
                                    : mask.additive + (mask.additive_per_batch ? b * Tq * Tk : 0) + i0 * Tk;
-      // Keys at or past `keys` are invisible to every row of the block (visible counts grow with the row).
-      const int64_t keys = VisibleKeyCount(d, mask, b, i0 + rows - 1);
-      bool ok = true;
-
-      if (weights != nullptr) {
-        // Exact softmax over whole rows, computed in place in the returned weights [B, H, Tq, Tk].
-        float* p = weights + ((b * H + h) * Tq + i0) * Tk;
-        if (keys > 0) ok &= Gemm(true, rows, keys, dk, d.scale, q_tile, q.row_stride, k_head, k.row_stride, 0.0f, p, Tk);
+      ItemMatmuls mm{tiles, dk, d.scale};
+      if (tiles != nullptr) {
+        float* qp = t.queries.data();  // the block's queries, dense and scaled
         for (int64_t r = 0; r < rows; ++r) {
-          float* row = p + r * Tk;
-          const int64_t visible = VisibleKeyCount(d, mask, b, i0 + r);
-          if (additive != nullptr) kernels::Add(row, additive + r * Tk, visible);
-          const float max = kernels::RowMax(row, visible);
-          if (max == kNegInf) {  // nothing visible: zero weights, zero output
-            std::fill(row, row + Tk, 0.0f);
-            continue;
-          }
-          kernels::Scale(row, visible, 1.0f / kernels::ExpShiftSum(row, visible, max));
-          std::fill(row + visible, row + Tk, 0.0f);
+          for (int64_t c = 0; c < dk; ++c) qp[r * dk + c] = q_tile[r * q.row_stride + c] * d.scale;
         }
-        if (keys > 0) {
-          ok &= Gemm(false, rows, dk, keys, 1.0f, p, Tk, v_head, v.row_stride, 0.0f, out_tile, out_stride);
-        } else {
-          for (int64_t r = 0; r < rows; ++r) std::fill_n(out_tile + r * out_stride, dk, 0.0f);
-        }
+        const int64_t kv = b * Hkv + h / G;
+        mm.q = qp;
+        mm.q_stride = dk;
+        mm.k = scratch.keys_t.data() + kv * kt_stride * dk;
+        mm.k_stride = kt_stride;
+        mm.v = scratch.values.data() + kv * Tk * dk;
+        mm.v_stride = dk;
       } else {
+        mm.q = q_tile;
+        mm.q_stride = q.row_stride;
+        mm.k = k.data + b * Tk * k.row_stride + (h / G) * dk;
+        mm.k_stride = k.row_stride;
+        mm.v = v.data + b * Tk * v.row_stride + (h / G) * dk;
+        mm.v_stride = v.row_stride;
+      }
+
+      for (int64_t p0 = 0; p0 < rows; p0 += panel) {
+        const int64_t panel_rows = std::min(panel, rows - p0);
+        // Keys at or past `keys` are invisible to every row of the panel (visible counts grow with the row).
+        const int64_t keys = VisibleKeyCount(d, mask, b, i0 + p0 + panel_rows - 1);
+        float* out_panel = out_tile + p0 * out_stride;
+        if (weights != nullptr) {
+          // Exact softmax over whole rows, computed in place in the returned weights [B, H, Tq, Tk].
+          float* p = weights + ((b * H + h) * Tq + i0 + p0) * Tk;
+          if (keys > 0) mm.Scores(p0, panel_rows, 0, keys, p, Tk);
+          for (int64_t r = 0; r < panel_rows; ++r) {
+            float* row = p + r * Tk;
+            const int64_t visible = VisibleKeyCount(d, mask, b, i0 + p0 + r);
+            if (additive != nullptr) kernels::Add(row, additive + (p0 + r) * Tk, visible);
+            const float max = kernels::RowMax(row, visible);
+            if (max == kNegInf) {  // nothing visible: zero weights, zero output
+              std::fill(row, row + Tk, 0.0f);
+              continue;
+            }
+            kernels::Scale(row, visible, 1.0f / kernels::ExpShiftSum(row, visible, max));
+            std::fill(row + visible, row + Tk, 0.0f);
+          }
+          if (keys > 0) {
+            mm.Values(panel_rows, 0, keys, p, Tk, /*o_scale=*/nullptr, out_panel, out_stride);
+          } else {
+            for (int64_t r = 0; r < panel_rows; ++r) std::fill_n(out_panel + r * out_stride, dk, 0.0f);
+          }
+          continue;
+        }
         // Online softmax over key blocks (FlashAttention's recurrence): running max m, running sum l, and the
         // output accumulator rescaled by exp(m_old - m_new) whenever a row's max grows.
         float* acc = t.accumulator.data();
-        std::fill_n(acc, rows * dk, 0.0f);
-        std::fill_n(t.row_max.data(), rows, kNegInf);
-        std::fill_n(t.row_sum.data(), rows, 0.0f);
+        std::fill_n(t.row_max.data(), panel_rows, kNegInf);
+        std::fill_n(t.row_sum.data(), panel_rows, 0.0f);
         for (int64_t j0 = 0; j0 < keys; j0 += key_block) {
           const int64_t n = std::min(key_block, keys - j0);
           float* s = t.scores.data();
-          ok &= Gemm(true, rows, n, dk, d.scale, q_tile, q.row_stride, k_head + j0 * k.row_stride, k.row_stride,
-                     0.0f, s, key_block);
-          for (int64_t r = 0; r < rows; ++r) {
+          mm.Scores(p0, panel_rows, j0, n, s, key_block);
+          for (int64_t r = 0; r < panel_rows; ++r) {
             float* row = s + r * key_block;
-            const int64_t visible = std::clamp<int64_t>(VisibleKeyCount(d, mask, b, i0 + r) - j0, 0, n);
-            if (additive != nullptr) kernels::Add(row, additive + r * Tk + j0, visible);
+            const int64_t visible = std::clamp<int64_t>(VisibleKeyCount(d, mask, b, i0 + p0 + r) - j0, 0, n);
+            if (additive != nullptr) kernels::Add(row, additive + (p0 + r) * Tk + j0, visible);
             std::fill(row + visible, row + n, 0.0f);
             const float block_max = kernels::RowMax(row, visible);
             const float old_max = t.row_max[r];
@@ -200,14 +332,11 @@ void CpuBackend::Attend(const AttentionDims& d, const AttentionMask& mask, Packe
             t.row_max[r] = new_max;
             t.row_factor[r] = factor;
           }
-          for (int64_t r = 0; r < rows; ++r) {
-            if (t.row_factor[r] != 1.0f) kernels::Scale(acc + r * dk, dk, t.row_factor[r]);
-          }
-          ok &= Gemm(false, rows, dk, n, 1.0f, s, key_block, v_head + j0 * v.row_stride, v.row_stride, 1.0f, acc,
-                     dk);
+          // The first block writes the accumulator; later ones rescale it by each row's factor and add.
+          mm.Values(panel_rows, j0, n, s, key_block, j0 == 0 ? nullptr : t.row_factor.data(), acc, dk);
         }
-        for (int64_t r = 0; r < rows; ++r) {
-          float* dst = out_tile + r * out_stride;
+        for (int64_t r = 0; r < panel_rows; ++r) {
+          float* dst = out_panel + r * out_stride;
           const float sum = t.row_sum[r];
           if (sum > 0.0f) {
             const float inverse = 1.0f / sum;
@@ -217,7 +346,7 @@ void CpuBackend::Attend(const AttentionDims& d, const AttentionMask& mask, Packe
           }
         }
       }
-      if (!ok) failed = true;
+      if (!mm.ok) failed = true;
     }
   }
   if (failed) throw dnnl::error(dnnl_runtime_error, "dnnl_sgemm failed in the attention kernel");

@@ -23,6 +23,7 @@
 #include "absl/status/statusor.h"
 #include "oneapi/dnnl/dnnl.hpp"
 #include "server/backend.h"
+#include "server/tile_kernels.h"
 
 namespace mha {
 
@@ -32,9 +33,15 @@ class CpuBackend final : public Backend {
   // blocks stays within a core's L2 (tuned with tests/bench/attention_bench; docs/PERFORMANCE.md).
   static constexpr int64_t kQueryBlock = 128;
   static constexpr int64_t kKeyBlock = 256;
+  // Keys per block of the tile kernels' online softmax: a panel of a few query rows against 512 keys keeps its
+  // scores in L1, and the block's K^T and V (128 KiB each at d_k = 64) in L2.
+  static constexpr int64_t kTileKeyBlock = 512;
 
-  // UNAVAILABLE if oneDNN does not run on this machine.
-  static absl::StatusOr<std::unique_ptr<CpuBackend>> Create();
+  // The matmuls of the attention core: "auto" (the widest tile kernels this CPU runs whose vector width divides
+  // head_dim), "avx512", "avx2" or "sgemm" (oneDNN's, on the head-packed tensors in place). A call whose head_dim
+  // is not a multiple of any allowed kernels' vector width uses sgemm. UNAVAILABLE if oneDNN does not run here or the CPU lacks the requested
+  // instructions; INVALID_ARGUMENT for any other name.
+  static absl::StatusOr<std::unique_ptr<CpuBackend>> Create(absl::string_view tile_kernels = "auto");
 
   absl::string_view name() const override { return "cpu"; }
   bool serves_inline() const override { return true; }
@@ -49,7 +56,8 @@ class CpuBackend final : public Backend {
     int64_t row_stride;
   };
 
-  CpuBackend() = default;
+  explicit CpuBackend(std::vector<const kernels::TileKernels*> tile_kernels)
+      : tile_kernels_(std::move(tile_kernels)) {}
 
   // Writes attention over q, k, v into out (head-packed, row stride out_stride) and, when non-null, the
   // probabilities into weights [B, H, Tq, Tk]. Throws dnnl::error.
@@ -58,6 +66,8 @@ class CpuBackend final : public Backend {
   // y[m, n] (row stride ldy) = x[m, k] (row stride ldx) w[k, n] + bias[n] (bias may be null). Throws dnnl::error.
   void Linear(const float* x, int64_t m, int64_t k, int64_t ldx, const float* w, const float* bias, int64_t n,
               float* y, int64_t ldy);
+
+  const std::vector<const kernels::TileKernels*> tile_kernels_;  // in order of preference; empty: sgemm only
 };
 
 }  // namespace mha

@@ -1,0 +1,38 @@
+// Hand-written matmuls for the attention core's in-cache tiles: scores S = scale * Q K^T and values O (+)= P V.
+// oneDNN's sgemm reaches 50-65% of a core on these shapes (128x256x64 and 128x64x256, measured here); these
+// register-blocked kernels read Q, K^T and V where they lie and keep the whole output block in registers for the
+// full reduction. One body (tile_kernels_impl.h) is compiled once per instruction set, each in its own
+// translation unit and namespace, so nothing built for AVX-512 can leak into code that runs on an AVX2 CPU.
+//
+// All matrices are row-major fp32 with explicit row strides (in floats). Thread-safe: no state.
+#ifndef MHA_SERVER_TILE_KERNELS_H_
+#define MHA_SERVER_TILE_KERNELS_H_
+
+#include <cstdint>
+
+namespace mha::kernels {
+
+struct TileKernels {
+  const char* isa;    // "avx512" or "avx2"
+  int lanes;          // floats per vector register
+  int score_columns;  // columns of one scores block: rows of kt are read in whole blocks
+  int panel_rows;     // rows one register block of either kernel covers: the natural panel height for callers
+
+  // s[rows, cols] (row stride lds) = scale * q[rows, depth] (stride ldq) * kt[depth, cols] (stride ldk).
+  // Rows of kt must be readable up to round_up(cols, score_columns); nothing at or past `cols` of s is written.
+  void (*scores)(int64_t rows, int64_t cols, int64_t depth, float scale, const float* q, int64_t ldq,
+                 const float* kt, int64_t ldk, float* s, int64_t lds);
+
+  // o[rows, width] (stride ldo) = p[rows, n] (stride ldp) * v[n, width] (stride ldv), plus o_scale[r] * o[r, :]
+  // for each row r when o_scale is not null (the online softmax's rescaling, fused). width must be a multiple of
+  // `lanes`.
+  void (*values)(int64_t rows, int64_t n, int64_t width, const float* p, int64_t ldp, const float* v, int64_t ldv,
+                 const float* o_scale, float* o, int64_t ldo);
+};
+
+// The kernels for `isa` ("avx512", "avx2") if this CPU runs them, else nullptr.
+const TileKernels* TileKernelsFor(const char* isa);
+
+}  // namespace mha::kernels
+
+#endif  // MHA_SERVER_TILE_KERNELS_H_
