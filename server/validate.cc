@@ -240,9 +240,10 @@ absl::StatusOr<MhaPlan> ValidateMultiHeadAttention(const v1::MultiHeadAttentionR
   d.scale = layer.heads.scale;
   d.causal = layer.heads.causal || (request.has_heads() && request.heads().causal());
 
-  // Working memory beyond the request and response: projections and concatenated heads.
+  // Working memory beyond the request and response: projections and concatenated heads, and the K^T and V
+  // copies the CPU backend's tile kernels read.
   const double scratch = 4.0 * (Product({batch, q_len, 2 * d.num_heads, d.head_dim}) +
-                                Product({batch, d.kv_len, 2 * d.num_kv_heads, d.head_dim}));
+                                Product({batch, d.kv_len, 4 * d.num_kv_heads, d.head_dim}));
   if (scratch > static_cast<double>(context.max_scratch_bytes)) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "projections would need about ", static_cast<int64_t>(scratch), " bytes of working memory, over the ",

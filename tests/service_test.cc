@@ -364,6 +364,19 @@ TEST_F(ServiceTest, AttentionWorkOverTheLimitIsResourceExhausted) {
   EXPECT_THAT(status.error_message(), HasSubstr("--max_request_gflop"));
 }
 
+TEST_F(ServiceTest, WorkingMemoryOverTheLimitIsResourceExhausted) {
+  ServerOptions options;
+  options.max_scratch_mb = 1;
+  StartServer(options);
+  v1::MultiHeadAttentionRequest request = ValidRequest();
+  // Projections 2 * 5000 * (2 * 8) floats and K^T/V copies 2 * 5000 * (4 * 8) floats: 1.9 MB over 1 MiB.
+  SetTensor(request.mutable_query(), {2, 5000, kDModel}, 1);
+  v1::MultiHeadAttentionResponse response;
+  const grpc::Status status = Call(request, &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_THAT(status.error_message(), HasSubstr("--max_scratch_mb"));
+}
+
 TEST_F(ServiceTest, FullyMaskedRowsGiveTheOutputBiasNotNaN) {
   v1::MultiHeadAttentionRequest request = ValidRequest();
   SetTensor(request.mutable_inline_weights()->mutable_b_o(), {kDModel}, 9);
