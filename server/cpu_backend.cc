@@ -128,16 +128,17 @@ struct TileScratch {
   std::vector<float> queries;      // [row_block, d_k], scaled, for the tile kernels
   std::vector<float> scores;       // [row_block, key_block]
   std::vector<float> accumulator;  // [row_block, d_k]
-  std::vector<float> row_max, row_sum, row_factor;  // [row_block]
+  std::vector<float> row_max, row_sum, row_factor;  // [panel]
+  std::vector<int64_t> visible, block_visible;      // [panel]: keys each row sees, in all and in this block
 };
 
 }  // namespace
 
 namespace {
 
-// The two matmuls of one work item (one batch, head and query block), over a panel of its rows: through the tile
-// kernels on the packed Q, K^T and V, or through sgemm on the head-packed tensors in place.
-struct ItemMatmuls {
+// The kernels of one work item (one batch, head and query block), over a panel of its rows: the tile kernels on
+// the packed Q, K^T and V, or sgemm on the head-packed tensors in place with the generic softmax row kernels.
+struct ItemKernels {
   const kernels::TileKernels* tiles;  // null: sgemm
   int64_t head_dim;
   float scale;
@@ -172,6 +173,46 @@ struct ItemMatmuls {
     }
     ok &= Gemm(false, rows, head_dim, n, 1.0f, p, ldp, v + j0 * v_stride, v_stride, o_scale != nullptr ? 1.0f : 0.0f,
                o, ldo);
+  }
+
+  // See kernels::TileKernels::online_softmax.
+  void OnlineSoftmax(int64_t rows, int64_t n, const int64_t* visible, float* s, int64_t lds, float* row_max,
+                     float* row_sum, float* factor) {
+    if (tiles != nullptr) {
+      tiles->online_softmax(rows, n, visible, s, lds, row_max, row_sum, factor);
+      return;
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      float* row = s + r * lds;
+      std::fill(row + visible[r], row + n, 0.0f);
+      const float new_max = std::max(row_max[r], kernels::RowMax(row, visible[r]));
+      if (new_max == -std::numeric_limits<float>::infinity()) {  // nothing visible yet
+        std::fill(row, row + visible[r], 0.0f);
+        factor[r] = 1.0f;
+        continue;
+      }
+      factor[r] = row_max[r] == -std::numeric_limits<float>::infinity() ? 0.0f : std::exp(row_max[r] - new_max);
+      row_sum[r] = row_sum[r] * factor[r] + kernels::ExpShiftSum(row, visible[r], new_max);
+      row_max[r] = new_max;
+    }
+  }
+
+  // See kernels::TileKernels::softmax.
+  void Softmax(int64_t rows, int64_t n, const int64_t* visible, float* s, int64_t lds) {
+    if (tiles != nullptr) {
+      tiles->softmax(rows, n, visible, s, lds);
+      return;
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      float* row = s + r * lds;
+      const float max = kernels::RowMax(row, visible[r]);
+      if (max == -std::numeric_limits<float>::infinity()) {  // nothing visible: zero weights
+        std::fill(row, row + n, 0.0f);
+        continue;
+      }
+      kernels::Scale(row, visible[r], 1.0f / kernels::ExpShiftSum(row, visible[r], max));
+      std::fill(row + visible[r], row + n, 0.0f);
+    }
   }
 };
 
@@ -220,15 +261,12 @@ void CpuBackend::Attend(const AttentionDims& d, const AttentionMask& mask, Packe
       const int64_t j1 = std::min(Tk, j0 + kChunk);
       const float* k_rows = k.data + b * Tk * k.row_stride + h * dk;
       float* kt = keys_t + (b * Hkv + h) * kt_size;
-      for (int64_t c = 0; c < dk; ++c) {
-        float* dst = kt + c * kt_stride;
-        for (int64_t j = j0; j < j1; ++j) dst[j] = k_rows[j * k.row_stride + c];
-        if (j1 == Tk) std::fill(dst + Tk, dst + kt_stride, 0.0f);  // padding the kernels read in whole blocks
+      tiles->transpose(j1 - j0, dk, k_rows + j0 * k.row_stride, k.row_stride, kt + j0, kt_stride);
+      if (j1 == Tk) {  // zero the padding, which the kernels read in whole blocks
+        for (int64_t c = 0; c < dk; ++c) std::fill(kt + c * kt_stride + Tk, kt + (c + 1) * kt_stride, 0.0f);
       }
-      float* vp = values + (b * Hkv + h) * Tk * dk;
-      for (int64_t j = j0; j < j1; ++j) {
-        std::memcpy(vp + j * dk, v.data + (b * Tk + j) * v.row_stride + h * dk, dk * sizeof(float));
-      }
+      tiles->copy_scaled(j1 - j0, dk, 1.0f, v.data + (b * Tk + j0) * v.row_stride + h * dk, v.row_stride,
+                         values + ((b * Hkv + h) * Tk + j0) * dk, dk);
     }
   }
   std::atomic<bool> failed{false};
@@ -241,6 +279,8 @@ void CpuBackend::Attend(const AttentionDims& d, const AttentionMask& mask, Packe
     t.row_max.resize(panel);
     t.row_sum.resize(panel);
     t.row_factor.resize(panel);
+    t.visible.resize(panel);
+    t.block_visible.resize(panel);
     if (tiles != nullptr) t.queries.resize(row_block * dk);
     if (weights == nullptr) {
       t.scores.resize(panel * key_block);
@@ -255,12 +295,10 @@ void CpuBackend::Attend(const AttentionDims& d, const AttentionMask& mask, Packe
       const float* additive =
           mask.additive == nullptr ? nullptr
                                    : mask.additive + (mask.additive_per_batch ? b * Tq * Tk : 0) + i0 * Tk;
-      ItemMatmuls mm{tiles, dk, d.scale};
+      ItemKernels mm{tiles, dk, d.scale};
       if (tiles != nullptr) {
         float* qp = t.queries.data();  // the block's queries, dense and scaled
-        for (int64_t r = 0; r < rows; ++r) {
-          for (int64_t c = 0; c < dk; ++c) qp[r * dk + c] = q_tile[r * q.row_stride + c] * d.scale;
-        }
+        tiles->copy_scaled(rows, dk, d.scale, q_tile, q.row_stride, qp, dk);
         const int64_t kv = b * Hkv + h / G;
         mm.q = qp;
         mm.q_stride = dk;
@@ -279,25 +317,19 @@ void CpuBackend::Attend(const AttentionDims& d, const AttentionMask& mask, Packe
 
       for (int64_t p0 = 0; p0 < rows; p0 += panel) {
         const int64_t panel_rows = std::min(panel, rows - p0);
+        int64_t* visible = t.visible.data();  // keys each row of the panel sees
+        for (int64_t r = 0; r < panel_rows; ++r) visible[r] = VisibleKeyCount(d, mask, b, i0 + p0 + r);
         // Keys at or past `keys` are invisible to every row of the panel (visible counts grow with the row).
-        const int64_t keys = VisibleKeyCount(d, mask, b, i0 + p0 + panel_rows - 1);
+        const int64_t keys = *std::max_element(visible, visible + panel_rows);
         float* out_panel = out_tile + p0 * out_stride;
         if (weights != nullptr) {
           // Exact softmax over whole rows, computed in place in the returned weights [B, H, Tq, Tk].
           float* p = weights + ((b * H + h) * Tq + i0 + p0) * Tk;
           if (keys > 0) mm.Scores(p0, panel_rows, 0, keys, p, Tk);
-          for (int64_t r = 0; r < panel_rows; ++r) {
-            float* row = p + r * Tk;
-            const int64_t visible = VisibleKeyCount(d, mask, b, i0 + p0 + r);
-            if (additive != nullptr) kernels::Add(row, additive + (p0 + r) * Tk, visible);
-            const float max = kernels::RowMax(row, visible);
-            if (max == kNegInf) {  // nothing visible: zero weights, zero output
-              std::fill(row, row + Tk, 0.0f);
-              continue;
-            }
-            kernels::Scale(row, visible, 1.0f / kernels::ExpShiftSum(row, visible, max));
-            std::fill(row + visible, row + Tk, 0.0f);
+          if (additive != nullptr) {
+            for (int64_t r = 0; r < panel_rows; ++r) kernels::Add(p + r * Tk, additive + (p0 + r) * Tk, visible[r]);
           }
+          mm.Softmax(panel_rows, Tk, visible, p, Tk);
           if (keys > 0) {
             mm.Values(panel_rows, 0, keys, p, Tk, /*o_scale=*/nullptr, out_panel, out_stride);
           } else {
@@ -314,24 +346,13 @@ void CpuBackend::Attend(const AttentionDims& d, const AttentionMask& mask, Packe
           const int64_t n = std::min(key_block, keys - j0);
           float* s = t.scores.data();
           mm.Scores(p0, panel_rows, j0, n, s, key_block);
+          int64_t* block_visible = t.block_visible.data();
           for (int64_t r = 0; r < panel_rows; ++r) {
-            float* row = s + r * key_block;
-            const int64_t visible = std::clamp<int64_t>(VisibleKeyCount(d, mask, b, i0 + p0 + r) - j0, 0, n);
-            if (additive != nullptr) kernels::Add(row, additive + (p0 + r) * Tk + j0, visible);
-            std::fill(row + visible, row + n, 0.0f);
-            const float block_max = kernels::RowMax(row, visible);
-            const float old_max = t.row_max[r];
-            const float new_max = std::max(old_max, block_max);
-            if (new_max == kNegInf) {  // nothing visible yet: this block contributes nothing
-              std::fill(row, row + visible, 0.0f);
-              t.row_factor[r] = 1.0f;
-              continue;
-            }
-            const float factor = old_max == kNegInf ? 0.0f : std::exp(old_max - new_max);
-            t.row_sum[r] = t.row_sum[r] * factor + kernels::ExpShiftSum(row, visible, new_max);
-            t.row_max[r] = new_max;
-            t.row_factor[r] = factor;
+            block_visible[r] = std::clamp<int64_t>(visible[r] - j0, 0, n);
+            if (additive != nullptr) kernels::Add(s + r * key_block, additive + (p0 + r) * Tk + j0, block_visible[r]);
           }
+          mm.OnlineSoftmax(panel_rows, n, block_visible, s, key_block, t.row_max.data(), t.row_sum.data(),
+                           t.row_factor.data());
           // The first block writes the accumulator; later ones rescale it by each row's factor and add.
           mm.Values(panel_rows, j0, n, s, key_block, j0 == 0 ? nullptr : t.row_factor.data(), acc, dk);
         }

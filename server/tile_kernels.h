@@ -1,4 +1,5 @@
-// Hand-written matmuls for the attention core's in-cache tiles: scores S = scale * Q K^T and values O (+)= P V.
+// Hand-written kernels for the attention core's in-cache tiles: scores S = scale * Q K^T, values O (+)= P V, and
+// the softmax between them.
 // oneDNN's sgemm reaches 50-65% of a core on these shapes (128x256x64 and 128x64x256, measured here); these
 // register-blocked kernels read Q, K^T and V where they lie and keep the whole output block in registers for the
 // full reduction. One body (tile_kernels_impl.h) is compiled once per instruction set, each in its own
@@ -28,6 +29,23 @@ struct TileKernels {
   // `lanes`.
   void (*values)(int64_t rows, int64_t n, int64_t width, const float* p, int64_t ldp, const float* v, int64_t ldv,
                  const float* o_scale, float* o, int64_t ldo);
+
+  // One key block of FlashAttention's online softmax on `rows` rows of scores s[rows, n] (row stride lds): only
+  // keys [0, visible[r]) count for row r, the rest of the row is zeroed. row_max and row_sum carry across blocks
+  // (start them at -inf and 0); s becomes exp(s - new max) and factor[r] = exp(old max - new max) (0 on a row's
+  // first visible block, 1 while nothing is visible), by which the caller rescales that row's output.
+  void (*online_softmax)(int64_t rows, int64_t n, const int64_t* visible, float* s, int64_t lds, float* row_max,
+                         float* row_sum, float* factor);
+
+  // Exact softmax of each row of s[rows, n] over keys [0, visible[r]), the rest zeroed; a row with nothing visible
+  // (or only -inf) becomes all zeros, never NaN.
+  void (*softmax)(int64_t rows, int64_t n, const int64_t* visible, float* s, int64_t lds);
+
+  // Packing: dst[c, r] = src[r, c] (transpose), and dst[r, c] = scale * src[r, c] (copy_scaled), for r < rows and
+  // c < cols.
+  void (*transpose)(int64_t rows, int64_t cols, const float* src, int64_t lds, float* dst, int64_t ldd);
+  void (*copy_scaled)(int64_t rows, int64_t cols, float scale, const float* src, int64_t lds, float* dst,
+                      int64_t ldd);
 };
 
 // The kernels for `isa` ("avx512", "avx2") if this CPU runs them, else nullptr.

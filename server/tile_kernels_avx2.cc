@@ -8,24 +8,66 @@ namespace mha::kernels::avx2 {
 struct Isa {
   using V = __m256;
   static constexpr int kLanes = 8;
-  // 16 ymm registers: 12 accumulators, the loaded vectors and a broadcast.
+  // 16 ymm registers: 12 accumulators, two loaded vectors and a broadcast.
   static constexpr int kScoreRows = 6, kScoreVectors = 2;
-  static constexpr int kValueRows = 3, kValueVectors = 4;
+  static constexpr int kValueRows = 6, kValueVectors = 2;
   static V Zero() { return _mm256_setzero_ps(); }
+  static V Splat(float x) { return _mm256_set1_ps(x); }
   static V Load(const float* p) { return _mm256_loadu_ps(p); }
+  static __m256i FirstLanes(int n) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  }
+  // The first n < kLanes floats at p, the other lanes `fill`.
+  static V LoadPartial(const float* p, int n, float fill) {
+    const __m256i mask = FirstLanes(n);
+    return _mm256_blendv_ps(_mm256_set1_ps(fill), _mm256_maskload_ps(p, mask), _mm256_castsi256_ps(mask));
+  }
   static V Broadcast(const float* p) { return _mm256_broadcast_ss(p); }
   static V Fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
   static V Mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static V Add(V a, V b) { return _mm256_add_ps(a, b); }
+  static V Sub(V a, V b) { return _mm256_sub_ps(a, b); }
+  static V Max(V a, V b) { return _mm256_max_ps(a, b); }
+  static float ReduceMax(V x) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    return _mm_cvtss_f32(m);
+  }
+  static float ReduceAdd(V x) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+  }
   static void Store(float* p, V x) { _mm256_storeu_ps(p, x); }
-  static void StorePartial(float* p, V x, int n) {
-    const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-    _mm256_maskstore_ps(p, mask, x);
+  static void StorePartial(float* p, V x, int n) { _mm256_maskstore_ps(p, FirstLanes(n), x); }
+  // exp(x) for x <= 88 (-inf included), as the AVX-512 version; 2^n is built in the exponent bits and lanes
+  // below -87.3 are zeroed by a compare mask.
+  static V Exp(V x) {
+    const V lo = _mm256_set1_ps(-87.33654f);
+    const V live = _mm256_cmp_ps(x, lo, _CMP_GE_OQ);
+    x = _mm256_max_ps(x, lo);
+    const V n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    V f = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    f = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), f);
+    V p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(f, f), f), _mm256_set1_ps(1.0f));
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(bits)), live);
   }
 };
 
 #include "server/tile_kernels_impl.h"
 
-extern const TileKernels kKernels = {"avx2", Isa::kLanes, Isa::kScoreVectors * Isa::kLanes,
-                                      Isa::kScoreRows, &Scores, &Values};
+extern const TileKernels kKernels = {
+    "avx2", Isa::kLanes, Isa::kScoreVectors * Isa::kLanes, Isa::kScoreRows, &Scores, &Values, &OnlineSoftmax,
+    &Softmax, &Transpose, &CopyScaled};
 
 }  // namespace mha::kernels::avx2

@@ -1,4 +1,4 @@
-// The tile kernels for AVX-512 (compiled with -mavx512f; called only where the CPU has it).
+// The tile kernels for AVX-512 (compiled with -mavx512f -mfma; called only where the CPU has AVX-512F).
 #include <immintrin.h>
 
 #include "server/tile_kernels.h"
@@ -8,23 +8,54 @@ namespace mha::kernels::avx512 {
 struct Isa {
   using V = __m512;
   static constexpr int kLanes = 16;
-  // 32 zmm registers: 24 accumulators, the loaded vectors and a broadcast.
-  static constexpr int kScoreRows = 6, kScoreVectors = 4;
-  static constexpr int kValueRows = 6, kValueVectors = 4;
+  // 32 zmm registers: 24 accumulators, two loaded vectors and a broadcast. Two vectors wide rather than four:
+  // each K^T or V row streamed from L2 then feeds twice as many FMAs.
+  static constexpr int kScoreRows = 12, kScoreVectors = 2;
+  static constexpr int kValueRows = 12, kValueVectors = 2;
   static V Zero() { return _mm512_setzero_ps(); }
+  static V Splat(float x) { return _mm512_set1_ps(x); }
   static V Load(const float* p) { return _mm512_loadu_ps(p); }
+  // The first n < kLanes floats at p, the other lanes `fill`.
+  static V LoadPartial(const float* p, int n, float fill) {
+    return _mm512_mask_loadu_ps(_mm512_set1_ps(fill), static_cast<__mmask16>((1u << n) - 1), p);
+  }
   static V Broadcast(const float* p) { return _mm512_set1_ps(*p); }
   static V Fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
   static V Mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static V Add(V a, V b) { return _mm512_add_ps(a, b); }
+  static V Sub(V a, V b) { return _mm512_sub_ps(a, b); }
+  static V Max(V a, V b) { return _mm512_max_ps(a, b); }
+  static float ReduceMax(V x) { return _mm512_reduce_max_ps(x); }
+  static float ReduceAdd(V x) { return _mm512_reduce_add_ps(x); }
   static void Store(float* p, V x) { _mm512_storeu_ps(p, x); }
   static void StorePartial(float* p, V x, int n) {
     _mm512_mask_storeu_ps(p, static_cast<__mmask16>((1u << n) - 1), x);
+  }
+  // exp(x) for x <= 88 (-inf included): 2^n p(f) with n = round(x log2 e), f = x - n ln 2, p the Cephes expf
+  // polynomial (relative error below 2e-7); vscalefps applies 2^n and zeroes lanes below -87.3.
+  static V Exp(V x) {
+    const V lo = _mm512_set1_ps(-87.33654f);
+    const __mmask16 live = _mm512_cmp_ps_mask(x, lo, _CMP_GE_OQ);
+    x = _mm512_max_ps(x, lo);
+    const V n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    V f = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    f = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), f);
+    V p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(f, f), f), _mm512_set1_ps(1.0f));
+    return _mm512_maskz_scalef_ps(live, p, n);
   }
 };
 
 #include "server/tile_kernels_impl.h"
 
-extern const TileKernels kKernels = {"avx512", Isa::kLanes, Isa::kScoreVectors * Isa::kLanes,
-                                      Isa::kScoreRows, &Scores, &Values};
+extern const TileKernels kKernels = {
+    "avx512", Isa::kLanes, Isa::kScoreVectors * Isa::kLanes, Isa::kScoreRows, &Scores, &Values, &OnlineSoftmax,
+    &Softmax, &Transpose, &CopyScaled};
 
 }  // namespace mha::kernels::avx512

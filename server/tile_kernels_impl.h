@@ -97,18 +97,140 @@ inline void ValuePanel(int64_t rows, int64_t n, const float* p, int64_t ldp, con
   }
 }
 
+// A panel of min(kVectors, vectors) vectors: the widest register block that fits what is left of the width.
+template <int kVectors>
+inline void ValuePanelUpTo(int64_t vectors, int64_t rows, int64_t n, const float* p, int64_t ldp, const float* v,
+                           int64_t ldv, const float* o_scale, float* o, int64_t ldo) {
+  if constexpr (kVectors > 1) {
+    if (vectors < kVectors) {
+      ValuePanelUpTo<kVectors - 1>(vectors, rows, n, p, ldp, v, ldv, o_scale, o, ldo);
+      return;
+    }
+  }
+  ValuePanel<kVectors>(rows, n, p, ldp, v, ldv, o_scale, o, ldo);
+}
+
 inline void Values(int64_t rows, int64_t n, int64_t width, const float* p, int64_t ldp, const float* v,
                    int64_t ldv, const float* o_scale, float* o, int64_t ldo) {
-  static_assert(Isa::kValueVectors == 4, "the panel dispatch below covers 1 to 4 vectors");
   for (int64_t c = 0; c < width;) {
-    const int64_t vectors = (width - c) / Isa::kLanes;
-    switch (vectors >= 4 ? 4 : vectors) {
-      case 4: ValuePanel<4>(rows, n, p, ldp, v + c, ldv, o_scale, o + c, ldo); break;
-      case 3: ValuePanel<3>(rows, n, p, ldp, v + c, ldv, o_scale, o + c, ldo); break;
-      case 2: ValuePanel<2>(rows, n, p, ldp, v + c, ldv, o_scale, o + c, ldo); break;
-      default: ValuePanel<1>(rows, n, p, ldp, v + c, ldv, o_scale, o + c, ldo); break;
+    const int64_t left = (width - c) / Isa::kLanes;
+    const int64_t vectors = left < Isa::kValueVectors ? left : Isa::kValueVectors;
+    ValuePanelUpTo<Isa::kValueVectors>(vectors, rows, n, p, ldp, v + c, ldv, o_scale, o + c, ldo);
+    c += vectors * Isa::kLanes;
+  }
+}
+
+// max(x[0, n)), -inf for n == 0.
+inline float RowMax(const float* x, int64_t n) {
+  Isa::V m = Isa::Splat(-__builtin_inff());
+  int64_t j = 0;
+  for (; j + Isa::kLanes <= n; j += Isa::kLanes) m = Isa::Max(m, Isa::Load(x + j));
+  if (j < n) m = Isa::Max(m, Isa::LoadPartial(x + j, static_cast<int>(n - j), -__builtin_inff()));
+  return Isa::ReduceMax(m);
+}
+
+// x[j] = exp(x[j] - shift) for j in [0, n); returns their sum. shift is finite.
+inline float ExpShiftSum(float* x, int64_t n, float shift) {
+  const Isa::V s = Isa::Splat(shift);
+  Isa::V sum = Isa::Zero();
+  int64_t j = 0;
+  for (; j + Isa::kLanes <= n; j += Isa::kLanes) {
+    const Isa::V e = Isa::Exp(Isa::Sub(Isa::Load(x + j), s));
+    Isa::Store(x + j, e);
+    sum = Isa::Add(sum, e);
+  }
+  if (j < n) {
+    const int tail = static_cast<int>(n - j);
+    const Isa::V e = Isa::Exp(Isa::Sub(Isa::LoadPartial(x + j, tail, -__builtin_inff()), s));  // exp(-inf) = 0
+    Isa::StorePartial(x + j, e, tail);
+    sum = Isa::Add(sum, e);
+  }
+  return Isa::ReduceAdd(sum);
+}
+
+inline void ScaleRow(float* x, int64_t n, float factor) {
+  const Isa::V f = Isa::Splat(factor);
+  int64_t j = 0;
+  for (; j + Isa::kLanes <= n; j += Isa::kLanes) Isa::Store(x + j, Isa::Mul(Isa::Load(x + j), f));
+  for (; j < n; ++j) x[j] *= factor;
+}
+
+inline void OnlineSoftmax(int64_t rows, int64_t n, const int64_t* visible, float* s, int64_t lds, float* row_max,
+                          float* row_sum, float* factor) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* row = s + r * lds;
+    const int64_t count = visible[r];
+    __builtin_memset(row + count, 0, (n - count) * sizeof(float));
+    const float block_max = RowMax(row, count);
+    const float new_max = row_max[r] > block_max ? row_max[r] : block_max;
+    if (new_max == -__builtin_inff()) {  // nothing visible yet: this block contributes nothing
+      __builtin_memset(row, 0, count * sizeof(float));
+      factor[r] = 1.0f;
+      continue;
     }
-    c += (vectors >= 4 ? 4 : vectors) * Isa::kLanes;
+    factor[r] = row_max[r] == -__builtin_inff() ? 0.0f : __builtin_expf(row_max[r] - new_max);
+    row_sum[r] = row_sum[r] * factor[r] + ExpShiftSum(row, count, new_max);
+    row_max[r] = new_max;
+  }
+}
+
+inline void Softmax(int64_t rows, int64_t n, const int64_t* visible, float* s, int64_t lds) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* row = s + r * lds;
+    const int64_t count = visible[r];
+    const float max = RowMax(row, count);
+    if (max == -__builtin_inff()) {  // nothing visible: zero weights
+      __builtin_memset(row, 0, n * sizeof(float));
+      continue;
+    }
+    ScaleRow(row, count, 1.0f / ExpShiftSum(row, count, max));
+    __builtin_memset(row + count, 0, (n - count) * sizeof(float));
+  }
+}
+
+// dst[c, r] = src[r, c] for r < rows, c < cols, in 8 x 8 blocks through AVX registers (both instruction sets
+// have them), the edges one element at a time.
+inline void Transpose(int64_t rows, int64_t cols, const float* src, int64_t lds, float* dst, int64_t ldd) {
+  int64_t r = 0;
+  for (; r + 8 <= rows; r += 8) {
+    int64_t c = 0;
+    for (; c + 8 <= cols; c += 8) {
+      __m256 x[8], y[8];
+      MHA_UNROLL for (int i = 0; i < 8; ++i) x[i] = _mm256_loadu_ps(src + (r + i) * lds + c);
+      MHA_UNROLL for (int i = 0; i < 8; i += 2) {
+        y[i] = _mm256_unpacklo_ps(x[i], x[i + 1]);
+        y[i + 1] = _mm256_unpackhi_ps(x[i], x[i + 1]);
+      }
+      MHA_UNROLL for (int i = 0; i < 8; i += 4) {
+        x[i] = _mm256_shuffle_ps(y[i], y[i + 2], 0x44);
+        x[i + 1] = _mm256_shuffle_ps(y[i], y[i + 2], 0xEE);
+        x[i + 2] = _mm256_shuffle_ps(y[i + 1], y[i + 3], 0x44);
+        x[i + 3] = _mm256_shuffle_ps(y[i + 1], y[i + 3], 0xEE);
+      }
+      MHA_UNROLL for (int i = 0; i < 4; ++i) {
+        _mm256_storeu_ps(dst + (c + i) * ldd + r, _mm256_permute2f128_ps(x[i], x[i + 4], 0x20));
+        _mm256_storeu_ps(dst + (c + i + 4) * ldd + r, _mm256_permute2f128_ps(x[i], x[i + 4], 0x31));
+      }
+    }
+    for (; c < cols; ++c) {
+      for (int64_t i = 0; i < 8; ++i) dst[c * ldd + r + i] = src[(r + i) * lds + c];
+    }
+  }
+  for (; r < rows; ++r) {
+    for (int64_t c = 0; c < cols; ++c) dst[c * ldd + r] = src[r * lds + c];
+  }
+}
+
+// dst[r, c] = scale * src[r, c].
+inline void CopyScaled(int64_t rows, int64_t cols, float scale, const float* src, int64_t lds, float* dst,
+                       int64_t ldd) {
+  const Isa::V f = Isa::Splat(scale);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* in = src + r * lds;
+    float* out = dst + r * ldd;
+    int64_t c = 0;
+    for (; c + Isa::kLanes <= cols; c += Isa::kLanes) Isa::Store(out + c, Isa::Mul(f, Isa::Load(in + c)));
+    for (; c < cols; ++c) out[c] = scale * in[c];
   }
 }
 

@@ -3,7 +3,9 @@
 // vector or a block, strides wider than the data. Nothing outside the output rectangle may be written.
 #include "server/tile_kernels.h"
 
+#include <algorithm>
 #include <cmath>
+#include <limits>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -91,6 +93,125 @@ INSTANTIATE_TEST_SUITE_P(Shapes, ValuesTest,
                                   "_n" + std::to_string(std::get<2>(info.param)) + "_vectors" +
                                   std::to_string(std::get<3>(info.param)) +
                                   (std::get<4>(info.param) ? "_rescaled" : "_overwritten");
+                         });
+
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+// Row r of a [rows, n] score tile: random values in [-20, 20], every seventh -inf (an additive mask).
+std::vector<float> MaskedScores(int rows, int n, uint32_t seed) {
+  std::vector<float> s = RandomVector(rows * n, seed, 20.0f);
+  for (size_t i = 0; i < s.size(); i += 7) s[i] = -kInf;
+  return s;
+}
+
+class SoftmaxTest : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(SoftmaxTest, ExactSoftmaxOverVisibleKeysZeroesTheRest) {
+  const TileKernels* k = TileKernelsFor(GetParam().c_str());
+  if (k == nullptr) GTEST_SKIP() << "this CPU does not run " << GetParam();
+  const int n = 45, lds = 50;
+  const std::vector<int64_t> visible = {0, 1, 15, 16, 17, 33, n};
+  const int rows = static_cast<int>(visible.size());
+  std::vector<float> s = MaskedScores(rows, lds, 7);
+  s[1 * lds] = -kInf;  // row 1 sees one key, and it is masked: all zeros, not NaN
+  const std::vector<float> in = s;
+  k->softmax(rows, n, visible.data(), s.data(), lds);
+  for (int r = 0; r < rows; ++r) {
+    double max = -kInf, sum = 0;
+    for (int j = 0; j < visible[r]; ++j) max = std::max<double>(max, in[r * lds + j]);
+    for (int j = 0; j < visible[r] && max != -kInf; ++j) sum += std::exp(in[r * lds + j] - max);
+    for (int j = 0; j < lds; ++j) {
+      const float got = s[r * lds + j];
+      if (j >= n) {
+        EXPECT_EQ(got, in[r * lds + j]) << "wrote past n at " << r << "," << j;
+      } else if (j >= visible[r] || max == -kInf || in[r * lds + j] == -kInf) {
+        EXPECT_EQ(got, 0.0f) << r << "," << j;  // masked: exactly zero
+      } else {
+        EXPECT_NEAR(got, std::exp(in[r * lds + j] - max) / sum, 1e-6) << r << "," << j;
+      }
+    }
+  }
+}
+
+TEST_P(SoftmaxTest, OnlineBlocksGiveTheExactWeightedSum) {
+  // FlashAttention's recurrence over blocks of 40 and 37 keys, on a value of j for key j: the carried max, sum
+  // and factors must reproduce softmax(s) . v, also for rows that see nothing in the first block (all -inf) or
+  // nothing at all.
+  const TileKernels* k = TileKernelsFor(GetParam().c_str());
+  if (k == nullptr) GTEST_SKIP() << "this CPU does not run " << GetParam();
+  const int n = 77, rows = 4;
+  std::vector<float> s = MaskedScores(rows, n, 9);
+  for (int j = 0; j < 40; ++j) s[2 * n + j] = -kInf;  // row 2: first block fully masked
+  const std::vector<int64_t> visible = {n, 50, n, 0};
+  const std::vector<float> in = s;
+  std::vector<float> row_max(rows, -kInf), row_sum(rows, 0.0f), factor(rows), out(rows, 0.0f);
+  for (int j0 = 0; j0 < n; j0 += 40) {
+    const int len = std::min(40, n - j0);
+    std::vector<float> block(rows * len);
+    std::vector<int64_t> block_visible(rows);
+    for (int r = 0; r < rows; ++r) {
+      for (int j = 0; j < len; ++j) block[r * len + j] = in[r * n + j0 + j];
+      block_visible[r] = std::clamp<int64_t>(visible[r] - j0, 0, len);
+    }
+    k->online_softmax(rows, len, block_visible.data(), block.data(), len, row_max.data(), row_sum.data(),
+                      factor.data());
+    for (int r = 0; r < rows; ++r) {
+      double add = 0;
+      for (int j = 0; j < len; ++j) add += block[r * len + j] * static_cast<double>(j0 + j);
+      out[r] = static_cast<float>(out[r] * factor[r] + add);
+    }
+  }
+  for (int r = 0; r < rows; ++r) {
+    double max = -kInf, sum = 0, weighted = 0;
+    for (int j = 0; j < visible[r]; ++j) max = std::max<double>(max, in[r * n + j]);
+    for (int j = 0; j < visible[r] && max != -kInf; ++j) {
+      sum += std::exp(in[r * n + j] - max);
+      weighted += std::exp(in[r * n + j] - max) * j;
+    }
+    if (sum == 0) {
+      EXPECT_EQ(row_sum[r], 0.0f) << r;
+      EXPECT_EQ(out[r], 0.0f) << r;
+      continue;
+    }
+    EXPECT_FLOAT_EQ(row_max[r], static_cast<float>(max)) << r;
+    EXPECT_NEAR(row_sum[r], sum, 1e-5 * sum) << r;
+    EXPECT_NEAR(out[r] / row_sum[r], weighted / sum, 1e-4) << r;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Isas, SoftmaxTest, ::testing::Values("avx512", "avx2"),
+                         [](const auto& info) { return info.param; });
+
+// (isa, rows, cols)
+class PackTest : public ::testing::TestWithParam<std::tuple<std::string, int, int>> {};
+
+TEST_P(PackTest, TransposeAndCopyScaledMoveEveryElementAndNothingElse) {
+  const auto& [isa, rows, cols] = GetParam();
+  const TileKernels* k = TileKernelsFor(isa.c_str());
+  if (k == nullptr) GTEST_SKIP() << "this CPU does not run " << isa;
+  const int lds = cols + 3, ldt = rows + 5, ldc = cols + 2;
+  const std::vector<float> src = RandomVector(rows * lds, 11);
+  std::vector<float> transposed(cols * ldt, kSentinel), copied(rows * ldc, kSentinel);
+  k->transpose(rows, cols, src.data(), lds, transposed.data(), ldt);
+  k->copy_scaled(rows, cols, 0.5f, src.data(), lds, copied.data(), ldc);
+  for (int c = 0; c < cols; ++c) {
+    for (int r = 0; r < ldt; ++r) {
+      ASSERT_EQ(transposed[c * ldt + r], r < rows ? src[r * lds + c] : kSentinel) << r << "," << c;
+    }
+  }
+  for (int r = 0; r < rows; ++r) {
+    for (int c = 0; c < ldc; ++c) {
+      ASSERT_EQ(copied[r * ldc + c], c < cols ? 0.5f * src[r * lds + c] : kSentinel) << r << "," << c;
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, PackTest,
+                         ::testing::Combine(::testing::Values("avx512", "avx2"), ::testing::Values(1, 8, 13, 64),
+                                            ::testing::Values(1, 8, 16, 21, 64)),
+                         [](const auto& info) {
+                           return std::get<0>(info.param) + "_rows" + std::to_string(std::get<1>(info.param)) +
+                                  "_cols" + std::to_string(std::get<2>(info.param));
                          });
 
 TEST(TileKernels, UnknownInstructionSetIsNull) { EXPECT_EQ(TileKernelsFor("sse9"), nullptr); }

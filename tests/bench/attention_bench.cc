@@ -57,7 +57,7 @@ double Flops(const Shape& s) {
 // Inputs and outputs of one shape, filled deterministically.
 struct Problem {
   AttentionDims dims;
-  std::vector<float> x, w_q, w_k, w_v, w_o, out, weights;
+  std::vector<float> x, w_q, w_k, w_v, w_o, w_qkv, b_qkv, out, weights;
 
   Problem(const Shape& s, bool with_weights) {
     dims.batch = s.batch;
@@ -83,6 +83,13 @@ struct Problem {
     fill(w_k, s.d_model * kvw, bound);
     fill(w_v, s.d_model * kvw, bound);
     fill(w_o, qw * s.d_model, bound);
+    // As a registered layer holds them: the fused Q|K|V weights are computed once, not per call.
+    LayerWeights separate;
+    separate.d_model = s.d_model;
+    separate.w_q = w_q.data();
+    separate.w_k = w_k.data();
+    separate.w_v = w_v.data();
+    FuseQkvProjection(separate, qw, kvw, &w_qkv, &b_qkv);
     out.resize(x.size());
     if (with_weights) weights.resize(s.batch * s.heads * s.q_len * s.kv_len);
   }
@@ -95,6 +102,7 @@ struct Problem {
     a.weights.w_k = w_k.data();
     a.weights.w_v = w_v.data();
     a.weights.w_o = w_o.data();
+    a.weights.w_qkv = w_qkv.data();
     a.query = a.key = a.value = x.data();
     a.self_attention = true;
     a.out = out.data();
