@@ -116,6 +116,29 @@ PeakResult& Peak() {
   return peak;
 }
 
+// Runs the benchmark loop over `call` and sets GFLOPs and pct_peak. Timed here rather than through rate counters
+// so that the share of peak prints as a plain percentage. The peak is probed again right before and right after
+// the loop (about 0.15 s each) and pct_peak is against their mean: on this shared VM the machine's speed drifts
+// by tens of percent within a run, and the peak that applies is the one of the same seconds. `peak_gflops`
+// records it; the run's first probe is in the context.
+template <typename Call>
+void TimeAgainstPeak(benchmark::State& state, double flops, Call call) {
+  const double peak_before = MeasurePeak(Peak().threads, 0.05).gflops;
+  const auto start = std::chrono::steady_clock::now();
+  int64_t runs = 0;
+  for (auto _ : state) {
+    benchmark::DoNotOptimize(call());
+    benchmark::ClobberMemory();
+    ++runs;
+  }
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const double peak = (peak_before + MeasurePeak(Peak().threads, 0.05).gflops) / 2;
+  const double gflops = flops * static_cast<double>(runs) / seconds / 1e9;
+  state.counters["GFLOPs"] = gflops;
+  state.counters["peak_gflops"] = peak;
+  state.counters["pct_peak"] = 100.0 * gflops / peak;
+}
+
 void BM_MultiHeadAttention(benchmark::State& state, Shape shape, bool with_weights) {
   auto backend = CpuBackend::Create();
   if (!backend.ok()) {
@@ -128,18 +151,43 @@ void BM_MultiHeadAttention(benchmark::State& state, Shape shape, bool with_weigh
     state.SkipWithError("backend failed");
     return;
   }
-  // Timed here rather than through rate counters so that the share of peak prints as a plain percentage.
-  const auto start = std::chrono::steady_clock::now();
-  int64_t runs = 0;
-  for (auto _ : state) {
-    benchmark::DoNotOptimize((*backend)->MultiHeadAttention(args));
-    benchmark::ClobberMemory();
-    ++runs;
+  TimeAgainstPeak(state, Flops(shape), [&] { return (*backend)->MultiHeadAttention(args); });
+}
+
+// The attention core alone (ScaledDotProductAttention on head-packed Q, K, V): no projections, so the FLOPs are
+// 4 B H Tq Tk d_k (half for causal), and the causal saving shows undiluted.
+void BM_AttentionCore(benchmark::State& state, Shape shape, bool with_weights) {
+  auto backend = CpuBackend::Create();
+  if (!backend.ok()) {
+    state.SkipWithError("no oneDNN CPU engine");
+    return;
   }
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  const double gflops = Flops(shape) * static_cast<double>(runs) / seconds / 1e9;
-  state.counters["GFLOPs"] = gflops;
-  state.counters["pct_peak"] = 100.0 * gflops / Peak().gflops;
+  const int64_t dk = shape.d_model / shape.heads;
+  SdpaArgs args;
+  args.dims.batch = shape.batch;
+  args.dims.q_len = shape.q_len;
+  args.dims.kv_len = shape.kv_len;
+  args.dims.num_heads = shape.heads;
+  args.dims.num_kv_heads = shape.kv_heads;
+  args.dims.head_dim = dk;
+  args.dims.causal = shape.causal;
+  args.dims.scale = 1.0f / std::sqrt(static_cast<float>(dk));
+  std::vector<float> q(shape.batch * shape.q_len * shape.heads * dk, 0.5f);
+  std::vector<float> kv(shape.batch * shape.kv_len * shape.kv_heads * dk);
+  for (size_t i = 0; i < kv.size(); ++i) kv[i] = static_cast<float>(i % 7) * 0.1f;
+  std::vector<float> out(q.size()), weights;
+  if (with_weights) weights.resize(shape.batch * shape.heads * shape.q_len * shape.kv_len);
+  args.q = q.data();
+  args.k = args.v = kv.data();
+  args.out = out.data();
+  args.weights = with_weights ? weights.data() : nullptr;
+  if (!(*backend)->ScaledDotProductAttention(args).ok()) {
+    state.SkipWithError("backend failed");
+    return;
+  }
+  const double attention = 4.0 * shape.batch * shape.heads * shape.q_len * shape.kv_len * dk;
+  TimeAgainstPeak(state, shape.causal ? attention / 2 : attention,
+                  [&] { return (*backend)->ScaledDotProductAttention(args); });
 }
 
 long PeakRssKb() {
@@ -204,6 +252,12 @@ int main(int argc, char** argv) {
           ->Unit(benchmark::kMillisecond)
           ->UseRealTime();
     }
+  }
+  for (const Shape& shape : Shapes()) {
+    if (shape.name.rfind("b8_t512_d512_h8", 0) != 0 && shape.name.rfind("b1_t2048", 0) != 0) continue;
+    benchmark::RegisterBenchmark(("core_" + shape.name + "/weights_off").c_str(), BM_AttentionCore, shape, false)
+        ->Unit(benchmark::kMillisecond)
+        ->UseRealTime();
   }
   benchmark::Initialize(&argc, argv);
   benchmark::RunSpecifiedBenchmarks();
