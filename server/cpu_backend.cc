@@ -114,8 +114,6 @@ struct CallScratch {
   std::vector<float> heads;      // concatenated head outputs [B*Tq, H*d_k]
   std::vector<float> fused_w;    // fused Q|K|V weights and bias, when the layer has none precomputed
   std::vector<float> fused_b;
-  std::vector<float> keys_t;  // K^T per (batch, kv head) for the tile kernels [B, Hkv, d_k, Tk_pad]
-  std::vector<float> values;  // V per (batch, kv head) for the tile kernels [B, Hkv, Tk, d_k]
 };
 
 CallScratch& ThreadScratch() {
@@ -126,6 +124,8 @@ CallScratch& ThreadScratch() {
 // Per-thread scratch of the attention kernel, sized for one (query block x key block) tile.
 struct TileScratch {
   std::vector<float> queries;      // [row_block, d_k], scaled, for the tile kernels
+  std::vector<float> keys_t;       // one (batch, kv head) of K^T, packed for the tile kernels
+  std::vector<float> values;       // the same of V
   std::vector<float> scores;       // [row_block, key_block]
   std::vector<float> accumulator;  // [row_block, d_k]
   std::vector<float> row_max, row_sum, row_factor;  // [panel]
@@ -144,16 +144,16 @@ struct ItemKernels {
   float scale;
   const float* q;  // the block's first query; tiles: packed [rows, d_k] and already scaled
   int64_t q_stride;
-  const float* k;  // tiles: K^T [d_k, k_stride]; sgemm: the head's first key, rows k_stride apart
-  int64_t k_stride;
-  const float* v;  // tiles: packed [Tk, d_k]; sgemm: the head's first value, rows v_stride apart
+  const float* k;  // tiles: the head's packed K^T; sgemm: the head's first key, rows k_stride apart
+  int64_t k_stride = 0;
+  const float* v;  // tiles: the head's packed V, panels v_stride apart; sgemm: its first value, rows v_stride apart
   int64_t v_stride;
   bool ok = true;  // false once an sgemm call failed
 
   // s[rows, n] (row stride lds) = scale * Q[r0, r0 + rows) K[j0, j0 + n)^T.
   void Scores(int64_t r0, int64_t rows, int64_t j0, int64_t n, float* s, int64_t lds) {
     if (tiles != nullptr) {
-      tiles->scores(rows, n, head_dim, 1.0f, q + r0 * q_stride, q_stride, k + j0, k_stride, s, lds);
+      tiles->scores(rows, n, head_dim, 1.0f, q + r0 * q_stride, q_stride, k + j0 * head_dim, s, lds);
     } else {
       ok &= Gemm(true, rows, n, head_dim, scale, q + r0 * q_stride, q_stride, k + j0 * k_stride, k_stride, 0.0f,
                  s, lds);
@@ -165,7 +165,7 @@ struct ItemKernels {
   void Values(int64_t rows, int64_t j0, int64_t n, const float* p, int64_t ldp, const float* o_scale, float* o,
               int64_t ldo) {
     if (tiles != nullptr) {
-      tiles->values(rows, n, head_dim, p, ldp, v + j0 * v_stride, v_stride, o_scale, o, ldo);
+      tiles->values(rows, n, head_dim, p, ldp, v + j0 * tiles->value_panel, v_stride, o_scale, o, ldo);
       return;
     }
     if (o_scale != nullptr) {
@@ -238,37 +238,18 @@ void CpuBackend::Attend(const AttentionDims& d, const AttentionMask& mask, Packe
   const int64_t panel = tiles != nullptr ? std::min<int64_t>(tiles->panel_rows, row_block) : row_block;
   const int64_t key_block = std::min(tiles != nullptr ? kTileKeyBlock : kKeyBlock, Tk);
 
-  // The tile kernels read K^T and V of each (batch, kv head) as dense blocks, [d_k, kt_stride] and [Tk, d_k],
-  // packed once per call and shared by every query block and every query head of a group. Read in place through
-  // the head-packed row stride, consecutive rows fall into a handful of L1 sets (rows 3 * 512 floats apart all
-  // map to two of them) and evict each other.
-  CallScratch& scratch = ThreadScratch();
-  int64_t kt_stride = 0;
+  // The tile kernels read K^T and V packed in panels (tile_kernels.h). Each thread packs the (batch, kv head) of its
+  // current item into its own buffers, in its L2, and keeps it for the following items of the same kv head (every
+  // query head of the group, every query block): items are ordered so, and handed out in runs. Read in place
+  // through the head-packed row stride instead, consecutive rows would fall into a handful of L1 sets (rows
+  // 3 * 512 floats apart all map to two of them) and evict each other.
+  int64_t kt_size = 0, v_panel_stride = 0, v_size = 0;
   if (tiles != nullptr) {
-    // Rows of K^T one cache line longer than whole score blocks: a power-of-two row stride would put a block's
-    // rows in the same L1 set.
-    kt_stride = (Tk + tiles->score_columns - 1) / tiles->score_columns * tiles->score_columns + 16;
-    const int64_t kt_size = kt_stride * dk;
-    if (static_cast<int64_t>(scratch.keys_t.size()) < B * Hkv * kt_size) scratch.keys_t.resize(B * Hkv * kt_size);
-    if (static_cast<int64_t>(scratch.values.size()) < B * Hkv * Tk * dk) scratch.values.resize(B * Hkv * Tk * dk);
-    float* keys_t = scratch.keys_t.data();
-    float* values = scratch.values.data();
-    constexpr int64_t kChunk = 64;  // keys per packing task: their rows stay in L1 while they are transposed
-    const int64_t chunks = (Tk + kChunk - 1) / kChunk;
-#pragma omp parallel for schedule(static)
-    for (int64_t task = 0; task < B * Hkv * chunks; ++task) {
-      const int64_t b = task / (Hkv * chunks), h = (task / chunks) % Hkv, j0 = (task % chunks) * kChunk;
-      const int64_t j1 = std::min(Tk, j0 + kChunk);
-      const float* k_rows = k.data + b * Tk * k.row_stride + h * dk;
-      float* kt = keys_t + (b * Hkv + h) * kt_size;
-      tiles->transpose(j1 - j0, dk, k_rows + j0 * k.row_stride, k.row_stride, kt + j0, kt_stride);
-      if (j1 == Tk) {  // zero the padding, which the kernels read in whole blocks
-        for (int64_t c = 0; c < dk; ++c) std::fill(kt + c * kt_stride + Tk, kt + (c + 1) * kt_stride, 0.0f);
-      }
-      tiles->copy_scaled(j1 - j0, dk, 1.0f, v.data + (b * Tk + j0) * v.row_stride + h * dk, v.row_stride,
-                         values + ((b * Hkv + h) * Tk + j0) * dk, dk);
-    }
+    kt_size = (Tk + tiles->key_panel - 1) / tiles->key_panel * tiles->key_panel * dk;
+    v_panel_stride = Tk * tiles->value_panel;
+    v_size = (dk + tiles->value_panel - 1) / tiles->value_panel * v_panel_stride;
   }
+  const int64_t run = std::clamp<int64_t>(items / (4 * omp_get_max_threads()), 1, G * query_blocks);
   std::atomic<bool> failed{false};
 
   // One parallel region over (batch, head, query block); each item runs on one thread, tiles stay in its cache.
@@ -281,12 +262,17 @@ void CpuBackend::Attend(const AttentionDims& d, const AttentionMask& mask, Packe
     t.row_factor.resize(panel);
     t.visible.resize(panel);
     t.block_visible.resize(panel);
-    if (tiles != nullptr) t.queries.resize(row_block * dk);
+    int64_t packed_kv = -1;  // the (batch, kv head) in t.keys_t and t.values
+    if (tiles != nullptr) {
+      t.queries.resize(row_block * dk);
+      t.keys_t.resize(kt_size);
+      t.values.resize(v_size);
+    }
     if (weights == nullptr) {
       t.scores.resize(panel * key_block);
       t.accumulator.resize(panel * dk);
     }
-#pragma omp for schedule(dynamic)
+#pragma omp for schedule(dynamic, run)
     for (int64_t item = 0; item < items; ++item) {
       const int64_t b = item / (H * query_blocks), h = (item / query_blocks) % H;
       const int64_t i0 = (item % query_blocks) * kQueryBlock, rows = std::min(kQueryBlock, Tq - i0);
@@ -300,12 +286,17 @@ void CpuBackend::Attend(const AttentionDims& d, const AttentionMask& mask, Packe
         float* qp = t.queries.data();  // the block's queries, dense and scaled
         tiles->copy_scaled(rows, dk, d.scale, q_tile, q.row_stride, qp, dk);
         const int64_t kv = b * Hkv + h / G;
+        if (kv != packed_kv) {
+          tiles->pack_keys(Tk, dk, k.data + b * Tk * k.row_stride + (h / G) * dk, k.row_stride, t.keys_t.data());
+          tiles->pack_values(Tk, dk, v.data + b * Tk * v.row_stride + (h / G) * dk, v.row_stride, t.values.data(),
+                             v_panel_stride);
+          packed_kv = kv;
+        }
         mm.q = qp;
         mm.q_stride = dk;
-        mm.k = scratch.keys_t.data() + kv * kt_stride * dk;
-        mm.k_stride = kt_stride;
-        mm.v = scratch.values.data() + kv * Tk * dk;
-        mm.v_stride = dk;
+        mm.k = t.keys_t.data();
+        mm.v = t.values.data();
+        mm.v_stride = v_panel_stride;
       } else {
         mm.q = q_tile;
         mm.q_stride = q.row_stride;

@@ -1,14 +1,17 @@
-// Attention on the host CPU, fp32, with oneDNN doing the matmuls.
+// Attention on the host CPU, fp32.
 //
-// Projections are oneDNN sgemm calls (one fused Q|K|V product for self-attention), which JIT and cache their
-// kernels inside oneDNN; measured here they beat the matmul primitive on every projection shape. The attention
-// core keeps the head-packed [B, T, H, d_k] layout and reads it in place through row strides (GQA/MQA point each
-// query head at its shared K/V head; nothing is copied or repeated). It runs as one
-// OpenMP region over (batch, head, query block of kQueryBlock rows); each item computes its score tiles with
-// oneDNN's sgemm (scale fused as alpha) on its own thread so tiles stay in that core's cache:
-//  - weights off: FlashAttention's online softmax over key blocks of kKeyBlock, so memory is O(T) per head;
+// Projections are oneDNN sgemm calls (one fused Q|K|V product for self-attention); measured here they beat the
+// matmul primitive on the projection shapes. The attention core keeps the head-packed [B, T, H, d_k] layout and
+// runs as one OpenMP region over (batch, head, query block of kQueryBlock rows), items of one kv head handed
+// out together. With the tile kernels (tile_kernels.h; AVX-512 or AVX2, head_dim a multiple of their vector
+// width) a thread packs its kv head's K^T and V into panels in its L2 once for all those items, and takes each
+// item's queries a panel of a few rows at a time, from the score kernel through the softmax to the value kernel
+// while the panel's scores are in L1:
+//  - weights off: FlashAttention's online softmax over key blocks of kTileKeyBlock, so memory is O(T) per head;
 //  - weights on: exact row softmax written in place in the returned [B, H, Tq, Tk] tensor, then P V from it.
-// Key blocks that causal masking or key_lengths hide from every row of a query block are never computed.
+// Otherwise (or with Create("sgemm")) oneDNN's sgemm does the same tiles on the tensors in place (scale fused as
+// alpha), with the generic softmax row kernels. Key blocks that causal masking or key_lengths hide from every row
+// of a panel are never computed. GQA/MQA point each query head at its shared K/V head; nothing is repeated.
 //
 // Thread-safe: scratch buffers belong to the calling thread. Each call parallelises over the calling thread's
 // OpenMP threads (omp_set_num_threads on that thread sets how many), so the server still runs one large
@@ -29,18 +32,18 @@ namespace mha {
 
 class CpuBackend final : public Backend {
  public:
-  // Tile sizes of the attention core: a [kQueryBlock, kKeyBlock] fp32 score tile is 128 KiB, and with its K and V
-  // blocks stays within a core's L2 (tuned with tests/bench/attention_bench; docs/PERFORMANCE.md).
+  // Tile sizes of the attention core. kQueryBlock: rows per work item. kKeyBlock: keys per sgemm score tile (a
+  // [kQueryBlock, kKeyBlock] fp32 tile is 128 KiB, within a core's L2).
   static constexpr int64_t kQueryBlock = 128;
   static constexpr int64_t kKeyBlock = 256;
   // Keys per block of the tile kernels' online softmax: a panel of a few query rows against 512 keys keeps its
   // scores in L1, and the block's K^T and V (128 KiB each at d_k = 64) in L2.
   static constexpr int64_t kTileKeyBlock = 512;
 
-  // The matmuls of the attention core: "auto" (the widest tile kernels this CPU runs whose vector width divides
+  // The kernels of the attention core: "auto" (the widest tile kernels this CPU runs whose vector width divides
   // head_dim), "avx512", "avx2" or "sgemm" (oneDNN's, on the head-packed tensors in place). A call whose head_dim
-  // is not a multiple of any allowed kernels' vector width uses sgemm. UNAVAILABLE if oneDNN does not run here or the CPU lacks the requested
-  // instructions; INVALID_ARGUMENT for any other name.
+  // is not a multiple of an allowed kernels' vector width uses sgemm. UNAVAILABLE if oneDNN does not run here or
+  // the CPU lacks the requested instructions; INVALID_ARGUMENT for any other name.
   static absl::StatusOr<std::unique_ptr<CpuBackend>> Create(absl::string_view tile_kernels = "auto");
 
   absl::string_view name() const override { return "cpu"; }

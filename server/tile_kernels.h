@@ -1,8 +1,8 @@
 // Hand-written kernels for the attention core's in-cache tiles: scores S = scale * Q K^T, values O (+)= P V, and
 // the softmax between them.
 // oneDNN's sgemm reaches 50-65% of a core on these shapes (128x256x64 and 128x64x256, measured here); these
-// register-blocked kernels read Q, K^T and V where they lie and keep the whole output block in registers for the
-// full reduction. One body (tile_kernels_impl.h) is compiled once per instruction set, each in its own
+// register-blocked kernels keep the whole output block in registers for the full reduction and read K^T and V
+// packed in panels (contiguous streams that the prefetchers follow). One body (tile_kernels_impl.h) is compiled once per instruction set, each in its own
 // translation unit and namespace, so nothing built for AVX-512 can leak into code that runs on an AVX2 CPU.
 //
 // All matrices are row-major fp32 with explicit row strides (in floats). Thread-safe: no state.
@@ -16,19 +16,28 @@ namespace mha::kernels {
 struct TileKernels {
   const char* isa;    // "avx512" or "avx2"
   int lanes;          // floats per vector register
-  int score_columns;  // columns of one scores block: rows of kt are read in whole blocks
+  int key_panel;      // columns per panel of packed K^T
+  int value_panel;    // columns per panel of packed V
   int panel_rows;     // rows one register block of either kernel covers: the natural panel height for callers
 
-  // s[rows, cols] (row stride lds) = scale * q[rows, depth] (stride ldq) * kt[depth, cols] (stride ldk).
-  // Rows of kt must be readable up to round_up(cols, score_columns); nothing at or past `cols` of s is written.
-  void (*scores)(int64_t rows, int64_t cols, int64_t depth, float scale, const float* q, int64_t ldq,
-                 const float* kt, int64_t ldk, float* s, int64_t lds);
+  // Operands packed in panels, so that each register block streams one contiguous run of memory:
+  //  - K^T of n keys k[n, depth] (row stride ldk): ceil(n / key_panel) panels of [depth, key_panel] floats one
+  //    after another; columns past n are zero. Panel p starts at kt + p * key_panel * depth.
+  //  - V of n keys v[n, width] (row stride ldv): ceil(width / value_panel) panels, panel_stride floats apart, each
+  //    [n, value_panel] floats; columns past width are zero. Row j of panel 0 is at vp + j * value_panel.
+  void (*pack_keys)(int64_t n, int64_t depth, const float* k, int64_t ldk, float* kt);
+  void (*pack_values)(int64_t n, int64_t width, const float* v, int64_t ldv, float* vp, int64_t panel_stride);
 
-  // o[rows, width] (stride ldo) = p[rows, n] (stride ldp) * v[n, width] (stride ldv), plus o_scale[r] * o[r, :]
-  // for each row r when o_scale is not null (the online softmax's rescaling, fused). width must be a multiple of
-  // `lanes`.
-  void (*values)(int64_t rows, int64_t n, int64_t width, const float* p, int64_t ldp, const float* v, int64_t ldv,
-                 const float* o_scale, float* o, int64_t ldo);
+  // s[rows, cols] (row stride lds) = scale * q[rows, depth] (stride ldq) * K^T[depth, cols], kt the packed K^T
+  // from its first column (a panel start). Nothing at or past `cols` of s is written.
+  void (*scores)(int64_t rows, int64_t cols, int64_t depth, float scale, const float* q, int64_t ldq,
+                 const float* kt, float* s, int64_t lds);
+
+  // o[rows, width] (stride ldo) = p[rows, n] (stride ldp) * V[n, width], vp the packed V from its first row (panels
+  // panel_stride floats apart), plus o_scale[r] * o[r, :] for each row r when o_scale is not null (the online
+  // softmax's rescaling, fused). width must be a multiple of `lanes`.
+  void (*values)(int64_t rows, int64_t n, int64_t width, const float* p, int64_t ldp, const float* vp,
+                 int64_t panel_stride, const float* o_scale, float* o, int64_t ldo);
 
   // One key block of FlashAttention's online softmax on `rows` rows of scores s[rows, n] (row stride lds): only
   // keys [0, visible[r]) count for row r, the rest of the row is zeroed. row_max and row_sum carry across blocks
@@ -41,9 +50,7 @@ struct TileKernels {
   // (or only -inf) becomes all zeros, never NaN.
   void (*softmax)(int64_t rows, int64_t n, const int64_t* visible, float* s, int64_t lds);
 
-  // Packing: dst[c, r] = src[r, c] (transpose), and dst[r, c] = scale * src[r, c] (copy_scaled), for r < rows and
-  // c < cols.
-  void (*transpose)(int64_t rows, int64_t cols, const float* src, int64_t lds, float* dst, int64_t ldd);
+  // dst[r, c] = scale * src[r, c] for r < rows and c < cols.
   void (*copy_scaled)(int64_t rows, int64_t cols, float scale, const float* src, int64_t lds, float* dst,
                       int64_t ldd);
 };

@@ -54,8 +54,17 @@ struct Isa {
 
 #include "server/tile_kernels_impl.h"
 
-extern const TileKernels kKernels = {
-    "avx512", Isa::kLanes, Isa::kScoreVectors * Isa::kLanes, Isa::kScoreRows, &Scores, &Values, &OnlineSoftmax,
-    &Softmax, &Transpose, &CopyScaled};
+extern const TileKernels kKernels = {"avx512",
+                                      Isa::kLanes,
+                                      Isa::kScoreVectors * Isa::kLanes,
+                                      Isa::kValueVectors * Isa::kLanes,
+                                      Isa::kScoreRows,
+                                      &PackKeys,
+                                      &PackValues,
+                                      &Scores,
+                                      &Values,
+                                      &OnlineSoftmax,
+                                      &Softmax,
+                                      &CopyScaled};
 
 }  // namespace mha::kernels::avx512

@@ -10,11 +10,14 @@
 
 #define MHA_UNROLL _Pragma("GCC unroll 16")
 
+inline void Transpose(int64_t rows, int64_t cols, const float* src, int64_t lds, float* dst, int64_t ldd);
+
 static_assert(Isa::kScoreRows % Isa::kValueRows == 0, "a panel of kScoreRows rows splits into value blocks");
 
+// kt: one packed panel, depth rows of kVectors * kLanes floats.
 template <int kRows, int kVectors>
 inline void ScoreBlock(int64_t rows, int64_t cols, int64_t depth, float scale, const float* q, int64_t ldq,
-                       const float* kt, int64_t ldk, float* s, int64_t lds) {
+                       const float* kt, float* s, int64_t lds) {
   using V = Isa::V;
   V acc[kRows][kVectors];
   const float* qr[kRows];
@@ -24,7 +27,9 @@ inline void ScoreBlock(int64_t rows, int64_t cols, int64_t depth, float scale, c
   }
   for (int64_t c = 0; c < depth; ++c) {
     V b[kVectors];
-    MHA_UNROLL for (int v = 0; v < kVectors; ++v) b[v] = Isa::Load(kt + c * ldk + v * Isa::kLanes);
+    MHA_UNROLL for (int v = 0; v < kVectors; ++v) {
+      b[v] = Isa::Load(kt + (c * kVectors + v) * Isa::kLanes);
+    }
     MHA_UNROLL for (int r = 0; r < kRows; ++r) {
       const V a = Isa::Broadcast(qr[r] + c);
       MHA_UNROLL for (int v = 0; v < kVectors; ++v) acc[r][v] = Isa::Fma(a, b[v], acc[r][v]);
@@ -46,14 +51,15 @@ inline void ScoreBlock(int64_t rows, int64_t cols, int64_t depth, float scale, c
 }
 
 inline void Scores(int64_t rows, int64_t cols, int64_t depth, float scale, const float* q, int64_t ldq,
-                   const float* kt, int64_t ldk, float* s, int64_t lds) {
+                   const float* kt, float* s, int64_t lds) {
   constexpr int64_t kRows = Isa::kScoreRows, kCols = Isa::kScoreVectors * Isa::kLanes;
-  // Column panels outside: one panel of K^T (depth x kCols) stays in L1 while every row block passes over it.
+  // Column panels outside: one panel of K^T (depth x kCols, contiguous) stays in L1 while every row block passes
+  // over it.
   for (int64_t j = 0; j < cols; j += kCols) {
     const int64_t n = cols - j < kCols ? cols - j : kCols;
     for (int64_t i = 0; i < rows; i += kRows) {
       ScoreBlock<Isa::kScoreRows, Isa::kScoreVectors>(rows - i < kRows ? rows - i : kRows, n, depth, scale,
-                                                      q + i * ldq, ldq, kt + j, ldk, s + i * lds + j, lds);
+                                                      q + i * ldq, ldq, kt + j * depth, s + i * lds + j, lds);
     }
   }
 }
@@ -110,13 +116,43 @@ inline void ValuePanelUpTo(int64_t vectors, int64_t rows, int64_t n, const float
   ValuePanel<kVectors>(rows, n, p, ldp, v, ldv, o_scale, o, ldo);
 }
 
+// v: packed panels of kPanel columns, rows kPanel floats apart, panels panel_stride floats apart.
 inline void Values(int64_t rows, int64_t n, int64_t width, const float* p, int64_t ldp, const float* v,
-                   int64_t ldv, const float* o_scale, float* o, int64_t ldo) {
-  for (int64_t c = 0; c < width;) {
+                   int64_t panel_stride, const float* o_scale, float* o, int64_t ldo) {
+  constexpr int64_t kPanel = Isa::kValueVectors * Isa::kLanes;
+  for (int64_t c = 0; c < width; c += kPanel) {
     const int64_t left = (width - c) / Isa::kLanes;
     const int64_t vectors = left < Isa::kValueVectors ? left : Isa::kValueVectors;
-    ValuePanelUpTo<Isa::kValueVectors>(vectors, rows, n, p, ldp, v + c, ldv, o_scale, o + c, ldo);
-    c += vectors * Isa::kLanes;
+    ValuePanelUpTo<Isa::kValueVectors>(vectors, rows, n, p, ldp, v + (c / kPanel) * panel_stride, kPanel, o_scale,
+                                       o + c, ldo);
+  }
+}
+
+// K^T in panels for Scores: the keys k[n, depth] (row stride ldk) become ceil(n / kCols) panels of depth rows of
+// kCols floats, one after another; columns past n are zero.
+inline void PackKeys(int64_t n, int64_t depth, const float* k, int64_t ldk, float* kt) {
+  constexpr int64_t kCols = Isa::kScoreVectors * Isa::kLanes;
+  for (int64_t j = 0; j < n; j += kCols) {
+    const int64_t cols = n - j < kCols ? n - j : kCols;
+    float* panel = kt + j * depth;
+    Transpose(cols, depth, k + j * ldk, ldk, panel, kCols);
+    for (int64_t c = 0; c < depth && cols < kCols; ++c) {
+      __builtin_memset(panel + c * kCols + cols, 0, (kCols - cols) * sizeof(float));
+    }
+  }
+}
+
+// V in panels for Values: v[n, width] (row stride ldv) becomes ceil(width / kPanel) panels, panel_stride floats
+// apart, each n rows of kPanel floats (columns past width zero).
+inline void PackValues(int64_t n, int64_t width, const float* v, int64_t ldv, float* vp, int64_t panel_stride) {
+  constexpr int64_t kPanel = Isa::kValueVectors * Isa::kLanes;
+  for (int64_t c = 0; c < width; c += kPanel) {
+    const int64_t cols = width - c < kPanel ? width - c : kPanel;
+    float* panel = vp + (c / kPanel) * panel_stride;
+    for (int64_t j = 0; j < n; ++j) {
+      __builtin_memcpy(panel + j * kPanel, v + j * ldv + c, cols * sizeof(float));
+      if (cols < kPanel) __builtin_memset(panel + j * kPanel + cols, 0, (kPanel - cols) * sizeof(float));
+    }
   }
 }
 

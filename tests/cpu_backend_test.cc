@@ -150,6 +150,16 @@ TEST_P(CpuParityTest, MatchesReference) {
   EXPECT_EQ(p.Run(**cpu, c.weights, &again_weights), got);
 }
 
+TEST(CpuBackend, UnknownKernelsAreInvalidArgument) {
+  EXPECT_EQ(CpuBackend::Create("avx1024").status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(CpuBackend, DeviceNamesTheAttentionKernels) {
+  absl::StatusOr<std::unique_ptr<CpuBackend>> sgemm = CpuBackend::Create("sgemm");
+  ASSERT_TRUE(sgemm.ok());
+  EXPECT_NE((*sgemm)->device().find("sgemm attention tiles"), std::string::npos) << (*sgemm)->device();
+}
+
 TEST(CpuBackend, ConcurrentCallsOnOneInstanceMatchSerialOnes) {
   // Scratch is per calling thread, so threads sharing a backend must not disturb each other.
   absl::StatusOr<std::unique_ptr<CpuBackend>> cpu = CpuBackend::Create();

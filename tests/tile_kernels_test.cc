@@ -27,12 +27,15 @@ TEST_P(ScoresTest, MatchesPlainLoopsAndWritesOnlyTheOutput) {
   const auto& [isa, rows, cols, depth] = GetParam();
   const TileKernels* k = TileKernelsFor(isa.c_str());
   if (k == nullptr) GTEST_SKIP() << "this CPU does not run " << isa;
-  const int ldq = depth + 3, lds = cols + 5;
-  const int ldk = (cols + k->score_columns - 1) / k->score_columns * k->score_columns + 7;
-  const std::vector<float> q = RandomVector(rows * ldq, 1), kt = RandomVector(depth * ldk, 2);
+  const int ldq = depth + 3, lds = cols + 5, ldk = depth + 2;
+  const std::vector<float> q = RandomVector(rows * ldq, 1), keys = RandomVector(cols * ldk, 2);
+  const int panels = (cols + k->key_panel - 1) / k->key_panel;
+  std::vector<float> kt(panels * k->key_panel * depth + 1, kSentinel);
+  k->pack_keys(cols, depth, keys.data(), ldk, kt.data());
+  EXPECT_EQ(kt.back(), kSentinel) << "packing wrote past its panels";
   std::vector<float> s(rows * lds, kSentinel);
   const float scale = 0.37f;
-  k->scores(rows, cols, depth, scale, q.data(), ldq, kt.data(), ldk, s.data(), lds);
+  k->scores(rows, cols, depth, scale, q.data(), ldq, kt.data(), s.data(), lds);
   for (int i = 0; i < rows; ++i) {
     for (int j = 0; j < lds; ++j) {
       if (j >= cols) {
@@ -40,19 +43,49 @@ TEST_P(ScoresTest, MatchesPlainLoopsAndWritesOnlyTheOutput) {
         continue;
       }
       double want = 0;
-      for (int c = 0; c < depth; ++c) want += static_cast<double>(q[i * ldq + c]) * kt[c * ldk + j];
+      for (int c = 0; c < depth; ++c) want += static_cast<double>(q[i * ldq + c]) * keys[j * ldk + c];
       ASSERT_NEAR(s[i * lds + j], scale * want, 1e-5 * (1 + depth)) << i << "," << j;
+    }
+  }
+}
+
+// (isa, cols, depth)
+class PackKeysTest : public ::testing::TestWithParam<std::tuple<std::string, int, int>> {};
+
+TEST_P(PackKeysTest, PackedKeysAreTransposedPanelsZeroPadded) {
+  const auto& [isa, cols, depth] = GetParam();
+  const TileKernels* k = TileKernelsFor(isa.c_str());
+  if (k == nullptr) GTEST_SKIP() << "this CPU does not run " << isa;
+  const int ldk = depth + 2, width = k->key_panel;
+  const std::vector<float> keys = RandomVector(cols * ldk, 3);
+  const int panels = (cols + width - 1) / width;
+  std::vector<float> kt(panels * width * depth, kSentinel);
+  k->pack_keys(cols, depth, keys.data(), ldk, kt.data());
+  for (int p = 0; p < panels; ++p) {
+    for (int c = 0; c < depth; ++c) {
+      for (int x = 0; x < width; ++x) {
+        const int j = p * width + x;
+        ASSERT_EQ(kt[(p * depth + c) * width + x], j < cols ? keys[j * ldk + c] : 0.0f) << p << "," << c << "," << x;
+      }
     }
   }
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, ScoresTest,
                          ::testing::Combine(::testing::Values("avx512", "avx2"), ::testing::Values(1, 6, 7, 13),
-                                            ::testing::Values(1, 17, 64, 65, 130), ::testing::Values(1, 67)),
+                                            ::testing::Values(1, 17, 64, 65, 130), ::testing::Values(1, 8, 67)),
                          [](const auto& info) {
                            return std::get<0>(info.param) + "_rows" + std::to_string(std::get<1>(info.param)) +
                                   "_cols" + std::to_string(std::get<2>(info.param)) + "_depth" +
                                   std::to_string(std::get<3>(info.param));
+                         });
+
+INSTANTIATE_TEST_SUITE_P(Shapes, PackKeysTest,
+                         ::testing::Combine(::testing::Values("avx512", "avx2"), ::testing::Values(1, 17, 64, 130),
+                                            ::testing::Values(1, 8, 67)),
+                         [](const auto& info) {
+                           return std::get<0>(info.param) + "_cols" + std::to_string(std::get<1>(info.param)) +
+                                  "_depth" + std::to_string(std::get<2>(info.param));
                          });
 
 // (isa, rows, n, vectors of width, with o_scale)
@@ -64,13 +97,26 @@ TEST_P(ValuesTest, MatchesPlainLoopsAndWritesOnlyTheOutput) {
   if (k == nullptr) GTEST_SKIP() << "this CPU does not run " << isa;
   const int width = vectors * k->lanes, ldp = n + 3, ldv = width + 9, ldo = width + 4;
   const std::vector<float> p = RandomVector(rows * ldp, 3), v = RandomVector(n * ldv, 4);
+  const int panels = (width + k->value_panel - 1) / k->value_panel;
+  const int panel_stride = n * k->value_panel + 5;
+  std::vector<float> vp(panels * panel_stride, kSentinel);
+  k->pack_values(n, width, v.data(), ldv, vp.data(), panel_stride);
+  for (int q = 0; q < panels; ++q) {
+    for (int j = 0; j < n; ++j) {
+      for (int x = 0; x < k->value_panel; ++x) {
+        const int c = q * k->value_panel + x;
+        ASSERT_EQ(vp[q * panel_stride + j * k->value_panel + x], c < width ? v[j * ldv + c] : 0.0f) << q << "," << j;
+      }
+    }
+  }
   const std::vector<float> o_scale = RandomVector(rows, 5);
   std::vector<float> o = RandomVector(rows * ldo, 6);
   for (int i = 0; i < rows; ++i) {
     for (int c = width; c < ldo; ++c) o[i * ldo + c] = kSentinel;
   }
   const std::vector<float> before = o;
-  k->values(rows, n, width, p.data(), ldp, v.data(), ldv, rescale ? o_scale.data() : nullptr, o.data(), ldo);
+  k->values(rows, n, width, p.data(), ldp, vp.data(), panel_stride, rescale ? o_scale.data() : nullptr, o.data(),
+            ldo);
   for (int i = 0; i < rows; ++i) {
     for (int c = 0; c < ldo; ++c) {
       if (c >= width) {
@@ -183,22 +229,16 @@ INSTANTIATE_TEST_SUITE_P(Isas, SoftmaxTest, ::testing::Values("avx512", "avx2"),
                          [](const auto& info) { return info.param; });
 
 // (isa, rows, cols)
-class PackTest : public ::testing::TestWithParam<std::tuple<std::string, int, int>> {};
+class CopyScaledTest : public ::testing::TestWithParam<std::tuple<std::string, int, int>> {};
 
-TEST_P(PackTest, TransposeAndCopyScaledMoveEveryElementAndNothingElse) {
+TEST_P(CopyScaledTest, ScalesEveryElementAndWritesNothingElse) {
   const auto& [isa, rows, cols] = GetParam();
   const TileKernels* k = TileKernelsFor(isa.c_str());
   if (k == nullptr) GTEST_SKIP() << "this CPU does not run " << isa;
-  const int lds = cols + 3, ldt = rows + 5, ldc = cols + 2;
+  const int lds = cols + 3, ldc = cols + 2;
   const std::vector<float> src = RandomVector(rows * lds, 11);
-  std::vector<float> transposed(cols * ldt, kSentinel), copied(rows * ldc, kSentinel);
-  k->transpose(rows, cols, src.data(), lds, transposed.data(), ldt);
+  std::vector<float> copied(rows * ldc, kSentinel);
   k->copy_scaled(rows, cols, 0.5f, src.data(), lds, copied.data(), ldc);
-  for (int c = 0; c < cols; ++c) {
-    for (int r = 0; r < ldt; ++r) {
-      ASSERT_EQ(transposed[c * ldt + r], r < rows ? src[r * lds + c] : kSentinel) << r << "," << c;
-    }
-  }
   for (int r = 0; r < rows; ++r) {
     for (int c = 0; c < ldc; ++c) {
       ASSERT_EQ(copied[r * ldc + c], c < cols ? 0.5f * src[r * lds + c] : kSentinel) << r << "," << c;
@@ -206,9 +246,9 @@ TEST_P(PackTest, TransposeAndCopyScaledMoveEveryElementAndNothingElse) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Shapes, PackTest,
-                         ::testing::Combine(::testing::Values("avx512", "avx2"), ::testing::Values(1, 8, 13, 64),
-                                            ::testing::Values(1, 8, 16, 21, 64)),
+INSTANTIATE_TEST_SUITE_P(Shapes, CopyScaledTest,
+                         ::testing::Combine(::testing::Values("avx512", "avx2"), ::testing::Values(1, 13),
+                                            ::testing::Values(1, 16, 21, 64)),
                          [](const auto& info) {
                            return std::get<0>(info.param) + "_rows" + std::to_string(std::get<1>(info.param)) +
                                   "_cols" + std::to_string(std::get<2>(info.param));
