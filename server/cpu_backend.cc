@@ -142,12 +142,12 @@ struct ItemKernels {
   const kernels::TileKernels* tiles;  // null: sgemm
   int64_t head_dim;
   float scale;
-  const float* q;  // the block's first query; tiles: packed [rows, d_k] and already scaled
-  int64_t q_stride;
-  const float* k;  // tiles: the head's packed K^T; sgemm: the head's first key, rows k_stride apart
+  const float* q = nullptr;  // the block's first query; tiles: packed [rows, d_k] and already scaled
+  int64_t q_stride = 0;
+  const float* k = nullptr;  // tiles: the head's packed K^T; sgemm: the head's first key, rows k_stride apart
   int64_t k_stride = 0;
-  const float* v;  // tiles: the head's packed V, panels v_stride apart; sgemm: its first value, rows v_stride apart
-  int64_t v_stride;
+  const float* v = nullptr;  // tiles: the head's packed V, panels v_stride apart; sgemm: rows v_stride apart
+  int64_t v_stride = 0;
   bool ok = true;  // false once an sgemm call failed
 
   // s[rows, n] (row stride lds) = scale * Q[r0, r0 + rows) K[j0, j0 + n)^T.
