@@ -20,17 +20,19 @@ def main():
           % (peak, context.get("peak_isa"), context.get("num_cpus"),
              next(iter(peers.values()))["blas"] if peers else "n/a"))
     print()
-    print("\"% of peak\" is against the peak probed right before and after that row (its `peak` column).")
+    print("Every rate is the fastest call (numpy and torch: their fastest run; the peak: the probe's fastest window, "
+          "taken right before and after that row, its `peak` column). \"median\" is the median call against the "
+          "same peak.")
     print()
-    print("| shape (B,T,d,H,Hkv) | weights | ours GFLOP/s | peak | % of peak | ms | numpy | torch | ours/numpy "
-          "| ours/torch |")
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| shape (B,T,d,H,Hkv) | weights | ours GFLOP/s | peak | % of peak | median | ms | numpy | torch "
+          "| ours/numpy | ours/torch |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     times = {}
     core = []
     for b in bench["benchmarks"]:
         name = b["name"].split("/")
         shape, weights = name[0], name[1] == "weights_on"
-        times[(shape, weights)] = b["real_time"]
+        times[(shape, weights)] = b["ms_best"]
         ours = b["GFLOPs"]
         if shape.startswith("core_"):
             core.append(b)
@@ -39,24 +41,25 @@ def main():
         np_g = p["numpy_gflops"] if p else float("nan")
         t_g = p["torch_gflops"] if p else float("nan")
         torch_note = "" if not p or p["torch_impl"] == "nn.MultiheadAttention" else "*"
-        print("| %s | %s | %.1f | %.0f | %.0f%% | %.3f | %.1f | %.1f%s | %.1fx | %.1fx |" % (
-            shape, "on" if weights else "off", ours, b["peak_gflops"], b["pct_peak"], b["real_time"], np_g, t_g,
-            torch_note, ours / np_g, ours / t_g))
+        print("| %s | %s | %.1f | %.0f | %.0f%% | %.0f%% | %.3f | %.1f | %.1f%s | %.1fx | %.1fx |" % (
+            shape, "on" if weights else "off", ours, b["peak_gflops"], b["pct_peak"], b["pct_peak_median"],
+            b["ms_best"], np_g, t_g, torch_note, ours / np_g, ours / t_g))
     if core:
         print()
         print("Attention core alone (ScaledDotProductAttention: no projections; FLOPs 4BHTqTkdk, half for causal):")
         print()
-        print("| shape | GFLOP/s | peak | % of peak | ms |")
-        print("| --- | ---: | ---: | ---: | ---: |")
+        print("| shape | GFLOP/s | peak | % of peak | median | ms |")
+        print("| --- | ---: | ---: | ---: | ---: | ---: |")
         for b in core:
-            print("| %s | %.1f | %.0f | %.0f%% | %.3f |" % (b["name"].split("/")[0], b["GFLOPs"], b["peak_gflops"],
-                                                          b["pct_peak"], b["real_time"]))
+            print("| %s | %.1f | %.0f | %.0f%% | %.0f%% | %.3f |" % (
+                b["name"].split("/")[0], b["GFLOPs"], b["peak_gflops"], b["pct_peak"], b["pct_peak_median"],
+                b["ms_best"]))
     print()
     for prefix, what in (("", "multi-head attention (projections included)"), ("core_", "attention core")):
         for shape in ("b1_t2048_d1024_h16", "b8_t512_d512_h8_gqa2"):
             base, causal = times.get((prefix + shape, False)), times.get((prefix + shape + "_causal", False))
             if base and causal:
-                print("causal / non-causal time, %s, %s: %.2fx" % (what, shape, causal / base))
+                print("causal / non-causal time (fastest calls), %s, %s: %.2fx" % (what, shape, causal / base))
     print()
     print("torch: nn.MultiheadAttention (eval, fast path) where it can express the shape; * = the same math in "
           "plain torch ops (GQA). FLOPs: 2BTqdHdk + 4BTkdHkvdk + 2BTqHdkd + 4BHTqTkdk (half the last for causal).")
