@@ -24,7 +24,8 @@ struct TileKernels {
   //  - K^T of n keys k[n, depth] (row stride ldk): ceil(n / key_panel) panels of [depth, key_panel] floats one
   //    after another; columns past n are zero. Panel p starts at kt + p * key_panel * depth.
   //  - V of n keys v[n, width] (row stride ldv): ceil(width / value_panel) panels, panel_stride floats apart, each
-  //    [n, value_panel] floats; columns past width are zero. Row j of panel 0 is at vp + j * value_panel.
+  //    [n, value_panel] floats; columns past width are zero. Row j of panel 0 is at vp + j * value_panel. width
+  //    must be a multiple of `lanes`.
   void (*pack_keys)(int64_t n, int64_t depth, const float* k, int64_t ldk, float* kt);
   void (*pack_values)(int64_t n, int64_t width, const float* v, int64_t ldv, float* vp, int64_t panel_stride);
 

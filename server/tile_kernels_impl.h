@@ -135,41 +135,57 @@ inline void PackKeys(int64_t n, int64_t depth, const float* k, int64_t ldk, floa
   for (int64_t j = 0; j < n; j += kCols) {
     const int64_t cols = n - j < kCols ? n - j : kCols;
     float* panel = kt + j * depth;
+    if (cols < kCols) __builtin_memset(panel, 0, depth * kCols * sizeof(float));  // the padding columns
     Transpose(cols, depth, k + j * ldk, ldk, panel, kCols);
-    for (int64_t c = 0; c < depth && cols < kCols; ++c) {
-      __builtin_memset(panel + c * kCols + cols, 0, (kCols - cols) * sizeof(float));
-    }
   }
 }
 
 // V in panels for Values: v[n, width] (row stride ldv) becomes ceil(width / kPanel) panels, panel_stride floats
 // apart, each n rows of kPanel floats (columns past width zero).
+// Whole vectors (no library calls: a row of a panel is a couple of vectors); width is a multiple of kLanes.
 inline void PackValues(int64_t n, int64_t width, const float* v, int64_t ldv, float* vp, int64_t panel_stride) {
   constexpr int64_t kPanel = Isa::kValueVectors * Isa::kLanes;
   for (int64_t c = 0; c < width; c += kPanel) {
-    const int64_t cols = width - c < kPanel ? width - c : kPanel;
     float* panel = vp + (c / kPanel) * panel_stride;
     for (int64_t j = 0; j < n; ++j) {
-      __builtin_memcpy(panel + j * kPanel, v + j * ldv + c, cols * sizeof(float));
-      if (cols < kPanel) __builtin_memset(panel + j * kPanel + cols, 0, (kPanel - cols) * sizeof(float));
+      MHA_UNROLL for (int x = 0; x < Isa::kValueVectors; ++x) {
+        const int64_t col = c + x * Isa::kLanes;
+        Isa::Store(panel + j * kPanel + x * Isa::kLanes, col < width ? Isa::Load(v + j * ldv + col) : Isa::Zero());
+      }
     }
   }
 }
 
-// max(x[0, n)), -inf for n == 0.
+// max(x[0, n)), -inf for n == 0. Four running maxima: one would wait out vmaxps's latency on every vector.
 inline float RowMax(const float* x, int64_t n) {
-  Isa::V m = Isa::Splat(-__builtin_inff());
+  Isa::V m0 = Isa::Splat(-__builtin_inff()), m1 = m0, m2 = m0, m3 = m0;
   int64_t j = 0;
-  for (; j + Isa::kLanes <= n; j += Isa::kLanes) m = Isa::Max(m, Isa::Load(x + j));
-  if (j < n) m = Isa::Max(m, Isa::LoadPartial(x + j, static_cast<int>(n - j), -__builtin_inff()));
-  return Isa::ReduceMax(m);
+  for (; j + 4 * Isa::kLanes <= n; j += 4 * Isa::kLanes) {
+    m0 = Isa::Max(m0, Isa::Load(x + j));
+    m1 = Isa::Max(m1, Isa::Load(x + j + Isa::kLanes));
+    m2 = Isa::Max(m2, Isa::Load(x + j + 2 * Isa::kLanes));
+    m3 = Isa::Max(m3, Isa::Load(x + j + 3 * Isa::kLanes));
+  }
+  for (; j + Isa::kLanes <= n; j += Isa::kLanes) m0 = Isa::Max(m0, Isa::Load(x + j));
+  if (j < n) m1 = Isa::Max(m1, Isa::LoadPartial(x + j, static_cast<int>(n - j), -__builtin_inff()));
+  return Isa::ReduceMax(Isa::Max(Isa::Max(m0, m1), Isa::Max(m2, m3)));
 }
 
 // x[j] = exp(x[j] - shift) for j in [0, n); returns their sum. shift is finite.
+// Two vectors per step with a sum each, so that the exp polynomials of neighbouring vectors overlap.
 inline float ExpShiftSum(float* x, int64_t n, float shift) {
   const Isa::V s = Isa::Splat(shift);
-  Isa::V sum = Isa::Zero();
+  Isa::V sum = Isa::Zero(), sum1 = Isa::Zero();
   int64_t j = 0;
+  for (; j + 2 * Isa::kLanes <= n; j += 2 * Isa::kLanes) {
+    const Isa::V e0 = Isa::Exp(Isa::Sub(Isa::Load(x + j), s));
+    const Isa::V e1 = Isa::Exp(Isa::Sub(Isa::Load(x + j + Isa::kLanes), s));
+    Isa::Store(x + j, e0);
+    Isa::Store(x + j + Isa::kLanes, e1);
+    sum = Isa::Add(sum, e0);
+    sum1 = Isa::Add(sum1, e1);
+  }
+  sum = Isa::Add(sum, sum1);
   for (; j + Isa::kLanes <= n; j += Isa::kLanes) {
     const Isa::V e = Isa::Exp(Isa::Sub(Isa::Load(x + j), s));
     Isa::Store(x + j, e);
@@ -196,7 +212,7 @@ inline void OnlineSoftmax(int64_t rows, int64_t n, const int64_t* visible, float
   for (int64_t r = 0; r < rows; ++r) {
     float* row = s + r * lds;
     const int64_t count = visible[r];
-    __builtin_memset(row + count, 0, (n - count) * sizeof(float));
+    if (count < n) __builtin_memset(row + count, 0, (n - count) * sizeof(float));
     const float block_max = RowMax(row, count);
     const float new_max = row_max[r] > block_max ? row_max[r] : block_max;
     if (new_max == -__builtin_inff()) {  // nothing visible yet: this block contributes nothing
