@@ -194,6 +194,28 @@ TEST(CpuBackend, ConcurrentCallsOnOneInstanceMatchSerialOnes) {
 }
 
 ParityCase Case(std::string name, int64_t b, int64_t tq, int64_t tk, int64_t d, int64_t dkv, int64_t h,
+                int64_t hkv, int64_t dk);
+
+TEST(CpuBackend, ScratchKeptFromALargeCallServesSmallerOnes) {
+  // Each thread keeps its tile scratch at the largest size seen; what a larger call left in it must not leak into
+  // a smaller or differently shaped one (head size, key count, masks).
+  absl::StatusOr<std::unique_ptr<CpuBackend>> cpu = CpuBackend::Create();
+  ASSERT_TRUE(cpu.ok());
+  ReferenceBackend reference;
+  ParityCase large = Case("large", 2, 600, 600, 160, 0, 2, 2, 80);
+  large.causal = true;
+  ParityCase small = Case("small", 3, 5, 5, 32, 0, 2, 1, 16);
+  small.mask = Mask::kPerBatch;
+  small.key_lengths = true;
+  ParityCase medium = Case("medium", 1, 40, 70, 64, 24, 4, 2, 16);
+  for (const ParityCase& c : {large, small, medium, small}) {
+    const Problem p(c);
+    std::vector<float> unused;
+    EXPECT_TRUE(AllClose(p.Run(**cpu, false, &unused), p.Run(reference, false, &unused), c.atol, c.rtol)) << c;
+  }
+}
+
+ParityCase Case(std::string name, int64_t b, int64_t tq, int64_t tk, int64_t d, int64_t dkv, int64_t h,
                 int64_t hkv, int64_t dk) {
   ParityCase c;
   c.name = std::move(name);
