@@ -6,6 +6,7 @@
 namespace mha::kernels::avx2 {
 
 struct Isa {
+  static constexpr const char* kName = "avx2";
   using V = __m256;
   static constexpr int kLanes = 8;
   // 16 ymm registers: 12 accumulators, two loaded vectors and a broadcast.
@@ -64,19 +65,6 @@ struct Isa {
   }
 };
 
-#include "server/tile_kernels_impl.h"
-
-extern const TileKernels kKernels = {"avx2",
-                                      Isa::kLanes,
-                                      Isa::kScoreVectors * Isa::kLanes,
-                                      Isa::kValueVectors * Isa::kLanes,
-                                      Isa::kScoreRows,
-                                      &PackKeys,
-                                      &PackValues,
-                                      &Scores,
-                                      &Values,
-                                      &OnlineSoftmax,
-                                      &Softmax,
-                                      &CopyScaled};
+#include "server/tile_kernels_impl.h"  // defines kKernels
 
 }  // namespace mha::kernels::avx2

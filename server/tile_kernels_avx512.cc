@@ -6,6 +6,7 @@
 namespace mha::kernels::avx512 {
 
 struct Isa {
+  static constexpr const char* kName = "avx512";
   using V = __m512;
   static constexpr int kLanes = 16;
   // 32 zmm registers: 24 accumulators, two loaded vectors and a broadcast. Two vectors wide rather than four:
@@ -52,19 +53,6 @@ struct Isa {
   }
 };
 
-#include "server/tile_kernels_impl.h"
-
-extern const TileKernels kKernels = {"avx512",
-                                      Isa::kLanes,
-                                      Isa::kScoreVectors * Isa::kLanes,
-                                      Isa::kValueVectors * Isa::kLanes,
-                                      Isa::kScoreRows,
-                                      &PackKeys,
-                                      &PackValues,
-                                      &Scores,
-                                      &Values,
-                                      &OnlineSoftmax,
-                                      &Softmax,
-                                      &CopyScaled};
+#include "server/tile_kernels_impl.h"  // defines kKernels
 
 }  // namespace mha::kernels::avx512

@@ -1,7 +1,8 @@
 // The body of the tile kernels (tile_kernels.h), included once per instruction set by tile_kernels_<isa>.cc
 // inside namespace mha::kernels::<isa>, after that file defines `struct Isa` (vector type and operations) with:
-//   kLanes; kScoreRows x kScoreVectors and kValueRows x kValueVectors, the register blocks (accumulators =
-//   rows * vectors, chosen to fill the register file and cover FMA latency with independent chains).
+//   kName (the instruction set's name); kLanes; kScoreRows x kScoreVectors and kValueRows x kValueVectors, the
+//   register blocks (accumulators = rows * vectors, chosen to fill the register file and cover FMA latency with
+//   independent chains).
 // Deliberately free of standard-library templates: every function here is compiled with that TU's -m flags.
 //
 // Scores: an output block of kScoreRows x kScoreVectors vectors stays in registers for the whole reduction over
@@ -285,5 +286,19 @@ inline void CopyScaled(int64_t rows, int64_t cols, float scale, const float* src
     for (; c < cols; ++c) out[c] = scale * in[c];
   }
 }
+
+// This instruction set's entry of the table tile_kernels.cc hands out.
+extern const TileKernels kKernels = {Isa::kName,
+                                     Isa::kLanes,
+                                     Isa::kScoreVectors * Isa::kLanes,
+                                     Isa::kValueVectors * Isa::kLanes,
+                                     Isa::kScoreRows,
+                                     &PackKeys,
+                                     &PackValues,
+                                     &Scores,
+                                     &Values,
+                                     &OnlineSoftmax,
+                                     &Softmax,
+                                     &CopyScaled};
 
 #undef MHA_UNROLL
