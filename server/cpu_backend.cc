@@ -238,6 +238,50 @@ struct ItemKernels {
   }
 };
 
+// Prefetches the inputs of a thread's next work item into L2 while the current one computes, a slice per panel.
+// Their head-packed rows are a few cache lines each, thousands of floats apart, a pattern the hardware
+// prefetchers do not run ahead on: read on demand (the queries' copy, the K/V packing, the output rows) they took
+// 14% of the attention core's time on one thread. Measured with this: the core 4% faster on two threads (the same
+// on one, where the prefetches stall as long as the loads did).
+class RowPrefetch {
+ public:
+  // Rows of `width` floats: `rows` of them from `first`, `stride` floats apart, to be read or (`write`) written.
+  // At most four ranges.
+  void Add(const float* first, int64_t rows, int64_t stride, int64_t width, bool write = false) {
+    ranges_[count_++] = {first, rows, stride, width, write};
+    total_ += rows;
+  }
+  // Issues the prefetches of the rows up to fraction `part / parts` of all rows (parts > 0).
+  void Until(int64_t part, int64_t parts) {
+    const int64_t until = total_ * part / parts;
+    for (; done_ < until; ++done_) {
+      int64_t row = done_, r = 0;
+      while (row >= ranges_[r].rows) row -= ranges_[r++].rows;
+      const Range& range = ranges_[r];
+      // Every 64-byte line the row touches, from the one holding its first float to the one holding its last.
+      const uintptr_t begin = reinterpret_cast<uintptr_t>(range.first + row * range.stride) & ~uintptr_t{63};
+      const uintptr_t last = reinterpret_cast<uintptr_t>(range.first + row * range.stride + range.width - 1);
+      for (uintptr_t line = begin; line <= last; line += 64) {
+        if (range.write) {
+          __builtin_prefetch(reinterpret_cast<const void*>(line), 1, 2);
+        } else {
+          __builtin_prefetch(reinterpret_cast<const void*>(line), 0, 2);
+        }
+      }
+    }
+  }
+
+ private:
+  struct Range {
+    const float* first;
+    int64_t rows, stride, width;
+    bool write;
+  };
+  Range ranges_[4] = {};
+  int count_ = 0;
+  int64_t total_ = 0, done_ = 0;
+};
+
 }  // namespace
 
 void CpuBackend::Attend(const AttentionDims& d, const AttentionMask& mask, Packed q, Packed k, Packed v,
@@ -272,6 +316,7 @@ void CpuBackend::Attend(const AttentionDims& d, const AttentionMask& mask, Packe
     v_size = (dk + tiles->value_panel - 1) / tiles->value_panel * v_panel_stride;
   }
   const int64_t run = std::clamp<int64_t>(items / (4 * omp_get_max_threads()), 1, G * query_blocks);
+  std::atomic<int64_t> next_run{0};
   std::atomic<bool> failed{false};
 
   // One parallel region over (batch, head, query block); each item runs on one thread, tiles stay in its cache.
@@ -290,10 +335,33 @@ void CpuBackend::Attend(const AttentionDims& d, const AttentionMask& mask, Packe
     float* const scores = weights == nullptr ? Grown(t.scores, panel * key_block) : nullptr;
     float* const acc = weights == nullptr ? Grown(t.accumulator, panel * dk) : nullptr;
     int64_t packed_kv = -1;  // the (batch, kv head) in keys_t and values
-#pragma omp for schedule(dynamic, run)
-    for (int64_t item = 0; item < items; ++item) {
+    // Runs of `run` consecutive items are claimed from a shared counter, as schedule(dynamic) would (another
+    // tenant's load can slow one thread). A thread claims one run ahead, so that while it computes a run it knows
+    // the next one and prefetches its inputs: each item the next item's queries and output rows, and a share of
+    // the next run's K and V.
+    int64_t first = next_run.fetch_add(1) * run, item = first, end = std::min(first + run, items);
+    int64_t ahead = next_run.fetch_add(1) * run;
+    while (item < end) {
+      const int64_t next = item + 1 < end ? item + 1 : ahead;
       const int64_t b = item / (H * query_blocks), h = (item / query_blocks) % H;
       const int64_t i0 = (item % query_blocks) * kQueryBlock, rows = std::min(kQueryBlock, Tq - i0);
+      RowPrefetch prefetch;
+      if (next < items) {
+        const int64_t nb = next / (H * query_blocks), nh = (next / query_blocks) % H;
+        const int64_t ni0 = (next % query_blocks) * kQueryBlock, nrows = std::min(kQueryBlock, Tq - ni0);
+        prefetch.Add(q.data + (nb * Tq + ni0) * q.row_stride + nh * dk, nrows, q.row_stride, dk);
+        prefetch.Add(out + (nb * Tq + ni0) * out_stride + nh * dk, nrows, out_stride, dk, /*write=*/true);
+      }
+      if (ahead < items) {
+        const int64_t ab = ahead / (H * query_blocks), ah = (ahead / query_blocks) % H;
+        if (ab * Hkv + ah / G != b * Hkv + h / G) {
+          const int64_t share = end - first, j = item - first;
+          const int64_t k0 = Tk * j / share, k1 = Tk * (j + 1) / share;
+          prefetch.Add(k.data + (ab * Tk + k0) * k.row_stride + (ah / G) * dk, k1 - k0, k.row_stride, dk);
+          prefetch.Add(v.data + (ab * Tk + k0) * v.row_stride + (ah / G) * dk, k1 - k0, v.row_stride, dk);
+        }
+      }
+      const int64_t panels = (rows + panel - 1) / panel;
       const float* q_tile = q.data + (b * Tq + i0) * q.row_stride + h * dk;
       float* out_tile = out + (b * Tq + i0) * out_stride + h * dk;
       const float* additive =
@@ -325,6 +393,7 @@ void CpuBackend::Attend(const AttentionDims& d, const AttentionMask& mask, Packe
 
       for (int64_t p0 = 0; p0 < rows; p0 += panel) {
         const int64_t panel_rows = std::min(panel, rows - p0);
+        prefetch.Until(p0 / panel + 1, panels);
         for (int64_t r = 0; r < panel_rows; ++r) visible[r] = VisibleKeyCount(d, mask, b, i0 + p0 + r);
         // Keys at or past `keys` are invisible to every row of the panel (visible counts grow with the row).
         const int64_t keys = *std::max_element(visible, visible + panel_rows);
@@ -371,6 +440,11 @@ void CpuBackend::Attend(const AttentionDims& d, const AttentionMask& mask, Packe
         }
       }
       if (!mm.ok) failed = true;
+      if (++item == end) {
+        first = item = ahead;
+        end = std::min(ahead + run, items);
+        ahead = next_run.fetch_add(1) * run;
+      }
     }
   }
   if (failed) throw dnnl::error(dnnl_runtime_error, "dnnl_sgemm failed in the attention kernel");

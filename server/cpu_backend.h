@@ -6,7 +6,7 @@
 // out together. With the tile kernels (tile_kernels.h; AVX-512 or AVX2, head_dim a multiple of their vector
 // width) a thread packs its kv head's K^T and V into panels in its L2 once for all those items, and takes each
 // item's queries a panel of a few rows at a time, from the score kernel through the softmax to the value kernel
-// while the panel's scores are in L1:
+// while the panel's scores are in L1 (and prefetches its next item's rows meanwhile):
 //  - weights off: FlashAttention's online softmax over key blocks of kTileKeyBlock, so memory is O(T) per head;
 //  - weights on: exact row softmax written in place in the returned [B, H, Tq, Tk] tensor, then P V from it.
 // Otherwise (or with Create("sgemm")) oneDNN's sgemm does the same tiles on the tensors in place (scale fused as
