@@ -36,8 +36,7 @@ struct Isa {
   // polynomial (relative error below 2e-7); vscalefps applies 2^n and zeroes lanes below -87.3.
   static V Exp(V x) {
     const V lo = _mm512_set1_ps(-87.33654f);
-    const __mmask16 live = _mm512_cmp_ps_mask(x, lo, _CMP_GE_OQ);
-    x = _mm512_max_ps(x, lo);
+    const __mmask16 live = _mm512_cmp_ps_mask(x, lo, _CMP_GE_OQ);  // lanes outside it (-inf: NaN below) are zeroed
     const V n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     V f = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
