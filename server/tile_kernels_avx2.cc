@@ -53,13 +53,12 @@ struct Isa {
                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     V f = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
     f = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), f);
-    V p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(f, f), f), _mm256_set1_ps(1.0f));
+    V p = _mm256_set1_ps(8.297654800e-3f);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(4.191538319e-2f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.666757464e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(4.999889433e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.999997020e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.000000119e+0f));
     const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(bits)), live);
   }

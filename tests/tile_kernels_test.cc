@@ -225,6 +225,34 @@ TEST_P(SoftmaxTest, OnlineBlocksGiveTheExactWeightedSum) {
   }
 }
 
+TEST_P(SoftmaxTest, OnlineBlockExpIsWithin3e7OfLibm) {
+  // The first block of a row leaves exp(s - max) in place: s - max from 0 down to -87 (near the smallest normal
+  // result), against double-precision exp; -inf and -100 (below the normal range) must give exactly 0.
+  const TileKernels* k = TileKernelsFor(GetParam().c_str());
+  if (k == nullptr) GTEST_SKIP() << "this CPU does not run " << GetParam();
+  const int n = 20001;
+  std::vector<float> s(n);
+  for (int j = 0; j < n; ++j) s[j] = 1.5f - 87.0f * static_cast<float>(j) / (n - 1);  // 1.5 (the max) .. -85.5
+  s[n / 2] = -kInf;
+  s[n / 3] = -98.5f;
+  const std::vector<float> in = s;
+  const int64_t visible = n;
+  float row_max = -kInf, row_sum = 0.0f, factor = -1.0f;
+  k->online_softmax(1, n, &visible, s.data(), n, &row_max, &row_sum, &factor);
+  EXPECT_EQ(row_max, 1.5f);
+  EXPECT_EQ(factor, 0.0f);  // the row's first visible block
+  EXPECT_EQ(s[n / 2], 0.0f);
+  EXPECT_EQ(s[n / 3], 0.0f);
+  double sum = 0;
+  for (int j = 0; j < n; ++j) {
+    if (j == n / 2 || j == n / 3) continue;
+    const double want = std::exp(static_cast<double>(in[j]) - 1.5);
+    sum += want;
+    EXPECT_NEAR(s[j], want, 3e-7 * want) << "exp(" << in[j] - 1.5f << ")";
+  }
+  EXPECT_NEAR(row_sum, sum, 1e-6 * sum);
+}
+
 INSTANTIATE_TEST_SUITE_P(Isas, SoftmaxTest, ::testing::Values("avx512", "avx2"),
                          [](const auto& info) { return info.param; });
 
