@@ -43,22 +43,12 @@ struct Isa {
   }
   static void Store(float* p, V x) { _mm256_storeu_ps(p, x); }
   static void StorePartial(float* p, V x, int n) { _mm256_maskstore_ps(p, FirstLanes(n), x); }
-  // exp(x) for x <= 88 (-inf included), as the AVX-512 version; 2^n is built in the exponent bits and lanes
-  // below -87.3 are zeroed by a compare mask.
-  static V Exp(V x) {
-    const V lo = _mm256_set1_ps(-87.33654f);
-    const V live = _mm256_cmp_ps(x, lo, _CMP_GE_OQ);
-    x = _mm256_max_ps(x, lo);
-    const V n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    V f = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    f = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), f);
-    V p = _mm256_set1_ps(8.297654800e-3f);
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(4.191538319e-2f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.666757464e-1f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(4.999889433e-1f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.999997020e-1f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.000000119e+0f));
+  static V Fnmadd(V a, V b, V c) { return _mm256_fnmadd_ps(a, b, c); }
+  static V RoundNearest(V x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  // p * 2^n for integral n, 2^n built in the exponent bits, and 0 in the lanes where x < -87.33654 or x is -inf
+  // (where p and n are NaN or out of range; the mask clears whatever they hold): Exp's last step.
+  static V Pow2Live(V p, V n, V x) {
+    const V live = _mm256_cmp_ps(x, _mm256_set1_ps(-87.33654f), _CMP_GE_OQ);
     const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(bits)), live);
   }

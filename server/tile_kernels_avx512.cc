@@ -32,24 +32,12 @@ struct Isa {
   static void StorePartial(float* p, V x, int n) {
     _mm512_mask_storeu_ps(p, static_cast<__mmask16>((1u << n) - 1), x);
   }
-  // exp(x) for x <= 88 (-inf included): 2^n p(f) with n = round(x log2 e), f = x - n ln 2 (ln 2 in two parts),
-  // p a degree-5 polynomial fitted to e^f on [-ln2/2, ln2/2] for relative error (2.0e-7 over [-87, 0] in fp32,
-  // measured against double exp; Cephes' degree-7 expf was 1.2e-7 and cost three more operations per vector);
-  // vscalefps applies 2^n and zeroes lanes below -87.3.
-  static V Exp(V x) {
-    const V lo = _mm512_set1_ps(-87.33654f);
-    const __mmask16 live = _mm512_cmp_ps_mask(x, lo, _CMP_GE_OQ);  // lanes outside it (-inf: NaN below) are zeroed
-    const V n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    V f = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    f = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), f);
-    V p = _mm512_set1_ps(8.297654800e-3f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(4.191538319e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.666757464e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(4.999889433e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.999997020e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.000000119e+0f));
-    return _mm512_maskz_scalef_ps(live, p, n);
+  static V Fnmadd(V a, V b, V c) { return _mm512_fnmadd_ps(a, b, c); }
+  static V RoundNearest(V x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  // p * 2^n for integral n (vscalefps), and 0 in the lanes where x < -87.33654 or x is -inf (where p and n are
+  // NaN or out of range): Exp's last step.
+  static V Pow2Live(V p, V n, V x) {
+    return _mm512_maskz_scalef_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.33654f), _CMP_GE_OQ), p, n);
   }
 };
 
