@@ -200,6 +200,30 @@ void BM_AttentionCore(benchmark::State& state, Shape shape, bool with_weights) {
                   [&] { return (*backend)->ScaledDotProductAttention(args); });
 }
 
+// The projections alone, as CpuBackend runs them for self-attention without biases: one dnnl_sgemm for the fused
+// Q|K|V product [B*T, d] x [d, (H + 2 Hkv) dk] and one for the output [B*T, H dk] x [H dk, d]. With the core row
+// of the same shape it splits the layer's time (report.py's "where the time goes"). FLOPs: the first three and the
+// fourth terms of Flops().
+void BM_Projections(benchmark::State& state, Shape shape) {
+  Problem problem(shape, /*with_weights=*/false);
+  const int64_t rows = shape.batch * shape.q_len, d = shape.d_model, dk = d / shape.heads;
+  const int64_t qkv = (shape.heads + 2 * shape.kv_heads) * dk, heads_width = shape.heads * dk;
+  std::vector<float> projected(rows * qkv), heads(rows * heads_width, 0.25f);
+  auto call = [&] {
+    dnnl_status_t status = dnnl_sgemm('N', 'N', rows, qkv, d, 1.0f, problem.x.data(), d, problem.w_qkv.data(), qkv,
+                                      0.0f, projected.data(), qkv);
+    if (status != dnnl_success) return status;
+    return dnnl_sgemm('N', 'N', rows, d, heads_width, 1.0f, heads.data(), heads_width, problem.w_o.data(), d, 0.0f,
+                      problem.out.data(), d);
+  };
+  if (call() != dnnl_success) {  // warm-up, and proof that sgemm runs here
+    state.SkipWithError("dnnl_sgemm failed");
+    return;
+  }
+  const double flops = 2.0 * rows * d * qkv + 2.0 * rows * heads_width * d;
+  TimeAgainstPeak(state, flops, call);
+}
+
 long PeakRssKb() {
   rusage usage;
   getrusage(RUSAGE_SELF, &usage);
@@ -266,6 +290,10 @@ int main(int argc, char** argv) {
   for (const Shape& shape : Shapes()) {
     if (shape.name.rfind("b8_t512_d512_h8", 0) != 0 && shape.name.rfind("b1_t2048", 0) != 0) continue;
     benchmark::RegisterBenchmark(("core_" + shape.name + "/weights_off").c_str(), BM_AttentionCore, shape, false)
+        ->Unit(benchmark::kMillisecond)
+        ->UseRealTime();
+    if (shape.causal) continue;  // the same projections as the non-causal shape
+    benchmark::RegisterBenchmark(("proj_" + shape.name + "/weights_off").c_str(), BM_Projections, shape)
         ->Unit(benchmark::kMillisecond)
         ->UseRealTime();
   }

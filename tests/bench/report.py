@@ -29,13 +29,17 @@ def main():
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     times = {}
     core = []
+    rows = {}
     for b in bench["benchmarks"]:
         name = b["name"].split("/")
         shape, weights = name[0], name[1] == "weights_on"
         times[(shape, weights)] = b["ms_best"]
+        rows[(shape, weights)] = b
         ours = b["GFLOPs"]
         if shape.startswith("core_"):
             core.append(b)
+            continue
+        if shape.startswith("proj_"):
             continue
         p = peers.get((shape, weights))
         np_g = p["numpy_gflops"] if p else float("nan")
@@ -54,6 +58,20 @@ def main():
             print("| %s | %.1f | %.0f | %.0f%% | %.0f%% | %.3f |" % (
                 b["name"].split("/")[0], b["GFLOPs"], b["peak_gflops"], b["pct_peak"], b["pct_peak_median"],
                 b["ms_best"]))
+    split = [(shape, rows[(shape, False)], rows[("proj_" + shape, False)], rows[("core_" + shape, False)])
+             for (shape, weights) in rows
+             if not weights and ("proj_" + shape, False) in rows and ("core_" + shape, False) in rows]
+    if split:
+        print()
+        print("Where the time goes, weights off: the projections alone (the two sgemm calls the backend makes) and the "
+              "attention core alone, fastest calls, against the layer's fastest call:")
+        print()
+        print("| shape | layer ms | projections ms | % of peak | core ms | % of peak | projections + core ms |")
+        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+        for shape, layer, proj, core_row in split:
+            print("| %s | %.3f | %.3f | %.0f%% | %.3f | %.0f%% | %.3f |" % (
+                shape, layer["ms_best"], proj["ms_best"], proj["pct_peak"], core_row["ms_best"],
+                core_row["pct_peak"], proj["ms_best"] + core_row["ms_best"]))
     print()
     for prefix, what in (("", "multi-head attention (projections included)"), ("core_", "attention core")):
         for shape in ("b1_t2048_d1024_h16", "b8_t512_d512_h8_gqa2"):
