@@ -14,6 +14,7 @@
 inline void Transpose(int64_t rows, int64_t cols, const float* src, int64_t lds, float* dst, int64_t ldd);
 
 static_assert(Isa::kScoreRows % Isa::kValueRows == 0, "a panel of kScoreRows rows splits into value blocks");
+static_assert(Isa::kScoreRows % 3 == 0 && Isa::kValueRows % 3 == 0, "short blocks step by a third");
 
 // kt: one packed panel, depth rows of kVectors * kLanes floats.
 template <int kRows, int kVectors>
@@ -51,6 +52,26 @@ inline void ScoreBlock(int64_t rows, int64_t cols, int64_t depth, float scale, c
   }
 }
 
+// A register block's rows past `rows` are computed and dropped, so a short block (the last of a 128-row query block
+// is 8 of 12 rows on AVX-512) takes the shortest register block that covers it, in steps of a third of the full
+// height kFull: calls f(BlockRows<n>{}) with that height n.
+template <int kRows>
+struct BlockRows {
+  static constexpr int kValue = kRows;
+};
+
+template <int kFull, int kRows = kFull, typename F>
+inline void WithBlockRows(int64_t rows, F&& f) {
+  constexpr int kStep = kFull / 3;
+  if constexpr (kRows > kStep) {
+    if (rows <= kRows - kStep) {
+      WithBlockRows<kFull, kRows - kStep>(rows, f);
+      return;
+    }
+  }
+  f(BlockRows<kRows>{});
+}
+
 inline void Scores(int64_t rows, int64_t cols, int64_t depth, float scale, const float* q, int64_t ldq,
                    const float* kt, float* s, int64_t lds) {
   constexpr int64_t kRows = Isa::kScoreRows, kCols = Isa::kScoreVectors * Isa::kLanes;
@@ -59,8 +80,11 @@ inline void Scores(int64_t rows, int64_t cols, int64_t depth, float scale, const
   for (int64_t j = 0; j < cols; j += kCols) {
     const int64_t n = cols - j < kCols ? cols - j : kCols;
     for (int64_t i = 0; i < rows; i += kRows) {
-      ScoreBlock<Isa::kScoreRows, Isa::kScoreVectors>(rows - i < kRows ? rows - i : kRows, n, depth, scale,
-                                                      q + i * ldq, ldq, kt + j * depth, s + i * lds + j, lds);
+      const int64_t block = rows - i < kRows ? rows - i : kRows;
+      WithBlockRows<Isa::kScoreRows>(block, [&](auto height) {
+        ScoreBlock<decltype(height)::kValue, Isa::kScoreVectors>(block, n, depth, scale, q + i * ldq, ldq,
+                                                                 kt + j * depth, s + i * lds + j, lds);
+      });
     }
   }
 }
@@ -99,8 +123,11 @@ inline void ValuePanel(int64_t rows, int64_t n, const float* p, int64_t ldp, con
                        const float* o_scale, float* o, int64_t ldo) {
   constexpr int64_t kRows = Isa::kValueRows;
   for (int64_t i = 0; i < rows; i += kRows) {
-    ValueBlock<Isa::kValueRows, kVectors>(rows - i < kRows ? rows - i : kRows, n, p + i * ldp, ldp, v, ldv,
-                                          o_scale == nullptr ? nullptr : o_scale + i, o + i * ldo, ldo);
+    const int64_t block = rows - i < kRows ? rows - i : kRows;
+    WithBlockRows<Isa::kValueRows>(block, [&](auto height) {
+      ValueBlock<decltype(height)::kValue, kVectors>(block, n, p + i * ldp, ldp, v, ldv,
+                                                     o_scale == nullptr ? nullptr : o_scale + i, o + i * ldo, ldo);
+    });
   }
 }
 

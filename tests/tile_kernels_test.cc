@@ -1,6 +1,7 @@
 // The hand-written tile matmuls against plain loops, for every instruction set this CPU runs (others skip), on
-// sizes that cut the register blocks at every edge: rows not a multiple of the panel, columns not a multiple of a
-// vector or a block, strides wider than the data. Nothing outside the output rectangle may be written.
+// sizes that cut the register blocks at every edge: rows not a multiple of the panel (at and between the heights
+// of the shorter register blocks), columns not a multiple of a vector or a block, strides wider than the data.
+// Nothing outside the output rectangle may be written.
 #include "server/tile_kernels.h"
 
 #include <algorithm>
@@ -72,7 +73,7 @@ TEST_P(PackKeysTest, PackedKeysAreTransposedPanelsZeroPadded) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, ScoresTest,
-                         ::testing::Combine(::testing::Values("avx512", "avx2"), ::testing::Values(1, 6, 7, 13),
+                         ::testing::Combine(::testing::Values("avx512", "avx2"), ::testing::Values(1, 7, 8, 11, 13),
                                             ::testing::Values(1, 17, 64, 65, 130), ::testing::Values(1, 8, 67)),
                          [](const auto& info) {
                            return std::get<0>(info.param) + "_rows" + std::to_string(std::get<1>(info.param)) +
@@ -131,7 +132,7 @@ TEST_P(ValuesTest, MatchesPlainLoopsAndWritesOnlyTheOutput) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, ValuesTest,
-                         ::testing::Combine(::testing::Values("avx512", "avx2"), ::testing::Values(1, 6, 7, 13),
+                         ::testing::Combine(::testing::Values("avx512", "avx2"), ::testing::Values(1, 7, 8, 11, 13),
                                             ::testing::Values(1, 256), ::testing::Values(1, 3, 4, 5, 9),
                                             ::testing::Bool()),
                          [](const auto& info) {
