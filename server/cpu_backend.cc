@@ -155,7 +155,7 @@ struct ItemKernels {
   const kernels::TileKernels* tiles;  // null: sgemm
   int64_t head_dim;
   float scale;
-  const float* q = nullptr;  // the block's first query; tiles: packed [rows, d_k] and already scaled
+  const float* q = nullptr;  // the block's first query; tiles: packed [rows, d_k], already scaled (by scale log2 e)
   int64_t q_stride = 0;
   const float* k = nullptr;  // tiles: the head's packed K^T; sgemm: the head's first key, rows k_stride apart
   int64_t k_stride = 0;
@@ -163,7 +163,8 @@ struct ItemKernels {
   int64_t v_stride = 0;
   bool ok = true;  // false once an sgemm call failed
 
-  // s[rows, n] (row stride lds) = scale * Q[r0, r0 + rows) K[j0, j0 + n)^T.
+  // s[rows, n] (row stride lds) = scale * Q[r0, r0 + rows) K[j0, j0 + n)^T, in the units the softmaxes below
+  // take: natural for sgemm, log2 for the tile kernels (times log2 e; see kernels::TileKernels).
   void Scores(int64_t r0, int64_t rows, int64_t j0, int64_t n, float* s, int64_t lds) {
     if (tiles != nullptr) {
       tiles->scores(rows, n, head_dim, 1.0f, q + r0 * q_stride, q_stride, k + j0 * head_dim, s, lds);
@@ -186,6 +187,11 @@ struct ItemKernels {
     }
     ok &= Gemm(false, rows, head_dim, n, 1.0f, p, ldp, v + j0 * v_stride, v_stride, o_scale != nullptr ? 1.0f : 0.0f,
                o, ldo);
+  }
+
+  // row[0, n) += the additive mask mask[0, n), in the units of the scores.
+  void AddMask(float* row, const float* mask, int64_t n) {
+    kernels::AddScaled(row, mask, n, tiles != nullptr ? kernels::kLog2e : 1.0f);
   }
 
   // See kernels::TileKernels::online_softmax.
@@ -372,7 +378,8 @@ void CpuBackend::Attend(const AttentionDims& d, const AttentionMask& mask, Packe
                                    : mask.additive + (mask.additive_per_batch ? b * Tq * Tk : 0) + i0 * Tk;
       ItemKernels mm{tiles, dk, d.scale};
       if (tiles != nullptr) {
-        tiles->copy_scaled(rows, dk, d.scale, q_tile, q.row_stride, queries, dk);  // dense and scaled
+        // Dense, and scaled so that the scores come out in log2 units.
+        tiles->copy_scaled(rows, dk, d.scale * kernels::kLog2e, q_tile, q.row_stride, queries, dk);
         const int64_t kv = b * Hkv + h / G;
         if (kv != packed_kv) {
           tiles->pack_keys(Tk, dk, k.data + b * Tk * k.row_stride + (h / G) * dk, k.row_stride, keys_t);
@@ -406,7 +413,7 @@ void CpuBackend::Attend(const AttentionDims& d, const AttentionMask& mask, Packe
           float* p = weights + ((b * H + h) * Tq + i0 + p0) * Tk;
           if (keys > 0) mm.Scores(p0, panel_rows, 0, keys, p, Tk);
           if (additive != nullptr) {
-            for (int64_t r = 0; r < panel_rows; ++r) kernels::Add(p + r * Tk, additive + (p0 + r) * Tk, visible[r]);
+            for (int64_t r = 0; r < panel_rows; ++r) mm.AddMask(p + r * Tk, additive + (p0 + r) * Tk, visible[r]);
           }
           mm.Softmax(panel_rows, Tk, visible, p, Tk);
           if (keys > 0) {
@@ -426,7 +433,7 @@ void CpuBackend::Attend(const AttentionDims& d, const AttentionMask& mask, Packe
           mm.Scores(p0, panel_rows, j0, n, s, key_block);
           for (int64_t r = 0; r < panel_rows; ++r) {
             block_visible[r] = std::clamp<int64_t>(visible[r] - j0, 0, n);
-            if (additive != nullptr) kernels::Add(s + r * key_block, additive + (p0 + r) * Tk + j0, block_visible[r]);
+            if (additive != nullptr) mm.AddMask(s + r * key_block, additive + (p0 + r) * Tk + j0, block_visible[r]);
           }
           mm.OnlineSoftmax(panel_rows, n, block_visible, s, key_block, row_max, row_sum, row_factor);
           // The first block writes the accumulator; later ones rescale it by each row's factor and add.

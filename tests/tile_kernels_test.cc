@@ -151,6 +151,7 @@ std::vector<float> MaskedScores(int rows, int n, uint32_t seed) {
   return s;
 }
 
+// The tile softmaxes take scores in log2 units (tile_kernels.h): each weight is 2^(s - max).
 class SoftmaxTest : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(SoftmaxTest, ExactSoftmaxOverVisibleKeysZeroesTheRest) {
@@ -166,7 +167,7 @@ TEST_P(SoftmaxTest, ExactSoftmaxOverVisibleKeysZeroesTheRest) {
   for (int r = 0; r < rows; ++r) {
     double max = -kInf, sum = 0;
     for (int j = 0; j < visible[r]; ++j) max = std::max<double>(max, in[r * lds + j]);
-    for (int j = 0; j < visible[r] && max != -kInf; ++j) sum += std::exp(in[r * lds + j] - max);
+    for (int j = 0; j < visible[r] && max != -kInf; ++j) sum += std::exp2(in[r * lds + j] - max);
     for (int j = 0; j < lds; ++j) {
       const float got = s[r * lds + j];
       if (j >= n) {
@@ -174,7 +175,7 @@ TEST_P(SoftmaxTest, ExactSoftmaxOverVisibleKeysZeroesTheRest) {
       } else if (j >= visible[r] || max == -kInf || in[r * lds + j] == -kInf) {
         EXPECT_EQ(got, 0.0f) << r << "," << j;  // masked: exactly zero
       } else {
-        EXPECT_NEAR(got, std::exp(in[r * lds + j] - max) / sum, 1e-6) << r << "," << j;
+        EXPECT_NEAR(got, std::exp2(in[r * lds + j] - max) / sum, 1e-6) << r << "," << j;
       }
     }
   }
@@ -212,8 +213,8 @@ TEST_P(SoftmaxTest, OnlineBlocksGiveTheExactWeightedSum) {
     double max = -kInf, sum = 0, weighted = 0;
     for (int j = 0; j < visible[r]; ++j) max = std::max<double>(max, in[r * n + j]);
     for (int j = 0; j < visible[r] && max != -kInf; ++j) {
-      sum += std::exp(in[r * n + j] - max);
-      weighted += std::exp(in[r * n + j] - max) * j;
+      sum += std::exp2(in[r * n + j] - max);
+      weighted += std::exp2(in[r * n + j] - max) * j;
     }
     if (sum == 0) {
       EXPECT_EQ(row_sum[r], 0.0f) << r;
@@ -226,16 +227,16 @@ TEST_P(SoftmaxTest, OnlineBlocksGiveTheExactWeightedSum) {
   }
 }
 
-TEST_P(SoftmaxTest, OnlineBlockExpIsWithin3e7OfLibm) {
-  // The first block of a row leaves exp(s - max) in place: s - max from 0 down to -87 (near the smallest normal
-  // result), against double-precision exp; -inf and -100 (below the normal range) must give exactly 0.
+TEST_P(SoftmaxTest, OnlineBlockExp2IsWithin3e7OfLibm) {
+  // The first block of a row leaves 2^(s - max) in place: s - max from 0 down to -125 (near the smallest normal
+  // result), against double-precision exp2; -inf and -142 (below the normal range) must give exactly 0.
   const TileKernels* k = TileKernelsFor(GetParam().c_str());
   if (k == nullptr) GTEST_SKIP() << "this CPU does not run " << GetParam();
   const int n = 20001;
   std::vector<float> s(n);
-  for (int j = 0; j < n; ++j) s[j] = 1.5f - 87.0f * static_cast<float>(j) / (n - 1);  // 1.5 (the max) .. -85.5
+  for (int j = 0; j < n; ++j) s[j] = 1.5f - 125.0f * static_cast<float>(j) / (n - 1);  // 1.5 (the max) .. -123.5
   s[n / 2] = -kInf;
-  s[n / 3] = -98.5f;
+  s[n / 3] = -140.5f;
   const std::vector<float> in = s;
   const int64_t visible = n;
   float row_max = -kInf, row_sum = 0.0f, factor = -1.0f;
@@ -247,9 +248,9 @@ TEST_P(SoftmaxTest, OnlineBlockExpIsWithin3e7OfLibm) {
   double sum = 0;
   for (int j = 0; j < n; ++j) {
     if (j == n / 2 || j == n / 3) continue;
-    const double want = std::exp(static_cast<double>(in[j]) - 1.5);
+    const double want = std::exp2(static_cast<double>(in[j]) - 1.5);
     sum += want;
-    EXPECT_NEAR(s[j], want, 3e-7 * want) << "exp(" << in[j] - 1.5f << ")";
+    EXPECT_NEAR(s[j], want, 3e-7 * want) << "exp2(" << in[j] - 1.5f << ")";
   }
   EXPECT_NEAR(row_sum, sum, 1e-6 * sum);
 }
