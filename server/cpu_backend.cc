@@ -155,7 +155,8 @@ struct ItemKernels {
   const kernels::TileKernels* tiles;  // null: sgemm
   int64_t head_dim;
   float scale;
-  const float* q = nullptr;  // the block's first query; tiles: packed [rows, d_k], already scaled (by scale log2 e)
+  bool log2_units;           // tiles only: scores in log2 units (see kernels::TileKernels::online_softmax)
+  const float* q = nullptr;  // the block's first query; tiles: packed [rows, d_k] and already scaled
   int64_t q_stride = 0;
   const float* k = nullptr;  // tiles: the head's packed K^T; sgemm: the head's first key, rows k_stride apart
   int64_t k_stride = 0;
@@ -163,8 +164,7 @@ struct ItemKernels {
   int64_t v_stride = 0;
   bool ok = true;  // false once an sgemm call failed
 
-  // s[rows, n] (row stride lds) = scale * Q[r0, r0 + rows) K[j0, j0 + n)^T, in the units the softmaxes below
-  // take: natural for sgemm, log2 for the tile kernels (times log2 e; see kernels::TileKernels).
+  // s[rows, n] (row stride lds) = scale * Q[r0, r0 + rows) K[j0, j0 + n)^T, times log2 e in log2 units.
   void Scores(int64_t r0, int64_t rows, int64_t j0, int64_t n, float* s, int64_t lds) {
     if (tiles != nullptr) {
       tiles->scores(rows, n, head_dim, 1.0f, q + r0 * q_stride, q_stride, k + j0 * head_dim, s, lds);
@@ -189,16 +189,11 @@ struct ItemKernels {
                o, ldo);
   }
 
-  // row[0, n) += the additive mask mask[0, n), in the units of the scores.
-  void AddMask(float* row, const float* mask, int64_t n) {
-    kernels::AddScaled(row, mask, n, tiles != nullptr ? kernels::kLog2e : 1.0f);
-  }
-
   // See kernels::TileKernels::online_softmax.
   void OnlineSoftmax(int64_t rows, int64_t n, const int64_t* visible, float* s, int64_t lds, float* row_max,
                      float* row_sum, float* factor) {
     if (tiles != nullptr) {
-      tiles->online_softmax(rows, n, visible, s, lds, row_max, row_sum, factor);
+      tiles->online_softmax(rows, n, visible, s, lds, row_max, row_sum, factor, log2_units);
       return;
     }
     for (int64_t r = 0; r < rows; ++r) {
@@ -228,7 +223,7 @@ struct ItemKernels {
   // See kernels::TileKernels::softmax.
   void Softmax(int64_t rows, int64_t n, const int64_t* visible, float* s, int64_t lds) {
     if (tiles != nullptr) {
-      tiles->softmax(rows, n, visible, s, lds);
+      tiles->softmax(rows, n, visible, s, lds, log2_units);
       return;
     }
     for (int64_t r = 0; r < rows; ++r) {
@@ -310,6 +305,13 @@ void CpuBackend::Attend(const AttentionDims& d, const AttentionMask& mask, Packe
   // score matmul through the softmax to the value matmul; sgemm takes the whole block.
   const int64_t panel = tiles != nullptr ? std::min<int64_t>(tiles->panel_rows, row_block) : row_block;
   const int64_t key_block = std::min(tiles != nullptr ? kTileKeyBlock : kKeyBlock, Tk);
+  // The tile kernels take scores in log2 units when they can (folding log2 e into the query scale saves two of the
+  // thirteen operations of each exp), but not with an additive mask or a scale above FLT_MAX / log2 e: a finite
+  // mask value such as the lowest float (PyTorch's usual mask) would overflow to -inf in log2 units, and a row
+  // masked by it alone would get zero weights instead of the reference's (and PyTorch's) uniform ones.
+  const bool log2_units =
+      tiles != nullptr && mask.additive == nullptr && std::isfinite(d.scale * kernels::kLog2e);
+  const float q_scale = log2_units ? d.scale * kernels::kLog2e : d.scale;
 
   // The tile kernels read K^T and V packed in panels (tile_kernels.h). Each thread packs the (batch, kv head) of its
   // current item into its own buffers, in its L2, and keeps it for the following items of the same kv head (every
@@ -376,10 +378,9 @@ void CpuBackend::Attend(const AttentionDims& d, const AttentionMask& mask, Packe
       const float* additive =
           mask.additive == nullptr ? nullptr
                                    : mask.additive + (mask.additive_per_batch ? b * Tq * Tk : 0) + i0 * Tk;
-      ItemKernels mm{tiles, dk, d.scale};
+      ItemKernels mm{tiles, dk, d.scale, log2_units};
       if (tiles != nullptr) {
-        // Dense, and scaled so that the scores come out in log2 units.
-        tiles->copy_scaled(rows, dk, d.scale * kernels::kLog2e, q_tile, q.row_stride, queries, dk);
+        tiles->copy_scaled(rows, dk, q_scale, q_tile, q.row_stride, queries, dk);  // dense and scaled
         const int64_t kv = b * Hkv + h / G;
         if (kv != packed_kv) {
           tiles->pack_keys(Tk, dk, k.data + b * Tk * k.row_stride + (h / G) * dk, k.row_stride, keys_t);
@@ -413,7 +414,7 @@ void CpuBackend::Attend(const AttentionDims& d, const AttentionMask& mask, Packe
           float* p = weights + ((b * H + h) * Tq + i0 + p0) * Tk;
           if (keys > 0) mm.Scores(p0, panel_rows, 0, keys, p, Tk);
           if (additive != nullptr) {
-            for (int64_t r = 0; r < panel_rows; ++r) mm.AddMask(p + r * Tk, additive + (p0 + r) * Tk, visible[r]);
+            for (int64_t r = 0; r < panel_rows; ++r) kernels::Add(p + r * Tk, additive + (p0 + r) * Tk, visible[r]);
           }
           mm.Softmax(panel_rows, Tk, visible, p, Tk);
           if (keys > 0) {
@@ -433,7 +434,7 @@ void CpuBackend::Attend(const AttentionDims& d, const AttentionMask& mask, Packe
           mm.Scores(p0, panel_rows, j0, n, s, key_block);
           for (int64_t r = 0; r < panel_rows; ++r) {
             block_visible[r] = std::clamp<int64_t>(visible[r] - j0, 0, n);
-            if (additive != nullptr) mm.AddMask(s + r * key_block, additive + (p0 + r) * Tk + j0, block_visible[r]);
+            if (additive != nullptr) kernels::Add(s + r * key_block, additive + (p0 + r) * Tk + j0, block_visible[r]);
           }
           mm.OnlineSoftmax(panel_rows, n, block_visible, s, key_block, row_max, row_sum, row_factor);
           // The first block writes the accumulator; later ones rescale it by each row's factor and add.

@@ -101,10 +101,10 @@ MHA_MULTIVERSION void Scale(float* x, int64_t n, float factor) {
   for (; j < n; ++j) x[j] *= factor;
 }
 
-MHA_MULTIVERSION void AddScaled(float* x, const float* add, int64_t n, float factor) {
+MHA_MULTIVERSION void Add(float* x, const float* add, int64_t n) {
   int64_t j = 0;
-  for (; j + kLanes <= n; j += kLanes) Store(x + j, Load(x + j) + Load(add + j) * factor);
-  for (; j < n; ++j) x[j] += factor * add[j];
+  for (; j + kLanes <= n; j += kLanes) Store(x + j, Load(x + j) + Load(add + j));
+  for (; j < n; ++j) x[j] += add[j];
 }
 
 }  // namespace mha::kernels

@@ -18,8 +18,8 @@ float ExpShiftSum(float* x, int64_t n, float shift);
 // x[j] *= factor.
 void Scale(float* x, int64_t n, float factor);
 
-// x[j] += factor * add[j].
-void AddScaled(float* x, const float* add, int64_t n, float factor);
+// x[j] += add[j].
+void Add(float* x, const float* add, int64_t n);
 
 }  // namespace mha::kernels
 

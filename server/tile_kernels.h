@@ -13,7 +13,7 @@
 
 namespace mha::kernels {
 
-// log2(e): natural-log scores times this are the log2-unit scores the softmaxes below take.
+// log2(e): natural-log scores times this are scores in log2 units.
 inline constexpr float kLog2e = 1.44269504088896341f;
 
 struct TileKernels {
@@ -43,20 +43,20 @@ struct TileKernels {
   void (*values)(int64_t rows, int64_t n, int64_t width, const float* p, int64_t ldp, const float* vp,
                  int64_t panel_stride, const float* o_scale, float* o, int64_t ldo);
 
-  // Both softmaxes take scores in log2 units: log2(e) times the natural ones (kLog2e, folded into the query scale),
-  // so that each weight is 2^(s - max), FlashAttention 2's trick: it saves two of the thirteen vector operations
-  // of a natural exp.
+  // Both softmaxes take scores in natural units, or with `log2` in log2 units (kLog2e times the natural ones, the
+  // factor folded into the query scale), where each weight is 2^(s - max): FlashAttention 2's trick, which saves
+  // two of the thirteen vector operations of a natural exp. Below, weight(x) is e^x or 2^x accordingly.
   //
   // One key block of FlashAttention's online softmax on `rows` rows of scores s[rows, n] (row stride lds): only
   // keys [0, visible[r]) count for row r, the rest of the row is zeroed. row_max and row_sum carry across blocks
-  // (start them at -inf and 0); s becomes 2^(s - new max) and factor[r] = 2^(old max - new max) (0 on a row's
-  // first visible block, 1 while nothing is visible), by which the caller rescales that row's output.
+  // (start them at -inf and 0); s becomes weight(s - new max) and factor[r] = weight(old max - new max) (0 on a
+  // row's first visible block, 1 while nothing is visible), by which the caller rescales that row's output.
   void (*online_softmax)(int64_t rows, int64_t n, const int64_t* visible, float* s, int64_t lds, float* row_max,
-                         float* row_sum, float* factor);
+                         float* row_sum, float* factor, bool log2);
 
-  // Exact softmax of each row of s[rows, n] (log2 units) over keys [0, visible[r]), the rest zeroed; a row with
-  // nothing visible (or only -inf) becomes all zeros, never NaN.
-  void (*softmax)(int64_t rows, int64_t n, const int64_t* visible, float* s, int64_t lds);
+  // Exact softmax of each row of s[rows, n] over keys [0, visible[r]), the rest zeroed; a row with nothing visible
+  // (or only -inf) becomes all zeros, never NaN.
+  void (*softmax)(int64_t rows, int64_t n, const int64_t* visible, float* s, int64_t lds, bool log2);
 
   // dst[r, c] = scale * src[r, c] for r < rows and c < cols.
   void (*copy_scaled)(int64_t rows, int64_t cols, float scale, const float* src, int64_t lds, float* dst,

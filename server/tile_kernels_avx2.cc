@@ -43,11 +43,12 @@ struct Isa {
   }
   static void Store(float* p, V x) { _mm256_storeu_ps(p, x); }
   static void StorePartial(float* p, V x, int n) { _mm256_maskstore_ps(p, FirstLanes(n), x); }
+  static V Fnmadd(V a, V b, V c) { return _mm256_fnmadd_ps(a, b, c); }
   static V RoundNearest(V x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
-  // p * 2^n for integral n, 2^n built in the exponent bits, and 0 in the lanes where x < -126 or x is -inf (where
-  // p and n are NaN or out of range; the mask clears whatever they hold): Exp2's last step.
-  static V Pow2Live(V p, V n, V x) {
-    const V live = _mm256_cmp_ps(x, _mm256_set1_ps(-126.0f), _CMP_GE_OQ);
+  // p * 2^n for integral n, 2^n built in the exponent bits, and 0 in the lanes where x < lowest or x is -inf (where
+  // p and n are NaN or out of range; the mask clears whatever they hold): the last step of Exp and Exp2.
+  static V Pow2Live(V p, V n, V x, float lowest) {
+    const V live = _mm256_cmp_ps(x, _mm256_set1_ps(lowest), _CMP_GE_OQ);
     const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(bits)), live);
   }

@@ -32,11 +32,12 @@ struct Isa {
   static void StorePartial(float* p, V x, int n) {
     _mm512_mask_storeu_ps(p, static_cast<__mmask16>((1u << n) - 1), x);
   }
+  static V Fnmadd(V a, V b, V c) { return _mm512_fnmadd_ps(a, b, c); }
   static V RoundNearest(V x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
-  // p * 2^n for integral n (vscalefps), and 0 in the lanes where x < -126 or x is -inf (where p and n are NaN or
-  // out of range): Exp2's last step.
-  static V Pow2Live(V p, V n, V x) {
-    return _mm512_maskz_scalef_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.0f), _CMP_GE_OQ), p, n);
+  // p * 2^n for integral n (vscalefps), and 0 in the lanes where x < lowest or x is -inf (where p and n are NaN or
+  // out of range): the last step of Exp and Exp2.
+  static V Pow2Live(V p, V n, V x, float lowest) {
+    return _mm512_maskz_scalef_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(lowest), _CMP_GE_OQ), p, n);
   }
 };
 

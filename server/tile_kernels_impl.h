@@ -199,32 +199,61 @@ inline float RowMax(const float* x, int64_t n) {
   return Isa::ReduceMax(Isa::Max(Isa::Max(m0, m1), Isa::Max(m2, m3)));
 }
 
-// 2^x for x <= 127 (-inf included): 2^n p(f) with n = round(x) and f = x - n (exact), p a degree-5 polynomial for
-// 2^f on [-1/2, 1/2] (a minimax fit of e^g on [-ln2/2, ln2/2] for relative error, its coefficients times
-// ln2^k): 1.8e-7 relative over [-125, 0] in fp32 against double exp2. Below -126 (-inf included): 0.
-// Scores come in log2 units (the queries are scaled by log2 e), which saves the multiply by log2 e and the
-// two-part reduction by ln 2 of a natural exp: two of its thirteen operations per vector.
-inline Isa::V Exp2(Isa::V x) {
-  const Isa::V n = Isa::RoundNearest(x);
-  const Isa::V f = Isa::Sub(x, n);
-  Isa::V p = Isa::Splat(1.327647129e-3f);
-  p = Isa::Fma(p, f, Isa::Splat(9.675541893e-3f));
-  p = Isa::Fma(p, f, Isa::Splat(5.550713092e-2f));
-  p = Isa::Fma(p, f, Isa::Splat(2.402211875e-1f));
-  p = Isa::Fma(p, f, Isa::Splat(6.931470037e-1f));
-  p = Isa::Fma(p, f, Isa::Splat(1.000000119e+0f));
-  return Isa::Pow2Live(p, n, x);
+// c[5] f^5 + ... + c[1] f + c[0], by Horner's rule.
+inline Isa::V Degree5(Isa::V f, const float (&c)[6]) {
+  Isa::V p = Isa::Splat(c[5]);
+  MHA_UNROLL for (int k = 4; k >= 0; --k) p = Isa::Fma(p, f, Isa::Splat(c[k]));
+  return p;
 }
 
-// x[j] = 2^(x[j] - shift) for j in [0, n); returns their sum. shift is finite.
+// exp(x) for x <= 88 (-inf included): 2^n p(f) with n = round(x log2 e), f = x - n ln 2 (ln 2 in two parts), p a
+// degree-5 polynomial fitted to e^f on [-ln2/2, ln2/2] for relative error: 2.0e-7 over [-87, 0] in fp32 against
+// double exp (Cephes' degree-7 expf: 1.2e-7, three more operations per vector). Below -87.3 (-inf included): 0.
+inline Isa::V Exp(Isa::V x) {
+  static constexpr float kE[6] = {1.000000119e+0f, 9.999997020e-1f, 4.999889433e-1f,
+                                  1.666757464e-1f, 4.191538319e-2f, 8.297654800e-3f};
+  const Isa::V n = Isa::RoundNearest(Isa::Mul(x, Isa::Splat(1.44269504088896341f)));
+  Isa::V f = Isa::Fnmadd(n, Isa::Splat(0.693359375f), x);
+  f = Isa::Fnmadd(n, Isa::Splat(-2.12194440e-4f), f);
+  return Isa::Pow2Live(Degree5(f, kE), n, x, -87.33654f);
+}
+
+// 2^x for x <= 127 (-inf included): 2^n p(f) with n = round(x) and f = x - n (exact), p Exp's polynomial with its
+// coefficients times ln2^k: 1.8e-7 relative over [-125, 0] in fp32 against double exp2. Below -126 (-inf
+// included): 0. For scores in log2 units it saves Exp's multiply by log2 e and one step of its reduction: two of
+// the thirteen vector operations per weight.
+inline Isa::V Exp2(Isa::V x) {
+  static constexpr float k2[6] = {1.000000119e+0f, 6.931470037e-1f, 2.402211875e-1f,
+                                  5.550713092e-2f, 9.675541893e-3f, 1.327647129e-3f};
+  const Isa::V n = Isa::RoundNearest(x);
+  return Isa::Pow2Live(Degree5(Isa::Sub(x, n), k2), n, x, -126.0f);
+}
+
+// The weight of a score x below the row's max: 2^x for scores in log2 units (kLog2), else e^x.
+template <bool kLog2>
+inline Isa::V Weight(Isa::V x) {
+  if constexpr (kLog2) {
+    return Exp2(x);
+  } else {
+    return Exp(x);
+  }
+}
+
+template <bool kLog2>
+inline float ScalarWeight(float x) {
+  return kLog2 ? __builtin_exp2f(x) : __builtin_expf(x);
+}
+
+// x[j] = Weight(x[j] - shift) for j in [0, n); returns their sum. shift is finite.
 // Two vectors per step with a sum each, so that the polynomials of neighbouring vectors overlap.
-inline float Exp2ShiftSum(float* x, int64_t n, float shift) {
+template <bool kLog2>
+inline float WeightShiftSum(float* x, int64_t n, float shift) {
   const Isa::V s = Isa::Splat(shift);
   Isa::V sum = Isa::Zero(), sum1 = Isa::Zero();
   int64_t j = 0;
   for (; j + 2 * Isa::kLanes <= n; j += 2 * Isa::kLanes) {
-    const Isa::V e0 = Exp2(Isa::Sub(Isa::Load(x + j), s));
-    const Isa::V e1 = Exp2(Isa::Sub(Isa::Load(x + j + Isa::kLanes), s));
+    const Isa::V e0 = Weight<kLog2>(Isa::Sub(Isa::Load(x + j), s));
+    const Isa::V e1 = Weight<kLog2>(Isa::Sub(Isa::Load(x + j + Isa::kLanes), s));
     Isa::Store(x + j, e0);
     Isa::Store(x + j + Isa::kLanes, e1);
     sum = Isa::Add(sum, e0);
@@ -232,13 +261,13 @@ inline float Exp2ShiftSum(float* x, int64_t n, float shift) {
   }
   sum = Isa::Add(sum, sum1);
   for (; j + Isa::kLanes <= n; j += Isa::kLanes) {
-    const Isa::V e = Exp2(Isa::Sub(Isa::Load(x + j), s));
+    const Isa::V e = Weight<kLog2>(Isa::Sub(Isa::Load(x + j), s));
     Isa::Store(x + j, e);
     sum = Isa::Add(sum, e);
   }
   if (j < n) {
     const int tail = static_cast<int>(n - j);
-    const Isa::V e = Exp2(Isa::Sub(Isa::LoadPartial(x + j, tail, -__builtin_inff()), s));  // 2^-inf = 0
+    const Isa::V e = Weight<kLog2>(Isa::Sub(Isa::LoadPartial(x + j, tail, -__builtin_inff()), s));  // weight 0
     Isa::StorePartial(x + j, e, tail);
     sum = Isa::Add(sum, e);
   }
@@ -252,8 +281,9 @@ inline void ScaleRow(float* x, int64_t n, float factor) {
   for (; j < n; ++j) x[j] *= factor;
 }
 
-inline void OnlineSoftmax(int64_t rows, int64_t n, const int64_t* visible, float* s, int64_t lds, float* row_max,
-                          float* row_sum, float* factor) {
+template <bool kLog2>
+inline void OnlineSoftmaxIn(int64_t rows, int64_t n, const int64_t* visible, float* s, int64_t lds, float* row_max,
+                            float* row_sum, float* factor) {
   for (int64_t r = 0; r < rows; ++r) {
     float* row = s + r * lds;
     const int64_t count = visible[r];
@@ -265,13 +295,14 @@ inline void OnlineSoftmax(int64_t rows, int64_t n, const int64_t* visible, float
       factor[r] = 1.0f;
       continue;
     }
-    factor[r] = row_max[r] == -__builtin_inff() ? 0.0f : __builtin_exp2f(row_max[r] - new_max);
-    row_sum[r] = row_sum[r] * factor[r] + Exp2ShiftSum(row, count, new_max);
+    factor[r] = row_max[r] == -__builtin_inff() ? 0.0f : ScalarWeight<kLog2>(row_max[r] - new_max);
+    row_sum[r] = row_sum[r] * factor[r] + WeightShiftSum<kLog2>(row, count, new_max);
     row_max[r] = new_max;
   }
 }
 
-inline void Softmax(int64_t rows, int64_t n, const int64_t* visible, float* s, int64_t lds) {
+template <bool kLog2>
+inline void SoftmaxIn(int64_t rows, int64_t n, const int64_t* visible, float* s, int64_t lds) {
   for (int64_t r = 0; r < rows; ++r) {
     float* row = s + r * lds;
     const int64_t count = visible[r];
@@ -280,8 +311,25 @@ inline void Softmax(int64_t rows, int64_t n, const int64_t* visible, float* s, i
       __builtin_memset(row, 0, n * sizeof(float));
       continue;
     }
-    ScaleRow(row, count, 1.0f / Exp2ShiftSum(row, count, max));
+    ScaleRow(row, count, 1.0f / WeightShiftSum<kLog2>(row, count, max));
     __builtin_memset(row + count, 0, (n - count) * sizeof(float));
+  }
+}
+
+inline void OnlineSoftmax(int64_t rows, int64_t n, const int64_t* visible, float* s, int64_t lds, float* row_max,
+                          float* row_sum, float* factor, bool log2) {
+  if (log2) {
+    OnlineSoftmaxIn<true>(rows, n, visible, s, lds, row_max, row_sum, factor);
+  } else {
+    OnlineSoftmaxIn<false>(rows, n, visible, s, lds, row_max, row_sum, factor);
+  }
+}
+
+inline void Softmax(int64_t rows, int64_t n, const int64_t* visible, float* s, int64_t lds, bool log2) {
+  if (log2) {
+    SoftmaxIn<true>(rows, n, visible, s, lds);
+  } else {
+    SoftmaxIn<false>(rows, n, visible, s, lds);
   }
 }
 

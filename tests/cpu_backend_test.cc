@@ -19,7 +19,11 @@ namespace {
 using ::mha::testing::AllClose;
 using ::mha::testing::RandomVector;
 
-enum class Mask { kNone, kShared, kPerBatch };
+// kExtremes: finite extremes a client may send (PyTorch masks with torch.finfo(torch.float32).min), shared by the
+// batch: the lowest float on every key of query row 0, which gives it uniform weights, as in PyTorch; the largest
+// float on key 1 of row 1 and on keys 0 and 2 of row 2, which take all their row's weight; -inf on every fifth
+// key of the other rows.
+enum class Mask { kNone, kShared, kPerBatch, kExtremes };
 
 struct ParityCase {
   std::string name;
@@ -28,7 +32,7 @@ struct ParityCase {
   int64_t heads, kv_heads, head_dim;
   bool causal = false;
   bool key_lengths = false;  // lengths cycle through Tk, 0, Tk/2, 1
-  Mask mask = Mask::kNone;   // random finite values with some -inf
+  Mask mask = Mask::kNone;   // shared, per batch: random finite values with some -inf
   bool bias = false;
   bool head_mask = false;
   bool weights = false;
@@ -80,7 +84,14 @@ struct Problem {
       const int64_t cycle[] = {dims.kv_len, 0, dims.kv_len / 2, 1};
       for (int64_t b = 0; b < c.batch; ++b) key_lengths.push_back(static_cast<int32_t>(cycle[b % 4]));
     }
-    if (c.mask != Mask::kNone) {
+    if (c.mask == Mask::kExtremes) {
+      const float lowest = std::numeric_limits<float>::lowest(), largest = std::numeric_limits<float>::max();
+      const int64_t tk = dims.kv_len;
+      additive = RandomVector(c.q_len * tk, 12, 2.0f);
+      for (int64_t i = 3 * tk; i < c.q_len * tk; i += 5) additive[i] = -std::numeric_limits<float>::infinity();
+      for (int64_t j = 0; j < tk; ++j) additive[j] = lowest;
+      additive[tk + 1] = additive[2 * tk] = additive[2 * tk + 2] = largest;
+    } else if (c.mask != Mask::kNone) {
       const int64_t n = (c.mask == Mask::kPerBatch ? c.batch : 1) * c.q_len * dims.kv_len;
       additive = RandomVector(n, 12, 2.0f);
       for (int64_t i = 0; i < n; i += 7) additive[i] = -std::numeric_limits<float>::infinity();
@@ -316,6 +327,12 @@ std::vector<ParityCase> Cases() {
   c = Case("tiles_dk8_gqa_weights", 2, 19, 23, 32, 0, 4, 2, 8);
   c.weights = true;
   cases.push_back(c);
+  c = Case("mask_lowest_and_largest_floats", 2, 9, 40, 64, 64, 4, 2, 16);
+  c.mask = Mask::kExtremes;
+  cases.push_back(c);
+  c.name = "mask_lowest_and_largest_floats_weights";
+  c.weights = true;
+  cases.push_back(c);
   return cases;
 }
 
@@ -361,6 +378,40 @@ TEST(CpuBackend, ScaledDotProductAttentionMatchesReference) {
   const std::vector<float> got = run(**cpu, &got_w);
   EXPECT_TRUE(AllClose(got, want, 1e-5, 1e-4));
   EXPECT_TRUE(AllClose(got_w, want_w, 1e-6, 1e-4));
+}
+
+TEST(CpuBackend, ScaleBeyondLog2RangeStillMatchesReference) {
+  // The tile kernels fold log2 e into the query scale only while scale * log2 e stays finite. A larger finite
+  // scale (3e38 against FLT_MAX / log2 e = 2.4e38) on tiny queries and keys gives ordinary scores, and must give
+  // the reference's result rather than inf or NaN.
+  AttentionDims d;
+  d.batch = 1;
+  d.q_len = 6;
+  d.kv_len = 20;
+  d.num_heads = d.num_kv_heads = 2;
+  d.head_dim = 16;
+  d.scale = 3e38f;
+  const std::vector<float> q = RandomVector(6 * 2 * 16, 4, 1e-18f), k = RandomVector(20 * 2 * 16, 5, 1e-19f),
+                           v = RandomVector(20 * 2 * 16, 6);
+  auto run = [&](Backend& backend) {
+    std::vector<float> out(q.size(), std::nanf(""));
+    SdpaArgs a;
+    a.dims = d;
+    a.q = q.data();
+    a.k = k.data();
+    a.v = v.data();
+    a.out = out.data();
+    EXPECT_OK(backend.ScaledDotProductAttention(a));
+    return out;
+  };
+  ReferenceBackend reference;
+  const std::vector<float> want = run(reference);
+  for (const char* kernels : {"avx512", "avx2"}) {
+    absl::StatusOr<std::unique_ptr<CpuBackend>> cpu = CpuBackend::Create(kernels);
+    if (absl::IsUnavailable(cpu.status())) continue;
+    ASSERT_TRUE(cpu.ok()) << cpu.status();
+    EXPECT_TRUE(AllClose(run(**cpu), want, 1e-5, 1e-4)) << kernels;
+  }
 }
 
 }  // namespace

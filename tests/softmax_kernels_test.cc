@@ -44,12 +44,12 @@ TEST_P(RowKernelTest, RowMaxFindsTheMaximumAnywhere) {
   }
 }
 
-TEST_P(RowKernelTest, ScaleAndAddScaledTouchExactlyNElements) {
+TEST_P(RowKernelTest, ScaleAndAddTouchExactlyNElements) {
   const int n = GetParam();
   std::vector<float> x(n + 1, 2.0f), add(n + 1, 1.0f);
   Scale(x.data(), n, 3.0f);
-  AddScaled(x.data(), add.data(), n, 0.5f);
-  for (int i = 0; i < n; ++i) EXPECT_EQ(x[i], 6.5f);
+  Add(x.data(), add.data(), n);
+  for (int i = 0; i < n; ++i) EXPECT_EQ(x[i], 7.0f);
   EXPECT_EQ(x[n], 2.0f);
 }
 

@@ -151,23 +151,28 @@ std::vector<float> MaskedScores(int rows, int n, uint32_t seed) {
   return s;
 }
 
-// The tile softmaxes take scores in log2 units (tile_kernels.h): each weight is 2^(s - max).
-class SoftmaxTest : public ::testing::TestWithParam<std::string> {};
+// (isa, scores in log2 units): each weight is then 2^(s - max), else e^(s - max) (tile_kernels.h).
+class SoftmaxTest : public ::testing::TestWithParam<std::tuple<std::string, bool>> {
+ protected:
+  // The weight of x = s - max, in double precision.
+  double Weight(double x) const { return std::get<1>(GetParam()) ? std::exp2(x) : std::exp(x); }
+};
 
 TEST_P(SoftmaxTest, ExactSoftmaxOverVisibleKeysZeroesTheRest) {
-  const TileKernels* k = TileKernelsFor(GetParam().c_str());
-  if (k == nullptr) GTEST_SKIP() << "this CPU does not run " << GetParam();
+  const auto& [isa, log2] = GetParam();
+  const TileKernels* k = TileKernelsFor(isa.c_str());
+  if (k == nullptr) GTEST_SKIP() << "this CPU does not run " << isa;
   const int n = 45, lds = 50;
   const std::vector<int64_t> visible = {0, 1, 15, 16, 17, 33, n};
   const int rows = static_cast<int>(visible.size());
   std::vector<float> s = MaskedScores(rows, lds, 7);
   s[1 * lds] = -kInf;  // row 1 sees one key, and it is masked: all zeros, not NaN
   const std::vector<float> in = s;
-  k->softmax(rows, n, visible.data(), s.data(), lds);
+  k->softmax(rows, n, visible.data(), s.data(), lds, log2);
   for (int r = 0; r < rows; ++r) {
     double max = -kInf, sum = 0;
     for (int j = 0; j < visible[r]; ++j) max = std::max<double>(max, in[r * lds + j]);
-    for (int j = 0; j < visible[r] && max != -kInf; ++j) sum += std::exp2(in[r * lds + j] - max);
+    for (int j = 0; j < visible[r] && max != -kInf; ++j) sum += Weight(in[r * lds + j] - max);
     for (int j = 0; j < lds; ++j) {
       const float got = s[r * lds + j];
       if (j >= n) {
@@ -175,7 +180,7 @@ TEST_P(SoftmaxTest, ExactSoftmaxOverVisibleKeysZeroesTheRest) {
       } else if (j >= visible[r] || max == -kInf || in[r * lds + j] == -kInf) {
         EXPECT_EQ(got, 0.0f) << r << "," << j;  // masked: exactly zero
       } else {
-        EXPECT_NEAR(got, std::exp2(in[r * lds + j] - max) / sum, 1e-6) << r << "," << j;
+        EXPECT_NEAR(got, Weight(in[r * lds + j] - max) / sum, 1e-6) << r << "," << j;
       }
     }
   }
@@ -185,8 +190,9 @@ TEST_P(SoftmaxTest, OnlineBlocksGiveTheExactWeightedSum) {
   // FlashAttention's recurrence over blocks of 40 and 37 keys, on a value of j for key j: the carried max, sum
   // and factors must reproduce softmax(s) . v, also for rows that see nothing in the first block (all -inf) or
   // nothing at all.
-  const TileKernels* k = TileKernelsFor(GetParam().c_str());
-  if (k == nullptr) GTEST_SKIP() << "this CPU does not run " << GetParam();
+  const auto& [isa, log2] = GetParam();
+  const TileKernels* k = TileKernelsFor(isa.c_str());
+  if (k == nullptr) GTEST_SKIP() << "this CPU does not run " << isa;
   const int n = 77, rows = 4;
   std::vector<float> s = MaskedScores(rows, n, 9);
   for (int j = 0; j < 40; ++j) s[2 * n + j] = -kInf;  // row 2: first block fully masked
@@ -202,7 +208,7 @@ TEST_P(SoftmaxTest, OnlineBlocksGiveTheExactWeightedSum) {
       block_visible[r] = std::clamp<int64_t>(visible[r] - j0, 0, len);
     }
     k->online_softmax(rows, len, block_visible.data(), block.data(), len, row_max.data(), row_sum.data(),
-                      factor.data());
+                      factor.data(), log2);
     for (int r = 0; r < rows; ++r) {
       double add = 0;
       for (int j = 0; j < len; ++j) add += block[r * len + j] * static_cast<double>(j0 + j);
@@ -213,8 +219,8 @@ TEST_P(SoftmaxTest, OnlineBlocksGiveTheExactWeightedSum) {
     double max = -kInf, sum = 0, weighted = 0;
     for (int j = 0; j < visible[r]; ++j) max = std::max<double>(max, in[r * n + j]);
     for (int j = 0; j < visible[r] && max != -kInf; ++j) {
-      sum += std::exp2(in[r * n + j] - max);
-      weighted += std::exp2(in[r * n + j] - max) * j;
+      sum += Weight(in[r * n + j] - max);
+      weighted += Weight(in[r * n + j] - max) * j;
     }
     if (sum == 0) {
       EXPECT_EQ(row_sum[r], 0.0f) << r;
@@ -227,20 +233,23 @@ TEST_P(SoftmaxTest, OnlineBlocksGiveTheExactWeightedSum) {
   }
 }
 
-TEST_P(SoftmaxTest, OnlineBlockExp2IsWithin3e7OfLibm) {
-  // The first block of a row leaves 2^(s - max) in place: s - max from 0 down to -125 (near the smallest normal
-  // result), against double-precision exp2; -inf and -142 (below the normal range) must give exactly 0.
-  const TileKernels* k = TileKernelsFor(GetParam().c_str());
-  if (k == nullptr) GTEST_SKIP() << "this CPU does not run " << GetParam();
+TEST_P(SoftmaxTest, OnlineBlockWeightIsWithin3e7OfLibm) {
+  // The first block of a row leaves weight(s - max) in place: s - max from 0 down to near the smallest normal
+  // result (-87 for e^x, -125 for 2^x), against double-precision exp or exp2; -inf and a value below the normal
+  // range must give exactly 0.
+  const auto& [isa, log2] = GetParam();
+  const TileKernels* k = TileKernelsFor(isa.c_str());
+  if (k == nullptr) GTEST_SKIP() << "this CPU does not run " << isa;
   const int n = 20001;
+  const float range = log2 ? 125.0f : 87.0f;
   std::vector<float> s(n);
-  for (int j = 0; j < n; ++j) s[j] = 1.5f - 125.0f * static_cast<float>(j) / (n - 1);  // 1.5 (the max) .. -123.5
+  for (int j = 0; j < n; ++j) s[j] = 1.5f - range * static_cast<float>(j) / (n - 1);  // 1.5 (the max) .. 1.5 - range
   s[n / 2] = -kInf;
-  s[n / 3] = -140.5f;
+  s[n / 3] = -1.13f * range;
   const std::vector<float> in = s;
   const int64_t visible = n;
   float row_max = -kInf, row_sum = 0.0f, factor = -1.0f;
-  k->online_softmax(1, n, &visible, s.data(), n, &row_max, &row_sum, &factor);
+  k->online_softmax(1, n, &visible, s.data(), n, &row_max, &row_sum, &factor, log2);
   EXPECT_EQ(row_max, 1.5f);
   EXPECT_EQ(factor, 0.0f);  // the row's first visible block
   EXPECT_EQ(s[n / 2], 0.0f);
@@ -248,15 +257,18 @@ TEST_P(SoftmaxTest, OnlineBlockExp2IsWithin3e7OfLibm) {
   double sum = 0;
   for (int j = 0; j < n; ++j) {
     if (j == n / 2 || j == n / 3) continue;
-    const double want = std::exp2(static_cast<double>(in[j]) - 1.5);
+    const double want = Weight(static_cast<double>(in[j]) - 1.5);
     sum += want;
-    EXPECT_NEAR(s[j], want, 3e-7 * want) << "exp2(" << in[j] - 1.5f << ")";
+    EXPECT_NEAR(s[j], want, 3e-7 * want) << "weight(" << in[j] - 1.5f << ")";
   }
   EXPECT_NEAR(row_sum, sum, 1e-6 * sum);
 }
 
-INSTANTIATE_TEST_SUITE_P(Isas, SoftmaxTest, ::testing::Values("avx512", "avx2"),
-                         [](const auto& info) { return info.param; });
+INSTANTIATE_TEST_SUITE_P(Isas, SoftmaxTest,
+                         ::testing::Combine(::testing::Values("avx512", "avx2"), ::testing::Bool()),
+                         [](const auto& info) {
+                           return std::get<0>(info.param) + (std::get<1>(info.param) ? "_log2" : "_natural");
+                         });
 
 // (isa, rows, cols)
 class CopyScaledTest : public ::testing::TestWithParam<std::tuple<std::string, int, int>> {};
