@@ -36,10 +36,18 @@ nlohmann::ordered_json ToJson(const BenchReport& r) {
   j["warmup"] = c.warmup;
   j["target"] = c.target;
   j["weights"] = c.weights;
-  j["request"] = {{"batch", s.batch},       {"query_len", s.query_len},       {"key_len", s.key_len},
-                  {"d_model", s.d_model},   {"d_kv_in", s.d_kv_in},           {"d_v_in", s.d_v_in},
-                  {"num_heads", s.num_heads}, {"num_kv_heads", s.num_kv_heads}, {"head_dim", s.head_dim},
-                  {"causal", s.causal},     {"gflop", AttentionFlops(s) / 1e9}, {"bytes", c.request_bytes}};
+  j["request"] = {{"batch", s.batch},
+                  {"query_len", s.q_len},
+                  {"key_len", s.kv_len},
+                  {"d_model", s.d_model},
+                  {"d_kv_in", s.d_kv_in},
+                  {"d_v_in", s.d_v_in},
+                  {"num_heads", s.heads.num_heads},
+                  {"num_kv_heads", s.heads.num_kv_heads},
+                  {"head_dim", s.heads.head_dim},
+                  {"causal", s.heads.causal},
+                  {"gflop", AttentionFlops(s) / 1e9},
+                  {"bytes", c.request_bytes}};
   j["count"] = {{"sent", r.sent}, {"ok", r.ok}, {"errors", r.errors}};
   j["total_s"] = r.total_seconds;
   j["rps"] = r.rps;

@@ -8,7 +8,7 @@
 #include <utility>
 #include <vector>
 
-#include "client/attention_shape.h"
+#include "proto/mha/v1/attention_shape.h"
 #include "client/bench.h"
 
 namespace mha {

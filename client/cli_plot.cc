@@ -62,13 +62,13 @@ int RunPlot(const ClientOptions& options) {
   const AttentionShape& shape = prepared->shape;
   const bool self_attention = !prepared->request.has_key();
   if (key_labels.empty() && self_attention) key_labels = query_labels;
-  if (!query_labels.empty() && static_cast<int64_t>(query_labels.size()) != shape.query_len) {
-    return UsageError(Usage(absl::StrCat("--tokens has ", query_labels.size(), " labels for ", shape.query_len,
+  if (!query_labels.empty() && static_cast<int64_t>(query_labels.size()) != shape.q_len) {
+    return UsageError(Usage(absl::StrCat("--tokens has ", query_labels.size(), " labels for ", shape.q_len,
                                          " query tokens")));
   }
-  if (!key_labels.empty() && static_cast<int64_t>(key_labels.size()) != shape.key_len) {
+  if (!key_labels.empty() && static_cast<int64_t>(key_labels.size()) != shape.kv_len) {
     return UsageError(Usage(absl::StrCat(self_attention ? "--tokens" : "--key_tokens", " has ", key_labels.size(),
-                                         " labels for ", shape.key_len, " key tokens")));
+                                         " labels for ", shape.kv_len, " key tokens")));
   }
   if (plot_batch >= shape.batch) {
     return UsageError(Usage(absl::StrCat("--plot_batch ", plot_batch, " is not below B = ", shape.batch)));
@@ -84,7 +84,7 @@ int RunPlot(const ClientOptions& options) {
   const std::vector<float> all = TensorToFloats(weights);
   HeadsPlot plot;
   plot.num_heads = weights.shape(1);
-  plot.num_kv_heads = shape.num_kv_heads;
+  plot.num_kv_heads = shape.heads.num_kv_heads;
   plot.query_len = weights.shape(2);
   plot.key_len = weights.shape(3);
   const int64_t per_item = plot.num_heads * plot.query_len * plot.key_len;

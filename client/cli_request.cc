@@ -194,10 +194,11 @@ absl::StatusOr<PreparedRequest> PrepareRequest(const RequestFlags& flags, Attent
     shape.d_model = w.w_q().shape(0);
     shape.d_kv_in = w.w_k().shape(0);
     shape.d_v_in = w.w_v().shape(0);
-    shape.num_heads = heads.num_heads();
-    shape.num_kv_heads = heads.num_kv_heads() != 0 ? heads.num_kv_heads() : heads.num_heads();
-    shape.head_dim = heads.head_dim() != 0 ? heads.head_dim() : w.w_q().shape(1) / heads.num_heads();
-    shape.causal = heads.causal();
+    absl::StatusOr<HeadSpec> resolved = ResolveHeads(heads, HeadSpec(), "", shape.d_model, "heads");
+    if (!resolved.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat(flags.weights_file, ": ", resolved.status().message()));
+    }
+    shape.heads = *resolved;
     prepared.weights = absl::StrCat("file ", flags.weights_file);
   } else {
     const std::string name = flags.layer.empty() ? "demo" : flags.layer;
@@ -220,10 +221,17 @@ absl::StatusOr<PreparedRequest> PrepareRequest(const RequestFlags& flags, Attent
     shape.d_model = info->d_model();
     shape.d_kv_in = info->d_kv_in();
     shape.d_v_in = info->d_v_in();
-    shape.num_heads = info->heads().num_heads();
-    shape.num_kv_heads = info->heads().num_kv_heads();
-    shape.head_dim = info->heads().head_dim();
-    shape.causal = info->heads().causal() || flags.causal;
+    // The layer's heads as the server resolved them, with what the flags ask for; flags the layer contradicts are
+    // still sent, for the server to refuse (so that `bench` measures that answer too).
+    HeadSpec layer_heads;
+    layer_heads.num_heads = info->heads().num_heads();
+    layer_heads.num_kv_heads = info->heads().num_kv_heads();
+    layer_heads.head_dim = info->heads().head_dim();
+    layer_heads.scale = info->heads().scale();
+    layer_heads.causal = info->heads().causal();
+    absl::StatusOr<HeadSpec> resolved = ResolveHeads(
+        request.heads(), layer_heads, absl::StrCat("layer '", name, "'"), shape.d_model, "heads");
+    shape.heads = resolved.ok() ? *resolved : layer_heads;
     prepared.weights = absl::StrCat("layer ", name);
   }
 
@@ -241,7 +249,7 @@ absl::StatusOr<PreparedRequest> PrepareRequest(const RequestFlags& flags, Attent
     RandomTensor({batch, seq, shape.d_model}, flags.seed, random_dtype, request.mutable_query());
   }
   shape.batch = request.query().shape(0);
-  shape.query_len = request.query().shape(1);
+  shape.q_len = request.query().shape(1);
   if (!flags.key_path.empty()) {
     if (absl::Status s =
             LoadInput(flags.key_path, "key", "[B, Tk, d_kv_in]", flags.wire_dtype, request.mutable_key());
@@ -255,18 +263,18 @@ absl::StatusOr<PreparedRequest> PrepareRequest(const RequestFlags& flags, Attent
         return s;
       }
     }
-    shape.key_len = request.key().shape(1);
+    shape.kv_len = request.key().shape(1);
   } else if (flags.kv_seq != 0) {
     RandomTensor({shape.batch, flags.kv_seq, shape.d_kv_in}, flags.seed + 1, random_dtype, request.mutable_key());
     RandomTensor({shape.batch, flags.kv_seq, shape.d_v_in}, flags.seed + 2, random_dtype, request.mutable_value());
-    shape.key_len = flags.kv_seq;
+    shape.kv_len = flags.kv_seq;
   } else {
     if (shape.d_kv_in != shape.d_model || shape.d_v_in != shape.d_model) {
       return absl::InvalidArgumentError(absl::StrCat(prepared.weights, " takes keys of ", shape.d_kv_in,
                                                      " and values of ", shape.d_v_in, " features, not d_model ",
                                                      shape.d_model, "; give --key or --kv_seq"));
     }
-    shape.key_len = shape.query_len;
+    shape.kv_len = shape.q_len;
   }
 
   for (int32_t n : flags.key_lengths) request.add_key_lengths(n);

@@ -14,7 +14,7 @@
 
 #include "absl/status/statusor.h"
 #include "client/attention_client.h"
-#include "client/attention_shape.h"
+#include "proto/mha/v1/attention_shape.h"
 #include "proto/mha/v1/attention.pb.h"
 
 namespace mha::cli {

@@ -1,6 +1,6 @@
-// The compute step of a call: decodes the validated inputs to fp32, runs the plan's backend, and writes the
-// response tensors. Runs on the scheduler's compute thread. fp32 inputs are read in place and fp32 outputs are
-// written straight into the response's bytes; fp16/bf16 are converted at these edges.
+// The compute step of a call, on the thread that computes it: decodes what validation left encoded (the attention
+// mask, checked for NaN and +inf while decoding; inline weights), hands the plan's backend the wire's tensors and
+// the response's bytes, and fills the response.
 #ifndef MHA_SERVER_EXECUTE_H_
 #define MHA_SERVER_EXECUTE_H_
 
@@ -10,7 +10,8 @@
 
 namespace mha {
 
-// `plan` must come from validating the request it borrows from. Fills output, attention_weights and backend.
+// `plan` must come from validating the request it borrows from. Fills output, attention_weights (when requested)
+// and backend; INVALID_ARGUMENT for a mask value that is NaN or +inf, the backend's error otherwise.
 absl::Status ExecuteMultiHeadAttention(const MhaPlan& plan, v1::MultiHeadAttentionResponse* response);
 absl::Status ExecuteScaledDotProductAttention(const SdpaPlan& plan, v1::ScaledDotProductAttentionResponse* response);
 

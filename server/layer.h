@@ -1,4 +1,5 @@
-// A validated attention layer: fp32 projection weights plus the resolved head configuration.
+// Attention layers: projection weights in fp32 plus the resolved head configuration, checked from the wire's
+// shapes before any byte is decoded.
 #ifndef MHA_SERVER_LAYER_H_
 #define MHA_SERVER_LAYER_H_
 
@@ -10,40 +11,48 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "proto/mha/v1/attention.pb.h"
-#include "server/backend.h"
+#include "proto/mha/v1/attention_shape.h"
+#include "server/backends/backend.h"
 
 namespace mha {
 
-// Head configuration with every default resolved.
-struct HeadSpec {
-  int64_t num_heads = 0;
-  int64_t num_kv_heads = 0;
-  int64_t head_dim = 0;
-  bool causal = false;
-  float scale = 0.0f;  // never 0 once resolved
+// What a set of weights fixes about a call, known from their shapes alone.
+struct LayerShape {
+  int64_t d_model = 0, d_kv_in = 0, d_v_in = 0;
+  HeadSpec heads;
+  // d_kv_in == d_v_in == d_model: w_q | w_k | w_v are held as one matrix (and b_q | b_k | b_v as one bias), so that
+  // a self-attention call projects Q, K and V in one product. Decided here, once.
+  bool fused_qkv() const { return d_kv_in == d_model && d_v_in == d_model; }
 };
 
 // Immutable once built; shared by reference between the store and in-flight requests.
 struct Layer {
   std::string name;
   std::string source;  // "builtin", "file:<path>", "rpc" or "inline"
-  HeadSpec heads;
-  int64_t d_model = 0, d_kv_in = 0, d_v_in = 0;
-  std::vector<float> w_q, w_k, w_v, w_o;  // shapes as in LayerWeights
-  std::vector<float> b_q, b_k, b_v, b_o;  // empty when absent
-  std::vector<float> w_qkv, b_qkv;        // fused projection when d_kv_in == d_v_in == d_model
+  LayerShape shape;
+  bool has_bias = false;
+  // The input projections, one copy: fused, [d_model, (H + 2 Hkv) d_k]; otherwise w_q, w_k, w_v back to back.
+  std::vector<float> w_in;
+  std::vector<float> b_in;  // b_q | b_k | b_v (zeros for an absent one), empty when none is given
+  std::vector<float> w_o;   // [H d_k, d_model]
+  std::vector<float> b_o;   // [d_model] or empty
 
   LayerWeights Weights() const;
-  int64_t SizeBytes() const;
+  int64_t SizeBytes() const;  // fp32 bytes held
   v1::LayerInfo Info() const;
 };
 
-// Resolves a HeadConfig against d_model: num_kv_heads 0 -> num_heads, head_dim 0 -> d_model / num_heads,
-// scale 0 -> 1/sqrt(head_dim). INVALID_ARGUMENT naming `field` (e.g. "heads") on any inconsistency.
-absl::StatusOr<HeadSpec> ResolveHeads(const v1::HeadConfig& config, int64_t d_model, absl::string_view field);
+// Checks weights against a head configuration from their shapes, dtypes and byte counts, decoding nothing: d_model
+// is w_q's first dimension, heads resolve with ResolveHeads. Every error is INVALID_ARGUMENT and names the field
+// under `field` (e.g. "inline_weights.w_k") with expected and given shapes. O(1) in the weights' size.
+absl::StatusOr<LayerShape> CheckLayerWeights(const v1::AttentionWeights& weights, const v1::HeadConfig& heads,
+                                             absl::string_view field);
 
-// Validates weights against the head configuration and converts them to fp32. Every error is INVALID_ARGUMENT
-// and names the field under `field` (e.g. "inline_weights.w_k"), with expected and given shapes.
+// Decodes weights that passed CheckLayerWeights with `shape` into a layer.
+std::shared_ptr<const Layer> DecodeLayer(absl::string_view name, absl::string_view source,
+                                         const v1::AttentionWeights& weights, const LayerShape& shape);
+
+// CheckLayerWeights, then DecodeLayer.
 absl::StatusOr<std::shared_ptr<const Layer>> BuildLayer(absl::string_view name, absl::string_view source,
                                                         const v1::AttentionWeights& weights,
                                                         const v1::HeadConfig& heads, absl::string_view field);

@@ -39,7 +39,8 @@ ServerMetrics::ServerMetrics()
                    .Register(*registry_)),
       flops_(prometheus::BuildCounter()
                  .Name("mha_flops_total")
-                 .Help("Projection and attention FLOPs of successful calls; its rate is the achieved FLOP/s")
+                 .Help("FLOPs of successful calls as AttentionFlops counts them (projections, and attention over the "
+                       "query-key pairs causal masking leaves visible); its rate is the achieved FLOP/s")
                  .Register(*registry_)),
       queue_depth_(prometheus::BuildGauge()
                        .Name("mha_queue_depth")

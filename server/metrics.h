@@ -4,7 +4,7 @@
 //   mha_requests_total{rpc, code, backend}          calls finished, by gRPC status code name
 //   mha_request_duration_seconds{rpc}               handler latency: validation + queue + compute
 //   mha_compute_seconds{backend}                    time inside the backend
-//   mha_flops_total{backend}                        projection + attention FLOPs of OK calls (rate = FLOP/s)
+//   mha_flops_total{backend}                        AttentionFlops of OK calls (rate = FLOP/s)
 //   mha_queue_depth                                 requests waiting for the compute thread
 #ifndef MHA_SERVER_METRICS_H_
 #define MHA_SERVER_METRICS_H_

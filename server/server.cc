@@ -1,6 +1,7 @@
 #include "server/server.h"
 
 #include <fstream>
+#include <limits>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -9,6 +10,7 @@
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "server/status_macros.h"
+#include "server/work_item.h"
 #include "spdlog/spdlog.h"
 
 namespace mha {
@@ -23,10 +25,6 @@ absl::StatusOr<std::unique_ptr<MhaServer>> MhaServer::Start(ServerOptions option
   if (options.threads == 0) options.threads = std::max(1u, std::thread::hardware_concurrency());
   if (options.max_queue_size < 1) return absl::InvalidArgumentError("--max_queue_size must be >= 1");
   if (options.max_queued_mb < 1) return absl::InvalidArgumentError("--max_queued_mb must be >= 1");
-  // Above 8 MFLOP the CPU backend parallelises, which must not happen on gRPC's threads.
-  if (!(options.inline_max_mflop >= 0 && options.inline_max_mflop <= 8)) {
-    return absl::InvalidArgumentError("--inline_max_mflop must be in [0, 8]");
-  }
 
   std::unique_ptr<MhaServer> server(new MhaServer());
   server->layers_ = std::make_unique<LayerStore>(static_cast<int64_t>(options.max_layer_mb) << 20,
@@ -35,24 +33,34 @@ absl::StatusOr<std::unique_ptr<MhaServer>> MhaServer::Start(ServerOptions option
   if (!options.layers_dir.empty()) RETURN_IF_ERROR(server->layers_->LoadDirectory(options.layers_dir));
 
   server->backends_ = BackendRegistry::Create();
-  if (options.backend != "auto") {
-    absl::StatusOr<Backend*> backend = server->backends_->Find(options.backend, "--backend");
-    if (!backend.ok()) return backend.status();
-  }
+  RETURN_IF_ERROR(server->backends_->SetDefault(options.backend, "--backend"));
+  // Inline calls run on gRPC's threads, so only as large as a backend keeps single-threaded.
+  double inline_limit = 0;
   for (const BackendEntry& entry : server->backends_->entries()) {
     spdlog::info("backend {}: {}", entry.name,
                  entry.available() ? entry.device : absl::StrCat("unavailable (", entry.detail, ")"));
+    if (entry.available()) inline_limit = std::max(inline_limit, entry.backend->inline_max_flops());
+  }
+  if (!(options.inline_max_mflop >= 0 && options.inline_max_mflop * 1e6 <= inline_limit)) {
+    return absl::InvalidArgumentError(absl::StrCat("--inline_max_mflop must be in [0, ", inline_limit / 1e6,
+                                                   "] (what the backends run single-threaded), got ",
+                                                   options.inline_max_mflop));
   }
   for (const auto& layer : server->layers_->List()) {
-    spdlog::info("layer {}: d_model={} H={} Hkv={} d_k={} ({})", layer->name, layer->d_model,
-                 layer->heads.num_heads, layer->heads.num_kv_heads, layer->heads.head_dim, layer->source);
+    const HeadSpec& heads = layer->shape.heads;
+    spdlog::info("layer {}: d_model={} H={} Hkv={} d_k={} ({})", layer->name, layer->shape.d_model,
+                 heads.num_heads, heads.num_kv_heads, heads.head_dim, layer->source);
   }
 
-  server->scheduler_ = std::make_unique<Scheduler>(options.threads, options.max_queue_size,
-                                                   static_cast<int64_t>(options.max_queued_mb) << 20);
-  server->WarmUp();
   server->metrics_ = std::make_unique<ServerMetrics>();
   if (!options.metrics_listen.empty()) RETURN_IF_ERROR(server->metrics_->Serve(options.metrics_listen));
+  SchedulerOptions scheduling;
+  scheduling.compute_threads = options.threads;
+  scheduling.max_queue = options.max_queue_size;
+  scheduling.max_queued_bytes = static_cast<int64_t>(options.max_queued_mb) << 20;
+  scheduling.inline_max_flops = options.inline_max_mflop * 1e6;
+  server->scheduler_ = std::make_unique<Scheduler>(scheduling, server->metrics_.get());
+  server->WarmUp();
   server->service_ = std::make_unique<AttentionService>(options, server->layers_.get(), server->backends_.get(),
                                                         server->scheduler_.get(), server->metrics_.get());
 
@@ -81,36 +89,46 @@ absl::StatusOr<std::unique_ptr<MhaServer>> MhaServer::Start(ServerOptions option
 
 MhaServer::~MhaServer() { Shutdown(); }
 
+namespace {
+
+// Runs one backend's WarmUp on the compute thread, where its thread pools must start.
+class WarmUpItem final : public WorkItem {
+ public:
+  WarmUpItem(Backend* backend, absl::Notification* done)
+      : WorkItem(0, absl::Now(), absl::InfiniteFuture()), done_(done) {
+    plan_.backend = backend;
+    plan_.flops = std::numeric_limits<double>::infinity();  // never inline
+    plan_.shapes = "warm-up";
+  }
+  const AttentionPlan& plan() const override { return plan_; }
+  bool IsCancelled() const override { return false; }
+  void Run(absl::Duration) override {
+    const std::string name(plan_.backend->name());  // fmt cannot print abseil's own string_view
+    const absl::Time start = absl::Now();
+    const absl::Status status = plan_.backend->WarmUp();
+    if (status.ok()) {
+      spdlog::info("{} backend warmed up in {} ms", name, absl::ToInt64Milliseconds(absl::Now() - start));
+    } else {
+      spdlog::warn("{} backend warm-up failed: {}", name, status.ToString());
+    }
+    done_->Notify();
+  }
+  void Reject(const absl::Status&) override { done_->Notify(); }
+
+ private:
+  AttentionPlan plan_;
+  absl::Notification* const done_;
+};
+
+}  // namespace
+
 void MhaServer::WarmUp() {
-  // The first oneDNN call pays for library start-up, JIT code generation and the OpenMP thread pool (tens of ms);
-  // pay it here, on the compute thread, rather than in the first client's latency.
-  absl::StatusOr<Backend*> cpu = backends_->Find("cpu", "warm-up");
-  absl::StatusOr<std::shared_ptr<const Layer>> demo = layers_->Get("demo");
-  if (!cpu.ok() || !demo.ok()) return;
-  absl::Notification done;
-  const absl::Time start = absl::Now();
-  const absl::Status submitted = scheduler_->Submit([&] {
-    const Layer& layer = **demo;
-    AttentionDims d;
-    d.batch = 1;
-    d.q_len = d.kv_len = 16;
-    d.num_heads = layer.heads.num_heads;
-    d.num_kv_heads = layer.heads.num_kv_heads;
-    d.head_dim = layer.heads.head_dim;
-    d.scale = layer.heads.scale;
-    std::vector<float> x(d.q_len * layer.d_model, 0.5f), out(x.size());
-    MhaArgs args;
-    args.dims = d;
-    args.weights = layer.Weights();
-    args.query = args.key = args.value = x.data();
-    args.self_attention = true;
-    args.out = out.data();
-    const absl::Status status = (*cpu)->MultiHeadAttention(args);
-    if (!status.ok()) spdlog::warn("warm-up failed: {}", status.ToString());
-    done.Notify();
-  });
-  if (submitted.ok()) done.WaitForNotification();
-  spdlog::info("cpu backend warmed up in {} ms", absl::ToInt64Milliseconds(absl::Now() - start));
+  for (const BackendEntry& entry : backends_->entries()) {
+    if (!entry.available()) continue;
+    absl::Notification done;
+    scheduler_->Submit(std::make_unique<WarmUpItem>(entry.backend.get(), &done));
+    done.WaitForNotification();
+  }
 }
 
 std::shared_ptr<grpc::Channel> MhaServer::InProcessChannel() {
@@ -124,8 +142,8 @@ void MhaServer::Shutdown(absl::Duration grace) {
   if (shut_down_) return;
   shut_down_ = true;
   // In-flight calls finish on the scheduler thread, which keeps running until the gRPC server has drained.
-  server_->Shutdown(absl::ToChronoTime(absl::Now() + grace));
-  scheduler_->Shutdown();
+  if (server_ != nullptr) server_->Shutdown(absl::ToChronoTime(absl::Now() + grace));
+  if (scheduler_ != nullptr) scheduler_->Shutdown();
   scheduler_.reset();
 }
 

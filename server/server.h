@@ -7,7 +7,7 @@
 
 #include "absl/status/statusor.h"
 #include "grpcpp/grpcpp.h"
-#include "server/backend_registry.h"
+#include "server/backends/registry.h"
 #include "server/layer_store.h"
 #include "server/metrics.h"
 #include "server/scheduler.h"
@@ -27,6 +27,7 @@ class MhaServer {
   int port() const { return port_; }  // the bound port; 0 when in-process only
   int metrics_port() const { return metrics_->port(); }  // 0 unless options.metrics_listen was set
   const ServerMetrics& metrics() const { return *metrics_; }
+  const Scheduler& scheduler() const { return *scheduler_; }
   std::shared_ptr<grpc::Channel> InProcessChannel();
   // Stops accepting calls, lets in-flight ones finish (cancelling any still running after `grace`), then stops
   // the compute thread. Idempotent.
@@ -34,7 +35,7 @@ class MhaServer {
 
  private:
   MhaServer() = default;
-  // Runs one small demo-layer computation on the compute thread so the first call is not slow.
+  // Runs every available backend's WarmUp on the compute thread, so that the first call is not slow.
   void WarmUp();
 
   ServerOptions options_;

@@ -1,4 +1,5 @@
-// Every knob of the server in one place; main() maps flags onto it and tests set it directly.
+// Every knob of the server in one place, with its default; flags.cc defines one flag per field (same name, this
+// default, the help text) and tests set fields directly.
 #ifndef MHA_SERVER_SERVER_OPTIONS_H_
 #define MHA_SERVER_SERVER_OPTIONS_H_
 
@@ -30,14 +31,17 @@ struct ServerOptions {
   // Total fp32 MiB of all registered layers, and how many layers at most.
   int max_layer_mb = 4096;
   int max_layers = 256;
-  // Working memory a request may need beyond its own tensors (projections), in MiB.
+  // Working memory a request may need beyond its own tensors (Backend::WorkspaceBytes), in MiB.
   int max_scratch_mb = 2048;
   // Requests needing at most this many MFLOP run right on the gRPC thread that received them, skipping the hand-off
-  // to the compute thread (about 20-50 us of compute; the hand-off costs as much). 0 sends every request through
-  // the compute thread. Only for backends that are thread-safe.
+  // to the compute thread (about 20-50 us of compute; the hand-off costs as much), when their backend runs them
+  // single-threaded (Backend::inline_max_flops, which also bounds this option). 0 sends every request through the
+  // compute thread.
   double inline_max_mflop = 4;
-  // FLOPs a single request may ask for (projections + attention 4 B H Tq Tk d_k), in GFLOP.
+  // Work a single request may ask for (AttentionFlops), in GFLOP.
   double max_request_gflop = 4000;
+  // spdlog level: trace, debug, info, warn, error, critical or off.
+  std::string log_level = "info";
 };
 
 }  // namespace mha

@@ -7,6 +7,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "server/execute.h"
+#include "server/work_item.h"
 #include "spdlog/spdlog.h"
 
 #ifndef MHA_VERSION
@@ -54,11 +55,64 @@ AttentionService::AttentionService(const ServerOptions& options, LayerStore* lay
     : options_(options), layers_(layers), backends_(backends), scheduler_(scheduler), metrics_(metrics) {
   validation_.layers = layers_;
   validation_.backends = backends_;
-  validation_.default_backend = options.backend == "auto" ? backends_->DefaultName() : options.backend;
   validation_.max_message_bytes = static_cast<int64_t>(options.max_message_mb) << 20;
   validation_.max_scratch_bytes = static_cast<int64_t>(options.max_scratch_mb) << 20;
   validation_.max_request_flops = options.max_request_gflop * 1e9;
 }
+
+// One compute call as the scheduler sees it. Owns the validated plan; borrows the request, response and context,
+// which gRPC keeps alive until the reactor finishes.
+template <typename Request, typename Response, typename Plan>
+class ComputeCall final : public WorkItem {
+ public:
+  ComputeCall(AttentionService* service, uint64_t id, const char* rpc, grpc::CallbackServerContext* context,
+              grpc::ServerUnaryReactor* reactor, Response* response, Plan plan,
+              absl::Status (*execute)(const Plan&, Response*), int64_t request_bytes, absl::Time received)
+      : WorkItem(request_bytes, received, absl::FromChrono(context->deadline())),
+        service_(service),
+        id_(id),
+        rpc_(rpc),
+        context_(context),
+        reactor_(reactor),
+        response_(response),
+        plan_(std::move(plan)),
+        execute_(execute) {}
+
+  const AttentionPlan& plan() const override { return plan_; }
+  bool IsCancelled() const override { return context_->IsCancelled(); }
+
+  void Run(absl::Duration waited) override {
+    const absl::Time started = absl::Now();
+    const absl::Status status = execute_(plan_, response_);
+    const absl::Time computed = absl::Now();
+    Timing* timing = response_->mutable_timing();
+    timing->set_queue_us(absl::ToInt64Microseconds(waited));
+    timing->set_compute_us(absl::ToInt64Microseconds(computed - started));
+    timing->set_handler_us(absl::ToInt64Microseconds(computed - received()));
+    Finish(status, absl::ToDoubleSeconds(computed - started));
+  }
+
+  void Reject(const absl::Status& status) override { Finish(status, 0); }
+
+ private:
+  using Timing = v1::Timing;
+
+  void Finish(const absl::Status& status, double compute_seconds) {
+    if (!status.ok()) response_->Clear();
+    service_->CallDone(id_, rpc_, plan_.shapes, plan_.backend->name(), status, received(), compute_seconds,
+                       status.ok() ? plan_.flops : 0);
+    reactor_->Finish(ToGrpcStatus(status));
+  }
+
+  AttentionService* const service_;
+  const uint64_t id_;
+  const char* const rpc_;
+  grpc::CallbackServerContext* const context_;
+  grpc::ServerUnaryReactor* const reactor_;
+  Response* const response_;
+  const Plan plan_;
+  absl::Status (*const execute_)(const Plan&, Response*);
+};
 
 template <typename Request, typename Response, typename Plan>
 grpc::ServerUnaryReactor* AttentionService::Compute(
@@ -67,49 +121,16 @@ grpc::ServerUnaryReactor* AttentionService::Compute(
     absl::Status (*execute)(const Plan&, Response*)) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   const uint64_t id = next_request_id_++;
-  const absl::Time start = absl::Now();
-  absl::StatusOr<Plan> validated = validate(*request, validation_);
-  if (!validated.ok()) {
-    CallDone(id, rpc, "-", "", validated.status(), start);
-    reactor->Finish(ToGrpcStatus(validated.status()));
+  const absl::Time received = absl::Now();
+  absl::StatusOr<Plan> plan = validate(*request, validation_);
+  if (!plan.ok()) {
+    CallDone(id, rpc, "-", "", plan.status(), received);
+    reactor->Finish(ToGrpcStatus(plan.status()));
     return reactor;
   }
-  auto plan = std::make_shared<const Plan>(*std::move(validated));
-  // Computes and finishes the call. The request, response and context stay valid until Finish.
-  auto run = [=](absl::Time queued_at) {
-    const absl::Time picked_up = absl::Now();
-    absl::Status status;
-    if (context->IsCancelled()) {
-      status = absl::CancelledError("the call was cancelled or passed its deadline before compute started");
-    } else {
-      status = execute(*plan, response);
-      response->mutable_timing()->set_queue_us(absl::ToInt64Microseconds(picked_up - queued_at));
-      response->mutable_timing()->set_compute_us(absl::ToInt64Microseconds(absl::Now() - picked_up));
-      response->mutable_timing()->set_handler_us(absl::ToInt64Microseconds(absl::Now() - start));
-    }
-    if (!status.ok()) response->Clear();
-    CallDone(id, rpc, plan->shapes, plan->backend->name(), status, start, absl::ToDoubleSeconds(absl::Now() - picked_up),
-             plan->flops);
-    reactor->Finish(ToGrpcStatus(status));
-  };
-  if (plan->flops <= options_.inline_max_mflop * 1e6 && plan->backend->serves_inline()) {
-    // Tiny (single-threaded, tens of microseconds): computing it here is cheaper than the hand-off.
-    run(absl::Now());
-    return reactor;
-  }
-  const int64_t request_bytes = static_cast<int64_t>(request->ByteSizeLong());
-  const absl::Time queued_at = absl::Now();
-  absl::Status submitted = scheduler_->Submit(
-      [this, run, queued_at] {
-        metrics_->SetQueueDepth(scheduler_->queued());
-        run(queued_at);
-      },
-      request_bytes);
-  metrics_->SetQueueDepth(scheduler_->queued());
-  if (!submitted.ok()) {
-    CallDone(id, rpc, plan->shapes, plan->backend->name(), submitted, start);
-    reactor->Finish(ToGrpcStatus(submitted));
-  }
+  scheduler_->Submit(std::make_unique<ComputeCall<Request, Response, Plan>>(
+      this, id, rpc, context, reactor, response, *std::move(plan), execute,
+      static_cast<int64_t>(request->ByteSizeLong()), received));
   return reactor;
 }
 
@@ -177,7 +198,7 @@ grpc::ServerUnaryReactor* AttentionService::GetServerInfo(grpc::CallbackServerCo
     info->set_available(entry.available());
     info->set_detail(entry.detail);
   }
-  response->set_default_backend(validation_.default_backend);
+  response->set_default_backend(backends_->NameFor(v1::BACKEND_AUTO));
   v1::ServerLimits* limits = response->mutable_limits();
   limits->set_max_message_bytes(validation_.max_message_bytes);
   limits->set_max_queue_size(options_.max_queue_size);

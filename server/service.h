@@ -8,7 +8,7 @@
 #include <memory>
 
 #include "proto/mha/v1/attention.grpc.pb.h"
-#include "server/backend_registry.h"
+#include "server/backends/registry.h"
 #include "server/layer_store.h"
 #include "server/metrics.h"
 #include "server/scheduler.h"
@@ -48,7 +48,10 @@ class AttentionService final : public v1::Attention::CallbackService {
   void CallDone(uint64_t id, const char* rpc, absl::string_view shapes, absl::string_view backend,
                 const absl::Status& status, absl::Time start, double compute_seconds = 0, double flops = 0);
 
-  // Validates with `validate`, queues `execute` on the scheduler and finishes the call from there.
+  template <typename Request, typename Response, typename Plan>
+  friend class ComputeCall;
+
+  // Validates with `validate`, then hands the call to the scheduler as a WorkItem that runs `execute`.
   template <typename Request, typename Response, typename Plan>
   grpc::ServerUnaryReactor* Compute(const char* rpc, grpc::CallbackServerContext* context, const Request* request,
                                     Response* response,

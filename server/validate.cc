@@ -1,8 +1,7 @@
 #include "server/validate.h"
 
 #include <cmath>
-#include <cstring>
-#include <limits>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "proto/mha/v1/tensor_codec.h"
@@ -41,21 +40,30 @@ double Product(std::initializer_list<int64_t> factors) {
   return p;
 }
 
-// Masks, dtypes, backend and the response size: the parts MHA and SDPA share.
+// The activations' dtype as a backend sizes its work by: FP32 when every one is, else the first that is not.
+v1::DataType InputDtype(std::initializer_list<const v1::Tensor*> tensors) {
+  for (const v1::Tensor* t : tensors) {
+    if (t->dtype() != v1::FP32) return t->dtype();
+  }
+  return v1::FP32;
+}
+
+// Masks, output dtype, backend, response size, work and working memory: the parts MHA and SDPA share.
+// plan->problem.shape and input_dtype are set.
 template <typename Request>
-absl::Status ValidateCommon(const Request& request, const ValidationContext& context, int input_dtype,
-                            int64_t output_elements, double flops, AttentionPlan* plan) {
-  const AttentionDims& d = plan->dims;
+absl::Status ValidateCommon(const Request& request, const ValidationContext& context, v1::DataType query_dtype,
+                            int64_t output_elements, AttentionPlan* plan) {
+  const AttentionShape& s = plan->problem.shape;
 
   if (request.key_lengths_size() != 0) {
-    if (request.key_lengths_size() != d.batch) {
-      return Invalid("key_lengths must have one entry per batch item (", absl::StrCat(d.batch), "), got ",
+    if (request.key_lengths_size() != s.batch) {
+      return Invalid("key_lengths must have one entry per batch item (", absl::StrCat(s.batch), "), got ",
                      absl::StrCat(request.key_lengths_size()));
     }
     for (int b = 0; b < request.key_lengths_size(); ++b) {
       const int32_t len = request.key_lengths(b);
-      if (len < 0 || len > d.kv_len) {
-        return Invalid(absl::StrCat("key_lengths[", b, "] must be in [0, ", d.kv_len, "] (Tk), got ", len));
+      if (len < 0 || len > s.kv_len) {
+        return Invalid(absl::StrCat("key_lengths[", b, "] must be in [0, ", s.kv_len, "] (Tk), got ", len));
       }
     }
     plan->key_lengths = absl::MakeConstSpan(request.key_lengths().data(), request.key_lengths_size());
@@ -65,82 +73,65 @@ absl::Status ValidateCommon(const Request& request, const ValidationContext& con
     const v1::Tensor& mask = request.attn_mask();
     RETURN_IF_ERROR(CheckTensor(mask, "attn_mask").status());
     const std::vector<int64_t> shape(mask.shape().begin(), mask.shape().end());
-    const std::vector<int64_t> shared = {d.q_len, d.kv_len}, per_batch = {d.batch, d.q_len, d.kv_len};
+    const std::vector<int64_t> shared = {s.q_len, s.kv_len}, per_batch = {s.batch, s.q_len, s.kv_len};
     if (shape != shared && shape != per_batch) {
       return Invalid("attn_mask.shape must be ", ShapeString(shared), " [Tq, Tk] or ",
                      absl::StrCat(ShapeString(per_batch), " [B, Tq, Tk], got ", ShapeString(shape)));
     }
-    // -inf masks a key; NaN and +inf have no meaning as an additive mask.
-    const size_t size = DTypeSize(mask.dtype());
-    const size_t n = mask.data().size() / size;
-    for (size_t i = 0; i < n; ++i) {
-      float value;
-      DecodeToFloat(mask.dtype(), mask.data().data() + i * size, 1, &value);
-      if (std::isnan(value) || value == std::numeric_limits<float>::infinity()) {
-        return Invalid(absl::StrCat("attn_mask element ", i, " is ", value,
-                                    "; only finite values and -inf are allowed"));
-      }
-    }
     plan->attn_mask = &mask;
-    plan->mask_per_batch = shape.size() == 3;
   }
 
   if (!v1::DataType_IsValid(request.output_dtype())) {
     return Invalid("output_dtype must be DATA_TYPE_UNSPECIFIED, FP32, FP16 or BF16, got ",
                    absl::StrCat(request.output_dtype()));
   }
-  plan->output_dtype = request.output_dtype() == v1::DATA_TYPE_UNSPECIFIED
-                           ? static_cast<v1::DataType>(input_dtype)
-                           : request.output_dtype();
-  plan->return_weights = request.return_attention_weights();
+  plan->problem.output_dtype =
+      request.output_dtype() == v1::DATA_TYPE_UNSPECIFIED ? query_dtype : request.output_dtype();
+  plan->problem.return_weights = request.return_attention_weights();
 
   if (!v1::Backend_IsValid(request.backend())) {
     return Invalid("backend must be BACKEND_AUTO, BACKEND_CPU, BACKEND_CUDA or BACKEND_REFERENCE, got ",
                    absl::StrCat(request.backend()));
   }
-  std::string backend_name;
-  switch (request.backend()) {
-    case v1::BACKEND_CPU:
-      backend_name = "cpu";
-      break;
-    case v1::BACKEND_CUDA:
-      backend_name = "cuda";
-      break;
-    case v1::BACKEND_REFERENCE:
-      backend_name = "reference";
-      break;
-    default:
-      backend_name = context.default_backend;
-  }
+  const std::string backend_name = context.backends->NameFor(request.backend());
   ASSIGN_OR_RETURN(plan->backend, context.backends->Find(backend_name, "backend"));
-  absl::Status supported = plan->backend->Supports(d);
-  if (!supported.ok()) return absl::UnimplementedError(absl::StrCat("backend ", backend_name, ": ",
-                                                                     supported.message()));
+  if (absl::Status supported = plan->backend->Supports(plan->problem); !supported.ok()) {
+    return absl::UnimplementedError(absl::StrCat("backend ", backend_name, ": ", supported.message()));
+  }
 
   // The response must fit the message limit; say so before computing anything.
-  const double out_size = static_cast<double>(DTypeSize(plan->output_dtype));
+  const double out_size = static_cast<double>(DTypeSize(plan->problem.output_dtype));
   double response_bytes = out_size * static_cast<double>(output_elements);
-  if (plan->return_weights) response_bytes += out_size * Product({d.batch, d.num_heads, d.q_len, d.kv_len});
+  if (plan->problem.return_weights) {
+    response_bytes += out_size * Product({s.batch, s.heads.num_heads, s.q_len, s.kv_len});
+  }
   response_bytes += 4096;  // message framing, backend name, timing
   if (response_bytes > static_cast<double>(context.max_message_bytes)) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "the response would be about ", static_cast<int64_t>(response_bytes), " bytes, over the server's ",
         context.max_message_bytes, "-byte message limit (--max_message_mb); ask for output_dtype FP16",
-        plan->return_weights ? ", return_attention_weights=false" : "", " or fewer tokens"));
+        plan->problem.return_weights ? ", return_attention_weights=false" : "", " or fewer tokens"));
   }
-  plan->flops = flops;
-  if (flops > context.max_request_flops) {
+  plan->flops = AttentionFlops(s);
+  if (plan->flops > context.max_request_flops) {
     return absl::ResourceExhaustedError(absl::StrCat(
-        "the request needs about ", flops / 1e9, " GFLOP, over the server's per-request limit of ",
+        "the request needs about ", plan->flops / 1e9, " GFLOP, over the server's per-request limit of ",
         context.max_request_flops / 1e9, " GFLOP (--max_request_gflop); send fewer tokens or a smaller batch"));
+  }
+  const int64_t workspace = plan->backend->WorkspaceBytes(plan->problem);
+  if (workspace > context.max_scratch_bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "the ", backend_name, " backend would need about ", workspace, " bytes of working memory, over the ",
+        context.max_scratch_bytes, "-byte limit (--max_scratch_mb); send fewer tokens or a smaller batch"));
   }
   return absl::OkStatus();
 }
 
 absl::Status ValidateHeadMask(const v1::MultiHeadAttentionRequest& request, MhaPlan* plan) {
   if (request.head_mask_size() == 0) return absl::OkStatus();
-  if (request.head_mask_size() != plan->dims.num_heads) {
-    return Invalid("head_mask must have num_heads (", absl::StrCat(plan->dims.num_heads), ") values, got ",
+  const int64_t heads = plan->problem.shape.heads.num_heads;
+  if (request.head_mask_size() != heads) {
+    return Invalid("head_mask must have num_heads (", absl::StrCat(heads), ") values, got ",
                    absl::StrCat(request.head_mask_size()));
   }
   for (int h = 0; h < request.head_mask_size(); ++h) {
@@ -149,26 +140,6 @@ absl::Status ValidateHeadMask(const v1::MultiHeadAttentionRequest& request, MhaP
     }
   }
   plan->head_mask = absl::MakeConstSpan(request.head_mask().data(), request.head_mask_size());
-  return absl::OkStatus();
-}
-
-// With a named layer, a request's non-zero head fields must match the layer's.
-absl::Status CheckHeadsAgree(const v1::HeadConfig& given, const Layer& layer) {
-  const HeadSpec& h = layer.heads;
-  auto mismatch = [&](absl::string_view field, auto given_value, auto layer_value) {
-    return Invalid(absl::StrCat("heads.", field, " is ", given_value, " but layer '", layer.name, "' has ",
-                                layer_value, "; leave it 0 to use the layer's"));
-  };
-  if (given.num_heads() != 0 && given.num_heads() != h.num_heads) {
-    return mismatch("num_heads", given.num_heads(), h.num_heads);
-  }
-  if (given.num_kv_heads() != 0 && given.num_kv_heads() != h.num_kv_heads) {
-    return mismatch("num_kv_heads", given.num_kv_heads(), h.num_kv_heads);
-  }
-  if (given.head_dim() != 0 && given.head_dim() != h.head_dim) {
-    return mismatch("head_dim", given.head_dim(), h.head_dim);
-  }
-  if (given.scale() != 0.0f && given.scale() != h.scale) return mismatch("scale", given.scale(), h.scale);
   return absl::OkStatus();
 }
 
@@ -182,24 +153,31 @@ absl::StatusOr<MhaPlan> ValidateMultiHeadAttention(const v1::MultiHeadAttentionR
   RETURN_IF_ERROR(CheckRanked(query, "query", 3, "[B, Tq, d_model]"));
   const int64_t batch = query.shape(0), q_len = query.shape(1), d_model = query.shape(2);
 
+  LayerShape layer;
+  std::string layer_name;
   switch (request.weights_case()) {
     case v1::MultiHeadAttentionRequest::kLayer: {
       ASSIGN_OR_RETURN(plan.layer, context.layers->Get(request.layer()));
-      if (request.has_heads()) RETURN_IF_ERROR(CheckHeadsAgree(request.heads(), *plan.layer));
+      layer = plan.layer->shape;
+      layer_name = plan.layer->name;
+      // Non-zero request fields must agree with the layer's; causal = layer.causal OR heads.causal.
+      ASSIGN_OR_RETURN(layer.heads, ResolveHeads(request.heads(), layer.heads,
+                                                 absl::StrCat("layer '", layer_name, "'"), layer.d_model, "heads"));
       break;
     }
     case v1::MultiHeadAttentionRequest::kInlineWeights: {
       if (!request.has_heads()) return Invalid("heads is required with inline_weights (heads.num_heads >= 1)");
-      ASSIGN_OR_RETURN(plan.layer, BuildLayer("inline", "inline", request.inline_weights(), request.heads(),
-                                              "inline_weights"));
+      ASSIGN_OR_RETURN(layer, CheckLayerWeights(request.inline_weights(), request.heads(), "inline_weights"));
+      plan.inline_weights = &request.inline_weights();
+      plan.inline_shape = layer;
+      layer_name = "inline";
       break;
     }
     case v1::MultiHeadAttentionRequest::WEIGHTS_NOT_SET:
       return Invalid("weights: set either layer (a registered layer's name) or inline_weights");
   }
-  const Layer& layer = *plan.layer;
   if (d_model != layer.d_model) {
-    return Invalid(absl::StrCat("query.shape[2] (d_model) must be ", layer.d_model, " for layer '", layer.name,
+    return Invalid(absl::StrCat("query.shape[2] (d_model) must be ", layer.d_model, " for layer '", layer_name,
                                 "', got ", d_model));
   }
 
@@ -228,34 +206,25 @@ absl::StatusOr<MhaPlan> ValidateMultiHeadAttention(const v1::MultiHeadAttentionR
   plan.query = &query;
   plan.key = key;
   plan.value = value;
-  plan.self_attention = key == &query && value == &query;
+  plan.kv_source = !request.has_key() && !request.has_value() ? KvSource::kQuery
+                   : !request.has_value()                     ? KvSource::kKey
+                                                              : KvSource::kKeyValue;
 
-  AttentionDims& d = plan.dims;
-  d.batch = batch;
-  d.q_len = q_len;
-  d.kv_len = key->shape(1);
-  d.num_heads = layer.heads.num_heads;
-  d.num_kv_heads = layer.heads.num_kv_heads;
-  d.head_dim = layer.heads.head_dim;
-  d.scale = layer.heads.scale;
-  d.causal = layer.heads.causal || (request.has_heads() && request.heads().causal());
-
-  // Working memory beyond the request and response: projections and concatenated heads, and the K^T and V
-  // copies the CPU backend's tile kernels read.
-  const double scratch = 4.0 * (Product({batch, q_len, 2 * d.num_heads, d.head_dim}) +
-                                Product({batch, d.kv_len, 4 * d.num_kv_heads, d.head_dim}));
-  if (scratch > static_cast<double>(context.max_scratch_bytes)) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "projections would need about ", static_cast<int64_t>(scratch), " bytes of working memory, over the ",
-        context.max_scratch_bytes, "-byte limit (--max_scratch_mb); send fewer tokens or a smaller batch"));
-  }
+  AttentionShape& s = plan.problem.shape;
+  s.batch = batch;
+  s.q_len = q_len;
+  s.kv_len = key->shape(1);
+  s.d_model = layer.d_model;
+  s.d_kv_in = layer.d_kv_in;
+  s.d_v_in = layer.d_v_in;
+  s.heads = layer.heads;
+  plan.problem.input_dtype = InputDtype({&query, key, value});
   RETURN_IF_ERROR(ValidateHeadMask(request, &plan));
-  RETURN_IF_ERROR(ValidateCommon(request, context, query.dtype(), batch * q_len * d_model,
-                                 RequestFlops(d, d_model, layer.d_kv_in, layer.d_v_in), &plan));
+  RETURN_IF_ERROR(ValidateCommon(request, context, query.dtype(), batch * q_len * d_model, &plan));
   plan.shapes = absl::StrCat("query", ShapeString(query.shape()),
                              request.has_key() ? absl::StrCat(" key", ShapeString(key->shape())) : " self",
-                             " layer=", layer.name, " H=", d.num_heads, " Hkv=", d.num_kv_heads,
-                             d.causal ? " causal" : "");
+                             " layer=", layer_name, " H=", s.heads.num_heads, " Hkv=", s.heads.num_kv_heads,
+                             s.heads.causal ? " causal" : "");
   return plan;
 }
 
@@ -281,36 +250,22 @@ absl::StatusOr<SdpaPlan> ValidateScaledDotProductAttention(const v1::ScaledDotPr
     return Invalid("v.shape must equal k.shape ", ShapeString(k_shape), ", got ", ShapeString(v_shape));
   }
 
-  AttentionDims& d = plan.dims;
-  d.batch = q.shape(0);
-  d.q_len = q.shape(1);
-  d.num_heads = q.shape(2);
-  d.head_dim = q.shape(3);
-  d.kv_len = k.shape(1);
-  d.num_kv_heads = k.shape(2);
-  const v1::HeadConfig& heads = request.heads();
-  if (heads.num_heads() != 0 && heads.num_heads() != d.num_heads) {
-    return Invalid(absl::StrCat("heads.num_heads is ", heads.num_heads(), " but q.shape[2] is ", d.num_heads));
-  }
-  if (heads.num_kv_heads() != 0 && heads.num_kv_heads() != d.num_kv_heads) {
-    return Invalid(
-        absl::StrCat("heads.num_kv_heads is ", heads.num_kv_heads(), " but k.shape[2] is ", d.num_kv_heads));
-  }
-  if (heads.head_dim() != 0 && heads.head_dim() != d.head_dim) {
-    return Invalid(absl::StrCat("heads.head_dim is ", heads.head_dim(), " but q.shape[3] is ", d.head_dim));
-  }
-  if (!std::isfinite(heads.scale())) {
-    return Invalid(absl::StrCat("heads.scale must be finite, got ", heads.scale()));
-  }
-  d.scale = heads.scale() != 0.0f ? heads.scale()
-                                  : static_cast<float>(1.0 / std::sqrt(static_cast<double>(d.head_dim)));
-  d.causal = heads.causal();
+  AttentionShape& s = plan.problem.shape;
+  s.batch = q.shape(0);
+  s.q_len = q.shape(1);
+  s.kv_len = k.shape(1);
+  HeadSpec from_shapes;
+  from_shapes.num_heads = q.shape(2);
+  from_shapes.num_kv_heads = k.shape(2);
+  from_shapes.head_dim = q.shape(3);
+  ASSIGN_OR_RETURN(s.heads, ResolveHeads(request.heads(), from_shapes, "the q and k shapes", /*d_model=*/0, "heads"));
+  plan.problem.input_dtype = InputDtype({&q, &k, &v});
   plan.q = &q;
   plan.k = &k;
   plan.v = &v;
-  RETURN_IF_ERROR(ValidateCommon(request, context, q.dtype(), d.batch * d.q_len * d.num_heads * d.head_dim,
-                                 RequestFlops(d, /*d_model=*/0, 0, 0), &plan));
-  plan.shapes = absl::StrCat("q", ShapeString(q.shape()), " k", ShapeString(k.shape()), d.causal ? " causal" : "");
+  RETURN_IF_ERROR(ValidateCommon(request, context, q.dtype(), s.batch * s.q_len * s.heads.q_width(), &plan));
+  plan.shapes =
+      absl::StrCat("q", ShapeString(q.shape()), " k", ShapeString(k.shape()), s.heads.causal ? " causal" : "");
   return plan;
 }
 

@@ -1,6 +1,8 @@
 // Request validation: turns a request into a plan the compute step can run without further checks, or an error
-// naming the field with expected vs given values. Runs before any allocation proportional to the request, on
-// the gRPC thread (it is O(size of the masks) at most).
+// naming the field with expected vs given values. Runs on the gRPC thread, before anything proportional to the
+// request is allocated or decoded: it reads shapes, dtypes, byte counts and the small repeated fields (key_lengths,
+// head_mask), never tensor data. Decoding (and the checks that need values, such as the attention mask's) happens
+// on the compute side (execute.h).
 #ifndef MHA_SERVER_VALIDATE_H_
 #define MHA_SERVER_VALIDATE_H_
 
@@ -11,32 +13,32 @@
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "proto/mha/v1/attention.pb.h"
-#include "server/backend.h"
-#include "server/backend_registry.h"
+#include "server/backends/backend.h"
+#include "server/backends/registry.h"
 #include "server/layer_store.h"
 
 namespace mha {
 
 // Everything the compute step needs. Tensor pointers borrow from the request, which must outlive the plan.
 struct AttentionPlan {
-  AttentionDims dims;
-  Backend* backend = nullptr;
-  const v1::Tensor* attn_mask = nullptr;  // null, or [Tq, Tk] / [B, Tq, Tk]
-  bool mask_per_batch = false;
-  absl::Span<const int32_t> key_lengths;  // empty or [B]
-  bool return_weights = false;
-  v1::DataType output_dtype = v1::FP32;
-  std::string shapes;  // for logs, e.g. "q[8, 512, 512] k=q"
-  double flops = 0;    // projections + attention, as counted against max_request_flops
+  AttentionProblem problem;               // shape, wire and output dtypes, return_weights
+  Backend* backend = nullptr;             // chosen, and asked whether it supports `problem`
+  const v1::Tensor* attn_mask = nullptr;  // null, or [Tq, Tk] / [B, Tq, Tk]; values checked when decoded
+  absl::Span<const int32_t> key_lengths;  // empty or [B], each in [0, Tk]
+  std::string shapes;                     // for logs, e.g. "query[8, 512, 512] self layer=demo H=8 Hkv=8"
+  double flops = 0;                       // AttentionFlops(problem.shape)
 };
 
 struct MhaPlan : AttentionPlan {
-  std::shared_ptr<const Layer> layer;  // named, or built from the inline weights
-  const v1::Tensor* query = nullptr;   // [B, Tq, d_model]
-  const v1::Tensor* key = nullptr;     // [B, Tk, d_kv_in]; the query tensor for self-attention
-  const v1::Tensor* value = nullptr;   // [B, Tk, d_v_in]
-  bool self_attention = false;
-  absl::Span<const float> head_mask;  // empty or [H]
+  // The weights: a registered layer, or inline weights whose shapes were checked and that the compute step decodes.
+  std::shared_ptr<const Layer> layer;
+  const v1::AttentionWeights* inline_weights = nullptr;
+  LayerShape inline_shape;
+  const v1::Tensor* query = nullptr;  // [B, Tq, d_model]
+  const v1::Tensor* key = nullptr;    // [B, Tk, d_kv_in]; the query for KvSource::kQuery
+  const v1::Tensor* value = nullptr;  // [B, Tk, d_v_in]; the key (or query) when absent
+  KvSource kv_source = KvSource::kKeyValue;
+  absl::Span<const float> head_mask;  // empty or [H], finite
 };
 
 struct SdpaPlan : AttentionPlan {
@@ -48,10 +50,9 @@ struct SdpaPlan : AttentionPlan {
 struct ValidationContext {
   const LayerStore* layers = nullptr;
   const BackendRegistry* backends = nullptr;
-  std::string default_backend;    // what BACKEND_AUTO resolves to
   int64_t max_message_bytes = 0;  // responses larger than this are RESOURCE_EXHAUSTED
-  int64_t max_scratch_bytes = 0;  // projection working memory beyond this is RESOURCE_EXHAUSTED
-  double max_request_flops = 0;   // projections + attention (4 B H Tq Tk d_k) beyond this: RESOURCE_EXHAUSTED
+  int64_t max_scratch_bytes = 0;  // backend working memory (Backend::WorkspaceBytes) beyond this: RESOURCE_EXHAUSTED
+  double max_request_flops = 0;   // AttentionFlops beyond this: RESOURCE_EXHAUSTED
 };
 
 absl::StatusOr<MhaPlan> ValidateMultiHeadAttention(const v1::MultiHeadAttentionRequest& request,

@@ -2,16 +2,18 @@
 // status grouping, the three output formats, the FLOP count, and the option checks (no server needed).
 #include "client/bench_report.h"
 
+#include <algorithm>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_split.h"
-#include "client/attention_shape.h"
 #include "client/bench.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
+#include "proto/mha/v1/attention_shape.h"
 
 namespace mha {
 namespace {
@@ -39,10 +41,10 @@ CallSample Error(int code, const std::string& message, double latency = 0.001) {
 AttentionShape DemoShape(int64_t batch, int64_t seq) {
   AttentionShape s;
   s.batch = batch;
-  s.query_len = s.key_len = seq;
+  s.q_len = s.kv_len = seq;
   s.d_model = s.d_kv_in = s.d_v_in = 512;
-  s.num_heads = s.num_kv_heads = 8;
-  s.head_dim = 64;
+  s.heads.num_heads = s.heads.num_kv_heads = 8;
+  s.heads.head_dim = 64;
   return s;
 }
 
@@ -203,12 +205,31 @@ TEST(AttentionFlops, MatchesTheFormula) {
   const double projections = 2.0 * 8 * 512 * 512 * 8 * 64 + 4.0 * 8 * 512 * 512 * 8 * 64 + 2.0 * 8 * 512 * 8 * 64 * 512;
   const double attention = 4.0 * 8 * 8 * 512 * 512 * 64;
   EXPECT_DOUBLE_EQ(AttentionFlops(s), projections + attention);
-  s.causal = true;
-  EXPECT_DOUBLE_EQ(AttentionFlops(s), projections + attention / 2);
+  // Causal: only the T (T + 1) / 2 visible pairs.
+  s.heads.causal = true;
+  EXPECT_DOUBLE_EQ(AttentionFlops(s), projections + attention * (512.0 * 513 / 2) / (512.0 * 512));
   // GQA: K and V projections shrink with Hkv.
-  s.causal = false;
-  s.num_kv_heads = 2;
+  s.heads.causal = false;
+  s.heads.num_kv_heads = 2;
   EXPECT_DOUBLE_EQ(AttentionFlops(s), projections - 4.0 * 8 * 512 * 512 * 6 * 64 + attention);
+  // Attention alone (no projections), as ScaledDotProductAttention counts it.
+  s.d_model = s.d_kv_in = s.d_v_in = 0;
+  EXPECT_DOUBLE_EQ(AttentionFlops(s), attention);
+}
+
+TEST(VisiblePairs, CountsBottomRightCausalRowsExactly) {
+  AttentionShape s;
+  s.heads.causal = true;
+  // Row i of Tq rows sees min(Tk, max(0, i + Tk - Tq + 1)) keys.
+  for (const auto& [tq, tk] : {std::pair{1, 10}, {3, 17}, {9, 4}, {13, 13}, {4, 1}}) {
+    s.q_len = tq;
+    s.kv_len = tk;
+    double want = 0;
+    for (int i = 0; i < tq; ++i) want += std::min(tk, std::max(0, i + tk - tq + 1));
+    EXPECT_DOUBLE_EQ(VisiblePairs(s), want) << "Tq=" << tq << " Tk=" << tk;
+  }
+  s.heads.causal = false;
+  EXPECT_DOUBLE_EQ(VisiblePairs(s), 4.0 * 1);
 }
 
 TEST(ParseConcurrencyRange, MultiplicativeAndAdditiveSteps) {

@@ -128,21 +128,16 @@ TEST_F(ServiceTest, InlineWeightsCpuMatchesReference) {
   EXPECT_TRUE(AllClose(TensorToFloats(cpu.output()), TensorToFloats(reference.output()), 1e-5, 1e-4));
   EXPECT_TRUE(AllClose(TensorToFloats(cpu.attention_weights()), TensorToFloats(reference.attention_weights()),
                        1e-6, 1e-4));
-  EXPECT_GE(cpu.timing().compute_us(), 0);
 }
 
-TEST_F(ServiceTest, DemoLayerServesAtB8T512) {
+TEST_F(ServiceTest, AutoBackendIsTheCpuWithoutAGpu) {
   v1::MultiHeadAttentionRequest request;
-  SetTensor(request.mutable_query(), {8, 512, 512}, 7);
+  SetTensor(request.mutable_query(), {1, 4, 512}, 7);
   request.set_layer("demo");
   v1::MultiHeadAttentionResponse response;
-  const auto start = std::chrono::steady_clock::now();
   ASSERT_TRUE(Call(request, &response).ok());
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  EXPECT_EQ(response.backend(), "cpu");  // BACKEND_AUTO on a machine without a GPU
-  EXPECT_THAT(response.output().shape(), ::testing::ElementsAre(8, 512, 512));
-  std::cout << "demo layer B=8 T=512: " << seconds * 1e3 << " ms end to end, " << response.timing().compute_us()
-            << " us compute\n";
+  EXPECT_EQ(response.backend(), "cpu");
+  EXPECT_THAT(response.output().shape(), ::testing::ElementsAre(1, 4, 512));
 }
 
 // Half-precision wire types: the server widens, computes in fp32 and answers in the query's dtype.
@@ -288,7 +283,7 @@ TEST_F(ServiceTest, LoadLayerRejectsABadName) {
 
 TEST_F(ServiceTest, LoadLayerPastTheMemoryLimitIsResourceExhausted) {
   ServerOptions options;
-  options.max_layer_mb = 7;  // exactly the demo layer: 4 weights of 1 MiB plus the fused 3 MiB Q|K|V copy
+  options.max_layer_mb = 4;  // exactly the demo layer: 4 weights of 1 MiB, held once
   StartServer(options);
   v1::LoadLayerRequest load;
   load.set_name("one_more");
@@ -369,7 +364,7 @@ TEST_F(ServiceTest, WorkingMemoryOverTheLimitIsResourceExhausted) {
   options.max_scratch_mb = 1;
   StartServer(options);
   v1::MultiHeadAttentionRequest request = ValidRequest();
-  // Projections 2 * 5000 * (2 * 8) floats and K^T/V copies 2 * 5000 * (4 * 8) floats: 1.9 MB over 1 MiB.
+  // Q, K, V and the concatenated heads alone: 2 * 5000 * (4 * 8) floats, 1.3 MB over 1 MiB.
   SetTensor(request.mutable_query(), {2, 5000, kDModel}, 1);
   v1::MultiHeadAttentionResponse response;
   const grpc::Status status = Call(request, &response);
@@ -400,7 +395,7 @@ TEST_F(ServiceTest, HealthyWhileALongRequestComputes) {
     v1::MultiHeadAttentionResponse response;
     return Call(slow, &response);
   });
-  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  ASSERT_TRUE(server_->scheduler().AwaitRunning(absl::Seconds(30)));
   const auto start = std::chrono::steady_clock::now();
   v1::GetServerInfoResponse info;
   grpc::ClientContext context;
@@ -425,7 +420,7 @@ TEST_P(InlineTest, TinyRequestsSkipTheQueueOnlyWhenInlineIsOn) {
     v1::MultiHeadAttentionResponse response;
     return Call(slow, &response);
   });
-  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  ASSERT_TRUE(server_->scheduler().AwaitRunning(absl::Seconds(30)));
   v1::MultiHeadAttentionResponse tiny;
   ASSERT_TRUE(Call(ValidRequest(), &tiny).ok());  // 2 x 3 tokens, d_model 8: a few kFLOP on the cpu backend
   if (inline_on) {
@@ -541,7 +536,7 @@ std::vector<BadInput> BadInputs() {
          SetTensor(Query(r), {1, 2, 512}, 1);
          r->mutable_heads()->set_num_heads(4);
        },
-       kInvalid, "heads.num_heads is 4 but layer 'demo' has 8"},
+       kInvalid, "heads.num_heads is 4, which disagrees with layer 'demo' (8)"},
       {"key_batch_mismatch", [](R* r) { SetTensor(r->mutable_key(), {3, 5, 8}, 1); }, kInvalid,
        "key.shape[0] (B) must be 2"},
       {"key_features_mismatch", [](R* r) { SetTensor(r->mutable_key(), {2, 5, 6}, 1); }, kInvalid,
@@ -660,7 +655,7 @@ INSTANTIATE_TEST_SUITE_P(
         {"v_shape_mismatch", [](auto* r) { SetTensor(r->mutable_v(), {2, 6, 2, 8}, 1); },
          "v.shape must equal k.shape [2, 5, 2, 8], got [2, 6, 2, 8]"},
         {"heads_disagree", [](auto* r) { r->mutable_heads()->set_num_heads(2); },
-         "heads.num_heads is 2 but q.shape[2] is 4"},
+         "heads.num_heads is 2, which disagrees with the q and k shapes (4)"},
         {"key_lengths_out_of_range", [](auto* r) {
            r->add_key_lengths(6);
            r->add_key_lengths(0);

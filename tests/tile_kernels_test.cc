@@ -1,8 +1,9 @@
-// The hand-written tile matmuls against plain loops, for every instruction set this CPU runs (others skip), on
-// sizes that cut the register blocks at every edge: rows not a multiple of the panel (at and between the heights
-// of the shorter register blocks), columns not a multiple of a vector or a block, strides wider than the data.
+// The hand-written tile matmuls against plain loops, for every instruction set this CPU runs (others skip; the
+// portable set runs everywhere), on sizes that cut the register blocks at every edge: rows not a multiple of the
+// panel (at and between the heights of the shorter register blocks), columns and widths not a multiple of a vector
+// or a block, strides wider than the data.
 // Nothing outside the output rectangle may be written.
-#include "server/tile_kernels.h"
+#include "server/backends/cpu/tile_kernels.h"
 
 #include <algorithm>
 #include <cmath>
@@ -73,7 +74,7 @@ TEST_P(PackKeysTest, PackedKeysAreTransposedPanelsZeroPadded) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, ScoresTest,
-                         ::testing::Combine(::testing::Values("avx512", "avx2"), ::testing::Values(1, 7, 8, 11, 13),
+                         ::testing::Combine(::testing::Values("avx512", "avx2", "portable"), ::testing::Values(1, 7, 8, 11, 13),
                                             ::testing::Values(1, 17, 64, 65, 130), ::testing::Values(1, 8, 67)),
                          [](const auto& info) {
                            return std::get<0>(info.param) + "_rows" + std::to_string(std::get<1>(info.param)) +
@@ -82,21 +83,21 @@ INSTANTIATE_TEST_SUITE_P(Shapes, ScoresTest,
                          });
 
 INSTANTIATE_TEST_SUITE_P(Shapes, PackKeysTest,
-                         ::testing::Combine(::testing::Values("avx512", "avx2"), ::testing::Values(1, 17, 64, 130),
+                         ::testing::Combine(::testing::Values("avx512", "avx2", "portable"), ::testing::Values(1, 17, 64, 130),
                                             ::testing::Values(1, 8, 67)),
                          [](const auto& info) {
                            return std::get<0>(info.param) + "_cols" + std::to_string(std::get<1>(info.param)) +
                                   "_depth" + std::to_string(std::get<2>(info.param));
                          });
 
-// (isa, rows, n, vectors of width, with o_scale)
+// (isa, rows, n, width, with o_scale)
 class ValuesTest : public ::testing::TestWithParam<std::tuple<std::string, int, int, int, bool>> {};
 
 TEST_P(ValuesTest, MatchesPlainLoopsAndWritesOnlyTheOutput) {
-  const auto& [isa, rows, n, vectors, rescale] = GetParam();
+  const auto& [isa, rows, n, width, rescale] = GetParam();
   const TileKernels* k = TileKernelsFor(isa.c_str());
   if (k == nullptr) GTEST_SKIP() << "this CPU does not run " << isa;
-  const int width = vectors * k->lanes, ldp = n + 3, ldv = width + 9, ldo = width + 4;
+  const int ldp = n + 3, ldv = width + 9, ldo = width + 4;
   const std::vector<float> p = RandomVector(rows * ldp, 3), v = RandomVector(n * ldv, 4);
   const int panels = (width + k->value_panel - 1) / k->value_panel;
   const int panel_stride = n * k->value_panel + 5;
@@ -132,14 +133,15 @@ TEST_P(ValuesTest, MatchesPlainLoopsAndWritesOnlyTheOutput) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, ValuesTest,
-                         ::testing::Combine(::testing::Values("avx512", "avx2"), ::testing::Values(1, 7, 8, 11, 13),
-                                            ::testing::Values(1, 256), ::testing::Values(1, 3, 4, 5, 9),
+                         ::testing::Combine(::testing::Values("avx512", "avx2", "portable"),
+                                            ::testing::Values(1, 7, 8, 13), ::testing::Values(1, 256),
+                                            ::testing::Values(1, 5, 12, 16, 33, 48, 80),
                                             ::testing::Bool()),
                          [](const auto& info) {
                            return std::get<0>(info.param) + "_rows" + std::to_string(std::get<1>(info.param)) +
-                                  "_n" + std::to_string(std::get<2>(info.param)) + "_vectors" +
+                                  "_n" + std::to_string(std::get<2>(info.param)) + "_width" +
                                   std::to_string(std::get<3>(info.param)) +
-                                  (std::get<4>(info.param) ? "_rescaled" : "_overwritten");
+                                  (std::get<4>(info.param) ? "_rescaled" : "");
                          });
 
 constexpr float kInf = std::numeric_limits<float>::infinity();
@@ -265,7 +267,7 @@ TEST_P(SoftmaxTest, OnlineBlockWeightIsWithin3e7OfLibm) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Isas, SoftmaxTest,
-                         ::testing::Combine(::testing::Values("avx512", "avx2"), ::testing::Bool()),
+                         ::testing::Combine(::testing::Values("avx512", "avx2", "portable"), ::testing::Bool()),
                          [](const auto& info) {
                            return std::get<0>(info.param) + (std::get<1>(info.param) ? "_log2" : "_natural");
                          });
@@ -289,14 +291,38 @@ TEST_P(CopyScaledTest, ScalesEveryElementAndWritesNothingElse) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, CopyScaledTest,
-                         ::testing::Combine(::testing::Values("avx512", "avx2"), ::testing::Values(1, 13),
+                         ::testing::Combine(::testing::Values("avx512", "avx2", "portable"), ::testing::Values(1, 13),
                                             ::testing::Values(1, 16, 21, 64)),
                          [](const auto& info) {
                            return std::get<0>(info.param) + "_rows" + std::to_string(std::get<1>(info.param)) +
                                   "_cols" + std::to_string(std::get<2>(info.param));
                          });
 
+// (isa, n)
+class AddTest : public ::testing::TestWithParam<std::tuple<std::string, int>> {};
+
+TEST_P(AddTest, AddsExactlyNElements) {
+  const auto& [isa, n] = GetParam();
+  const TileKernels* k = TileKernelsFor(isa.c_str());
+  if (k == nullptr) GTEST_SKIP() << "this CPU does not run " << isa;
+  const std::vector<float> y = RandomVector(n + 1, 7);
+  std::vector<float> x = RandomVector(n + 1, 8);
+  const std::vector<float> before = x;
+  k->add(n, y.data(), x.data());
+  for (int j = 0; j < n; ++j) ASSERT_EQ(x[j], before[j] + y[j]) << j;
+  EXPECT_EQ(x[n], before[n]) << "wrote past n";
+}
+
+INSTANTIATE_TEST_SUITE_P(Lengths, AddTest,
+                         ::testing::Combine(::testing::Values("avx512", "avx2", "portable"),
+                                            ::testing::Values(0, 1, 15, 16, 17, 100)),
+                         [](const auto& info) {
+                           return std::get<0>(info.param) + "_n" + std::to_string(std::get<1>(info.param));
+                         });
+
 TEST(TileKernels, UnknownInstructionSetIsNull) { EXPECT_EQ(TileKernelsFor("sse9"), nullptr); }
+
+TEST(TileKernels, PortableIsOfferedEverywhere) { EXPECT_NE(TileKernelsFor("portable"), nullptr); }
 
 TEST(TileKernels, Avx512IsOfferedExactlyWhenTheCpuHasIt) {
   __builtin_cpu_init();

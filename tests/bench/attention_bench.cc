@@ -18,8 +18,9 @@
 #include <vector>
 
 #include "benchmark/benchmark.h"
-#include "server/cpu_backend.h"
-#include "server/reference_backend.h"
+#include "oneapi/dnnl/dnnl.h"
+#include "proto/mha/v1/attention_shape.h"
+#include "server/backends/cpu/cpu_backend.h"
 #include "tests/bench/fma_probe.h"
 
 namespace mha::bench {
@@ -46,29 +47,31 @@ const std::vector<Shape>& Shapes() {
   return *shapes;
 }
 
-// FLOPs a kernel must do: projections Q, K, V, O and attention (half of it when causal).
-double Flops(const Shape& s) {
-  const double dk = static_cast<double>(s.d_model / s.heads);
-  const double B = s.batch, Tq = s.q_len, Tk = s.kv_len, d = s.d_model, H = s.heads, Hkv = s.kv_heads;
-  const double attention = 4 * B * H * Tq * Tk * dk;
-  return 2 * B * Tq * d * H * dk + 4 * B * Tk * d * Hkv * dk + 2 * B * Tq * H * dk * d +
-         (s.causal ? attention / 2 : attention);
+// The self-attention layer of a table row (d_k = d_model / H); with_projections false: the attention core alone.
+AttentionShape ToShape(const Shape& s, bool with_projections = true) {
+  AttentionShape shape;
+  shape.batch = s.batch;
+  shape.q_len = s.q_len;
+  shape.kv_len = s.kv_len;
+  if (with_projections) shape.d_model = shape.d_kv_in = shape.d_v_in = s.d_model;
+  shape.heads.num_heads = s.heads;
+  shape.heads.num_kv_heads = s.kv_heads;
+  shape.heads.head_dim = s.d_model / s.heads;
+  shape.heads.causal = s.causal;
+  shape.heads.scale = 1.0f / std::sqrt(static_cast<float>(shape.heads.head_dim));
+  return shape;
 }
 
-// Inputs and outputs of one shape, filled deterministically.
-struct Problem {
-  AttentionDims dims;
-  std::vector<float> x, w_q, w_k, w_v, w_o, w_qkv, b_qkv, out, weights;
+// FLOPs as the server counts them (AttentionFlops: causal counts the visible pairs only).
+double Flops(const Shape& s) { return AttentionFlops(ToShape(s)); }
 
-  Problem(const Shape& s, bool with_weights) {
-    dims.batch = s.batch;
-    dims.q_len = s.q_len;
-    dims.kv_len = s.kv_len;
-    dims.num_heads = s.heads;
-    dims.num_kv_heads = s.kv_heads;
-    dims.head_dim = s.d_model / s.heads;
-    dims.causal = s.causal;
-    dims.scale = 1.0f / std::sqrt(static_cast<float>(dims.head_dim));
+// Inputs and outputs of one shape, filled deterministically; the weights as a registered layer holds them (Q|K|V
+// fused into one matrix).
+struct Problem {
+  AttentionShape shape;
+  std::vector<float> x, w_qkv, w_o, out, weights;
+
+  Problem(const Shape& s, bool with_weights) : shape(ToShape(s)) {
     auto fill = [](std::vector<float>& v, int64_t n, float bound) {
       v.resize(n);
       uint32_t state = static_cast<uint32_t>(n);
@@ -77,37 +80,29 @@ struct Problem {
         x = bound * (static_cast<float>(state >> 8) / (1 << 23) - 1.0f);
       }
     };
-    const int64_t qw = s.heads * dims.head_dim, kvw = s.kv_heads * dims.head_dim;
+    const int64_t qw = shape.heads.q_width(), width = qw + 2 * shape.heads.kv_width();
     fill(x, s.batch * s.q_len * s.d_model, 1.0f);
     const float bound = 1.0f / std::sqrt(static_cast<float>(s.d_model));
-    fill(w_q, s.d_model * qw, bound);
-    fill(w_k, s.d_model * kvw, bound);
-    fill(w_v, s.d_model * kvw, bound);
+    fill(w_qkv, s.d_model * width, bound);
     fill(w_o, qw * s.d_model, bound);
-    // As a registered layer holds them: the fused Q|K|V weights are computed once, not per call.
-    LayerWeights separate;
-    separate.d_model = s.d_model;
-    separate.w_q = w_q.data();
-    separate.w_k = w_k.data();
-    separate.w_v = w_v.data();
-    FuseQkvProjection(separate, qw, kvw, &w_qkv, &b_qkv);
     out.resize(x.size());
     if (with_weights) weights.resize(s.batch * s.heads * s.q_len * s.kv_len);
   }
 
   MhaArgs Args() {
+    const int64_t qw = shape.heads.q_width(), kvw = shape.heads.kv_width();
     MhaArgs a;
-    a.dims = dims;
-    a.weights.d_model = a.weights.d_kv_in = a.weights.d_v_in = static_cast<int64_t>(x.size() / (dims.batch * dims.q_len));
-    a.weights.w_q = w_q.data();
-    a.weights.w_k = w_k.data();
-    a.weights.w_v = w_v.data();
+    a.shape = shape;
+    a.weights.fused_qkv = true;
+    a.weights.w_q = w_qkv.data();
+    a.weights.w_k = w_qkv.data() + qw;
+    a.weights.w_v = w_qkv.data() + qw + kvw;
+    a.weights.ld_q = a.weights.ld_k = a.weights.ld_v = qw + 2 * kvw;
     a.weights.w_o = w_o.data();
-    a.weights.w_qkv = w_qkv.data();
-    a.query = a.key = a.value = x.data();
-    a.self_attention = true;
-    a.out = out.data();
-    a.attention_weights = weights.empty() ? nullptr : weights.data();
+    a.kv_source = KvSource::kQuery;
+    a.query = a.key = a.value = {x.data(), v1::FP32};
+    a.out = {out.data(), v1::FP32};
+    if (!weights.empty()) a.attention_weights = {weights.data(), v1::FP32};
     return a;
   }
 };
@@ -165,7 +160,7 @@ void BM_MultiHeadAttention(benchmark::State& state, Shape shape, bool with_weigh
 }
 
 // The attention core alone (ScaledDotProductAttention on head-packed Q, K, V): no projections, so the FLOPs are
-// 4 B H Tq Tk d_k (half for causal), and the causal saving shows undiluted.
+// 4 B H d_k times the visible pairs, and the causal saving shows undiluted.
 void BM_AttentionCore(benchmark::State& state, Shape shape, bool with_weights) {
   auto backend = CpuBackend::Create();
   if (!backend.ok()) {
@@ -174,36 +169,27 @@ void BM_AttentionCore(benchmark::State& state, Shape shape, bool with_weights) {
   }
   const int64_t dk = shape.d_model / shape.heads;
   SdpaArgs args;
-  args.dims.batch = shape.batch;
-  args.dims.q_len = shape.q_len;
-  args.dims.kv_len = shape.kv_len;
-  args.dims.num_heads = shape.heads;
-  args.dims.num_kv_heads = shape.kv_heads;
-  args.dims.head_dim = dk;
-  args.dims.causal = shape.causal;
-  args.dims.scale = 1.0f / std::sqrt(static_cast<float>(dk));
+  args.shape = ToShape(shape, /*with_projections=*/false);
   std::vector<float> q(shape.batch * shape.q_len * shape.heads * dk, 0.5f);
   std::vector<float> kv(shape.batch * shape.kv_len * shape.kv_heads * dk);
   for (size_t i = 0; i < kv.size(); ++i) kv[i] = static_cast<float>(i % 7) * 0.1f;
   std::vector<float> out(q.size()), weights;
   if (with_weights) weights.resize(shape.batch * shape.heads * shape.q_len * shape.kv_len);
-  args.q = q.data();
-  args.k = args.v = kv.data();
-  args.out = out.data();
-  args.weights = with_weights ? weights.data() : nullptr;
+  args.q = {q.data(), v1::FP32};
+  args.k = args.v = {kv.data(), v1::FP32};
+  args.out = {out.data(), v1::FP32};
+  if (with_weights) args.weights = {weights.data(), v1::FP32};
   if (!(*backend)->ScaledDotProductAttention(args).ok()) {
     state.SkipWithError("backend failed");
     return;
   }
-  const double attention = 4.0 * shape.batch * shape.heads * shape.q_len * shape.kv_len * dk;
-  TimeAgainstPeak(state, shape.causal ? attention / 2 : attention,
-                  [&] { return (*backend)->ScaledDotProductAttention(args); });
+  TimeAgainstPeak(state, AttentionFlops(args.shape), [&] { return (*backend)->ScaledDotProductAttention(args); });
 }
 
 // The projections alone, as CpuBackend runs them for self-attention without biases: one dnnl_sgemm for the fused
 // Q|K|V product [B*T, d] x [d, (H + 2 Hkv) dk] and one for the output [B*T, H dk] x [H dk, d]. With the core row
 // of the same shape it splits the layer's time (report.py's "where the time goes"). FLOPs: the first three and the
-// fourth terms of Flops().
+// fourth terms of AttentionFlops.
 void BM_Projections(benchmark::State& state, Shape shape) {
   Problem problem(shape, /*with_weights=*/false);
   const int64_t rows = shape.batch * shape.q_len, d = shape.d_model, dk = d / shape.heads;

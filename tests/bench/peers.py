@@ -41,10 +41,10 @@ SHAPES = [
 
 
 def flops(B, Tq, Tk, d, H, Hkv, causal):
+    """AttentionFlops (proto/mha/v1/attention_shape.h): attention counts the visible (query, key) pairs only."""
     dk = d // H
-    attention = 4 * B * H * Tq * Tk * dk
-    return 2 * B * Tq * d * H * dk + 4 * B * Tk * d * Hkv * dk + 2 * B * Tq * H * dk * d + (
-        attention / 2 if causal else attention)
+    pairs = sum(min(Tk, max(0, i + Tk - Tq + 1)) for i in range(Tq)) if causal else Tq * Tk
+    return 2 * B * Tq * d * H * dk + 4 * B * Tk * d * Hkv * dk + 2 * B * Tq * H * dk * d + 4 * B * H * dk * pairs
 
 
 def time_it(fn, min_time):

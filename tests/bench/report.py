@@ -50,7 +50,7 @@ def main():
             b["ms_best"], np_g, t_g, torch_note, ours / np_g, ours / t_g))
     if core:
         print()
-        print("Attention core alone (ScaledDotProductAttention: no projections; FLOPs 4BHTqTkdk, half for causal):")
+        print("Attention core alone (ScaledDotProductAttention: no projections; FLOPs 4BHdk times the visible query-key pairs, T(T+1)/2 for causal):")
         print()
         print("| shape | GFLOP/s | peak | % of peak | median | ms |")
         print("| --- | ---: | ---: | ---: | ---: | ---: |")
@@ -80,7 +80,7 @@ def main():
                 print("causal / non-causal time (fastest calls), %s, %s: %.2fx" % (what, shape, causal / base))
     print()
     print("torch: nn.MultiheadAttention (eval, fast path) where it can express the shape; * = the same math in "
-          "plain torch ops (GQA). FLOPs: 2BTqdHdk + 4BTkdHkvdk + 2BTqHdkd + 4BHTqTkdk (half the last for causal).")
+          "plain torch ops (GQA). FLOPs: 2BTqdHdk + 4BTkdHkvdk + 2BTqHdkd + 4BHdk x visible pairs (TqTk, or T(T+1)/2 causal: AttentionFlops in proto/mha/v1/attention_shape.h).")
 
 
 if __name__ == "__main__":

@@ -251,7 +251,7 @@ def test_bench_counts_errors_with_their_messages(server, run_cli):
     assert_report_consistent(report)
     assert report["count"] == {"sent": 10, "ok": 0, "errors": 10}
     assert report["status"] == [{"code": "INVALID_ARGUMENT", "count": 10, "messages": [
-        {"message": "heads.num_heads is 3 but layer 'demo' has 8; leave it 0 to use the layer's", "count": 10}]}]
+        {"message": "heads.num_heads is 3, which disagrees with layer 'demo' (8); leave it 0 to use that value", "count": 10}]}]
 
 
 def test_bench_pretty_report_and_progress_line(server, run_cli):

@@ -7,7 +7,8 @@
 //
 // Scores: an output block of kScoreRows x kScoreVectors vectors stays in registers for the whole reduction over
 // depth; each step loads kScoreVectors vectors of one K^T row and broadcasts one Q value per output row.
-// Values: the same with P values broadcast against V rows.
+// Values: the same with P values broadcast against V rows; the last vector of a row may be partial (a head_dim that
+// is not a multiple of kLanes).
 
 #define MHA_UNROLL _Pragma("GCC unroll 16")
 
@@ -89,9 +90,11 @@ inline void Scores(int64_t rows, int64_t cols, int64_t depth, float scale, const
   }
 }
 
+// The last of the kVectors vectors of each row holds last_lanes (1..kLanes) columns of o; the rest of it is
+// neither read nor written.
 template <int kRows, int kVectors>
 inline void ValueBlock(int64_t rows, int64_t n, const float* p, int64_t ldp, const float* v, int64_t ldv,
-                       const float* o_scale, float* o, int64_t ldo) {
+                       const float* o_scale, float* o, int64_t ldo, int last_lanes) {
   using V = Isa::V;
   V acc[kRows][kVectors];
   const float* pr[kRows];
@@ -100,7 +103,13 @@ inline void ValueBlock(int64_t rows, int64_t n, const float* p, int64_t ldp, con
     pr[r] = p + row * ldp;
     const V factor = o_scale != nullptr ? Isa::Broadcast(o_scale + row) : Isa::Zero();
     MHA_UNROLL for (int x = 0; x < kVectors; ++x) {
-      acc[r][x] = o_scale != nullptr ? Isa::Mul(factor, Isa::Load(o + row * ldo + x * Isa::kLanes)) : Isa::Zero();
+      if (o_scale == nullptr) {
+        acc[r][x] = Isa::Zero();
+      } else {
+        const float* old = o + row * ldo + x * Isa::kLanes;
+        const bool partial = x == kVectors - 1 && last_lanes < Isa::kLanes;
+        acc[r][x] = Isa::Mul(factor, partial ? Isa::LoadPartial(old, last_lanes, 0.0f) : Isa::Load(old));
+      }
     }
   }
   for (int64_t j = 0; j < n; ++j) {
@@ -113,20 +122,27 @@ inline void ValueBlock(int64_t rows, int64_t n, const float* p, int64_t ldp, con
   }
   MHA_UNROLL for (int r = 0; r < kRows; ++r) {
     if (r >= rows) break;
-    MHA_UNROLL for (int x = 0; x < kVectors; ++x) Isa::Store(o + r * ldo + x * Isa::kLanes, acc[r][x]);
+    MHA_UNROLL for (int x = 0; x < kVectors; ++x) {
+      if (x == kVectors - 1 && last_lanes < Isa::kLanes) {
+        Isa::StorePartial(o + r * ldo + x * Isa::kLanes, acc[r][x], last_lanes);
+      } else {
+        Isa::Store(o + r * ldo + x * Isa::kLanes, acc[r][x]);
+      }
+    }
   }
 }
 
 // One column panel of `kVectors` vectors for every row block.
 template <int kVectors>
 inline void ValuePanel(int64_t rows, int64_t n, const float* p, int64_t ldp, const float* v, int64_t ldv,
-                       const float* o_scale, float* o, int64_t ldo) {
+                       const float* o_scale, float* o, int64_t ldo, int last_lanes) {
   constexpr int64_t kRows = Isa::kValueRows;
   for (int64_t i = 0; i < rows; i += kRows) {
     const int64_t block = rows - i < kRows ? rows - i : kRows;
     WithBlockRows<Isa::kValueRows>(block, [&](auto height) {
       ValueBlock<decltype(height)::kValue, kVectors>(block, n, p + i * ldp, ldp, v, ldv,
-                                                     o_scale == nullptr ? nullptr : o_scale + i, o + i * ldo, ldo);
+                                                     o_scale == nullptr ? nullptr : o_scale + i, o + i * ldo, ldo,
+                                                     last_lanes);
     });
   }
 }
@@ -134,14 +150,14 @@ inline void ValuePanel(int64_t rows, int64_t n, const float* p, int64_t ldp, con
 // A panel of min(kVectors, vectors) vectors: the widest register block that fits what is left of the width.
 template <int kVectors>
 inline void ValuePanelUpTo(int64_t vectors, int64_t rows, int64_t n, const float* p, int64_t ldp, const float* v,
-                           int64_t ldv, const float* o_scale, float* o, int64_t ldo) {
+                           int64_t ldv, const float* o_scale, float* o, int64_t ldo, int last_lanes) {
   if constexpr (kVectors > 1) {
     if (vectors < kVectors) {
-      ValuePanelUpTo<kVectors - 1>(vectors, rows, n, p, ldp, v, ldv, o_scale, o, ldo);
+      ValuePanelUpTo<kVectors - 1>(vectors, rows, n, p, ldp, v, ldv, o_scale, o, ldo, last_lanes);
       return;
     }
   }
-  ValuePanel<kVectors>(rows, n, p, ldp, v, ldv, o_scale, o, ldo);
+  ValuePanel<kVectors>(rows, n, p, ldp, v, ldv, o_scale, o, ldo, last_lanes);
 }
 
 // v: packed panels of kPanel columns, rows kPanel floats apart, panels panel_stride floats apart.
@@ -149,10 +165,13 @@ inline void Values(int64_t rows, int64_t n, int64_t width, const float* p, int64
                    int64_t panel_stride, const float* o_scale, float* o, int64_t ldo) {
   constexpr int64_t kPanel = Isa::kValueVectors * Isa::kLanes;
   for (int64_t c = 0; c < width; c += kPanel) {
-    const int64_t left = (width - c) / Isa::kLanes;
-    const int64_t vectors = left < Isa::kValueVectors ? left : Isa::kValueVectors;
+    const int64_t left = width - c;  // columns from here on, the last vector possibly partial
+    const int64_t vectors = (left + Isa::kLanes - 1) / Isa::kLanes < Isa::kValueVectors
+                                ? (left + Isa::kLanes - 1) / Isa::kLanes
+                                : Isa::kValueVectors;
+    const int64_t last = left - (vectors - 1) * Isa::kLanes;
     ValuePanelUpTo<Isa::kValueVectors>(vectors, rows, n, p, ldp, v + (c / kPanel) * panel_stride, kPanel, o_scale,
-                                       o + c, ldo);
+                                       o + c, ldo, static_cast<int>(last < Isa::kLanes ? last : Isa::kLanes));
   }
 }
 
@@ -169,8 +188,8 @@ inline void PackKeys(int64_t n, int64_t depth, const float* k, int64_t ldk, floa
 }
 
 // V in panels for Values: v[n, width] (row stride ldv) becomes ceil(width / kPanel) panels, panel_stride floats
-// apart, each n rows of kPanel floats (columns past width zero).
-// Whole vectors (no library calls: a row of a panel is a couple of vectors); width is a multiple of kLanes.
+// apart, each n rows of kPanel floats (columns past width zero). Whole vectors, no library calls: a row of a panel
+// is a couple of vectors.
 inline void PackValues(int64_t n, int64_t width, const float* v, int64_t ldv, float* vp, int64_t panel_stride) {
   constexpr int64_t kPanel = Isa::kValueVectors * Isa::kLanes;
   for (int64_t c = 0; c < width; c += kPanel) {
@@ -178,7 +197,11 @@ inline void PackValues(int64_t n, int64_t width, const float* v, int64_t ldv, fl
     for (int64_t j = 0; j < n; ++j) {
       MHA_UNROLL for (int x = 0; x < Isa::kValueVectors; ++x) {
         const int64_t col = c + x * Isa::kLanes;
-        Isa::Store(panel + j * kPanel + x * Isa::kLanes, col < width ? Isa::Load(v + j * ldv + col) : Isa::Zero());
+        const float* src = v + j * ldv + col;
+        const Isa::V x_v = col + Isa::kLanes <= width ? Isa::Load(src)
+                           : col < width              ? Isa::LoadPartial(src, static_cast<int>(width - col), 0.0f)
+                                                      : Isa::Zero();
+        Isa::Store(panel + j * kPanel + x * Isa::kLanes, x_v);
       }
     }
   }
@@ -333,10 +356,11 @@ inline void Softmax(int64_t rows, int64_t n, const int64_t* visible, float* s, i
   }
 }
 
-// dst[c, r] = src[r, c] for r < rows, c < cols, in 8 x 8 blocks through AVX registers (both instruction sets
-// have them), the edges one element at a time.
+// dst[c, r] = src[r, c] for r < rows, c < cols: in 8 x 8 blocks through AVX registers where the instruction set has
+// them, the edges (and everything on the portable set) one element at a time.
 inline void Transpose(int64_t rows, int64_t cols, const float* src, int64_t lds, float* dst, int64_t ldd) {
   int64_t r = 0;
+#ifdef __AVX__
   for (; r + 8 <= rows; r += 8) {
     int64_t c = 0;
     for (; c + 8 <= cols; c += 8) {
@@ -361,6 +385,7 @@ inline void Transpose(int64_t rows, int64_t cols, const float* src, int64_t lds,
       for (int64_t i = 0; i < 8; ++i) dst[c * ldd + r + i] = src[(r + i) * lds + c];
     }
   }
+#endif
   for (; r < rows; ++r) {
     for (int64_t c = 0; c < cols; ++c) dst[c * ldd + r] = src[r * lds + c];
   }
@@ -379,6 +404,13 @@ inline void CopyScaled(int64_t rows, int64_t cols, float scale, const float* src
   }
 }
 
+// x[j] += y[j].
+inline void AddRow(int64_t n, const float* y, float* x) {
+  int64_t j = 0;
+  for (; j + Isa::kLanes <= n; j += Isa::kLanes) Isa::Store(x + j, Isa::Add(Isa::Load(x + j), Isa::Load(y + j)));
+  for (; j < n; ++j) x[j] += y[j];
+}
+
 // This instruction set's entry of the table tile_kernels.cc hands out.
 extern const TileKernels kKernels = {Isa::kName,
                                      Isa::kLanes,
@@ -391,6 +423,7 @@ extern const TileKernels kKernels = {Isa::kName,
                                      &Values,
                                      &OnlineSoftmax,
                                      &Softmax,
-                                     &CopyScaled};
+                                     &CopyScaled,
+                                     &AddRow};
 
 #undef MHA_UNROLL

@@ -1,13 +1,13 @@
 // Hand-written kernels for the attention core's in-cache tiles: scores S = scale * Q K^T, values O (+)= P V, and
-// the softmax between them.
-// oneDNN's sgemm reaches 50-65% of a core on these shapes (128x256x64 and 128x64x256, measured here); these
-// register-blocked kernels keep the whole output block in registers for the full reduction and read K^T and V
-// packed in panels (contiguous streams that the prefetchers follow). One body (tile_kernels_impl.h) is compiled once per instruction set, each in its own
-// translation unit and namespace, so nothing built for AVX-512 can leak into code that runs on an AVX2 CPU.
+// the softmax between them. Register-blocked: the whole output block stays in registers for the full reduction,
+// and K^T and V are read packed in panels (contiguous streams that the prefetchers follow). One body
+// (tile_kernels_impl.h) is compiled once per instruction set, each in its own translation unit and namespace, so
+// nothing built for AVX-512 can leak into code that runs on an AVX2 CPU; the portable set (GCC vector types,
+// baseline x86-64) runs anywhere.
 //
 // All matrices are row-major fp32 with explicit row strides (in floats). Thread-safe: no state.
-#ifndef MHA_SERVER_TILE_KERNELS_H_
-#define MHA_SERVER_TILE_KERNELS_H_
+#ifndef MHA_SERVER_BACKENDS_CPU_TILE_KERNELS_H_
+#define MHA_SERVER_BACKENDS_CPU_TILE_KERNELS_H_
 
 #include <cstdint>
 
@@ -17,7 +17,7 @@ namespace mha::kernels {
 inline constexpr float kLog2e = 1.44269504088896341f;
 
 struct TileKernels {
-  const char* isa;    // "avx512" or "avx2"
+  const char* isa;    // "avx512", "avx2" or "portable"
   int lanes;          // floats per vector register
   int key_panel;      // columns per panel of packed K^T
   int value_panel;    // columns per panel of packed V
@@ -27,8 +27,7 @@ struct TileKernels {
   //  - K^T of n keys k[n, depth] (row stride ldk): ceil(n / key_panel) panels of [depth, key_panel] floats one
   //    after another; columns past n are zero. Panel p starts at kt + p * key_panel * depth.
   //  - V of n keys v[n, width] (row stride ldv): ceil(width / value_panel) panels, panel_stride floats apart, each
-  //    [n, value_panel] floats; columns past width are zero. Row j of panel 0 is at vp + j * value_panel. width
-  //    must be a multiple of `lanes`.
+  //    [n, value_panel] floats; columns past width are zero. Row j of panel 0 is at vp + j * value_panel.
   void (*pack_keys)(int64_t n, int64_t depth, const float* k, int64_t ldk, float* kt);
   void (*pack_values)(int64_t n, int64_t width, const float* v, int64_t ldv, float* vp, int64_t panel_stride);
 
@@ -39,7 +38,7 @@ struct TileKernels {
 
   // o[rows, width] (stride ldo) = p[rows, n] (stride ldp) * V[n, width], vp the packed V from its first row (panels
   // panel_stride floats apart), plus o_scale[r] * o[r, :] for each row r when o_scale is not null (the online
-  // softmax's rescaling, fused). width must be a multiple of `lanes`.
+  // softmax's rescaling, fused). Nothing at or past `width` of o is read or written.
   void (*values)(int64_t rows, int64_t n, int64_t width, const float* p, int64_t ldp, const float* vp,
                  int64_t panel_stride, const float* o_scale, float* o, int64_t ldo);
 
@@ -61,11 +60,14 @@ struct TileKernels {
   // dst[r, c] = scale * src[r, c] for r < rows and c < cols.
   void (*copy_scaled)(int64_t rows, int64_t cols, float scale, const float* src, int64_t lds, float* dst,
                       int64_t ldd);
+
+  // x[j] += y[j] for j < n (an additive mask onto a row of scores).
+  void (*add)(int64_t n, const float* y, float* x);
 };
 
-// The kernels for `isa` ("avx512", "avx2") if this CPU runs them, else nullptr.
+// The kernels for `isa` ("avx512", "avx2", "portable") if this CPU runs them, else nullptr.
 const TileKernels* TileKernelsFor(const char* isa);
 
 }  // namespace mha::kernels
 
-#endif  // MHA_SERVER_TILE_KERNELS_H_
+#endif  // MHA_SERVER_BACKENDS_CPU_TILE_KERNELS_H_

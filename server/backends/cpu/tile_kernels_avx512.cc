@@ -1,7 +1,7 @@
 // The tile kernels for AVX-512 (compiled with -mavx512f -mfma; called only where the CPU has AVX-512F).
 #include <immintrin.h>
 
-#include "server/tile_kernels.h"
+#include "server/backends/cpu/tile_kernels.h"
 
 namespace mha::kernels::avx512 {
 
@@ -41,6 +41,6 @@ struct Isa {
   }
 };
 
-#include "server/tile_kernels_impl.h"  // defines kKernels
+#include "server/backends/cpu/tile_kernels_impl.h"  // defines kKernels
 
 }  // namespace mha::kernels::avx512

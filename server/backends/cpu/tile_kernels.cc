@@ -1,4 +1,4 @@
-#include "server/tile_kernels.h"
+#include "server/backends/cpu/tile_kernels.h"
 
 #include <cstring>
 
@@ -9,6 +9,9 @@ extern const TileKernels kKernels;
 namespace avx2 {
 extern const TileKernels kKernels;
 }
+namespace portable {
+extern const TileKernels kKernels;
+}
 
 const TileKernels* TileKernelsFor(const char* isa) {
   __builtin_cpu_init();
@@ -16,6 +19,7 @@ const TileKernels* TileKernelsFor(const char* isa) {
   if (std::strcmp(isa, "avx2") == 0 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
     return &avx2::kKernels;
   }
+  if (std::strcmp(isa, "portable") == 0) return &portable::kKernels;
   return nullptr;
 }
 

@@ -1,7 +1,7 @@
 // The tile kernels for AVX2 with FMA (compiled with -mavx2 -mfma; called only where the CPU has both).
 #include <immintrin.h>
 
-#include "server/tile_kernels.h"
+#include "server/backends/cpu/tile_kernels.h"
 
 namespace mha::kernels::avx2 {
 
@@ -54,6 +54,6 @@ struct Isa {
   }
 };
 
-#include "server/tile_kernels_impl.h"  // defines kKernels
+#include "server/backends/cpu/tile_kernels_impl.h"  // defines kKernels
 
 }  // namespace mha::kernels::avx2

@@ -1,0 +1,105 @@
+#include "proto/mha/v1/attention_shape.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+
+namespace mha {
+namespace {
+
+absl::Status Invalid(absl::string_view field, absl::string_view name, absl::string_view message) {
+  return absl::InvalidArgumentError(absl::StrCat(field, ".", name, message));
+}
+
+// A config field given as `given` must agree with what `known` fixes (0 = nothing fixed).
+template <typename T>
+absl::Status Agree(absl::string_view field, absl::string_view name, T given, T known, absl::string_view from) {
+  if (given == T{0} || known == T{0} || given == known) return absl::OkStatus();
+  return Invalid(field, name, absl::StrCat(" is ", given, ", which disagrees with ", from, " (", known,
+                                           "); leave it 0 to use that value"));
+}
+
+}  // namespace
+
+absl::StatusOr<HeadSpec> ResolveHeads(const v1::HeadConfig& c, const HeadSpec& known, absl::string_view known_from,
+                                      int64_t d_model, absl::string_view field) {
+  if (auto s = Agree<int64_t>(field, "num_heads", c.num_heads(), known.num_heads, known_from); !s.ok()) return s;
+  if (auto s = Agree<int64_t>(field, "num_kv_heads", c.num_kv_heads(), known.num_kv_heads, known_from); !s.ok()) {
+    return s;
+  }
+  if (auto s = Agree<int64_t>(field, "head_dim", c.head_dim(), known.head_dim, known_from); !s.ok()) return s;
+  if (!std::isfinite(c.scale())) return Invalid(field, "scale", absl::StrCat(" must be finite, got ", c.scale()));
+  if (auto s = Agree<float>(field, "scale", c.scale(), known.scale, known_from); !s.ok()) return s;
+
+  HeadSpec h;
+  h.num_heads = known.num_heads != 0 ? known.num_heads : c.num_heads();
+  if (h.num_heads <= 0) return Invalid(field, "num_heads", absl::StrCat(" must be >= 1, got ", h.num_heads));
+  if (c.num_kv_heads() < 0) {
+    return Invalid(field, "num_kv_heads",
+                   absl::StrCat(" must be >= 0 (0 means num_heads), got ", c.num_kv_heads()));
+  }
+  h.num_kv_heads = known.num_kv_heads != 0 ? known.num_kv_heads
+                   : c.num_kv_heads() != 0 ? c.num_kv_heads()
+                                           : h.num_heads;
+  if (h.num_kv_heads > h.num_heads || h.num_heads % h.num_kv_heads != 0) {
+    return Invalid(field, "num_kv_heads",
+                   absl::StrCat(" (", h.num_kv_heads, ") must divide num_heads (", h.num_heads, ")"));
+  }
+  if (c.head_dim() < 0) {
+    return Invalid(field, "head_dim",
+                   absl::StrCat(" must be >= 0 (0 means d_model / num_heads), got ", c.head_dim()));
+  }
+  if (known.head_dim != 0) {
+    h.head_dim = known.head_dim;
+  } else if (c.head_dim() != 0) {
+    h.head_dim = c.head_dim();
+  } else {
+    if (d_model % h.num_heads != 0) {
+      return Invalid(field, "head_dim",
+                     absl::StrCat(" is 0, so d_model (", d_model, ") must be divisible by num_heads (", h.num_heads,
+                                  "); set head_dim explicitly otherwise"));
+    }
+    h.head_dim = d_model / h.num_heads;
+  }
+  if (h.head_dim <= 0) return Invalid(field, "head_dim", absl::StrCat(" must be >= 1, got ", h.head_dim));
+  const float scale = known.scale != 0.0f ? known.scale : c.scale();
+  h.scale = scale != 0.0f ? scale : static_cast<float>(1.0 / std::sqrt(static_cast<double>(h.head_dim)));
+  h.causal = known.causal || c.causal();
+  return h;
+}
+
+double VisiblePairs(const AttentionShape& s) {
+  const double tq = static_cast<double>(s.q_len), tk = static_cast<double>(s.kv_len);
+  if (!s.heads.causal) return tq * tk;
+  // Row i sees min(Tk, max(0, i + Tk - Tq + 1)) keys; the upper bound never binds for i < Tq. Summed, that is
+  // m(m + 1)/2 - (first - 1) first / 2 over the visible counts first..Tk with first = max(1, Tk - Tq + 1).
+  const double first = std::max(1.0, tk - tq + 1.0);
+  return (tk * (tk + 1.0) - (first - 1.0) * first) / 2.0;
+}
+
+double AttentionFlops(const AttentionShape& s) {
+  const HeadSpec& h = s.heads;
+  const double b = static_cast<double>(s.batch), tq = static_cast<double>(s.q_len),
+               tk = static_cast<double>(s.kv_len), dk = static_cast<double>(h.head_dim),
+               qw = static_cast<double>(h.q_width()), kvw = static_cast<double>(h.kv_width());
+  const double projections = 2 * b * tq * static_cast<double>(s.d_model) * qw +
+                             2 * b * tk * static_cast<double>(s.d_kv_in + s.d_v_in) * kvw +
+                             2 * b * tq * qw * static_cast<double>(s.d_model);
+  const double attention = 4 * b * static_cast<double>(h.num_heads) * dk * VisiblePairs(s);
+  return projections + attention;
+}
+
+std::string AttentionShapeString(const AttentionShape& s) {
+  const HeadSpec& h = s.heads;
+  std::string text = absl::StrCat("B=", s.batch, " Tq=", s.q_len, " Tk=", s.kv_len);
+  if (s.has_projections()) {
+    absl::StrAppend(&text, " d_model=", s.d_model, s.d_kv_in != s.d_model ? absl::StrCat(" d_kv=", s.d_kv_in) : "",
+                    s.d_v_in != s.d_kv_in ? absl::StrCat(" d_v=", s.d_v_in) : "");
+  }
+  absl::StrAppend(&text, " H=", h.num_heads, " Hkv=", h.num_kv_heads, " d_k=", h.head_dim,
+                  h.causal ? " causal" : "");
+  return text;
+}
+
+}  // namespace mha

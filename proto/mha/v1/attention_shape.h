@@ -1,0 +1,67 @@
+// The resolved shape of one attention call, shared by the server, its backends and the clients: every
+// "0 means default" of the wire's HeadConfig decided, once, by ResolveHeads; and the work the call costs, defined
+// once by AttentionFlops.
+#ifndef MHA_PROTO_ATTENTION_SHAPE_H_
+#define MHA_PROTO_ATTENTION_SHAPE_H_
+
+#include <cstdint>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "proto/mha/v1/attention.pb.h"
+
+namespace mha {
+
+// A head configuration with every default resolved: num_heads >= 1, num_kv_heads divides it, head_dim >= 1,
+// scale finite and non-zero.
+struct HeadSpec {
+  int64_t num_heads = 0;     // H
+  int64_t num_kv_heads = 0;  // Hkv
+  int64_t head_dim = 0;      // d_k
+  bool causal = false;       // bottom-right aligned: query i sees key j iff j <= i + (Tk - Tq)
+  float scale = 0.0f;        // multiplies q.k
+
+  int64_t group_size() const { return num_heads / num_kv_heads; }  // query heads per KV head
+  int64_t q_width() const { return num_heads * head_dim; }          // H d_k
+  int64_t kv_width() const { return num_kv_heads * head_dim; }      // Hkv d_k
+};
+
+// One call: sizes, heads and, for a whole layer, the projections' input widths (all 0 for attention alone).
+struct AttentionShape {
+  int64_t batch = 0;    // B
+  int64_t q_len = 0;    // Tq
+  int64_t kv_len = 0;   // Tk
+  int64_t d_model = 0;  // query features and output features of a layer; 0 for ScaledDotProductAttention
+  int64_t d_kv_in = 0;  // key features of a layer
+  int64_t d_v_in = 0;   // value features of a layer
+  HeadSpec heads;
+
+  bool has_projections() const { return d_model != 0; }
+};
+
+// Resolves a wire HeadConfig. `known` holds what tensors or a registered layer already fix (0 / false = not
+// fixed): a non-zero field of `config` must equal a non-zero field of `known`, else INVALID_ARGUMENT naming
+// `field`.<name> and `known_from` (e.g. "layer 'demo'", "the q and k shapes"). Unfixed zero fields take the
+// defaults: num_kv_heads = num_heads, head_dim = d_model / num_heads (which must divide), scale =
+// 1/sqrt(head_dim). causal = config.causal OR known.causal. Every error is INVALID_ARGUMENT naming the field.
+absl::StatusOr<HeadSpec> ResolveHeads(const v1::HeadConfig& config, const HeadSpec& known,
+                                      absl::string_view known_from, int64_t d_model, absl::string_view field);
+
+// (query, key) pairs that causal masking leaves visible: Tq Tk without causal, sum over i of
+// clamp(i + Tk - Tq + 1, 0, Tk) with it (T (T + 1) / 2 for Tq = Tk = T). key_lengths and additive masks are not
+// counted: they are data, not shape.
+double VisiblePairs(const AttentionShape& shape);
+
+// Floating-point operations the call costs, a multiply and an add counted as two:
+//   projections 2 B Tq d_model H d_k (Q) + 2 B Tk (d_kv_in + d_v_in) Hkv d_k (K, V) + 2 B Tq H d_k d_model (O),
+//   attention 4 B H d_k VisiblePairs (Q K^T and P V over the visible pairs only).
+// The same number is the server's per-request work limit, its mha_flops metric and the clients' GFLOP/s.
+double AttentionFlops(const AttentionShape& shape);
+
+// "B=1 Tq=16 Tk=16 d_model=512 H=8 Hkv=8 d_k=64" plus " causal" when causal (d_model and the rest only when set).
+std::string AttentionShapeString(const AttentionShape& shape);
+
+}  // namespace mha
+
+#endif  // MHA_PROTO_ATTENTION_SHAPE_H_

@@ -1,0 +1,163 @@
+// The one seam between the service and the code that computes attention.
+//
+// Every backend computes the same math (see proto/mha/v1/attention.proto):
+//   scores[b,h,i,j] = scale * <q[b,i,h,:], k[b,j,h/G,:]> + additive[(b,)i,j]     (G = H / Hkv)
+//   key j is masked for query i when causal and j > i + (Tk - Tq), when j >= key_lengths[b], or when the
+//   additive mask is -inf;
+//   p = softmax_j(scores) over unmasked keys; a row with no unmasked key gets p = 0 (and so a zero output);
+//   out[b,i,h,:] = sum_j p[b,h,i,j] v[b,j,h/G,:].
+// Activations arrive as the wire sent them (fp32, fp16 or bf16 bytes) and outputs are written in the dtype the
+// request asked for; a backend that computes in fp32 converts through backends/float_io.h. The reference backend is
+// the ground truth; tests/backend_conformance_test.cc runs every other backend against it.
+#ifndef MHA_SERVER_BACKENDS_BACKEND_H_
+#define MHA_SERVER_BACKENDS_BACKEND_H_
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/strings/string_view.h"
+#include "absl/types/span.h"
+#include "proto/mha/v1/attention.pb.h"
+#include "proto/mha/v1/attention_shape.h"
+
+namespace mha {
+
+// Backend names: the registry's keys, GetServerInfo's names and the response's `backend` field.
+inline constexpr absl::string_view kReferenceBackend = "reference";
+inline constexpr absl::string_view kCpuBackend = "cpu";
+inline constexpr absl::string_view kCudaBackend = "cuda";
+
+// Where a tensor's bytes live. Everything arrives from the wire in host memory today; a device backend copies in.
+enum class MemorySpace { kHost };
+
+// A borrowed input tensor: row-major elements of `dtype` (FP32, FP16 or BF16), any alignment.
+struct ConstTensor {
+  const void* data = nullptr;
+  v1::DataType dtype = v1::FP32;
+  MemorySpace memory = MemorySpace::kHost;
+};
+
+// A borrowed output tensor the backend fills. data == nullptr means the output was not requested.
+struct MutableTensor {
+  void* data = nullptr;
+  v1::DataType dtype = v1::FP32;
+  MemorySpace memory = MemorySpace::kHost;
+
+  bool requested() const { return data != nullptr; }
+};
+
+// What a backend is asked to compute, as far as choosing and sizing the work goes: the shape, the activations'
+// wire dtype, the requested output dtype, and whether attention weights are returned.
+struct AttentionProblem {
+  AttentionShape shape;
+  v1::DataType input_dtype = v1::FP32;
+  v1::DataType output_dtype = v1::FP32;
+  bool return_weights = false;
+};
+
+// Masks beyond causal; all optional and borrowed for the duration of one call.
+struct AttentionMask {
+  absl::Span<const int32_t> key_lengths;  // empty, or B values in [0, Tk]
+  // nullptr, or fp32 [Tq, Tk] / [B, Tq, Tk] (additive_per_batch): finite values and -inf only (checked when it was
+  // decoded), host memory.
+  const float* additive = nullptr;
+  bool additive_per_batch = false;
+};
+
+// Scaled dot-product attention on head-packed (BSHD) tensors. shape.d_model is 0.
+struct SdpaArgs {
+  AttentionShape shape;
+  AttentionMask mask;
+  ConstTensor q;          // [B, Tq, H, d_k]
+  ConstTensor k;          // [B, Tk, Hkv, d_k]
+  ConstTensor v;          // [B, Tk, Hkv, d_k]
+  MutableTensor out;      // [B, Tq, H, d_k]
+  MutableTensor weights;  // [B, H, Tq, Tk], when requested
+};
+
+// fp32 projection weights in host memory, Y = X W convention (W is [in, out] row-major, row stride ld_*). Borrowed.
+// When fused_qkv, w_q, w_k and w_v are the column blocks of one [d_model, (H + 2 Hkv) d_k] matrix (w_k = w_q + H d_k,
+// w_v = w_k + Hkv d_k, every ld the full width) and b_q, b_k, b_v likewise of one bias (all three set, or none):
+// a self-attention call may project Q|K|V as one product.
+struct LayerWeights {
+  const float* w_q = nullptr;  // [d_model, H d_k]
+  const float* w_k = nullptr;  // [d_kv_in, Hkv d_k]
+  const float* w_v = nullptr;  // [d_v_in, Hkv d_k]
+  const float* w_o = nullptr;  // [H d_k, d_model], row stride d_model
+  int64_t ld_q = 0, ld_k = 0, ld_v = 0;
+  const float* b_q = nullptr;  // [H d_k] or nullptr (zero)
+  const float* b_k = nullptr;  // [Hkv d_k] or nullptr
+  const float* b_v = nullptr;  // [Hkv d_k] or nullptr
+  const float* b_o = nullptr;  // [d_model] or nullptr
+  bool fused_qkv = false;
+};
+
+// Which tensors a layer's keys and values come from. Decided once, by validation.
+enum class KvSource {
+  kQuery,      // self-attention: key = value = query
+  kKey,        // value = key, a tensor of its own
+  kKeyValue,   // key and value are separate tensors
+};
+
+// A whole multi-head attention layer: project, attend, (head mask), concatenate, project.
+struct MhaArgs {
+  AttentionShape shape;
+  AttentionMask mask;
+  LayerWeights weights;
+  KvSource kv_source = KvSource::kKeyValue;
+  ConstTensor query;  // [B, Tq, d_model]
+  ConstTensor key;    // [B, Tk, d_kv_in]; the query's bytes for kQuery
+  ConstTensor value;  // [B, Tk, d_v_in]; the key's (or query's) bytes for kKey (kQuery)
+  absl::Span<const float> head_mask;  // empty, or H factors applied to each head's attention output
+  MutableTensor out;                  // [B, Tq, d_model]
+  MutableTensor attention_weights;    // [B, H, Tq, Tk], when requested
+};
+
+// A way to compute attention. Implementations are thread-safe (the server runs one large computation at a time,
+// but tiny requests run concurrently on gRPC's threads). Errors from third-party libraries are converted to Status
+// inside; nothing throws across this interface.
+class Backend {
+ public:
+  Backend() = default;
+  virtual ~Backend() = default;
+  Backend(const Backend&) = delete;
+  Backend& operator=(const Backend&) = delete;
+
+  // Short stable name: one of the k*Backend constants above.
+  virtual absl::string_view name() const = 0;
+  // Human-readable device, e.g. the CPU model and the kernels in use.
+  virtual std::string device() const = 0;
+
+  // Ask before computing: OK if this backend computes `problem`; UNIMPLEMENTED, saying why, otherwise. The service
+  // asks before queueing any work.
+  virtual absl::Status Supports(const AttentionProblem& problem) const { return absl::OkStatus(); }
+  // Working memory (bytes) `problem` needs beyond its inputs and outputs, so that the service can refuse what would
+  // not fit before computing.
+  virtual int64_t WorkspaceBytes(const AttentionProblem& problem) const = 0;
+  // Calls of at most this many FLOPs (AttentionFlops) run on the calling thread alone and in tens of microseconds,
+  // so the server may run them on the gRPC thread that received them. 0: never.
+  virtual double inline_max_flops() const { return 0; }
+  // Pays one-time start-up costs (library initialisation, code generation, thread pools) before the first call.
+  // Called once, on the thread that will compute.
+  virtual absl::Status WarmUp() { return absl::OkStatus(); }
+
+  virtual absl::Status ScaledDotProductAttention(const SdpaArgs& args) = 0;
+  virtual absl::Status MultiHeadAttention(const MhaArgs& args) = 0;
+};
+
+// Number of leading keys that causal (bottom-right aligned: key j is hidden from query i when
+// j > i + Tk - Tq) and key_lengths leave visible to query i of batch item b: keys [0, n) may be visible (the
+// additive mask can still hide some), keys >= n are not. Between 0 and Tk. Shared by every backend so the rule
+// lives in one place.
+inline int64_t VisibleKeyCount(const AttentionShape& shape, const AttentionMask& mask, int64_t b, int64_t i) {
+  int64_t n = shape.kv_len;
+  if (shape.heads.causal) n = std::min<int64_t>(n, std::max<int64_t>(0, i + (shape.kv_len - shape.q_len) + 1));
+  if (!mask.key_lengths.empty()) n = std::min<int64_t>(n, mask.key_lengths[b]);
+  return n;
+}
+
+}  // namespace mha
+
+#endif  // MHA_SERVER_BACKENDS_BACKEND_H_

@@ -1,0 +1,319 @@
+#include "server/backends/cpu/attention_core.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+namespace mha::cpu {
+namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// The blocking of one Attend call, decided once before the parallel region.
+struct CorePlan {
+  int64_t query_blocks = 0;    // per (batch, head)
+  int64_t items = 0;           // B H query_blocks work items
+  int64_t row_block = 0;       // rows of a full item: min(kQueryBlock, Tq)
+  int64_t panel = 0;           // rows per panel: one register block of the kernels
+  int64_t key_block = 0;       // keys per online-softmax block
+  int64_t kt_size = 0;         // floats of one packed K^T
+  int64_t v_panel_stride = 0;  // floats between the panels of one packed V
+  int64_t v_size = 0;          // floats of one packed V
+  int64_t run = 0;             // items a thread claims at once
+  bool log2_units = false;     // scores in log2 units (see TileKernels::online_softmax)
+  float q_scale = 0.0f;        // what the queries are multiplied by when copied
+  bool prefetch_next = false;
+};
+
+CorePlan PlanBlocks(const kernels::TileKernels& tiles, const AttentionShape& s, const AttentionMask& mask,
+                    int threads) {
+  const HeadSpec& h = s.heads;
+  const int64_t dk = h.head_dim;
+  CorePlan p;
+  p.query_blocks = (s.q_len + kQueryBlock - 1) / kQueryBlock;
+  p.items = s.batch * h.num_heads * p.query_blocks;
+  p.row_block = std::min(kQueryBlock, s.q_len);
+  p.panel = std::min<int64_t>(tiles.panel_rows, p.row_block);
+  p.key_block = std::min(kKeyBlock, s.kv_len);
+  p.kt_size = (s.kv_len + tiles.key_panel - 1) / tiles.key_panel * tiles.key_panel * dk;
+  p.v_panel_stride = s.kv_len * tiles.value_panel;
+  p.v_size = (dk + tiles.value_panel - 1) / tiles.value_panel * p.v_panel_stride;
+  // Runs long enough to reuse a packed KV head, short enough to balance (another tenant can slow one thread).
+  p.run = std::clamp<int64_t>(p.items / (4 * threads), 1, h.group_size() * p.query_blocks);
+  // log2 units save two of the thirteen operations of each exp, but not with an additive mask or a scale above
+  // FLT_MAX / log2 e: a finite mask value such as the lowest float (PyTorch's usual mask) would overflow to -inf,
+  // and a row masked by it alone would get zero weights instead of the reference's uniform ones.
+  p.log2_units = mask.additive == nullptr && std::isfinite(h.scale * kernels::kLog2e);
+  p.q_scale = p.log2_units ? h.scale * kernels::kLog2e : h.scale;
+  // Prefetching pays only when the inputs are not already cached (not for tiny requests).
+  const int64_t input_bytes = (s.batch * s.q_len * h.num_heads + 2 * s.batch * s.kv_len * h.num_kv_heads) * dk *
+                              static_cast<int64_t>(sizeof(float));
+  p.prefetch_next = input_bytes > (1 << 20);
+  return p;
+}
+
+// Per-thread buffers, kept across calls and grown on demand: allocating them in every parallel region showed in a
+// tiny request's profile.
+struct TileScratch {
+  std::vector<float> queries;      // [row_block, d_k], scaled
+  std::vector<float> keys_t;       // one (batch, KV head) of K^T, packed
+  std::vector<float> values;       // the same of V
+  std::vector<float> scores;       // [panel, key_block]
+  std::vector<float> accumulator;  // [panel, d_k]
+  std::vector<float> row_max, row_sum, row_factor;  // [panel]
+  std::vector<int64_t> visible, block_visible;      // [panel]: keys each row sees, in all and in this block
+};
+
+TileScratch& ThreadTileScratch() {
+  thread_local TileScratch scratch;
+  return scratch;
+}
+
+template <typename T>
+T* Grown(std::vector<T>& v, int64_t n) {
+  if (static_cast<int64_t>(v.size()) < n) v.resize(n);
+  return v.data();
+}
+
+// Prefetches the inputs of a thread's next work item into L2 while the current one computes, a slice per panel.
+// Their head-packed rows are a few cache lines each, thousands of floats apart, a pattern the hardware prefetchers
+// do not run ahead on (docs/PERFORMANCE.md has the measurements).
+class RowPrefetch {
+ public:
+  // Rows of `width` floats: `rows` of them from `first`, `stride` floats apart, to be read or (`write`) written.
+  // At most four ranges.
+  void Add(const float* first, int64_t rows, int64_t stride, int64_t width, bool write = false) {
+    ranges_[count_++] = {first, rows, stride, width, write};
+    total_ += rows;
+  }
+  // Issues the prefetches of the rows up to fraction `part / parts` of all rows (parts > 0).
+  void Until(int64_t part, int64_t parts) {
+    const int64_t until = total_ * part / parts;
+    for (; done_ < until; ++done_) {
+      int64_t row = done_, r = 0;
+      while (row >= ranges_[r].rows) row -= ranges_[r++].rows;
+      const Range& range = ranges_[r];
+      // Every 64-byte line the row touches, from the one holding its first float to the one holding its last.
+      const uintptr_t begin = reinterpret_cast<uintptr_t>(range.first + row * range.stride) & ~uintptr_t{63};
+      const uintptr_t last = reinterpret_cast<uintptr_t>(range.first + row * range.stride + range.width - 1);
+      for (uintptr_t line = begin; line <= last; line += 64) {
+        if (range.write) {
+          __builtin_prefetch(reinterpret_cast<const void*>(line), 1, 2);
+        } else {
+          __builtin_prefetch(reinterpret_cast<const void*>(line), 0, 2);
+        }
+      }
+    }
+  }
+
+ private:
+  struct Range {
+    const float* first;
+    int64_t rows, stride, width;
+    bool write;
+  };
+  Range ranges_[4] = {};
+  int count_ = 0;
+  int64_t total_ = 0, done_ = 0;
+};
+
+// Where work item `item` lies: batch b, query head h, first query row i0, `rows` rows.
+struct Item {
+  int64_t b, h, i0, rows;
+};
+
+// One OpenMP thread's part of an Attend call.
+class Worker {
+ public:
+  Worker(const kernels::TileKernels& tiles, const AttentionShape& s, const AttentionMask& mask, const CorePlan& plan,
+         Packed q, Packed k, Packed v, float* out, int64_t out_stride, float* weights)
+      : tiles_(tiles), s_(s), mask_(mask), plan_(plan), q_(q), k_(k), v_(v), out_(out), out_stride_(out_stride),
+        weights_(weights) {
+    // Sized to the problem, not the tile constants, so a short sequence with a huge head_dim stays small.
+    TileScratch& t = ThreadTileScratch();
+    const int64_t panel = plan.panel, dk = s.heads.head_dim;
+    row_max_ = Grown(t.row_max, panel);
+    row_sum_ = Grown(t.row_sum, panel);
+    row_factor_ = Grown(t.row_factor, panel);
+    visible_ = Grown(t.visible, panel);
+    block_visible_ = Grown(t.block_visible, panel);
+    queries_ = Grown(t.queries, plan.row_block * dk);
+    keys_t_ = Grown(t.keys_t, plan.kt_size);
+    values_ = Grown(t.values, plan.v_size);
+    if (weights == nullptr) {
+      scores_ = Grown(t.scores, panel * plan.key_block);
+      acc_ = Grown(t.accumulator, panel * dk);
+    }
+  }
+
+  Item Locate(int64_t item) const {
+    const int64_t H = s_.heads.num_heads, blocks = plan_.query_blocks;
+    const int64_t i0 = (item % blocks) * kQueryBlock;
+    return {item / (H * blocks), (item / blocks) % H, i0, std::min(kQueryBlock, s_.q_len - i0)};
+  }
+
+  // Computes `item`, issuing `prefetch` (the next items' inputs) a slice per panel.
+  void Run(int64_t item, RowPrefetch& prefetch) {
+    const Item it = Locate(item);
+    const int64_t dk = s_.heads.head_dim, Tq = s_.q_len, Tk = s_.kv_len;
+    PackKvHead(it.b, it.h / s_.heads.group_size());
+    tiles_.copy_scaled(it.rows, dk, plan_.q_scale, q_.data + (it.b * Tq + it.i0) * q_.row_stride + it.h * dk,
+                       q_.row_stride, queries_, dk);  // dense and scaled
+    const float* additive = mask_.additive == nullptr ? nullptr
+                            : mask_.additive + (mask_.additive_per_batch ? it.b * Tq * Tk : 0) + it.i0 * Tk;
+    const int64_t panels = (it.rows + plan_.panel - 1) / plan_.panel;
+    for (int64_t p0 = 0; p0 < it.rows; p0 += plan_.panel) {
+      const int64_t rows = std::min(plan_.panel, it.rows - p0);
+      prefetch.Until(p0 / plan_.panel + 1, panels);
+      for (int64_t r = 0; r < rows; ++r) visible_[r] = VisibleKeyCount(s_, mask_, it.b, it.i0 + p0 + r);
+      float* out = out_ + (it.b * Tq + it.i0 + p0) * out_stride_ + it.h * dk;
+      const float* panel_mask = additive == nullptr ? nullptr : additive + p0 * Tk;
+      if (weights_ != nullptr) {
+        ExactSoftmaxPanel(it, p0, rows, panel_mask, out);
+      } else {
+        OnlineSoftmaxPanel(p0, rows, panel_mask, out);
+      }
+    }
+  }
+
+  // Adds to `prefetch` the next item's queries and output rows, and this item's share (index j of `share` items in
+  // the current run) of the next run's K and V when that run starts a new KV head.
+  void PrefetchNext(int64_t item, int64_t next, int64_t ahead, int64_t j, int64_t share, RowPrefetch& prefetch) const {
+    if (!plan_.prefetch_next) return;
+    const int64_t dk = s_.heads.head_dim, G = s_.heads.group_size(), Tq = s_.q_len, Tk = s_.kv_len;
+    if (next < plan_.items) {
+      const Item n = Locate(next);
+      prefetch.Add(q_.data + (n.b * Tq + n.i0) * q_.row_stride + n.h * dk, n.rows, q_.row_stride, dk);
+      prefetch.Add(out_ + (n.b * Tq + n.i0) * out_stride_ + n.h * dk, n.rows, out_stride_, dk, /*write=*/true);
+    }
+    if (ahead < plan_.items) {
+      const Item a = Locate(ahead), cur = Locate(item);
+      const int64_t a_kv = a.h / G;
+      if (a.b != cur.b || a_kv != cur.h / G) {
+        const int64_t k0 = Tk * j / share, k1 = Tk * (j + 1) / share;
+        prefetch.Add(k_.data + (a.b * Tk + k0) * k_.row_stride + a_kv * dk, k1 - k0, k_.row_stride, dk);
+        prefetch.Add(v_.data + (a.b * Tk + k0) * v_.row_stride + a_kv * dk, k1 - k0, v_.row_stride, dk);
+      }
+    }
+  }
+
+ private:
+  // Packs (batch b, KV head kv) of K^T and V into this thread's panels, unless they hold it already. Read in place
+  // through the head-packed row stride instead, consecutive rows would fall into a handful of L1 sets and evict
+  // each other.
+  void PackKvHead(int64_t b, int64_t kv) {
+    const int64_t id = b * s_.heads.num_kv_heads + kv;
+    if (id == packed_kv_) return;
+    const int64_t dk = s_.heads.head_dim, Tk = s_.kv_len;
+    tiles_.pack_keys(Tk, dk, k_.data + b * Tk * k_.row_stride + kv * dk, k_.row_stride, keys_t_);
+    tiles_.pack_values(Tk, dk, v_.data + b * Tk * v_.row_stride + kv * dk, v_.row_stride, values_,
+                       plan_.v_panel_stride);
+    packed_kv_ = id;
+  }
+
+  // Keys at or past the returned count are invisible to every row of the panel (visible counts grow with the row).
+  int64_t PanelKeys(int64_t rows) const { return *std::max_element(visible_, visible_ + rows); }
+
+  // Rows [p0, p0 + rows) of `it` with weights requested: the exact softmax over whole rows, computed in place in
+  // the returned weights [B, H, Tq, Tk], then P V.
+  void ExactSoftmaxPanel(const Item& it, int64_t p0, int64_t rows, const float* additive, float* out) {
+    const int64_t dk = s_.heads.head_dim, Tq = s_.q_len, Tk = s_.kv_len;
+    const int64_t keys = PanelKeys(rows);
+    float* p = weights_ + ((it.b * s_.heads.num_heads + it.h) * Tq + it.i0 + p0) * Tk;
+    if (keys > 0) tiles_.scores(rows, keys, dk, 1.0f, queries_ + p0 * dk, dk, keys_t_, p, Tk);
+    if (additive != nullptr) {
+      for (int64_t r = 0; r < rows; ++r) tiles_.add(visible_[r], additive + r * Tk, p + r * Tk);
+    }
+    tiles_.softmax(rows, Tk, visible_, p, Tk, plan_.log2_units);
+    if (keys > 0) {
+      tiles_.values(rows, keys, dk, p, Tk, values_, plan_.v_panel_stride, /*o_scale=*/nullptr, out, out_stride_);
+    } else {
+      for (int64_t r = 0; r < rows; ++r) std::fill_n(out + r * out_stride_, dk, 0.0f);
+    }
+  }
+
+  // Rows [p0, p0 + rows) of the current item without weights: FlashAttention's online softmax over key blocks, a
+  // running max and sum per row and the output accumulator rescaled whenever a row's max grows.
+  void OnlineSoftmaxPanel(int64_t p0, int64_t rows, const float* additive, float* out) {
+    const int64_t dk = s_.heads.head_dim, Tk = s_.kv_len, key_block = plan_.key_block;
+    const int64_t keys = PanelKeys(rows);
+    std::fill_n(row_max_, rows, kNegInf);
+    std::fill_n(row_sum_, rows, 0.0f);
+    for (int64_t j0 = 0; j0 < keys; j0 += key_block) {
+      const int64_t n = std::min(key_block, keys - j0);
+      tiles_.scores(rows, n, dk, 1.0f, queries_ + p0 * dk, dk, keys_t_ + j0 * dk, scores_, key_block);
+      for (int64_t r = 0; r < rows; ++r) {
+        block_visible_[r] = std::clamp<int64_t>(visible_[r] - j0, 0, n);
+        if (additive != nullptr) tiles_.add(block_visible_[r], additive + r * Tk + j0, scores_ + r * key_block);
+      }
+      tiles_.online_softmax(rows, n, block_visible_, scores_, key_block, row_max_, row_sum_, row_factor_,
+                            plan_.log2_units);
+      // The first block writes the accumulator; later ones rescale it by each row's factor and add.
+      tiles_.values(rows, n, dk, scores_, key_block, values_ + j0 * tiles_.value_panel, plan_.v_panel_stride,
+                    j0 == 0 ? nullptr : row_factor_, acc_, dk);
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      float* dst = out + r * out_stride_;
+      if (row_sum_[r] > 0.0f) {
+        tiles_.copy_scaled(1, dk, 1.0f / row_sum_[r], acc_ + r * dk, dk, dst, dk);
+      } else {
+        std::fill_n(dst, dk, 0.0f);  // every key masked: zero output, never NaN
+      }
+    }
+  }
+
+  const kernels::TileKernels& tiles_;
+  const AttentionShape& s_;
+  const AttentionMask& mask_;
+  const CorePlan& plan_;
+  const Packed q_, k_, v_;
+  float* const out_;
+  const int64_t out_stride_;
+  float* const weights_;
+  float *row_max_, *row_sum_, *row_factor_, *queries_, *keys_t_, *values_;
+  float* scores_ = nullptr;
+  float* acc_ = nullptr;
+  int64_t *visible_, *block_visible_;
+  int64_t packed_kv_ = -1;  // b * Hkv + kv of the KV head in keys_t_ and values_
+};
+
+}  // namespace
+
+void Attend(const kernels::TileKernels& tiles, const AttentionShape& shape, const AttentionMask& mask, Packed q,
+            Packed k, Packed v, float* out, int64_t out_stride, float* weights) {
+  const CorePlan plan = PlanBlocks(tiles, shape, mask, omp_get_max_threads());
+  std::atomic<int64_t> next_run{0};
+#pragma omp parallel
+  {
+    Worker worker(tiles, shape, mask, plan, q, k, v, out, out_stride, weights);
+    // Runs of `plan.run` consecutive items are claimed from a shared counter, as schedule(dynamic) would. A thread
+    // claims one run ahead, so that while it computes a run it knows the next one and prefetches its inputs.
+    int64_t first = next_run.fetch_add(1) * plan.run, item = first, end = std::min(first + plan.run, plan.items);
+    int64_t ahead = next_run.fetch_add(1) * plan.run;
+    while (item < end) {
+      RowPrefetch prefetch;
+      worker.PrefetchNext(item, item + 1 < end ? item + 1 : ahead, ahead, item - first, end - first, prefetch);
+      worker.Run(item, prefetch);
+      if (++item == end) {
+        first = item = ahead;
+        end = std::min(ahead + plan.run, plan.items);
+        ahead = next_run.fetch_add(1) * plan.run;
+      }
+    }
+  }
+}
+
+int64_t AttendScratchBytesPerThread(const kernels::TileKernels& tiles, const AttentionShape& shape) {
+  AttentionMask no_mask;
+  const CorePlan p = PlanBlocks(tiles, shape, no_mask, 1);
+  const int64_t dk = shape.heads.head_dim;
+  const int64_t floats = p.row_block * dk + p.kt_size + p.v_size + p.panel * (p.key_block + dk + 3);
+  return floats * static_cast<int64_t>(sizeof(float)) + 2 * p.panel * static_cast<int64_t>(sizeof(int64_t));
+}
+
+}  // namespace mha::cpu

@@ -1,0 +1,48 @@
+// The CPU backend's attention core: softmax(scale * Q K^T + mask) V for every (batch, head) of head-packed
+// [B, T, H, d_k] tensors, on the tile kernels (tile_kernels.h).
+//
+// Work is one OpenMP region over items (batch, head, query block of kQueryBlock rows), ordered so that the items
+// of one KV head follow each other and handed out in runs: a thread packs its KV head's K^T and V into panels in
+// its own L2 once for all those items (every query head of the GQA group, every query block). Each item's queries
+// go a panel of a few rows at a time from the score kernel through the softmax to the value kernel while the
+// panel's scores are in L1, and the next item's rows are prefetched meanwhile:
+//  - weights not requested: FlashAttention's online softmax over key blocks of kKeyBlock, so memory is O(T) per head;
+//  - weights requested: the exact row softmax written in place in the returned [B, H, Tq, Tk] tensor, then P V.
+// Key blocks that causal masking or key_lengths hide from every row of a panel are never computed. GQA/MQA point
+// each query head at its shared KV head; nothing is repeated.
+//
+// Thread-safe: scratch belongs to the calling OpenMP threads. Parallel over the calling thread's OpenMP team
+// (omp_set_num_threads on that thread sets its size). Cannot fail.
+#ifndef MHA_SERVER_BACKENDS_CPU_ATTENTION_CORE_H_
+#define MHA_SERVER_BACKENDS_CPU_ATTENTION_CORE_H_
+
+#include <cstdint>
+
+#include "server/backends/backend.h"
+#include "server/backends/cpu/tile_kernels.h"
+
+namespace mha::cpu {
+
+// Query rows per work item.
+inline constexpr int64_t kQueryBlock = 128;
+// Keys per block of the online softmax: a panel of a few query rows against 512 keys keeps its scores in L1, and
+// the block's K^T and V (128 KiB each at d_k = 64) in L2.
+inline constexpr int64_t kKeyBlock = 512;
+
+// A head-packed fp32 tensor: batch b, token t, head h starts at data + (b * T + t) * row_stride + h * d_k.
+struct Packed {
+  const float* data;
+  int64_t row_stride;
+};
+
+// Writes attention over q [B, Tq, H, d_k], k and v [B, Tk, Hkv, d_k] into out (head-packed, row stride out_stride)
+// and, when weights is not null, the probabilities into weights [B, H, Tq, Tk].
+void Attend(const kernels::TileKernels& tiles, const AttentionShape& shape, const AttentionMask& mask, Packed q,
+            Packed k, Packed v, float* out, int64_t out_stride, float* weights);
+
+// Bytes of scratch each OpenMP thread of Attend keeps for this shape.
+int64_t AttendScratchBytesPerThread(const kernels::TileKernels& tiles, const AttentionShape& shape);
+
+}  // namespace mha::cpu
+
+#endif  // MHA_SERVER_BACKENDS_CPU_ATTENTION_CORE_H_

@@ -1,0 +1,54 @@
+// Attention on the host CPU in fp32: projections through oneDNN's sgemm (one fused Q|K|V product for
+// self-attention with a fused layer), the attention core on hand-written tile kernels (attention_core.h), chosen
+// per call among the instruction sets this CPU runs.
+//
+// Thread-safe: scratch buffers belong to the calling thread. Each call parallelises over the calling thread's
+// OpenMP threads (omp_set_num_threads on that thread sets how many); calls under kSerialFlops run on the calling
+// thread alone.
+#ifndef MHA_SERVER_BACKENDS_CPU_CPU_BACKEND_H_
+#define MHA_SERVER_BACKENDS_CPU_CPU_BACKEND_H_
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "server/backends/backend.h"
+#include "server/backends/cpu/tile_kernels.h"
+
+namespace mha {
+
+class CpuBackend final : public Backend {
+ public:
+  // Calls of at most this many FLOPs run single-threaded: waking the other threads costs more than they save (tens
+  // of microseconds against a budget of that order).
+  static constexpr double kSerialFlops = 8e6;
+
+  // The tile kernels the attention core may use: "auto" (every set this CPU runs, widest first; a call takes the
+  // first whose vector width divides head_dim, else the widest), or one of "avx512", "avx2", "portable".
+  // UNAVAILABLE if oneDNN does not run here or the CPU lacks the requested instructions; INVALID_ARGUMENT for any
+  // other name.
+  static absl::StatusOr<std::unique_ptr<CpuBackend>> Create(absl::string_view tile_kernels = "auto");
+
+  absl::string_view name() const override { return kCpuBackend; }
+  std::string device() const override;
+  // Projections, the concatenated heads, fp32 copies of 16-bit inputs and outputs, and each thread's tile scratch.
+  int64_t WorkspaceBytes(const AttentionProblem& problem) const override;
+  double inline_max_flops() const override { return kSerialFlops; }
+  absl::Status WarmUp() override;
+  absl::Status ScaledDotProductAttention(const SdpaArgs& args) override;
+  absl::Status MultiHeadAttention(const MhaArgs& args) override;
+
+ private:
+  explicit CpuBackend(std::vector<const kernels::TileKernels*> tile_kernels)
+      : tile_kernels_(std::move(tile_kernels)) {}
+
+  // The kernels a call with this head_dim runs on.
+  const kernels::TileKernels& KernelsFor(int64_t head_dim) const;
+
+  const std::vector<const kernels::TileKernels*> tile_kernels_;  // in order of preference; never empty
+};
+
+}  // namespace mha
+
+#endif  // MHA_SERVER_BACKENDS_CPU_CPU_BACKEND_H_

@@ -1,0 +1,70 @@
+// The tile kernels on GCC's generic vector types, compiled for baseline x86-64 (SSE2): the fallback on CPUs without
+// AVX2, and the one set every machine can test. Eight lanes, each vector lowered to two SSE registers.
+#include <cstdint>
+#include <cstring>
+
+#include "server/backends/cpu/tile_kernels.h"
+
+namespace mha::kernels::portable {
+
+struct Isa {
+  static constexpr const char* kName = "portable";
+  typedef float V __attribute__((vector_size(32)));
+  typedef int32_t I __attribute__((vector_size(32)));
+  static constexpr int kLanes = 8;
+  // 16 xmm registers, two per vector: 6 accumulators, a loaded vector and a broadcast.
+  static constexpr int kScoreRows = 6, kScoreVectors = 1;
+  static constexpr int kValueRows = 6, kValueVectors = 1;
+  static V Zero() { return V{}; }
+  static V Splat(float x) { return V{} + x; }
+  static V Load(const float* p) {
+    V v;
+    std::memcpy(&v, p, sizeof(v));
+    return v;
+  }
+  // The first n < kLanes floats at p, the other lanes `fill`.
+  static V LoadPartial(const float* p, int n, float fill) {
+    V v = Splat(fill);
+    for (int i = 0; i < n; ++i) v[i] = p[i];
+    return v;
+  }
+  static V Broadcast(const float* p) { return Splat(*p); }
+  static V Fma(V a, V b, V c) { return a * b + c; }
+  static V Mul(V a, V b) { return a * b; }
+  static V Add(V a, V b) { return a + b; }
+  static V Sub(V a, V b) { return a - b; }
+  static V Max(V a, V b) { return a > b ? a : b; }
+  static float ReduceMax(V x) {
+    float m = x[0];
+    for (int i = 1; i < kLanes; ++i) m = x[i] > m ? x[i] : m;
+    return m;
+  }
+  static float ReduceAdd(V x) {
+    float s = 0.0f;
+    for (int i = 0; i < kLanes; ++i) s += x[i];
+    return s;
+  }
+  static void Store(float* p, V x) { std::memcpy(p, &x, sizeof(x)); }
+  static void StorePartial(float* p, V x, int n) {
+    for (int i = 0; i < n; ++i) p[i] = x[i];
+  }
+  static V Fnmadd(V a, V b, V c) { return c - a * b; }
+  // Adding and subtracting 1.5 * 2^23 rounds to the nearest integer for |x| < 2^22; larger values are integers
+  // already or lie in lanes Pow2Live clears.
+  static V RoundNearest(V x) {
+    const V round = Splat(12582912.0f);
+    return (x + round) - round;
+  }
+  // p * 2^n for integral n, 2^n built in the exponent bits, and 0 in the lanes where x < lowest or x is -inf; n is
+  // zeroed in those lanes first, so that no out-of-range value is converted to an integer.
+  static V Pow2Live(V p, V n, V x, float lowest) {
+    const I live = x >= Splat(lowest);
+    const V safe_n = live ? n : Zero();
+    const I bits = (__builtin_convertvector(safe_n, I) + 127) << 23;
+    return live ? p * __builtin_bit_cast(V, bits) : Zero();
+  }
+};
+
+#include "server/backends/cpu/tile_kernels_impl.h"  // defines kKernels
+
+}  // namespace mha::kernels::portable

@@ -1,0 +1,101 @@
+#include "server/backends/registry.h"
+
+#include "absl/strings/str_cat.h"
+#include "server/backends/cpu/cpu_backend.h"
+#include "server/backends/reference/reference_backend.h"
+
+namespace mha {
+namespace {
+
+template <typename T>
+absl::StatusOr<std::unique_ptr<Backend>> Upcast(absl::StatusOr<std::unique_ptr<T>> backend) {
+  if (!backend.ok()) return backend.status();
+  return std::unique_ptr<Backend>(*std::move(backend));
+}
+
+}  // namespace
+
+std::vector<BackendFactory> BackendRegistry::Factories() {
+  std::vector<BackendFactory> factories;
+  factories.push_back({std::string(kReferenceBackend), "",
+                       [] { return absl::StatusOr<std::unique_ptr<Backend>>(std::make_unique<ReferenceBackend>()); }});
+  factories.push_back({std::string(kCpuBackend), "", [] { return Upcast(CpuBackend::Create()); }});
+  for (const char* isa : {"avx512", "avx2", "portable"}) {
+    factories.push_back({std::string(kCpuBackend), isa, [isa] { return Upcast(CpuBackend::Create(isa)); }});
+  }
+  return factories;
+}
+
+std::unique_ptr<BackendRegistry> BackendRegistry::Create() {
+  auto registry = std::make_unique<BackendRegistry>();
+  for (const BackendFactory& factory : Factories()) {
+    if (!factory.variant.empty()) continue;
+    BackendEntry entry;
+    entry.name = factory.name;
+    entry.compiled_in = true;
+    absl::StatusOr<std::unique_ptr<Backend>> backend = factory.create();
+    if (backend.ok()) {
+      entry.backend = *std::move(backend);
+      entry.device = entry.backend->device();
+    } else {
+      entry.detail = std::string(backend.status().message());
+    }
+    registry->entries_.push_back(std::move(entry));
+  }
+  BackendEntry cuda;
+  cuda.name = std::string(kCudaBackend);
+  cuda.detail = "not compiled into this build";
+  registry->entries_.push_back(std::move(cuda));
+  return registry;
+}
+
+absl::StatusOr<Backend*> BackendRegistry::Find(absl::string_view name, absl::string_view field) const {
+  for (const BackendEntry& entry : entries_) {
+    if (entry.name != name) continue;
+    if (!entry.compiled_in) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ": backend '", name, "' is not compiled into this server"));
+    }
+    if (!entry.available()) {
+      return absl::UnavailableError(
+          absl::StrCat(field, ": backend '", name, "' is unavailable on this machine: ", entry.detail));
+    }
+    return entry.backend.get();
+  }
+  return absl::InvalidArgumentError(absl::StrCat(field, ": unknown backend '", name, "' (expected ", kCpuBackend,
+                                                 ", ", kCudaBackend, " or ", kReferenceBackend, ")"));
+}
+
+std::string BackendRegistry::NameFor(v1::Backend backend) const {
+  switch (backend) {
+    case v1::BACKEND_CPU:
+      return std::string(kCpuBackend);
+    case v1::BACKEND_CUDA:
+      return std::string(kCudaBackend);
+    case v1::BACKEND_REFERENCE:
+      return std::string(kReferenceBackend);
+    default:
+      return DefaultName();
+  }
+}
+
+absl::Status BackendRegistry::SetDefault(absl::string_view name, absl::string_view field) {
+  if (name == "auto") {
+    default_.clear();
+    return absl::OkStatus();
+  }
+  absl::StatusOr<Backend*> backend = Find(name, field);
+  if (!backend.ok()) return backend.status();
+  default_ = std::string(name);
+  return absl::OkStatus();
+}
+
+std::string BackendRegistry::DefaultName() const {
+  if (!default_.empty()) return default_;
+  for (const BackendEntry& entry : entries_) {
+    if (entry.name == kCudaBackend && entry.available()) return entry.name;
+  }
+  return std::string(kCpuBackend);
+}
+
+}  // namespace mha

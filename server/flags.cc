@@ -1,0 +1,55 @@
+#include "server/flags.h"
+
+#include <string>
+
+#include "absl/flags/flag.h"
+
+namespace {
+const mha::ServerOptions kDefaults;
+}  // namespace
+
+// The help texts are what `mha_server --helpfull` prints and README's flag table repeats (tests/flags_doc_test.py
+// keeps the two in step).
+ABSL_FLAG(std::string, listen, kDefaults.listen, "host:port to serve on; port 0 picks a free one");
+ABSL_FLAG(std::string, port_file, kDefaults.port_file, "write the bound port to this file once serving");
+ABSL_FLAG(std::string, metrics_listen, kDefaults.metrics_listen,
+          "serve Prometheus metrics at http://HOST:PORT/metrics; empty = off");
+ABSL_FLAG(std::string, layers_dir, kDefaults.layers_dir,
+          "register every *.safetensors file in this folder as a layer");
+ABSL_FLAG(std::string, backend, kDefaults.backend, "what BACKEND_AUTO means: auto, cpu, reference or cuda");
+ABSL_FLAG(int, max_message_mb, kDefaults.max_message_mb, "largest request or response, MiB");
+ABSL_FLAG(int, threads, kDefaults.threads, "compute threads per request; 0 = all cores");
+ABSL_FLAG(int, max_queue_size, kDefaults.max_queue_size, "requests waiting to compute before RESOURCE_EXHAUSTED");
+ABSL_FLAG(int, max_queued_mb, kDefaults.max_queued_mb, "MiB of request data the waiting requests may hold");
+ABSL_FLAG(int, max_layer_mb, kDefaults.max_layer_mb, "total fp32 MiB of registered layers");
+ABSL_FLAG(int, max_layers, kDefaults.max_layers, "registered layers at most, demo included");
+ABSL_FLAG(int, max_scratch_mb, kDefaults.max_scratch_mb, "working memory one request may need, MiB");
+ABSL_FLAG(double, inline_max_mflop, kDefaults.inline_max_mflop,
+          "requests up to this many MFLOP run on the receiving gRPC thread; 0 = always the compute thread");
+ABSL_FLAG(double, max_request_gflop, kDefaults.max_request_gflop,
+          "GFLOP (projections + attention over visible pairs) one request may ask for");
+ABSL_FLAG(std::string, log_level, kDefaults.log_level, "trace, debug, info, warn, error, critical or off");
+
+namespace mha {
+
+ServerOptions ServerOptionsFromFlags() {
+  ServerOptions options;
+  options.listen = absl::GetFlag(FLAGS_listen);
+  options.port_file = absl::GetFlag(FLAGS_port_file);
+  options.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
+  options.layers_dir = absl::GetFlag(FLAGS_layers_dir);
+  options.backend = absl::GetFlag(FLAGS_backend);
+  options.max_message_mb = absl::GetFlag(FLAGS_max_message_mb);
+  options.threads = absl::GetFlag(FLAGS_threads);
+  options.max_queue_size = absl::GetFlag(FLAGS_max_queue_size);
+  options.max_queued_mb = absl::GetFlag(FLAGS_max_queued_mb);
+  options.max_layer_mb = absl::GetFlag(FLAGS_max_layer_mb);
+  options.max_layers = absl::GetFlag(FLAGS_max_layers);
+  options.max_scratch_mb = absl::GetFlag(FLAGS_max_scratch_mb);
+  options.inline_max_mflop = absl::GetFlag(FLAGS_inline_max_mflop);
+  options.max_request_gflop = absl::GetFlag(FLAGS_max_request_gflop);
+  options.log_level = absl::GetFlag(FLAGS_log_level);
+  return options;
+}
+
+}  // namespace mha
