@@ -93,9 +93,19 @@ absl::Status ValidateCommon(const Request& request, const ValidationContext& con
     return Invalid("backend must be BACKEND_AUTO, BACKEND_CPU, BACKEND_CUDA or BACKEND_REFERENCE, got ",
                    absl::StrCat(request.backend()));
   }
-  const std::string backend_name = context.backends->NameFor(request.backend());
+  std::string backend_name = context.backends->NameFor(request.backend());
   ASSIGN_OR_RETURN(plan->backend, context.backends->Find(backend_name, "backend"));
-  if (absl::Status supported = plan->backend->Supports(plan->problem); !supported.ok()) {
+  absl::Status supported = plan->backend->Supports(plan->problem);
+  if (!supported.ok() && request.backend() == v1::BACKEND_AUTO && backend_name != kCpuBackend) {
+    // BACKEND_AUTO routes what the default backend cannot compute to the CPU.
+    absl::StatusOr<Backend*> cpu = context.backends->Find(kCpuBackend, "backend");
+    if (cpu.ok() && (*cpu)->Supports(plan->problem).ok()) {
+      plan->backend = *cpu;
+      backend_name = std::string(kCpuBackend);
+      supported = absl::OkStatus();
+    }
+  }
+  if (!supported.ok()) {
     return absl::UnimplementedError(absl::StrCat("backend ", backend_name, ": ", supported.message()));
   }
 
@@ -161,8 +171,10 @@ absl::StatusOr<MhaPlan> ValidateMultiHeadAttention(const v1::MultiHeadAttentionR
       layer = plan.layer->shape;
       layer_name = plan.layer->name;
       // Non-zero request fields must agree with the layer's; causal = layer.causal OR heads.causal.
-      ASSIGN_OR_RETURN(layer.heads, ResolveHeads(request.heads(), layer.heads,
-                                                 absl::StrCat("layer '", layer_name, "'"), layer.d_model, "heads"));
+      if (request.has_heads()) {
+        ASSIGN_OR_RETURN(layer.heads, ResolveHeads(request.heads(), layer.heads,
+                                                   absl::StrCat("layer '", layer_name, "'"), layer.d_model, "heads"));
+      }
       break;
     }
     case v1::MultiHeadAttentionRequest::kInlineWeights: {

@@ -16,10 +16,13 @@ TEST(CpuBackend, UnknownKernelsAreInvalidArgument) {
 }
 
 TEST(CpuBackend, KernelsTheCpuLacksAreUnavailable) {
+  int lacking = 0;
   for (const char* isa : {"avx512", "avx2"}) {
     if (kernels::TileKernelsFor(isa) != nullptr) continue;
+    ++lacking;
     EXPECT_EQ(CpuBackend::Create(isa).status().code(), absl::StatusCode::kUnavailable) << isa;
   }
+  if (lacking == 0) GTEST_SKIP() << "this CPU runs every tile-kernel set";
 }
 
 TEST(CpuBackend, PortableKernelsRunEverywhere) {

@@ -32,7 +32,7 @@ struct Shape {
   bool causal;
 };
 
-// The table: (B, Tq, Tk, d_model, H, Hkv), causal variants of the last two.
+// The benchmark table (docs/PERFORMANCE.md): (B, Tq, Tk, d_model, H, Hkv), causal variants of the last two.
 const std::vector<Shape>& Shapes() {
   static const auto* shapes = new std::vector<Shape>{
       {"b1_t16_d64_h4", 1, 16, 16, 64, 4, 4, false},
