@@ -132,7 +132,7 @@ class Backend {
 
   // Ask before computing: OK if this backend computes `problem`; UNIMPLEMENTED, saying why, otherwise. The service
   // asks before queueing any work.
-  virtual absl::Status Supports(const AttentionProblem& problem) const { return absl::OkStatus(); }
+  virtual absl::Status Supports(const AttentionProblem& problem) const = 0;
   // Working memory (bytes) `problem` needs beyond its inputs and outputs, so that the service can refuse what would
   // not fit before computing.
   virtual int64_t WorkspaceBytes(const AttentionProblem& problem) const = 0;

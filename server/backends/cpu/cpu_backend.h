@@ -32,6 +32,9 @@ class CpuBackend final : public Backend {
 
   absl::string_view name() const override { return kCpuBackend; }
   std::string device() const override;
+  // Every shape, dtype and option (16-bit tensors are converted to fp32 at the edges; any head_dim runs on the tile
+  // kernels).
+  absl::Status Supports(const AttentionProblem& problem) const override { return absl::OkStatus(); }
   // Projections, the concatenated heads, fp32 copies of 16-bit inputs and outputs, and each thread's tile scratch.
   int64_t WorkspaceBytes(const AttentionProblem& problem) const override;
   double inline_max_flops() const override { return kSerialFlops; }

@@ -13,6 +13,8 @@ class ReferenceBackend final : public Backend {
  public:
   absl::string_view name() const override { return kReferenceBackend; }
   std::string device() const override { return "host CPU, scalar loops"; }
+  // Every shape, dtype and option: it is the ground truth.
+  absl::Status Supports(const AttentionProblem& problem) const override { return absl::OkStatus(); }
   // Double copies of the inputs, projections and head outputs.
   int64_t WorkspaceBytes(const AttentionProblem& problem) const override;
   absl::Status ScaledDotProductAttention(const SdpaArgs& args) override;
