@@ -47,7 +47,8 @@ absl::Status DecodeMask(const AttentionPlan& plan, std::vector<float>* values, A
 
 }  // namespace
 
-absl::Status ExecuteMultiHeadAttention(const MhaPlan& plan, v1::MultiHeadAttentionResponse* response) {
+absl::Status ExecuteMultiHeadAttention(const MhaPlan& plan, const StopSignal* stop,
+                                       v1::MultiHeadAttentionResponse* response) {
   const AttentionProblem& p = plan.problem;
   const AttentionShape& s = p.shape;
   std::vector<float> additive;
@@ -57,6 +58,7 @@ absl::Status ExecuteMultiHeadAttention(const MhaPlan& plan, v1::MultiHeadAttenti
   if (layer == nullptr) layer = DecodeLayer("inline", "inline", *plan.inline_weights, plan.inline_shape);
 
   args.shape = s;
+  args.stop = stop;
   args.weights = layer->Weights();
   args.kv_source = plan.kv_source;
   args.query = View(*plan.query);
@@ -72,7 +74,7 @@ absl::Status ExecuteMultiHeadAttention(const MhaPlan& plan, v1::MultiHeadAttenti
   return plan.backend->MultiHeadAttention(args);
 }
 
-absl::Status ExecuteScaledDotProductAttention(const SdpaPlan& plan,
+absl::Status ExecuteScaledDotProductAttention(const SdpaPlan& plan, const StopSignal* stop,
                                               v1::ScaledDotProductAttentionResponse* response) {
   const AttentionProblem& p = plan.problem;
   const AttentionShape& s = p.shape;
@@ -80,6 +82,7 @@ absl::Status ExecuteScaledDotProductAttention(const SdpaPlan& plan,
   SdpaArgs args;
   if (absl::Status status = DecodeMask(plan, &additive, &args.mask); !status.ok()) return status;
   args.shape = s;
+  args.stop = stop;
   args.q = View(*plan.q);
   args.k = View(*plan.k);
   args.v = View(*plan.v);

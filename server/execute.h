@@ -11,9 +11,12 @@
 namespace mha {
 
 // `plan` must come from validating the request it borrows from. Fills output, attention_weights (when requested)
-// and backend; INVALID_ARGUMENT for a mask value that is NaN or +inf, the backend's error otherwise.
-absl::Status ExecuteMultiHeadAttention(const MhaPlan& plan, v1::MultiHeadAttentionResponse* response);
-absl::Status ExecuteScaledDotProductAttention(const SdpaPlan& plan, v1::ScaledDotProductAttentionResponse* response);
+// and backend; INVALID_ARGUMENT for a mask value that is NaN or +inf, `stop`'s status once it says stop (it may be
+// null), the backend's error otherwise.
+absl::Status ExecuteMultiHeadAttention(const MhaPlan& plan, const StopSignal* stop,
+                                       v1::MultiHeadAttentionResponse* response);
+absl::Status ExecuteScaledDotProductAttention(const SdpaPlan& plan, const StopSignal* stop,
+                                              v1::ScaledDotProductAttentionResponse* response);
 
 }  // namespace mha
 

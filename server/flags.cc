@@ -28,6 +28,18 @@ ABSL_FLAG(double, inline_max_mflop, kDefaults.inline_max_mflop,
           "requests up to this many MFLOP run on the receiving gRPC thread; 0 = always the compute thread");
 ABSL_FLAG(double, max_request_gflop, kDefaults.max_request_gflop,
           "GFLOP (projections + attention over visible pairs) one request may ask for");
+ABSL_FLAG(double, max_reference_gflop, kDefaults.max_reference_gflop,
+          "GFLOP one request may ask of the reference backend");
+ABSL_FLAG(double, default_deadline_s, kDefaults.default_deadline_s, "deadline of a call whose client sets none, s");
+ABSL_FLAG(int, max_inflight_mb, kDefaults.max_inflight_mb,
+          "MiB that admitted calls may hold together: requests, responses, working memory");
+ABSL_FLAG(double, shutdown_grace_s, kDefaults.shutdown_grace_s,
+          "after SIGTERM, calls still running after this many seconds are stopped");
+ABSL_FLAG(double, stuck_after_s, kDefaults.stuck_after_s,
+          "health is NOT_SERVING while one call has computed this long with others waiting; 0 = never");
+ABSL_FLAG(double, keepalive_s, kDefaults.keepalive_s, "keepalive ping interval on idle connections, s");
+ABSL_FLAG(double, max_connection_age_s, kDefaults.max_connection_age_s,
+          "close connections gracefully after this many seconds (clients reconnect); 0 = never");
 ABSL_FLAG(std::string, log_level, kDefaults.log_level, "trace, debug, info, warn, error, critical or off");
 
 namespace mha {
@@ -48,6 +60,13 @@ ServerOptions ServerOptionsFromFlags() {
   options.max_scratch_mb = absl::GetFlag(FLAGS_max_scratch_mb);
   options.inline_max_mflop = absl::GetFlag(FLAGS_inline_max_mflop);
   options.max_request_gflop = absl::GetFlag(FLAGS_max_request_gflop);
+  options.max_reference_gflop = absl::GetFlag(FLAGS_max_reference_gflop);
+  options.default_deadline_s = absl::GetFlag(FLAGS_default_deadline_s);
+  options.max_inflight_mb = absl::GetFlag(FLAGS_max_inflight_mb);
+  options.shutdown_grace_s = absl::GetFlag(FLAGS_shutdown_grace_s);
+  options.stuck_after_s = absl::GetFlag(FLAGS_stuck_after_s);
+  options.keepalive_s = absl::GetFlag(FLAGS_keepalive_s);
+  options.max_connection_age_s = absl::GetFlag(FLAGS_max_connection_age_s);
   options.log_level = absl::GetFlag(FLAGS_log_level);
   return options;
 }

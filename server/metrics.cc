@@ -50,7 +50,8 @@ ServerMetrics::ServerMetrics()
 
 absl::Status ServerMetrics::Serve(const std::string& address) {
   try {
-    exposer_ = std::make_unique<prometheus::Exposer>(address, /*num_threads=*/1);
+    // Several threads: one idle or slow connection holds a thread until it times out, and must not block scrapes.
+    exposer_ = std::make_unique<prometheus::Exposer>(address, /*num_threads=*/4);
   } catch (const std::exception& e) {
     return absl::UnavailableError(absl::StrCat("--metrics_listen ", address, ": ", e.what()));
   }

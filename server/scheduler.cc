@@ -3,11 +3,21 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <cmath>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 
 namespace mha {
+namespace {
+
+// Calls at least this large teach the scheduler their backend's rate (smaller ones are dominated by overheads).
+constexpr double kRateSampleFlops = 5e7;
+// Weight of the newest observation in the rate's exponential average.
+constexpr double kRateWeight = 0.2;
+
+}  // namespace
 
 Scheduler::Scheduler(const SchedulerOptions& options, ServerMetrics* metrics)
     : options_(options), metrics_(metrics), worker_([this] { Run(); }) {}
@@ -22,7 +32,46 @@ bool Scheduler::RunsInline(const WorkItem& item) const {
   return limit > 0 && item.plan().flops <= limit;
 }
 
+double Scheduler::EstimateSeconds(const WorkItem& item) const {
+  const auto rate = rates_.find(item.plan().backend);
+  if (rate == rates_.end() || !std::isfinite(item.plan().flops)) return 0;
+  return item.plan().flops / rate->second;
+}
+
+absl::Status Scheduler::Admit(const WorkItem& item) const {
+  if (stopping_) return absl::UnavailableError("server is shutting down");
+  if (static_cast<int>(queue_.size()) >= options_.max_queue) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "compute queue is full (", options_.max_queue, " requests waiting, --max_queue_size); retry later"));
+  }
+  if (!queue_.empty() && queued_bytes_ + item.request_bytes() > options_.max_queued_bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "compute queue is full (", queued_bytes_, " bytes of requests waiting, --max_queued_mb); retry later"));
+  }
+  if (inflight_ > 0 && inflight_bytes_ + item.memory_bytes() > options_.max_inflight_bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "the server's in-flight memory is taken (", inflight_bytes_, " bytes held by ", inflight_,
+        " calls, this one needs ", item.memory_bytes(), "; --max_inflight_mb); retry later"));
+  }
+  const double compute_s = EstimateSeconds(item);
+  if (compute_s > 0) {
+    const absl::Time now = absl::Now();
+    double wait_s = queued_seconds_;
+    if (running_) wait_s += std::max(0.0, running_estimate_s_ - absl::ToDoubleSeconds(now - running_since_));
+    const double left_s = absl::ToDoubleSeconds(item.deadline() - now);
+    if (wait_s + compute_s > left_s) {
+      return absl::DeadlineExceededError(absl::StrFormat(
+          "refused at arrival: about %.3f s of compute (%.3g GFLOP at the %s backend's %.1f GFLOP/s) behind %.3f s "
+          "of queued work would end past the deadline, %.3f s away",
+          compute_s, item.plan().flops / 1e9, std::string(item.plan().backend->name()),
+          rates_.at(item.plan().backend) / 1e9, wait_s, left_s));
+    }
+  }
+  return absl::OkStatus();
+}
+
 void Scheduler::Submit(std::unique_ptr<WorkItem> item) {
+  item->abort_ = &abort_;
   if (RunsInline(*item)) {
     item->Run(absl::ZeroDuration());
     return;
@@ -30,17 +79,14 @@ void Scheduler::Submit(std::unique_ptr<WorkItem> item) {
   absl::Status refused;
   {
     absl::MutexLock lock(&mu_);
-    if (stopping_) {
-      refused = absl::UnavailableError("server is shutting down");
-    } else if (static_cast<int>(queue_.size()) >= options_.max_queue) {
-      refused = absl::ResourceExhaustedError(absl::StrCat(
-          "compute queue is full (", options_.max_queue, " requests waiting, --max_queue_size); retry later"));
-    } else if (!queue_.empty() && queued_bytes_ + item->request_bytes() > options_.max_queued_bytes) {
-      refused = absl::ResourceExhaustedError(absl::StrCat(
-          "compute queue is full (", queued_bytes_, " bytes of requests waiting, --max_queued_mb); retry later"));
-    } else {
+    refused = Admit(*item);
+    if (refused.ok()) {
+      const double estimate = EstimateSeconds(*item);
       queued_bytes_ += item->request_bytes();
-      queue_.push_back({std::move(item), absl::Now()});
+      inflight_bytes_ += item->memory_bytes();
+      ++inflight_;
+      queued_seconds_ += estimate;
+      queue_.push_back({std::move(item), absl::Now(), estimate});
       SetDepth();
     }
   }
@@ -56,6 +102,11 @@ void Scheduler::Shutdown() {
   stopping_ = true;
 }
 
+void Scheduler::Abort() {
+  abort_ = true;
+  Shutdown();
+}
+
 int Scheduler::queued() const {
   absl::MutexLock lock(&mu_);
   return static_cast<int>(queue_.size());
@@ -66,12 +117,31 @@ bool Scheduler::AwaitRunning(absl::Duration timeout) const {
   return mu_.AwaitWithTimeout(absl::Condition(&running_), timeout);
 }
 
+absl::Duration Scheduler::StuckFor() const {
+  absl::MutexLock lock(&mu_);
+  if (!running_ || queue_.empty()) return absl::ZeroDuration();
+  return absl::Now() - running_since_;
+}
+
+void Scheduler::ObserveRate(const Backend* backend, double flops, double seconds) {
+  if (!(flops > 0 && seconds > 0)) return;
+  absl::MutexLock lock(&mu_);
+  const double rate = flops / seconds;
+  auto [it, inserted] = rates_.emplace(backend, rate);
+  if (!inserted) it->second = (1 - kRateWeight) * it->second + kRateWeight * rate;
+}
+
+double Scheduler::Rate(const Backend* backend) const {
+  absl::MutexLock lock(&mu_);
+  const auto it = rates_.find(backend);
+  return it == rates_.end() ? 0 : it->second;
+}
+
 void Scheduler::Run() {
   // The OpenMP thread count is per calling thread: set it once here, where every queued computation runs.
   omp_set_num_threads(options_.compute_threads);
   for (;;) {
-    std::unique_ptr<WorkItem> item;
-    absl::Time queued_at;
+    Queued next;
     {
       absl::MutexLock lock(&mu_);
       running_ = false;
@@ -79,18 +149,30 @@ void Scheduler::Run() {
           +[](Scheduler* s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(s->mu_) { return s->stopping_ || !s->queue_.empty(); },
           this));
       if (queue_.empty()) return;  // stopping and drained
-      item = std::move(queue_.front().item);
-      queued_at = queue_.front().queued_at;
+      next = std::move(queue_.front());
       queue_.pop_front();
-      queued_bytes_ -= item->request_bytes();
-      SetDepth();
+      queued_bytes_ -= next.item->request_bytes();
+      queued_seconds_ = std::max(0.0, queued_seconds_ - next.estimate_s);
       running_ = true;
+      running_since_ = absl::Now();
+      running_estimate_s_ = next.estimate_s;
+      SetDepth();
     }
-    if (item->IsCancelled()) {
-      item->Reject(absl::CancelledError("the call was cancelled or passed its deadline before compute started"));
+    WorkItem& item = *next.item;
+    if (absl::Status stop = item.Check(); !stop.ok()) {
+      item.Reject(stop.code() == absl::StatusCode::kCancelled
+                      ? absl::CancelledError("the client cancelled the call before compute started")
+                      : stop);
     } else {
-      item->Run(absl::Now() - queued_at);
+      const absl::Time start = absl::Now();
+      const absl::Status status = item.Run(start - next.queued_at);
+      if (status.ok() && item.plan().flops >= kRateSampleFlops && std::isfinite(item.plan().flops)) {
+        ObserveRate(item.plan().backend, item.plan().flops, absl::ToDoubleSeconds(absl::Now() - start));
+      }
     }
+    absl::MutexLock lock(&mu_);
+    inflight_bytes_ -= item.memory_bytes();
+    --inflight_;
   }
 }
 

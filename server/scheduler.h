@@ -2,15 +2,21 @@
 //  - inline: a call the backend runs single-threaded in tens of microseconds (Backend::inline_max_flops, capped by
 //    SchedulerOptions::inline_max_flops) runs on the gRPC thread that received it, where the hand-off would cost
 //    as much as the work;
+//  - admission: a call that cannot meet its deadline (the compute queued ahead of it plus its own, at the rate its
+//    backend has shown) is refused at arrival with DEADLINE_EXCEEDED and the estimate; one whose memory (request,
+//    response, working memory) would take the admitted calls past max_inflight_bytes is RESOURCE_EXHAUSTED;
 //  - queue: everything else waits in a bounded FIFO for one dedicated compute thread, so that gRPC's threads stay
 //    responsive (health checks answer while a long request computes) and concurrent calls do not each start
 //    OpenMP teams on the same cores. A full queue refuses new work instead of buffering requests without limit;
-//    an item whose client gave up while it waited is rejected when its turn comes, not computed.
+//    an item whose client gave up while it waited is rejected when its turn comes, not computed; a running one
+//    stops at its next check (WorkItem is its StopSignal).
 #ifndef MHA_SERVER_SCHEDULER_H_
 #define MHA_SERVER_SCHEDULER_H_
 
+#include <atomic>
 #include <cstdint>
 #include <deque>
+#include <map>
 #include <memory>
 #include <thread>
 
@@ -24,10 +30,11 @@
 namespace mha {
 
 struct SchedulerOptions {
-  int compute_threads = 1;        // OpenMP threads of the compute thread's computations
-  int max_queue = 64;             // items waiting (not running) at most
-  int64_t max_queued_bytes = 0;   // request bytes the waiting items may hold together
-  double inline_max_flops = 0;    // the inline policy's limit; 0 = never inline
+  int compute_threads = 1;          // OpenMP threads of the compute thread's computations
+  int max_queue = 64;               // items waiting (not running) at most
+  int64_t max_queued_bytes = 0;     // request bytes the waiting items may hold together
+  int64_t max_inflight_bytes = 0;   // memory_bytes the admitted (waiting and running) items may hold together
+  double inline_max_flops = 0;      // the inline policy's limit; 0 = never inline
 };
 
 class Scheduler {
@@ -40,33 +47,57 @@ class Scheduler {
   Scheduler& operator=(const Scheduler&) = delete;
 
   // Takes `item` and sees that it ends: runs it now on the calling thread (inline), queues it, or rejects it with
-  // RESOURCE_EXHAUSTED (max_queue items waiting, or their bytes would pass max_queued_bytes; an item alone larger
-  // than that still queues when nothing waits) or UNAVAILABLE (after Shutdown). Thread-safe.
+  // DEADLINE_EXCEEDED (admission), RESOURCE_EXHAUSTED (max_queue items waiting, their bytes past max_queued_bytes,
+  // or in-flight memory past max_inflight_bytes; an item alone past a limit still runs when nothing else holds
+  // any) or UNAVAILABLE (after Shutdown). Thread-safe.
   void Submit(std::unique_ptr<WorkItem> item);
-  // Stops accepting work; items already queued still run. Thread-safe, idempotent.
+  // Stops accepting work; items already queued still run (or are rejected, once their calls are cancelled).
+  // Thread-safe, idempotent.
   void Shutdown();
+  // Stops the running computation at its next check and rejects everything still queued with UNAVAILABLE: the end
+  // of a shutdown's grace period. Thread-safe.
+  void Abort();
   int queued() const;
   // Blocks until an item is computing on the compute thread, or `timeout` passes; true if one is. For tests that
   // must know a long call has started.
   bool AwaitRunning(absl::Duration timeout) const;
+  // How long the running item has computed while others waited; zero when nothing waits.
+  absl::Duration StuckFor() const;
+  // Learns that `backend` did `flops` in `seconds` (the compute thread does this after every call of 50 MFLOP or
+  // more; warm-up seeds it).
+  void ObserveRate(const Backend* backend, double flops, double seconds);
+  // The backend's observed rate in FLOP/s (an exponential average), or 0 before any observation.
+  double Rate(const Backend* backend) const;
 
  private:
   bool RunsInline(const WorkItem& item) const;
+  // Seconds `item` should compute for at its backend's rate; 0 when the rate is unknown.
+  double EstimateSeconds(const WorkItem& item) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // OK, or why `item` cannot be queued now.
+  absl::Status Admit(const WorkItem& item) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Publishes the queue's length; under mu_, so that the gauge follows the queue's order of events.
   void SetDepth() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Run();
 
   const SchedulerOptions options_;
   ServerMetrics* const metrics_;
+  std::atomic<bool> abort_{false};
   mutable absl::Mutex mu_;
   struct Queued {
     std::unique_ptr<WorkItem> item;
     absl::Time queued_at;
+    double estimate_s;  // EstimateSeconds when queued
   };
   std::deque<Queued> queue_ ABSL_GUARDED_BY(mu_);
   int64_t queued_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t inflight_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  int inflight_ ABSL_GUARDED_BY(mu_) = 0;       // queued + running
+  double queued_seconds_ ABSL_GUARDED_BY(mu_) = 0;  // sum of the queued items' estimates
   bool running_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Time running_since_ ABSL_GUARDED_BY(mu_);
+  double running_estimate_s_ ABSL_GUARDED_BY(mu_) = 0;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  std::map<const Backend*, double> rates_ ABSL_GUARDED_BY(mu_);  // FLOP/s
   std::thread worker_;
 };
 

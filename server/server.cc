@@ -1,5 +1,6 @@
 #include "server/server.h"
 
+#include <algorithm>
 #include <fstream>
 #include <limits>
 #include <thread>
@@ -59,6 +60,7 @@ absl::StatusOr<std::unique_ptr<MhaServer>> MhaServer::Start(ServerOptions option
   scheduling.max_queue = options.max_queue_size;
   scheduling.max_queued_bytes = static_cast<int64_t>(options.max_queued_mb) << 20;
   scheduling.inline_max_flops = options.inline_max_mflop * 1e6;
+  scheduling.max_inflight_bytes = static_cast<int64_t>(options.max_inflight_mb) << 20;
   server->scheduler_ = std::make_unique<Scheduler>(scheduling, server->metrics_.get());
   server->WarmUp();
   server->service_ = std::make_unique<AttentionService>(options, server->layers_.get(), server->backends_.get(),
@@ -70,6 +72,17 @@ absl::StatusOr<std::unique_ptr<MhaServer>> MhaServer::Start(ServerOptions option
   const int max_bytes = options.max_message_mb << 20;
   builder.SetMaxReceiveMessageSize(max_bytes);
   builder.SetMaxSendMessageSize(max_bytes);
+  if (options.keepalive_s > 0) {
+    builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, static_cast<int>(options.keepalive_s * 1000));
+    builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 20000);
+  }
+  if (options.max_connection_age_s > 0) {
+    // Connections close gracefully (GOAWAY, then in-flight calls get this long) so that clients reconnect and
+    // spread over the replicas that exist now (gRFC A9).
+    builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_AGE_MS, static_cast<int>(options.max_connection_age_s * 1000));
+    builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_AGE_GRACE_MS,
+                               static_cast<int>(std::max(options.shutdown_grace_s, 1.0) * 1000));
+  }
   if (!options.listen.empty()) {
     builder.AddListeningPort(options.listen, grpc::InsecureServerCredentials(), &server->port_);
   }
@@ -84,7 +97,26 @@ absl::StatusOr<std::unique_ptr<MhaServer>> MhaServer::Start(ServerOptions option
     std::rename(tmp.c_str(), options.port_file.c_str());  // readers never see a half-written file
   }
   server->options_ = std::move(options);
+  if (server->options_.stuck_after_s > 0) server->watchdog_ = std::thread([s = server.get()] { s->Watch(); });
   return server;
+}
+
+void MhaServer::Watch() {
+  grpc::HealthCheckServiceInterface* health = server_->GetHealthCheckService();
+  const absl::Duration limit = absl::Seconds(options_.stuck_after_s);
+  bool serving = true;
+  while (!stop_watch_.WaitForNotificationWithTimeout(absl::Seconds(1))) {
+    const absl::Duration stuck = scheduler_->StuckFor();
+    if ((stuck <= limit) == serving) continue;
+    serving = !serving;
+    if (health != nullptr) health->SetServingStatus(serving);
+    if (serving) {
+      spdlog::info("health: SERVING again, the compute thread moved on");
+    } else {
+      spdlog::error("health: NOT_SERVING, one call has computed for {} s with others waiting",
+                    absl::ToInt64Seconds(stuck));
+    }
+  }
 }
 
 MhaServer::~MhaServer() { Shutdown(); }
@@ -94,29 +126,37 @@ namespace {
 // Runs one backend's WarmUp on the compute thread, where its thread pools must start.
 class WarmUpItem final : public WorkItem {
  public:
-  WarmUpItem(Backend* backend, absl::Notification* done)
-      : WorkItem(0, absl::Now(), absl::InfiniteFuture()), done_(done) {
+  WarmUpItem(Backend* backend, Scheduler* scheduler, absl::Notification* done)
+      : WorkItem(0, absl::Now(), absl::InfiniteFuture()), scheduler_(scheduler), done_(done) {
     plan_.backend = backend;
     plan_.flops = std::numeric_limits<double>::infinity();  // never inline
     plan_.shapes = "warm-up";
   }
   const AttentionPlan& plan() const override { return plan_; }
   bool IsCancelled() const override { return false; }
-  void Run(absl::Duration) override {
+  // Warms the backend up, then times the same computation again to seed the scheduler's rate for it.
+  absl::Status Run(absl::Duration) override {
     const std::string name(plan_.backend->name());  // fmt cannot print abseil's own string_view
     const absl::Time start = absl::Now();
-    const absl::Status status = plan_.backend->WarmUp();
-    if (status.ok()) {
-      spdlog::info("{} backend warmed up in {} ms", name, absl::ToInt64Milliseconds(absl::Now() - start));
+    absl::StatusOr<double> flops = plan_.backend->WarmUp();
+    const absl::Time warm = absl::Now();
+    if (flops.ok()) flops = plan_.backend->WarmUp();
+    if (flops.ok()) {
+      const double seconds = absl::ToDoubleSeconds(absl::Now() - warm);
+      scheduler_->ObserveRate(plan_.backend, *flops, seconds);
+      spdlog::info("{} backend warmed up in {} ms; {:.1f} GFLOP/s on a {:.3g} GFLOP call", name,
+                   absl::ToInt64Milliseconds(warm - start), *flops / seconds / 1e9, *flops / 1e9);
     } else {
-      spdlog::warn("{} backend warm-up failed: {}", name, status.ToString());
+      spdlog::warn("{} backend warm-up failed: {}", name, flops.status().ToString());
     }
     done_->Notify();
+    return flops.status();
   }
   void Reject(const absl::Status&) override { done_->Notify(); }
 
  private:
   AttentionPlan plan_;
+  Scheduler* const scheduler_;
   absl::Notification* const done_;
 };
 
@@ -126,7 +166,7 @@ void MhaServer::WarmUp() {
   for (const BackendEntry& entry : backends_->entries()) {
     if (!entry.available()) continue;
     absl::Notification done;
-    scheduler_->Submit(std::make_unique<WarmUpItem>(entry.backend.get(), &done));
+    scheduler_->Submit(std::make_unique<WarmUpItem>(entry.backend.get(), scheduler_.get(), &done));
     done.WaitForNotification();
   }
 }
@@ -138,12 +178,31 @@ std::shared_ptr<grpc::Channel> MhaServer::InProcessChannel() {
   return server_->InProcessChannel(args);
 }
 
+void MhaServer::Shutdown() { Shutdown(absl::Seconds(options_.shutdown_grace_s)); }
+
 void MhaServer::Shutdown(absl::Duration grace) {
   if (shut_down_) return;
   shut_down_ = true;
-  // In-flight calls finish on the scheduler thread, which keeps running until the gRPC server has drained.
-  if (server_ != nullptr) server_->Shutdown(absl::ToChronoTime(absl::Now() + grace));
+  stop_watch_.Notify();
+  if (watchdog_.joinable()) watchdog_.join();
+  if (server_ == nullptr) {
+    scheduler_.reset();
+    return;
+  }
+  // Load balancers see NOT_SERVING at once; gRPC refuses new calls (UNAVAILABLE) and waits for in-flight ones until
+  // the grace deadline, when it cancels them and the scheduler stops what still computes or waits.
+  if (grpc::HealthCheckServiceInterface* health = server_->GetHealthCheckService(); health != nullptr) {
+    health->Shutdown();
+  }
   if (scheduler_ != nullptr) scheduler_->Shutdown();
+  const absl::Time deadline = absl::Now() + grace;
+  absl::Notification drained;
+  std::thread stopper([&] {
+    if (!drained.WaitForNotificationWithDeadline(deadline) && scheduler_ != nullptr) scheduler_->Abort();
+  });
+  server_->Shutdown(absl::ToChronoTime(deadline));
+  drained.Notify();
+  stopper.join();
   scheduler_.reset();
 }
 

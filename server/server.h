@@ -4,8 +4,10 @@
 #define MHA_SERVER_SERVER_H_
 
 #include <memory>
+#include <thread>
 
 #include "absl/status/statusor.h"
+#include "absl/synchronization/notification.h"
 #include "grpcpp/grpcpp.h"
 #include "server/backends/registry.h"
 #include "server/layer_store.h"
@@ -29,14 +31,19 @@ class MhaServer {
   const ServerMetrics& metrics() const { return *metrics_; }
   const Scheduler& scheduler() const { return *scheduler_; }
   std::shared_ptr<grpc::Channel> InProcessChannel();
-  // Stops accepting calls, lets in-flight ones finish (cancelling any still running after `grace`), then stops
-  // the compute thread. Idempotent.
-  void Shutdown(absl::Duration grace = absl::Seconds(30));
+  // Health answers NOT_SERVING and new calls UNAVAILABLE at once; in-flight calls may finish until `grace` has
+  // passed, when those still computing or waiting are stopped; then the compute thread ends. Idempotent.
+  void Shutdown(absl::Duration grace);
+  // Shutdown with --shutdown_grace_s.
+  void Shutdown();
 
  private:
   MhaServer() = default;
-  // Runs every available backend's WarmUp on the compute thread, so that the first call is not slow.
+  // Runs every available backend's WarmUp on the compute thread, so that the first call is not slow and the
+  // scheduler knows each backend's speed.
   void WarmUp();
+  // Until Shutdown: health NOT_SERVING while the scheduler has been stuck past --stuck_after_s, SERVING otherwise.
+  void Watch();
 
   ServerOptions options_;
   std::unique_ptr<LayerStore> layers_;
@@ -47,6 +54,8 @@ class MhaServer {
   std::unique_ptr<grpc::Server> server_;
   int port_ = 0;
   bool shut_down_ = false;
+  absl::Notification stop_watch_;
+  std::thread watchdog_;
 };
 
 }  // namespace mha

@@ -38,8 +38,25 @@ struct ServerOptions {
   // single-threaded (Backend::inline_max_flops, which also bounds this option). 0 sends every request through the
   // compute thread.
   double inline_max_mflop = 4;
-  // Work a single request may ask for (AttentionFlops), in GFLOP.
+  // Work a single request may ask for (AttentionFlops), in GFLOP, on the CPU backend and on the reference backend
+  // (plain loops at about 1 GFLOP/s: its limit keeps one call to seconds).
   double max_request_gflop = 4000;
+  double max_reference_gflop = 20;
+  // Deadline of a call whose client set none, in seconds: admission and cancellation use it like a client's.
+  double default_deadline_s = 120;
+  // Memory admitted calls may hold together (request, response and the backend's working memory), in MiB; a call
+  // that would pass it is RESOURCE_EXHAUSTED unless nothing else is in flight.
+  int max_inflight_mb = 4096;
+  // After SIGTERM: health answers NOT_SERVING and new calls UNAVAILABLE at once; calls still running after this many
+  // seconds are stopped, so that the process exits within it (below the Deployment's termination grace period).
+  double shutdown_grace_s = 25;
+  // Health answers NOT_SERVING while the compute thread has run one call for longer than this many seconds with
+  // others waiting (a wedged pod); 0 = never.
+  double stuck_after_s = 300;
+  // gRPC keepalive pings on idle connections (seconds; 0 = gRPC's default), and the age after which a connection is
+  // closed gracefully so that clients reconnect and spread over new replicas (gRFC A9; 0 = unlimited).
+  double keepalive_s = 60;
+  double max_connection_age_s = 0;
   // spdlog level: trace, debug, info, warn, error, critical or off.
   std::string log_level = "info";
 };

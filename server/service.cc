@@ -58,6 +58,8 @@ AttentionService::AttentionService(const ServerOptions& options, LayerStore* lay
   validation_.max_message_bytes = static_cast<int64_t>(options.max_message_mb) << 20;
   validation_.max_scratch_bytes = static_cast<int64_t>(options.max_scratch_mb) << 20;
   validation_.max_request_flops = options.max_request_gflop * 1e9;
+  validation_.max_reference_flops = options.max_reference_gflop * 1e9;
+  default_deadline_ = absl::Seconds(options.default_deadline_s);
 }
 
 // One compute call as the scheduler sees it. Owns the validated plan; borrows the request, response and context,
@@ -67,8 +69,9 @@ class ComputeCall final : public WorkItem {
  public:
   ComputeCall(AttentionService* service, uint64_t id, const char* rpc, grpc::CallbackServerContext* context,
               grpc::ServerUnaryReactor* reactor, Response* response, Plan plan,
-              absl::Status (*execute)(const Plan&, Response*), int64_t request_bytes, absl::Time received)
-      : WorkItem(request_bytes, received, absl::FromChrono(context->deadline())),
+              absl::Status (*execute)(const Plan&, const StopSignal*, Response*), int64_t request_bytes,
+              absl::Time received, absl::Time deadline)
+      : WorkItem(request_bytes, received, deadline),
         service_(service),
         id_(id),
         rpc_(rpc),
@@ -81,15 +84,18 @@ class ComputeCall final : public WorkItem {
   const AttentionPlan& plan() const override { return plan_; }
   bool IsCancelled() const override { return context_->IsCancelled(); }
 
-  void Run(absl::Duration waited) override {
+  absl::Status Run(absl::Duration waited) override {
     const absl::Time started = absl::Now();
-    const absl::Status status = execute_(plan_, response_);
+    absl::Status status = execute_(plan_, this, response_);
     const absl::Time computed = absl::Now();
+    // A call whose client gave up or whose deadline passed while it computed ended so, whatever the backend said.
+    if (status.ok()) status = Check();
     Timing* timing = response_->mutable_timing();
     timing->set_queue_us(absl::ToInt64Microseconds(waited));
     timing->set_compute_us(absl::ToInt64Microseconds(computed - started));
     timing->set_handler_us(absl::ToInt64Microseconds(computed - received()));
     Finish(status, absl::ToDoubleSeconds(computed - started));
+    return status;
   }
 
   void Reject(const absl::Status& status) override { Finish(status, 0); }
@@ -111,14 +117,14 @@ class ComputeCall final : public WorkItem {
   grpc::ServerUnaryReactor* const reactor_;
   Response* const response_;
   const Plan plan_;
-  absl::Status (*const execute_)(const Plan&, Response*);
+  absl::Status (*const execute_)(const Plan&, const StopSignal*, Response*);
 };
 
 template <typename Request, typename Response, typename Plan>
 grpc::ServerUnaryReactor* AttentionService::Compute(
     const char* rpc, grpc::CallbackServerContext* context, const Request* request, Response* response,
     absl::StatusOr<Plan> (*validate)(const Request&, const ValidationContext&),
-    absl::Status (*execute)(const Plan&, Response*)) {
+    absl::Status (*execute)(const Plan&, const StopSignal*, Response*)) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   const uint64_t id = next_request_id_++;
   const absl::Time received = absl::Now();
@@ -128,9 +134,12 @@ grpc::ServerUnaryReactor* AttentionService::Compute(
     reactor->Finish(ToGrpcStatus(plan.status()));
     return reactor;
   }
+  // A client without a deadline gets the server's default (gRPC reports "none" as the clock's far end).
+  absl::Time deadline = absl::FromChrono(context->deadline());
+  if (deadline - received > absl::Hours(24 * 365)) deadline = received + default_deadline_;
   scheduler_->Submit(std::make_unique<ComputeCall<Request, Response, Plan>>(
       this, id, rpc, context, reactor, response, *std::move(plan), execute,
-      static_cast<int64_t>(request->ByteSizeLong()), received));
+      static_cast<int64_t>(request->ByteSizeLong()), received, deadline));
   return reactor;
 }
 

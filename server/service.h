@@ -56,7 +56,7 @@ class AttentionService final : public v1::Attention::CallbackService {
   grpc::ServerUnaryReactor* Compute(const char* rpc, grpc::CallbackServerContext* context, const Request* request,
                                     Response* response,
                                     absl::StatusOr<Plan> (*validate)(const Request&, const ValidationContext&),
-                                    absl::Status (*execute)(const Plan&, Response*));
+                                    absl::Status (*execute)(const Plan&, const StopSignal*, Response*));
 
   ServerOptions options_;
   LayerStore* layers_;
@@ -64,6 +64,7 @@ class AttentionService final : public v1::Attention::CallbackService {
   Scheduler* scheduler_;
   ServerMetrics* metrics_;
   ValidationContext validation_;
+  absl::Duration default_deadline_;
   std::atomic<uint64_t> next_request_id_{1};
 };
 

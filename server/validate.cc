@@ -1,5 +1,6 @@
 #include "server/validate.h"
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -116,6 +117,7 @@ absl::Status ValidateCommon(const Request& request, const ValidationContext& con
     response_bytes += out_size * Product({s.batch, s.heads.num_heads, s.q_len, s.kv_len});
   }
   response_bytes += 4096;  // message framing, backend name, timing
+  plan->response_bytes = static_cast<int64_t>(std::min(response_bytes, 9e18));
   if (response_bytes > static_cast<double>(context.max_message_bytes)) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "the response would be about ", static_cast<int64_t>(response_bytes), " bytes, over the server's ",
@@ -123,12 +125,16 @@ absl::Status ValidateCommon(const Request& request, const ValidationContext& con
         plan->problem.return_weights ? ", return_attention_weights=false" : "", " or fewer tokens"));
   }
   plan->flops = AttentionFlops(s);
-  if (plan->flops > context.max_request_flops) {
+  const bool reference = backend_name == kReferenceBackend;
+  const double max_flops = reference ? context.max_reference_flops : context.max_request_flops;
+  if (plan->flops > max_flops) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "the request needs about ", plan->flops / 1e9, " GFLOP, over the server's per-request limit of ",
-        context.max_request_flops / 1e9, " GFLOP (--max_request_gflop); send fewer tokens or a smaller batch"));
+        max_flops / 1e9, " GFLOP on the ", backend_name, " backend (",
+        reference ? "--max_reference_gflop" : "--max_request_gflop", "); send fewer tokens or a smaller batch"));
   }
   const int64_t workspace = plan->backend->WorkspaceBytes(plan->problem);
+  plan->workspace_bytes = workspace;
   if (workspace > context.max_scratch_bytes) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "the ", backend_name, " backend would need about ", workspace, " bytes of working memory, over the ",

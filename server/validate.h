@@ -27,6 +27,8 @@ struct AttentionPlan {
   absl::Span<const int32_t> key_lengths;  // empty or [B], each in [0, Tk]
   std::string shapes;                     // for logs, e.g. "query[8, 512, 512] self layer=demo H=8 Hkv=8"
   double flops = 0;                       // AttentionFlops(problem.shape)
+  int64_t response_bytes = 0;             // the response's tensors
+  int64_t workspace_bytes = 0;            // backend->WorkspaceBytes(problem)
 };
 
 struct MhaPlan : AttentionPlan {
@@ -53,6 +55,7 @@ struct ValidationContext {
   int64_t max_message_bytes = 0;  // responses larger than this are RESOURCE_EXHAUSTED
   int64_t max_scratch_bytes = 0;  // backend working memory (Backend::WorkspaceBytes) beyond this: RESOURCE_EXHAUSTED
   double max_request_flops = 0;   // AttentionFlops beyond this: RESOURCE_EXHAUSTED
+  double max_reference_flops = 0;  // the same on the reference backend
 };
 
 absl::StatusOr<MhaPlan> ValidateMultiHeadAttention(const v1::MultiHeadAttentionRequest& request,

@@ -1,43 +1,54 @@
 // One validated call on its way to a backend: what the scheduler queues and what a scheduling policy may look at
-// (the plan, the request's size, when it arrived, its deadline, whether its client still waits), and the two ways
-// it can end. Each WorkItem ends exactly once: Run, or Reject.
+// (the plan, the memory it holds, when it arrived, its deadline, whether its client still waits), the signal that
+// stops its computation, and the two ways it can end. Each WorkItem ends exactly once: Run, or Reject.
 #ifndef MHA_SERVER_WORK_ITEM_H_
 #define MHA_SERVER_WORK_ITEM_H_
 
+#include <atomic>
 #include <cstdint>
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
+#include "server/backends/backend.h"
 #include "server/validate.h"
 
 namespace mha {
 
-class WorkItem {
+class WorkItem : public StopSignal {
  public:
+  // `deadline` is the client's, or the server's default for a client that set none.
   WorkItem(int64_t request_bytes, absl::Time received, absl::Time deadline)
       : request_bytes_(request_bytes), received_(received), deadline_(deadline) {}
-  virtual ~WorkItem() = default;
   WorkItem(const WorkItem&) = delete;
   WorkItem& operator=(const WorkItem&) = delete;
 
-  // The validated plan: backend, problem (shape, dtypes, weights), FLOPs.
+  // The validated plan: backend, problem (shape, dtypes, weights), FLOPs, response and working-memory bytes.
   virtual const AttentionPlan& plan() const = 0;
   int64_t request_bytes() const { return request_bytes_; }  // what the item holds while it waits
-  absl::Time received() const { return received_; }          // when the call reached the handler
-  absl::Time deadline() const { return deadline_; }          // the client's, or InfiniteFuture()
+  // What the item holds while it runs: its request, its response and its backend's working memory.
+  int64_t memory_bytes() const { return request_bytes_ + plan().response_bytes + plan().workspace_bytes; }
+  absl::Time received() const { return received_; }  // when the call reached the handler
+  absl::Time deadline() const { return deadline_; }
 
-  // True once the client cancelled or its deadline passed. Thread-safe.
+  // True once the client cancelled (or gRPC cancelled the call). Thread-safe.
   virtual bool IsCancelled() const = 0;
+  // StopSignal: CANCELLED once the client cancelled, DEADLINE_EXCEEDED past the deadline, UNAVAILABLE once the
+  // scheduler aborts its work (shutdown). Thread-safe.
+  absl::Status Check() const final;
+
   // Computes and finishes the call (response, log line, metrics) after `waited` in the queue (zero for an item run
-  // inline). Runs on the thread that computes.
-  virtual void Run(absl::Duration waited) = 0;
+  // inline); returns the status the call ended with. Runs on the thread that computes.
+  virtual absl::Status Run(absl::Duration waited) = 0;
   // Finishes the call with `status` (not OK) without computing: refused, cancelled before it started, or shutdown.
   virtual void Reject(const absl::Status& status) = 0;
 
  private:
+  friend class Scheduler;
+
   const int64_t request_bytes_;
   const absl::Time received_;
   const absl::Time deadline_;
+  const std::atomic<bool>* abort_ = nullptr;  // the scheduler's, once submitted
 };
 
 }  // namespace mha

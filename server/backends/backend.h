@@ -17,6 +17,7 @@
 #include <string>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 #include "proto/mha/v1/attention.pb.h"
@@ -66,10 +67,21 @@ struct AttentionMask {
   bool additive_per_batch = false;
 };
 
+// Asks a running computation to stop: the client cancelled, its deadline passed, or the server is shutting down.
+// Backends poll it between blocks of work (a query block of a head, a slice of a projection's rows), so that a
+// call stops within tens of milliseconds of work. Thread-safe.
+class StopSignal {
+ public:
+  virtual ~StopSignal() = default;
+  // OK to go on; otherwise the status the call ends with (CANCELLED, DEADLINE_EXCEEDED or UNAVAILABLE).
+  virtual absl::Status Check() const = 0;
+};
+
 // Scaled dot-product attention on head-packed (BSHD) tensors. shape.d_model is 0.
 struct SdpaArgs {
   AttentionShape shape;
   AttentionMask mask;
+  const StopSignal* stop = nullptr;  // null: runs to the end
   ConstTensor q;          // [B, Tq, H, d_k]
   ConstTensor k;          // [B, Tk, Hkv, d_k]
   ConstTensor v;          // [B, Tk, Hkv, d_k]
@@ -105,6 +117,7 @@ enum class KvSource {
 struct MhaArgs {
   AttentionShape shape;
   AttentionMask mask;
+  const StopSignal* stop = nullptr;  // null: runs to the end
   LayerWeights weights;
   KvSource kv_source = KvSource::kKeyValue;
   ConstTensor query;  // [B, Tq, d_model]
@@ -117,7 +130,8 @@ struct MhaArgs {
 
 // A way to compute attention. Implementations are thread-safe (the server runs one large computation at a time,
 // but tiny requests run concurrently on gRPC's threads). Errors from third-party libraries are converted to Status
-// inside; nothing throws across this interface.
+// inside; nothing throws across this interface. A call that args.stop stopped returns the signal's status, and
+// its outputs are unspecified.
 class Backend {
  public:
   Backend() = default;
@@ -139,9 +153,10 @@ class Backend {
   // Calls of at most this many FLOPs (AttentionFlops) run on the calling thread alone and in tens of microseconds,
   // so the server may run them on the gRPC thread that received them. 0: never.
   virtual double inline_max_flops() const { return 0; }
-  // Pays one-time start-up costs (library initialisation, code generation, thread pools) before the first call.
-  // Called once, on the thread that will compute.
-  virtual absl::Status WarmUp() { return absl::OkStatus(); }
+  // Pays one-time start-up costs (library initialisation, code generation, thread pools) with a small
+  // representative computation; returns its AttentionFlops, so that a second call can be timed to learn the
+  // backend's speed. Called on the thread that will compute.
+  virtual absl::StatusOr<double> WarmUp() = 0;
 
   virtual absl::Status ScaledDotProductAttention(const SdpaArgs& args) = 0;
   virtual absl::Status MultiHeadAttention(const MhaArgs& args) = 0;

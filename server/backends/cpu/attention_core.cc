@@ -284,10 +284,12 @@ class Worker {
 
 }  // namespace
 
-void Attend(const kernels::TileKernels& tiles, const AttentionShape& shape, const AttentionMask& mask, Packed q,
-            Packed k, Packed v, float* out, int64_t out_stride, float* weights) {
+absl::Status Attend(const kernels::TileKernels& tiles, const AttentionShape& shape, const AttentionMask& mask,
+                    Packed q, Packed k, Packed v, float* out, int64_t out_stride, float* weights,
+                    const StopSignal* stop) {
   const CorePlan plan = PlanBlocks(tiles, shape, mask, omp_get_max_threads());
   std::atomic<int64_t> next_run{0};
+  std::atomic<bool> stopped{false};
 #pragma omp parallel
   {
     Worker worker(tiles, shape, mask, plan, q, k, v, out, out_stride, weights);
@@ -296,6 +298,10 @@ void Attend(const kernels::TileKernels& tiles, const AttentionShape& shape, cons
     int64_t first = next_run.fetch_add(1) * plan.run, item = first, end = std::min(first + plan.run, plan.items);
     int64_t ahead = next_run.fetch_add(1) * plan.run;
     while (item < end) {
+      if (stop != nullptr && (stopped.load(std::memory_order_relaxed) || !stop->Check().ok())) {
+        stopped = true;
+        break;
+      }
       RowPrefetch prefetch;
       worker.PrefetchNext(item, item + 1 < end ? item + 1 : ahead, ahead, item - first, end - first, prefetch);
       worker.Run(item, prefetch);
@@ -306,6 +312,10 @@ void Attend(const kernels::TileKernels& tiles, const AttentionShape& shape, cons
       }
     }
   }
+  // A stop is final (cancelled, past the deadline, shutting down), so asking again gives its status.
+  if (!stopped) return absl::OkStatus();
+  absl::Status status = stop->Check();
+  return status.ok() ? absl::CancelledError("the computation was stopped") : status;
 }
 
 int64_t AttendScratchBytesPerThread(const kernels::TileKernels& tiles, const AttentionShape& shape) {

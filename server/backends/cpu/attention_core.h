@@ -12,7 +12,7 @@
 // each query head at its shared KV head; nothing is repeated.
 //
 // Thread-safe: scratch belongs to the calling OpenMP threads. Parallel over the calling thread's OpenMP team
-// (omp_set_num_threads on that thread sets its size). Cannot fail.
+// (omp_set_num_threads on that thread sets its size).
 #ifndef MHA_SERVER_BACKENDS_CPU_ATTENTION_CORE_H_
 #define MHA_SERVER_BACKENDS_CPU_ATTENTION_CORE_H_
 
@@ -36,9 +36,11 @@ struct Packed {
 };
 
 // Writes attention over q [B, Tq, H, d_k], k and v [B, Tk, Hkv, d_k] into out (head-packed, row stride out_stride)
-// and, when weights is not null, the probabilities into weights [B, H, Tq, Tk].
-void Attend(const kernels::TileKernels& tiles, const AttentionShape& shape, const AttentionMask& mask, Packed q,
-            Packed k, Packed v, float* out, int64_t out_stride, float* weights);
+// and, when weights is not null, the probabilities into weights [B, H, Tq, Tk]. `stop` (may be null) is polled
+// before each work item; once it says stop, the remaining items are skipped and its status returned.
+absl::Status Attend(const kernels::TileKernels& tiles, const AttentionShape& shape, const AttentionMask& mask,
+                    Packed q, Packed k, Packed v, float* out, int64_t out_stride, float* weights,
+                    const StopSignal* stop);
 
 // Bytes of scratch each OpenMP thread of Attend keeps for this shape.
 int64_t AttendScratchBytesPerThread(const kernels::TileKernels& tiles, const AttentionShape& shape);

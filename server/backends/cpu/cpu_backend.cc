@@ -2,6 +2,7 @@
 
 #include <omp.h>
 
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -10,6 +11,7 @@
 #include "server/backends/cpu/attention_core.h"
 #include "server/backends/cpu/cpu_info.h"
 #include "server/backends/float_io.h"
+#include "server/backends/synthetic.h"
 
 namespace mha {
 namespace {
@@ -43,20 +45,35 @@ float* Grown(std::vector<float>& v, int64_t n) {
   return v.data();
 }
 
+// Calls above this many FLOPs poll their StopSignal; smaller ones finish within a millisecond anyway.
+constexpr double kStopCheckFlops = 1e8;
+// A projection runs in slices of rows of about this many FLOPs (tens of milliseconds), polling the StopSignal
+// between them; one slice keeps sgemm's efficiency on every shape we serve.
+constexpr double kProjectionSliceFlops = 8e9;
+
 // y[m, n] (row stride ldy) = x[m, k] (row stride ldx) w[k, n] (row stride ldw) + bias[n] (bias may be null), on
 // oneDNN's sgemm (measured faster than the matmul primitive on every projection shape we serve: docs/PERFORMANCE.md).
-// The bias is broadcast into y first and accumulated with beta = 1.
+// The bias is broadcast into y first and accumulated with beta = 1. `stop` (may be null) is polled between slices.
 absl::Status Linear(const float* x, int64_t m, int64_t k, int64_t ldx, const float* w, int64_t ldw, const float* bias,
-                    int64_t n, float* y, int64_t ldy) {
+                    int64_t n, float* y, int64_t ldy, const StopSignal* stop) {
   if (bias != nullptr) {
 #pragma omp parallel for schedule(static)
     for (int64_t r = 0; r < m; ++r) std::memcpy(y + r * ldy, bias, n * sizeof(float));
   }
-  const dnnl_status_t status =
-      dnnl_sgemm('N', 'N', m, n, k, 1.0f, x, ldx, w, ldw, bias != nullptr ? 1.0f : 0.0f, y, ldy);
-  if (status != dnnl_success) {
-    return absl::InternalError(absl::StrCat("oneDNN's sgemm failed in a ", m, "x", k, "x", n,
-                                            " projection (dnnl_status_t ", static_cast<int>(status), ")"));
+  const double flops = 2.0 * static_cast<double>(m) * static_cast<double>(k) * static_cast<double>(n);
+  const int64_t slices = stop == nullptr ? 1 : std::max<int64_t>(1, static_cast<int64_t>(flops / kProjectionSliceFlops));
+  const int64_t rows = (m + slices - 1) / slices;
+  for (int64_t r0 = 0; r0 < m; r0 += rows) {
+    if (stop != nullptr) {
+      if (absl::Status status = stop->Check(); !status.ok()) return status;
+    }
+    const int64_t r = std::min(rows, m - r0);
+    const dnnl_status_t status = dnnl_sgemm('N', 'N', r, n, k, 1.0f, x + r0 * ldx, ldx, w, ldw,
+                                            bias != nullptr ? 1.0f : 0.0f, y + r0 * ldy, ldy);
+    if (status != dnnl_success) {
+      return absl::InternalError(absl::StrCat("oneDNN's sgemm failed in a ", r, "x", k, "x", n,
+                                              " projection (dnnl_status_t ", static_cast<int>(status), ")"));
+    }
   }
   return absl::OkStatus();
 }
@@ -120,41 +137,24 @@ int64_t CpuBackend::WorkspaceBytes(const AttentionProblem& problem) const {
          omp_get_num_procs() * cpu::AttendScratchBytesPerThread(KernelsFor(h.head_dim), s);
 }
 
-absl::Status CpuBackend::WarmUp() {
-  // The first call pays for oneDNN's start-up and code generation and for the OpenMP thread pool (tens of ms): a
-  // self-attention call just above kSerialFlops, so that it runs on every thread.
-  constexpr int64_t kTokens = 32, kDModel = 256, kHeads = 4;
-  AttentionShape s;
-  s.batch = 1;
-  s.q_len = s.kv_len = kTokens;
-  s.d_model = s.d_kv_in = s.d_v_in = kDModel;
-  s.heads = {kHeads, kHeads, kDModel / kHeads, /*causal=*/false, 0.125f};
-  const std::vector<float> x(kTokens * kDModel, 0.5f), w_qkv(kDModel * 3 * kDModel, 0.01f),
-      w_o(kDModel * kDModel, 0.01f);
-  std::vector<float> out(x.size());
-  MhaArgs args;
-  args.shape = s;
-  args.weights.w_q = w_qkv.data();
-  args.weights.w_k = w_qkv.data() + kDModel;
-  args.weights.w_v = w_qkv.data() + 2 * kDModel;
-  args.weights.ld_q = args.weights.ld_k = args.weights.ld_v = 3 * kDModel;
-  args.weights.w_o = w_o.data();
-  args.weights.fused_qkv = true;
-  args.kv_source = KvSource::kQuery;
-  args.query = args.key = args.value = {x.data(), v1::FP32};
-  args.out = {out.data(), v1::FP32};
-  return MultiHeadAttention(args);
+absl::StatusOr<double> CpuBackend::WarmUp() {
+  // The first call pays for oneDNN's start-up and code generation and for the OpenMP thread pool (tens of ms).
+  return RunSyntheticLayer(*this, 256, 512, 8);
 }
 
 absl::Status CpuBackend::ScaledDotProductAttention(const SdpaArgs& a) {
   const AttentionShape& s = a.shape;
   const HeadSpec& h = s.heads;
-  ScopedOmpThreads threads(AttentionFlops(s) <= kSerialFlops ? 1 : omp_get_max_threads());
+  const double flops = AttentionFlops(s);
+  ScopedOmpThreads threads(flops <= kSerialFlops ? 1 : omp_get_max_threads());
+  const StopSignal* stop = flops > kStopCheckFlops ? a.stop : nullptr;
   const int64_t q_count = s.batch * s.q_len * h.q_width(), kv_count = s.batch * s.kv_len * h.kv_width();
   const FloatInput q(a.q, q_count), k(a.k, kv_count), v(a.v, kv_count);
   FloatOutput out(a.out, q_count), weights(a.weights, s.batch * h.num_heads * s.q_len * s.kv_len);
-  cpu::Attend(KernelsFor(h.head_dim), s, a.mask, {q.data(), h.q_width()}, {k.data(), h.kv_width()},
-              {v.data(), h.kv_width()}, out.data(), h.q_width(), weights.data());
+  absl::Status status = cpu::Attend(KernelsFor(h.head_dim), s, a.mask, {q.data(), h.q_width()},
+                                    {k.data(), h.kv_width()}, {v.data(), h.kv_width()}, out.data(), h.q_width(),
+                                    weights.data(), stop);
+  if (!status.ok()) return status;
   out.Finish();
   weights.Finish();
   return absl::OkStatus();
@@ -166,7 +166,9 @@ absl::Status CpuBackend::MultiHeadAttention(const MhaArgs& a) {
   const LayerWeights& w = a.weights;
   const int64_t q_width = h.q_width(), kv_width = h.kv_width();
   const int64_t q_rows = s.batch * s.q_len, kv_rows = s.batch * s.kv_len;
-  ScopedOmpThreads threads(AttentionFlops(s) <= kSerialFlops ? 1 : omp_get_max_threads());
+  const double flops = AttentionFlops(s);
+  ScopedOmpThreads threads(flops <= kSerialFlops ? 1 : omp_get_max_threads());
+  const StopSignal* stop = flops > kStopCheckFlops ? a.stop : nullptr;
   CallScratch& scratch = ThreadScratch();
 
   const FloatInput query(a.query, q_rows * s.d_model);
@@ -181,7 +183,7 @@ absl::Status CpuBackend::MultiHeadAttention(const MhaArgs& a) {
     const int64_t width = q_width + 2 * kv_width;
     float* projected = Grown(scratch.projected, q_rows * width);
     absl::Status status = Linear(query.data(), q_rows, s.d_model, s.d_model, w.w_q, w.ld_q, w.b_q, width, projected,
-                                 width);
+                                 width, stop);
     if (!status.ok()) return status;
     q = {projected, width};
     k = {projected + q_width, width};
@@ -190,12 +192,15 @@ absl::Status CpuBackend::MultiHeadAttention(const MhaArgs& a) {
     float* qp = Grown(scratch.projected, q_rows * q_width + 2 * kv_rows * kv_width);
     float* kp = qp + q_rows * q_width;
     float* vp = kp + kv_rows * kv_width;
-    for (absl::Status status :
-         {Linear(query.data(), q_rows, s.d_model, s.d_model, w.w_q, w.ld_q, w.b_q, q_width, qp, q_width),
-          Linear(key_data, kv_rows, s.d_kv_in, s.d_kv_in, w.w_k, w.ld_k, w.b_k, kv_width, kp, kv_width),
-          Linear(value_data, kv_rows, s.d_v_in, s.d_v_in, w.w_v, w.ld_v, w.b_v, kv_width, vp, kv_width)}) {
-      if (!status.ok()) return status;
+    absl::Status status =
+        Linear(query.data(), q_rows, s.d_model, s.d_model, w.w_q, w.ld_q, w.b_q, q_width, qp, q_width, stop);
+    if (status.ok()) {
+      status = Linear(key_data, kv_rows, s.d_kv_in, s.d_kv_in, w.w_k, w.ld_k, w.b_k, kv_width, kp, kv_width, stop);
     }
+    if (status.ok()) {
+      status = Linear(value_data, kv_rows, s.d_v_in, s.d_v_in, w.w_v, w.ld_v, w.b_v, kv_width, vp, kv_width, stop);
+    }
+    if (!status.ok()) return status;
     q = {qp, q_width};
     k = {kp, kv_width};
     v = {vp, kv_width};
@@ -203,7 +208,11 @@ absl::Status CpuBackend::MultiHeadAttention(const MhaArgs& a) {
 
   FloatOutput weights(a.attention_weights, s.batch * h.num_heads * s.q_len * s.kv_len);
   float* heads = Grown(scratch.heads, q_rows * q_width);
-  cpu::Attend(KernelsFor(h.head_dim), s, a.mask, q, k, v, heads, q_width, weights.data());
+  if (absl::Status status = cpu::Attend(KernelsFor(h.head_dim), s, a.mask, q, k, v, heads, q_width,
+                                        weights.data(), stop);
+      !status.ok()) {
+    return status;
+  }
   weights.Finish();
 
   if (!a.head_mask.empty()) {
@@ -217,7 +226,7 @@ absl::Status CpuBackend::MultiHeadAttention(const MhaArgs& a) {
   }
   FloatOutput out(a.out, q_rows * s.d_model);
   absl::Status status = Linear(heads, q_rows, q_width, q_width, w.w_o, s.d_model, w.b_o, s.d_model, out.data(),
-                               s.d_model);
+                               s.d_model, stop);
   if (!status.ok()) return status;
   out.Finish();
   return absl::OkStatus();

@@ -17,6 +17,8 @@ class ReferenceBackend final : public Backend {
   absl::Status Supports(const AttentionProblem& problem) const override { return absl::OkStatus(); }
   // Double copies of the inputs, projections and head outputs.
   int64_t WorkspaceBytes(const AttentionProblem& problem) const override;
+  // A 16-token layer of width 64 (about 1 MFLOP).
+  absl::StatusOr<double> WarmUp() override;
   absl::Status ScaledDotProductAttention(const SdpaArgs& args) override;
   absl::Status MultiHeadAttention(const MhaArgs& args) override;
 };

@@ -1,0 +1,108 @@
+// The Attention service through an in-process channel: a fixture that starts a server with given options, small
+// valid requests, and a slow one. Shared by service_test.cc and serving_test.cc.
+#ifndef MHA_TESTS_SERVICE_FIXTURE_H_
+#define MHA_TESTS_SERVICE_FIXTURE_H_
+
+#include <future>
+#include <memory>
+#include <vector>
+
+#include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
+#include "proto/mha/v1/attention.grpc.pb.h"
+#include "proto/mha/v1/tensor_codec.h"
+#include "server/server.h"
+#include "spdlog/spdlog.h"
+#include "tests/test_util.h"
+
+namespace mha::testing {
+
+inline constexpr int64_t kBatch = 2, kLen = 3, kDModel = 8, kHeads = 2;
+
+inline void SetTensor(v1::Tensor* t, std::vector<int64_t> shape, uint32_t seed, v1::DataType dtype = v1::FP32) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  FloatsToTensor(RandomVector(n, seed, 0.5f), shape, dtype, t);
+}
+
+// A valid self-attention request with inline weights: B=2, T=3, d_model=8, H=2 (d_k 4).
+inline v1::MultiHeadAttentionRequest ValidRequest() {
+  v1::MultiHeadAttentionRequest r;
+  SetTensor(r.mutable_query(), {kBatch, kLen, kDModel}, 1);
+  v1::AttentionWeights* w = r.mutable_inline_weights();
+  SetTensor(w->mutable_w_q(), {kDModel, kDModel}, 2);
+  SetTensor(w->mutable_w_k(), {kDModel, kDModel}, 3);
+  SetTensor(w->mutable_w_v(), {kDModel, kDModel}, 4);
+  SetTensor(w->mutable_w_o(), {kDModel, kDModel}, 5);
+  r.mutable_heads()->set_num_heads(kHeads);
+  r.set_backend(v1::BACKEND_CPU);
+  return r;
+}
+
+// The demo layer on [batch, 256, 512] through the reference backend: about a quarter second per batch item of
+// scalar loops on the compute thread, long enough to observe queueing.
+inline v1::MultiHeadAttentionRequest SlowDemoRequest(int64_t batch) {
+  v1::MultiHeadAttentionRequest r;
+  SetTensor(r.mutable_query(), {batch, 256, 512}, 3);
+  r.set_layer("demo");
+  r.set_backend(v1::BACKEND_REFERENCE);
+  return r;
+}
+
+class ServiceTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    spdlog::set_level(spdlog::level::warn);  // per-call info logs would drown the test output
+    StartServer(ServerOptions());
+  }
+
+  void StartServer(ServerOptions options) {
+    stub_.reset();
+    server_.reset();
+    options.listen = "";  // in-process only
+    options.threads = 2;
+    absl::StatusOr<std::unique_ptr<MhaServer>> server = MhaServer::Start(options);
+    ASSERT_TRUE(server.ok()) << server.status();
+    server_ = *std::move(server);
+    stub_ = v1::Attention::NewStub(server_->InProcessChannel());
+  }
+
+  grpc::Status Call(const v1::MultiHeadAttentionRequest& request, v1::MultiHeadAttentionResponse* response) {
+    grpc::ClientContext context;
+    return stub_->MultiHeadAttention(&context, request, response);
+  }
+  grpc::Status Call(const v1::ScaledDotProductAttentionRequest& request,
+                    v1::ScaledDotProductAttentionResponse* response) {
+    grpc::ClientContext context;
+    return stub_->ScaledDotProductAttention(&context, request, response);
+  }
+
+  // Sends `request` from `calls` threads at once and returns every status.
+  std::vector<grpc::Status> CallConcurrently(const v1::MultiHeadAttentionRequest& request, int calls) {
+    std::vector<std::future<grpc::Status>> pending;
+    for (int i = 0; i < calls; ++i) {
+      pending.push_back(std::async(std::launch::async, [&] {
+        v1::MultiHeadAttentionResponse response;
+        return Call(request, &response);
+      }));
+    }
+    std::vector<grpc::Status> statuses;
+    for (auto& call : pending) statuses.push_back(call.get());
+    return statuses;
+  }
+
+  // After every test: a valid call still succeeds, so nothing above broke the server.
+  void TearDown() override {
+    if (stub_ == nullptr) return;
+    v1::MultiHeadAttentionResponse response;
+    const grpc::Status status = Call(ValidRequest(), &response);
+    EXPECT_TRUE(status.ok()) << "server stopped serving: " << status.error_message();
+  }
+
+  std::unique_ptr<MhaServer> server_;
+  std::unique_ptr<v1::Attention::Stub> stub_;
+};
+
+}  // namespace mha::testing
+
+#endif  // MHA_TESTS_SERVICE_FIXTURE_H_

@@ -1,0 +1,180 @@
+// The service under load and against clients that give up: deadlines that stop work, admission by cost, bounded
+// in-flight memory, a shutdown that ends within its grace period, and health that a load balancer can trust. All
+// in process; every wait is bounded.
+#include <chrono>
+#include <future>
+#include <string>
+#include <thread>
+
+#include "gmock/gmock.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+#include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
+#include "server/server.h"
+#include "tests/service_fixture.h"
+
+namespace mha {
+namespace {
+
+using ::mha::testing::ServiceTest;
+using ::mha::testing::SetTensor;
+using ::mha::testing::SlowDemoRequest;
+using ::testing::HasSubstr;
+
+using Clock = std::chrono::steady_clock;
+
+// A call on the CPU backend large enough to go through the queue (0.67 GFLOP), small enough to take milliseconds.
+v1::MultiHeadAttentionRequest QueuedCpuRequest() {
+  v1::MultiHeadAttentionRequest r = SlowDemoRequest(1);
+  r.set_backend(v1::BACKEND_CPU);
+  return r;
+}
+
+// A call made on another thread; `status` holds how it ended.
+struct BackgroundCall {
+  v1::MultiHeadAttentionRequest request;
+  grpc::ClientContext context;
+  v1::MultiHeadAttentionResponse response;
+  std::future<grpc::Status> status;
+};
+
+class ServingTest : public ServiceTest {
+ protected:
+  // Starts `request` on another thread; with `computing`, returns once the compute thread runs a call.
+  std::unique_ptr<BackgroundCall> Start(v1::MultiHeadAttentionRequest request, bool computing = true) {
+    auto call = std::make_unique<BackgroundCall>();
+    call->request = std::move(request);
+    call->status = std::async(std::launch::async, [this, c = call.get()] {
+      return stub_->MultiHeadAttention(&c->context, c->request, &c->response);
+    });
+    if (computing) EXPECT_TRUE(server_->scheduler().AwaitRunning(absl::Seconds(30)));
+    return call;
+  }
+};
+
+TEST_F(ServingTest, CancelledCallStopsComputingAndFreesTheComputeThread) {
+  // About ten seconds of reference loops; the client cancels it once it computes.
+  std::unique_ptr<BackgroundCall> slow = Start(SlowDemoRequest(16));
+  slow->context.TryCancel();
+  EXPECT_EQ(slow->status.get().error_code(), grpc::StatusCode::CANCELLED);
+
+  // The next call waits only until the cancelled computation notices, not for its remaining seconds.
+  v1::MultiHeadAttentionResponse next;
+  ASSERT_TRUE(Call(QueuedCpuRequest(), &next).ok());
+  EXPECT_LT(next.timing().queue_us(), 2'000'000);
+  EXPECT_THAT(server_->metrics().Text(),
+              HasSubstr("mha_requests_total{backend=\"reference\",code=\"CANCELLED\",rpc=\"MultiHeadAttention\"} 1"));
+}
+
+TEST_F(ServingTest, CallThatCannotMeetItsDeadlineIsRefusedAtArrival) {
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(300));
+  v1::MultiHeadAttentionResponse response;
+  const auto start = Clock::now();
+  const grpc::Status status = stub_->MultiHeadAttention(&context, SlowDemoRequest(16), &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+  EXPECT_THAT(status.error_message(), HasSubstr("refused at arrival"));
+  EXPECT_THAT(status.error_message(), HasSubstr("GFLOP/s"));
+  EXPECT_LT(Clock::now() - start, std::chrono::milliseconds(300));
+}
+
+TEST_F(ServingTest, CallWithoutADeadlineGetsTheServersDefault) {
+  ServerOptions options;
+  options.default_deadline_s = 0.2;
+  StartServer(options);
+  v1::MultiHeadAttentionResponse response;
+  const grpc::Status status = Call(SlowDemoRequest(16), &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << status.error_message();
+}
+
+TEST_F(ServingTest, DeadlinePassingDuringComputeEndsTheCallAsDeadlineExceeded) {
+  // Keep the compute thread busy, so that the second call's deadline passes while it waits or computes; whatever
+  // the admission estimate, the call must end as DEADLINE_EXCEEDED, never OK.
+  std::unique_ptr<BackgroundCall> busy = Start(SlowDemoRequest(8));
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(500));
+  v1::MultiHeadAttentionResponse response;
+  EXPECT_EQ(stub_->MultiHeadAttention(&context, QueuedCpuRequest(), &response).error_code(),
+            grpc::StatusCode::DEADLINE_EXCEEDED);
+  busy->context.TryCancel();
+  busy->status.get();
+  ASSERT_TRUE(Call(QueuedCpuRequest(), &response).ok());  // the server counted both before this one ran
+  const std::string metrics = server_->metrics().Text();
+  EXPECT_THAT(metrics, HasSubstr("backend=\"cpu\",code=\"DEADLINE_EXCEEDED\",rpc=\"MultiHeadAttention\"} 1"));
+  EXPECT_THAT(metrics, HasSubstr("backend=\"cpu\",code=\"OK\",rpc=\"MultiHeadAttention\"} 1"));
+}
+
+TEST_F(ServingTest, ReferenceBackendHasItsOwnWorkLimit) {
+  v1::MultiHeadAttentionRequest request;
+  SetTensor(request.mutable_query(), {1, 4096, 512}, 3);  // about 43 GFLOP: over 20 on the reference backend
+  request.set_layer("demo");
+  request.set_backend(v1::BACKEND_REFERENCE);
+  v1::MultiHeadAttentionResponse response;
+  const grpc::Status status = Call(request, &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_THAT(status.error_message(), HasSubstr("--max_reference_gflop"));
+}
+
+TEST_F(ServingTest, InFlightMemoryIsBounded) {
+  ServerOptions options;
+  options.max_inflight_mb = 1;  // the slow call alone holds more; it runs because nothing else is in flight
+  StartServer(options);
+  std::unique_ptr<BackgroundCall> slow = Start(SlowDemoRequest(4));
+  v1::MultiHeadAttentionResponse response;
+  const grpc::Status status = Call(QueuedCpuRequest(), &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_THAT(status.error_message(), HasSubstr("--max_inflight_mb"));
+  EXPECT_TRUE(slow->status.get().ok());
+}
+
+TEST_F(ServingTest, ShutdownStopsALongCallAtTheEndOfItsGracePeriod) {
+  std::unique_ptr<BackgroundCall> slow = Start(SlowDemoRequest(16));
+  const auto start = Clock::now();
+  server_->Shutdown(absl::Milliseconds(300));
+  EXPECT_LT(Clock::now() - start, std::chrono::seconds(3));
+  const grpc::Status status = slow->status.get();
+  EXPECT_FALSE(status.ok());
+  EXPECT_THAT(status.error_code(), ::testing::AnyOf(grpc::StatusCode::CANCELLED, grpc::StatusCode::UNAVAILABLE));
+  stub_.reset();  // nothing serves any more
+}
+
+TEST_F(ServingTest, HealthIsNotServingWhileTheComputeThreadIsStuck) {
+  ServerOptions options;
+  options.stuck_after_s = 0.2;
+  StartServer(options);
+  std::unique_ptr<grpc::health::v1::Health::Stub> health =
+      grpc::health::v1::Health::NewStub(server_->InProcessChannel());
+  auto status_of_server = [&] {
+    grpc::ClientContext context;
+    grpc::health::v1::HealthCheckResponse response;
+    const grpc::Status status = health->Check(&context, grpc::health::v1::HealthCheckRequest(), &response);
+    EXPECT_TRUE(status.ok()) << status.error_message();
+    return response.status();
+  };
+  EXPECT_EQ(status_of_server(), grpc::health::v1::HealthCheckResponse::SERVING);
+
+  // One long call computes while another waits.
+  std::unique_ptr<BackgroundCall> slow = Start(SlowDemoRequest(16));
+  std::unique_ptr<BackgroundCall> queued = Start(QueuedCpuRequest(), /*computing=*/false);
+
+  // The watchdog looks once a second.
+  bool not_serving = false;
+  for (int i = 0; i < 50 && !not_serving; ++i) {
+    not_serving = status_of_server() == grpc::health::v1::HealthCheckResponse::NOT_SERVING;
+    if (!not_serving) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  EXPECT_TRUE(not_serving);
+
+  slow->context.TryCancel();
+  slow->status.get();
+  EXPECT_TRUE(queued->status.get().ok());
+  bool serving = false;
+  for (int i = 0; i < 50 && !serving; ++i) {
+    serving = status_of_server() == grpc::health::v1::HealthCheckResponse::SERVING;
+    if (!serving) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  EXPECT_TRUE(serving);
+}
+
+}  // namespace
+}  // namespace mha
