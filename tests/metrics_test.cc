@@ -4,9 +4,12 @@
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
+#include <sys/time.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <string>
+#include <vector>
 
 #include "gmock/gmock.h"
 #include "grpcpp/grpcpp.h"
@@ -22,7 +25,8 @@ namespace {
 
 using ::testing::HasSubstr;
 
-// GET http://127.0.0.1:<port><path>; returns the whole response (headers and body), or "" on failure.
+// GET http://127.0.0.1:<port><path>; returns the whole response (headers and body), or "" on failure or after 5 s
+// without data.
 std::string HttpGet(int port, const std::string& path) {
   const int fd = socket(AF_INET, SOCK_STREAM, 0);
   if (fd < 0) return "";
@@ -30,6 +34,9 @@ std::string HttpGet(int port, const std::string& path) {
   address.sin_family = AF_INET;
   address.sin_port = htons(static_cast<uint16_t>(port));
   address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  // A server that does not answer fails the test in seconds rather than hanging it.
+  timeval timeout{5, 0};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof(timeout));
   std::string response;
   if (connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) == 0) {
     const std::string request = "GET " + path + " HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n";
@@ -89,6 +96,27 @@ TEST(ServerMetrics, ServesTheServersCallsOverHttp) {
   EXPECT_THAT(page, HasSubstr("mha_requests_total{backend=\"cpu\",code=\"OK\",rpc=\"MultiHeadAttention\"} 1"));
   EXPECT_THAT(page, HasSubstr("mha_requests_total{backend=\"\",code=\"NOT_FOUND\",rpc=\"MultiHeadAttention\"} 1"));
   EXPECT_THAT(page, HasSubstr("mha_queue_depth 0"));
+}
+
+TEST(ServerMetrics, IdleConnectionsDoNotBlockScrapes) {
+  ServerMetrics metrics;
+  ASSERT_TRUE(metrics.Serve("127.0.0.1:0").ok());
+  // Two clients connect and send nothing (the endpoint keeps such a connection for its whole timeout).
+  std::vector<int> idle;
+  for (int i = 0; i < 2; ++i) {
+    const int fd = socket(AF_INET, SOCK_STREAM, 0);
+    ASSERT_GE(fd, 0);
+    sockaddr_in address{};
+    address.sin_family = AF_INET;
+    address.sin_port = htons(static_cast<uint16_t>(metrics.port()));
+    address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    ASSERT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)), 0);
+    idle.push_back(fd);
+  }
+  const auto start = std::chrono::steady_clock::now();
+  EXPECT_THAT(HttpGet(metrics.port(), "/metrics"), HasSubstr("200 OK"));
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(2));
+  for (int fd : idle) close(fd);
 }
 
 TEST(ServerMetrics, UnbindableAddressIsUnavailable) {
