@@ -54,7 +54,16 @@ absl::StatusOr<LayerShape> CheckLayerWeights(const v1::AttentionWeights& w, cons
   if (w.has_b_k()) RETURN_IF_ERROR(CheckWeight(w.b_k(), field, "b_k", {kv_width}));
   if (w.has_b_v()) RETURN_IF_ERROR(CheckWeight(w.b_v(), field, "b_v", {kv_width}));
   if (w.has_b_o()) RETURN_IF_ERROR(CheckWeight(w.b_o(), field, "b_o", {s.d_model}));
+  s.input_bias = w.has_b_q() || w.has_b_k() || w.has_b_v();
+  s.output_bias = w.has_b_o();
   return s;
+}
+
+int64_t LayerShape::HeldBytes() const {
+  const int64_t q_width = heads.q_width(), kv_width = heads.kv_width();
+  const int64_t floats = d_model * q_width + (d_kv_in + d_v_in) * kv_width + q_width * d_model +
+                         (input_bias ? q_width + 2 * kv_width : 0) + (output_bias ? d_model : 0);
+  return floats * static_cast<int64_t>(sizeof(float));
 }
 
 std::shared_ptr<const Layer> DecodeLayer(absl::string_view name, absl::string_view source,

@@ -23,6 +23,10 @@ struct LayerShape {
   // d_kv_in == d_v_in == d_model: w_q | w_k | w_v are held as one matrix (and b_q | b_k | b_v as one bias), so that
   // a self-attention call projects Q, K and V in one product. Decided here, once.
   bool fused_qkv() const { return d_kv_in == d_model && d_v_in == d_model; }
+  bool input_bias = false;   // any of b_q, b_k, b_v given
+  bool output_bias = false;  // b_o given
+  // The fp32 bytes a layer of this shape holds (Layer::SizeBytes), known before decoding.
+  int64_t HeldBytes() const;
 };
 
 // Immutable once built; shared by reference between the store and in-flight requests.

@@ -33,18 +33,40 @@ absl::Status LayerStore::Add(std::shared_ptr<const Layer> layer) {
   if (layers_.count(layer->name) != 0) {
     return absl::AlreadyExistsError(absl::StrCat("layer '", layer->name, "' already exists; unload it first"));
   }
-  if (static_cast<int>(layers_.size()) >= max_layers_) {
-    return absl::ResourceExhaustedError(absl::StrCat("layer '", layer->name, "': ", layers_.size(),
-                                                     " layers are registered, the limit (--max_layers)"));
-  }
-  if (total_bytes_ + size > max_total_bytes_) {
-    return absl::ResourceExhaustedError(absl::StrCat("layer '", layer->name, "' needs ", size,
-                                                     " bytes; registered layers hold ", total_bytes_, " of ",
-                                                     max_total_bytes_, " (--max_layer_mb)"));
-  }
+  RETURN_IF_ERROR(CheckRoom(layer->name, size));
   total_bytes_ += size;
   layers_.emplace(layer->name, std::move(layer));
   return absl::OkStatus();
+}
+
+absl::Status LayerStore::CheckRoom(absl::string_view name, int64_t bytes) const {
+  if (static_cast<int>(layers_.size()) >= max_layers_) {
+    return absl::ResourceExhaustedError(absl::StrCat("layer '", name, "': ", layers_.size(),
+                                                     " layers are registered, the limit (--max_layers)"));
+  }
+  if (total_bytes_ + bytes > max_total_bytes_) {
+    return absl::ResourceExhaustedError(absl::StrCat("layer '", name, "' needs ", bytes,
+                                                     " bytes; registered layers hold ", total_bytes_, " of ",
+                                                     max_total_bytes_, " (--max_layer_mb)"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::shared_ptr<const Layer>> LayerStore::Load(absl::string_view name, absl::string_view source,
+                                                              const v1::AttentionWeights& weights,
+                                                              const v1::HeadConfig& heads, absl::string_view field) {
+  RETURN_IF_ERROR(CheckName(name));
+  ASSIGN_OR_RETURN(const LayerShape shape, CheckLayerWeights(weights, heads, field));
+  {
+    absl::MutexLock lock(&mu_);
+    if (layers_.count(name) != 0) {
+      return absl::AlreadyExistsError(absl::StrCat("layer '", name, "' already exists; unload it first"));
+    }
+    RETURN_IF_ERROR(CheckRoom(name, shape.HeldBytes()));
+  }
+  std::shared_ptr<const Layer> layer = DecodeLayer(name, source, weights, shape);
+  RETURN_IF_ERROR(Add(layer));  // again under the lock: another Load may have taken the room meanwhile
+  return layer;
 }
 
 absl::Status LayerStore::Remove(absl::string_view name) {
@@ -86,12 +108,11 @@ absl::Status LayerStore::LoadDirectory(const std::string& dir) {
   for (const auto& path : files) {
     ASSIGN_OR_RETURN(SafetensorsLayer file, ReadSafetensorsLayer(path.string()));
     absl::StatusOr<std::shared_ptr<const Layer>> layer =
-        BuildLayer(path.stem().string(), absl::StrCat("file:", path.string()), file.weights, file.heads,
-                   path.filename().string());
+        Load(path.stem().string(), absl::StrCat("file:", path.string()), file.weights, file.heads,
+             path.filename().string());
     if (!layer.ok()) {
       return absl::Status(layer.status().code(), absl::StrCat(path.string(), ": ", layer.status().message()));
     }
-    RETURN_IF_ERROR(Add(*std::move(layer)));
   }
   return absl::OkStatus();
 }

@@ -24,6 +24,11 @@ class LayerStore {
 
   // INVALID_ARGUMENT for a bad name, ALREADY_EXISTS if taken, RESOURCE_EXHAUSTED past either limit.
   absl::Status Add(std::shared_ptr<const Layer> layer);
+  // Checks `weights` against `heads` from their shapes (errors name `field`), checks the name and that the layer
+  // fits the limits before anything is decoded, then decodes and adds it. Returns the layer or Add's errors.
+  absl::StatusOr<std::shared_ptr<const Layer>> Load(absl::string_view name, absl::string_view source,
+                                                    const v1::AttentionWeights& weights, const v1::HeadConfig& heads,
+                                                    absl::string_view field);
   // NOT_FOUND if absent; FAILED_PRECONDITION for a built-in layer.
   absl::Status Remove(absl::string_view name);
   // NOT_FOUND (naming the field "layer") if absent.
@@ -41,6 +46,9 @@ class LayerStore {
 
  private:
   const int64_t max_total_bytes_;
+  // RESOURCE_EXHAUSTED (naming the layer) when `count` layers and `bytes` more would pass a limit.
+  absl::Status CheckRoom(absl::string_view name, int64_t bytes) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
   const int max_layers_;
   mutable absl::Mutex mu_;
   std::map<std::string, std::shared_ptr<const Layer>, std::less<>> layers_ ABSL_GUARDED_BY(mu_);

@@ -167,12 +167,9 @@ grpc::ServerUnaryReactor* AttentionService::LoadLayer(grpc::CallbackServerContex
     status = absl::InvalidArgumentError(absl::StrCat("name: ", status.message()));
   } else {
     absl::StatusOr<std::shared_ptr<const Layer>> layer =
-        BuildLayer(request->name(), "rpc", request->weights(), request->heads(), "weights");
+        layers_->Load(request->name(), "rpc", request->weights(), request->heads(), "weights");
     status = layer.status();
-    if (status.ok()) {
-      *response->mutable_layer() = (*layer)->Info();
-      status = layers_->Add(*std::move(layer));
-    }
+    if (status.ok()) *response->mutable_layer() = (*layer)->Info();
   }
   if (!status.ok()) response->Clear();
   CallDone(id, "LoadLayer", absl::StrCat("name=", request->name()), "", status, start);

@@ -1,7 +1,10 @@
 // The service under load and against clients that give up: deadlines that stop work, admission by cost, bounded
 // in-flight memory, a shutdown that ends within its grace period, and health that a load balancer can trust. All
 // in process; every wait is bounded.
+#include <unistd.h>
+
 #include <chrono>
+#include <cstdio>
 #include <future>
 #include <string>
 #include <thread>
@@ -174,6 +177,39 @@ TEST_F(ServingTest, HealthIsNotServingWhileTheComputeThreadIsStuck) {
     if (!serving) std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
   EXPECT_TRUE(serving);
+}
+
+// Resident memory of this process, in bytes.
+int64_t ResidentBytes() {
+  FILE* f = std::fopen("/proc/self/statm", "r");
+  long pages = 0, resident = 0;
+  if (f != nullptr) {
+    if (std::fscanf(f, "%ld %ld", &pages, &resident) != 2) resident = 0;
+    std::fclose(f);
+  }
+  return static_cast<int64_t>(resident) * sysconf(_SC_PAGESIZE);
+}
+
+// A cross-attention call on the demo layer with `keys` keys (fp16 on the wire).
+v1::MultiHeadAttentionRequest LongKeysRequest(int64_t keys) {
+  v1::MultiHeadAttentionRequest r;
+  SetTensor(r.mutable_query(), {1, 16, 512}, 5);
+  SetTensor(r.mutable_key(), {1, keys, 512}, 6, v1::FP16);
+  r.set_layer("demo");
+  r.set_backend(v1::BACKEND_CPU);
+  return r;
+}
+
+TEST_F(ServingTest, MemoryReturnsNearItsWarmLevelAfterALargeCall) {
+  v1::MultiHeadAttentionResponse response;
+  ASSERT_TRUE(Call(LongKeysRequest(1000), &response).ok());
+  const int64_t warm = ResidentBytes();
+  {
+    // Projected keys and values alone: 2 x 120000 x 512 fp32 = 491 MB; packed K and V 61 MB per thread.
+    ASSERT_TRUE(Call(LongKeysRequest(120000), &response).ok());
+  }
+  ASSERT_TRUE(Call(LongKeysRequest(1000), &response).ok());
+  EXPECT_LT(ResidentBytes() - warm, int64_t{64} << 20) << "warm " << (warm >> 20) << " MiB";
 }
 
 }  // namespace

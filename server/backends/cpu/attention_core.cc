@@ -57,8 +57,7 @@ CorePlan PlanBlocks(const kernels::TileKernels& tiles, const AttentionShape& s, 
   return p;
 }
 
-// Per-thread buffers, kept across calls and grown on demand: allocating them in every parallel region showed in a
-// tiny request's profile.
+// Per-thread buffers, kept across calls (up to kKeptTileScratchBytes each) and grown on demand.
 struct TileScratch {
   std::vector<float> queries;      // [row_block, d_k], scaled
   std::vector<float> keys_t;       // one (batch, KV head) of K^T, packed
@@ -310,6 +309,10 @@ absl::Status Attend(const kernels::TileKernels& tiles, const AttentionShape& sha
         end = std::min(ahead + plan.run, plan.items);
         ahead = next_run.fetch_add(1) * plan.run;
       }
+    }
+    TileScratch& t = ThreadTileScratch();
+    for (std::vector<float>* v : {&t.queries, &t.keys_t, &t.values, &t.scores, &t.accumulator}) {
+      ReleaseIfLarge(*v, kKeptTileScratchBytes);
     }
   }
   // A stop is final (cancelled, past the deadline, shutting down), so asking again gives its status.

@@ -17,6 +17,7 @@
 #define MHA_SERVER_BACKENDS_CPU_ATTENTION_CORE_H_
 
 #include <cstdint>
+#include <vector>
 
 #include "server/backends/backend.h"
 #include "server/backends/cpu/tile_kernels.h"
@@ -41,6 +42,19 @@ struct Packed {
 absl::Status Attend(const kernels::TileKernels& tiles, const AttentionShape& shape, const AttentionMask& mask,
                     Packed q, Packed k, Packed v, float* out, int64_t out_stride, float* weights,
                     const StopSignal* stop);
+
+// Scratch a thread keeps for its next call, per buffer: the backend's projections (enough for B T = 4096 tokens
+// of width 4096) and the attention core's packed K and V (Tk = 65536 keys at d_k = 64). Larger buffers are freed
+// when their call ends, so that one large call does not keep the process's memory up for good; smaller ones are
+// kept because allocating them per call showed in the profiles of small calls.
+inline constexpr int64_t kKeptCallScratchBytes = int64_t{64} << 20;
+inline constexpr int64_t kKeptTileScratchBytes = int64_t{16} << 20;
+
+// Frees `v` when it holds more than `kept` bytes.
+template <typename T>
+void ReleaseIfLarge(std::vector<T>& v, int64_t kept) {
+  if (static_cast<int64_t>(v.capacity() * sizeof(T)) > kept) std::vector<T>().swap(v);
+}
 
 // Bytes of scratch each OpenMP thread of Attend keeps for this shape.
 int64_t AttendScratchBytesPerThread(const kernels::TileKernels& tiles, const AttentionShape& shape);

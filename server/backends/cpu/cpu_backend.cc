@@ -28,8 +28,8 @@ class ScopedOmpThreads {
   const int saved_;
 };
 
-// Buffers a MultiHeadAttention call reuses from the previous call on the same thread (grown on demand, kept at the
-// largest size seen): per thread, so that concurrent calls never share them.
+// Buffers a MultiHeadAttention call reuses from the previous call on the same thread (grown on demand, kept up to
+// cpu::kKeptCallScratchBytes each): per thread, so that concurrent calls never share them.
 struct CallScratch {
   std::vector<float> projected;  // Q|K|V projections
   std::vector<float> heads;      // concatenated head outputs [B Tq, H d_k]
@@ -39,6 +39,21 @@ CallScratch& ThreadScratch() {
   thread_local CallScratch scratch;
   return scratch;
 }
+
+// Frees the calling thread's call scratch beyond cpu::kKeptCallScratchBytes when a call ends, however it ends.
+class ScratchTrim {
+ public:
+  explicit ScratchTrim(CallScratch& scratch) : scratch_(scratch) {}
+  ~ScratchTrim() {
+    cpu::ReleaseIfLarge(scratch_.projected, cpu::kKeptCallScratchBytes);
+    cpu::ReleaseIfLarge(scratch_.heads, cpu::kKeptCallScratchBytes);
+  }
+  ScratchTrim(const ScratchTrim&) = delete;
+  ScratchTrim& operator=(const ScratchTrim&) = delete;
+
+ private:
+  CallScratch& scratch_;
+};
 
 float* Grown(std::vector<float>& v, int64_t n) {
   if (static_cast<int64_t>(v.size()) < n) v.resize(n);
@@ -170,6 +185,7 @@ absl::Status CpuBackend::MultiHeadAttention(const MhaArgs& a) {
   ScopedOmpThreads threads(flops <= kSerialFlops ? 1 : omp_get_max_threads());
   const StopSignal* stop = flops > kStopCheckFlops ? a.stop : nullptr;
   CallScratch& scratch = ThreadScratch();
+  const ScratchTrim trim(scratch);
 
   const FloatInput query(a.query, q_rows * s.d_model);
   const FloatInput key(a.kv_source == KvSource::kQuery ? ConstTensor{} : a.key, kv_rows * s.d_kv_in);
