@@ -1,6 +1,7 @@
 #include "server/execute.h"
 
 #include <cmath>
+#include <cstring>
 #include <cstdint>
 #include <limits>
 #include <memory>
@@ -72,6 +73,66 @@ absl::Status ExecuteMultiHeadAttention(const MhaPlan& plan, const StopSignal* st
   }
   response->set_backend(std::string(plan.backend->name()));
   return plan.backend->MultiHeadAttention(args);
+}
+
+absl::Status ExecuteMultiHeadAttentionBatch(absl::Span<const MhaPlan* const> plans, const StopSignal* stop,
+                                            absl::Span<v1::MultiHeadAttentionResponse* const> responses) {
+  const MhaPlan& first = *plans.front();
+  const AttentionProblem& p = first.problem;
+  const v1::DataType input_dtype = first.query->dtype();
+  // The batch's inputs one after another along B: the same layer, lengths and dtypes by the batch key.
+  AttentionShape s = p.shape;
+  s.batch = 0;
+  std::string query;
+  bool any_lengths = false;
+  for (const MhaPlan* plan : plans) {
+    s.batch += plan->problem.shape.batch;
+    any_lengths |= !plan->key_lengths.empty();
+  }
+  query.reserve(s.batch * s.q_len * s.d_model * DTypeSize(input_dtype));
+  std::vector<int32_t> key_lengths;
+  for (const MhaPlan* plan : plans) {
+    query.append(plan->query->data());
+    if (!any_lengths) continue;
+    if (plan->key_lengths.empty()) {
+      key_lengths.insert(key_lengths.end(), plan->problem.shape.batch, static_cast<int32_t>(s.kv_len));
+    } else {
+      key_lengths.insert(key_lengths.end(), plan->key_lengths.begin(), plan->key_lengths.end());
+    }
+  }
+  const size_t out_size = DTypeSize(p.output_dtype);
+  const int64_t out_per_item = s.q_len * s.d_model, weights_per_item = s.heads.num_heads * s.q_len * s.kv_len;
+  std::string out(s.batch * out_per_item * out_size, '\0'), weights;
+  MhaArgs args;
+  args.shape = s;
+  args.stop = stop;
+  args.mask.key_lengths = key_lengths;
+  args.weights = first.layer->Weights();
+  args.kv_source = KvSource::kQuery;
+  args.query = args.key = args.value = {query.data(), input_dtype};
+  args.out = {out.data(), p.output_dtype};
+  if (p.return_weights) {
+    weights.resize(s.batch * weights_per_item * out_size);
+    args.attention_weights = {weights.data(), p.output_dtype};
+  }
+  if (absl::Status status = first.backend->MultiHeadAttention(args); !status.ok()) return status;
+
+  // Each call's slice of the outputs into its response.
+  int64_t b0 = 0;
+  for (size_t i = 0; i < plans.size(); ++i) {
+    const int64_t batch = plans[i]->problem.shape.batch;
+    v1::MultiHeadAttentionResponse* response = responses[i];
+    MutableTensor slice = Allocate(response->mutable_output(), {batch, s.q_len, s.d_model}, p.output_dtype);
+    std::memcpy(slice.data, out.data() + b0 * out_per_item * out_size, batch * out_per_item * out_size);
+    if (p.return_weights) {
+      slice = Allocate(response->mutable_attention_weights(), {batch, s.heads.num_heads, s.q_len, s.kv_len},
+                       p.output_dtype);
+      std::memcpy(slice.data, weights.data() + b0 * weights_per_item * out_size, batch * weights_per_item * out_size);
+    }
+    response->set_backend(std::string(first.backend->name()));
+    b0 += batch;
+  }
+  return absl::OkStatus();
 }
 
 absl::Status ExecuteScaledDotProductAttention(const SdpaPlan& plan, const StopSignal* stop,

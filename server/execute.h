@@ -15,6 +15,10 @@ namespace mha {
 // null), the backend's error otherwise.
 absl::Status ExecuteMultiHeadAttention(const MhaPlan& plan, const StopSignal* stop,
                                        v1::MultiHeadAttentionResponse* response);
+// Computes the calls of `plans` (non-empty, all with one batch_key) as one backend call along the batch dimension
+// and fills responses[i] as ExecuteMultiHeadAttention would for plans[i] alone. The status applies to every call.
+absl::Status ExecuteMultiHeadAttentionBatch(absl::Span<const MhaPlan* const> plans, const StopSignal* stop,
+                                            absl::Span<v1::MultiHeadAttentionResponse* const> responses);
 absl::Status ExecuteScaledDotProductAttention(const SdpaPlan& plan, const StopSignal* stop,
                                               v1::ScaledDotProductAttentionResponse* response);
 

@@ -40,6 +40,10 @@ ABSL_FLAG(double, stuck_after_s, kDefaults.stuck_after_s,
 ABSL_FLAG(double, keepalive_s, kDefaults.keepalive_s, "keepalive ping interval on idle connections, s");
 ABSL_FLAG(double, max_connection_age_s, kDefaults.max_connection_age_s,
           "close connections gracefully after this many seconds (clients reconnect); 0 = never");
+ABSL_FLAG(int, max_batch_rows, kDefaults.max_batch_rows,
+          "rows (B x Tq) of waiting compatible calls computed together as one batch; 0 = no batching");
+ABSL_FLAG(int, max_queue_delay_us, kDefaults.max_queue_delay_us,
+          "how long a batch waits for more calls to join, us; 0 = only what already waits");
 ABSL_FLAG(std::string, log_level, kDefaults.log_level, "trace, debug, info, warn, error, critical or off");
 
 namespace mha {
@@ -67,6 +71,8 @@ ServerOptions ServerOptionsFromFlags() {
   options.stuck_after_s = absl::GetFlag(FLAGS_stuck_after_s);
   options.keepalive_s = absl::GetFlag(FLAGS_keepalive_s);
   options.max_connection_age_s = absl::GetFlag(FLAGS_max_connection_age_s);
+  options.max_batch_rows = absl::GetFlag(FLAGS_max_batch_rows);
+  options.max_queue_delay_us = absl::GetFlag(FLAGS_max_queue_delay_us);
   options.log_level = absl::GetFlag(FLAGS_log_level);
   return options;
 }

@@ -46,7 +46,12 @@ ServerMetrics::ServerMetrics()
                        .Name("mha_queue_depth")
                        .Help("Requests waiting for the compute thread")
                        .Register(*registry_)
-                       .Add({})) {}
+                       .Add({})),
+      batch_size_(prometheus::BuildHistogram()
+                      .Name("mha_batch_size")
+                      .Help("Calls computed together in one backend call (1 when not batched), per backend call")
+                      .Register(*registry_)
+                      .Add({}, prometheus::Histogram::BucketBoundaries{1, 2, 4, 8, 16, 32, 64, 128})) {}
 
 absl::Status ServerMetrics::Serve(const std::string& address) {
   try {
@@ -73,6 +78,8 @@ void ServerMetrics::RecordCall(absl::string_view rpc, absl::StatusCode code, abs
 }
 
 void ServerMetrics::SetQueueDepth(int depth) { queue_depth_.Set(depth); }
+
+void ServerMetrics::RecordBatch(int calls) { batch_size_.Observe(calls); }
 
 std::string ServerMetrics::Text() const {
   std::ostringstream out;

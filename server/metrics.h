@@ -6,6 +6,7 @@
 //   mha_compute_seconds{backend}                    time inside the backend
 //   mha_flops_total{backend}                        AttentionFlops of OK calls (rate = FLOP/s)
 //   mha_queue_depth                                 requests waiting for the compute thread
+//   mha_batch_size                                  calls computed together per backend call (request batching)
 #ifndef MHA_SERVER_METRICS_H_
 #define MHA_SERVER_METRICS_H_
 
@@ -38,6 +39,8 @@ class ServerMetrics {
   void RecordCall(absl::string_view rpc, absl::StatusCode code, absl::string_view backend, double seconds,
                   double compute_seconds, double flops);
   void SetQueueDepth(int depth);
+  // One backend call that computed `calls` calls together.
+  void RecordBatch(int calls);
 
   // The current metrics in Prometheus' text format (what /metrics serves).
   std::string Text() const;
@@ -49,6 +52,7 @@ class ServerMetrics {
   prometheus::Family<prometheus::Histogram>& compute_;
   prometheus::Family<prometheus::Counter>& flops_;
   prometheus::Gauge& queue_depth_;
+  prometheus::Histogram& batch_size_;
   std::unique_ptr<prometheus::Exposer> exposer_;
   int port_ = 0;
 };

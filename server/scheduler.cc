@@ -117,6 +117,18 @@ bool Scheduler::AwaitRunning(absl::Duration timeout) const {
   return mu_.AwaitWithTimeout(absl::Condition(&running_), timeout);
 }
 
+bool Scheduler::AwaitIdle(absl::Duration timeout) const {
+  absl::MutexLock lock(&mu_);
+  const auto idle = [this]() ABSL_NO_THREAD_SAFETY_ANALYSIS { return !running_ && queue_.empty(); };
+  return mu_.AwaitWithTimeout(absl::Condition(&idle), timeout);
+}
+
+bool Scheduler::AwaitQueued(int n, absl::Duration timeout) const {
+  absl::MutexLock lock(&mu_);
+  const auto queued = [this, n]() ABSL_NO_THREAD_SAFETY_ANALYSIS { return static_cast<int>(queue_.size()) >= n; };
+  return mu_.AwaitWithTimeout(absl::Condition(&queued), timeout);
+}
+
 absl::Duration Scheduler::StuckFor() const {
   absl::MutexLock lock(&mu_);
   if (!running_ || queue_.empty()) return absl::ZeroDuration();
@@ -137,11 +149,78 @@ double Scheduler::Rate(const Backend* backend) const {
   return it == rates_.end() ? 0 : it->second;
 }
 
+void Scheduler::TakeBatchable(const WorkItem& first, int64_t* rows, std::vector<Queued>* batch) {
+  const std::string& key = first.plan().batch_key;
+  for (auto it = queue_.begin(); it != queue_.end() && *rows < options_.max_batch_rows;) {
+    const AttentionPlan& plan = it->item->plan();
+    if (plan.batch_key != key || *rows + plan.batch_rows > options_.max_batch_rows) {
+      ++it;
+      continue;
+    }
+    *rows += plan.batch_rows;
+    queued_bytes_ -= it->item->request_bytes();
+    queued_seconds_ = std::max(0.0, queued_seconds_ - it->estimate_s);
+    batch->push_back(std::move(*it));
+    it = queue_.erase(it);
+  }
+}
+
+void Scheduler::Compute(Queued first, std::vector<Queued> batch) {
+  // Calls whose clients gave up while they waited end here, uncomputed.
+  std::vector<Queued> calls;
+  calls.push_back(std::move(first));
+  for (Queued& q : batch) calls.push_back(std::move(q));
+  std::vector<Queued> live;
+  for (Queued& q : calls) {
+    if (absl::Status stop = q.item->Check(); !stop.ok()) {
+      q.item->Reject(stop.code() == absl::StatusCode::kCancelled
+                         ? absl::CancelledError("the client cancelled the call before compute started")
+                         : stop);
+    } else {
+      live.push_back(std::move(q));
+    }
+  }
+  if (!live.empty()) {
+    const absl::Time start = absl::Now();
+    absl::Status status;
+    double flops = 0;
+    for (const Queued& q : live) flops += q.item->plan().flops;
+    // Recorded before the calls finish, so that a client that sees its answer sees its batch counted.
+    if (metrics_ != nullptr && std::isfinite(flops)) metrics_->RecordBatch(static_cast<int>(live.size()));
+    if (live.size() == 1) {
+      status = live[0].item->Run(start - live[0].queued_at);
+    } else {
+      std::vector<WorkItem*> others;
+      std::vector<absl::Duration> waited = {start - live[0].queued_at};
+      for (size_t i = 1; i < live.size(); ++i) {
+        others.push_back(live[i].item.get());
+        waited.push_back(start - live[i].queued_at);
+      }
+      status = live[0].item->RunBatch(others, waited);
+    }
+    if (status.ok() && flops >= kRateSampleFlops && std::isfinite(flops)) {
+      ObserveRate(live[0].item->plan().backend, flops, absl::ToDoubleSeconds(absl::Now() - start));
+    }
+  }
+  absl::MutexLock lock(&mu_);
+  running_ = false;
+  for (const Queued& q : calls) {
+    if (q.item == nullptr) continue;
+    inflight_bytes_ -= q.item->memory_bytes();
+    --inflight_;
+  }
+  for (const Queued& q : live) {
+    inflight_bytes_ -= q.item->memory_bytes();
+    --inflight_;
+  }
+}
+
 void Scheduler::Run() {
   // The OpenMP thread count is per calling thread: set it once here, where every queued computation runs.
   omp_set_num_threads(options_.compute_threads);
   for (;;) {
     Queued next;
+    std::vector<Queued> batch;
     {
       absl::MutexLock lock(&mu_);
       running_ = false;
@@ -153,26 +232,26 @@ void Scheduler::Run() {
       queue_.pop_front();
       queued_bytes_ -= next.item->request_bytes();
       queued_seconds_ = std::max(0.0, queued_seconds_ - next.estimate_s);
+      if (options_.max_batch_rows > 0 && !next.item->plan().batch_key.empty()) {
+        int64_t rows = next.item->plan().batch_rows;
+        TakeBatchable(*next.item, &rows, &batch);
+        // Optionally wait a little for more calls to join, as long as the batch has room.
+        const absl::Time until = absl::Now() + options_.max_queue_delay;
+        size_t seen = queue_.size();
+        while (rows < options_.max_batch_rows && !stopping_ && absl::Now() < until) {
+          const auto grew = [this, seen]() ABSL_NO_THREAD_SAFETY_ANALYSIS { return stopping_ || queue_.size() > seen; };
+          if (!mu_.AwaitWithDeadline(absl::Condition(&grew), until)) break;
+          TakeBatchable(*next.item, &rows, &batch);
+          seen = queue_.size();
+        }
+      }
       running_ = true;
       running_since_ = absl::Now();
       running_estimate_s_ = next.estimate_s;
+      for (const Queued& q : batch) running_estimate_s_ += q.estimate_s;
       SetDepth();
     }
-    WorkItem& item = *next.item;
-    if (absl::Status stop = item.Check(); !stop.ok()) {
-      item.Reject(stop.code() == absl::StatusCode::kCancelled
-                      ? absl::CancelledError("the client cancelled the call before compute started")
-                      : stop);
-    } else {
-      const absl::Time start = absl::Now();
-      const absl::Status status = item.Run(start - next.queued_at);
-      if (status.ok() && item.plan().flops >= kRateSampleFlops && std::isfinite(item.plan().flops)) {
-        ObserveRate(item.plan().backend, item.plan().flops, absl::ToDoubleSeconds(absl::Now() - start));
-      }
-    }
-    absl::MutexLock lock(&mu_);
-    inflight_bytes_ -= item.memory_bytes();
-    --inflight_;
+    Compute(std::move(next), std::move(batch));
   }
 }
 

@@ -5,6 +5,9 @@
 //  - admission: a call that cannot meet its deadline (the compute queued ahead of it plus its own, at the rate its
 //    backend has shown) is refused at arrival with DEADLINE_EXCEEDED and the estimate; one whose memory (request,
 //    response, working memory) would take the admitted calls past max_inflight_bytes is RESOURCE_EXHAUSTED;
+//  - batching: when the compute thread takes a call, it takes along the waiting calls with the same batch key
+//    (WorkPlan::batch_key) up to max_batch_rows rows (B Tq), optionally waiting max_queue_delay for more, and
+//    computes them as one backend call (Triton's dynamic batcher): small calls fill the cores together;
 //  - queue: everything else waits in a bounded FIFO for one dedicated compute thread, so that gRPC's threads stay
 //    responsive (health checks answer while a long request computes) and concurrent calls do not each start
 //    OpenMP teams on the same cores. A full queue refuses new work instead of buffering requests without limit;
@@ -19,6 +22,7 @@
 #include <map>
 #include <memory>
 #include <thread>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
@@ -35,6 +39,8 @@ struct SchedulerOptions {
   int64_t max_queued_bytes = 0;     // request bytes the waiting items may hold together
   int64_t max_inflight_bytes = 0;   // memory_bytes the admitted (waiting and running) items may hold together
   double inline_max_flops = 0;      // the inline policy's limit; 0 = never inline
+  int64_t max_batch_rows = 0;       // rows (B Tq) one batch of calls may hold; 0 = no batching
+  absl::Duration max_queue_delay;   // how long a batch waits for more calls; zero: takes only what waits already
 };
 
 class Scheduler {
@@ -61,6 +67,10 @@ class Scheduler {
   // Blocks until an item is computing on the compute thread, or `timeout` passes; true if one is. For tests that
   // must know a long call has started.
   bool AwaitRunning(absl::Duration timeout) const;
+  // Blocks until nothing waits or computes, or `timeout` passes; true if idle.
+  bool AwaitIdle(absl::Duration timeout) const;
+  // Blocks until `n` items wait in the queue, or `timeout` passes; true if they do. For tests.
+  bool AwaitQueued(int n, absl::Duration timeout) const;
   // How long the running item has computed while others waited; zero when nothing waits.
   absl::Duration StuckFor() const;
   // Learns that `backend` did `flops` in `seconds` (the compute thread does this after every call of 50 MFLOP or
@@ -77,6 +87,13 @@ class Scheduler {
   absl::Status Admit(const WorkItem& item) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Publishes the queue's length; under mu_, so that the gauge follows the queue's order of events.
   void SetDepth() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  struct Queued;
+  // Moves the waiting items that can join `first`'s batch into *batch (in queue order) while the batch's rows stay
+  // within max_batch_rows; *rows counts them.
+  void TakeBatchable(const WorkItem& first, int64_t* rows, std::vector<Queued>* batch)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Computes `first` and `batch` (may be empty) and records what the scheduler learns from it.
+  void Compute(Queued first, std::vector<Queued> batch);
   void Run();
 
   const SchedulerOptions options_;

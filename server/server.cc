@@ -26,6 +26,11 @@ absl::StatusOr<std::unique_ptr<MhaServer>> MhaServer::Start(ServerOptions option
   if (options.threads == 0) options.threads = std::max(1u, std::thread::hardware_concurrency());
   if (options.max_queue_size < 1) return absl::InvalidArgumentError("--max_queue_size must be >= 1");
   if (options.max_queued_mb < 1) return absl::InvalidArgumentError("--max_queued_mb must be >= 1");
+  if (options.max_inflight_mb < 1) return absl::InvalidArgumentError("--max_inflight_mb must be >= 1");
+  if (options.max_batch_rows < 0) return absl::InvalidArgumentError("--max_batch_rows must be >= 0");
+  if (options.max_queue_delay_us < 0) return absl::InvalidArgumentError("--max_queue_delay_us must be >= 0");
+  if (!(options.default_deadline_s > 0)) return absl::InvalidArgumentError("--default_deadline_s must be > 0");
+  if (!(options.shutdown_grace_s >= 0)) return absl::InvalidArgumentError("--shutdown_grace_s must be >= 0");
 
   std::unique_ptr<MhaServer> server(new MhaServer());
   server->layers_ = std::make_unique<LayerStore>(static_cast<int64_t>(options.max_layer_mb) << 20,
@@ -61,6 +66,8 @@ absl::StatusOr<std::unique_ptr<MhaServer>> MhaServer::Start(ServerOptions option
   scheduling.max_queued_bytes = static_cast<int64_t>(options.max_queued_mb) << 20;
   scheduling.inline_max_flops = options.inline_max_mflop * 1e6;
   scheduling.max_inflight_bytes = static_cast<int64_t>(options.max_inflight_mb) << 20;
+  scheduling.max_batch_rows = options.max_batch_rows;
+  scheduling.max_queue_delay = absl::Microseconds(options.max_queue_delay_us);
   server->scheduler_ = std::make_unique<Scheduler>(scheduling, server->metrics_.get());
   server->WarmUp();
   server->service_ = std::make_unique<AttentionService>(options, server->layers_.get(), server->backends_.get(),
@@ -169,6 +176,8 @@ void MhaServer::WarmUp() {
     scheduler_->Submit(std::make_unique<WarmUpItem>(entry.backend.get(), scheduler_.get(), &done));
     done.WaitForNotification();
   }
+  // Returns with the compute thread idle, so that nothing of the warm-up looks like a running call.
+  scheduler_->AwaitIdle(absl::InfiniteDuration());
 }
 
 std::shared_ptr<grpc::Channel> MhaServer::InProcessChannel() {

@@ -57,6 +57,12 @@ struct ServerOptions {
   // closed gracefully so that clients reconnect and spread over new replicas (gRFC A9; 0 = unlimited).
   double keepalive_s = 60;
   double max_connection_age_s = 0;
+  // Request batching: waiting calls that compute the same function of each batch item (same layer, lengths, dtypes;
+  // see AttentionPlan::batch_key) run as one backend call of at most this many rows (B Tq); 0 turns it off. A batch
+  // waits up to max_queue_delay_us for more calls to join; 0 takes only the calls already waiting while the backend
+  // was busy.
+  int max_batch_rows = 512;
+  int max_queue_delay_us = 0;
   // spdlog level: trace, debug, info, warn, error, critical or off.
   std::string log_level = "info";
 };

@@ -67,10 +67,13 @@ AttentionService::AttentionService(const ServerOptions& options, LayerStore* lay
 template <typename Request, typename Response, typename Plan>
 class ComputeCall final : public WorkItem {
  public:
+  using Execute = absl::Status (*)(const Plan&, const StopSignal*, Response*);
+  using ExecuteBatch = absl::Status (*)(absl::Span<const Plan* const>, const StopSignal*,
+                                        absl::Span<Response* const>);
+
   ComputeCall(AttentionService* service, uint64_t id, const char* rpc, grpc::CallbackServerContext* context,
-              grpc::ServerUnaryReactor* reactor, Response* response, Plan plan,
-              absl::Status (*execute)(const Plan&, const StopSignal*, Response*), int64_t request_bytes,
-              absl::Time received, absl::Time deadline)
+              grpc::ServerUnaryReactor* reactor, Response* response, Plan plan, Execute execute,
+              ExecuteBatch execute_batch, int64_t request_bytes, absl::Time received, absl::Time deadline)
       : WorkItem(request_bytes, received, deadline),
         service_(service),
         id_(id),
@@ -79,7 +82,8 @@ class ComputeCall final : public WorkItem {
         reactor_(reactor),
         response_(response),
         plan_(std::move(plan)),
-        execute_(execute) {}
+        execute_(execute),
+        execute_batch_(execute_batch) {}
 
   const AttentionPlan& plan() const override { return plan_; }
   bool IsCancelled() const override { return context_->IsCancelled(); }
@@ -98,10 +102,50 @@ class ComputeCall final : public WorkItem {
     return status;
   }
 
+  // The batch key names the rpc, so `others` are calls of this same type.
+  absl::Status RunBatch(absl::Span<WorkItem* const> others, absl::Span<const absl::Duration> waited) override {
+    std::vector<ComputeCall*> calls = {this};
+    for (WorkItem* other : others) calls.push_back(static_cast<ComputeCall*>(other));
+    std::vector<const Plan*> plans;
+    std::vector<Response*> responses;
+    for (ComputeCall* call : calls) {
+      plans.push_back(&call->plan_);
+      responses.push_back(call->response_);
+    }
+    const BatchStop stop(calls);
+    const absl::Time started = absl::Now();
+    const absl::Status status = execute_batch_(plans, &stop, responses);
+    const absl::Time computed = absl::Now();
+    for (size_t i = 0; i < calls.size(); ++i) {
+      ComputeCall& call = *calls[i];
+      Timing* timing = call.response_->mutable_timing();
+      timing->set_queue_us(absl::ToInt64Microseconds(waited[i]));
+      timing->set_compute_us(absl::ToInt64Microseconds(computed - started));
+      timing->set_handler_us(absl::ToInt64Microseconds(computed - call.received()));
+      call.Finish(status.ok() ? call.Check() : status, absl::ToDoubleSeconds(computed - started));
+    }
+    return status;
+  }
+
   void Reject(const absl::Status& status) override { Finish(status, 0); }
 
  private:
   using Timing = v1::Timing;
+
+  // A batch stops when none of its calls is wanted any more.
+  class BatchStop final : public StopSignal {
+   public:
+    explicit BatchStop(const std::vector<ComputeCall*>& calls) : calls_(calls) {}
+    absl::Status Check() const override {
+      for (const ComputeCall* call : calls_) {
+        if (call->Check().ok()) return absl::OkStatus();
+      }
+      return calls_.front()->Check();
+    }
+
+   private:
+    const std::vector<ComputeCall*>& calls_;
+  };
 
   void Finish(const absl::Status& status, double compute_seconds) {
     if (!status.ok()) response_->Clear();
@@ -117,14 +161,16 @@ class ComputeCall final : public WorkItem {
   grpc::ServerUnaryReactor* const reactor_;
   Response* const response_;
   const Plan plan_;
-  absl::Status (*const execute_)(const Plan&, const StopSignal*, Response*);
+  const Execute execute_;
+  const ExecuteBatch execute_batch_;  // null when calls of this rpc are never batched
 };
 
 template <typename Request, typename Response, typename Plan>
 grpc::ServerUnaryReactor* AttentionService::Compute(
     const char* rpc, grpc::CallbackServerContext* context, const Request* request, Response* response,
     absl::StatusOr<Plan> (*validate)(const Request&, const ValidationContext&),
-    absl::Status (*execute)(const Plan&, const StopSignal*, Response*)) {
+    absl::Status (*execute)(const Plan&, const StopSignal*, Response*),
+    absl::Status (*execute_batch)(absl::Span<const Plan* const>, const StopSignal*, absl::Span<Response* const>)) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   const uint64_t id = next_request_id_++;
   const absl::Time received = absl::Now();
@@ -138,7 +184,7 @@ grpc::ServerUnaryReactor* AttentionService::Compute(
   absl::Time deadline = absl::FromChrono(context->deadline());
   if (deadline - received > absl::Hours(24 * 365)) deadline = received + default_deadline_;
   scheduler_->Submit(std::make_unique<ComputeCall<Request, Response, Plan>>(
-      this, id, rpc, context, reactor, response, *std::move(plan), execute,
+      this, id, rpc, context, reactor, response, *std::move(plan), execute, execute_batch,
       static_cast<int64_t>(request->ByteSizeLong()), received, deadline));
   return reactor;
 }
@@ -147,14 +193,15 @@ grpc::ServerUnaryReactor* AttentionService::MultiHeadAttention(grpc::CallbackSer
                                                                const v1::MultiHeadAttentionRequest* request,
                                                                v1::MultiHeadAttentionResponse* response) {
   return Compute("MultiHeadAttention", context, request, response, &ValidateMultiHeadAttention,
-                 &ExecuteMultiHeadAttention);
+                 &ExecuteMultiHeadAttention, &ExecuteMultiHeadAttentionBatch);
 }
 
 grpc::ServerUnaryReactor* AttentionService::ScaledDotProductAttention(
     grpc::CallbackServerContext* context, const v1::ScaledDotProductAttentionRequest* request,
     v1::ScaledDotProductAttentionResponse* response) {
-  return Compute("ScaledDotProductAttention", context, request, response, &ValidateScaledDotProductAttention,
-                 &ExecuteScaledDotProductAttention);
+  return Compute<v1::ScaledDotProductAttentionRequest, v1::ScaledDotProductAttentionResponse, SdpaPlan>(
+      "ScaledDotProductAttention", context, request, response, &ValidateScaledDotProductAttention,
+      &ExecuteScaledDotProductAttention, nullptr);
 }
 
 grpc::ServerUnaryReactor* AttentionService::LoadLayer(grpc::CallbackServerContext* context,

@@ -56,7 +56,9 @@ class AttentionService final : public v1::Attention::CallbackService {
   grpc::ServerUnaryReactor* Compute(const char* rpc, grpc::CallbackServerContext* context, const Request* request,
                                     Response* response,
                                     absl::StatusOr<Plan> (*validate)(const Request&, const ValidationContext&),
-                                    absl::Status (*execute)(const Plan&, const StopSignal*, Response*));
+                                    absl::Status (*execute)(const Plan&, const StopSignal*, Response*),
+                                    absl::Status (*execute_batch)(absl::Span<const Plan* const>, const StopSignal*,
+                                                                  absl::Span<Response* const>));
 
   ServerOptions options_;
   LayerStore* layers_;

@@ -239,6 +239,13 @@ absl::StatusOr<MhaPlan> ValidateMultiHeadAttention(const v1::MultiHeadAttentionR
   plan.problem.input_dtype = InputDtype({&query, key, value});
   RETURN_IF_ERROR(ValidateHeadMask(request, &plan));
   RETURN_IF_ERROR(ValidateCommon(request, context, query.dtype(), batch * q_len * d_model, &plan));
+  if (plan.layer != nullptr && plan.kv_source == KvSource::kQuery && !request.has_attn_mask() &&
+      plan.head_mask.empty()) {
+    plan.batch_key = absl::StrCat("mha|", reinterpret_cast<uintptr_t>(plan.backend), "|",
+                                  reinterpret_cast<uintptr_t>(plan.layer.get()), "|", q_len, "|", query.dtype(), "|",
+                                  plan.problem.output_dtype, "|", plan.problem.return_weights, "|", s.heads.causal);
+  }
+  plan.batch_rows = batch * q_len;
   plan.shapes = absl::StrCat("query", ShapeString(query.shape()),
                              request.has_key() ? absl::StrCat(" key", ShapeString(key->shape())) : " self",
                              " layer=", layer_name, " H=", s.heads.num_heads, " Hkv=", s.heads.num_kv_heads,

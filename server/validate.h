@@ -29,6 +29,12 @@ struct AttentionPlan {
   double flops = 0;                       // AttentionFlops(problem.shape)
   int64_t response_bytes = 0;             // the response's tensors
   int64_t workspace_bytes = 0;            // backend->WorkspaceBytes(problem)
+  // Calls with the same non-empty key compute the same function of each batch item, so that they can run as one
+  // backend call along the batch dimension (request batching): same backend, registered layer, sequence lengths,
+  // dtypes, causal flag and weights request; self-attention without an attention or head mask. Empty: never
+  // batched.
+  std::string batch_key;
+  int64_t batch_rows = 0;  // B Tq: what a batch of them is limited by
 };
 
 struct MhaPlan : AttentionPlan {

@@ -9,6 +9,7 @@
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
+#include "absl/types/span.h"
 #include "server/backends/backend.h"
 #include "server/validate.h"
 
@@ -39,6 +40,12 @@ class WorkItem : public StopSignal {
   // Computes and finishes the call (response, log line, metrics) after `waited` in the queue (zero for an item run
   // inline); returns the status the call ended with. Runs on the thread that computes.
   virtual absl::Status Run(absl::Duration waited) = 0;
+  // Computes this item and `others` (all with this item's non-empty plan().batch_key, and of its type) as one
+  // backend call and finishes every one of them; waited[0] is this item's wait, waited[i + 1] that of others[i].
+  // Returns the backend call's status. Items whose plans have a batch key implement it.
+  virtual absl::Status RunBatch(absl::Span<WorkItem* const> others, absl::Span<const absl::Duration> waited) {
+    return absl::UnimplementedError("this work item is not batched");
+  }
   // Finishes the call with `status` (not OK) without computing: refused, cancelled before it started, or shutdown.
   virtual void Reject(const absl::Status& status) = 0;
 

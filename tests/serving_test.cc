@@ -8,13 +8,16 @@
 #include <future>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "gmock/gmock.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "server/server.h"
+#include "proto/mha/v1/tensor_codec.h"
 #include "tests/service_fixture.h"
+#include "tests/test_util.h"
 
 namespace mha {
 namespace {
@@ -177,6 +180,98 @@ TEST_F(ServingTest, HealthIsNotServingWhileTheComputeThreadIsStuck) {
     if (!serving) std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
   EXPECT_TRUE(serving);
+}
+
+// Self-attention on the demo layer: `batch` x `tokens` tokens, with key_lengths when `lengths`.
+v1::MultiHeadAttentionRequest DemoRequest(int64_t batch, int64_t tokens, uint32_t seed, v1::Backend backend,
+                                          bool lengths = false) {
+  v1::MultiHeadAttentionRequest r;
+  SetTensor(r.mutable_query(), {batch, tokens, 512}, seed);
+  r.set_layer("demo");
+  r.set_backend(backend);
+  if (lengths) {
+    for (int64_t b = 0; b < batch; ++b) r.add_key_lengths(static_cast<int32_t>((b * 5 + seed) % (tokens + 1)));
+  }
+  return r;
+}
+
+// From the mha_batch_size histogram in `metrics`: calls that ran in a batch beside another, i.e. the sum of batch
+// sizes minus the number of backend calls (0 when nothing was batched; 3 for one batch of 4 and any singles).
+int64_t CallsJoiningABatch(const std::string& metrics) {
+  auto value = [&](const std::string& name) -> int64_t {
+    const size_t at = metrics.find("\n" + name + " ");
+    return at == std::string::npos ? -1 : std::stoll(metrics.substr(at + name.size() + 2));
+  };
+  return value("mha_batch_size_sum") - value("mha_batch_size_count");
+}
+
+class BatchingTest : public ServingTest, public ::testing::WithParamInterface<v1::Backend> {
+ protected:
+  // Queues `requests` behind a long call, then lets them run: they wait together, so the compute thread takes
+  // compatible ones as one batch. Returns their responses.
+  std::vector<v1::MultiHeadAttentionResponse> RunTogether(const std::vector<v1::MultiHeadAttentionRequest>& requests) {
+    std::unique_ptr<BackgroundCall> blocker = Start(SlowDemoRequest(16));
+    std::vector<std::unique_ptr<BackgroundCall>> calls;
+    for (const auto& request : requests) calls.push_back(Start(request, /*computing=*/false));
+    EXPECT_TRUE(server_->scheduler().AwaitQueued(static_cast<int>(requests.size()), absl::Seconds(30)));
+    blocker->context.TryCancel();
+    blocker->status.get();
+    std::vector<v1::MultiHeadAttentionResponse> responses;
+    for (auto& call : calls) {
+      const grpc::Status status = call->status.get();
+      EXPECT_TRUE(status.ok()) << status.error_message();
+      responses.push_back(call->response);
+    }
+    return responses;
+  }
+};
+
+TEST_P(BatchingTest, BatchedCallsAnswerAsTheyWouldAlone) {
+  const std::vector<v1::MultiHeadAttentionRequest> requests = {
+      DemoRequest(1, 12, 1, GetParam()), DemoRequest(2, 12, 2, GetParam(), /*lengths=*/true),
+      DemoRequest(1, 12, 3, GetParam()), DemoRequest(3, 12, 4, GetParam(), /*lengths=*/true)};
+  const std::vector<v1::MultiHeadAttentionResponse> batched = RunTogether(requests);
+  EXPECT_EQ(CallsJoiningABatch(server_->metrics().Text()), 3);  // one batch of 4
+  for (size_t i = 0; i < requests.size(); ++i) {
+    v1::MultiHeadAttentionResponse alone;
+    ASSERT_TRUE(Call(requests[i], &alone).ok());
+    EXPECT_THAT(batched[i].output().shape(), ::testing::ElementsAreArray(alone.output().shape()));
+    const std::vector<float> got = TensorToFloats(batched[i].output()), want = TensorToFloats(alone.output());
+    if (GetParam() == v1::BACKEND_REFERENCE) {
+      EXPECT_EQ(got, want) << "call " << i;  // plain loops: each batch item is computed the same way
+    } else {
+      EXPECT_TRUE(testing::AllClose(got, want, 1e-6, 1e-5)) << "call " << i;
+    }
+  }
+}
+
+TEST_P(BatchingTest, IncompatibleCallsAreNotBatched) {
+  v1::MultiHeadAttentionRequest other_length = DemoRequest(1, 10, 2, GetParam());
+  v1::MultiHeadAttentionRequest with_weights = DemoRequest(1, 12, 3, GetParam());
+  with_weights.set_return_attention_weights(true);
+  const std::vector<v1::MultiHeadAttentionResponse> responses =
+      RunTogether({DemoRequest(1, 12, 1, GetParam()), other_length, with_weights});
+  EXPECT_EQ(CallsJoiningABatch(server_->metrics().Text()), 0);
+  EXPECT_EQ(responses[2].attention_weights().shape_size(), 4);
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, BatchingTest, ::testing::Values(v1::BACKEND_CPU, v1::BACKEND_REFERENCE),
+                         [](const auto& info) { return info.param == v1::BACKEND_CPU ? "Cpu" : "Reference"; });
+
+TEST_F(ServingTest, BatchingOffComputesEachCallAlone) {
+  ServerOptions options;
+  options.max_batch_rows = 0;
+  StartServer(options);
+  std::unique_ptr<BackgroundCall> blocker = Start(SlowDemoRequest(16));
+  std::vector<std::unique_ptr<BackgroundCall>> calls;
+  for (uint32_t seed = 1; seed <= 3; ++seed) {
+    calls.push_back(Start(DemoRequest(1, 12, seed, v1::BACKEND_CPU), /*computing=*/false));
+  }
+  ASSERT_TRUE(server_->scheduler().AwaitQueued(3, absl::Seconds(30)));
+  blocker->context.TryCancel();
+  blocker->status.get();
+  for (auto& call : calls) EXPECT_TRUE(call->status.get().ok());
+  EXPECT_EQ(CallsJoiningABatch(server_->metrics().Text()), 0);
 }
 
 // Resident memory of this process, in bytes.
