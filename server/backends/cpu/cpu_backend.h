@@ -3,7 +3,7 @@
 // per call among the instruction sets this CPU runs.
 //
 // Thread-safe: scratch buffers belong to the calling thread. Each call parallelises over the calling thread's
-// OpenMP threads (omp_set_num_threads on that thread sets how many); calls under kSerialFlops run on the calling
+// OpenMP threads (omp_set_num_threads on that thread sets how many); calls up to kSerialFlops run on the calling
 // thread alone.
 #ifndef MHA_SERVER_BACKENDS_CPU_CPU_BACKEND_H_
 #define MHA_SERVER_BACKENDS_CPU_CPU_BACKEND_H_
@@ -20,9 +20,14 @@ namespace mha {
 
 class CpuBackend final : public Backend {
  public:
-  // Calls of at most this many FLOPs run single-threaded: waking the other threads costs more than they save (tens
-  // of microseconds against a budget of that order).
-  static constexpr double kSerialFlops = 8e6;
+  // Calls of at most this many FLOPs run single-threaded. A team of threads pays a wake-up and a barrier per
+  // parallel region, and on cores shared with other work (another process, Kubernetes neighbours, gRPC's own
+  // threads) each barrier waits for the team's slowest, descheduled thread: measured next to a second busy server,
+  // tiny calls (34 MFLOP) fell to a quarter of their quiet throughput on two threads and to half on one
+  // (docs/PERFORMANCE.md), against about 20% lost when quiet.
+  static constexpr double kSerialFlops = 5e7;
+  // Calls of at most this many FLOPs take tens of microseconds, so the server may run them on gRPC's threads.
+  static constexpr double kInlineMaxFlops = 8e6;
 
   // The tile kernels the attention core may use: "auto" (every set this CPU runs, widest first; a call takes the
   // first whose vector width divides head_dim, else the widest), or one of "avx512", "avx2", "portable".
@@ -37,7 +42,7 @@ class CpuBackend final : public Backend {
   absl::Status Supports(const AttentionProblem& problem) const override { return absl::OkStatus(); }
   // Projections, the concatenated heads, fp32 copies of 16-bit inputs and outputs, and each thread's tile scratch.
   int64_t WorkspaceBytes(const AttentionProblem& problem) const override;
-  double inline_max_flops() const override { return kSerialFlops; }
+  double inline_max_flops() const override { return kInlineMaxFlops; }
   // A 256-token layer of width 512 (0.67 GFLOP): large enough to run on every thread and show the backend's rate.
   absl::StatusOr<double> WarmUp() override;
   absl::Status ScaledDotProductAttention(const SdpaArgs& args) override;
