@@ -42,7 +42,8 @@ class MhaServer {
   // Runs every available backend's WarmUp on the compute thread, so that the first call is not slow and the
   // scheduler knows each backend's speed.
   void WarmUp();
-  // Until Shutdown: health NOT_SERVING while the scheduler has been stuck past --stuck_after_s, SERVING otherwise.
+  // Until Shutdown, once a second: health NOT_SERVING while the scheduler has been stuck past --stuck_after_s,
+  // SERVING otherwise; and every few seconds, the allocator's free pages returned to the system.
   void Watch();
 
   ServerOptions options_;
