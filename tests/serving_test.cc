@@ -10,6 +10,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
@@ -53,7 +54,9 @@ class ServingTest : public ServiceTest {
     call->status = std::async(std::launch::async, [this, c = call.get()] {
       return stub_->MultiHeadAttention(&c->context, c->request, &c->response);
     });
-    if (computing) EXPECT_TRUE(server_->scheduler().AwaitRunning(absl::Seconds(30)));
+    if (computing) {
+      EXPECT_TRUE(server_->scheduler().AwaitRunning(absl::Seconds(30)));
+    }
     return call;
   }
 };
@@ -142,6 +145,53 @@ TEST_F(ServingTest, ShutdownStopsALongCallAtTheEndOfItsGracePeriod) {
   EXPECT_FALSE(status.ok());
   EXPECT_THAT(status.error_code(), ::testing::AnyOf(grpc::StatusCode::CANCELLED, grpc::StatusCode::UNAVAILABLE));
   stub_.reset();  // nothing serves any more
+}
+
+TEST(ServingShutdown, HealthIsNotServingAndNewCallsAreUnavailableWhileDraining) {
+  // Over loopback TCP, as a load balancer sees it (an in-process channel cannot outlive its server's shutdown).
+  ServerOptions options;
+  options.listen = "127.0.0.1:0";
+  options.threads = 2;
+  absl::StatusOr<std::unique_ptr<MhaServer>> server = MhaServer::Start(options);
+  ASSERT_TRUE(server.ok()) << server.status();
+  std::shared_ptr<grpc::Channel> channel =
+      grpc::CreateChannel(absl::StrCat("127.0.0.1:", (*server)->port()), grpc::InsecureChannelCredentials());
+  std::unique_ptr<v1::Attention::Stub> stub = v1::Attention::NewStub(channel);
+  std::unique_ptr<grpc::health::v1::Health::Stub> health = grpc::health::v1::Health::NewStub(channel);
+  auto health_status = [&] {
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+    grpc::health::v1::HealthCheckResponse response;
+    const grpc::Status status = health->Check(&context, grpc::health::v1::HealthCheckRequest(), &response);
+    return status.ok() ? response.status() : grpc::health::v1::HealthCheckResponse::UNKNOWN;
+  };
+  ASSERT_EQ(health_status(), grpc::health::v1::HealthCheckResponse::SERVING);
+
+  // A long call computes; shutdown starts with 3 s of grace.
+  const v1::MultiHeadAttentionRequest slow = SlowDemoRequest(16);
+  grpc::ClientContext slow_context;
+  v1::MultiHeadAttentionResponse slow_response;
+  std::future<grpc::Status> pending = std::async(std::launch::async, [&] {
+    return stub->MultiHeadAttention(&slow_context, slow, &slow_response);
+  });
+  ASSERT_TRUE((*server)->scheduler().AwaitRunning(absl::Seconds(30)));
+  std::thread stopper([&] { (*server)->Shutdown(absl::Seconds(3)); });
+
+  // Health flips before gRPC stops taking calls; poll briefly (bounded) for the flip.
+  grpc::health::v1::HealthCheckResponse::ServingStatus seen = grpc::health::v1::HealthCheckResponse::SERVING;
+  for (int i = 0; i < 100 && seen == grpc::health::v1::HealthCheckResponse::SERVING; ++i) {
+    seen = health_status();
+    if (seen == grpc::health::v1::HealthCheckResponse::SERVING) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+  }
+  EXPECT_NE(seen, grpc::health::v1::HealthCheckResponse::SERVING);
+  grpc::ClientContext context;
+  v1::MultiHeadAttentionResponse response;
+  EXPECT_EQ(stub->MultiHeadAttention(&context, QueuedCpuRequest(), &response).error_code(),
+            grpc::StatusCode::UNAVAILABLE);
+  stopper.join();
+  EXPECT_FALSE(pending.get().ok());  // stopped at the end of the grace period
 }
 
 TEST_F(ServingTest, HealthIsNotServingWhileTheComputeThreadIsStuck) {
