@@ -21,8 +21,13 @@ namespace {
 // chose a policy, set a short spin and re-execute once with it.
 void UseShortOpenMpSpins(char** argv) {
   if (std::getenv("GOMP_SPINCOUNT") != nullptr || std::getenv("OMP_WAIT_POLICY") != nullptr) return;
+  // The binary's own path, not /proc/self/exe: the process keeps its name (ps, /proc/PID/comm) across the exec.
+  char path[4096];
+  const ssize_t length = readlink("/proc/self/exe", path, sizeof(path) - 1);
+  if (length <= 0) return;
+  path[length] = '\0';
   setenv("GOMP_SPINCOUNT", "10000", 1);
-  execv("/proc/self/exe", argv);  // returns only on failure: then run with libgomp's default
+  execv(path, argv);  // returns only on failure: then run with libgomp's default
   unsetenv("GOMP_SPINCOUNT");
 }
 
