@@ -42,6 +42,9 @@ ALLOWED = {
     "deadline": {grpc.StatusCode.OK, grpc.StatusCode.DEADLINE_EXCEEDED},
 }
 CHECK_EVERY = 25  # one OK answer in this many (of the kinds that wait) is compared with the reference backend
+# Both RSS readings come after this long without load: the server returns free allocator pages every 3 s, so each
+# reading sees memory in use, not pages freed a moment ago.
+IDLE_BEFORE_RSS_S = 3.5
 
 
 def rss_bytes(pid):
@@ -167,13 +170,13 @@ def main():
     try:
         warm = Soak(target, args.seed)
         warm.run(args.clients, args.warmup_seconds)
-        time.sleep(1)
+        time.sleep(IDLE_BEFORE_RSS_S)
         rss_warm = rss_bytes(proc.pid)
         soak = Soak(target, args.seed + 1)
         start = time.time()
         soak.run(args.clients, args.seconds)
         elapsed = time.time() - start
-        time.sleep(1)
+        time.sleep(IDLE_BEFORE_RSS_S)
         rss_end = rss_bytes(proc.pid)
         failures = warm.failures + soak.failures
         total = sum(soak.counts.values())
