@@ -17,6 +17,12 @@ constexpr double kRateSampleFlops = 5e7;
 // Weight of the newest observation in the rate's exponential average.
 constexpr double kRateWeight = 0.2;
 
+// The rows a call adds to a batch: B Tq.
+int64_t BatchRows(const WorkItem& item) {
+  const AttentionShape& s = item.plan().problem.shape;
+  return s.batch * s.q_len;
+}
+
 }  // namespace
 
 Scheduler::Scheduler(const SchedulerOptions& options, ServerMetrics* metrics)
@@ -107,11 +113,6 @@ void Scheduler::Abort() {
   Shutdown();
 }
 
-int Scheduler::queued() const {
-  absl::MutexLock lock(&mu_);
-  return static_cast<int>(queue_.size());
-}
-
 bool Scheduler::AwaitRunning(absl::Duration timeout) const {
   absl::MutexLock lock(&mu_);
   return mu_.AwaitWithTimeout(absl::Condition(&running_), timeout);
@@ -143,21 +144,15 @@ void Scheduler::ObserveRate(const Backend* backend, double flops, double seconds
   if (!inserted) it->second = (1 - kRateWeight) * it->second + kRateWeight * rate;
 }
 
-double Scheduler::Rate(const Backend* backend) const {
-  absl::MutexLock lock(&mu_);
-  const auto it = rates_.find(backend);
-  return it == rates_.end() ? 0 : it->second;
-}
-
 void Scheduler::TakeBatchable(const WorkItem& first, int64_t* rows, std::vector<Queued>* batch) {
   const std::string& key = first.plan().batch_key;
   for (auto it = queue_.begin(); it != queue_.end() && *rows < options_.max_batch_rows;) {
     const AttentionPlan& plan = it->item->plan();
-    if (plan.batch_key != key || *rows + plan.batch_rows > options_.max_batch_rows) {
+    if (plan.batch_key != key || *rows + BatchRows(*it->item) > options_.max_batch_rows) {
       ++it;
       continue;
     }
-    *rows += plan.batch_rows;
+    *rows += BatchRows(*it->item);
     queued_bytes_ -= it->item->request_bytes();
     queued_seconds_ = std::max(0.0, queued_seconds_ - it->estimate_s);
     batch->push_back(std::move(*it));
@@ -166,10 +161,12 @@ void Scheduler::TakeBatchable(const WorkItem& first, int64_t* rows, std::vector<
 }
 
 void Scheduler::Compute(Queued first, std::vector<Queued> batch) {
-  // Calls whose clients gave up while they waited end here, uncomputed.
   std::vector<Queued> calls;
   calls.push_back(std::move(first));
   for (Queued& q : batch) calls.push_back(std::move(q));
+  int64_t held = 0;  // what these calls hold of the in-flight memory, released when they end
+  for (const Queued& q : calls) held += q.item->memory_bytes();
+  // Calls whose clients gave up while they waited end here, uncomputed.
   std::vector<Queued> live;
   for (Queued& q : calls) {
     if (absl::Status stop = q.item->Check(); !stop.ok()) {
@@ -204,15 +201,8 @@ void Scheduler::Compute(Queued first, std::vector<Queued> batch) {
   }
   absl::MutexLock lock(&mu_);
   running_ = false;
-  for (const Queued& q : calls) {
-    if (q.item == nullptr) continue;
-    inflight_bytes_ -= q.item->memory_bytes();
-    --inflight_;
-  }
-  for (const Queued& q : live) {
-    inflight_bytes_ -= q.item->memory_bytes();
-    --inflight_;
-  }
+  inflight_bytes_ -= held;
+  inflight_ -= static_cast<int>(calls.size());
 }
 
 void Scheduler::Run() {
@@ -233,7 +223,7 @@ void Scheduler::Run() {
       queued_bytes_ -= next.item->request_bytes();
       queued_seconds_ = std::max(0.0, queued_seconds_ - next.estimate_s);
       if (options_.max_batch_rows > 0 && !next.item->plan().batch_key.empty()) {
-        int64_t rows = next.item->plan().batch_rows;
+        int64_t rows = BatchRows(*next.item);
         TakeBatchable(*next.item, &rows, &batch);
         // Optionally wait a little for more calls to join, as long as the batch has room.
         const absl::Time until = absl::Now() + options_.max_queue_delay;

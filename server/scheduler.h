@@ -63,7 +63,6 @@ class Scheduler {
   // Stops the running computation at its next check and rejects everything still queued with UNAVAILABLE: the end
   // of a shutdown's grace period. Thread-safe.
   void Abort();
-  int queued() const;
   // Blocks until an item is computing on the compute thread, or `timeout` passes; true if one is. For tests that
   // must know a long call has started.
   bool AwaitRunning(absl::Duration timeout) const;
@@ -76,8 +75,6 @@ class Scheduler {
   // Learns that `backend` did `flops` in `seconds` (the compute thread does this after every call of 50 MFLOP or
   // more; warm-up seeds it).
   void ObserveRate(const Backend* backend, double flops, double seconds);
-  // The backend's observed rate in FLOP/s (an exponential average), or 0 before any observation.
-  double Rate(const Backend* backend) const;
 
  private:
   bool RunsInline(const WorkItem& item) const;
@@ -88,8 +85,8 @@ class Scheduler {
   // Publishes the queue's length; under mu_, so that the gauge follows the queue's order of events.
   void SetDepth() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   struct Queued;
-  // Moves the waiting items that can join `first`'s batch into *batch (in queue order) while the batch's rows stay
-  // within max_batch_rows; *rows counts them.
+  // Moves the waiting items that can join `first`'s batch into *batch (in queue order) while the batch's rows
+  // (B Tq of each call) stay within max_batch_rows; *rows counts them.
   void TakeBatchable(const WorkItem& first, int64_t* rows, std::vector<Queued>* batch)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Computes `first` and `batch` (may be empty) and records what the scheduler learns from it.

@@ -245,7 +245,6 @@ absl::StatusOr<MhaPlan> ValidateMultiHeadAttention(const v1::MultiHeadAttentionR
                                   reinterpret_cast<uintptr_t>(plan.layer.get()), "|", q_len, "|", query.dtype(), "|",
                                   plan.problem.output_dtype, "|", plan.problem.return_weights, "|", s.heads.causal);
   }
-  plan.batch_rows = batch * q_len;
   plan.shapes = absl::StrCat("query", ShapeString(query.shape()),
                              request.has_key() ? absl::StrCat(" key", ShapeString(key->shape())) : " self",
                              " layer=", layer_name, " H=", s.heads.num_heads, " Hkv=", s.heads.num_kv_heads,

@@ -34,7 +34,6 @@ struct AttentionPlan {
   // dtypes, causal flag and weights request; self-attention without an attention or head mask. Empty: never
   // batched.
   std::string batch_key;
-  int64_t batch_rows = 0;  // B Tq: what a batch of them is limited by
 };
 
 struct MhaPlan : AttentionPlan {
