@@ -44,6 +44,12 @@ ABSL_FLAG(int, max_batch_rows, kDefaults.max_batch_rows,
           "rows (B x Tq) of waiting compatible calls computed together as one batch; 0 = no batching");
 ABSL_FLAG(int, max_queue_delay_us, kDefaults.max_queue_delay_us,
           "how long a batch waits for more calls to join, us; 0 = only what already waits");
+ABSL_FLAG(std::string, tls_cert, kDefaults.tls_cert, "PEM certificate chain: serve TLS (with --tls_key)");
+ABSL_FLAG(std::string, tls_key, kDefaults.tls_key, "PEM private key of --tls_cert");
+ABSL_FLAG(std::string, tls_client_ca, kDefaults.tls_client_ca,
+          "PEM CA bundle: clients must present a certificate it signed (mutual TLS)");
+ABSL_FLAG(std::string, auth_tokens_file, kDefaults.auth_tokens_file,
+          "bearer tokens, one per line with an optional role (compute, admin); empty = no token needed");
 ABSL_FLAG(std::string, log_level, kDefaults.log_level, "trace, debug, info, warn, error, critical or off");
 
 namespace mha {
@@ -73,6 +79,10 @@ ServerOptions ServerOptionsFromFlags() {
   options.max_connection_age_s = absl::GetFlag(FLAGS_max_connection_age_s);
   options.max_batch_rows = absl::GetFlag(FLAGS_max_batch_rows);
   options.max_queue_delay_us = absl::GetFlag(FLAGS_max_queue_delay_us);
+  options.tls_cert = absl::GetFlag(FLAGS_tls_cert);
+  options.tls_key = absl::GetFlag(FLAGS_tls_key);
+  options.tls_client_ca = absl::GetFlag(FLAGS_tls_client_ca);
+  options.auth_tokens_file = absl::GetFlag(FLAGS_auth_tokens_file);
   options.log_level = absl::GetFlag(FLAGS_log_level);
   return options;
 }

@@ -10,11 +10,12 @@
 namespace mha {
 namespace {
 
-// Checks that `tensor` (named field.name) is a valid tensor of exactly `shape`.
+// Checks that `tensor` (named field.name) is a valid tensor of exactly `shape` with finite values.
 absl::Status CheckWeight(const v1::Tensor& tensor, absl::string_view field, absl::string_view name,
                          std::vector<int64_t> shape) {
   const std::string full = absl::StrCat(field, ".", name);
   RETURN_IF_ERROR(CheckTensor(tensor, full).status());
+  RETURN_IF_ERROR(CheckFinite(tensor, full));
   const std::vector<int64_t> given(tensor.shape().begin(), tensor.shape().end());
   if (given != shape) {
     return absl::InvalidArgumentError(absl::StrCat(full, ".shape must be ", ShapeString(shape), ", got ",

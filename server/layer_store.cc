@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <filesystem>
 
+#include "absl/strings/ascii.h"
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "server/safetensors.h"
 #include "server/status_macros.h"
@@ -12,22 +14,23 @@ namespace mha {
 LayerStore::LayerStore(int64_t max_total_bytes, int max_layers)
     : max_total_bytes_(max_total_bytes), max_layers_(max_layers) {}
 
-absl::Status LayerStore::CheckName(absl::string_view name) {
-  if (name.empty() || name.size() > 128) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("name must be 1..128 characters, got ", name.size()));
+absl::Status LayerStore::CheckName(absl::string_view name, absl::string_view field) {
+  if (name.empty() || name.size() > static_cast<size_t>(kMaxNameLength)) {
+    return absl::InvalidArgumentError(absl::StrCat(field, " must be 1..", kMaxNameLength,
+                                                   " characters of [A-Za-z0-9._-], got ", name.size()));
   }
-  for (char c : name) {
-    if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' || c == '-')) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("name may only hold [A-Za-z0-9._-], got '", name, "'"));
+  for (size_t i = 0; i < name.size(); ++i) {
+    const char c = name[i];
+    if (!(absl::ascii_isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' || c == '-')) {
+      return absl::InvalidArgumentError(absl::StrCat(field, " may only hold [A-Za-z0-9._-]; character ", i,
+                                                     " is '", absl::CHexEscape(name.substr(i, 1)), "'"));
     }
   }
   return absl::OkStatus();
 }
 
 absl::Status LayerStore::Add(std::shared_ptr<const Layer> layer) {
-  RETURN_IF_ERROR(CheckName(layer->name));
+  RETURN_IF_ERROR(CheckName(layer->name, "layer name"));
   const int64_t size = layer->SizeBytes();
   absl::MutexLock lock(&mu_);
   if (layers_.count(layer->name) != 0) {
@@ -55,7 +58,7 @@ absl::Status LayerStore::CheckRoom(absl::string_view name, int64_t bytes) const 
 absl::StatusOr<std::shared_ptr<const Layer>> LayerStore::Load(absl::string_view name, absl::string_view source,
                                                               const v1::AttentionWeights& weights,
                                                               const v1::HeadConfig& heads, absl::string_view field) {
-  RETURN_IF_ERROR(CheckName(name));
+  RETURN_IF_ERROR(CheckName(name, "name"));
   ASSIGN_OR_RETURN(const LayerShape shape, CheckLayerWeights(weights, heads, field));
   {
     absl::MutexLock lock(&mu_);
@@ -70,6 +73,7 @@ absl::StatusOr<std::shared_ptr<const Layer>> LayerStore::Load(absl::string_view 
 }
 
 absl::Status LayerStore::Remove(absl::string_view name) {
+  RETURN_IF_ERROR(CheckName(name, "name"));
   absl::MutexLock lock(&mu_);
   auto it = layers_.find(name);
   if (it == layers_.end()) return absl::NotFoundError(absl::StrCat("name: no layer '", name, "'"));
@@ -82,6 +86,7 @@ absl::Status LayerStore::Remove(absl::string_view name) {
 }
 
 absl::StatusOr<std::shared_ptr<const Layer>> LayerStore::Get(absl::string_view name) const {
+  RETURN_IF_ERROR(CheckName(name, "layer"));
   absl::MutexLock lock(&mu_);
   auto it = layers_.find(name);
   if (it == layers_.end()) {

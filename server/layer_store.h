@@ -41,8 +41,11 @@ class LayerStore {
   // first error, naming the file.
   absl::Status LoadDirectory(const std::string& dir);
 
-  // 1..128 characters of [A-Za-z0-9._-].
-  static absl::Status CheckName(absl::string_view name);
+  // INVALID_ARGUMENT naming `field` unless `name` is 1..kMaxNameLength characters of [A-Za-z0-9._-]. The message
+  // never repeats the name (it may be huge or hold control characters), only its length or the offending
+  // character, escaped; so a name that passes is safe to log and to echo.
+  static constexpr int kMaxNameLength = 128;
+  static absl::Status CheckName(absl::string_view name, absl::string_view field);
 
  private:
   const int64_t max_total_bytes_;

@@ -1,4 +1,4 @@
-// mha_server: flags -> ServerOptions, start, wait for SIGINT/SIGTERM, drain, exit 0.
+// mha_server: flags -> ServerOptions, start, reload on SIGHUP, wait for SIGINT/SIGTERM, drain, exit 0.
 #include <malloc.h>
 #include <unistd.h>
 
@@ -56,11 +56,12 @@ int main(int argc, char** argv) {
   spdlog::set_level(level);
   spdlog::set_pattern("%Y-%m-%dT%H:%M:%S.%e %^%l%$ %v");
 
-  // Block the shutdown signals in every thread (gRPC's included) so that only sigwait below sees them.
+  // Block the shutdown and reload signals in every thread (gRPC's included) so that only sigwait below sees them.
   sigset_t signals;
   sigemptyset(&signals);
   sigaddset(&signals, SIGINT);
   sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGHUP);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
 
   if (options.listen.empty()) {
@@ -79,7 +80,11 @@ int main(int argc, char** argv) {
   }
 
   int signal_number = 0;
-  sigwait(&signals, &signal_number);
+  // SIGHUP re-reads the tokens and the TLS files (errors are logged; the server keeps what it had).
+  while (sigwait(&signals, &signal_number) == 0 && signal_number == SIGHUP) {
+    spdlog::info("received SIGHUP, reloading");
+    (void)(*server)->Reload();
+  }
   spdlog::info("received {}, draining in-flight calls", signal_number == SIGTERM ? "SIGTERM" : "SIGINT");
   (*server)->Shutdown();
   spdlog::info("stopped");

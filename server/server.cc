@@ -7,7 +7,9 @@
 #include <limits>
 #include <thread>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
@@ -17,6 +19,18 @@
 #include "spdlog/spdlog.h"
 
 namespace mha {
+namespace {
+
+// Whether a gRPC listen address (host:port, [v6]:port, unix:path) is reachable from this machine only.
+bool IsLoopback(absl::string_view listen) {
+  if (absl::StartsWith(listen, "unix:") || absl::StartsWith(listen, "unix-abstract:")) return true;
+  const size_t colon = listen.rfind(':');
+  absl::string_view host = colon == absl::string_view::npos ? listen : listen.substr(0, colon);
+  if (absl::ConsumePrefix(&host, "[")) absl::ConsumeSuffix(&host, "]");
+  return host == "localhost" || host == "::1" || absl::StartsWith(host, "127.");
+}
+
+}  // namespace
 
 absl::StatusOr<std::unique_ptr<MhaServer>> MhaServer::Start(ServerOptions options) {
   if (options.max_message_mb < 1 || options.max_message_mb > 2047) {
@@ -35,6 +49,21 @@ absl::StatusOr<std::unique_ptr<MhaServer>> MhaServer::Start(ServerOptions option
   if (!(options.shutdown_grace_s >= 0)) return absl::InvalidArgumentError("--shutdown_grace_s must be >= 0");
 
   std::unique_ptr<MhaServer> server(new MhaServer());
+  if (!options.auth_tokens_file.empty()) {
+    ASSIGN_OR_RETURN(server->auth_, TokenAuth::FromFile(options.auth_tokens_file));
+    spdlog::info("bearer tokens required: {} loaded from {}", server->auth_->size(), options.auth_tokens_file);
+  }
+  if (!options.tls_cert.empty() || !options.tls_key.empty() || !options.tls_client_ca.empty()) {
+    ASSIGN_OR_RETURN(server->tls_, TlsServer::Create({options.tls_cert, options.tls_key, options.tls_client_ca}));
+    spdlog::info("TLS with {}{}", options.tls_cert,
+                 server->tls_->mutual() ? ", client certificates required (mutual TLS)" : "");
+  }
+  if (!options.listen.empty() && !IsLoopback(options.listen) && server->tls_ == nullptr &&
+      server->auth_ == nullptr) {
+    spdlog::warn("{} is reachable beyond this machine with neither TLS nor tokens: anyone who reaches it may "
+                 "compute and load layers (see --tls_cert, --auth_tokens_file, docs/SECURITY.md)",
+                 options.listen);
+  }
   server->layers_ = std::make_unique<LayerStore>(static_cast<int64_t>(options.max_layer_mb) << 20,
                                                   options.max_layers);
   RETURN_IF_ERROR(server->layers_->Add(MakeDemoLayer()));
@@ -73,7 +102,8 @@ absl::StatusOr<std::unique_ptr<MhaServer>> MhaServer::Start(ServerOptions option
   server->scheduler_ = std::make_unique<Scheduler>(scheduling, server->metrics_.get());
   server->WarmUp();
   server->service_ = std::make_unique<AttentionService>(options, server->layers_.get(), server->backends_.get(),
-                                                        server->scheduler_.get(), server->metrics_.get());
+                                                        server->scheduler_.get(), server->metrics_.get(),
+                                                        server->auth_.get());
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -92,13 +122,18 @@ absl::StatusOr<std::unique_ptr<MhaServer>> MhaServer::Start(ServerOptions option
     builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_AGE_GRACE_MS,
                                static_cast<int>(std::max(options.shutdown_grace_s, 1.0) * 1000));
   }
+  // A port another process holds is an error, not a port to share (gRPC's default is SO_REUSEPORT).
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   if (!options.listen.empty()) {
-    builder.AddListeningPort(options.listen, grpc::InsecureServerCredentials(), &server->port_);
+    builder.AddListeningPort(options.listen,
+                             server->tls_ != nullptr ? server->tls_->credentials() : grpc::InsecureServerCredentials(),
+                             &server->port_);
   }
   builder.RegisterService(server->service_.get());
   server->server_ = builder.BuildAndStart();
   if (server->server_ == nullptr || (!options.listen.empty() && server->port_ == 0)) {
-    return absl::UnavailableError(absl::StrCat("cannot listen on ", options.listen));
+    return absl::UnavailableError(absl::StrCat("cannot listen on ", options.listen,
+                                               " (in use by another process, or not an address of this machine)"));
   }
   if (!options.port_file.empty()) {
     const std::string tmp = options.port_file + ".tmp";
@@ -190,6 +225,29 @@ std::shared_ptr<grpc::Channel> MhaServer::InProcessChannel() {
   args.SetMaxReceiveMessageSize(options_.max_message_mb << 20);
   args.SetMaxSendMessageSize(options_.max_message_mb << 20);
   return server_->InProcessChannel(args);
+}
+
+absl::Status MhaServer::Reload() {
+  absl::Status first;
+  if (auth_ != nullptr) {
+    absl::Status status = auth_->Reload();
+    if (status.ok()) {
+      spdlog::info("reloaded {} bearer tokens from {}", auth_->size(), options_.auth_tokens_file);
+    } else {
+      spdlog::error("kept the previous tokens: {}", status.ToString());
+      first.Update(status);
+    }
+  }
+  if (tls_ != nullptr) {
+    absl::Status status = tls_->Reload();
+    if (status.ok()) {
+      spdlog::info("reloaded the TLS files; new connections use them within a second");
+    } else {
+      spdlog::error("kept the previous TLS files: {}", status.ToString());
+      first.Update(status);
+    }
+  }
+  return first;
 }
 
 void MhaServer::Shutdown() { Shutdown(absl::Seconds(options_.shutdown_grace_s)); }

@@ -9,12 +9,14 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/notification.h"
 #include "grpcpp/grpcpp.h"
+#include "server/auth.h"
 #include "server/backends/registry.h"
 #include "server/layer_store.h"
 #include "server/metrics.h"
 #include "server/scheduler.h"
 #include "server/server_options.h"
 #include "server/service.h"
+#include "server/tls.h"
 
 namespace mha {
 
@@ -36,6 +38,9 @@ class MhaServer {
   void Shutdown(absl::Duration grace);
   // Shutdown with --shutdown_grace_s.
   void Shutdown();
+  // Re-reads --auth_tokens_file and the TLS files (SIGHUP). What fails to load keeps its previous contents; the
+  // first error is returned. Open connections are kept.
+  absl::Status Reload();
 
  private:
   MhaServer() = default;
@@ -47,6 +52,8 @@ class MhaServer {
   void Watch();
 
   ServerOptions options_;
+  std::unique_ptr<TokenAuth> auth_;  // null without --auth_tokens_file
+  std::unique_ptr<TlsServer> tls_;   // null without --tls_cert
   std::unique_ptr<LayerStore> layers_;
   std::unique_ptr<BackendRegistry> backends_;
   std::unique_ptr<Scheduler> scheduler_;

@@ -63,6 +63,13 @@ struct ServerOptions {
   // was busy.
   int max_batch_rows = 512;
   int max_queue_delay_us = 0;
+  // TLS on the gRPC port: PEM certificate chain and key (both or neither), and a PEM CA bundle that makes client
+  // certificates required and verified (mutual TLS). Re-read on SIGHUP (MhaServer::Reload).
+  std::string tls_cert;
+  std::string tls_key;
+  std::string tls_client_ca;
+  // Bearer tokens with roles (server/auth.h); empty = no token needed. Re-read on SIGHUP.
+  std::string auth_tokens_file;
   // spdlog level: trace, debug, info, warn, error, critical or off.
   std::string log_level = "info";
 };

@@ -3,6 +3,7 @@
 #include <memory>
 #include <string>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
@@ -17,10 +18,28 @@
 namespace mha {
 namespace {
 
-grpc::ServerUnaryReactor* FinishNow(grpc::CallbackServerContext* context, const absl::Status& status) {
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  reactor->Finish(ToGrpcStatus(status));
-  return reactor;
+// What a client controls, fit for one log line: at most `max` bytes of it, with control characters, quotes and
+// non-ASCII bytes escaped, so that it can neither forge a line nor grow every line without bound.
+std::string LogSafe(absl::string_view text, size_t max = 128) {
+  if (text.size() <= max) return absl::CHexEscape(text);
+  return absl::StrCat(absl::CHexEscape(text.substr(0, max)), "...(", text.size(), " bytes)");
+}
+
+// The serialized response for a call that ended OK; INTERNAL should serialization fail.
+template <typename Response>
+absl::Status Serialize(const Response& response, grpc::ByteBuffer* out) {
+  bool own_buffer = false;
+  const grpc::Status status = grpc::SerializationTraits<Response>::Serialize(response, out, &own_buffer);
+  if (status.ok()) return absl::OkStatus();
+  return absl::InternalError(absl::StrCat("cannot serialize the response: ", status.error_message()));
+}
+
+// The "authorization" metadata of a call, empty when absent.
+absl::string_view Authorization(const grpc::CallbackServerContext& context) {
+  const auto& metadata = context.client_metadata();
+  const auto it = metadata.find("authorization");
+  if (it == metadata.end()) return {};
+  return absl::string_view(it->second.data(), it->second.size());
 }
 
 }  // namespace
@@ -40,7 +59,7 @@ void AttentionService::CallDone(uint64_t id, const char* rpc, absl::string_view 
   } else {
     spdlog::warn("rid={} rpc={} {} backend={} status={} latency_us={} error=\"{}\"", id, rpc, shapes_sv,
                  backend_sv, absl::StatusCodeToString(status.code()), latency_us,
-                 std::string_view(status.message().data(), status.message().size()));
+                 LogSafe(status.message(), 1024));
   }
 }
 
@@ -51,8 +70,13 @@ grpc::Status ToGrpcStatus(const absl::Status& status) {
 }
 
 AttentionService::AttentionService(const ServerOptions& options, LayerStore* layers, BackendRegistry* backends,
-                                   Scheduler* scheduler, ServerMetrics* metrics)
-    : options_(options), layers_(layers), backends_(backends), scheduler_(scheduler), metrics_(metrics) {
+                                   Scheduler* scheduler, ServerMetrics* metrics, const TokenAuth* auth)
+    : options_(options),
+      layers_(layers),
+      backends_(backends),
+      scheduler_(scheduler),
+      metrics_(metrics),
+      auth_(auth) {
   validation_.layers = layers_;
   validation_.backends = backends_;
   validation_.max_message_bytes = static_cast<int64_t>(options.max_message_mb) << 20;
@@ -62,8 +86,28 @@ AttentionService::AttentionService(const ServerOptions& options, LayerStore* lay
   default_deadline_ = absl::Seconds(options.default_deadline_s);
 }
 
-// One compute call as the scheduler sees it. Owns the validated plan; borrows the request, response and context,
-// which gRPC keeps alive until the reactor finishes.
+template <typename Request>
+absl::Status AttentionService::Admit(const char* rpc, Role role, const grpc::CallbackServerContext& context,
+                                     const grpc::ByteBuffer* bytes, Request* request) const {
+  if (auth_ != nullptr) {
+    if (absl::Status status = auth_->Check(Authorization(context), role, rpc); !status.ok()) return status;
+  }
+  const size_t size = bytes->Length();
+  // Parsing releases the wire bytes as it goes, as gRPC's own handlers do (the buffer is gRPC's, alive until the
+  // call finishes, and read by nothing else).
+  const grpc::Status parsed =
+      grpc::SerializationTraits<Request>::Deserialize(const_cast<grpc::ByteBuffer*>(bytes), request);
+  if (!parsed.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("the request (", size, " bytes) does not parse as ",
+                                                   Request::descriptor()->full_name(),
+                                                   "; is the client's proto mha.v1's?"));
+  }
+  return absl::OkStatus();
+}
+
+// One compute call as the scheduler sees it. Owns the request, the validated plan (which may point into the
+// request) and the response; borrows the context and the output buffer, which gRPC keeps until the reactor
+// finishes.
 template <typename Request, typename Response, typename Plan>
 class ComputeCall final : public WorkItem {
  public:
@@ -72,15 +116,17 @@ class ComputeCall final : public WorkItem {
                                         absl::Span<Response* const>);
 
   ComputeCall(AttentionService* service, uint64_t id, const char* rpc, grpc::CallbackServerContext* context,
-              grpc::ServerUnaryReactor* reactor, Response* response, Plan plan, Execute execute,
-              ExecuteBatch execute_batch, int64_t request_bytes, absl::Time received, absl::Time deadline)
+              grpc::ServerUnaryReactor* reactor, std::unique_ptr<Request> request, grpc::ByteBuffer* out,
+              Plan plan, Execute execute, ExecuteBatch execute_batch, int64_t request_bytes, absl::Time received,
+              absl::Time deadline)
       : WorkItem(request_bytes, received, deadline),
         service_(service),
         id_(id),
         rpc_(rpc),
         context_(context),
         reactor_(reactor),
-        response_(response),
+        request_(std::move(request)),
+        out_(out),
         plan_(std::move(plan)),
         execute_(execute),
         execute_batch_(execute_batch) {}
@@ -90,11 +136,11 @@ class ComputeCall final : public WorkItem {
 
   absl::Status Run(absl::Duration waited) override {
     const absl::Time started = absl::Now();
-    absl::Status status = execute_(plan_, this, response_);
+    absl::Status status = execute_(plan_, this, &response_);
     const absl::Time computed = absl::Now();
     // A call whose client gave up or whose deadline passed while it computed ended so, whatever the backend said.
     if (status.ok()) status = Check();
-    Timing* timing = response_->mutable_timing();
+    Timing* timing = response_.mutable_timing();
     timing->set_queue_us(absl::ToInt64Microseconds(waited));
     timing->set_compute_us(absl::ToInt64Microseconds(computed - started));
     timing->set_handler_us(absl::ToInt64Microseconds(computed - received()));
@@ -110,7 +156,7 @@ class ComputeCall final : public WorkItem {
     std::vector<Response*> responses;
     for (ComputeCall* call : calls) {
       plans.push_back(&call->plan_);
-      responses.push_back(call->response_);
+      responses.push_back(&call->response_);
     }
     const BatchStop stop(calls);
     const absl::Time started = absl::Now();
@@ -118,7 +164,7 @@ class ComputeCall final : public WorkItem {
     const absl::Time computed = absl::Now();
     for (size_t i = 0; i < calls.size(); ++i) {
       ComputeCall& call = *calls[i];
-      Timing* timing = call.response_->mutable_timing();
+      Timing* timing = call.response_.mutable_timing();
       timing->set_queue_us(absl::ToInt64Microseconds(waited[i]));
       timing->set_compute_us(absl::ToInt64Microseconds(computed - started));
       timing->set_handler_us(absl::ToInt64Microseconds(computed - call.received()));
@@ -147,8 +193,8 @@ class ComputeCall final : public WorkItem {
     const std::vector<ComputeCall*>& calls_;
   };
 
-  void Finish(const absl::Status& status, double compute_seconds) {
-    if (!status.ok()) response_->Clear();
+  void Finish(absl::Status status, double compute_seconds) {
+    if (status.ok()) status = Serialize(response_, out_);
     service_->CallDone(id_, rpc_, plan_.shapes, plan_.backend->name(), status, received(), compute_seconds,
                        status.ok() ? plan_.flops : 0);
     reactor_->Finish(ToGrpcStatus(status));
@@ -159,7 +205,9 @@ class ComputeCall final : public WorkItem {
   const char* const rpc_;
   grpc::CallbackServerContext* const context_;
   grpc::ServerUnaryReactor* const reactor_;
-  Response* const response_;
+  const std::unique_ptr<Request> request_;
+  grpc::ByteBuffer* const out_;
+  Response response_;
   const Plan plan_;
   const Execute execute_;
   const ExecuteBatch execute_batch_;  // null when calls of this rpc are never batched
@@ -167,14 +215,17 @@ class ComputeCall final : public WorkItem {
 
 template <typename Request, typename Response, typename Plan>
 grpc::ServerUnaryReactor* AttentionService::Compute(
-    const char* rpc, grpc::CallbackServerContext* context, const Request* request, Response* response,
+    const char* rpc, grpc::CallbackServerContext* context, const grpc::ByteBuffer* bytes, grpc::ByteBuffer* out,
     absl::StatusOr<Plan> (*validate)(const Request&, const ValidationContext&),
     absl::Status (*execute)(const Plan&, const StopSignal*, Response*),
     absl::Status (*execute_batch)(absl::Span<const Plan* const>, const StopSignal*, absl::Span<Response* const>)) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   const uint64_t id = next_request_id_++;
   const absl::Time received = absl::Now();
-  absl::StatusOr<Plan> plan = validate(*request, validation_);
+  const int64_t request_bytes = static_cast<int64_t>(bytes->Length());
+  auto request = std::make_unique<Request>();
+  absl::Status status = Admit(rpc, Role::kCompute, *context, bytes, request.get());
+  absl::StatusOr<Plan> plan = status.ok() ? validate(*request, validation_) : absl::StatusOr<Plan>(status);
   if (!plan.ok()) {
     CallDone(id, rpc, "-", "", plan.status(), received);
     reactor->Finish(ToGrpcStatus(plan.status()));
@@ -184,84 +235,104 @@ grpc::ServerUnaryReactor* AttentionService::Compute(
   absl::Time deadline = absl::FromChrono(context->deadline());
   if (deadline - received > absl::Hours(24 * 365)) deadline = received + default_deadline_;
   scheduler_->Submit(std::make_unique<ComputeCall<Request, Response, Plan>>(
-      this, id, rpc, context, reactor, response, *std::move(plan), execute, execute_batch,
-      static_cast<int64_t>(request->ByteSizeLong()), received, deadline));
+      this, id, rpc, context, reactor, std::move(request), out, *std::move(plan), execute, execute_batch,
+      request_bytes, received, deadline));
+  return reactor;
+}
+
+template <typename Request, typename Response, typename Handle>
+grpc::ServerUnaryReactor* AttentionService::Answer(const char* rpc, Role role, grpc::CallbackServerContext* context,
+                                                   const grpc::ByteBuffer* bytes, grpc::ByteBuffer* out,
+                                                   Handle handle) {
+  const uint64_t id = next_request_id_++;
+  const absl::Time start = absl::Now();
+  Request request;
+  Response response;
+  std::string detail = "-";
+  absl::Status status = Admit(rpc, role, *context, bytes, &request);
+  if (status.ok()) status = handle(request, &response, &detail);
+  if (status.ok()) status = Serialize(response, out);
+  CallDone(id, rpc, detail, "", status, start);
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(ToGrpcStatus(status));
   return reactor;
 }
 
 grpc::ServerUnaryReactor* AttentionService::MultiHeadAttention(grpc::CallbackServerContext* context,
-                                                               const v1::MultiHeadAttentionRequest* request,
-                                                               v1::MultiHeadAttentionResponse* response) {
+                                                               const grpc::ByteBuffer* request,
+                                                               grpc::ByteBuffer* response) {
   return Compute("MultiHeadAttention", context, request, response, &ValidateMultiHeadAttention,
                  &ExecuteMultiHeadAttention, &ExecuteMultiHeadAttentionBatch);
 }
 
-grpc::ServerUnaryReactor* AttentionService::ScaledDotProductAttention(
-    grpc::CallbackServerContext* context, const v1::ScaledDotProductAttentionRequest* request,
-    v1::ScaledDotProductAttentionResponse* response) {
+grpc::ServerUnaryReactor* AttentionService::ScaledDotProductAttention(grpc::CallbackServerContext* context,
+                                                                      const grpc::ByteBuffer* request,
+                                                                      grpc::ByteBuffer* response) {
   return Compute<v1::ScaledDotProductAttentionRequest, v1::ScaledDotProductAttentionResponse, SdpaPlan>(
       "ScaledDotProductAttention", context, request, response, &ValidateScaledDotProductAttention,
       &ExecuteScaledDotProductAttention, nullptr);
 }
 
 grpc::ServerUnaryReactor* AttentionService::LoadLayer(grpc::CallbackServerContext* context,
-                                                      const v1::LoadLayerRequest* request,
-                                                      v1::LoadLayerResponse* response) {
-  const uint64_t id = next_request_id_++;
-  const absl::Time start = absl::Now();
-  absl::Status status = LayerStore::CheckName(request->name());
-  if (!status.ok()) {
-    status = absl::InvalidArgumentError(absl::StrCat("name: ", status.message()));
-  } else {
-    absl::StatusOr<std::shared_ptr<const Layer>> layer =
-        layers_->Load(request->name(), "rpc", request->weights(), request->heads(), "weights");
-    status = layer.status();
-    if (status.ok()) *response->mutable_layer() = (*layer)->Info();
-  }
-  if (!status.ok()) response->Clear();
-  CallDone(id, "LoadLayer", absl::StrCat("name=", request->name()), "", status, start);
-  return FinishNow(context, status);
+                                                      const grpc::ByteBuffer* request, grpc::ByteBuffer* response) {
+  return Answer<v1::LoadLayerRequest, v1::LoadLayerResponse>(
+      "LoadLayer", Role::kAdmin, context, request, response,
+      [this](const v1::LoadLayerRequest& request, v1::LoadLayerResponse* response, std::string* detail) {
+        *detail = absl::StrCat("name=", LogSafe(request.name()));
+        absl::StatusOr<std::shared_ptr<const Layer>> layer =
+            layers_->Load(request.name(), "rpc", request.weights(), request.heads(), "weights");
+        if (!layer.ok()) return layer.status();
+        *response->mutable_layer() = (*layer)->Info();
+        return absl::OkStatus();
+      });
 }
 
 grpc::ServerUnaryReactor* AttentionService::UnloadLayer(grpc::CallbackServerContext* context,
-                                                        const v1::UnloadLayerRequest* request,
-                                                        v1::UnloadLayerResponse* response) {
-  const uint64_t id = next_request_id_++;
-  const absl::Time start = absl::Now();
-  absl::Status status = layers_->Remove(request->name());
-  CallDone(id, "UnloadLayer", absl::StrCat("name=", request->name()), "", status, start);
-  return FinishNow(context, status);
+                                                        const grpc::ByteBuffer* request, grpc::ByteBuffer* response) {
+  return Answer<v1::UnloadLayerRequest, v1::UnloadLayerResponse>(
+      "UnloadLayer", Role::kAdmin, context, request, response,
+      [this](const v1::UnloadLayerRequest& request, v1::UnloadLayerResponse*, std::string* detail) {
+        *detail = absl::StrCat("name=", LogSafe(request.name()));
+        return layers_->Remove(request.name());
+      });
 }
 
 grpc::ServerUnaryReactor* AttentionService::ListLayers(grpc::CallbackServerContext* context,
-                                                       const v1::ListLayersRequest* request,
-                                                       v1::ListLayersResponse* response) {
-  for (const auto& layer : layers_->List()) *response->add_layers() = layer->Info();
-  return FinishNow(context, absl::OkStatus());
+                                                       const grpc::ByteBuffer* request, grpc::ByteBuffer* response) {
+  return Answer<v1::ListLayersRequest, v1::ListLayersResponse>(
+      "ListLayers", Role::kCompute, context, request, response,
+      [this](const v1::ListLayersRequest&, v1::ListLayersResponse* response, std::string*) {
+        for (const auto& layer : layers_->List()) *response->add_layers() = layer->Info();
+        return absl::OkStatus();
+      });
 }
 
 grpc::ServerUnaryReactor* AttentionService::GetServerInfo(grpc::CallbackServerContext* context,
-                                                          const v1::GetServerInfoRequest* request,
-                                                          v1::GetServerInfoResponse* response) {
-  response->set_version(MHA_VERSION);
-  for (const BackendEntry& entry : backends_->entries()) {
-    v1::BackendInfo* info = response->add_backends();
-    info->set_name(entry.name);
-    info->set_device(entry.device);
-    info->set_available(entry.available());
-    info->set_detail(entry.detail);
-  }
-  response->set_default_backend(backends_->NameFor(v1::BACKEND_AUTO));
-  v1::ServerLimits* limits = response->mutable_limits();
-  limits->set_max_message_bytes(validation_.max_message_bytes);
-  limits->set_max_queue_size(options_.max_queue_size);
-  limits->set_compute_threads(options_.threads);
-  limits->set_max_layer_bytes(layers_->max_total_bytes());
-  limits->set_max_layers(layers_->max_layers());
-  limits->set_max_queued_bytes(static_cast<int64_t>(options_.max_queued_mb) << 20);
-  limits->set_max_scratch_bytes(validation_.max_scratch_bytes);
-  limits->set_max_request_gflop(options_.max_request_gflop);
-  return FinishNow(context, absl::OkStatus());
+                                                          const grpc::ByteBuffer* request,
+                                                          grpc::ByteBuffer* response) {
+  return Answer<v1::GetServerInfoRequest, v1::GetServerInfoResponse>(
+      "GetServerInfo", Role::kCompute, context, request, response,
+      [this](const v1::GetServerInfoRequest&, v1::GetServerInfoResponse* response, std::string*) {
+        response->set_version(MHA_VERSION);
+        for (const BackendEntry& entry : backends_->entries()) {
+          v1::BackendInfo* info = response->add_backends();
+          info->set_name(entry.name);
+          info->set_device(entry.device);
+          info->set_available(entry.available());
+          info->set_detail(entry.detail);
+        }
+        response->set_default_backend(backends_->NameFor(v1::BACKEND_AUTO));
+        v1::ServerLimits* limits = response->mutable_limits();
+        limits->set_max_message_bytes(validation_.max_message_bytes);
+        limits->set_max_queue_size(options_.max_queue_size);
+        limits->set_compute_threads(options_.threads);
+        limits->set_max_layer_bytes(layers_->max_total_bytes());
+        limits->set_max_layers(layers_->max_layers());
+        limits->set_max_queued_bytes(static_cast<int64_t>(options_.max_queued_mb) << 20);
+        limits->set_max_scratch_bytes(validation_.max_scratch_bytes);
+        limits->set_max_request_gflop(options_.max_request_gflop);
+        return absl::OkStatus();
+      });
 }
 
 }  // namespace mha

@@ -8,6 +8,7 @@
 #include <memory>
 
 #include "proto/mha/v1/attention.grpc.pb.h"
+#include "server/auth.h"
 #include "server/backends/registry.h"
 #include "server/layer_store.h"
 #include "server/metrics.h"
@@ -19,28 +20,35 @@ namespace mha {
 
 grpc::Status ToGrpcStatus(const absl::Status& status);
 
-class AttentionService final : public v1::Attention::CallbackService {
- public:
-  // All pointers are borrowed and must outlive the service; options.backend must already be checked.
-  AttentionService(const ServerOptions& options, LayerStore* layers, BackendRegistry* backends,
-                   Scheduler* scheduler, ServerMetrics* metrics);
+// The generated service with every method taking its raw bytes, so that a request that does not parse gets
+// INVALID_ARGUMENT and a log line (gRPC's own parsing answers UNIMPLEMENTED with no message), and so that the token
+// check comes before any parsing.
+using RawAttentionService = v1::Attention::WithRawCallbackMethod_MultiHeadAttention<
+    v1::Attention::WithRawCallbackMethod_ScaledDotProductAttention<v1::Attention::WithRawCallbackMethod_LoadLayer<
+        v1::Attention::WithRawCallbackMethod_UnloadLayer<v1::Attention::WithRawCallbackMethod_ListLayers<
+            v1::Attention::WithRawCallbackMethod_GetServerInfo<v1::Attention::Service>>>>>>;
 
-  grpc::ServerUnaryReactor* MultiHeadAttention(grpc::CallbackServerContext* context,
-                                               const v1::MultiHeadAttentionRequest* request,
-                                               v1::MultiHeadAttentionResponse* response) override;
+class AttentionService final : public RawAttentionService {
+ public:
+  // All pointers are borrowed and must outlive the service; options.backend must already be checked. `auth` may
+  // be null: no token is needed then.
+  AttentionService(const ServerOptions& options, LayerStore* layers, BackendRegistry* backends,
+                   Scheduler* scheduler, ServerMetrics* metrics, const TokenAuth* auth);
+
+  // Each takes a serialized request and fills `response` with the serialized response.
+  grpc::ServerUnaryReactor* MultiHeadAttention(grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+                                               grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* ScaledDotProductAttention(grpc::CallbackServerContext* context,
-                                                      const v1::ScaledDotProductAttentionRequest* request,
-                                                      v1::ScaledDotProductAttentionResponse* response) override;
-  grpc::ServerUnaryReactor* LoadLayer(grpc::CallbackServerContext* context, const v1::LoadLayerRequest* request,
-                                      v1::LoadLayerResponse* response) override;
-  grpc::ServerUnaryReactor* UnloadLayer(grpc::CallbackServerContext* context,
-                                        const v1::UnloadLayerRequest* request,
-                                        v1::UnloadLayerResponse* response) override;
-  grpc::ServerUnaryReactor* ListLayers(grpc::CallbackServerContext* context, const v1::ListLayersRequest* request,
-                                       v1::ListLayersResponse* response) override;
-  grpc::ServerUnaryReactor* GetServerInfo(grpc::CallbackServerContext* context,
-                                          const v1::GetServerInfoRequest* request,
-                                          v1::GetServerInfoResponse* response) override;
+                                                      const grpc::ByteBuffer* request,
+                                                      grpc::ByteBuffer* response) override;
+  grpc::ServerUnaryReactor* LoadLayer(grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+                                      grpc::ByteBuffer* response) override;
+  grpc::ServerUnaryReactor* UnloadLayer(grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+                                        grpc::ByteBuffer* response) override;
+  grpc::ServerUnaryReactor* ListLayers(grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+                                       grpc::ByteBuffer* response) override;
+  grpc::ServerUnaryReactor* GetServerInfo(grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+                                          grpc::ByteBuffer* response) override;
 
  private:
   // Logs one finished call (request id, rpc, shapes, backend, status, latency) and records it in the metrics.
@@ -51,20 +59,32 @@ class AttentionService final : public v1::Attention::CallbackService {
   template <typename Request, typename Response, typename Plan>
   friend class ComputeCall;
 
-  // Validates with `validate`, then hands the call to the scheduler as a WorkItem that runs `execute`.
+  // The token check (when tokens are configured) and the parse of `bytes` into `request`; the first error.
+  template <typename Request>
+  absl::Status Admit(const char* rpc, Role role, const grpc::CallbackServerContext& context,
+                     const grpc::ByteBuffer* bytes, Request* request) const;
+
+  // Admits, validates with `validate`, then hands the call to the scheduler as a WorkItem that runs `execute`.
   template <typename Request, typename Response, typename Plan>
-  grpc::ServerUnaryReactor* Compute(const char* rpc, grpc::CallbackServerContext* context, const Request* request,
-                                    Response* response,
+  grpc::ServerUnaryReactor* Compute(const char* rpc, grpc::CallbackServerContext* context,
+                                    const grpc::ByteBuffer* bytes, grpc::ByteBuffer* out,
                                     absl::StatusOr<Plan> (*validate)(const Request&, const ValidationContext&),
                                     absl::Status (*execute)(const Plan&, const StopSignal*, Response*),
                                     absl::Status (*execute_batch)(absl::Span<const Plan* const>, const StopSignal*,
                                                                   absl::Span<Response* const>));
+
+  // Admits, then answers at once with what `handle` returns (its log detail in `detail`): the RPCs that do not
+  // compute.
+  template <typename Request, typename Response, typename Handle>
+  grpc::ServerUnaryReactor* Answer(const char* rpc, Role role, grpc::CallbackServerContext* context,
+                                   const grpc::ByteBuffer* bytes, grpc::ByteBuffer* out, Handle handle);
 
   ServerOptions options_;
   LayerStore* layers_;
   BackendRegistry* backends_;
   Scheduler* scheduler_;
   ServerMetrics* metrics_;
+  const TokenAuth* auth_;
   ValidationContext validation_;
   absl::Duration default_deadline_;
   std::atomic<uint64_t> next_request_id_{1};

@@ -2,6 +2,7 @@
 // backend over one table of cases. A new backend joins by registering in server/backends/registry.cc; a variant
 // this machine cannot run is skipped with the backend's reason.
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <memory>
 #include <ostream>
@@ -94,6 +95,12 @@ class Problem {
   }
 
   const AttentionShape& shape() const { return shape_; }
+
+  // Sets element `index` of the query (fp32 cases) to NaN, as only a caller that bypassed validation could.
+  void PoisonQuery(int64_t index) {
+    const float nan = std::nanf("");
+    std::memcpy(query_.data() + index * sizeof(float), &nan, sizeof(float));
+  }
 
   // Runs the case on `backend`; returns the output and, when the case asks for them, the weights in *weights.
   std::vector<float> Run(Backend& backend, std::vector<float>* weights) const {
@@ -487,6 +494,33 @@ TEST_P(BackendContractTest, ScratchFromALargeCallDoesNotLeakIntoSmallerOnes) {
     const Problem p(c);
     std::vector<float> unused;
     EXPECT_TRUE(AllClose(p.Run(*backend_, &unused), p.Run(*reference_, &unused), c.atol, c.rtol)) << c;
+  }
+}
+
+TEST_P(BackendContractTest, ANaNScoreMakesItsRowNaNNotZero) {
+  // The service rejects non-finite inputs, but an overflow inside a computation can still make a NaN score: it
+  // must reach the output, as in PyTorch, never be taken for a fully masked row (zeros).
+  for (auto [backend, weights] : {std::pair{backend_.get(), false}, std::pair{backend_.get(), true},
+                                  std::pair{reference_.get(), false}, std::pair{reference_.get(), true}}) {
+    Case c = Make("nan", 1, 4, 6, 0, 0, 2, 2, 8);
+    c.sdpa = true;
+    c.weights = weights;
+    Problem p(c);
+    p.PoisonQuery((1 * 2 + 0) * 8 + 3);  // query row 1, head 0
+    std::vector<float> unused;
+    const std::vector<float> out = p.Run(*backend, &unused);
+    for (int64_t i = 0; i < 4; ++i) {
+      for (int64_t h = 0; h < 2; ++h) {
+        for (int64_t d = 0; d < 8; ++d) {
+          const float x = out[(i * 2 + h) * 8 + d];
+          if (i == 1 && h == 0) {
+            EXPECT_TRUE(std::isnan(x)) << backend->name() << " weights " << weights << " element " << d << " is " << x;
+          } else {
+            EXPECT_TRUE(std::isfinite(x)) << backend->name() << " weights " << weights << " row " << i;
+          }
+        }
+      }
+    }
   }
 }
 

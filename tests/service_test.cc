@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "gmock/gmock.h"
+#include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "proto/mha/v1/attention.grpc.pb.h"
@@ -34,6 +35,17 @@ using ::mha::testing::SetTensor;
 using ::mha::testing::SlowDemoRequest;
 using ::mha::testing::ValidRequest;
 using ::testing::HasSubstr;
+
+constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+// Sets element `index` (flat) of `t` to `value`, keeping its dtype.
+void SetElement(v1::Tensor* t, int64_t index, float value) {
+  std::vector<float> values = TensorToFloats(*t);
+  values[index] = value;
+  const std::vector<int64_t> shape(t->shape().begin(), t->shape().end());
+  FloatsToTensor(values, shape, t->dtype(), t);
+}
 
 
 TEST_F(ServiceTest, InlineWeightsCpuMatchesReference) {
@@ -202,6 +214,51 @@ TEST_F(ServiceTest, LoadLayerRejectsABadName) {
   const grpc::Status status = stub_->LoadLayer(&context, load, &response);
   EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_THAT(status.error_message(), HasSubstr("name"));
+}
+
+TEST_F(ServiceTest, LoadLayerNamesAreNeverEchoedRaw) {
+  for (const std::string& name : {std::string("evil\nrid=1 status=OK"), std::string(20 << 20, 'x')}) {
+    v1::LoadLayerRequest load;
+    load.set_name(name);
+    *load.mutable_weights() = ValidRequest().inline_weights();
+    load.mutable_heads()->set_num_heads(kHeads);
+    v1::LoadLayerResponse response;
+    grpc::ClientContext context;
+    const grpc::Status status = stub_->LoadLayer(&context, load, &response);
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_THAT(status.error_message(), HasSubstr("name "));
+    EXPECT_LT(status.error_message().size(), 200u);
+    EXPECT_EQ(status.error_message().find('\n'), std::string::npos);
+  }
+}
+
+TEST_F(ServiceTest, LoadLayerRejectsNonFiniteWeights) {
+  v1::LoadLayerRequest load;
+  load.set_name("nan_layer");
+  *load.mutable_weights() = ValidRequest().inline_weights();
+  SetElement(load.mutable_weights()->mutable_w_o(), 10, kNaN);
+  load.mutable_heads()->set_num_heads(kHeads);
+  v1::LoadLayerResponse response;
+  grpc::ClientContext context;
+  const grpc::Status status = stub_->LoadLayer(&context, load, &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(status.error_message(), HasSubstr("weights.w_o[1, 2] is NaN"));
+}
+
+TEST_F(ServiceTest, UnparsableRequestBytesAreInvalidArgument) {
+  grpc::GenericStub generic(server_->InProcessChannel());
+  for (const char* method : {"/mha.v1.Attention/MultiHeadAttention", "/mha.v1.Attention/LoadLayer"}) {
+    const std::string junk = "\xff\xff\xff\xff not a protobuf message";
+    grpc::Slice slice(junk);
+    grpc::ByteBuffer request(&slice, 1), response;
+    grpc::ClientContext context;
+    std::promise<grpc::Status> done;
+    generic.UnaryCall(&context, method, grpc::StubOptions(), &request, &response,
+                      [&](grpc::Status status) { done.set_value(status); });
+    const grpc::Status status = done.get_future().get();
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << method;
+    EXPECT_THAT(status.error_message(), HasSubstr("does not parse as mha.v1."));
+  }
 }
 
 TEST_F(ServiceTest, LoadLayerPastTheMemoryLimitIsResourceExhausted) {
@@ -402,7 +459,6 @@ std::ostream& operator<<(std::ostream& os, const BadInput& c) { return os << c.n
 
 v1::Tensor* Query(v1::MultiHeadAttentionRequest* r) { return r->mutable_query(); }
 v1::AttentionWeights* Weights(v1::MultiHeadAttentionRequest* r) { return r->mutable_inline_weights(); }
-constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 
 std::vector<BadInput> BadInputs() {
   using R = v1::MultiHeadAttentionRequest;
@@ -425,6 +481,39 @@ std::vector<BadInput> BadInputs() {
          Query(r)->set_shape(1, int64_t{1} << 40);
        },
        kInvalid, "overflow"},
+      {"query_nan", [](R* r) { SetElement(Query(r), 13, kNaN); }, kInvalid,
+       "query[0, 1, 5] is NaN; every value of an input tensor must be finite"},
+      {"query_fp16_inf",
+       [](R* r) {
+         SetTensor(Query(r), {kBatch, kLen, kDModel}, 1, v1::FP16);
+         SetElement(Query(r), 47, -kInf);
+       },
+       kInvalid, "query[1, 2, 7] is -inf"},
+      {"query_bf16_nan",
+       [](R* r) {
+         SetTensor(Query(r), {kBatch, kLen, kDModel}, 1, v1::BF16);
+         SetElement(Query(r), 0, kNaN);
+       },
+       kInvalid, "query[0, 0, 0] is NaN"},
+      {"key_inf",
+       [](R* r) {
+         SetTensor(r->mutable_key(), {kBatch, 4, kDModel}, 7);
+         SetTensor(r->mutable_value(), {kBatch, 4, kDModel}, 8);
+         SetElement(r->mutable_key(), 9, kInf);
+       },
+       kInvalid, "key[0, 1, 1] is inf"},
+      {"inline_weight_nan", [](R* r) { SetElement(Weights(r)->mutable_w_k(), 63, kNaN); }, kInvalid,
+       "inline_weights.w_k[7, 7] is NaN"},
+      {"inline_bias_inf",
+       [](R* r) {
+         SetTensor(Weights(r)->mutable_b_o(), {kDModel}, 9);
+         SetElement(Weights(r)->mutable_b_o(), 2, kInf);
+       },
+       kInvalid, "inline_weights.b_o[2] is inf"},
+      {"layer_name_with_a_newline", [](R* r) { r->set_layer("demo\nforged log line"); }, kInvalid,
+       "layer may only hold [A-Za-z0-9._-]; character 4 is '\\n'"},
+      {"layer_name_too_long", [](R* r) { r->set_layer(std::string(10000, 'a')); }, kInvalid,
+       "layer must be 1..128 characters of [A-Za-z0-9._-], got 10000"},
       {"no_weights", [](R* r) { r->clear_weights(); }, kInvalid, "set either layer"},
       {"unknown_layer", [](R* r) { r->set_layer("nope"); }, grpc::StatusCode::NOT_FOUND, "no layer named 'nope'"},
       {"inline_without_heads", [](R* r) { r->clear_heads(); }, kInvalid, "heads is required"},
@@ -568,6 +657,8 @@ INSTANTIATE_TEST_SUITE_P(
     ScaledDotProductAttention, BadSdpaTest,
     ::testing::ValuesIn(std::vector<BadSdpa>{
         {"missing_v", [](auto* r) { r->clear_v(); }, "v is required"},
+        {"q_nan", [](auto* r) { SetElement(r->mutable_q(), 8, kNaN); }, "q[0, 0, 1, 0] is NaN"},
+        {"v_inf", [](auto* r) { SetElement(r->mutable_v(), 79, -kInf); }, "v[0, 4, 1, 7] is -inf"},
         {"q_rank", [](auto* r) { SetTensor(r->mutable_q(), {2, 3, 32}, 1); }, "q must have rank 4"},
         {"kv_heads_not_dividing", [](auto* r) {
            SetTensor(r->mutable_k(), {2, 5, 3, 8}, 1);

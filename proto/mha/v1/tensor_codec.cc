@@ -1,5 +1,6 @@
 #include "proto/mha/v1/tensor_codec.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -178,6 +179,65 @@ absl::StatusOr<int64_t> CheckTensor(const v1::Tensor& tensor, absl::string_view 
         ShapeString(tensor.shape()), " x ", dtype_size, " bytes of ", DTypeName(tensor.dtype()), ")"));
   }
   return count;
+}
+
+namespace {
+
+// First i < n whose element, read as a little-endian Word, has every exponent bit set (inf or NaN); -1 if none.
+// Scans blocks branch-free, so that the compiler vectorises the common all-finite case.
+template <typename Word>
+int64_t FirstWithExponent(const unsigned char* src, size_t n, Word exponent) {
+  constexpr size_t kBlock = 256;
+  for (size_t start = 0; start < n; start += kBlock) {
+    const size_t end = std::min(n, start + kBlock);
+    bool any = false;
+    for (size_t i = start; i < end; ++i) {
+      Word w;
+      std::memcpy(&w, src + i * sizeof(Word), sizeof(Word));
+      any |= (w & exponent) == exponent;
+    }
+    if (!any) continue;
+    for (size_t i = start; i < end; ++i) {
+      Word w;
+      std::memcpy(&w, src + i * sizeof(Word), sizeof(Word));
+      if ((w & exponent) == exponent) return static_cast<int64_t>(i);
+    }
+  }
+  return -1;
+}
+
+}  // namespace
+
+int64_t FirstNonFinite(int dtype, const void* src, size_t n) {
+  const auto* bytes = static_cast<const unsigned char*>(src);
+  switch (dtype) {
+    case v1::FP32:
+      return FirstWithExponent<uint32_t>(bytes, n, 0x7f800000u);
+    case v1::FP16:
+      return FirstWithExponent<uint16_t>(bytes, n, 0x7c00u);
+    case v1::BF16:
+      return FirstWithExponent<uint16_t>(bytes, n, 0x7f80u);
+    default:
+      return -1;
+  }
+}
+
+absl::Status CheckFinite(const v1::Tensor& tensor, absl::string_view field) {
+  const size_t size = DTypeSize(tensor.dtype());
+  if (size == 0) return absl::OkStatus();
+  const int64_t bad = FirstNonFinite(tensor.dtype(), tensor.data().data(), tensor.data().size() / size);
+  if (bad < 0) return absl::OkStatus();
+  float value;
+  DecodeToFloat(tensor.dtype(), tensor.data().data() + bad * size, 1, &value);
+  // The flat index as a multi-index, innermost dimension last.
+  std::vector<int64_t> index(tensor.shape_size());
+  int64_t rest = bad;
+  for (int d = tensor.shape_size() - 1; d >= 0; --d) {
+    index[d] = rest % tensor.shape(d);
+    rest /= tensor.shape(d);
+  }
+  return absl::InvalidArgumentError(absl::StrCat(field, ShapeString(index), " is ", std::isnan(value) ? "NaN" : value > 0 ? "inf" : "-inf",
+                                                 "; every value of an input tensor must be finite (only attn_mask may hold -inf)"));
 }
 
 std::vector<float> TensorToFloats(const v1::Tensor& tensor) {

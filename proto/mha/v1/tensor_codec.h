@@ -44,6 +44,14 @@ absl::StatusOr<int64_t> CheckedElementCount(absl::Span<const int64_t> shape, abs
 // bytes. Errors are INVALID_ARGUMENT and name `field`. Returns the element count.
 absl::StatusOr<int64_t> CheckTensor(const v1::Tensor& tensor, absl::string_view field);
 
+// Index of the first NaN or infinite element among n elements of `dtype` at src (no alignment required), or -1
+// when every one is finite. dtype must have a non-zero DTypeSize.
+int64_t FirstNonFinite(int dtype, const void* src, size_t n);
+
+// For a tensor that passed CheckTensor: INVALID_ARGUMENT naming `field`, the first non-finite element's index and
+// its value when the tensor holds NaN or inf (the service rejects them rather than compute with them).
+absl::Status CheckFinite(const v1::Tensor& tensor, absl::string_view field);
+
 // Decodes a tensor that passed CheckTensor into fp32.
 std::vector<float> TensorToFloats(const v1::Tensor& tensor);
 

@@ -258,7 +258,9 @@ class Worker {
     }
     for (int64_t r = 0; r < rows; ++r) {
       float* dst = out + r * out_stride_;
-      if (row_sum_[r] > 0.0f) {
+      // The sum is at least 1 when any key is visible (its max contributes exp(0)), 0 when none is, and NaN
+      // when a score overflowed: NaN then reaches the output, as in PyTorch.
+      if (row_sum_[r] != 0.0f) {
         tiles_.copy_scaled(1, dk, 1.0f / row_sum_[r], acc_ + r * dk, dk, dst, dk);
       } else {
         std::fill_n(dst, dk, 0.0f);  // every key masked: zero output, never NaN

@@ -296,6 +296,14 @@ inline float WeightShiftSum(float* x, int64_t n, float shift) {
   return Isa::ReduceAdd(sum);
 }
 
+// Whether any of x[0, n) is NaN; only asked on the rare path of a row whose visible scores have no maximum.
+inline bool AnyNaN(const float* x, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) {
+    if (x[j] != x[j]) return true;
+  }
+  return false;
+}
+
 inline void ScaleRow(float* x, int64_t n, float factor) {
   const Isa::V f = Isa::Splat(factor);
   int64_t j = 0;
@@ -313,6 +321,8 @@ inline void OnlineSoftmaxIn(int64_t rows, int64_t n, const int64_t* visible, flo
     const float block_max = RowMax(row, count);
     const float new_max = row_max[r] > block_max ? row_max[r] : block_max;
     if (new_max == -__builtin_inff()) {  // nothing visible yet: this block contributes nothing
+      // ... unless its scores were NaN (which the max skips): then the row's sum, and so its output, is NaN.
+      if (AnyNaN(row, count)) row_sum[r] = __builtin_nanf("");
       __builtin_memset(row, 0, count * sizeof(float));
       factor[r] = 1.0f;
       continue;
@@ -329,8 +339,10 @@ inline void SoftmaxIn(int64_t rows, int64_t n, const int64_t* visible, float* s,
     float* row = s + r * lds;
     const int64_t count = visible[r];
     const float max = RowMax(row, count);
-    if (max == -__builtin_inff()) {  // nothing visible: zero weights
-      __builtin_memset(row, 0, n * sizeof(float));
+    if (max == -__builtin_inff()) {  // nothing visible: zero weights; NaN scores (which the max skips): NaN ones
+      const float fill = AnyNaN(row, count) ? __builtin_nanf("") : 0.0f;
+      for (int64_t j = 0; j < count; ++j) row[j] = fill;
+      __builtin_memset(row + count, 0, (n - count) * sizeof(float));
       continue;
     }
     ScaleRow(row, count, 1.0f / WeightShiftSum<kLog2>(row, count, max));

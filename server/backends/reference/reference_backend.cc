@@ -75,16 +75,19 @@ absl::Status Attend(const AttentionShape& s, const AttentionMask& mask, const do
           scores[j] = score;
           if (visible[j] && score > max_score) max_score = score;
         }
-        // Softmax over visible keys; a row with none stays all-zero (never NaN).
+        // Softmax over visible keys; a row with none stays all-zero (never NaN). A NaN score (from an overflow;
+        // inputs are finite) makes the row NaN, as in PyTorch, rather than being taken for a masked row.
         double sum = 0.0;
+        bool any_visible = false;
         for (int64_t j = 0; j < Tk; ++j) {
           scores[j] = visible[j] ? std::exp(scores[j] - max_score) : 0.0;
           sum += scores[j];
+          any_visible |= visible[j];
         }
         double* oi = out + ((b * Tq + i) * H + h) * dk;
         for (int64_t c = 0; c < dk; ++c) oi[c] = 0.0;
         for (int64_t j = 0; j < Tk; ++j) {
-          const double p = sum > 0.0 ? scores[j] / sum : 0.0;
+          const double p = any_visible ? scores[j] / sum : 0.0;
           if (weights != nullptr) weights[((b * H + h) * Tq + i) * Tk + j] = p;
           if (p == 0.0) continue;
           const double* vj = v + ((b * Tk + j) * Hkv + kv_head) * dk;
