@@ -1,6 +1,7 @@
 #include "client/attention_client.h"
 
 #include "absl/time/clock.h"
+#include "grpcpp/support/client_interceptor.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "proto/mha/v1/tensor_codec.h"
 
@@ -11,13 +12,56 @@ absl::Status FromGrpcStatus(const grpc::Status& status) {
   return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
 }
 
+namespace {
+
+// Adds "authorization: <value>" to the metadata of every call on the channel.
+class AuthorizationInterceptor final : public grpc::experimental::Interceptor {
+ public:
+  explicit AuthorizationInterceptor(const std::string& value) : value_(value) {}
+  void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
+    if (methods->QueryInterceptionHookPoint(grpc::experimental::InterceptionHookPoints::PRE_SEND_INITIAL_METADATA)) {
+      methods->GetSendInitialMetadata()->insert({"authorization", value_});
+    }
+    methods->Proceed();
+  }
+
+ private:
+  const std::string& value_;  // the factory's, which the channel keeps
+};
+
+class AuthorizationFactory final : public grpc::experimental::ClientInterceptorFactoryInterface {
+ public:
+  explicit AuthorizationFactory(std::string value) : value_(std::move(value)) {}
+  grpc::experimental::Interceptor* CreateClientInterceptor(grpc::experimental::ClientRpcInfo*) override {
+    return new AuthorizationInterceptor(value_);
+  }
+
+ private:
+  const std::string value_;
+};
+
+}  // namespace
+
 std::shared_ptr<grpc::Channel> CreateAttentionChannel(const ClientOptions& options) {
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(options.max_message_mb << 20);
   args.SetMaxSendMessageSize(options.max_message_mb << 20);
   if (!options.lb_policy.empty()) args.SetLoadBalancingPolicyName(options.lb_policy);
   if (options.dedicated_connection) args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
-  return grpc::CreateCustomChannel(options.target, grpc::InsecureChannelCredentials(), args);
+  std::shared_ptr<grpc::ChannelCredentials> credentials = grpc::InsecureChannelCredentials();
+  if (options.tls) {
+    grpc::SslCredentialsOptions ssl;
+    ssl.pem_root_certs = options.tls_roots_pem;
+    ssl.pem_cert_chain = options.tls_cert_pem;
+    ssl.pem_private_key = options.tls_key_pem;
+    credentials = grpc::SslCredentials(ssl);
+    if (!options.tls_server_name.empty()) args.SetSslTargetNameOverride(options.tls_server_name);
+  }
+  if (options.token.empty()) return grpc::CreateCustomChannel(options.target, credentials, args);
+  std::vector<std::unique_ptr<grpc::experimental::ClientInterceptorFactoryInterface>> interceptors;
+  interceptors.push_back(std::make_unique<AuthorizationFactory>("Bearer " + options.token));
+  return grpc::experimental::CreateCustomChannelWithInterceptors(options.target, credentials, args,
+                                                                  std::move(interceptors));
 }
 
 AttentionClient::AttentionClient(const ClientOptions& options)

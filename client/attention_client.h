@@ -28,9 +28,20 @@ struct ClientOptions {
   // Give this channel its own connections instead of sharing them with other channels of the same target and
   // arguments (gRPC's default). Load tests set it to spread calls over several TCP connections.
   bool dedicated_connection = false;
+  // TLS instead of plaintext: the PEM roots that verify the server (empty = gRPC's default roots), and for mutual
+  // TLS the PEM certificate chain and key this client presents. tls_server_name overrides the name checked in the
+  // server's certificate (default: the target's host).
+  bool tls = false;
+  std::string tls_roots_pem;
+  std::string tls_cert_pem;
+  std::string tls_key_pem;
+  std::string tls_server_name;
+  // Sent with every call as "authorization: Bearer <token>" when non-empty (servers with --auth_tokens_file).
+  std::string token;
 };
 
-// A channel to options.target with the options' message limits, load-balancing policy and connection sharing.
+// A channel to options.target with the options' message limits, load-balancing policy, connection sharing,
+// transport security and token.
 std::shared_ptr<grpc::Channel> CreateAttentionChannel(const ClientOptions& options);
 
 // A dense fp32 array with its shape, row-major.

@@ -12,11 +12,12 @@ build_packages=(
   cmake ninja-build g++ pkg-config
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler grpc-proto
   libdnnl-dev ocl-icd-opencl-dev opencl-c-headers   # oneDNN 2.6.3; its CMake config looks for OpenCL
-  libspdlog-dev libfmt-dev libabsl-dev nlohmann-json3-dev prometheus-cpp-dev
+  libspdlog-dev libfmt-dev libabsl-dev nlohmann-json3-dev prometheus-cpp-dev libssl-dev
   libgtest-dev libgmock-dev libbenchmark-dev
 )
 test_packages=(
   python3 python3-grpcio python3-protobuf python3-numpy python3-torch python3-pytest
+  openssl   # throwaway certificates for the TLS tests
 )
 # Rootful, daemonless podman; runc because crun fails on hybrid cgroups; debootstrap makes the base image locally.
 container_packages=(podman buildah debootstrap runc catatonit)

@@ -245,23 +245,46 @@ def _to_dict(msg):
     return out
 
 
+def _pem(value):
+    """PEM bytes from bytes, or from the file a str names; None stays None."""
+    if value is None or isinstance(value, bytes):
+        return value
+    with open(value, "rb") as f:
+        return f.read()
+
+
 class MhaClient:
     """Blocking client for one mhaserve server.
 
     target: "host:port". timeout: seconds per call (None = no deadline). max_message_mb: send / receive limit of
     the channel, which should match the server's --max_message_mb. Use as a context manager or call close().
+    Transport security (servers with --tls_cert): tls_ca (PEM bytes or a path) verifies the server, None with
+    tls=True uses the default roots; tls_cert and tls_key (PEM bytes or paths) are this client's identity for
+    mutual TLS; tls_server_name overrides the name checked in the server's certificate. token: a bearer token sent
+    with every call (servers with --auth_tokens_file).
     All RPC errors are raised as grpc.RpcError (see the module docstring).
     """
 
-    def __init__(self, target, timeout=30.0, max_message_mb=256):
+    def __init__(self, target, timeout=30.0, max_message_mb=256, tls=False, tls_ca=None, tls_cert=None,
+                 tls_key=None, tls_server_name=None, token=None):
         attention_pb2, attention_pb2_grpc, health_pb2, health_pb2_grpc = _stubs()
         self._pb = attention_pb2
         self._health_pb = health_pb2
         limit = int(max_message_mb * 1024 * 1024)
         self.target = target
         self.timeout = timeout
-        self._channel = grpc.insecure_channel(
-            target, options=[("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit)])
+        options = [("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit)]
+        if tls or tls_ca is not None or tls_cert is not None:
+            if (tls_cert is None) != (tls_key is None):
+                raise ValueError("tls_cert and tls_key go together")
+            credentials = grpc.ssl_channel_credentials(
+                root_certificates=_pem(tls_ca), private_key=_pem(tls_key), certificate_chain=_pem(tls_cert))
+            if tls_server_name:
+                options.append(("grpc.ssl_target_name_override", tls_server_name))
+            self._channel = grpc.secure_channel(target, credentials, options=options)
+        else:
+            self._channel = grpc.insecure_channel(target, options=options)
+        self._metadata = (("authorization", "Bearer " + token),) if token else ()
         self._stub = attention_pb2_grpc.AttentionStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
@@ -338,7 +361,7 @@ class MhaClient:
             req.attn_mask.CopyFrom(to_tensor(attn_mask, wire_dtype))
         if head_mask is not None:
             req.head_mask.extend(float(x) for x in head_mask)
-        return _result(self._stub.MultiHeadAttention(req, timeout=self.timeout))
+        return _result(self._stub.MultiHeadAttention(req, timeout=self.timeout, metadata=self._metadata))
 
     def scaled_dot_product_attention(self, q, k, v, causal=False, scale=0.0, key_lengths=None, attn_mask=None,
                                      return_weights=False, output_dtype=None, backend="auto", wire_dtype=None):
@@ -359,7 +382,7 @@ class MhaClient:
             req.key_lengths.extend(int(x) for x in key_lengths)
         if attn_mask is not None:
             req.attn_mask.CopyFrom(to_tensor(attn_mask, wire_dtype))
-        return _result(self._stub.ScaledDotProductAttention(req, timeout=self.timeout))
+        return _result(self._stub.ScaledDotProductAttention(req, timeout=self.timeout, metadata=self._metadata))
 
     # ---- layers -------------------------------------------------------------------------------------------
 
@@ -368,23 +391,23 @@ class MhaClient:
         """Registers weights (dict as in multi_head_attention) under name. Returns the server's LayerInfo."""
         req = self._pb.LoadLayerRequest(name=name, weights=self._weights(weights, wire_dtype),
                                         heads=self._heads(num_heads, num_kv_heads, head_dim, causal, scale))
-        return _layer_info(self._stub.LoadLayer(req, timeout=self.timeout).layer)
+        return _layer_info(self._stub.LoadLayer(req, timeout=self.timeout, metadata=self._metadata).layer)
 
     def unload_layer(self, name):
-        self._stub.UnloadLayer(self._pb.UnloadLayerRequest(name=name), timeout=self.timeout)
+        self._stub.UnloadLayer(self._pb.UnloadLayerRequest(name=name), timeout=self.timeout, metadata=self._metadata)
 
     def list_layers(self):
         """List of LayerInfo for every registered layer (the built-in "demo" included)."""
-        resp = self._stub.ListLayers(self._pb.ListLayersRequest(), timeout=self.timeout)
+        resp = self._stub.ListLayers(self._pb.ListLayersRequest(), timeout=self.timeout, metadata=self._metadata)
         return [_layer_info(info) for info in resp.layers]
 
     # ---- server -------------------------------------------------------------------------------------------
 
     def server_info(self):
         """GetServerInfo as a plain dict: version, backends (list of dicts), default_backend, limits (dict)."""
-        return _to_dict(self._stub.GetServerInfo(self._pb.GetServerInfoRequest(), timeout=self.timeout))
+        return _to_dict(self._stub.GetServerInfo(self._pb.GetServerInfoRequest(), timeout=self.timeout, metadata=self._metadata))
 
     def health(self, service=""):
         """grpc.health.v1 Check: the status name, e.g. "SERVING" (service "" = the whole server)."""
-        resp = self._health.Check(self._health_pb.HealthCheckRequest(service=service), timeout=self.timeout)
+        resp = self._health.Check(self._health_pb.HealthCheckRequest(service=service), timeout=self.timeout, metadata=self._metadata)
         return self._health_pb.HealthCheckResponse.ServingStatus.Name(resp.status)

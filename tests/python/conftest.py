@@ -8,6 +8,7 @@ Environment:
 """
 
 import collections
+import contextlib
 import os
 import signal
 import subprocess
@@ -58,15 +59,16 @@ def stubs_dir(tmp_path_factory):
     return out
 
 
-@pytest.fixture(scope="session")
-def server(tmp_path_factory):
+@contextlib.contextmanager
+def run_server(work, *args):
+    """The real mha_server on a free loopback port with extra flags `args`, its log in `work`; yields a Server and
+    checks that SIGTERM ends it with exit code 0."""
     binary = _server_binary()
-    work = tmp_path_factory.mktemp("server")
     port_file = work / "port"
     log_path = work / "server.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            [binary, "--listen", "127.0.0.1:0", "--port_file", str(port_file), "--threads", "2"],
+            [binary, "--listen", "127.0.0.1:0", "--port_file", str(port_file), "--threads", "2", *args],
             stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
     try:
         port = None
@@ -97,6 +99,12 @@ def server(tmp_path_factory):
                             % (SHUTDOWN_TIMEOUT_S, _log_tail(log_path)))
     assert proc.returncode == 0, "mha_server exited with %s after SIGTERM:\n%s" % (
         proc.returncode, _log_tail(log_path))
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory):
+    with run_server(tmp_path_factory.mktemp("server")) as s:
+        yield s
 
 
 @pytest.fixture(scope="session")

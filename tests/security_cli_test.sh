@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# The real binaries with transport security and tokens: mha_server with TLS, mutual TLS and a tokens file;
+# mha_client with the matching flags; SIGHUP reloading the tokens; and startup errors that end the process with
+# exit code 1 and one line naming the flag (never a crash). Certificates are made here with openssl.
+# Usage: security_cli_test.sh MHA_SERVER MHA_CLIENT
+set -euo pipefail
+server=$(realpath "$1")
+client=$(realpath "$2")
+work=$(mktemp -d)
+server_pid=""
+cleanup() {
+  if [[ -n "$server_pid" ]] && kill -0 "$server_pid" 2>/dev/null; then kill -KILL "$server_pid"; fi
+  rm -rf "$work"
+}
+trap cleanup EXIT
+fail() { echo "FAIL: $*"; [[ -f $work/server.log ]] && tail -20 "$work/server.log"; exit 1; }
+
+# A CA, a server certificate for 127.0.0.1, and a client certificate.
+cd "$work"
+echo "subjectAltName=DNS:localhost,IP:127.0.0.1" >san.ext
+openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -days 2 -subj /CN=ca \
+  -keyout ca.key -out ca.pem 2>/dev/null
+for name in server client; do
+  openssl req -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -subj /CN=localhost \
+    -keyout $name.key -out $name.csr 2>/dev/null
+  openssl x509 -req -days 2 -in $name.csr -CA ca.pem -CAkey ca.key -CAcreateserial -extfile san.ext \
+    -out $name.pem 2>/dev/null
+done
+printf 'compute-token-0123456789\nadmin-token-0123456789ab admin\n' >tokens
+echo compute-token-0123456789 >compute.token
+echo fresh-token-0123456789ab >fresh.token
+
+# Startup errors: exit code 1 and a "cannot start" line naming the flag.
+expect_start_error() {  # expected-substring flags...
+  local want=$1 status=0
+  shift
+  "$server" --listen 127.0.0.1:0 "$@" >start.log 2>&1 || status=$?
+  [[ $status -eq 1 ]] || fail "mha_server $* exited with $status, expected 1"
+  grep -q "cannot start.*$want" start.log || fail "mha_server $*: no 'cannot start ... $want' in: $(cat start.log)"
+}
+expect_start_error "--backend" --backend=bogus
+expect_start_error "--layers_dir" --layers_dir=/nonexistent
+expect_start_error "--tls_key" --tls_cert=server.pem --tls_key=client.key
+expect_start_error "--tls_cert" --tls_cert=/nonexistent.pem --tls_key=server.key
+expect_start_error "--auth_tokens_file" --auth_tokens_file=/nonexistent
+expect_start_error "cannot listen on 1.2.3.4:1" --listen=1.2.3.4:1
+
+"$server" --listen 127.0.0.1:0 --port_file port --threads 2 --tls_cert server.pem --tls_key server.key \
+  --tls_client_ca ca.pem --auth_tokens_file tokens >server.log 2>&1 &
+server_pid=$!
+for _ in $(seq 100); do [[ -s port ]] && break; sleep 0.1; done
+[[ -s port ]] || fail "server did not start"
+target="127.0.0.1:$(cat port)"
+tls=(--target "$target" --tls_ca ca.pem --tls_cert client.pem --tls_key client.key)
+
+# A second server on the same port fails to start instead of sharing it.
+expect_start_error "cannot listen on $target" --listen="$target"
+
+"$client" health "${tls[@]}" --timeout_s 5 || fail "health over mutual TLS"
+"$client" call "${tls[@]}" --token_file compute.token --batch 2 --seq 8 --check >/dev/null || fail "call with a token"
+if "$client" call "${tls[@]}" --seq 8 2>err; then fail "a call without a token succeeded"; fi
+grep -q UNAUTHENTICATED err || fail "no UNAUTHENTICATED: $(cat err)"
+if "$client" health --target "$target" --timeout_s 3 2>/dev/null; then fail "a plaintext client was served"; fi
+
+# SIGHUP re-reads the tokens.
+printf 'fresh-token-0123456789ab\n' >tokens
+kill -HUP "$server_pid"
+for _ in $(seq 50); do grep -q "reloaded 1 bearer tokens" server.log && break; sleep 0.1; done
+"$client" call "${tls[@]}" --token_file fresh.token --seq 8 >/dev/null || fail "the new token after SIGHUP"
+if "$client" call "${tls[@]}" --token_file compute.token --seq 8 2>/dev/null; then fail "the old token still works"; fi
+! grep -q "compute-token-0123456789\|fresh-token-0123456789ab" server.log || fail "a token appears in the log"
+
+kill -TERM "$server_pid"
+status=0
+wait "$server_pid" || status=$?
+server_pid=""
+[[ $status -eq 0 ]] || fail "server exited with $status after SIGTERM"
+echo "security cli: passed"
