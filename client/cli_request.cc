@@ -1,7 +1,9 @@
 #include "client/cli_request.h"
 
 #include <cmath>
+#include <tuple>
 #include <utility>
+#include <vector>
 
 #include "absl/flags/declare.h"
 #include "absl/flags/flag.h"
@@ -56,10 +58,21 @@ std::vector<float> RandomUniform(int64_t n, uint32_t seed) {
   return values;
 }
 
-void RandomTensor(std::vector<int64_t> shape, uint32_t seed, v1::DataType dtype, v1::Tensor* tensor) {
-  int64_t n = 1;
-  for (int64_t dim : shape) n *= dim;
-  FloatsToTensor(RandomUniform(n, seed), shape, dtype, tensor);
+// Random inputs of `shape` (named `what` in errors, e.g. "the random query [--batch, --seq, d_model]"). The size is
+// checked with overflow-safe arithmetic before anything is allocated: at most what one gRPC message can carry.
+absl::Status RandomTensor(std::vector<int64_t> shape, absl::string_view what, uint32_t seed, v1::DataType dtype,
+                          v1::Tensor* tensor) {
+  constexpr int64_t kMaxMessageBytes = int64_t{2047} << 20;  // gRPC's limit is below 2 GiB
+  absl::StatusOr<int64_t> n = CheckedElementCount(shape, what);
+  if (!n.ok()) return n.status();
+  const int64_t bytes_per_element = static_cast<int64_t>(DTypeSize(dtype));
+  if (*n > kMaxMessageBytes / bytes_per_element) {
+    return absl::InvalidArgumentError(absl::StrCat(what, " ", ShapeString(shape), " would be ", *n, " elements of ",
+                                                   bytes_per_element, " bytes, over the 2047 MiB one gRPC message "
+                                                   "can carry"));
+  }
+  FloatsToTensor(RandomUniform(*n, seed), shape, dtype, tensor);
+  return absl::OkStatus();
 }
 
 // Reads a rank-3 input; re-encodes it when a wire dtype is given.
@@ -246,7 +259,11 @@ absl::StatusOr<PreparedRequest> PrepareRequest(const RequestFlags& flags, Attent
   } else {
     const int64_t batch = flags.batch != 0 ? flags.batch : kDefaultBatch;
     const int64_t seq = flags.seq != 0 ? flags.seq : kDefaultSeq;
-    RandomTensor({batch, seq, shape.d_model}, flags.seed, random_dtype, request.mutable_query());
+    if (absl::Status s = RandomTensor({batch, seq, shape.d_model}, "the random query [--batch, --seq, d_model]",
+                                      flags.seed, random_dtype, request.mutable_query());
+        !s.ok()) {
+      return s;
+    }
   }
   shape.batch = request.query().shape(0);
   shape.q_len = request.query().shape(1);
@@ -265,8 +282,13 @@ absl::StatusOr<PreparedRequest> PrepareRequest(const RequestFlags& flags, Attent
     }
     shape.kv_len = request.key().shape(1);
   } else if (flags.kv_seq != 0) {
-    RandomTensor({shape.batch, flags.kv_seq, shape.d_kv_in}, flags.seed + 1, random_dtype, request.mutable_key());
-    RandomTensor({shape.batch, flags.kv_seq, shape.d_v_in}, flags.seed + 2, random_dtype, request.mutable_value());
+    for (auto [dims, what, seed, tensor] :
+         {std::tuple{std::vector<int64_t>{shape.batch, flags.kv_seq, shape.d_kv_in},
+                     "the random key [--batch, --kv_seq, d_kv_in]", flags.seed + 1, request.mutable_key()},
+          std::tuple{std::vector<int64_t>{shape.batch, flags.kv_seq, shape.d_v_in},
+                     "the random value [--batch, --kv_seq, d_v_in]", flags.seed + 2, request.mutable_value()}}) {
+      if (absl::Status s = RandomTensor(dims, what, seed, random_dtype, tensor); !s.ok()) return s;
+    }
     shape.kv_len = flags.kv_seq;
   } else {
     if (shape.d_kv_in != shape.d_model || shape.d_v_in != shape.d_model) {

@@ -181,6 +181,21 @@ def test_call_unknown_layer_fails(server, run_cli):
 
 
 @pytest.mark.parametrize("args, message", [
+    (["--batch", "1000000", "--seq", "1000000"],
+     "the random query [--batch, --seq, d_model] [1000000, 1000000, 512] would be 512000000000000 elements of 4 "
+     "bytes, over the 2047 MiB one gRPC message can carry"),
+    (["--batch", "4294967296", "--seq", "4294967296"],
+     "the random query [--batch, --seq, d_model].shape [4294967296, 4294967296, 512] has too many elements"),
+    (["--batch", "1", "--seq", "8", "--kv_seq", "3000000000"],
+     "the random key [--batch, --kv_seq, d_kv_in] [1, 3000000000, 512] would be 1536000000000 elements"),
+], ids=["too_big", "overflowing", "key_too_big"])
+def test_call_refuses_inputs_too_big_to_send_before_allocating(server, run_cli, args, message):
+    r = run_cli("call", "--target", server.target, *args)
+    assert r.returncode == 1, r.stderr
+    assert r.stderr.startswith("error: INVALID_ARGUMENT: " + message), r.stderr
+
+
+@pytest.mark.parametrize("args, message", [
     (["call", "--layer", "demo", "--weights_file", "w.safetensors"], "give either --layer or --weights_file, not both"),
     (["call", "--query", "q.npy", "--batch", "2"],
      "--batch and --seq shape the random query; they cannot be combined with --query"),
