@@ -57,7 +57,7 @@ COPY --from=build /out/mha_server /out/mha_client /usr/local/bin/
 # Layers (*.safetensors) mounted at /layers are registered at start; the built-in "demo" layer is always there.
 USER 10001:10001
 # gRPC: mha.v1.Attention, grpc.health.v1.Health and reflection; Prometheus metrics at :9464/metrics.
-EXPOSE 50051 9464
+EXPOSE 50051 9464 8081
 # The server drains in-flight calls for up to 30 s on SIGTERM and exits 0; as PID 1 it handles the signal itself.
 STOPSIGNAL SIGTERM
 HEALTHCHECK --interval=10s --timeout=3s --start-period=10s --retries=3 \

@@ -161,6 +161,23 @@ def main(k8s_dir, dockerfile):
                   f"Deployment {name}: memory limit {limits['memory']} < {BASE_MEMORY_MIB} MiB base + "
                   f"--max_layer_mb {flags['max_layer_mb']} + --max_inflight_mb {flags['max_inflight_mb']}")
 
+    # Identity: mutual TLS and tokens from Secrets, the TLS copies on a writable in-memory /tmp, health on its own
+    # plaintext port for the probes (which cannot speak TLS).
+    for flag in ("tls_cert", "tls_key", "tls_client_ca", "auth_tokens_file"):
+        if check(flag in flags, f"Deployment {name}: set --{flag} (docs/SECURITY.md)"):
+            mount = max((m for m in mounts if flags[flag].startswith(m + "/")), key=len, default=None)
+            check(mount is not None and "secret" in volumes.get(mounts[mount], {}),
+                  f"Deployment {name}: --{flag} {flags[flag]} is not in a Secret volume")
+    if check("health_listen" in flags, f"Deployment {name}: set --health_listen for the kubelet's probes"):
+        health_port = int(flags["health_listen"].rsplit(":", 1)[1])
+        for probe in ("readinessProbe", "livenessProbe"):
+            check(resolve(container.get(probe, {}).get("grpc", {}).get("port"), probe) == health_port,
+                  f"Deployment {name}: {probe} must probe --health_listen's port {health_port}")
+    check("/tmp" in mounts and volumes.get(mounts["/tmp"], {}).get("emptyDir", {}).get("medium") == "Memory",
+          f"Deployment {name}: mount an in-memory emptyDir on /tmp (private TLS copies, read-only root)")
+    check(pod["spec"].get("automountServiceAccountToken") is False,
+          f"Deployment {name}: set automountServiceAccountToken: false (the pods never call the API)")
+
     # Connections: closed after an age so that clients spread over new replicas (gRFC A9).
     check(float(flags.get("max_connection_age_s", "0")) > 0,
           f"Deployment {name}: set --max_connection_age_s so long-lived connections move to new replicas")

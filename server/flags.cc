@@ -48,6 +48,8 @@ ABSL_FLAG(std::string, tls_cert, kDefaults.tls_cert, "PEM certificate chain: ser
 ABSL_FLAG(std::string, tls_key, kDefaults.tls_key, "PEM private key of --tls_cert");
 ABSL_FLAG(std::string, tls_client_ca, kDefaults.tls_client_ca,
           "PEM CA bundle: clients must present a certificate it signed (mutual TLS)");
+ABSL_FLAG(std::string, health_listen, kDefaults.health_listen,
+          "also serve grpc.health.v1 alone here, plaintext and without tokens (for probes); empty = off");
 ABSL_FLAG(std::string, auth_tokens_file, kDefaults.auth_tokens_file,
           "bearer tokens, one per line with an optional role (compute, admin); empty = no token needed");
 ABSL_FLAG(std::string, log_level, kDefaults.log_level, "trace, debug, info, warn, error, critical or off");
@@ -82,6 +84,7 @@ ServerOptions ServerOptionsFromFlags() {
   options.tls_cert = absl::GetFlag(FLAGS_tls_cert);
   options.tls_key = absl::GetFlag(FLAGS_tls_key);
   options.tls_client_ca = absl::GetFlag(FLAGS_tls_client_ca);
+  options.health_listen = absl::GetFlag(FLAGS_health_listen);
   options.auth_tokens_file = absl::GetFlag(FLAGS_auth_tokens_file);
   options.log_level = absl::GetFlag(FLAGS_log_level);
   return options;

@@ -135,6 +135,15 @@ absl::StatusOr<std::unique_ptr<MhaServer>> MhaServer::Start(ServerOptions option
     return absl::UnavailableError(absl::StrCat("cannot listen on ", options.listen,
                                                " (in use by another process, or not an address of this machine)"));
   }
+  if (!options.health_listen.empty()) {
+    grpc::ServerBuilder health_builder;
+    health_builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+    health_builder.AddListeningPort(options.health_listen, grpc::InsecureServerCredentials(), &server->health_port_);
+    server->health_server_ = health_builder.BuildAndStart();
+    if (server->health_server_ == nullptr || server->health_port_ == 0) {
+      return absl::UnavailableError(absl::StrCat("--health_listen: cannot listen on ", options.health_listen));
+    }
+  }
   if (!options.port_file.empty()) {
     const std::string tmp = options.port_file + ".tmp";
     std::ofstream(tmp) << server->port_ << "\n";
@@ -146,7 +155,6 @@ absl::StatusOr<std::unique_ptr<MhaServer>> MhaServer::Start(ServerOptions option
 }
 
 void MhaServer::Watch() {
-  grpc::HealthCheckServiceInterface* health = server_->GetHealthCheckService();
   const absl::Duration limit = absl::Seconds(options_.stuck_after_s);
   bool serving = true;
   for (int tick = 1; !stop_watch_.WaitForNotificationWithTimeout(absl::Seconds(1)); ++tick) {
@@ -156,12 +164,21 @@ void MhaServer::Watch() {
     const absl::Duration stuck = scheduler_->StuckFor();
     if ((stuck <= limit) == serving) continue;
     serving = !serving;
-    if (health != nullptr) health->SetServingStatus(serving);
+    SetServing(serving);
     if (serving) {
       spdlog::info("health: SERVING again, the compute thread moved on");
     } else {
       spdlog::error("health: NOT_SERVING, one call has computed for {} s with others waiting",
                     absl::ToInt64Seconds(stuck));
+    }
+  }
+}
+
+void MhaServer::SetServing(bool serving) {
+  for (grpc::Server* server : {server_.get(), health_server_.get()}) {
+    if (server == nullptr) continue;
+    if (grpc::HealthCheckServiceInterface* health = server->GetHealthCheckService(); health != nullptr) {
+      health->SetServingStatus(serving);
     }
   }
 }
@@ -263,8 +280,11 @@ void MhaServer::Shutdown(absl::Duration grace) {
   }
   // Load balancers see NOT_SERVING at once; gRPC refuses new calls (UNAVAILABLE) and waits for in-flight ones until
   // the grace deadline, when it cancels them and the scheduler stops what still computes or waits.
-  if (grpc::HealthCheckServiceInterface* health = server_->GetHealthCheckService(); health != nullptr) {
-    health->Shutdown();
+  for (grpc::Server* server : {server_.get(), health_server_.get()}) {
+    if (server == nullptr) continue;
+    if (grpc::HealthCheckServiceInterface* health = server->GetHealthCheckService(); health != nullptr) {
+      health->Shutdown();
+    }
   }
   if (scheduler_ != nullptr) scheduler_->Shutdown();
   const absl::Time deadline = absl::Now() + grace;
@@ -275,6 +295,7 @@ void MhaServer::Shutdown(absl::Duration grace) {
   server_->Shutdown(absl::ToChronoTime(deadline));
   drained.Notify();
   stopper.join();
+  if (health_server_ != nullptr) health_server_->Shutdown(absl::ToChronoTime(absl::Now()));
   scheduler_.reset();
 }
 

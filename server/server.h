@@ -29,6 +29,7 @@ class MhaServer {
   ~MhaServer();
 
   int port() const { return port_; }  // the bound port; 0 when in-process only
+  int health_port() const { return health_port_; }  // 0 unless options.health_listen was set
   int metrics_port() const { return metrics_->port(); }  // 0 unless options.metrics_listen was set
   const ServerMetrics& metrics() const { return *metrics_; }
   const Scheduler& scheduler() const { return *scheduler_; }
@@ -50,6 +51,8 @@ class MhaServer {
   // Until Shutdown, once a second: health NOT_SERVING while the scheduler has been stuck past --stuck_after_s,
   // SERVING otherwise; and every few seconds, the allocator's free pages returned to the system.
   void Watch();
+  // Sets the health of both servers.
+  void SetServing(bool serving);
 
   ServerOptions options_;
   std::unique_ptr<TokenAuth> auth_;  // null without --auth_tokens_file
@@ -60,7 +63,9 @@ class MhaServer {
   std::unique_ptr<ServerMetrics> metrics_;
   std::unique_ptr<AttentionService> service_;
   std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<grpc::Server> health_server_;  // --health_listen: the health service alone, plaintext
   int port_ = 0;
+  int health_port_ = 0;
   bool shut_down_ = false;
   absl::Notification stop_watch_;
   std::thread watchdog_;

@@ -68,6 +68,9 @@ struct ServerOptions {
   std::string tls_cert;
   std::string tls_key;
   std::string tls_client_ca;
+  // When non-empty, grpc.health.v1.Health alone is also served here in plaintext and without tokens, for probes
+  // that cannot speak TLS (Kubernetes' gRPC probes); it answers what the main port's health answers.
+  std::string health_listen;
   // Bearer tokens with roles (server/auth.h); empty = no token needed. Re-read on SIGHUP.
   std::string auth_tokens_file;
   // spdlog level: trace, debug, info, warn, error, critical or off.

@@ -164,6 +164,26 @@ TEST_F(TlsTest, MutualTlsRefusesACertificateFromAnotherCa) {
   EXPECT_EQ(Info(TlsChannel(server->port(), "ca", "client2")).error_code(), grpc::StatusCode::UNAVAILABLE);
 }
 
+TEST_F(TlsTest, HealthPortAnswersInPlaintextAndServesNothingElse) {
+  ServerOptions options;
+  options.listen = "127.0.0.1:0";
+  options.health_listen = "127.0.0.1:0";
+  options.tls_cert = pki_->Path("server.pem");
+  options.tls_key = pki_->Path("server.key");
+  options.tls_client_ca = pki_->Path("ca.pem");
+  absl::StatusOr<std::unique_ptr<MhaServer>> server = MhaServer::Start(options);
+  ASSERT_TRUE(server.ok()) << server.status();
+  const std::shared_ptr<grpc::Channel> plain = grpc::CreateChannel(
+      "127.0.0.1:" + std::to_string((*server)->health_port()), grpc::InsecureChannelCredentials());
+  grpc::ClientContext context;
+  grpc::health::v1::HealthCheckResponse response;
+  ASSERT_TRUE(grpc::health::v1::Health::NewStub(plain)
+                  ->Check(&context, grpc::health::v1::HealthCheckRequest(), &response)
+                  .ok());
+  EXPECT_EQ(response.status(), grpc::health::v1::HealthCheckResponse::SERVING);
+  EXPECT_EQ(Info(plain).error_code(), grpc::StatusCode::UNIMPLEMENTED);
+}
+
 TEST_F(TlsTest, KeyThatDoesNotMatchTheCertificateFailsTheStart) {
   ServerOptions options;
   options.listen = "127.0.0.1:0";
