@@ -6,12 +6,15 @@
 //   mha_client plot [flags]      per-head attention weights as an SVG grid of heatmaps
 // Exit codes: 0 success, 1 failure, 2 usage error (see client/cli.h).
 #include <cstdio>
+#include <iostream>
 #include <string>
 #include <vector>
 
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/flags/usage_config.h"
+#include "absl/flags/internal/parse.h"
+#include "absl/flags/internal/usage.h"
 #include "absl/strings/match.h"
 #include "client/cli.h"
 
@@ -27,7 +30,12 @@ int main(int argc, char** argv) {
   usage.contains_help_flags = [](absl::string_view path) { return absl::StrContains(path, "client/cli"); };
   usage.contains_helpshort_flags = usage.contains_help_flags;
   absl::SetFlagsUsageConfig(usage);
-  std::vector<char*> args = absl::ParseCommandLine(argc, argv);
+  // absl::ParseCommandLine exits 1 after --help (abseil 20220623); help that was asked for is a success, so the
+  // usage flags are handled here (through abseil's internal entry points, pinned by Debian's version).
+  std::vector<char*> args = absl::flags_internal::ParseCommandLineImpl(
+      argc, argv, absl::flags_internal::ArgvListAction::kRemoveParsedArgs,
+      absl::flags_internal::UsageFlagsAction::kIgnoreUsage, absl::flags_internal::OnUndefinedFlag::kAbortIfUndefined);
+  if (absl::flags_internal::HandleUsageFlags(std::cout, absl::ProgramUsageMessage()) != -1) return mha::cli::kExitOk;
   if (args.size() != 2) {
     std::fprintf(stderr, "usage: mha_client health|info|call|bench|plot [--flags]  (--help for flags)\n");
     return mha::cli::kExitUsage;

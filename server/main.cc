@@ -5,8 +5,12 @@
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
+#include <iostream>
 
-#include "absl/flags/parse.h"
+#include "absl/flags/internal/parse.h"
+#include "absl/flags/internal/usage.h"
+#include "absl/flags/usage_config.h"
+#include "absl/strings/match.h"
 #include "absl/flags/usage.h"
 #include "server/flags.h"
 #include "server/server.h"
@@ -43,7 +47,16 @@ int main(int argc, char** argv) {
   UseShortOpenMpSpins(argv);
   BoundAllocatorMemory();
   absl::SetProgramUsageMessage("Serves multi-head attention over gRPC (package mha.v1, service Attention).");
-  absl::ParseCommandLine(argc, argv);
+  // --help lists the server's flags (server/flags.cc), and exits 0: absl::ParseCommandLine exits 1 after it
+  // (abseil 20220623), so the usage flags are handled here through abseil's internal entry points.
+  absl::FlagsUsageConfig usage;
+  usage.contains_help_flags = [](absl::string_view path) { return absl::StrContains(path, "server/flags.cc"); };
+  usage.contains_helpshort_flags = usage.contains_help_flags;
+  absl::SetFlagsUsageConfig(usage);
+  absl::flags_internal::ParseCommandLineImpl(argc, argv, absl::flags_internal::ArgvListAction::kRemoveParsedArgs,
+                                             absl::flags_internal::UsageFlagsAction::kIgnoreUsage,
+                                             absl::flags_internal::OnUndefinedFlag::kAbortIfUndefined);
+  if (absl::flags_internal::HandleUsageFlags(std::cout, absl::ProgramUsageMessage()) != -1) return 0;
   const mha::ServerOptions options = mha::ServerOptionsFromFlags();
 
   const std::string& level_name = options.log_level;

@@ -13,6 +13,10 @@ cleanup() {
 }
 trap cleanup EXIT
 
+# --help prints the flags and exits 0, for both binaries.
+"$server" --help >"$work/help" && grep -q -- "--listen" "$work/help" || { echo "mha_server --help"; exit 1; }
+"$client" --help >"$work/help" && grep -q -- "--target" "$work/help" || { echo "mha_client --help"; exit 1; }
+
 "$server" --listen 127.0.0.1:0 --port_file "$work/port" --threads 2 >"$work/server.log" 2>&1 &
 server_pid=$!
 for _ in $(seq 100); do [[ -s "$work/port" ]] && break; sleep 0.1; done
