@@ -3,7 +3,10 @@
 #include <memory>
 #include <string>
 
+#include "absl/random/random.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/escaping.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
@@ -34,17 +37,9 @@ absl::Status Serialize(const Response& response, grpc::ByteBuffer* out) {
   return absl::InternalError(absl::StrCat("cannot serialize the response: ", status.error_message()));
 }
 
-// The "authorization" metadata of a call, empty when absent.
-absl::string_view Authorization(const grpc::CallbackServerContext& context) {
-  const auto& metadata = context.client_metadata();
-  const auto it = metadata.find("authorization");
-  if (it == metadata.end()) return {};
-  return absl::string_view(it->second.data(), it->second.size());
-}
-
 }  // namespace
 
-void AttentionService::CallDone(uint64_t id, const char* rpc, absl::string_view shapes, absl::string_view backend,
+void AttentionService::CallDone(const std::string& ids, const char* rpc, absl::string_view shapes, absl::string_view backend,
                                 const absl::Status& status, absl::Time start, double compute_seconds,
                                 double flops) {
   const absl::Duration latency = absl::Now() - start;
@@ -54,10 +49,10 @@ void AttentionService::CallDone(uint64_t id, const char* rpc, absl::string_view 
   const std::string_view shapes_sv(shapes.data(), shapes.size());
   const std::string_view backend_sv = backend.empty() ? "-" : std::string_view(backend.data(), backend.size());
   if (status.ok()) {
-    spdlog::info("rid={} rpc={} {} backend={} status=OK latency_us={}", id, rpc, shapes_sv, backend_sv,
+    spdlog::info("{} rpc={} {} backend={} status=OK latency_us={}", ids, rpc, shapes_sv, backend_sv,
                  latency_us);
   } else {
-    spdlog::warn("rid={} rpc={} {} backend={} status={} latency_us={} error=\"{}\"", id, rpc, shapes_sv,
+    spdlog::warn("{} rpc={} {} backend={} status={} latency_us={} error=\"{}\"", ids, rpc, shapes_sv,
                  backend_sv, absl::StatusCodeToString(status.code()), latency_us,
                  LogSafe(status.message(), 1024));
   }
@@ -76,7 +71,8 @@ AttentionService::AttentionService(const ServerOptions& options, LayerStore* lay
       backends_(backends),
       scheduler_(scheduler),
       metrics_(metrics),
-      auth_(auth) {
+      auth_(auth),
+      id_prefix_(absl::StrFormat("%08x", absl::Uniform<uint32_t>(absl::BitGen()))) {
   validation_.layers = layers_;
   validation_.backends = backends_;
   validation_.max_message_bytes = static_cast<int64_t>(options.max_message_mb) << 20;
@@ -86,11 +82,52 @@ AttentionService::AttentionService(const ServerOptions& options, LayerStore* lay
   default_deadline_ = absl::Seconds(options.default_deadline_s);
 }
 
+namespace {
+
+// Metadata `key` of the call, empty when absent.
+absl::string_view Metadata(const grpc::CallbackServerContext& context, const char* key) {
+  const auto& metadata = context.client_metadata();
+  const auto it = metadata.find(key);
+  if (it == metadata.end()) return {};
+  return absl::string_view(it->second.data(), it->second.size());
+}
+
+bool UsableRequestId(absl::string_view id) {
+  if (id.empty() || id.size() > 128) return false;
+  for (char c : id) {
+    if (!(absl::ascii_isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' || c == ':' || c == '/' ||
+          c == '-')) {
+      return false;
+    }
+  }
+  return true;
+}
+
+// The trace id of a W3C traceparent ("00-<32 hex trace id>-<16 hex parent id>-<2 hex flags>"), empty if malformed.
+absl::string_view TraceId(absl::string_view traceparent) {
+  if (traceparent.size() != 55 || traceparent[2] != '-' || traceparent[35] != '-' || traceparent[52] != '-') return {};
+  for (size_t i = 0; i < traceparent.size(); ++i) {
+    if (i != 2 && i != 35 && i != 52 && !absl::ascii_isxdigit(static_cast<unsigned char>(traceparent[i]))) return {};
+  }
+  return traceparent.substr(3, 32);
+}
+
+}  // namespace
+
+std::string AttentionService::Identify(grpc::CallbackServerContext* context) {
+  const absl::string_view given = Metadata(*context, "x-request-id");
+  std::string id = UsableRequestId(given) ? std::string(given)
+                                          : absl::StrFormat("%s-%x", id_prefix_, next_request_id_++);
+  context->AddInitialMetadata("x-request-id", id);
+  const absl::string_view trace = TraceId(Metadata(*context, "traceparent"));
+  return trace.empty() ? absl::StrCat("rid=", id) : absl::StrCat("rid=", id, " trace=", trace);
+}
+
 template <typename Request>
 absl::Status AttentionService::Admit(const char* rpc, Role role, const grpc::CallbackServerContext& context,
                                      const grpc::ByteBuffer* bytes, Request* request) const {
   if (auth_ != nullptr) {
-    if (absl::Status status = auth_->Check(Authorization(context), role, rpc); !status.ok()) return status;
+    if (absl::Status status = auth_->Check(Metadata(context, "authorization"), role, rpc); !status.ok()) return status;
   }
   const size_t size = bytes->Length();
   // Parsing releases the wire bytes as it goes, as gRPC's own handlers do (the buffer is gRPC's, alive until the
@@ -115,13 +152,13 @@ class ComputeCall final : public WorkItem {
   using ExecuteBatch = absl::Status (*)(absl::Span<const Plan* const>, const StopSignal*,
                                         absl::Span<Response* const>);
 
-  ComputeCall(AttentionService* service, uint64_t id, const char* rpc, grpc::CallbackServerContext* context,
+  ComputeCall(AttentionService* service, std::string id, const char* rpc, grpc::CallbackServerContext* context,
               grpc::ServerUnaryReactor* reactor, std::unique_ptr<Request> request, grpc::ByteBuffer* out,
               Plan plan, Execute execute, ExecuteBatch execute_batch, int64_t request_bytes, absl::Time received,
               absl::Time deadline)
       : WorkItem(request_bytes, received, deadline),
         service_(service),
-        id_(id),
+        id_(std::move(id)),
         rpc_(rpc),
         context_(context),
         reactor_(reactor),
@@ -201,7 +238,7 @@ class ComputeCall final : public WorkItem {
   }
 
   AttentionService* const service_;
-  const uint64_t id_;
+  const std::string id_;
   const char* const rpc_;
   grpc::CallbackServerContext* const context_;
   grpc::ServerUnaryReactor* const reactor_;
@@ -220,8 +257,8 @@ grpc::ServerUnaryReactor* AttentionService::Compute(
     absl::Status (*execute)(const Plan&, const StopSignal*, Response*),
     absl::Status (*execute_batch)(absl::Span<const Plan* const>, const StopSignal*, absl::Span<Response* const>)) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  const uint64_t id = next_request_id_++;
   const absl::Time received = absl::Now();
+  const std::string id = Identify(context);
   const int64_t request_bytes = static_cast<int64_t>(bytes->Length());
   auto request = std::make_unique<Request>();
   absl::Status status = Admit(rpc, Role::kCompute, *context, bytes, request.get());
@@ -235,7 +272,7 @@ grpc::ServerUnaryReactor* AttentionService::Compute(
   absl::Time deadline = absl::FromChrono(context->deadline());
   if (deadline - received > absl::Hours(24 * 365)) deadline = received + default_deadline_;
   scheduler_->Submit(std::make_unique<ComputeCall<Request, Response, Plan>>(
-      this, id, rpc, context, reactor, std::move(request), out, *std::move(plan), execute, execute_batch,
+      this, std::move(id), rpc, context, reactor, std::move(request), out, *std::move(plan), execute, execute_batch,
       request_bytes, received, deadline));
   return reactor;
 }
@@ -244,8 +281,8 @@ template <typename Request, typename Response, typename Handle>
 grpc::ServerUnaryReactor* AttentionService::Answer(const char* rpc, Role role, grpc::CallbackServerContext* context,
                                                    const grpc::ByteBuffer* bytes, grpc::ByteBuffer* out,
                                                    Handle handle) {
-  const uint64_t id = next_request_id_++;
   const absl::Time start = absl::Now();
+  const std::string id = Identify(context);
   Request request;
   Response response;
   std::string detail = "-";

@@ -53,11 +53,16 @@ class AttentionService final : public RawAttentionService {
  private:
   // Logs one finished call (request id, rpc, shapes, backend, status, latency) and records it in the metrics.
   // backend is empty when no backend was involved; compute_seconds and flops when compute ran.
-  void CallDone(uint64_t id, const char* rpc, absl::string_view shapes, absl::string_view backend,
+  void CallDone(const std::string& ids, const char* rpc, absl::string_view shapes, absl::string_view backend,
                 const absl::Status& status, absl::Time start, double compute_seconds = 0, double flops = 0);
 
   template <typename Request, typename Response, typename Plan>
   friend class ComputeCall;
+
+  // The call's identity for logs: "rid=<id>", plus " trace=<trace id>" when the client sent a W3C traceparent. The
+  // request id is the client's x-request-id metadata when it is 1..128 characters of [A-Za-z0-9._:/-], else a new
+  // one; either way it is returned in the response's x-request-id metadata.
+  std::string Identify(grpc::CallbackServerContext* context);
 
   // The token check (when tokens are configured) and the parse of `bytes` into `request`; the first error.
   template <typename Request>
@@ -87,6 +92,7 @@ class AttentionService final : public RawAttentionService {
   const TokenAuth* auth_;
   ValidationContext validation_;
   absl::Duration default_deadline_;
+  const std::string id_prefix_;  // random per process, so that ids of restarted replicas do not collide
   std::atomic<uint64_t> next_request_id_{1};
 };
 

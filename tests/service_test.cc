@@ -245,6 +245,25 @@ TEST_F(ServiceTest, LoadLayerRejectsNonFiniteWeights) {
   EXPECT_THAT(status.error_message(), HasSubstr("weights.w_o[1, 2] is NaN"));
 }
 
+TEST_F(ServiceTest, TheClientsRequestIdComesBackAndOthersGetOne) {
+  auto request_id = [&](const char* given) {
+    grpc::ClientContext context;
+    if (given != nullptr) context.AddMetadata("x-request-id", given);
+    v1::MultiHeadAttentionResponse response;
+    EXPECT_TRUE(stub_->MultiHeadAttention(&context, ValidRequest(), &response).ok());
+    const auto& metadata = context.GetServerInitialMetadata();
+    const auto it = metadata.find("x-request-id");
+    return it == metadata.end() ? std::string("<none>") : std::string(it->second.data(), it->second.size());
+  };
+  EXPECT_EQ(request_id("checkout-7f3a/42"), "checkout-7f3a/42");
+  const std::string generated = request_id(nullptr);
+  EXPECT_THAT(generated, ::testing::MatchesRegex("[0-9a-f]{8}-[0-9a-f]+"));
+  EXPECT_NE(request_id(nullptr), generated);
+  // An id that could garble a log line, or is too long, is replaced, not echoed.
+  EXPECT_THAT(request_id("a b=c status=OK"), ::testing::MatchesRegex("[0-9a-f]{8}-[0-9a-f]+"));
+  EXPECT_THAT(request_id(std::string(200, 'a').c_str()), ::testing::MatchesRegex("[0-9a-f]{8}-[0-9a-f]+"));
+}
+
 TEST_F(ServiceTest, UnparsableRequestBytesAreInvalidArgument) {
   grpc::GenericStub generic(server_->InProcessChannel());
   for (const char* method : {"/mha.v1.Attention/MultiHeadAttention", "/mha.v1.Attention/LoadLayer"}) {

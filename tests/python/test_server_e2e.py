@@ -130,6 +130,21 @@ def test_health_serving(client):
     assert client.health() == "SERVING"
 
 
+def test_request_id_and_trace_reach_the_log_and_the_response(client, server):
+    import time
+    trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
+    metadata = (("x-request-id", "e2e-req-1"), ("traceparent", "00-%s-00f067aa0ba902b7-01" % trace_id))
+    _, call = client._stub.ListLayers.with_call(client._pb.ListLayersRequest(), metadata=metadata, timeout=10)
+    assert ("x-request-id", "e2e-req-1") in call.initial_metadata()
+    want = "rid=e2e-req-1 trace=%s rpc=ListLayers" % trace_id
+    for _ in range(50):  # the log line is written as the call finishes
+        with open(server.log_path, errors="replace") as f:
+            if want in f.read():
+                return
+        time.sleep(0.05)
+    pytest.fail("no %r in the server log" % want)
+
+
 def test_server_info(client):
     info = client.server_info()
     available = {b["name"] for b in info["backends"] if b["available"]}
