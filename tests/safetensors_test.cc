@@ -1,6 +1,8 @@
 // Reading layers from .safetensors bytes: a valid file, and each malformed part rejected with a clear message.
 #include "server/safetensors.h"
 
+#include <sys/resource.h>
+
 #include <cstring>
 #include <string>
 #include <vector>
@@ -101,6 +103,29 @@ TEST(Safetensors, RejectsNonJsonHeader) {
   const absl::Status s = ParseSafetensorsLayer(File("{not json", ""), "x").status();
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(s.message()), HasSubstr("not a JSON object"));
+}
+
+// This process's peak resident memory in bytes.
+int64_t PeakRssBytes() {
+  rusage usage{};
+  getrusage(RUSAGE_SELF, &usage);
+  return static_cast<int64_t>(usage.ru_maxrss) * 1024;
+}
+
+TEST(Safetensors, RejectsDeeplyNestedHeaderWithoutParsingIt) {
+  // 10 MB of unclosed '[' once made the JSON parser peak at 783 MB; now the header costs its own bytes.
+  const std::string bytes = File(std::string(10 << 20, '['), "");
+  const int64_t before = PeakRssBytes();
+  const absl::Status s = ParseSafetensorsLayer(bytes, "x").status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("nests JSON arrays or objects more than 8 deep"));
+  EXPECT_LT(PeakRssBytes() - before, int64_t{32} << 20);
+}
+
+TEST(Safetensors, BracketsInsideStringsDoNotCountAsNesting) {
+  const std::string metadata = R"({"num_heads":"2","note":"[[[[[[[[[[{{{{{{{{{{ \"[[[[[[[[[["})";
+  absl::StatusOr<SafetensorsLayer> layer = ParseSafetensorsLayer(File(ValidHeader(metadata), ValidData()), "x");
+  EXPECT_TRUE(layer.ok()) << layer.status();
 }
 
 TEST(Safetensors, MissingFileIsNotFound) {

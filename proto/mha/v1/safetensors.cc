@@ -1,5 +1,6 @@
 #include "proto/mha/v1/safetensors.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <fstream>
@@ -16,6 +17,35 @@ namespace {
 
 // A header larger than this is not a layer file (safetensors itself caps it at 100 MB).
 constexpr uint64_t kMaxHeaderBytes = 100 << 20;
+
+// A layer header nests three deep ({"w_q": {"shape": [4, 4]}}). Deeper headers are refused before parsing: the JSON
+// parser builds a value per bracket, so 10 MB of '[' would cost it hundreds of MB.
+constexpr int kMaxHeaderDepth = 8;
+
+// The deepest nesting of [ and { in `text` outside JSON strings, or kMaxHeaderDepth + 1 as soon as it passes
+// kMaxHeaderDepth. Malformed JSON gives some depth; the parser rejects it afterwards.
+int NestingDepth(absl::string_view text) {
+  int depth = 0, deepest = 0;
+  bool in_string = false;
+  for (size_t i = 0; i < text.size(); ++i) {
+    const char c = text[i];
+    if (in_string) {
+      if (c == '\\') {
+        ++i;  // the escaped character cannot end the string
+      } else if (c == '"') {
+        in_string = false;
+      }
+    } else if (c == '"') {
+      in_string = true;
+    } else if (c == '[' || c == '{') {
+      deepest = std::max(deepest, ++depth);
+      if (deepest > kMaxHeaderDepth) return deepest;
+    } else if ((c == ']' || c == '}') && depth > 0) {
+      --depth;
+    }
+  }
+  return deepest;
+}
 
 absl::Status Bad(absl::string_view origin, absl::string_view what) {
   return absl::InvalidArgumentError(absl::StrCat("safetensors ", origin, ": ", what));
@@ -40,9 +70,13 @@ absl::StatusOr<SafetensorsLayer> ParseSafetensorsLayer(absl::string_view bytes, 
   if (header_len > kMaxHeaderBytes || header_len > bytes.size() - 8) {
     return Bad(origin, absl::StrCat("header length ", header_len, " exceeds the file (", bytes.size(), " bytes)"));
   }
+  const absl::string_view header_text = bytes.substr(8, header_len);
+  if (NestingDepth(header_text) > kMaxHeaderDepth) {
+    return Bad(origin, absl::StrCat("header nests JSON arrays or objects more than ", kMaxHeaderDepth,
+                                    " deep; a layer header needs 3"));
+  }
   const nlohmann::json header =
-      nlohmann::json::parse(bytes.substr(8, header_len).begin(), bytes.substr(8, header_len).end(), nullptr,
-                            /*allow_exceptions=*/false);
+      nlohmann::json::parse(header_text.begin(), header_text.end(), nullptr, /*allow_exceptions=*/false);
   if (!header.is_object()) return Bad(origin, "header is not a JSON object");
   const absl::string_view body = bytes.substr(8 + header_len);
 
