@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "server/layer.h"
@@ -76,6 +77,57 @@ TEST(Safetensors, RejectsOffsetsOutsideTheData) {
   const absl::Status s = ParseSafetensorsLayer(bytes, "x").status();
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(s.message()), HasSubstr("fall outside"));
+}
+
+// d_model 4, 2 heads of 2, all F32, with the given data_offsets (begin of w_q, w_k, w_v, w_o; 64 bytes each).
+std::string HeaderAt(int q, int k, int v, int o) {
+  auto entry = [](const char* name, int begin) {
+    return absl::StrCat("\"", name, R"(":{"dtype":"F32","shape":[4,4],"data_offsets":[)", begin, ",", begin + 64,
+                        "]},");
+  };
+  return "{" + entry("w_q", q) + entry("w_k", k) + entry("w_v", v) + entry("w_o", o) +
+         R"("__metadata__":{"num_heads":"2"}})";
+}
+
+TEST(Safetensors, RejectsOverlappingTensors) {
+  // The format forbids it: w_k's bytes would also be w_q's.
+  const absl::Status s = ParseSafetensorsLayer(File(HeaderAt(0, 32, 96, 160), Floats(56, 1)), "x").status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("tensors 'w_q' [0, 64) and 'w_k' [32, 96) overlap"));
+}
+
+TEST(Safetensors, RejectsTheSameRangeTwice) {
+  const absl::Status s = ParseSafetensorsLayer(File(HeaderAt(0, 64, 128, 128), Floats(48, 1)), "x").status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("overlap"));
+}
+
+TEST(Safetensors, RejectsHoleBetweenTensors) {
+  const absl::Status s = ParseSafetensorsLayer(File(HeaderAt(0, 64, 136, 200), Floats(66, 1)), "x").status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("bytes [128, 136) of the data section belong to no tensor"));
+}
+
+TEST(Safetensors, RejectsBytesAfterTheLastTensor) {
+  const std::string bytes = File(ValidHeader(R"({"num_heads":"2"})"), ValidData() + "tail");
+  const absl::Status s = ParseSafetensorsLayer(bytes, "x").status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("bytes [224, 228) at the end of the data section"));
+}
+
+TEST(Safetensors, RejectsOtherTensorWithoutOffsets) {
+  std::string header = ValidHeader(R"({"num_heads":"2"})");
+  header.insert(1, R"("other":{"dtype":"I8","shape":[4]},)");
+  const absl::Status s = ParseSafetensorsLayer(File(header, ValidData()), "x").status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("tensor 'other' needs two non-negative integer data_offsets"));
+}
+
+TEST(Safetensors, AcceptsOtherTensorsThatTileTheData) {
+  std::string header = ValidHeader(R"({"num_heads":"2"})");
+  header.insert(1, R"("other":{"dtype":"I8","shape":[4],"data_offsets":[224,228]},)");
+  absl::StatusOr<SafetensorsLayer> layer = ParseSafetensorsLayer(File(header, ValidData() + "abcd"), "x");
+  EXPECT_TRUE(layer.ok()) << layer.status();
 }
 
 TEST(Safetensors, RejectsMissingTensor) {

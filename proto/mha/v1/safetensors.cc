@@ -6,6 +6,8 @@
 #include <fstream>
 #include <limits>
 #include <sstream>
+#include <tuple>
+#include <vector>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -59,6 +61,54 @@ absl::StatusOr<int32_t> MetadataInt(const nlohmann::json& meta, const char* key,
     return Bad(origin, absl::StrCat("__metadata__.", key, " must be a string holding an integer"));
   }
   return n;
+}
+
+// The format's layout rule, over every tensor in the header (those a layer does not use too): data_offsets lie in
+// the data section, no two ranges overlap, and together they cover it without holes. The safetensors library
+// refuses other files (InvalidOffset); a reader that accepted them would read one byte as two weights.
+absl::Status CheckLayout(const nlohmann::json& header, uint64_t data_size, absl::string_view origin) {
+  struct Range {
+    uint64_t begin, end;
+    std::string name;
+  };
+  std::vector<Range> ranges;
+  for (const auto& item : header.items()) {
+    if (item.key() == "__metadata__") continue;
+    const nlohmann::json& entry = item.value();
+    if (!entry.is_object() || !entry.contains("data_offsets") || !entry["data_offsets"].is_array() ||
+        entry["data_offsets"].size() != 2 || !entry["data_offsets"][0].is_number_unsigned() ||
+        !entry["data_offsets"][1].is_number_unsigned()) {
+      return Bad(origin, absl::StrCat("tensor '", item.key(), "' needs two non-negative integer data_offsets"));
+    }
+    const uint64_t begin = entry["data_offsets"][0].get<uint64_t>(), end = entry["data_offsets"][1].get<uint64_t>();
+    if (begin > end || end > data_size) {
+      return Bad(origin, absl::StrCat("tensor '", item.key(), "' data_offsets [", begin, ", ", end,
+                                      ") fall outside the ", data_size, "-byte data section"));
+    }
+    ranges.push_back({begin, end, item.key()});
+  }
+  std::sort(ranges.begin(), ranges.end(),
+            [](const Range& a, const Range& b) { return std::tie(a.begin, a.end) < std::tie(b.begin, b.end); });
+  uint64_t covered = 0;  // the data section's bytes [0, covered) belong to the ranges so far
+  for (size_t i = 0; i < ranges.size(); ++i) {
+    const Range& r = ranges[i];
+    if (r.begin < covered) {
+      const Range& previous = ranges[i - 1];
+      return Bad(origin, absl::StrCat("tensors '", previous.name, "' [", previous.begin, ", ", previous.end,
+                                      ") and '", r.name, "' [", r.begin, ", ", r.end, ") overlap in the data section"));
+    }
+    if (r.begin > covered) {
+      return Bad(origin, absl::StrCat("bytes [", covered, ", ", r.begin,
+                                      ") of the data section belong to no tensor (the format allows no holes)"));
+    }
+    covered = r.end;
+  }
+  if (covered != data_size) {
+    return Bad(origin, absl::StrCat("bytes [", covered, ", ", data_size,
+                                    ") at the end of the data section belong to no tensor (the format allows no "
+                                    "holes)"));
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace
@@ -133,6 +183,8 @@ absl::StatusOr<SafetensorsLayer> ParseSafetensorsLayer(absl::string_view bytes, 
     absl::Status valid = CheckTensor(*tensor, name).status();
     if (!valid.ok()) return Bad(origin, valid.message());
   }
+
+  if (absl::Status layout = CheckLayout(header, body.size(), origin); !layout.ok()) return layout;
 
   if (!header.contains("__metadata__") || !header["__metadata__"].is_object()) {
     return Bad(origin, "missing __metadata__ with num_heads");
