@@ -22,7 +22,9 @@ struct SafetensorsLayer {
   v1::HeadConfig heads;
 };
 
-// INVALID_ARGUMENT (naming the file and what is wrong) for a malformed file; NOT_FOUND if it cannot be opened.
+// INVALID_ARGUMENT (naming the file and what is wrong) for a malformed file: among others a header nesting JSON more
+// than 8 deep (refused before parsing, so a hostile header costs no more than its bytes), or tensors whose
+// data_offsets overlap or leave holes in the data section (the format forbids both). NOT_FOUND if it cannot be opened.
 absl::StatusOr<SafetensorsLayer> ReadSafetensorsLayer(const std::string& path);
 
 // The same from the file's bytes; `origin` names the source in error messages.
