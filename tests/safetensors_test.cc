@@ -174,6 +174,19 @@ TEST(Safetensors, RejectsDeeplyNestedHeaderWithoutParsingIt) {
   EXPECT_LT(PeakRssBytes() - before, int64_t{32} << 20);
 }
 
+TEST(Safetensors, RejectsHeaderWithTooManyValuesWithoutParsingIt) {
+  // 10 MB of "0," at depth 2 cost the JSON parser hundreds of MB.
+  std::string header = R"({"__metadata__":{"num_heads":"2"},"x":[)";
+  for (int i = 0; i < (5 << 20); ++i) header += "0,";
+  header += "0]}";
+  const std::string bytes = File(header, "");
+  const int64_t before = PeakRssBytes();
+  const absl::Status s = ParseSafetensorsLayer(bytes, "x").status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("more than 65536 JSON values"));
+  EXPECT_LT(PeakRssBytes() - before, int64_t{32} << 20);
+}
+
 TEST(Safetensors, BracketsInsideStringsDoNotCountAsNesting) {
   const std::string metadata = R"({"num_heads":"2","note":"[[[[[[[[[[{{{{{{{{{{ \"[[[[[[[[[["})";
   absl::StatusOr<SafetensorsLayer> layer = ParseSafetensorsLayer(File(ValidHeader(metadata), ValidData()), "x");

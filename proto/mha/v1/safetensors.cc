@@ -20,14 +20,24 @@ namespace {
 // A header larger than this is not a layer file (safetensors itself caps it at 100 MB).
 constexpr uint64_t kMaxHeaderBytes = 100 << 20;
 
-// A layer header nests three deep ({"w_q": {"shape": [4, 4]}}). Deeper headers are refused before parsing: the JSON
-// parser builds a value per bracket, so 10 MB of '[' would cost it hundreds of MB.
+// What a header may hold, checked before parsing, since the JSON parser builds a value (tens of bytes) per bracket or
+// element: 10 MB of '[' cost it 783 MB, 10 MB of "0," hundreds. A layer header nests three deep
+// ({"w_q": {"shape": [4, 4]}}) and holds about a hundred values; these bounds leave room for files with many more
+// tensors and keep the parser's memory to a few MB beyond the header's own bytes.
 constexpr int kMaxHeaderDepth = 8;
+constexpr int64_t kMaxHeaderValues = 1 << 16;
 
-// The deepest nesting of [ and { in `text` outside JSON strings, or kMaxHeaderDepth + 1 as soon as it passes
-// kMaxHeaderDepth. Malformed JSON gives some depth; the parser rejects it afterwards.
-int NestingDepth(absl::string_view text) {
-  int depth = 0, deepest = 0;
+struct HeaderExtent {
+  int depth = 0;       // deepest nesting of [ and {
+  int64_t values = 0;  // JSON values, counted as the brackets and commas that open them, plus one
+};
+
+// The extent of JSON `text`, counting outside strings only; stops once either bound is passed. Malformed JSON gives
+// some extent; the parser rejects it afterwards.
+HeaderExtent Extent(absl::string_view text) {
+  HeaderExtent extent;
+  extent.values = 1;
+  int depth = 0;
   bool in_string = false;
   for (size_t i = 0; i < text.size(); ++i) {
     const char c = text[i];
@@ -39,14 +49,14 @@ int NestingDepth(absl::string_view text) {
       }
     } else if (c == '"') {
       in_string = true;
-    } else if (c == '[' || c == '{') {
-      deepest = std::max(deepest, ++depth);
-      if (deepest > kMaxHeaderDepth) return deepest;
+    } else if (c == '[' || c == '{' || c == ',') {
+      if (c != ',') extent.depth = std::max(extent.depth, ++depth);
+      if (++extent.values > kMaxHeaderValues || extent.depth > kMaxHeaderDepth) return extent;
     } else if ((c == ']' || c == '}') && depth > 0) {
       --depth;
     }
   }
-  return deepest;
+  return extent;
 }
 
 absl::Status Bad(absl::string_view origin, absl::string_view what) {
@@ -121,9 +131,14 @@ absl::StatusOr<SafetensorsLayer> ParseSafetensorsLayer(absl::string_view bytes, 
     return Bad(origin, absl::StrCat("header length ", header_len, " exceeds the file (", bytes.size(), " bytes)"));
   }
   const absl::string_view header_text = bytes.substr(8, header_len);
-  if (NestingDepth(header_text) > kMaxHeaderDepth) {
+  const HeaderExtent extent = Extent(header_text);
+  if (extent.depth > kMaxHeaderDepth) {
     return Bad(origin, absl::StrCat("header nests JSON arrays or objects more than ", kMaxHeaderDepth,
                                     " deep; a layer header needs 3"));
+  }
+  if (extent.values > kMaxHeaderValues) {
+    return Bad(origin, absl::StrCat("header holds more than ", kMaxHeaderValues,
+                                    " JSON values; a layer header needs about 100"));
   }
   const nlohmann::json header =
       nlohmann::json::parse(header_text.begin(), header_text.end(), nullptr, /*allow_exceptions=*/false);
