@@ -1,10 +1,13 @@
 // Reading layers from .safetensors bytes: a valid file, and each malformed part rejected with a clear message.
 #include "server/safetensors.h"
 
+#include <sys/resource.h>
+
 #include <cstring>
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "server/layer.h"
@@ -76,6 +79,57 @@ TEST(Safetensors, RejectsOffsetsOutsideTheData) {
   EXPECT_THAT(std::string(s.message()), HasSubstr("fall outside"));
 }
 
+// d_model 4, 2 heads of 2, all F32, with the given data_offsets (begin of w_q, w_k, w_v, w_o; 64 bytes each).
+std::string HeaderAt(int q, int k, int v, int o) {
+  auto entry = [](const char* name, int begin) {
+    return absl::StrCat("\"", name, R"(":{"dtype":"F32","shape":[4,4],"data_offsets":[)", begin, ",", begin + 64,
+                        "]},");
+  };
+  return "{" + entry("w_q", q) + entry("w_k", k) + entry("w_v", v) + entry("w_o", o) +
+         R"("__metadata__":{"num_heads":"2"}})";
+}
+
+TEST(Safetensors, RejectsOverlappingTensors) {
+  // The format forbids it: w_k's bytes would also be w_q's.
+  const absl::Status s = ParseSafetensorsLayer(File(HeaderAt(0, 32, 96, 160), Floats(56, 1)), "x").status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("tensors 'w_q' [0, 64) and 'w_k' [32, 96) overlap"));
+}
+
+TEST(Safetensors, RejectsTheSameRangeTwice) {
+  const absl::Status s = ParseSafetensorsLayer(File(HeaderAt(0, 64, 128, 128), Floats(48, 1)), "x").status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("overlap"));
+}
+
+TEST(Safetensors, RejectsHoleBetweenTensors) {
+  const absl::Status s = ParseSafetensorsLayer(File(HeaderAt(0, 64, 136, 200), Floats(66, 1)), "x").status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("bytes [128, 136) of the data section belong to no tensor"));
+}
+
+TEST(Safetensors, RejectsBytesAfterTheLastTensor) {
+  const std::string bytes = File(ValidHeader(R"({"num_heads":"2"})"), ValidData() + "tail");
+  const absl::Status s = ParseSafetensorsLayer(bytes, "x").status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("bytes [224, 228) at the end of the data section"));
+}
+
+TEST(Safetensors, RejectsOtherTensorWithoutOffsets) {
+  std::string header = ValidHeader(R"({"num_heads":"2"})");
+  header.insert(1, R"("other":{"dtype":"I8","shape":[4]},)");
+  const absl::Status s = ParseSafetensorsLayer(File(header, ValidData()), "x").status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("tensor 'other' needs two non-negative integer data_offsets"));
+}
+
+TEST(Safetensors, AcceptsOtherTensorsThatTileTheData) {
+  std::string header = ValidHeader(R"({"num_heads":"2"})");
+  header.insert(1, R"("other":{"dtype":"I8","shape":[4],"data_offsets":[224,228]},)");
+  absl::StatusOr<SafetensorsLayer> layer = ParseSafetensorsLayer(File(header, ValidData() + "abcd"), "x");
+  EXPECT_TRUE(layer.ok()) << layer.status();
+}
+
 TEST(Safetensors, RejectsMissingTensor) {
   const std::string header = R"({"w_q":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"__metadata__":{}})";
   const absl::Status s = ParseSafetensorsLayer(File(header, Floats(1, 1)), "x").status();
@@ -101,6 +155,42 @@ TEST(Safetensors, RejectsNonJsonHeader) {
   const absl::Status s = ParseSafetensorsLayer(File("{not json", ""), "x").status();
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(s.message()), HasSubstr("not a JSON object"));
+}
+
+// This process's peak resident memory in bytes.
+int64_t PeakRssBytes() {
+  rusage usage{};
+  getrusage(RUSAGE_SELF, &usage);
+  return static_cast<int64_t>(usage.ru_maxrss) * 1024;
+}
+
+TEST(Safetensors, RejectsDeeplyNestedHeaderWithoutParsingIt) {
+  // 10 MB of unclosed '[' once made the JSON parser peak at 783 MB; now the header costs its own bytes.
+  const std::string bytes = File(std::string(10 << 20, '['), "");
+  const int64_t before = PeakRssBytes();
+  const absl::Status s = ParseSafetensorsLayer(bytes, "x").status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("nests JSON arrays or objects more than 8 deep"));
+  EXPECT_LT(PeakRssBytes() - before, int64_t{32} << 20);
+}
+
+TEST(Safetensors, RejectsHeaderWithTooManyValuesWithoutParsingIt) {
+  // 10 MB of "0," at depth 2 cost the JSON parser hundreds of MB.
+  std::string header = R"({"__metadata__":{"num_heads":"2"},"x":[)";
+  for (int i = 0; i < (5 << 20); ++i) header += "0,";
+  header += "0]}";
+  const std::string bytes = File(header, "");
+  const int64_t before = PeakRssBytes();
+  const absl::Status s = ParseSafetensorsLayer(bytes, "x").status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("more than 65536 JSON values"));
+  EXPECT_LT(PeakRssBytes() - before, int64_t{32} << 20);
+}
+
+TEST(Safetensors, BracketsInsideStringsDoNotCountAsNesting) {
+  const std::string metadata = R"({"num_heads":"2","note":"[[[[[[[[[[{{{{{{{{{{ \"[[[[[[[[[["})";
+  absl::StatusOr<SafetensorsLayer> layer = ParseSafetensorsLayer(File(ValidHeader(metadata), ValidData()), "x");
+  EXPECT_TRUE(layer.ok()) << layer.status();
 }
 
 TEST(Safetensors, MissingFileIsNotFound) {

@@ -48,6 +48,18 @@ TEST(TensorCodec, FloatsToTensorAndBackPreservesFp32Exactly) {
   EXPECT_EQ(TensorToFloats(t), values);
 }
 
+// Found by the fuzz build's UBSan (tests/fuzz): an empty vector's null data() reached memcpy. Zero elements of any
+// dtype are a no-op, whatever the pointers.
+TEST(TensorCodec, ZeroElementsTouchNothing) {
+  for (v1::DataType dtype : {v1::FP32, v1::FP16, v1::BF16}) {
+    EncodeFromFloat(dtype, nullptr, 0, nullptr);
+    DecodeToFloat(dtype, nullptr, 0, nullptr);
+    v1::Tensor t;
+    FloatsToTensor({}, {0}, dtype, &t);
+    EXPECT_TRUE(t.data().empty());
+  }
+}
+
 TEST(TensorCodec, CheckTensorRejectsUnspecifiedDtype) {
   v1::Tensor t;
   t.add_shape(1);

@@ -1,10 +1,13 @@
 #include "proto/mha/v1/safetensors.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <fstream>
 #include <limits>
 #include <sstream>
+#include <tuple>
+#include <vector>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -16,6 +19,45 @@ namespace {
 
 // A header larger than this is not a layer file (safetensors itself caps it at 100 MB).
 constexpr uint64_t kMaxHeaderBytes = 100 << 20;
+
+// What a header may hold, checked before parsing, since the JSON parser builds a value (tens of bytes) per bracket or
+// element: 10 MB of '[' cost it 783 MB, 10 MB of "0," hundreds. A layer header nests three deep
+// ({"w_q": {"shape": [4, 4]}}) and holds about a hundred values; these bounds leave room for files with many more
+// tensors and keep the parser's memory to a few MB beyond the header's own bytes.
+constexpr int kMaxHeaderDepth = 8;
+constexpr int64_t kMaxHeaderValues = 1 << 16;
+
+struct HeaderExtent {
+  int depth = 0;       // deepest nesting of [ and {
+  int64_t values = 0;  // JSON values, counted as the brackets and commas that open them, plus one
+};
+
+// The extent of JSON `text`, counting outside strings only; stops once either bound is passed. Malformed JSON gives
+// some extent; the parser rejects it afterwards.
+HeaderExtent Extent(absl::string_view text) {
+  HeaderExtent extent;
+  extent.values = 1;
+  int depth = 0;
+  bool in_string = false;
+  for (size_t i = 0; i < text.size(); ++i) {
+    const char c = text[i];
+    if (in_string) {
+      if (c == '\\') {
+        ++i;  // the escaped character cannot end the string
+      } else if (c == '"') {
+        in_string = false;
+      }
+    } else if (c == '"') {
+      in_string = true;
+    } else if (c == '[' || c == '{' || c == ',') {
+      if (c != ',') extent.depth = std::max(extent.depth, ++depth);
+      if (++extent.values > kMaxHeaderValues || extent.depth > kMaxHeaderDepth) return extent;
+    } else if ((c == ']' || c == '}') && depth > 0) {
+      --depth;
+    }
+  }
+  return extent;
+}
 
 absl::Status Bad(absl::string_view origin, absl::string_view what) {
   return absl::InvalidArgumentError(absl::StrCat("safetensors ", origin, ": ", what));
@@ -31,6 +73,54 @@ absl::StatusOr<int32_t> MetadataInt(const nlohmann::json& meta, const char* key,
   return n;
 }
 
+// The format's layout rule, over every tensor in the header (those a layer does not use too): data_offsets lie in
+// the data section, no two ranges overlap, and together they cover it without holes. The safetensors library
+// refuses other files (InvalidOffset); a reader that accepted them would read one byte as two weights.
+absl::Status CheckLayout(const nlohmann::json& header, uint64_t data_size, absl::string_view origin) {
+  struct Range {
+    uint64_t begin, end;
+    std::string name;
+  };
+  std::vector<Range> ranges;
+  for (const auto& item : header.items()) {
+    if (item.key() == "__metadata__") continue;
+    const nlohmann::json& entry = item.value();
+    if (!entry.is_object() || !entry.contains("data_offsets") || !entry["data_offsets"].is_array() ||
+        entry["data_offsets"].size() != 2 || !entry["data_offsets"][0].is_number_unsigned() ||
+        !entry["data_offsets"][1].is_number_unsigned()) {
+      return Bad(origin, absl::StrCat("tensor '", item.key(), "' needs two non-negative integer data_offsets"));
+    }
+    const uint64_t begin = entry["data_offsets"][0].get<uint64_t>(), end = entry["data_offsets"][1].get<uint64_t>();
+    if (begin > end || end > data_size) {
+      return Bad(origin, absl::StrCat("tensor '", item.key(), "' data_offsets [", begin, ", ", end,
+                                      ") fall outside the ", data_size, "-byte data section"));
+    }
+    ranges.push_back({begin, end, item.key()});
+  }
+  std::sort(ranges.begin(), ranges.end(),
+            [](const Range& a, const Range& b) { return std::tie(a.begin, a.end) < std::tie(b.begin, b.end); });
+  uint64_t covered = 0;  // the data section's bytes [0, covered) belong to the ranges so far
+  for (size_t i = 0; i < ranges.size(); ++i) {
+    const Range& r = ranges[i];
+    if (r.begin < covered) {
+      const Range& previous = ranges[i - 1];
+      return Bad(origin, absl::StrCat("tensors '", previous.name, "' [", previous.begin, ", ", previous.end,
+                                      ") and '", r.name, "' [", r.begin, ", ", r.end, ") overlap in the data section"));
+    }
+    if (r.begin > covered) {
+      return Bad(origin, absl::StrCat("bytes [", covered, ", ", r.begin,
+                                      ") of the data section belong to no tensor (the format allows no holes)"));
+    }
+    covered = r.end;
+  }
+  if (covered != data_size) {
+    return Bad(origin, absl::StrCat("bytes [", covered, ", ", data_size,
+                                    ") at the end of the data section belong to no tensor (the format allows no "
+                                    "holes)"));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<SafetensorsLayer> ParseSafetensorsLayer(absl::string_view bytes, absl::string_view origin) {
@@ -40,9 +130,18 @@ absl::StatusOr<SafetensorsLayer> ParseSafetensorsLayer(absl::string_view bytes, 
   if (header_len > kMaxHeaderBytes || header_len > bytes.size() - 8) {
     return Bad(origin, absl::StrCat("header length ", header_len, " exceeds the file (", bytes.size(), " bytes)"));
   }
+  const absl::string_view header_text = bytes.substr(8, header_len);
+  const HeaderExtent extent = Extent(header_text);
+  if (extent.depth > kMaxHeaderDepth) {
+    return Bad(origin, absl::StrCat("header nests JSON arrays or objects more than ", kMaxHeaderDepth,
+                                    " deep; a layer header needs 3"));
+  }
+  if (extent.values > kMaxHeaderValues) {
+    return Bad(origin, absl::StrCat("header holds more than ", kMaxHeaderValues,
+                                    " JSON values; a layer header needs about 100"));
+  }
   const nlohmann::json header =
-      nlohmann::json::parse(bytes.substr(8, header_len).begin(), bytes.substr(8, header_len).end(), nullptr,
-                            /*allow_exceptions=*/false);
+      nlohmann::json::parse(header_text.begin(), header_text.end(), nullptr, /*allow_exceptions=*/false);
   if (!header.is_object()) return Bad(origin, "header is not a JSON object");
   const absl::string_view body = bytes.substr(8 + header_len);
 
@@ -99,6 +198,8 @@ absl::StatusOr<SafetensorsLayer> ParseSafetensorsLayer(absl::string_view bytes, 
     absl::Status valid = CheckTensor(*tensor, name).status();
     if (!valid.ok()) return Bad(origin, valid.message());
   }
+
+  if (absl::Status layout = CheckLayout(header, body.size(), origin); !layout.ok()) return layout;
 
   if (!header.contains("__metadata__") || !header["__metadata__"].is_object()) {
     return Bad(origin, "missing __metadata__ with num_heads");

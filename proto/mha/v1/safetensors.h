@@ -22,7 +22,10 @@ struct SafetensorsLayer {
   v1::HeadConfig heads;
 };
 
-// INVALID_ARGUMENT (naming the file and what is wrong) for a malformed file; NOT_FOUND if it cannot be opened.
+// INVALID_ARGUMENT (naming the file and what is wrong) for a malformed file: among others a header nesting JSON more
+// than 8 deep or holding more than 65536 JSON values (refused before parsing, so that a hostile header costs little
+// beyond its own bytes), or tensors whose
+// data_offsets overlap or leave holes in the data section (the format forbids both). NOT_FOUND if it cannot be opened.
 absl::StatusOr<SafetensorsLayer> ReadSafetensorsLayer(const std::string& path);
 
 // The same from the file's bytes; `origin` names the source in error messages.

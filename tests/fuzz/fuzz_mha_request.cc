@@ -1,0 +1,86 @@
+// A serialized MultiHeadAttentionRequest through what the server does with it (service.cc): parse, validate and,
+// when valid and small (fuzz_env.h), execute on the reference backend, the CPU backend and one CPU tile-kernel
+// variant; a plan that may be batched also runs as a batch of two. Findings: sanitizer reports, an error code the
+// contract does not name for these steps, an output whose bytes do not match its shape.
+#include <cstdio>
+#include <cstdlib>
+
+#include "proto/mha/v1/tensor_codec.h"
+#include "server/execute.h"
+#include "server/validate.h"
+#include "tests/fuzz/fuzz_env.h"
+
+namespace mha::fuzz {
+namespace {
+
+void Fail(const char* what, const absl::Status& status) {
+  std::fprintf(stderr, "fuzz_mha_request: %s: %s\n", what, status.ToString().c_str());
+  std::abort();
+}
+
+void CheckResponse(const MhaPlan& plan, const v1::MultiHeadAttentionResponse& response) {
+  const AttentionShape& s = plan.problem.shape;
+  CheckOutput(response.output(), "output");
+  const std::vector<int64_t> want = {s.batch, s.q_len, s.d_model};
+  if (std::vector<int64_t>(response.output().shape().begin(), response.output().shape().end()) != want ||
+      response.output().dtype() != plan.problem.output_dtype) {
+    Fail("output shape or dtype", absl::InternalError(ShapeString(response.output().shape())));
+  }
+  if (plan.problem.return_weights) CheckOutput(response.attention_weights(), "attention_weights");
+  if (response.ByteSizeLong() > static_cast<size_t>(plan.response_bytes)) {
+    Fail("response larger than validation said", absl::InternalError(""));
+  }
+}
+
+}  // namespace
+}  // namespace mha::fuzz
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  using namespace mha;
+  using namespace mha::fuzz;
+  const Env& env = GetEnv();
+  v1::MultiHeadAttentionRequest request;
+  if (!request.ParseFromArray(data, static_cast<int>(size))) return -1;  // not a message: not worth keeping
+  Count(Stage::kParsed);
+  absl::StatusOr<MhaPlan> plan = ValidateMultiHeadAttention(request, env.context);
+  if (!plan.ok()) {
+    switch (plan.status().code()) {
+      case absl::StatusCode::kInvalidArgument:
+      case absl::StatusCode::kNotFound:
+      case absl::StatusCode::kUnimplemented:
+      case absl::StatusCode::kResourceExhausted:
+        if (plan.status().message().empty()) Fail("error without a message", plan.status());
+        return 0;
+      default:
+        Fail("validation returned a code the contract does not name", plan.status());
+    }
+  }
+  Count(Stage::kValid);
+  if (!SmallEnough(*plan)) return 0;
+  for (Backend* backend : env.BackendsFor(size)) {
+    MhaPlan on = *plan;
+    on.backend = backend;
+    if (!backend->Supports(on.problem).ok()) continue;
+    on.workspace_bytes = backend->WorkspaceBytes(on.problem);
+    if (!SmallEnough(on)) continue;
+    Count(Stage::kComputed);
+    v1::MultiHeadAttentionResponse response;
+    const absl::Status status = ExecuteMultiHeadAttention(on, nullptr, &response);
+    // Execution may only refuse what validation leaves to it: NaN or +inf in the attention mask.
+    if (!status.ok()) {
+      if (status.code() != absl::StatusCode::kInvalidArgument) Fail("execution failed", status);
+      continue;
+    }
+    CheckResponse(on, response);
+    if (!on.batch_key.empty()) {
+      v1::MultiHeadAttentionResponse first, second;
+      const MhaPlan* plans[] = {&on, &on};
+      v1::MultiHeadAttentionResponse* responses[] = {&first, &second};
+      const absl::Status batch = ExecuteMultiHeadAttentionBatch(plans, nullptr, responses);
+      if (!batch.ok()) Fail("a batch of two failed where the call alone succeeded", batch);
+      CheckResponse(on, first);
+      CheckResponse(on, second);
+    }
+  }
+  return 0;
+}

@@ -1,0 +1,70 @@
+// A serialized ScaledDotProductAttentionRequest through what the server does with it (service.cc): parse, validate
+// and, when valid and small (fuzz_env.h), execute on the reference backend, the CPU backend and one CPU tile-kernel
+// variant. Findings: sanitizer reports, an error code the contract does not name for these steps, an output whose
+// bytes do not match its shape.
+#include <cstdio>
+#include <cstdlib>
+
+#include "proto/mha/v1/tensor_codec.h"
+#include "server/execute.h"
+#include "server/validate.h"
+#include "tests/fuzz/fuzz_env.h"
+
+namespace mha::fuzz {
+namespace {
+
+void Fail(const char* what, const absl::Status& status) {
+  std::fprintf(stderr, "fuzz_sdpa_request: %s: %s\n", what, status.ToString().c_str());
+  std::abort();
+}
+
+}  // namespace
+}  // namespace mha::fuzz
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  using namespace mha;
+  using namespace mha::fuzz;
+  const Env& env = GetEnv();
+  v1::ScaledDotProductAttentionRequest request;
+  if (!request.ParseFromArray(data, static_cast<int>(size))) return -1;
+  Count(Stage::kParsed);
+  absl::StatusOr<SdpaPlan> plan = ValidateScaledDotProductAttention(request, env.context);
+  if (!plan.ok()) {
+    switch (plan.status().code()) {
+      case absl::StatusCode::kInvalidArgument:
+      case absl::StatusCode::kUnimplemented:
+      case absl::StatusCode::kResourceExhausted:
+        if (plan.status().message().empty()) Fail("error without a message", plan.status());
+        return 0;
+      default:
+        Fail("validation returned a code the contract does not name", plan.status());
+    }
+  }
+  Count(Stage::kValid);
+  if (!SmallEnough(*plan)) return 0;
+  for (Backend* backend : env.BackendsFor(size)) {
+    SdpaPlan on = *plan;
+    on.backend = backend;
+    if (!backend->Supports(on.problem).ok()) continue;
+    on.workspace_bytes = backend->WorkspaceBytes(on.problem);
+    if (!SmallEnough(on)) continue;
+    Count(Stage::kComputed);
+    v1::ScaledDotProductAttentionResponse response;
+    const absl::Status status = ExecuteScaledDotProductAttention(on, nullptr, &response);
+    if (!status.ok()) {
+      if (status.code() != absl::StatusCode::kInvalidArgument) Fail("execution failed", status);
+      continue;
+    }
+    const AttentionShape& s = on.problem.shape;
+    CheckOutput(response.output(), "output");
+    const std::vector<int64_t> want = {s.batch, s.q_len, s.heads.num_heads, s.heads.head_dim};
+    if (std::vector<int64_t>(response.output().shape().begin(), response.output().shape().end()) != want) {
+      Fail("output shape", absl::InternalError(ShapeString(response.output().shape())));
+    }
+    if (on.problem.return_weights) CheckOutput(response.attention_weights(), "attention_weights");
+    if (response.ByteSizeLong() > static_cast<size_t>(on.response_bytes)) {
+      Fail("response larger than validation said", absl::InternalError(""));
+    }
+  }
+  return 0;
+}
