@@ -173,6 +173,13 @@ def main(k8s_dir, dockerfile):
         for probe in ("readinessProbe", "livenessProbe"):
             check(resolve(container.get(probe, {}).get("grpc", {}).get("port"), probe) == health_port,
                   f"Deployment {name}: {probe} must probe --health_listen's port {health_port}")
+    check(container.get("readinessProbe", {}).get("grpc", {}).get("service") == "mha.v1.Attention",
+          f"Deployment {name}: readinessProbe must ask for service mha.v1.Attention (fails when saturated)")
+    check(not container.get("livenessProbe", {}).get("grpc", {}).get("service"),
+          f"Deployment {name}: livenessProbe must ask for the whole server (service \"\": fails only when wedged)")
+    if "ready_max_queue" in flags and "max_queue_size" in flags:
+        check(0 < int(flags["ready_max_queue"]) <= int(flags["max_queue_size"]),
+              f"Deployment {name}: --ready_max_queue must be in [1, --max_queue_size]")
     check("/tmp" in mounts and volumes.get(mounts["/tmp"], {}).get("emptyDir", {}).get("medium") == "Memory",
           f"Deployment {name}: mount an in-memory emptyDir on /tmp (private TLS copies, read-only root)")
     check(pod["spec"].get("automountServiceAccountToken") is False,

@@ -37,6 +37,8 @@ ABSL_FLAG(double, shutdown_grace_s, kDefaults.shutdown_grace_s,
           "after SIGTERM, calls still running after this many seconds are stopped");
 ABSL_FLAG(double, stuck_after_s, kDefaults.stuck_after_s,
           "health is NOT_SERVING while one call has computed this long with others waiting; 0 = never");
+ABSL_FLAG(int, ready_max_queue, kDefaults.ready_max_queue,
+          "readiness (health service mha.v1.Attention) is NOT_SERVING while this many calls wait; 0 = never");
 ABSL_FLAG(double, keepalive_s, kDefaults.keepalive_s, "keepalive ping interval on idle connections, s");
 ABSL_FLAG(double, max_connection_age_s, kDefaults.max_connection_age_s,
           "close connections gracefully after this many seconds (clients reconnect); 0 = never");
@@ -77,6 +79,7 @@ ServerOptions ServerOptionsFromFlags() {
   options.max_inflight_mb = absl::GetFlag(FLAGS_max_inflight_mb);
   options.shutdown_grace_s = absl::GetFlag(FLAGS_shutdown_grace_s);
   options.stuck_after_s = absl::GetFlag(FLAGS_stuck_after_s);
+  options.ready_max_queue = absl::GetFlag(FLAGS_ready_max_queue);
   options.keepalive_s = absl::GetFlag(FLAGS_keepalive_s);
   options.max_connection_age_s = absl::GetFlag(FLAGS_max_connection_age_s);
   options.max_batch_rows = absl::GetFlag(FLAGS_max_batch_rows);

@@ -136,6 +136,11 @@ absl::Duration Scheduler::StuckFor() const {
   return absl::Now() - running_since_;
 }
 
+int Scheduler::QueueDepth() const {
+  absl::MutexLock lock(&mu_);
+  return static_cast<int>(queue_.size());
+}
+
 void Scheduler::ObserveRate(const Backend* backend, double flops, double seconds) {
   if (!(flops > 0 && seconds > 0)) return;
   absl::MutexLock lock(&mu_);

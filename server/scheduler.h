@@ -72,6 +72,8 @@ class Scheduler {
   bool AwaitQueued(int n, absl::Duration timeout) const;
   // How long the running item has computed while others waited; zero when nothing waits.
   absl::Duration StuckFor() const;
+  // Items waiting in the queue now. Thread-safe.
+  int QueueDepth() const;
   // Learns that `backend` did `flops` in `seconds` (the compute thread does this after every call of 50 MFLOP or
   // more; warm-up seeds it).
   void ObserveRate(const Backend* backend, double flops, double seconds);

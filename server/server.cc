@@ -150,35 +150,46 @@ absl::StatusOr<std::unique_ptr<MhaServer>> MhaServer::Start(ServerOptions option
     std::rename(tmp.c_str(), options.port_file.c_str());  // readers never see a half-written file
   }
   server->options_ = std::move(options);
+  server->SetServing("", true);
+  server->SetServing(v1::Attention::service_full_name(), true);
   server->watchdog_ = std::thread([s = server.get()] { s->Watch(); });
   return server;
 }
 
 void MhaServer::Watch() {
   const absl::Duration limit = absl::Seconds(options_.stuck_after_s);
-  bool serving = true;
-  for (int tick = 1; !stop_watch_.WaitForNotificationWithTimeout(absl::Seconds(1)); ++tick) {
+  const std::string readiness = v1::Attention::service_full_name();
+  bool live = true, ready = true;
+  for (int tick = 1; !stop_watch_.WaitForNotificationWithTimeout(absl::Milliseconds(250)); ++tick) {
     // Free pages of the allocator's arenas go back to the system every few seconds (it keeps them otherwise).
-    if (tick % 3 == 0) malloc_trim(0);
-    if (options_.stuck_after_s <= 0) continue;
+    if (tick % 12 == 0) malloc_trim(0);
     const absl::Duration stuck = scheduler_->StuckFor();
-    if ((stuck <= limit) == serving) continue;
-    serving = !serving;
-    SetServing(serving);
-    if (serving) {
-      spdlog::info("health: SERVING again, the compute thread moved on");
-    } else {
-      spdlog::error("health: NOT_SERVING, one call has computed for {} s with others waiting",
-                    absl::ToInt64Seconds(stuck));
+    const bool now_live = options_.stuck_after_s <= 0 || stuck <= limit;
+    const int depth = scheduler_->QueueDepth();
+    const bool now_ready = now_live && (options_.ready_max_queue <= 0 || depth < options_.ready_max_queue);
+    if (now_live != live) {
+      live = now_live;
+      SetServing("", live);
+      if (live) {
+        spdlog::info("health: SERVING again, the compute thread moved on");
+      } else {
+        spdlog::error("health: NOT_SERVING, one call has computed for {} s with others waiting",
+                      absl::ToInt64Seconds(stuck));
+      }
+    }
+    if (now_ready != ready) {
+      ready = now_ready;
+      SetServing(readiness, ready);
+      if (live) spdlog::info("readiness: {} ({} calls waiting)", ready ? "SERVING" : "NOT_SERVING", depth);
     }
   }
 }
 
-void MhaServer::SetServing(bool serving) {
+void MhaServer::SetServing(const std::string& service, bool serving) {
   for (grpc::Server* server : {server_.get(), health_server_.get()}) {
     if (server == nullptr) continue;
     if (grpc::HealthCheckServiceInterface* health = server->GetHealthCheckService(); health != nullptr) {
-      health->SetServingStatus(serving);
+      health->SetServingStatus(service, serving);
     }
   }
 }

@@ -48,11 +48,12 @@ class MhaServer {
   // Runs every available backend's WarmUp on the compute thread, so that the first call is not slow and the
   // scheduler knows each backend's speed.
   void WarmUp();
-  // Until Shutdown, once a second: health NOT_SERVING while the scheduler has been stuck past --stuck_after_s,
-  // SERVING otherwise; and every few seconds, the allocator's free pages returned to the system.
+  // Until Shutdown, four times a second: liveness (health service "") NOT_SERVING while the scheduler has been
+  // stuck past --stuck_after_s; readiness (service "mha.v1.Attention") NOT_SERVING then too, and while
+  // --ready_max_queue calls or more wait; and every few seconds, the allocator's free pages returned to the system.
   void Watch();
-  // Sets the health of both servers.
-  void SetServing(bool serving);
+  // Sets health service `service` of both servers (the main one and --health_listen's).
+  void SetServing(const std::string& service, bool serving);
 
   ServerOptions options_;
   std::unique_ptr<TokenAuth> auth_;  // null without --auth_tokens_file

@@ -51,8 +51,12 @@ struct ServerOptions {
   // seconds are stopped, so that the process exits within it (below the Deployment's termination grace period).
   double shutdown_grace_s = 25;
   // Health answers NOT_SERVING while the compute thread has run one call for longer than this many seconds with
-  // others waiting (a wedged pod); 0 = never.
+  // others waiting (a wedged pod); 0 = never. This is the liveness answer (service ""): nothing else makes it fail.
   double stuck_after_s = 300;
+  // Readiness (health service "mha.v1.Attention") also answers NOT_SERVING while this many calls or more wait to
+  // compute (a saturated replica: load balancers should send new calls elsewhere), and from SIGTERM on; 0 = only
+  // when stuck or draining.
+  int ready_max_queue = 32;
   // gRPC keepalive pings on idle connections (seconds; 0 = gRPC's default), and the age after which a connection is
   // closed gracefully so that clients reconnect and spread over new replicas (gRFC A9; 0 = unlimited).
   double keepalive_s = 60;

@@ -232,6 +232,46 @@ TEST_F(ServingTest, HealthIsNotServingWhileTheComputeThreadIsStuck) {
   EXPECT_TRUE(serving);
 }
 
+TEST_F(ServingTest, ReadinessFailsWhileCallsPileUpAndLivenessHolds) {
+  ServerOptions options;
+  options.stuck_after_s = 0;  // never wedged: liveness must stay SERVING throughout
+  options.ready_max_queue = 2;
+  StartServer(options);
+  std::unique_ptr<grpc::health::v1::Health::Stub> health =
+      grpc::health::v1::Health::NewStub(server_->InProcessChannel());
+  auto status_of = [&](const std::string& service) {
+    grpc::ClientContext context;
+    grpc::health::v1::HealthCheckRequest request;
+    request.set_service(service);
+    grpc::health::v1::HealthCheckResponse response;
+    const grpc::Status status = health->Check(&context, request, &response);
+    EXPECT_TRUE(status.ok()) << status.error_message();
+    return response.status();
+  };
+  auto await = [&](const std::string& service, grpc::health::v1::HealthCheckResponse::ServingStatus want) {
+    for (int i = 0; i < 50; ++i) {
+      if (status_of(service) == want) return true;
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    return false;
+  };
+  const std::string readiness = "mha.v1.Attention";
+  EXPECT_EQ(status_of(readiness), grpc::health::v1::HealthCheckResponse::SERVING);
+
+  std::unique_ptr<BackgroundCall> slow = Start(SlowDemoRequest(16));
+  std::unique_ptr<BackgroundCall> first = Start(QueuedCpuRequest(), /*computing=*/false);
+  std::unique_ptr<BackgroundCall> second = Start(QueuedCpuRequest(), /*computing=*/false);
+  ASSERT_TRUE(server_->scheduler().AwaitQueued(2, absl::Seconds(10)));
+  EXPECT_TRUE(await(readiness, grpc::health::v1::HealthCheckResponse::NOT_SERVING));
+  EXPECT_EQ(status_of(""), grpc::health::v1::HealthCheckResponse::SERVING);
+
+  slow->context.TryCancel();
+  slow->status.get();
+  EXPECT_TRUE(first->status.get().ok());
+  EXPECT_TRUE(second->status.get().ok());
+  EXPECT_TRUE(await(readiness, grpc::health::v1::HealthCheckResponse::SERVING));
+}
+
 // Self-attention on the demo layer: `batch` x `tokens` tokens, with key_lengths when `lengths`.
 v1::MultiHeadAttentionRequest DemoRequest(int64_t batch, int64_t tokens, uint32_t seed, v1::Backend backend,
                                           bool lengths = false) {
