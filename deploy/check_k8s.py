@@ -1,13 +1,16 @@
 #!/usr/bin/python3
 """Checks that the Kubernetes manifests in deploy/k8s/ fit together, without a cluster.
 
-Usage: check_k8s.py K8S_DIR DOCKERFILE
+Usage: check_k8s.py K8S_DIR DOCKERFILE MONITORING_DIR METRICS_SOURCE
 
 Reads kustomization.yaml and every resource it lists (python3-yaml), then checks what `kubectl apply` would not:
 names and labels that select the Deployment's pods, ports that resolve to a container port, the ConfigMap and
 image the Deployment uses, flags that agree with the mounts and CPU limit, a grace period that covers the drain,
-an HPA and a PDB that can work together, and the container port matching the image's EXPOSE. Prints one line per
-problem and exits 1 when there is any.
+an HPA and a PDB that can work together, and the container port matching the image's EXPOSE. Then the monitoring
+kustomization (MONITORING_DIR): the ServiceMonitor selects the metrics Service and names its port; the alert rules
+cover errors, p99 latency, queue saturation and restarts; every metric the alerts, the Grafana dashboard, the
+adapter rules and the HPA name is one the server exports (METRICS_SOURCE, server/metrics.cc) or kube-state-metrics'
+restart counter. Prints one line per problem and exits 1 when there is any.
 """
 import re
 import sys
@@ -62,6 +65,7 @@ def flag_values(args):
 
 
 def load_resources(k8s_dir):
+    """The kustomization and the documents of its resources; configMapGenerator files are not read."""
     with open(f"{k8s_dir}/kustomization.yaml") as f:
         kustomization = yaml.safe_load(f)
     check(kustomization.get("kind") == "Kustomization", "kustomization.yaml: kind is not Kustomization")
@@ -81,7 +85,78 @@ def load_resources(k8s_dir):
     return kustomization, resources
 
 
-def main(k8s_dir, dockerfile):
+# Metrics other exporters provide that the rules and the dashboard may use.
+EXTERNAL_METRICS = {"kube_pod_container_status_restarts_total"}
+
+
+def exported_metrics(metrics_source):
+    """Series names the server exports: each .Name("...") in server/metrics.cc, histograms with their suffixes."""
+    with open(metrics_source) as f:
+        text = f.read()
+    names = set()
+    for kind, name in re.findall(r'Build(Counter|Gauge|Histogram)\(\)\s*\.Name\("(\w+)"\)', text):
+        names.add(name)
+        if kind == "Histogram":
+            names.update({name + "_bucket", name + "_sum", name + "_count"})
+    return names
+
+
+def metrics_in(expr):
+    """The mha_* and kube_* series names a PromQL expression reads."""
+    return set(re.findall(r"\b((?:mha|kube)_\w+)", expr))
+
+
+def check_monitoring(monitoring_dir, k8s_resources, metrics_source):
+    import json
+    _, resources = load_resources(monitoring_dir)
+    known = exported_metrics(metrics_source) | EXTERNAL_METRICS
+    check("mha_queue_depth" in known, f"{metrics_source}: no mha_queue_depth (the HPA scales on it)")
+
+    def used(expr, where):
+        for metric in metrics_in(expr):
+            check(metric in known, f"{where}: {metric} is not a metric the server exports")
+
+    services = [r for r in k8s_resources if r["kind"] == "Service"]
+    monitors = [r for r in resources if r["kind"] == "ServiceMonitor"]
+    check(len(monitors) == 1, f"{monitoring_dir}: expected one ServiceMonitor, found {len(monitors)}")
+    for monitor in monitors:
+        selected = [s for s in services if selects(monitor["spec"]["selector"]["matchLabels"],
+                                                   s["metadata"].get("labels", {}))]
+        if check(len(selected) == 1, "ServiceMonitor: selects no Service (or several) of deploy/k8s"):
+            port_names = {p.get("name") for p in selected[0]["spec"]["ports"]}
+            for endpoint in monitor["spec"]["endpoints"]:
+                check(endpoint.get("port") in port_names,
+                      f"ServiceMonitor: port {endpoint.get('port')!r} is not a port of Service "
+                      f"{selected[0]['metadata']['name']}")
+    rules = [rule for r in resources if r["kind"] == "PrometheusRule" for g in r["spec"]["groups"]
+             for rule in g["rules"]]
+    exprs = " ".join(rule["expr"] for rule in rules)
+    for what, pattern in (("the error rate", r'code=~"[^"]*INTERNAL'), ("p99 latency", r"histogram_quantile\(0\.99"),
+                          ("queue saturation", r"mha_queue_depth"), ("restarts", r"restarts_total")):
+        check(re.search(pattern, exprs), f"PrometheusRule: no alert on {what}")
+    for rule in rules:
+        used(rule["expr"], f"alert {rule.get('alert')}")
+    with open(f"{monitoring_dir}/grafana-dashboard.json") as f:
+        dashboard = json.load(f)
+    targets = [t for p in dashboard["panels"] for t in p.get("targets", [])]
+    check(targets, "grafana-dashboard.json: no panel queries anything")
+    for target in targets:
+        used(target["expr"], f"dashboard query {target['refId']}")
+    with open(f"{monitoring_dir}/prometheus-adapter-rules.yaml") as f:
+        adapter = yaml.safe_load(f)
+    adapted = {rule["name"]["as"] for rule in adapter["rules"]}
+    for rule in adapter["rules"]:
+        used(rule["seriesQuery"], "prometheus-adapter rule")
+    for hpa in (r for r in k8s_resources if r["kind"] == "HorizontalPodAutoscaler"):
+        for metric in hpa["spec"].get("metrics", []):
+            if metric["type"] == "Pods":
+                check(metric["pods"]["metric"]["name"] in adapted,
+                      f"HorizontalPodAutoscaler: pods metric {metric['pods']['metric']['name']} has no adapter rule")
+    print(f"check_k8s: {len(resources)} monitoring resources, {len(targets)} dashboard queries and "
+          f"{len(rules)} alert rules checked")
+
+
+def main(k8s_dir, dockerfile, monitoring_dir, metrics_source):
     kustomization, resources = load_resources(k8s_dir)
 
     def of_kind(kind):
@@ -229,16 +304,17 @@ def main(k8s_dir, dockerfile):
         exposed = {int(p.split("/")[0]) for line in f if line.startswith("EXPOSE") for p in line.split()[1:]}
     check(set(ports) <= exposed,
           f"container ports {sorted(ports)} are not all EXPOSEd by {dockerfile} {sorted(exposed)}")
+    check_monitoring(monitoring_dir, resources, metrics_source)
     print(f"check_k8s: {len(resources)} resources from {k8s_dir}/kustomization.yaml checked, "
           f"{len(problems)} problem(s)")
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 3:
+    if len(sys.argv) != 5:
         sys.exit(__doc__)
     try:
-        main(sys.argv[1], sys.argv[2])
-    except (OSError, yaml.YAMLError, KeyError, TypeError, ValueError) as error:
+        main(*sys.argv[1:5])
+    except (OSError, yaml.YAMLError, KeyError, TypeError, ValueError, StopIteration) as error:
         problems.append(f"cannot read the manifests: {error!r}")
     for problem in problems:
         print(f"check_k8s: {problem}")
