@@ -29,14 +29,22 @@ MutableTensor Allocate(v1::Tensor* tensor, std::initializer_list<int64_t> shape,
   return {bytes->data(), dtype};
 }
 
-// The additive mask in fp32, checked while decoding: -inf masks a key, NaN and +inf have no meaning.
+// The mask as additive fp32, checked while decoding: an additive mask's -inf masks a key, NaN and +inf have no
+// meaning; a boolean (MASK_KEEP) mask's 1 becomes 0 and its 0 becomes -inf, and any other value has no meaning.
 absl::Status DecodeMask(const AttentionPlan& plan, std::vector<float>* values, AttentionMask* mask) {
   mask->key_lengths = plan.key_lengths;
   if (plan.attn_mask == nullptr) return absl::OkStatus();
   *values = TensorToFloats(*plan.attn_mask);
   for (size_t i = 0; i < values->size(); ++i) {
-    const float x = (*values)[i];
-    if (std::isnan(x) || x == std::numeric_limits<float>::infinity()) {
+    float& x = (*values)[i];
+    if (plan.attn_mask_keep) {
+      if (x != 0.0f && x != 1.0f) {
+        return absl::InvalidArgumentError(absl::StrCat("attn_mask element ", i, " is ", x,
+                                                       "; with MASK_KEEP every value must be 1 (attends) or 0 "
+                                                       "(masked)"));
+      }
+      x = x == 1.0f ? 0.0f : -std::numeric_limits<float>::infinity();
+    } else if (std::isnan(x) || x == std::numeric_limits<float>::infinity()) {
       return absl::InvalidArgumentError(
           absl::StrCat("attn_mask element ", i, " is ", x, "; only finite values and -inf are allowed"));
     }

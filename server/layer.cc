@@ -10,18 +10,18 @@
 namespace mha {
 namespace {
 
-// Checks that `tensor` (named field.name) is a valid tensor of exactly `shape` with finite values.
+// Checks that `tensor` (named field.name) is a valid tensor of exactly `shape` with finite values; `why` says where
+// the expected sizes come from.
 absl::Status CheckWeight(const v1::Tensor& tensor, absl::string_view field, absl::string_view name,
-                         std::vector<int64_t> shape) {
+                         std::vector<int64_t> shape, absl::string_view why) {
   const std::string full = absl::StrCat(field, ".", name);
   RETURN_IF_ERROR(CheckTensor(tensor, full).status());
-  RETURN_IF_ERROR(CheckFinite(tensor, full));
   const std::vector<int64_t> given(tensor.shape().begin(), tensor.shape().end());
   if (given != shape) {
-    return absl::InvalidArgumentError(absl::StrCat(full, ".shape must be ", ShapeString(shape), ", got ",
-                                                   ShapeString(given)));
+    return absl::InvalidArgumentError(absl::StrCat(full, ".shape must be ", ShapeString(shape), " (", why,
+                                                   "), got ", ShapeString(given)));
   }
-  return absl::OkStatus();
+  return CheckFinite(tensor, full);
 }
 
 // Decodes the [rows, cols] tensor `t` into rows of `dst` that are `ld` floats apart.
@@ -33,7 +33,7 @@ void DecodeRows(const v1::Tensor& t, int64_t rows, int64_t cols, float* dst, int
 }  // namespace
 
 absl::StatusOr<LayerShape> CheckLayerWeights(const v1::AttentionWeights& w, const v1::HeadConfig& heads,
-                                             absl::string_view field) {
+                                             absl::string_view field, const InputWidths* inputs) {
   for (const auto& [tensor, tname] : {std::pair{&w.w_q(), "w_q"}, std::pair{&w.w_k(), "w_k"},
                                       std::pair{&w.w_v(), "w_v"}, std::pair{&w.w_o(), "w_o"}}) {
     if (tensor->shape_size() != 2) {
@@ -42,19 +42,40 @@ absl::StatusOr<LayerShape> CheckLayerWeights(const v1::AttentionWeights& w, cons
     }
   }
   LayerShape s;
-  s.d_model = w.w_q().shape(0);
-  s.d_kv_in = w.w_k().shape(0);
-  s.d_v_in = w.w_v().shape(0);
-  ASSIGN_OR_RETURN(s.heads, ResolveHeads(heads, HeadSpec(), "", s.d_model, "heads"));
+  s.d_model = inputs != nullptr ? inputs->d_model : w.w_q().shape(0);
+  s.d_kv_in = inputs != nullptr ? inputs->d_kv_in : w.w_k().shape(0);
+  s.d_v_in = inputs != nullptr ? inputs->d_v_in : w.w_v().shape(0);
+  const std::string d_model_from =
+      absl::StrCat(inputs != nullptr ? "the query's d_model, " : "d_model, from w_q, ", s.d_model);
+  const std::string d_kv_from = absl::StrCat(inputs != nullptr ? "the key's features, " : "from w_k, ", s.d_kv_in);
+  const std::string d_v_from = absl::StrCat(inputs != nullptr ? "the value's features, " : "from w_v, ", s.d_v_in);
+  // H x d_k need not be d_model: with head_dim unset, w_q's columns tell d_k when they divide by num_heads.
+  v1::HeadConfig resolved = heads;
+  const int64_t q_columns = w.w_q().shape(1);
+  const bool inferred = heads.head_dim() == 0 && heads.num_heads() > 0 && q_columns != s.d_model &&
+                        q_columns % heads.num_heads() == 0 && q_columns / heads.num_heads() <= (1 << 20);
+  if (inferred) resolved.set_head_dim(static_cast<int32_t>(q_columns / heads.num_heads()));
+  ASSIGN_OR_RETURN(s.heads, ResolveHeads(resolved, HeadSpec(), "", s.d_model, "heads"));
   const int64_t q_width = s.heads.q_width(), kv_width = s.heads.kv_width();
-  RETURN_IF_ERROR(CheckWeight(w.w_q(), field, "w_q", {s.d_model, q_width}));
-  RETURN_IF_ERROR(CheckWeight(w.w_k(), field, "w_k", {s.d_kv_in, kv_width}));
-  RETURN_IF_ERROR(CheckWeight(w.w_v(), field, "w_v", {s.d_v_in, kv_width}));
-  RETURN_IF_ERROR(CheckWeight(w.w_o(), field, "w_o", {q_width, s.d_model}));
-  if (w.has_b_q()) RETURN_IF_ERROR(CheckWeight(w.b_q(), field, "b_q", {q_width}));
-  if (w.has_b_k()) RETURN_IF_ERROR(CheckWeight(w.b_k(), field, "b_k", {kv_width}));
-  if (w.has_b_v()) RETURN_IF_ERROR(CheckWeight(w.b_v(), field, "b_v", {kv_width}));
-  if (w.has_b_o()) RETURN_IF_ERROR(CheckWeight(w.b_o(), field, "b_o", {s.d_model}));
+  const char* head_dim_from = inferred                ? "inferred from w_q's columns"
+                              : heads.head_dim() != 0 ? "from heads.head_dim"
+                                                      : "d_model / num_heads; set heads.head_dim for another";
+  const std::string q_cols = absl::StrCat("num_heads x head_dim = ", s.heads.num_heads, " x ", s.heads.head_dim,
+                                          ", head_dim ", head_dim_from);
+  const std::string kv_cols =
+      absl::StrCat("num_kv_heads x head_dim = ", s.heads.num_kv_heads, " x ", s.heads.head_dim);
+  RETURN_IF_ERROR(CheckWeight(w.w_q(), field, "w_q", {s.d_model, q_width},
+                              absl::StrCat("rows: ", d_model_from, "; columns: ", q_cols)));
+  RETURN_IF_ERROR(CheckWeight(w.w_k(), field, "w_k", {s.d_kv_in, kv_width},
+                              absl::StrCat("rows: ", d_kv_from, "; columns: ", kv_cols)));
+  RETURN_IF_ERROR(CheckWeight(w.w_v(), field, "w_v", {s.d_v_in, kv_width},
+                              absl::StrCat("rows: ", d_v_from, "; columns: ", kv_cols)));
+  RETURN_IF_ERROR(CheckWeight(w.w_o(), field, "w_o", {q_width, s.d_model},
+                              absl::StrCat("rows: ", q_cols, "; columns: ", d_model_from)));
+  if (w.has_b_q()) RETURN_IF_ERROR(CheckWeight(w.b_q(), field, "b_q", {q_width}, q_cols));
+  if (w.has_b_k()) RETURN_IF_ERROR(CheckWeight(w.b_k(), field, "b_k", {kv_width}, kv_cols));
+  if (w.has_b_v()) RETURN_IF_ERROR(CheckWeight(w.b_v(), field, "b_v", {kv_width}, kv_cols));
+  if (w.has_b_o()) RETURN_IF_ERROR(CheckWeight(w.b_o(), field, "b_o", {s.d_model}, d_model_from));
   s.input_bias = w.has_b_q() || w.has_b_k() || w.has_b_v();
   s.output_bias = w.has_b_o();
   return s;

@@ -46,11 +46,21 @@ struct Layer {
   v1::LayerInfo Info() const;
 };
 
-// Checks weights against a head configuration from their shapes, dtypes and byte counts, decoding nothing: d_model
-// is w_q's first dimension, heads resolve with ResolveHeads. Every error is INVALID_ARGUMENT and names the field
-// under `field` (e.g. "inline_weights.w_k") with expected and given shapes. O(1) in the weights' size.
+// The feature widths a request's inputs set, which inline weights must match (LoadLayer has no inputs: there the
+// weights set them).
+struct InputWidths {
+  int64_t d_model = 0;  // the query's last dimension
+  int64_t d_kv_in = 0;  // the key's (the query's when the request has no key)
+  int64_t d_v_in = 0;   // the value's (the key's when the request has no value)
+};
+
+// Checks weights against a head configuration from their shapes, dtypes, byte counts and a scan for non-finite
+// values, decoding nothing. d_model, d_kv_in and d_v_in come from `inputs` when given, else from w_q, w_k and w_v's
+// first dimensions. Heads resolve with ResolveHeads; a head_dim left 0 is inferred from w_q's columns when they are
+// not d_model but divide by num_heads. Every error is INVALID_ARGUMENT, names the field under `field` (e.g.
+// "inline_weights.w_k") with expected and given shapes, and says which tensor or field sets each expected size.
 absl::StatusOr<LayerShape> CheckLayerWeights(const v1::AttentionWeights& weights, const v1::HeadConfig& heads,
-                                             absl::string_view field);
+                                             absl::string_view field, const InputWidths* inputs = nullptr);
 
 // Decodes weights that passed CheckLayerWeights with `shape` into a layer.
 std::shared_ptr<const Layer> DecodeLayer(absl::string_view name, absl::string_view source,

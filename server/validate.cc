@@ -81,6 +81,11 @@ absl::Status ValidateCommon(const Request& request, const ValidationContext& con
                      absl::StrCat(ShapeString(per_batch), " [B, Tq, Tk], got ", ShapeString(shape)));
     }
     plan->attn_mask = &mask;
+    if (!v1::MaskType_IsValid(request.attn_mask_type())) {
+      return Invalid("attn_mask_type must be MASK_ADDITIVE or MASK_KEEP, got ",
+                     absl::StrCat(request.attn_mask_type()));
+    }
+    plan->attn_mask_keep = request.attn_mask_type() == v1::MASK_KEEP;
   }
 
   if (!v1::DataType_IsValid(request.output_dtype())) {
@@ -186,7 +191,14 @@ absl::StatusOr<MhaPlan> ValidateMultiHeadAttention(const v1::MultiHeadAttentionR
     }
     case v1::MultiHeadAttentionRequest::kInlineWeights: {
       if (!request.has_heads()) return Invalid("heads is required with inline_weights (heads.num_heads >= 1)");
-      ASSIGN_OR_RETURN(layer, CheckLayerWeights(request.inline_weights(), request.heads(), "inline_weights"));
+      // The inputs set the widths the weights must have: the query's d_model, the key's and the value's features.
+      InputWidths inputs;
+      inputs.d_model = d_model;
+      inputs.d_kv_in = request.has_key() && request.key().shape_size() == 3 ? request.key().shape(2) : d_model;
+      inputs.d_v_in = request.has_value() && request.value().shape_size() == 3 ? request.value().shape(2)
+                                                                                 : inputs.d_kv_in;
+      ASSIGN_OR_RETURN(layer,
+                       CheckLayerWeights(request.inline_weights(), request.heads(), "inline_weights", &inputs));
       plan.inline_weights = &request.inline_weights();
       plan.inline_shape = layer;
       layer_name = "inline";

@@ -24,6 +24,7 @@ struct AttentionPlan {
   AttentionProblem problem;               // shape, wire and output dtypes, return_weights
   Backend* backend = nullptr;             // chosen, and asked whether it supports `problem`
   const v1::Tensor* attn_mask = nullptr;  // null, or [Tq, Tk] / [B, Tq, Tk]; values checked when decoded
+  bool attn_mask_keep = false;            // attn_mask is boolean (MASK_KEEP: 1 attends, 0 masked), not additive
   absl::Span<const int32_t> key_lengths;  // empty or [B], each in [0, Tk]
   std::string shapes;                     // for logs, e.g. "query[8, 512, 512] self layer=demo H=8 Hkv=8"
   double flops = 0;                       // AttentionFlops(problem.shape)

@@ -194,6 +194,42 @@ TEST_F(ServiceTest, LoadedLayerAnswersLikeTheSameInlineWeights) {
   EXPECT_EQ(Call(by_name, &b).error_code(), grpc::StatusCode::NOT_FOUND);
 }
 
+TEST_F(ServiceTest, ABooleanKeepMaskMatchesTheAdditiveMaskItMeans) {
+  std::vector<float> keep(kLen * kLen), additive(kLen * kLen);
+  for (int i = 0; i < kLen * kLen; ++i) {
+    keep[i] = (i % 3 == 1) ? 0.0f : 1.0f;
+    additive[i] = keep[i] == 1.0f ? 0.0f : -kInf;
+  }
+  v1::MultiHeadAttentionRequest with_keep = ValidRequest(), with_additive = ValidRequest();
+  FloatsToTensor(keep, {kLen, kLen}, v1::FP32, with_keep.mutable_attn_mask());
+  with_keep.set_attn_mask_type(v1::MASK_KEEP);
+  FloatsToTensor(additive, {kLen, kLen}, v1::FP32, with_additive.mutable_attn_mask());
+  v1::MultiHeadAttentionResponse a, b;
+  ASSERT_TRUE(Call(with_keep, &a).ok());
+  ASSERT_TRUE(Call(with_additive, &b).ok());
+  EXPECT_EQ(a.output().data(), b.output().data());
+
+  keep[4] = 0.5f;
+  FloatsToTensor(keep, {kLen, kLen}, v1::FP32, with_keep.mutable_attn_mask());
+  const grpc::Status status = Call(with_keep, &a);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(status.error_message(), HasSubstr("attn_mask element 4 is 0.5; with MASK_KEEP every value must be 1"));
+}
+
+TEST_F(ServiceTest, InlineHeadDimIsInferredFromTheWeights) {
+  // H x d_k = 2 x 8 = 16 columns for d_model 8: head_dim is not d_model / H, and the weights say what it is.
+  v1::MultiHeadAttentionRequest request = ValidRequest();
+  v1::AttentionWeights* w = request.mutable_inline_weights();
+  SetTensor(w->mutable_w_q(), {kDModel, 16}, 2);
+  SetTensor(w->mutable_w_k(), {kDModel, 16}, 3);
+  SetTensor(w->mutable_w_v(), {kDModel, 16}, 4);
+  SetTensor(w->mutable_w_o(), {16, kDModel}, 5);
+  v1::MultiHeadAttentionResponse response;
+  const grpc::Status status = Call(request, &response);
+  EXPECT_TRUE(status.ok()) << status.error_message();
+  EXPECT_EQ(response.output().shape(2), kDModel);
+}
+
 TEST_F(ServiceTest, LoadLayerRejectsATakenName) {
   v1::LoadLayerRequest load;
   load.set_name("demo");
@@ -543,18 +579,19 @@ std::vector<BadInput> BadInputs() {
       {"kv_heads_not_dividing", [](R* r) { r->mutable_heads()->set_num_kv_heads(3); }, kInvalid,
        "heads.num_kv_heads (3) must divide num_heads (2)"},
       {"head_dim_not_matching_weights", [](R* r) { r->mutable_heads()->set_head_dim(3); }, kInvalid,
-       "inline_weights.w_q.shape must be [8, 6], got [8, 8]"},
+       "inline_weights.w_q.shape must be [8, 6] (rows: the query's d_model, 8; columns: num_heads x head_dim = 2 x 3, "
+       "head_dim from heads.head_dim), got [8, 8]"},
       {"heads_not_dividing_d_model", [](R* r) { r->mutable_heads()->set_num_heads(3); }, kInvalid,
        "d_model (8) must be divisible by num_heads (3)"},
       {"non_finite_scale", [](R* r) { r->mutable_heads()->set_scale(kNaN); }, kInvalid, "heads.scale must be finite"},
       {"w_o_wrong_shape", [](R* r) { SetTensor(Weights(r)->mutable_w_o(), {8, 4}, 1); }, kInvalid,
-       "inline_weights.w_o.shape must be [8, 8], got [8, 4]"},
+       "inline_weights.w_o.shape must be [8, 8] (rows: num_heads x head_dim = 2 x 4"},
       {"w_k_rank_1", [](R* r) { SetTensor(Weights(r)->mutable_w_k(), {64}, 1); }, kInvalid,
        "inline_weights.w_k must be a 2-d tensor"},
       {"b_q_wrong_size", [](R* r) { SetTensor(Weights(r)->mutable_b_q(), {7}, 1); }, kInvalid,
-       "inline_weights.b_q.shape must be [8], got [7]"},
+       "inline_weights.b_q.shape must be [8] (num_heads x head_dim = 2 x 4"},
       {"query_d_model_mismatch", [](R* r) { SetTensor(Query(r), {2, 3, 16}, 1); }, kInvalid,
-       "query.shape[2] (d_model) must be 8"},
+       "inline_weights.w_q.shape must be [16, 8] (rows: the query's d_model, 16;"},
       {"query_d_model_mismatch_demo",
        [](R* r) {
          r->set_layer("demo");
@@ -571,7 +608,7 @@ std::vector<BadInput> BadInputs() {
       {"key_batch_mismatch", [](R* r) { SetTensor(r->mutable_key(), {3, 5, 8}, 1); }, kInvalid,
        "key.shape[0] (B) must be 2"},
       {"key_features_mismatch", [](R* r) { SetTensor(r->mutable_key(), {2, 5, 6}, 1); }, kInvalid,
-       "key.shape[2] (d_kv_in) must have 8 features"},
+       "inline_weights.w_k.shape must be [6, 8] (rows: the key's features, 6;"},
       {"value_length_mismatch",
        [](R* r) {
          SetTensor(r->mutable_key(), {2, 5, 8}, 1);

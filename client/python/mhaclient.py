@@ -331,7 +331,8 @@ class MhaClient:
         Exactly one of layer (a registered name) or weights (dict w_q, w_k, w_v, w_o and optional b_q, b_k, b_v,
         b_o of arrays in the Y = X W convention, W [in, out]) must be given. With weights, num_heads is required.
         num_kv_heads 0 = num_heads, head_dim 0 = d_model / num_heads, scale 0 = 1/sqrt(head_dim).
-        key_lengths: B ints; attn_mask: additive [Tq, Tk] or [B, Tq, Tk]; head_mask: H floats.
+        key_lengths: B ints; attn_mask: [Tq, Tk] or [B, Tq, Tk], additive when floating point (-inf masks), boolean
+        when numpy bool (True attends, as in torch's scaled_dot_product_attention); head_mask: H floats.
         output_dtype: None (query's), 'fp32', 'fp16' or 'bf16'. backend: 'auto', 'cpu', 'cuda' or 'reference'.
         wire_dtype: send every float tensor as this dtype instead of the arrays' own (see to_tensor).
         Returns AttentionResult.
@@ -358,10 +359,19 @@ class MhaClient:
         if key_lengths is not None:
             req.key_lengths.extend(int(x) for x in key_lengths)
         if attn_mask is not None:
-            req.attn_mask.CopyFrom(to_tensor(attn_mask, wire_dtype))
+            self._set_mask(req, attn_mask, wire_dtype)
         if head_mask is not None:
             req.head_mask.extend(float(x) for x in head_mask)
         return _result(self._stub.MultiHeadAttention(req, timeout=self.timeout, metadata=self._metadata))
+
+    def _set_mask(self, req, attn_mask, wire_dtype):
+        """A numpy bool mask goes as MASK_KEEP (1 attends, 0 masked); anything else as an additive mask."""
+        mask = np.asarray(attn_mask)
+        if mask.dtype == np.bool_:
+            req.attn_mask.CopyFrom(to_tensor(mask.astype(np.float32), wire_dtype))
+            req.attn_mask_type = self._pb.MASK_KEEP
+        else:
+            req.attn_mask.CopyFrom(to_tensor(mask, wire_dtype))
 
     def scaled_dot_product_attention(self, q, k, v, causal=False, scale=0.0, key_lengths=None, attn_mask=None,
                                      return_weights=False, output_dtype=None, backend="auto", wire_dtype=None):
@@ -381,7 +391,7 @@ class MhaClient:
         if key_lengths is not None:
             req.key_lengths.extend(int(x) for x in key_lengths)
         if attn_mask is not None:
-            req.attn_mask.CopyFrom(to_tensor(attn_mask, wire_dtype))
+            self._set_mask(req, attn_mask, wire_dtype)
         return _result(self._stub.ScaledDotProductAttention(req, timeout=self.timeout, metadata=self._metadata))
 
     # ---- layers -------------------------------------------------------------------------------------------

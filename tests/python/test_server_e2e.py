@@ -607,3 +607,20 @@ def test_errors_then_keeps_serving(client, case):
     r = client.multi_head_attention(np.ones((1, 3, 16), np.float32), weights=_good_weights(), num_heads=2)
     assert r.output.shape == (1, 3, 16) and np.all(np.isfinite(r.output))
     assert client.health() == "SERVING"
+
+
+def test_boolean_mask_reads_as_torch_sdpa_reads_it(client):
+    # True attends, as torch 2's scaled_dot_product_attention reads a bool mask (Debian's torch 1.13 has none, so
+    # the softmax is written out here).
+    rng = np.random.default_rng(5)
+    q = rng.standard_normal((2, 6, 2, 8)).astype(np.float32)
+    k = rng.standard_normal((2, 7, 2, 8)).astype(np.float32)
+    v = rng.standard_normal((2, 7, 2, 8)).astype(np.float32)
+    keep = rng.random((6, 7)) > 0.4
+    keep[:, 0] = True  # every query keeps a key: torch gives NaN rows otherwise
+    got = client.scaled_dot_product_attention(q, k, v, attn_mask=keep).output
+    qh, kh, vh = (torch.from_numpy(x).double().transpose(1, 2) for x in (q, k, v))
+    scores = qh @ kh.transpose(-1, -2) / math.sqrt(8)
+    scores = scores.masked_fill(~torch.from_numpy(keep), float("-inf"))
+    want = (torch.softmax(scores, dim=-1) @ vh).transpose(1, 2).numpy()
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-4)
