@@ -100,10 +100,12 @@ int RunPlot(const ClientOptions& options) {
   file << *svg;
   file.close();
   if (!file) return Fail(absl::InternalError(absl::StrCat("cannot write ", svg_path)));
-  std::printf("wrote %s: %lld heads in %lld KV groups, Tq %lld x Tk %lld, batch item %lld, backend %s\n",
-              svg_path.c_str(), static_cast<long long>(plot.num_heads), static_cast<long long>(plot.num_kv_heads),
-              static_cast<long long>(plot.query_len), static_cast<long long>(plot.key_len),
-              static_cast<long long>(plot_batch), response->backend().c_str());
+  const std::string groups = plot.num_kv_heads < plot.num_heads
+                                 ? absl::StrCat(" in ", plot.num_kv_heads, " KV groups")
+                                 : std::string();
+  std::printf("wrote %s: %lld heads%s, Tq %lld x Tk %lld, batch item %lld, backend %s\n", svg_path.c_str(),
+              static_cast<long long>(plot.num_heads), groups.c_str(), static_cast<long long>(plot.query_len),
+              static_cast<long long>(plot.key_len), static_cast<long long>(plot_batch), response->backend().c_str());
 
   const std::string weights_path = absl::GetFlag(FLAGS_weights_output);
   if (!weights_path.empty()) {

@@ -122,10 +122,13 @@ absl::StatusOr<std::string> RenderHeadsSvg(const HeadsPlot& plot) {
     absl::StrAppendFormat(&svg,
                           "<g class=\"head\" data-head=\"%d\" data-kv-group=\"%d\" shape-rendering=\"crispEdges\">\n",
                           head, head / group_size);
+    // KV groups are worth naming only when heads share a KV head (GQA, MQA); with MHA each head is its own.
+    const std::string title = group_size > 1 ? absl::StrFormat("head %d / KV group %d", head, head / group_size)
+                                             : absl::StrFormat("head %d", head);
     absl::StrAppendFormat(&svg,
                           "<text class=\"title\" x=\"%.1f\" y=\"%.1f\" font-size=\"12\" font-weight=\"bold\">"
-                          "head %d / KV group %d</text>\n",
-                          gx, y0 + 16, head, head / group_size);
+                          "%s</text>\n",
+                          gx, y0 + 16, title);
     for (int64_t q = 0; q < tq; ++q) {
       for (int64_t k = 0; k < tk; ++k) {
         const float w = plot.weights[(head * tq + q) * tk + k];
