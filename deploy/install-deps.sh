@@ -17,6 +17,7 @@ build_packages=(
 )
 test_packages=(
   python3 python3-grpcio python3-protobuf python3-numpy python3-torch python3-pytest
+  python3-venv python3-setuptools   # the Python client installed as a package (tests/python_package_test.sh)
   openssl   # throwaway certificates for the TLS tests
 )
 # Rootful, daemonless podman; runc because crun fails on hybrid cgroups; debootstrap makes the base image locally.

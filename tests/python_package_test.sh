@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The Python client as a pip package: builds it from a copy of client/python and proto/ into a fresh virtual
+# environment (Debian's grpcio, protobuf and numpy through --system-site-packages; nothing from the network), then
+# makes a call with it against the real server.
+# Usage: python_package_test.sh REPO_ROOT MHA_SERVER
+set -euo pipefail
+repo=$(realpath "$1")
+server=$(realpath "$2")
+work=$(mktemp -d)
+server_pid=""
+cleanup() {
+  if [[ -n "$server_pid" ]] && kill -0 "$server_pid" 2>/dev/null; then kill -TERM "$server_pid"; wait "$server_pid" || true; fi
+  rm -rf "$work"
+}
+trap cleanup EXIT
+
+mkdir -p "$work/src/client"
+cp -r "$repo/client/python" "$work/src/client/python"
+cp -r "$repo/proto" "$work/src/proto"
+/usr/bin/python3 -m venv --system-site-packages "$work/venv"
+(cd "$work" && "$work/venv/bin/pip" install -q --no-build-isolation --no-deps --no-index "$work/src/client/python")
+
+"$server" --listen 127.0.0.1:0 --port_file "$work/port" --threads 2 --log_level warn &
+server_pid=$!
+for _ in $(seq 100); do [[ -s "$work/port" ]] && break; sleep 0.1; done
+[[ -s "$work/port" ]] || { echo "server did not start"; exit 1; }
+cd "$work"  # not the checkout: the installed package must be what is imported
+"$work/venv/bin/python" - "127.0.0.1:$(cat "$work/port")" <<'PY'
+import sys
+import numpy as np
+import mhaclient
+assert "/venv/" in mhaclient.__file__, mhaclient.__file__
+with mhaclient.MhaClient(sys.argv[1]) as c:
+    r = c.multi_head_attention(np.ones((1, 4, 512), np.float32), layer="demo")
+    assert r.output.shape == (1, 4, 512), r.output.shape
+    assert c.health() == "SERVING"
+print("python package: installed mhaclient called the server")
+PY
