@@ -71,6 +71,9 @@ absl::Status ValidateCommon(const Request& request, const ValidationContext& con
     plan->key_lengths = absl::MakeConstSpan(request.key_lengths().data(), request.key_lengths_size());
   }
 
+  if (!v1::MaskType_IsValid(request.attn_mask_type())) {
+    return Invalid("attn_mask_type must be MASK_ADDITIVE or MASK_KEEP, got ", absl::StrCat(request.attn_mask_type()));
+  }
   if (request.has_attn_mask()) {
     const v1::Tensor& mask = request.attn_mask();
     RETURN_IF_ERROR(CheckTensor(mask, "attn_mask").status());
@@ -81,10 +84,6 @@ absl::Status ValidateCommon(const Request& request, const ValidationContext& con
                      absl::StrCat(ShapeString(per_batch), " [B, Tq, Tk], got ", ShapeString(shape)));
     }
     plan->attn_mask = &mask;
-    if (!v1::MaskType_IsValid(request.attn_mask_type())) {
-      return Invalid("attn_mask_type must be MASK_ADDITIVE or MASK_KEEP, got ",
-                     absl::StrCat(request.attn_mask_type()));
-    }
     plan->attn_mask_keep = request.attn_mask_type() == v1::MASK_KEEP;
   }
 

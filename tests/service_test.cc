@@ -666,6 +666,8 @@ std::vector<BadInput> BadInputs() {
        kInvalid, "head_mask[1] must be finite"},
       {"unknown_output_dtype", [](R* r) { r->set_output_dtype(static_cast<v1::DataType>(7)); }, kInvalid,
        "output_dtype must be"},
+      {"unknown_mask_type", [](R* r) { r->set_attn_mask_type(static_cast<v1::MaskType>(5)); }, kInvalid,
+       "attn_mask_type must be MASK_ADDITIVE or MASK_KEEP, got 5"},
       {"unknown_backend", [](R* r) { r->set_backend(static_cast<v1::Backend>(17)); }, kInvalid,
        "backend must be BACKEND_AUTO"},
       {"cuda_not_compiled_in", [](R* r) { r->set_backend(v1::BACKEND_CUDA); }, kInvalid,
