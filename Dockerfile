@@ -2,8 +2,9 @@
 # the runtime libraries only. deploy/container-test.sh builds and runs it in CI with podman; docs/DEPLOY.md has the
 # commands and the measured numbers.
 #
-#   podman build --format docker -t mhaserve:0.1.0 .      (docker build -t mhaserve:0.1.0 .)
-#   podman run --rm --init -p 50051:50051 mhaserve:0.1.0 [--threads N --layers_dir /layers ...]
+#   README's "Containers" lines (no registry needed), or where a registry is reachable:
+#   podman build --format docker -t localhost/mhaserve:0.1.0 .      (docker build -t mhaserve:0.1.0 .)
+#   podman run --rm --init --network host localhost/mhaserve:0.1.0 --listen 127.0.0.1:50051 [--threads N ...]
 #
 # Build arguments:
 #   BASE_IMAGE  Debian bookworm image for both stages (default debian:bookworm; CI passes a debootstrapped local
@@ -35,6 +36,9 @@ RUN cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DBUILD_TESTING=OFF 
  && cmake --build build --target mha_server mha_client \
  && mkdir /out && strip -o /out/mha_server build/bin/mha_server && strip -o /out/mha_client build/bin/mha_client \
  && rm -rf build
+# Marks this stage's final image, which podman/buildah keep untagged after the build: `podman image prune
+# --filter label=mhaserve.stage=build` removes it and leaves the cached install layer above (which has no label).
+LABEL mhaserve.stage=build
 
 FROM ${BASE_IMAGE}
 ARG VARIANT=cpu
@@ -60,9 +64,12 @@ USER 10001:10001
 EXPOSE 50051 9464 8081
 # The server drains in-flight calls for up to 30 s on SIGTERM and exits 0; as PID 1 it handles the signal itself.
 STOPSIGNAL SIGTERM
+# The health check asks the server it belongs to: the port it bound, from the port file the ENTRYPOINT names (in
+# /tmp, a tmpfs under --read-only), whatever --listen says. Plaintext: with --tls_cert, give --health_listen and
+# --health-cmd.
 HEALTHCHECK --interval=10s --timeout=3s --start-period=10s --retries=3 \
-  CMD ["/usr/local/bin/mha_client", "health", "--target", "127.0.0.1:50051", "--timeout_s", "2"]
+  CMD ["/bin/sh", "-c", "exec /usr/local/bin/mha_client health --target 127.0.0.1:$(cat /tmp/mha_server.port) --timeout_s 2"]
 # Arguments after the image name are appended, and a repeated flag takes its last value, so
 # `--listen 127.0.0.1:6000` or `--threads 4` override these defaults.
 ENTRYPOINT ["/usr/local/bin/mha_server", "--listen", "0.0.0.0:50051", "--metrics_listen", "0.0.0.0:9464", \
-            "--layers_dir", "/layers"]
+            "--layers_dir", "/layers", "--port_file", "/tmp/mha_server.port"]

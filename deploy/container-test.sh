@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Builds the mhaserve image with podman (rootful, no daemon, no registry) and runs it for real on a free loopback
-# port: health (the image's HEALTHCHECK command), info, demo-layer calls checked against the reference backend
+# Runs README's container lines as written (base image, build, prune, run on 127.0.0.1:50051 and a checked call),
+# then runs the image for real on free loopback ports: health (the image's own HEALTHCHECK, which must find the
+# port the server bound), info, demo-layer calls checked against the reference backend
 # from a second container, then SIGTERM during a long call (it must finish, and the container must exit 0), once
 # under podman's --init and once with the server itself as PID 1 on a read-only root without capabilities (as the
 # Kubernetes Deployment runs it). Containers are removed; the images stay cached.
@@ -31,66 +32,39 @@ EOF
 export CONTAINERS_CONF=$root/deploy/podman/containers.conf
 export CONTAINERS_STORAGE_CONF=$state/storage.conf
 
-base_image=localhost/debian:bookworm
-image=${MHA_IMAGE:-localhost/mhaserve:test}
+image=localhost/mhaserve:0.1.0  # what README's lines build
 work=$(mktemp -d)
 run_name=mhaserve-ct-$$
 podman_pid=""
 cleanup() {
   if podman container exists "$run_name" 2>/dev/null; then podman rm -f -t 0 "$run_name" >/dev/null || true; fi
   if [[ -n "$podman_pid" ]] && kill -0 "$podman_pid" 2>/dev/null; then kill -KILL "$podman_pid" || true; fi
-  if [[ -d "$work/rootfs" ]]; then rm -rf --one-file-system "$work/rootfs"; fi
+  if podman container exists mhaserve 2>/dev/null; then podman rm -f -t 0 mhaserve >/dev/null || true; fi
   rm -rf "$work"
 }
 trap cleanup EXIT
 
-# --- base image: debootstrap from the machine's own Debian mirror, then podman import -------------------------
-t_base=$(date +%s)
-if podman image exists "$base_image"; then
-  base_note="cached"
-else
-  mirror=$(apt-get indextargets --no-release-info --format '$(RELEASE) $(COMPONENT) $(REPO_URI)' |
-    awk '$1 == "bookworm" && $2 == "main" { print $3; exit }')
-  [[ -n "$mirror" ]] || { echo "container-test: no bookworm main mirror in the apt sources"; exit 1; }
-  step "debootstrap --variant=minbase bookworm from $mirror"
-  debootstrap --variant=minbase bookworm "$work/rootfs" "$mirror" >"$work/debootstrap.log" 2>&1 ||
-    { tail -30 "$work/debootstrap.log"; exit 1; }
-  # The host's Debian sources (those whose keyrings the new system has) in place of debootstrap's one line, and
-  # the host's apt acquisition settings, so that apt-get inside the image reaches the same mirror the same way.
-  mkdir "$work/sources"
-  for f in /etc/apt/sources.list /etc/apt/sources.list.d/*.list /etc/apt/sources.list.d/*.sources; do
-    [[ -s "$f" ]] || continue
-    keyrings_present=1
-    for key in $(grep -ohE '(Signed-By: *|signed-by=)[^] ]+' "$f" | sed -E 's/^(Signed-By: *|signed-by=)//' || true); do
-      [[ -e "$work/rootfs$key" ]] || keyrings_present=0
-    done
-    if [[ $keyrings_present -eq 1 ]]; then cp --parents "$f" "$work/sources/"; fi
-  done
-  if [[ -n "$(ls -A "$work/sources")" ]]; then
-    rm -f "$work/rootfs/etc/apt/sources.list"
-    cp -r "$work/sources/etc/apt/." "$work/rootfs/etc/apt/"
-  fi
-  apt-config dump | grep -E '^Acquire::(Check-Valid-Until|Check-Date|https?::Proxy) ' \
-    >"$work/rootfs/etc/apt/apt.conf.d/99host-acquire" || true
-  rm -rf "$work/rootfs/var/cache/apt/archives/"*.deb "$work/rootfs/var/lib/apt/lists/"*
-  tar -C "$work/rootfs" -c . | podman import - "$base_image" >/dev/null
-  rm -rf --one-file-system "$work/rootfs"
-  base_note="made"
-fi
-base_s=$(($(date +%s) - t_base))
-step "base image $base_image $base_note (${base_s} s)"
-
-# --- build ----------------------------------------------------------------------------------------------------
+# --- README's container lines, as written: base image, build, prune, then the run line in the background -----------
+# The lines export CONTAINERS_CONF themselves; the storage stays this script's (CONTAINERS_STORAGE_CONF above).
 t_build=$(date +%s)
-step "podman build $image"
-# --format docker keeps HEALTHCHECK (the OCI format has no field for it).
-podman build --network=host --pull=never --format docker --build-arg BASE_IMAGE="$base_image" \
-  -t "$image" -f Dockerfile . >"$work/build.log" 2>&1 || { tail -60 "$work/build.log"; exit 1; }
+mapfile -t readme_lines < <(awk '/^<!-- container-lines -->/ { on = 1; next } /^<!-- \/container-lines -->/ { on = 0 }
+  on && !/^```/' README.md)
+[[ ${#readme_lines[@]} -ge 4 ]] || { echo "container-test: no container lines in README.md"; exit 1; }
+run_line=""
+for line in "${readme_lines[@]}"; do
+  if [[ $line == "podman run "* ]]; then run_line=$line; continue; fi
+  step "README: $line"
+  eval "$line" >"$work/line.log" 2>&1 || { tail -60 "$work/line.log"; echo "container-test: FAILED: $line"; exit 1; }
+done
+[[ -n "$run_line" ]] || { echo "container-test: README has no podman run line"; exit 1; }
 build_s=$(($(date +%s) - t_build))
 size_mb=$(( $(podman image inspect --format '{{.Size}}' "$image") / 1000000 ))
-step "built $image: ${size_mb} MB in ${build_s} s"
-if ! podman image inspect --format '{{json .Config.Healthcheck}}' "$image" | grep -q 'mha_client","health'; then
+step "built $image: ${size_mb} MB in ${build_s} s (base image and build, README's lines)"
+if ! podman image inspect --format '{{json .Config.Healthcheck}}' "$image" | grep -q 'mha_client health'; then
   echo "container-test: FAILED: the image has no mha_client health HEALTHCHECK"; exit 1
+fi
+if [[ -n "$(podman images -q --filter dangling=true --filter label=mhaserve.stage=build)" ]]; then
+  echo "container-test: FAILED: the build left its build stage's image behind"; exit 1
 fi
 
 # --- run ------------------------------------------------------------------------------------------------------
@@ -101,23 +75,27 @@ free_port() {
 # A second container calling the server over loopback, as another service would.
 client() { podman run --rm --network=host --no-healthcheck --entrypoint /usr/local/bin/mha_client "$image" "$@"; }
 
-# start_server PODMAN_RUN_FLAGS...: runs the image in the background on a free loopback port (sets port and
-# podman_pid) with the image's health command pointed at that port, and waits until `podman healthcheck run`
-# reports healthy. (The healthcheck timer podman would start needs systemd, absent here: podman logs that.)
-start_server() {
-  port=$(free_port)
-  metrics_port=$(free_port)
-  podman run --rm --network=host --name "$run_name" "$@" \
-    --health-cmd "[\"/usr/local/bin/mha_client\",\"health\",\"--target\",\"127.0.0.1:$port\",\"--timeout_s\",\"2\"]" \
-    "$image" --listen "127.0.0.1:$port" --metrics_listen "127.0.0.1:$metrics_port" --threads 2 \
-    >"$work/server.log" 2>&1 &
-  podman_pid=$!
+# await_healthy NAME: until `podman healthcheck run NAME` (the image's own HEALTHCHECK) reports healthy. (The
+# healthcheck timer podman would start needs systemd, absent here: podman logs that.)
+await_healthy() {
   for _ in $(seq 120); do
-    if podman healthcheck run "$run_name" >/dev/null 2>&1; then return 0; fi
+    if podman healthcheck run "$1" >/dev/null 2>&1; then return 0; fi
     kill -0 "$podman_pid" 2>/dev/null || break
     sleep 0.5
   done
   fail "the container did not become healthy"
+}
+
+# start_server PODMAN_RUN_FLAGS...: runs the image in the background on a free loopback port, not the default one
+# (sets port and podman_pid), and waits until the image's own health check, which must find that port, passes.
+start_server() {
+  port=$(free_port)
+  metrics_port=$(free_port)
+  podman run --rm --network=host --name "$run_name" "$@" \
+    "$image" --listen "127.0.0.1:$port" --metrics_listen "127.0.0.1:$metrics_port" --threads 2 \
+    >"$work/server.log" 2>&1 &
+  podman_pid=$!
+  await_healthy "$run_name"
 }
 
 # stop_during_long_call STOP_COMMAND...: a long call from the client container (about 4 s on the reference
@@ -147,6 +125,15 @@ stop_during_long_call() {
   if podman container exists "$run_name"; then fail "the container was not removed"; fi
 }
 
+step "README: $run_line"
+eval "$run_line" >"$work/server.log" 2>&1 &
+podman_pid=$!
+await_healthy mhaserve
+client call --target 127.0.0.1:50051 --batch 1 --seq 16 --check || fail "a call to README's container"
+podman stop -t 30 mhaserve >/dev/null
+wait "$podman_pid" || fail "README's container exited $? after podman stop"
+podman_pid=""
+
 step "run 1: podman run --init; health, info and checked calls from a second container"
 start_server --init
 [[ $(podman exec "$run_name" id -u) == 10001 ]] || fail "the server does not run as uid 10001"
@@ -170,4 +157,4 @@ podman exec "$run_name" /bin/sleep 0 || fail "no /bin/sleep for the Kubernetes p
 stop_during_long_call podman stop -t 40 "$run_name"
 
 total_s=$(($(date +%s) - t_start))
-step "passed: image ${size_mb} MB, base image ${base_note} ${base_s} s, build ${build_s} s, total ${total_s} s"
+step "passed: image ${size_mb} MB, base image and build ${build_s} s, total ${total_s} s"
