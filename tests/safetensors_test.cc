@@ -61,7 +61,7 @@ TEST(Safetensors, ParsedLayerBuildsOnlyWithConsistentShapes) {
   ASSERT_TRUE(file.ok());
   absl::StatusOr<std::shared_ptr<const Layer>> layer = BuildLayer("x", "file:x", file->weights, file->heads, "x");
   EXPECT_EQ(layer.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(std::string(layer.status().message()), HasSubstr("x.w_k.shape must be [4, 2], got [4, 4]"));
+  EXPECT_THAT(std::string(layer.status().message()), HasSubstr("x.w_k.shape must be [4, 2] (rows: d_kv_in from w_k, 4; columns: num_kv_heads x head_dim = 1 x 2), got [4, 4]"));
 }
 
 TEST(Safetensors, RejectsTruncatedHeader) {
