@@ -94,6 +94,7 @@ uint16_t FloatToBf16(float value) {
 float Bf16ToFloat(uint16_t bits) { return BitsFloat(static_cast<uint32_t>(bits) << 16); }
 
 void DecodeToFloat(int dtype, const void* src, size_t n, float* dst) {
+  if (n == 0) return;  // an empty vector's data() may be null, and memcpy from null is undefined even for 0 bytes
   const auto* bytes = static_cast<const unsigned char*>(src);
   switch (dtype) {
     case v1::FP32:
@@ -119,6 +120,7 @@ void DecodeToFloat(int dtype, const void* src, size_t n, float* dst) {
 }
 
 void EncodeFromFloat(int dtype, const float* src, size_t n, void* dst) {
+  if (n == 0) return;  // an empty vector's data() may be null, and memcpy from null is undefined even for 0 bytes
   auto* bytes = static_cast<unsigned char*>(dst);
   switch (dtype) {
     case v1::FP32:
