@@ -5,8 +5,10 @@
 #include <memory>
 
 #include "absl/strings/str_cat.h"
+#include "client/bench.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "proto/mha/v1/tensor_codec.h"
 #include "server/server.h"
 #include "spdlog/spdlog.h"
 #include "tests/test_util.h"
@@ -83,6 +85,36 @@ TEST_F(AttentionClientTest, ReportsServing) {
   absl::StatusOr<bool> serving = client_->Serving();
   ASSERT_TRUE(serving.ok()) << serving.status();
   EXPECT_TRUE(*serving);
+}
+
+// mha_client bench's load generator (many streams and gRPC callback threads on one state): every call started is
+// recorded once, in both loops, and progress is reported while they run.
+TEST_F(AttentionClientTest, LoadRunsEveryCallInBothLoops) {
+  v1::MultiHeadAttentionRequest request;
+  FloatsToTensor(RandomVector(2 * 4 * 512, 6), {2, 4, 512}, v1::FP32, request.mutable_query());
+  request.set_layer("demo");
+  const std::vector<std::shared_ptr<grpc::Channel>> channels = {
+      grpc::CreateChannel(absl::StrCat("127.0.0.1:", server_->port()), grpc::InsecureChannelCredentials()),
+      grpc::CreateChannel(absl::StrCat("127.0.0.1:", server_->port()), grpc::InsecureChannelCredentials())};
+  LoadOptions closed;
+  closed.concurrency = 4;
+  closed.total = 24;
+  closed.warmup = 4;
+  int progress_calls = 0;
+  absl::StatusOr<LoadResult> result =
+      RunLoad(closed, channels, request, [&](const LoadProgress&) { ++progress_calls; });
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_EQ(result->samples.size(), 24u);
+  for (const CallSample& sample : result->samples) EXPECT_EQ(sample.code, 0) << sample.message;
+
+  LoadOptions open;
+  open.rps = 400;
+  open.total = 40;
+  open.max_in_flight = 3;
+  result = RunLoad(open, channels, request);
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_EQ(result->samples.size(), 40u);
+  for (const CallSample& sample : result->samples) EXPECT_EQ(sample.code, 0) << sample.message;
 }
 
 }  // namespace

@@ -51,6 +51,9 @@ class ServingTest : public ServiceTest {
   std::unique_ptr<BackgroundCall> Start(v1::MultiHeadAttentionRequest request, bool computing = true) {
     auto call = std::make_unique<BackgroundCall>();
     call->request = std::move(request);
+    // Far enough that the admission estimate never refuses a blocking call, even in a sanitizer build whose
+    // reference loops run tens of times slower (they would pass the server's default); tests cancel them anyway.
+    call->context.set_deadline(std::chrono::system_clock::now() + std::chrono::hours(1));
     call->status = std::async(std::launch::async, [this, c = call.get()] {
       return stub_->MultiHeadAttention(&c->context, c->request, &c->response);
     });
@@ -170,6 +173,7 @@ TEST(ServingShutdown, HealthIsNotServingAndNewCallsAreUnavailableWhileDraining) 
   // A long call computes; shutdown starts with 3 s of grace.
   const v1::MultiHeadAttentionRequest slow = SlowDemoRequest(16);
   grpc::ClientContext slow_context;
+  slow_context.set_deadline(std::chrono::system_clock::now() + std::chrono::hours(1));  // as in ServingTest::Start
   v1::MultiHeadAttentionResponse slow_response;
   std::future<grpc::Status> pending = std::async(std::launch::async, [&] {
     return stub->MultiHeadAttention(&slow_context, slow, &slow_response);

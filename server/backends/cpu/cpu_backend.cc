@@ -16,16 +16,26 @@
 namespace mha {
 namespace {
 
-// Sets the calling thread's OpenMP thread count for a scope.
+// Sets the calling thread's OpenMP thread count for a scope, and makes sure every team gets that many threads:
+// oneDNN's sgemm splits its work for omp_get_max_threads() threads and computes only the parts of the threads its
+// team has, so with OMP_DYNAMIC=true (on a loaded machine) or an OMP_THREAD_LIMIT below the count it left part of
+// every projection zero.
 class ScopedOmpThreads {
  public:
-  explicit ScopedOmpThreads(int threads) : saved_(omp_get_max_threads()) { omp_set_num_threads(threads); }
-  ~ScopedOmpThreads() { omp_set_num_threads(saved_); }
+  explicit ScopedOmpThreads(int threads) : saved_(omp_get_max_threads()), saved_dynamic_(omp_get_dynamic()) {
+    omp_set_dynamic(0);
+    omp_set_num_threads(std::min(threads, omp_get_thread_limit()));
+  }
+  ~ScopedOmpThreads() {
+    omp_set_num_threads(saved_);
+    omp_set_dynamic(saved_dynamic_);
+  }
   ScopedOmpThreads(const ScopedOmpThreads&) = delete;
   ScopedOmpThreads& operator=(const ScopedOmpThreads&) = delete;
 
  private:
   const int saved_;
+  const int saved_dynamic_;
 };
 
 // Buffers a MultiHeadAttention call reuses from the previous call on the same thread (grown on demand, kept up to
