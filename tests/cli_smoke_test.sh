@@ -5,23 +5,13 @@
 set -euo pipefail
 server=$1
 client=$2
-work=$(mktemp -d)
-server_pid=""
-cleanup() {
-  if [[ -n "$server_pid" ]] && kill -0 "$server_pid" 2>/dev/null; then kill -KILL "$server_pid"; fi
-  rm -rf "$work"
-}
-trap cleanup EXIT
+source "$(dirname "$0")/server_lib.sh"
 
 # --help prints the flags and exits 0, for both binaries.
 "$server" --help >"$work/help" && grep -q -- "--listen" "$work/help" || { echo "mha_server --help"; exit 1; }
 "$client" --help >"$work/help" && grep -q -- "--target" "$work/help" || { echo "mha_client --help"; exit 1; }
 
-"$server" --listen 127.0.0.1:0 --port_file "$work/port" --threads 2 >"$work/server.log" 2>&1 &
-server_pid=$!
-for _ in $(seq 100); do [[ -s "$work/port" ]] && break; sleep 0.1; done
-[[ -s "$work/port" ]] || { echo "server did not start"; cat "$work/server.log"; exit 1; }
-target="127.0.0.1:$(cat "$work/port")"
+start_server "$server"
 
 "$client" health --target "$target" --timeout_s 5
 "$client" info --target "$target" | grep -q "layer demo"
@@ -33,10 +23,6 @@ fi
 grep -q "no layer named nope" "$work/err"
 "$client" health --target "$target" --timeout_s 5  # still serving
 
-kill -TERM "$server_pid"
-status=0
-wait "$server_pid" || status=$?
-server_pid=""
-[[ $status -eq 0 ]] || { echo "server exited with $status after SIGTERM"; cat "$work/server.log"; exit 1; }
+stop_server
 grep -q "stopped" "$work/server.log"
 echo "cli smoke: 1 passed, 0 failed"

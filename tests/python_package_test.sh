@@ -6,13 +6,7 @@
 set -euo pipefail
 repo=$(realpath "$1")
 server=$(realpath "$2")
-work=$(mktemp -d)
-server_pid=""
-cleanup() {
-  if [[ -n "$server_pid" ]] && kill -0 "$server_pid" 2>/dev/null; then kill -TERM "$server_pid"; wait "$server_pid" || true; fi
-  rm -rf "$work"
-}
-trap cleanup EXIT
+source "$(dirname "$0")/server_lib.sh"
 
 mkdir -p "$work/src/client"
 cp -r "$repo/client/python" "$work/src/client/python"
@@ -20,12 +14,9 @@ cp -r "$repo/proto" "$work/src/proto"
 /usr/bin/python3 -m venv --system-site-packages "$work/venv"
 (cd "$work" && "$work/venv/bin/pip" install -q --no-build-isolation --no-deps --no-index "$work/src/client/python")
 
-"$server" --listen 127.0.0.1:0 --port_file "$work/port" --threads 2 --log_level warn &
-server_pid=$!
-for _ in $(seq 100); do [[ -s "$work/port" ]] && break; sleep 0.1; done
-[[ -s "$work/port" ]] || { echo "server did not start"; exit 1; }
+start_server "$server" --log_level warn
 cd "$work"  # not the checkout: the installed package must be what is imported
-"$work/venv/bin/python" - "127.0.0.1:$(cat "$work/port")" <<'PY'
+"$work/venv/bin/python" - "$target" <<'PY'
 import sys
 import numpy as np
 import mhaclient
@@ -36,3 +27,4 @@ with mhaclient.MhaClient(sys.argv[1]) as c:
     assert c.health() == "SERVING"
 print("python package: installed mhaclient called the server")
 PY
+stop_server

@@ -6,13 +6,7 @@
 set -euo pipefail
 server=$(realpath "$1")
 client=$(realpath "$2")
-work=$(mktemp -d)
-server_pid=""
-cleanup() {
-  if [[ -n "$server_pid" ]] && kill -0 "$server_pid" 2>/dev/null; then kill -KILL "$server_pid"; fi
-  rm -rf "$work"
-}
-trap cleanup EXIT
+source "$(dirname "$0")/server_lib.sh"
 fail() { echo "FAIL: $*"; [[ -f $work/server.log ]] && tail -20 "$work/server.log"; exit 1; }
 
 # A CA, a server certificate for 127.0.0.1, and a client certificate.
@@ -45,12 +39,7 @@ expect_start_error "--tls_cert" --tls_cert=/nonexistent.pem --tls_key=server.key
 expect_start_error "--auth_tokens_file" --auth_tokens_file=/nonexistent
 expect_start_error "cannot listen on 1.2.3.4:1" --listen=1.2.3.4:1
 
-"$server" --listen 127.0.0.1:0 --port_file port --threads 2 --tls_cert server.pem --tls_key server.key \
-  --tls_client_ca ca.pem --auth_tokens_file tokens >server.log 2>&1 &
-server_pid=$!
-for _ in $(seq 100); do [[ -s port ]] && break; sleep 0.1; done
-[[ -s port ]] || fail "server did not start"
-target="127.0.0.1:$(cat port)"
+start_server "$server" --tls_cert server.pem --tls_key server.key --tls_client_ca ca.pem --auth_tokens_file tokens
 tls=(--target "$target" --tls_ca ca.pem --tls_cert client.pem --tls_key client.key)
 
 # A second server on the same port fails to start instead of sharing it.
@@ -70,9 +59,5 @@ for _ in $(seq 50); do grep -q "reloaded 1 bearer tokens" server.log && break; s
 if "$client" call "${tls[@]}" --token_file compute.token --seq 8 2>/dev/null; then fail "the old token still works"; fi
 ! grep -q "compute-token-0123456789\|fresh-token-0123456789ab" server.log || fail "a token appears in the log"
 
-kill -TERM "$server_pid"
-status=0
-wait "$server_pid" || status=$?
-server_pid=""
-[[ $status -eq 0 ]] || fail "server exited with $status after SIGTERM"
+stop_server
 echo "security cli: passed"

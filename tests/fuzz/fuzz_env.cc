@@ -1,5 +1,6 @@
 #include "tests/fuzz/fuzz_env.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -167,6 +168,18 @@ void RunLayer(const std::shared_ptr<const Layer>& layer, const std::vector<Backe
     CheckOutput(response.output(), "output");
     CheckOutput(response.attention_weights(), "attention_weights");
   }
+}
+
+void Fail(const char* what, const absl::Status& status) {
+  std::fprintf(stderr, "%s: %s\n", what, status.ToString().c_str());
+  std::abort();
+}
+
+void CheckRefusal(const absl::Status& status, std::initializer_list<absl::StatusCode> allowed) {
+  if (std::find(allowed.begin(), allowed.end(), status.code()) == allowed.end()) {
+    Fail("validation returned a code the contract does not name", status);
+  }
+  if (status.message().empty()) Fail("error without a message", status);
 }
 
 }  // namespace mha::fuzz

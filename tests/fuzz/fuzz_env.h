@@ -7,9 +7,11 @@
 #define MHA_TESTS_FUZZ_FUZZ_ENV_H_
 
 #include <cstdint>
+#include <initializer_list>
 #include <memory>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "proto/mha/v1/attention.pb.h"
 #include "server/backends/registry.h"
 #include "server/layer_store.h"
@@ -54,6 +56,13 @@ void RunLayer(const std::shared_ptr<const Layer>& layer, const std::vector<Backe
 // (MHA_FUZZ_STATS=1 tests/fuzz/run.sh ... shows them in its summary), so that one can see how much of the fuzzing reaches validation's end and the backends.
 enum class Stage { kParsed, kValid, kComputed };
 void Count(Stage stage);
+
+// Prints "<what>: <status>" and aborts: a finding for the fuzzer.
+[[noreturn]] void Fail(const char* what, const absl::Status& status);
+
+// For a validation that refused its input: aborts unless the code is one of `allowed` (what the contract names for
+// that step) and the status has a message.
+void CheckRefusal(const absl::Status& status, std::initializer_list<absl::StatusCode> allowed);
 
 // Aborts (a finding for the fuzzer) unless an output tensor passes CheckTensor: its bytes hold its shape and dtype.
 void CheckOutput(const v1::Tensor& tensor, const char* what);

@@ -9,15 +9,6 @@
 #include "absl/strings/str_cat.h"
 #include "tests/fuzz/fuzz_env.h"
 
-namespace {
-
-void Fail(const char* what, const absl::Status& status) {
-  std::fprintf(stderr, "fuzz_load_layer_request: %s: %s\n", what, status.ToString().c_str());
-  std::abort();
-}
-
-}  // namespace
-
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   using namespace mha;
   using namespace mha::fuzz;

@@ -10,17 +10,6 @@
 #include "server/validate.h"
 #include "tests/fuzz/fuzz_env.h"
 
-namespace mha::fuzz {
-namespace {
-
-void Fail(const char* what, const absl::Status& status) {
-  std::fprintf(stderr, "fuzz_sdpa_request: %s: %s\n", what, status.ToString().c_str());
-  std::abort();
-}
-
-}  // namespace
-}  // namespace mha::fuzz
-
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   using namespace mha;
   using namespace mha::fuzz;
@@ -30,15 +19,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   Count(Stage::kParsed);
   absl::StatusOr<SdpaPlan> plan = ValidateScaledDotProductAttention(request, env.context);
   if (!plan.ok()) {
-    switch (plan.status().code()) {
-      case absl::StatusCode::kInvalidArgument:
-      case absl::StatusCode::kUnimplemented:
-      case absl::StatusCode::kResourceExhausted:
-        if (plan.status().message().empty()) Fail("error without a message", plan.status());
-        return 0;
-      default:
-        Fail("validation returned a code the contract does not name", plan.status());
-    }
+    CheckRefusal(plan.status(), {absl::StatusCode::kInvalidArgument, absl::StatusCode::kUnimplemented,
+                                 absl::StatusCode::kResourceExhausted});
+    return 0;
   }
   Count(Stage::kValid);
   if (!SmallEnough(*plan)) return 0;
