@@ -49,7 +49,8 @@ absl::StatusOr<LayerShape> CheckLayerWeights(const v1::AttentionWeights& w, cons
       absl::StrCat(inputs != nullptr ? "the query's d_model, " : "d_model from w_q, ", s.d_model);
   const std::string d_kv_from =
       absl::StrCat(inputs != nullptr ? "the key's features, " : "d_kv_in from w_k, ", s.d_kv_in);
-  const std::string d_v_from = absl::StrCat(inputs != nullptr ? "the value's features, " : "d_v_in from w_v, ", s.d_v_in);
+  const std::string d_v_from =
+      absl::StrCat(inputs != nullptr ? "the value's features, " : "d_v_in from w_v, ", s.d_v_in);
   // H x d_k need not be d_model: with head_dim unset, w_q's columns tell d_k when they divide by num_heads.
   v1::HeadConfig resolved = heads;
   const int64_t q_columns = w.w_q().shape(1);

@@ -39,8 +39,8 @@ absl::Status Serialize(const Response& response, grpc::ByteBuffer* out) {
 
 }  // namespace
 
-void AttentionService::CallDone(const std::string& ids, const char* rpc, absl::string_view shapes, absl::string_view backend,
-                                const absl::Status& status, absl::Time start, double compute_seconds,
+void AttentionService::CallDone(const std::string& ids, const char* rpc, absl::string_view shapes,
+                                absl::string_view backend, const absl::Status& status, absl::Time start, double compute_seconds,
                                 double flops) {
   const absl::Duration latency = absl::Now() - start;
   metrics_->RecordCall(rpc, status.code(), backend, absl::ToDoubleSeconds(latency), compute_seconds, flops);

@@ -51,8 +51,8 @@ class AttentionService final : public RawAttentionService {
                                           grpc::ByteBuffer* response) override;
 
  private:
-  // Logs one finished call (request id, rpc, shapes, backend, status, latency) and records it in the metrics.
-  // backend is empty when no backend was involved; compute_seconds and flops when compute ran.
+  // Logs one finished call (`ids` from Identify, rpc, shapes, backend, status, latency) and records it in the
+  // metrics. backend is empty when no backend was involved; compute_seconds and flops when compute ran.
   void CallDone(const std::string& ids, const char* rpc, absl::string_view shapes, absl::string_view backend,
                 const absl::Status& status, absl::Time start, double compute_seconds = 0, double flops = 0);
 

@@ -132,8 +132,8 @@ absl::StatusOr<std::unique_ptr<TlsServer>> TlsServer::Create(const TlsFiles& fil
     provider = std::make_shared<grpc::experimental::FileWatcherCertificateProvider>(
         dir + "/key.pem", dir + "/cert.pem", dir + "/ca.pem", kRefreshSeconds);
   } else {
-    provider = std::make_shared<grpc::experimental::FileWatcherCertificateProvider>(dir + "/key.pem",
-                                                                                     dir + "/cert.pem", kRefreshSeconds);
+    provider = std::make_shared<grpc::experimental::FileWatcherCertificateProvider>(
+        dir + "/key.pem", dir + "/cert.pem", kRefreshSeconds);
   }
   grpc::experimental::TlsServerCredentialsOptions options(provider);
   options.watch_identity_key_cert_pairs();

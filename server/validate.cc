@@ -16,7 +16,8 @@ absl::Status Invalid(absl::string_view a, absl::string_view b = "", absl::string
   return absl::InvalidArgumentError(absl::StrCat(a, b, c, d));
 }
 
-// Checks a present tensor's encoding, rank and finite values; `what` describes the expected shape, e.g. "[B, Tq, d_model]".
+// Checks a present tensor's encoding, rank and finite values; `what` describes the expected shape, e.g.
+// "[B, Tq, d_model]".
 absl::Status CheckRanked(const v1::Tensor& t, absl::string_view field, int rank, absl::string_view what) {
   if (t.shape_size() != rank) {
     return Invalid(field, absl::StrCat(" must have rank ", rank, " ", what, ", got shape "),

@@ -1,8 +1,8 @@
 // Request validation: turns a request into a plan the compute step can run without further checks, or an error
 // naming the field with expected vs given values. Runs on the gRPC thread, before anything proportional to the
 // request is allocated or decoded: it reads shapes, dtypes, byte counts and the small repeated fields (key_lengths,
-// head_mask), and scans each input tensor's bytes once for NaN and inf (CheckFinite). Decoding (and the checks that need values, such as the attention mask's) happens
-// on the compute side (execute.h).
+// head_mask), and scans each input tensor's bytes once for NaN and inf (CheckFinite). Decoding (and the checks that
+// need values, such as the attention mask's) happens on the compute side (execute.h).
 #ifndef MHA_SERVER_VALIDATE_H_
 #define MHA_SERVER_VALIDATE_H_
 

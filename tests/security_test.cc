@@ -44,8 +44,9 @@ class Pki {
     dir_ = mkdtemp(pattern.data());
     WriteText(Path("san.ext"), "subjectAltName=DNS:localhost,IP:127.0.0.1\n");
     for (const char* ca : {"ca", "ca2"}) {
-      Run(std::string("openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -days 2") +
-          " -subj /CN=" + ca + " -keyout " + Path(std::string(ca) + ".key") + " -out " + Path(std::string(ca) + ".pem"));
+      const std::string name = ca;
+      Run("openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -days 2 -subj /CN=" + name +
+          " -keyout " + Path(name + ".key") + " -out " + Path(name + ".pem"));
     }
     Sign("server", "ca");
     Sign("client", "ca");

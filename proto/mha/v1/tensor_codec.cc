@@ -238,8 +238,10 @@ absl::Status CheckFinite(const v1::Tensor& tensor, absl::string_view field) {
     index[d] = rest % tensor.shape(d);
     rest /= tensor.shape(d);
   }
-  return absl::InvalidArgumentError(absl::StrCat(field, ShapeString(index), " is ", std::isnan(value) ? "NaN" : value > 0 ? "inf" : "-inf",
-                                                 "; every value of an input tensor must be finite (only attn_mask may hold -inf)"));
+  const char* what = std::isnan(value) ? "NaN" : value > 0 ? "inf" : "-inf";
+  return absl::InvalidArgumentError(
+      absl::StrCat(field, ShapeString(index), " is ", what,
+                   "; every value of an input tensor must be finite (only attn_mask may hold -inf)"));
 }
 
 std::vector<float> TensorToFloats(const v1::Tensor& tensor) {
