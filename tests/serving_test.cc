@@ -193,10 +193,14 @@ TEST(ServingShutdown, HealthIsNotServingAndNewCallsAreUnavailableWhileDraining) 
     }
   }
   EXPECT_NE(seen, grpc::health::v1::HealthCheckResponse::SERVING);
+  // A new call is refused: UNAVAILABLE, from the scheduler before gRPC's shutdown starts or from gRPC after it; a
+  // call that reaches gRPC in the instant its shutdown starts is CANCELLED by gRPC before any handler sees it (seen
+  // once in CI on a loaded machine). Either way it does not compute.
   grpc::ClientContext context;
   v1::MultiHeadAttentionResponse response;
-  EXPECT_EQ(stub->MultiHeadAttention(&context, QueuedCpuRequest(), &response).error_code(),
-            grpc::StatusCode::UNAVAILABLE);
+  EXPECT_THAT(stub->MultiHeadAttention(&context, QueuedCpuRequest(), &response).error_code(),
+              ::testing::AnyOf(grpc::StatusCode::UNAVAILABLE, grpc::StatusCode::CANCELLED));
+  EXPECT_FALSE(response.has_output());
   stopper.join();
   EXPECT_FALSE(pending.get().ok());  // stopped at the end of the grace period
 }
