@@ -12,6 +12,7 @@ cover errors, p99 latency, queue saturation and restarts; every metric the alert
 adapter rules and the HPA name is one the server exports (METRICS_SOURCE, server/metrics.cc) or kube-state-metrics'
 restart counter. Prints one line per problem and exits 1 when there is any.
 """
+import json
 import re
 import sys
 
@@ -107,7 +108,6 @@ def metrics_in(expr):
 
 
 def check_monitoring(monitoring_dir, k8s_resources, metrics_source):
-    import json
     _, resources = load_resources(monitoring_dir)
     known = exported_metrics(metrics_source) | EXTERNAL_METRICS
     check("mha_queue_depth" in known, f"{metrics_source}: no mha_queue_depth (the HPA scales on it)")

@@ -87,7 +87,7 @@ def cell(text):
 
 
 def render(header, blocks, source):
-    out = [f"# mha.v1 API", "",
+    out = ["# mha.v1 API", "",
            f"Generated from `{source}` by `proto/gen_api_doc.py`; do not edit (ctest's `api_doc` checks it is current).",
            ""]
     out += ["## Conventions", "", "\n".join(header).strip(), ""]

@@ -4,7 +4,6 @@
 #include <openssl/sha.h>
 
 #include <fstream>
-#include <sstream>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"

@@ -4,11 +4,9 @@
 #include <openssl/evp.h>
 #include <openssl/pem.h>
 #include <openssl/x509.h>
-#include <sys/stat.h>
-#include <unistd.h>
 
-#include <cstdio>
-#include <cstdlib>
+#include <cstdio>  // std::rename
+#include <cstdlib>  // mkdtemp, getenv
 #include <filesystem>
 #include <fstream>
 #include <sstream>

@@ -335,7 +335,11 @@ class MhaClient:
             self._set_mask(req, attn_mask, wire_dtype)
         if head_mask is not None:
             req.head_mask.extend(float(x) for x in head_mask)
-        return _result(self._stub.MultiHeadAttention(req, timeout=self.timeout, metadata=self._metadata))
+        return _result(self._call(self._stub.MultiHeadAttention, req))
+
+    def _call(self, rpc, req):
+        """One unary call with the client's deadline and token."""
+        return rpc(req, timeout=self.timeout, metadata=self._metadata)
 
     def _set_mask(self, req, attn_mask, wire_dtype):
         """A numpy bool mask goes as MASK_KEEP (1 attends, 0 masked); anything else as an additive mask."""
@@ -365,7 +369,7 @@ class MhaClient:
             req.key_lengths.extend(int(x) for x in key_lengths)
         if attn_mask is not None:
             self._set_mask(req, attn_mask, wire_dtype)
-        return _result(self._stub.ScaledDotProductAttention(req, timeout=self.timeout, metadata=self._metadata))
+        return _result(self._call(self._stub.ScaledDotProductAttention, req))
 
     # ---- layers -------------------------------------------------------------------------------------------
 
@@ -374,23 +378,23 @@ class MhaClient:
         """Registers weights (dict as in multi_head_attention) under name. Returns the server's LayerInfo."""
         req = self._pb.LoadLayerRequest(name=name, weights=self._weights(weights, wire_dtype),
                                         heads=self._heads(num_heads, num_kv_heads, head_dim, causal, scale))
-        return _layer_info(self._stub.LoadLayer(req, timeout=self.timeout, metadata=self._metadata).layer)
+        return _layer_info(self._call(self._stub.LoadLayer, req).layer)
 
     def unload_layer(self, name):
-        self._stub.UnloadLayer(self._pb.UnloadLayerRequest(name=name), timeout=self.timeout, metadata=self._metadata)
+        self._call(self._stub.UnloadLayer, self._pb.UnloadLayerRequest(name=name))
 
     def list_layers(self):
         """List of LayerInfo for every registered layer (the built-in "demo" included)."""
-        resp = self._stub.ListLayers(self._pb.ListLayersRequest(), timeout=self.timeout, metadata=self._metadata)
+        resp = self._call(self._stub.ListLayers, self._pb.ListLayersRequest())
         return [_layer_info(info) for info in resp.layers]
 
     # ---- server -------------------------------------------------------------------------------------------
 
     def server_info(self):
         """GetServerInfo as a plain dict: version, backends (list of dicts), default_backend, limits (dict)."""
-        return _to_dict(self._stub.GetServerInfo(self._pb.GetServerInfoRequest(), timeout=self.timeout, metadata=self._metadata))
+        return _to_dict(self._call(self._stub.GetServerInfo, self._pb.GetServerInfoRequest()))
 
     def health(self, service=""):
         """grpc.health.v1 Check: the status name, e.g. "SERVING" (service "" = the whole server)."""
-        resp = self._health.Check(self._health_pb.HealthCheckRequest(service=service), timeout=self.timeout, metadata=self._metadata)
+        resp = self._call(self._health.Check, self._health_pb.HealthCheckRequest(service=service))
         return self._health_pb.HealthCheckResponse.ServingStatus.Name(resp.status)
