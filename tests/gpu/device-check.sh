@@ -4,7 +4,8 @@
 #   tests/gpu/device-check.sh --bundle       here: build with CUDA (build/), pack the binaries and the shared
 #                                            libraries they need (not glibc, not cuBLAS) into .gpu-bundle/
 #   tests/gpu/device-check.sh [OUT]          there (or here, where it stops at the GPU step): run everything from
-#                                            .gpu-bundle/ (else build/), write at most 8 files into OUT (else $OUT)
+#                                            $MHA_GPU_BIN, else .gpu-bundle/, else build/bin; write at most 8 files
+#                                            into OUT (else $OUT)
 #
 # The GPU machine has CUDA 13, PyTorch's cuBLAS wheels and compute-sanitizer, but not this project's Debian
 # libraries: the bundle carries them (about 20 MiB compressed; the device tool carries at most 64 MiB).
@@ -41,7 +42,10 @@ summary="$out/summary.txt"
 note() { echo "$*" | tee -a "$summary"; }
 failed=0
 
-if [[ -f "$bundle_dir/bundle.tar.xz" ]]; then
+if [[ -n "${MHA_GPU_BIN:-}" ]]; then
+  bin="$MHA_GPU_BIN"  # ctest's gpu_device_check: this build's binaries, whatever bundle lies around
+  note "binaries: $bin"
+elif [[ -f "$bundle_dir/bundle.tar.xz" ]]; then
   run_dir=$(mktemp -d)
   tar -C "$run_dir" -xJf "$bundle_dir/bundle.tar.xz"
   bin="$run_dir/bin"
@@ -54,7 +58,7 @@ fi
 # cuBLAS is dlopen()ed: the toolkit's, else the one PyTorch's wheels carry.
 for dir in /usr/local/cuda/lib64 /usr/local/cuda/lib \
   $(python3 -c 'import nvidia.cublas, os; print(os.path.join(nvidia.cublas.__path__[0], "lib"))' 2>/dev/null); do
-  if [[ -e "$dir/libcublas.so.13" ]]; then export LD_LIBRARY_PATH="$LD_LIBRARY_PATH:$dir"; note "cuBLAS: $dir"; break; fi
+  if [[ -e "$dir/libcublas.so.13" ]]; then export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}$dir"; note "cuBLAS: $dir"; break; fi
 done
 
 # 1. Versions.
