@@ -384,6 +384,15 @@ std::vector<Case> Cases() {
     demo.causal = true;
     demo.bias = true;
     cases.push_back(WithDtypes(demo, in, in));
+    // The attention core at head_dim 128 (the CUDA backend's tensor-core kernel) with partial query and key
+    // tiles, GQA, causal with Tq < Tk, key lengths and a per-batch mask, weights returned.
+    Case core128 = Make("sdpa_dk128_partial_tiles_masks", 2, 70, 130, 0, 0, 4, 2, 128);
+    core128.sdpa = true;
+    core128.causal = true;
+    core128.key_lengths = true;
+    core128.mask = Mask::kPerBatch;
+    core128.weights = true;
+    cases.push_back(WithDtypes(core128, in, in));
     Case sdpa = Make("sdpa_weights", 2, 7, 12, 0, 0, 4, 2, 16);
     sdpa.sdpa = true;
     sdpa.weights = true;
