@@ -1,5 +1,6 @@
 #include "server/layer.h"
 
+#include <atomic>
 #include <cmath>
 #include <random>
 
@@ -95,6 +96,8 @@ std::shared_ptr<const Layer> DecodeLayer(absl::string_view name, absl::string_vi
   auto layer = std::make_shared<Layer>();
   layer->name = std::string(name);
   layer->source = std::string(source);
+  static std::atomic<uint64_t> next_id{1};
+  layer->id = source == "inline" ? 0 : next_id.fetch_add(1, std::memory_order_relaxed);
   layer->shape = shape;
   const int64_t q_width = shape.heads.q_width(), kv_width = shape.heads.kv_width();
   const int64_t width = q_width + 2 * kv_width;
@@ -154,6 +157,7 @@ LayerWeights Layer::Weights() const {
   }
   w.w_o = w_o.data();
   w.b_o = b_o.empty() ? nullptr : b_o.data();
+  w.resident_id = id;
   return w;
 }
 

@@ -33,6 +33,7 @@ struct LayerShape {
 struct Layer {
   std::string name;
   std::string source;  // "builtin", "file:<path>", "rpc" or "inline"
+  uint64_t id = 0;     // process-unique and never reused; 0 for inline weights (LayerWeights::resident_id)
   LayerShape shape;
   bool has_bias = false;
   // The input projections, one copy: fused, [d_model, (H + 2 Hkv) d_k]; otherwise w_q, w_k, w_v back to back.

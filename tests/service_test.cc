@@ -17,6 +17,7 @@
 #include "gtest/gtest.h"
 #include "proto/mha/v1/attention.grpc.pb.h"
 #include "proto/mha/v1/tensor_codec.h"
+#include "server/backends/registry.h"
 #include "server/server.h"
 #include "tests/service_fixture.h"
 #include "tests/test_util.h"
@@ -357,12 +358,23 @@ TEST_F(ServiceTest, ServerInfoListsBackendsAndLimits) {
   grpc::ClientContext context;
   ASSERT_TRUE(stub_->GetServerInfo(&context, v1::GetServerInfoRequest(), &info).ok());
   EXPECT_FALSE(info.version().empty());
-  EXPECT_EQ(info.default_backend(), "cpu");
   std::map<std::string, bool> available;
-  for (const auto& b : info.backends()) available[b.name()] = b.available();
+  std::map<std::string, std::string> detail;
+  for (const auto& b : info.backends()) {
+    available[b.name()] = b.available();
+    detail[b.name()] = b.detail();
+  }
   EXPECT_TRUE(available["cpu"]);
   EXPECT_TRUE(available["reference"]);
-  EXPECT_FALSE(available["cuda"]);
+  // CUDA is always listed: not compiled in, compiled in without a usable GPU (with the driver's reason), or
+  // available, and then what BACKEND_AUTO means.
+  ASSERT_TRUE(available.count("cuda"));
+  if (available["cuda"]) {
+    EXPECT_EQ(info.default_backend(), "cuda");
+  } else {
+    EXPECT_EQ(info.default_backend(), "cpu");
+    EXPECT_FALSE(detail["cuda"].empty());
+  }
   EXPECT_EQ(info.limits().max_message_bytes(), 256 << 20);
   EXPECT_EQ(info.limits().compute_threads(), 2);
   EXPECT_EQ(info.limits().max_queued_bytes(), int64_t{1024} << 20);
@@ -670,9 +682,32 @@ std::vector<BadInput> BadInputs() {
        "attn_mask_type must be MASK_ADDITIVE or MASK_KEEP, got 5"},
       {"unknown_backend", [](R* r) { r->set_backend(static_cast<v1::Backend>(17)); }, kInvalid,
        "backend must be BACKEND_AUTO"},
-      {"cuda_not_compiled_in", [](R* r) { r->set_backend(v1::BACKEND_CUDA); }, kInvalid,
-       "backend 'cuda' is not compiled into this server"},
   };
+}
+
+TEST_F(ServiceTest, CudaWithoutAUsableGpuIsRefusedNamingTheReason) {
+  // Not compiled in: INVALID_ARGUMENT. Compiled in on a machine without a usable GPU: UNAVAILABLE with the reason
+  // the driver gave. With a GPU the call is served (the conformance suite covers that).
+  std::string reason;
+  if (BackendRegistry::CompiledIn(kCudaBackend)) {
+    const std::unique_ptr<BackendRegistry> registry = BackendRegistry::Create();
+    for (const BackendEntry& entry : registry->entries()) {
+      if (entry.name != kCudaBackend) continue;
+      if (entry.available()) GTEST_SKIP() << "a GPU is present: " << entry.device;
+      reason = entry.detail;
+    }
+  }
+  v1::MultiHeadAttentionRequest request = ValidRequest();
+  request.set_backend(v1::BACKEND_CUDA);
+  v1::MultiHeadAttentionResponse response;
+  const grpc::Status status = Call(request, &response);
+  if (BackendRegistry::CompiledIn(kCudaBackend)) {
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::UNAVAILABLE) << status.error_message();
+    EXPECT_THAT(status.error_message(), HasSubstr("backend: backend 'cuda' is unavailable on this machine: " + reason));
+  } else {
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << status.error_message();
+    EXPECT_THAT(status.error_message(), HasSubstr("backend 'cuda' is not compiled into this server"));
+  }
 }
 
 class BadInputTest : public ServiceTest, public ::testing::WithParamInterface<BadInput> {};

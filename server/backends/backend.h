@@ -104,6 +104,9 @@ struct LayerWeights {
   const float* b_v = nullptr;  // [Hkv d_k] or nullptr
   const float* b_o = nullptr;  // [d_model] or nullptr
   bool fused_qkv = false;
+  // Names these weights for a device backend's cache of resident copies: a process-unique id of a stored layer,
+  // never reused; 0 for weights that live for one call only (inline weights), which are copied per call.
+  uint64_t resident_id = 0;
 };
 
 // Which tensors a layer's keys and values come from. Decided once, by validation.

@@ -3,6 +3,9 @@
 #include "absl/strings/str_cat.h"
 #include "server/backends/cpu/cpu_backend.h"
 #include "server/backends/reference/reference_backend.h"
+#ifdef MHA_HAVE_CUDA
+#include "server/backends/cuda/cuda_backend.h"
+#endif
 
 namespace mha {
 namespace {
@@ -23,7 +26,17 @@ std::vector<BackendFactory> BackendRegistry::Factories() {
   for (const char* isa : {"avx512", "avx2", "portable"}) {
     factories.push_back({std::string(kCpuBackend), isa, [isa] { return Upcast(CpuBackend::Create(isa)); }});
   }
+#ifdef MHA_HAVE_CUDA
+  factories.push_back({std::string(kCudaBackend), "", [] { return Upcast(CudaBackend::Create()); }});
+#endif
   return factories;
+}
+
+bool BackendRegistry::CompiledIn(absl::string_view name) {
+  for (const BackendFactory& factory : Factories()) {
+    if (factory.name == name) return true;
+  }
+  return false;
 }
 
 std::unique_ptr<BackendRegistry> BackendRegistry::Create() {
@@ -42,10 +55,12 @@ std::unique_ptr<BackendRegistry> BackendRegistry::Create() {
     }
     registry->entries_.push_back(std::move(entry));
   }
-  BackendEntry cuda;
-  cuda.name = std::string(kCudaBackend);
-  cuda.detail = "not compiled into this build";
-  registry->entries_.push_back(std::move(cuda));
+  if (!CompiledIn(kCudaBackend)) {
+    BackendEntry cuda;
+    cuda.name = std::string(kCudaBackend);
+    cuda.detail = "not compiled into this build";
+    registry->entries_.push_back(std::move(cuda));
+  }
   return registry;
 }
 

@@ -37,6 +37,8 @@ class BackendRegistry {
   // Every compiled-in backend with its variants, defaults first. Creating one may fail (UNAVAILABLE: not on this
   // machine).
   static std::vector<BackendFactory> Factories();
+  // Whether this build carries the backend `name` (a k*Backend constant), usable here or not.
+  static bool CompiledIn(absl::string_view name);
 
   // Instantiates the default of every compiled-in backend that works here. Never fails: unusable ones are listed
   // with a reason.

@@ -1,0 +1,524 @@
+// The CUDA backend's kernels: flash attention on tensor cores (fp16/bf16, head_dim 64 and 128), a SIMT flash
+// kernel for every other dtype and head_dim, the attention-weights pass, and element-wise helpers.
+//
+// Both attention kernels stream the keys in tiles with an online softmax (running max m and sum l per query row,
+// fp32), never holding a [Tq, Tk] buffer. A masked score is -inf; a row whose scores are all -inf keeps m = -inf
+// and l = 0 and writes zeros. A NaN score is not skipped by the max (fmaxf ignores it) but reaches exp, the sum and
+// the output, as in PyTorch.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "server/backends/cuda/kernels.h"
+
+namespace mha {
+namespace cuda {
+namespace {
+
+constexpr unsigned kFullMask = 0xffffffffu;
+
+__device__ __forceinline__ float ToFloat(float x) { return x; }
+__device__ __forceinline__ float ToFloat(__half x) { return __half2float(x); }
+__device__ __forceinline__ float ToFloat(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename T>
+__device__ __forceinline__ T FromFloat(float x);
+template <>
+__device__ __forceinline__ float FromFloat<float>(float x) { return x; }
+template <>
+__device__ __forceinline__ __half FromFloat<__half>(float x) { return __float2half_rn(x); }
+template <>
+__device__ __forceinline__ __nv_bfloat16 FromFloat<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+
+__device__ __forceinline__ float WarpMax(float x) {
+  for (int offset = 16; offset > 0; offset >>= 1) x = fmaxf(x, __shfl_xor_sync(kFullMask, x, offset));
+  return x;
+}
+__device__ __forceinline__ float WarpSum(float x) {
+  for (int offset = 16; offset > 0; offset >>= 1) x += __shfl_xor_sync(kFullMask, x, offset);
+  return x;
+}
+
+// The additive mask's row for query i of batch item b, or null.
+__device__ __forceinline__ const float* MaskRow(const AttentionParams& p, int64_t b, int64_t i) {
+  if (p.additive == nullptr) return nullptr;
+  return p.additive + ((p.additive_per_batch ? b * p.q_len : 0) + i) * p.kv_len;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// SIMT kernel: one warp per query row. Lane l scores key j0 + l of each step of 32 keys; the output row's head_dim
+// values are spread over the lanes, kChunks per lane (head_dim <= 32 kChunks).
+template <typename T, typename OutT, int kChunks>
+__global__ void __launch_bounds__(kSimtThreads) SimtAttention(AttentionParams p) {
+  __shared__ float q_shared[kSimtWarps][kChunks * 32];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  // 32-bit division (64-bit division is a function call): batch * heads < 2^31 (PlanFlash).
+  const int heads = static_cast<int>(p.heads);
+  const int64_t b = static_cast<int>(blockIdx.x) / heads, h = static_cast<int>(blockIdx.x) % heads;
+  const int64_t kv_head = static_cast<int>(h) / (heads / static_cast<int>(p.kv_heads));
+  const int64_t i = static_cast<int64_t>(blockIdx.y) * kSimtWarps + warp;
+  if (i >= p.q_len) return;  // the whole warp: nothing below synchronises the block
+  const int d_k = static_cast<int>(p.head_dim);
+  const T* q = static_cast<const T*>(p.q) + (b * p.q_len + i) * p.q_row_stride + h * d_k;
+  const T* k = static_cast<const T*>(p.k) + b * p.kv_len * p.kv_row_stride + kv_head * d_k;
+  const T* v = static_cast<const T*>(p.v) + b * p.kv_len * p.kv_row_stride + kv_head * d_k;
+  float* qs = q_shared[warp];
+  #pragma unroll
+  for (int c = 0; c < kChunks; ++c) {
+    const int d = lane + 32 * c;
+    qs[d] = d < d_k ? ToFloat(q[d]) : 0.0f;
+  }
+  __syncwarp();
+  const int64_t n = VisibleKeyEnd(p.q_len, p.kv_len, p.causal, p.key_lengths ? p.key_lengths[b] : -1, i);
+  const float* mask = MaskRow(p, b, i);
+  float m = -INFINITY, l = 0.0f, o[kChunks];
+  #pragma unroll
+  for (int c = 0; c < kChunks; ++c) o[c] = 0.0f;
+  for (int64_t j0 = 0; j0 < n; j0 += 32) {
+    const int64_t j = j0 + lane;
+    float s = -INFINITY;
+    if (j < n) {
+      const T* kj = k + j * p.kv_row_stride;
+      float dot = 0.0f;
+      for (int d = 0; d < d_k; ++d) dot = fmaf(qs[d], ToFloat(kj[d]), dot);
+      s = dot * p.scale;
+      if (mask != nullptr) s += mask[j];
+    }
+    const float m_new = fmaxf(m, WarpMax(s));
+    const float base = m_new == -INFINITY ? 0.0f : m_new;
+    const float pj = expf(s - base);  // 0 for -inf
+    const float correction = expf(m - base);
+    l = l * correction + WarpSum(pj);
+    #pragma unroll
+    for (int c = 0; c < kChunks; ++c) o[c] *= correction;
+    const int count = n - j0 < 32 ? static_cast<int>(n - j0) : 32;
+    for (int t = 0; t < count; ++t) {
+      const float pt = __shfl_sync(kFullMask, pj, t);
+      const T* vt = v + (j0 + t) * p.kv_row_stride;
+      #pragma unroll
+      for (int c = 0; c < kChunks; ++c) {
+        const int d = lane + 32 * c;
+        if (d < d_k) o[c] = fmaf(pt, ToFloat(vt[d]), o[c]);
+      }
+    }
+    m = m_new;
+  }
+  // l == 0: no visible key. A NaN l (a NaN score) makes the row NaN.
+  const float factor = (l == 0.0f ? 0.0f : 1.0f / l) * (p.head_mask != nullptr ? p.head_mask[h] : 1.0f);
+  OutT* out = static_cast<OutT*>(p.out) + ((b * p.q_len + i) * p.heads + h) * d_k;
+  #pragma unroll
+  for (int c = 0; c < kChunks; ++c) {
+    const int d = lane + 32 * c;
+    if (d < d_k) out[d] = FromFloat<OutT>(o[c] * factor);
+  }
+  if (p.lse != nullptr && lane == 0) p.lse[(b * p.heads + h) * p.q_len + i] = l == 0.0f ? -INFINITY : m + logf(l);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Tensor-core kernel (FlashAttention-2's structure): a block of 4 warps owns 64 query rows of one (batch, head);
+// each warp holds its 16 rows of Q as mma.sync A fragments in registers, streams 64-key tiles of K and V through
+// shared memory, computes S = Q K^T and O += P V with m16n8k16 MMAs (fp32 accumulators), and reuses S's
+// accumulator layout as P's A fragments. Fragment layouts (PTX ISA, mma.m16n8k16): with g = lane / 4 and
+// t = lane % 4, A holds rows g and g + 8, columns 2t, 2t + 1 and 2t + 8, 2t + 9; B holds columns (k) 2t, 2t + 1 and
+// 2t + 8, 2t + 9 of row (n) g; C holds rows g and g + 8, columns 2t and 2t + 1.
+
+template <typename T>
+struct Mma;
+template <>
+struct Mma<__nv_bfloat16> {
+  __device__ __forceinline__ static void Run(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+  __device__ __forceinline__ static uint32_t Pack(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+  }
+};
+template <>
+struct Mma<__half> {
+  __device__ __forceinline__ static void Run(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+  __device__ __forceinline__ static uint32_t Pack(float lo, float hi) {
+    __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+  }
+};
+
+// Two 16-bit elements as one register, the lower address in the low half.
+template <typename T>
+__device__ __forceinline__ uint32_t Pair(const T* x) {
+  return *reinterpret_cast<const uint32_t*>(x);
+}
+template <typename T>
+__device__ __forceinline__ uint32_t Pair(T lo, T hi) {
+  const uint16_t l = *reinterpret_cast<const uint16_t*>(&lo), h = *reinterpret_cast<const uint16_t*>(&hi);
+  return static_cast<uint32_t>(l) | (static_cast<uint32_t>(h) << 16);
+}
+
+// Copies `rows` rows of kD 16-bit elements (row stride `stride` elements, 16-byte aligned) into shared memory
+// (row stride kRow); rows past `valid` become zeros.
+template <typename T, int kD, int kRow>
+__device__ __forceinline__ void LoadTile(T* shared, const T* global, int64_t stride, int rows, int64_t valid) {
+  constexpr int kVectors = kD / 8;  // 16-byte vectors per row
+  for (int idx = threadIdx.x; idx < rows * kVectors; idx += kTcThreads) {
+    const int r = idx / kVectors, c = (idx % kVectors) * 8;
+    uint4 value = make_uint4(0, 0, 0, 0);
+    if (r < valid) value = *reinterpret_cast<const uint4*>(global + r * stride + c);
+    *reinterpret_cast<uint4*>(shared + r * kRow + c) = value;
+  }
+}
+
+template <typename T, typename OutT, int kD>
+__global__ void __launch_bounds__(kTcThreads) TensorCoreAttention(AttentionParams p) {
+  constexpr int kRow = kD + 8;  // padded shared-memory row, in elements
+  __shared__ __align__(16) T k_shared[kTcBlockN * kRow];
+  __shared__ __align__(16) T v_shared[kTcBlockN * kRow];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  // 32-bit division (64-bit division is a function call): batch * heads < 2^31 (PlanFlash).
+  const int heads = static_cast<int>(p.heads);
+  const int64_t b = static_cast<int>(blockIdx.x) / heads, h = static_cast<int>(blockIdx.x) % heads;
+  const int64_t kv_head = static_cast<int>(h) / (heads / static_cast<int>(p.kv_heads));
+  const int64_t row0 = static_cast<int64_t>(blockIdx.y) * kTcBlockM;
+  const T* q = static_cast<const T*>(p.q) + (b * p.q_len + row0) * p.q_row_stride + h * kD;
+  const T* k = static_cast<const T*>(p.k) + b * p.kv_len * p.kv_row_stride + kv_head * kD;
+  const T* v = static_cast<const T*>(p.v) + b * p.kv_len * p.kv_row_stride + kv_head * kD;
+
+  // Q through k_shared into this warp's A fragments.
+  LoadTile<T, kD, kRow>(k_shared, q, p.q_row_stride, kTcBlockM, p.q_len - row0);
+  __syncthreads();
+  uint32_t q_frag[kD / 16][4];
+  {
+    const T* base = k_shared + (warp * 16 + g) * kRow + 2 * t;
+    #pragma unroll
+    for (int kk = 0; kk < kD / 16; ++kk) {
+      q_frag[kk][0] = Pair(base + kk * 16);
+      q_frag[kk][1] = Pair(base + 8 * kRow + kk * 16);
+      q_frag[kk][2] = Pair(base + kk * 16 + 8);
+      q_frag[kk][3] = Pair(base + 8 * kRow + kk * 16 + 8);
+    }
+  }
+
+  // This thread's two query rows.
+  const int64_t rows[2] = {row0 + warp * 16 + g, row0 + warp * 16 + g + 8};
+  const int64_t key_length = p.key_lengths ? p.key_lengths[b] : -1;
+  int64_t visible[2];
+  const float* mask[2];
+  #pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    visible[r] = rows[r] < p.q_len ? VisibleKeyEnd(p.q_len, p.kv_len, p.causal, key_length, rows[r]) : 0;
+    mask[r] = rows[r] < p.q_len ? MaskRow(p, b, rows[r]) : nullptr;
+  }
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+  float o[kD / 8][4];
+  #pragma unroll
+  for (int nb = 0; nb < kD / 8; ++nb) o[nb][0] = o[nb][1] = o[nb][2] = o[nb][3] = 0.0f;
+
+  const int64_t tiles = KeyTileCount(p.q_len, p.kv_len, p.causal, key_length, row0, kTcBlockM, kTcBlockN);
+  for (int64_t tile = 0; tile < tiles; ++tile) {
+    const int64_t key0 = tile * kTcBlockN;
+    __syncthreads();  // every warp is done with the previous tile (and with Q in k_shared)
+    LoadTile<T, kD, kRow>(k_shared, k + key0 * p.kv_row_stride, p.kv_row_stride, kTcBlockN, p.kv_len - key0);
+    LoadTile<T, kD, kRow>(v_shared, v + key0 * p.kv_row_stride, p.kv_row_stride, kTcBlockN, p.kv_len - key0);
+    __syncthreads();
+
+    float s[kTcBlockN / 8][4];
+    #pragma unroll
+    for (int nb = 0; nb < kTcBlockN / 8; ++nb) {
+      s[nb][0] = s[nb][1] = s[nb][2] = s[nb][3] = 0.0f;
+      const T* key_row = k_shared + (nb * 8 + g) * kRow + 2 * t;
+      #pragma unroll
+      for (int kk = 0; kk < kD / 16; ++kk) {
+        Mma<T>::Run(s[nb], q_frag[kk], Pair(key_row + kk * 16), Pair(key_row + kk * 16 + 8));
+      }
+    }
+    // Scale, mask, and each row's running max over the quad of threads that shares it.
+    float tile_max[2] = {-INFINITY, -INFINITY};
+    #pragma unroll
+    for (int nb = 0; nb < kTcBlockN / 8; ++nb) {
+      #pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = e >> 1;
+        const int64_t j = key0 + nb * 8 + 2 * t + (e & 1);
+        float score = -INFINITY;
+        if (j < visible[r]) {
+          score = s[nb][e] * p.scale;
+          if (mask[r] != nullptr) score += mask[r][j];
+        }
+        s[nb][e] = score;
+        tile_max[r] = fmaxf(tile_max[r], score);
+      }
+    }
+    float correction[2], base[2];
+    #pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(kFullMask, tile_max[r], 1));
+      tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(kFullMask, tile_max[r], 2));
+      const float m_new = fmaxf(m[r], tile_max[r]);
+      base[r] = m_new == -INFINITY ? 0.0f : m_new;
+      correction[r] = __expf(m[r] - base[r]);
+      m[r] = m_new;
+      l[r] *= correction[r];  // this thread's part of the row sum; the quad adds its parts at the end
+    }
+    #pragma unroll
+    for (int nb = 0; nb < kTcBlockN / 8; ++nb) {
+      #pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = e >> 1;
+        s[nb][e] = __expf(s[nb][e] - base[r]);
+        l[r] += s[nb][e];
+      }
+    }
+    #pragma unroll
+    for (int nb = 0; nb < kD / 8; ++nb) {
+      o[nb][0] *= correction[0];
+      o[nb][1] *= correction[0];
+      o[nb][2] *= correction[1];
+      o[nb][3] *= correction[1];
+    }
+    // O += P V: P's A fragments are S's accumulators of two neighbouring 8-key blocks.
+    #pragma unroll
+    for (int kk = 0; kk < kTcBlockN / 16; ++kk) {
+      const uint32_t a[4] = {Mma<T>::Pack(s[2 * kk][0], s[2 * kk][1]), Mma<T>::Pack(s[2 * kk][2], s[2 * kk][3]),
+                             Mma<T>::Pack(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                             Mma<T>::Pack(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+      const T* v0 = v_shared + (kk * 16 + 2 * t) * kRow + g;
+      #pragma unroll
+      for (int nb = 0; nb < kD / 8; ++nb) {
+        const T* vn = v0 + nb * 8;
+        Mma<T>::Run(o[nb], a, Pair(vn[0], vn[kRow]), Pair(vn[8 * kRow], vn[9 * kRow]));
+      }
+    }
+  }
+
+  float factor[2];
+  #pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    l[r] += __shfl_xor_sync(kFullMask, l[r], 1);
+    l[r] += __shfl_xor_sync(kFullMask, l[r], 2);
+    factor[r] = (l[r] == 0.0f ? 0.0f : 1.0f / l[r]) * (p.head_mask != nullptr ? p.head_mask[h] : 1.0f);
+  }
+  #pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    if (rows[r] >= p.q_len) continue;
+    OutT* out = static_cast<OutT*>(p.out) + ((b * p.q_len + rows[r]) * p.heads + h) * kD;
+    #pragma unroll
+    for (int nb = 0; nb < kD / 8; ++nb) {
+      out[nb * 8 + 2 * t] = FromFloat<OutT>(o[nb][2 * r] * factor[r]);
+      out[nb * 8 + 2 * t + 1] = FromFloat<OutT>(o[nb][2 * r + 1] * factor[r]);
+    }
+    if (p.lse != nullptr && t == 0) {
+      p.lse[(b * p.heads + h) * p.q_len + rows[r]] = l[r] == 0.0f ? -INFINITY : m[r] + logf(l[r]);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Attention weights from the row log-sum-exp: one warp per query row, lane l writes keys l, l + 32, ...
+template <typename T, typename WeightT>
+__global__ void __launch_bounds__(kSimtThreads) AttentionWeights(AttentionParams p, WeightT* weights) {
+  __shared__ float q_shared[kSimtWarps][kMaxHeadDim];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  // 32-bit division (64-bit division is a function call): batch * heads < 2^31 (PlanFlash).
+  const int heads = static_cast<int>(p.heads);
+  const int64_t b = static_cast<int>(blockIdx.x) / heads, h = static_cast<int>(blockIdx.x) % heads;
+  const int64_t kv_head = static_cast<int>(h) / (heads / static_cast<int>(p.kv_heads));
+  const int64_t i = static_cast<int64_t>(blockIdx.y) * kSimtWarps + warp;
+  if (i >= p.q_len) return;
+  const int d_k = static_cast<int>(p.head_dim);
+  const T* q = static_cast<const T*>(p.q) + (b * p.q_len + i) * p.q_row_stride + h * d_k;
+  const T* k = static_cast<const T*>(p.k) + b * p.kv_len * p.kv_row_stride + kv_head * d_k;
+  float* qs = q_shared[warp];
+  for (int d = lane; d < d_k; d += 32) qs[d] = ToFloat(q[d]);
+  __syncwarp();
+  const int64_t n = VisibleKeyEnd(p.q_len, p.kv_len, p.causal, p.key_lengths ? p.key_lengths[b] : -1, i);
+  const float* mask = MaskRow(p, b, i);
+  const float lse = p.lse[(b * p.heads + h) * p.q_len + i];
+  WeightT* row = weights + ((b * p.heads + h) * p.q_len + i) * p.kv_len;
+  for (int64_t j = lane; j < p.kv_len; j += 32) {
+    float w = 0.0f;
+    if (j < n && lse != -INFINITY) {
+      const T* kj = k + j * p.kv_row_stride;
+      float dot = 0.0f;
+      for (int d = 0; d < d_k; ++d) dot = fmaf(qs[d], ToFloat(kj[d]), dot);
+      float s = dot * p.scale;
+      if (mask != nullptr) s += mask[j];
+      w = expf(s - lse);  // 0 for a masked (-inf) score
+    }
+    row[j] = FromFloat<WeightT>(w);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+template <typename T>
+__global__ void BroadcastRows(const float* bias, int64_t n, int64_t rows, T* y, int64_t ldy) {
+  const int64_t total = rows * n;
+  for (int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; idx < total;
+       idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    y[(idx / n) * ldy + idx % n] = FromFloat<T>(bias[idx % n]);
+  }
+}
+
+template <typename S, typename D>
+__global__ void Convert(const S* src, D* dst, int64_t n) {
+  for (int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; idx < n;
+       idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    dst[idx] = FromFloat<D>(ToFloat(src[idx]));
+  }
+}
+
+// Blocks for a grid-stride loop over n elements.
+unsigned GridFor(int64_t n) {
+  const int64_t blocks = (n + 255) / 256;
+  return static_cast<unsigned>(blocks < 4096 ? (blocks < 1 ? 1 : blocks) : 4096);
+}
+
+template <typename T, typename OutT>
+cudaError_t LaunchTyped(const AttentionParams& p, const FlashPlan& plan, cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>(plan.grid_x), static_cast<unsigned>(plan.grid_y));
+  if (plan.kernel == FlashKernel::kTensorCore) {
+    if constexpr (!std::is_same_v<T, float>) {
+      if (p.head_dim == 64) {
+        TensorCoreAttention<T, OutT, 64><<<grid, kTcThreads, 0, stream>>>(p);
+      } else {
+        TensorCoreAttention<T, OutT, 128><<<grid, kTcThreads, 0, stream>>>(p);
+      }
+      return cudaGetLastError();
+    }
+    return cudaErrorInvalidValue;
+  }
+  const int64_t chunks = (p.head_dim + 31) / 32;
+  if (chunks <= 1) {
+    SimtAttention<T, OutT, 1><<<grid, kSimtThreads, 0, stream>>>(p);
+  } else if (chunks <= 2) {
+    SimtAttention<T, OutT, 2><<<grid, kSimtThreads, 0, stream>>>(p);
+  } else if (chunks <= 4) {
+    SimtAttention<T, OutT, 4><<<grid, kSimtThreads, 0, stream>>>(p);
+  } else {
+    SimtAttention<T, OutT, 8><<<grid, kSimtThreads, 0, stream>>>(p);
+  }
+  return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t LaunchForInput(const AttentionParams& p, const FlashPlan& plan, cudaStream_t stream) {
+  if (p.out_dtype == kF32) return LaunchTyped<T, float>(p, plan, stream);
+  if (p.out_dtype != p.dtype) return cudaErrorInvalidValue;
+  return LaunchTyped<T, T>(p, plan, stream);
+}
+
+template <typename T>
+cudaError_t LaunchWeightsTyped(const AttentionParams& p, void* weights, int weights_dtype, cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>(p.batch * p.heads),
+                  static_cast<unsigned>((p.q_len + kSimtWarps - 1) / kSimtWarps));
+  switch (weights_dtype) {
+    case kF32:
+      AttentionWeights<T, float><<<grid, kSimtThreads, 0, stream>>>(p, static_cast<float*>(weights));
+      break;
+    case kF16:
+      AttentionWeights<T, __half><<<grid, kSimtThreads, 0, stream>>>(p, static_cast<__half*>(weights));
+      break;
+    case kBF16:
+      AttentionWeights<T, __nv_bfloat16><<<grid, kSimtThreads, 0, stream>>>(p, static_cast<__nv_bfloat16*>(weights));
+      break;
+    default:
+      return cudaErrorInvalidValue;
+  }
+  return cudaGetLastError();
+}
+
+template <typename S>
+cudaError_t ConvertFrom(const S* src, void* dst, int dst_dtype, int64_t n, cudaStream_t stream) {
+  switch (dst_dtype) {
+    case kF32:
+      Convert<<<GridFor(n), 256, 0, stream>>>(src, static_cast<float*>(dst), n);
+      break;
+    case kF16:
+      Convert<<<GridFor(n), 256, 0, stream>>>(src, static_cast<__half*>(dst), n);
+      break;
+    case kBF16:
+      Convert<<<GridFor(n), 256, 0, stream>>>(src, static_cast<__nv_bfloat16*>(dst), n);
+      break;
+    default:
+      return cudaErrorInvalidValue;
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t LaunchAttention(const AttentionParams& p, const FlashPlan& plan, cudaStream_t stream) {
+  if (p.batch == 0 || p.q_len == 0) return cudaSuccess;
+  switch (p.dtype) {
+    case kF32:
+      return LaunchForInput<float>(p, plan, stream);
+    case kF16:
+      return LaunchForInput<__half>(p, plan, stream);
+    case kBF16:
+      return LaunchForInput<__nv_bfloat16>(p, plan, stream);
+    default:
+      return cudaErrorInvalidValue;
+  }
+}
+
+cudaError_t LaunchAttentionWeights(const AttentionParams& p, void* weights, int weights_dtype, cudaStream_t stream) {
+  if (p.batch == 0 || p.q_len == 0 || p.kv_len == 0) return cudaSuccess;
+  switch (p.dtype) {
+    case kF32:
+      return LaunchWeightsTyped<float>(p, weights, weights_dtype, stream);
+    case kF16:
+      return LaunchWeightsTyped<__half>(p, weights, weights_dtype, stream);
+    case kBF16:
+      return LaunchWeightsTyped<__nv_bfloat16>(p, weights, weights_dtype, stream);
+    default:
+      return cudaErrorInvalidValue;
+  }
+}
+
+cudaError_t LaunchBroadcastRows(const float* bias, int64_t n, int64_t rows, void* y, int64_t ldy, int dtype,
+                                cudaStream_t stream) {
+  if (rows * n == 0) return cudaSuccess;
+  const unsigned grid = GridFor(rows * n);
+  switch (dtype) {
+    case kF32:
+      BroadcastRows<<<grid, 256, 0, stream>>>(bias, n, rows, static_cast<float*>(y), ldy);
+      break;
+    case kF16:
+      BroadcastRows<<<grid, 256, 0, stream>>>(bias, n, rows, static_cast<__half*>(y), ldy);
+      break;
+    case kBF16:
+      BroadcastRows<<<grid, 256, 0, stream>>>(bias, n, rows, static_cast<__nv_bfloat16*>(y), ldy);
+      break;
+    default:
+      return cudaErrorInvalidValue;
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchConvert(const void* src, int src_dtype, void* dst, int dst_dtype, int64_t n, cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  switch (src_dtype) {
+    case kF32:
+      return ConvertFrom(static_cast<const float*>(src), dst, dst_dtype, n, stream);
+    case kF16:
+      return ConvertFrom(static_cast<const __half*>(src), dst, dst_dtype, n, stream);
+    case kBF16:
+      return ConvertFrom(static_cast<const __nv_bfloat16*>(src), dst, dst_dtype, n, stream);
+    default:
+      return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace cuda
+}  // namespace mha

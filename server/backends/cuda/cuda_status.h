@@ -1,0 +1,26 @@
+// CUDA runtime and cuBLAS errors as absl::Status: the backend's boundary, where no third-party error passes.
+#ifndef MHA_SERVER_BACKENDS_CUDA_CUDA_STATUS_H_
+#define MHA_SERVER_BACKENDS_CUDA_CUDA_STATUS_H_
+
+#include <cublas_api.h>
+#include <cuda_runtime_api.h>
+
+#include "absl/status/status.h"
+#include "absl/strings/string_view.h"
+
+namespace mha {
+namespace cuda {
+
+// OK for cudaSuccess. Otherwise "<what>: <error name>: <the runtime's message>" with the code: RESOURCE_EXHAUSTED
+// when device memory ran out, UNAVAILABLE when there is no usable device or driver (no GPU, a driver older than
+// the runtime, no kernel image for this GPU), INTERNAL for anything else (a failed launch, a fault).
+absl::Status CudaStatus(cudaError_t error, absl::string_view what);
+
+// The same for cuBLAS: RESOURCE_EXHAUSTED for CUBLAS_STATUS_ALLOC_FAILED, UNIMPLEMENTED for
+// CUBLAS_STATUS_NOT_SUPPORTED, INTERNAL otherwise; the message names the status.
+absl::Status CublasStatus(cublasStatus_t status, absl::string_view what);
+
+}  // namespace cuda
+}  // namespace mha
+
+#endif  // MHA_SERVER_BACKENDS_CUDA_CUDA_STATUS_H_

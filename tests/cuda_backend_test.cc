@@ -1,0 +1,258 @@
+// The CUDA backend's host side, on a machine without a GPU: the planner (kernel choice, grid, tiles, shared
+// memory, the keys each query tile visits), Supports per dtype and head_dim, the row-major to column-major
+// mapping of the cuBLAS products, the error mapping, and the backend's refusal to start without a usable GPU.
+// Correctness on a GPU is the conformance suite's (tests/gpu/device-check.sh runs it there).
+#include <climits>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "proto/mha/v1/tensor_codec.h"
+#include "server/backends/cuda/cublas_api.h"
+#include "server/backends/cuda/cuda_backend.h"
+#include "server/backends/cuda/cuda_status.h"
+#include "server/backends/cuda/flash_plan.h"
+#include "server/backends/registry.h"
+#include "tests/test_util.h"
+
+namespace mha {
+namespace {
+
+using ::testing::HasSubstr;
+
+AttentionShape Shape(int64_t b, int64_t tq, int64_t tk, int64_t h, int64_t hkv, int64_t dk, bool causal = false) {
+  AttentionShape s;
+  s.batch = b;
+  s.q_len = tq;
+  s.kv_len = tk;
+  s.heads.num_heads = h;
+  s.heads.num_kv_heads = hkv;
+  s.heads.head_dim = dk;
+  s.heads.causal = causal;
+  s.heads.scale = 0.125f;
+  return s;
+}
+
+TEST(FlashPlan, SixteenBitHeadDims64And128RunOnTensorCores) {
+  for (v1::DataType dtype : {v1::FP16, v1::BF16}) {
+    for (int64_t dk : {64, 128}) {
+      absl::StatusOr<cuda::FlashPlan> plan = cuda::PlanFlash(Shape(2, 1000, 1000, 32, 8, dk), dtype);
+      ASSERT_TRUE(plan.ok()) << plan.status();
+      EXPECT_EQ(plan->kernel, cuda::FlashKernel::kTensorCore) << dk;
+      EXPECT_EQ(plan->block_m, 64);
+      EXPECT_EQ(plan->block_n, 64);
+      EXPECT_EQ(plan->threads, 128);
+      EXPECT_EQ(plan->grid_x, 2 * 32);
+      EXPECT_EQ(plan->grid_y, 16);  // ceil(1000 / 64)
+      // K and V tiles of 64 padded rows (what ptxas reports), within the 48 KiB of static shared memory.
+      EXPECT_EQ(plan->smem_bytes, 2 * 64 * (dk + 8) * 2);
+      EXPECT_LE(plan->smem_bytes, 48 * 1024);
+    }
+  }
+}
+
+TEST(FlashPlan, Fp32AndOtherHeadDimsRunOnTheSimtKernel) {
+  struct Case {
+    v1::DataType dtype;
+    int64_t dk;
+  };
+  for (const Case& c : {Case{v1::FP32, 64}, Case{v1::FP32, 128}, Case{v1::BF16, 80}, Case{v1::FP16, 32},
+                        Case{v1::BF16, 1}, Case{v1::FP32, 256}}) {
+    absl::StatusOr<cuda::FlashPlan> plan = cuda::PlanFlash(Shape(3, 10, 7, 4, 2, c.dk), c.dtype);
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    EXPECT_EQ(plan->kernel, cuda::FlashKernel::kSimt) << c.dk;
+    EXPECT_EQ(plan->threads, 128);
+    EXPECT_EQ(plan->grid_x, 3 * 4);
+    EXPECT_EQ(plan->grid_y, 3);  // one warp per query row, four per block
+  }
+}
+
+TEST(FlashPlan, HeadDimAbove256IsUnimplemented) {
+  absl::StatusOr<cuda::FlashPlan> plan = cuda::PlanFlash(Shape(1, 4, 4, 1, 1, 257), v1::FP32);
+  EXPECT_EQ(plan.status().code(), absl::StatusCode::kUnimplemented);
+  EXPECT_THAT(plan.status().message(), HasSubstr("head_dim up to 256, got 257"));
+}
+
+TEST(FlashPlan, QueryTilesBeyondTheGridLimitAreUnimplemented) {
+  // SIMT: 4 rows per block, so 4 * 65535 rows fit and one more does not.
+  EXPECT_TRUE(cuda::PlanFlash(Shape(1, 4 * 65535, 1, 1, 1, 8), v1::FP32).ok());
+  EXPECT_EQ(cuda::PlanFlash(Shape(1, 4 * 65535 + 1, 1, 1, 1, 8), v1::FP32).status().code(),
+            absl::StatusCode::kUnimplemented);
+}
+
+TEST(FlashPlan, VisibleKeyEndIsTheServersRule) {
+  // The kernels' rule against VisibleKeyCount (backend.h), which every CPU backend uses.
+  for (int64_t tq : {1, 5, 9}) {
+    for (int64_t tk : {1, 4, 9, 13}) {
+      for (bool causal : {false, true}) {
+        for (int32_t length : {-1, 0, 3, 13}) {
+          AttentionShape s = Shape(1, tq, tk, 1, 1, 8, causal);
+          std::vector<int32_t> lengths;
+          if (length >= 0) lengths.push_back(std::min<int32_t>(length, static_cast<int32_t>(tk)));
+          AttentionMask mask;
+          mask.key_lengths = lengths;
+          for (int64_t i = 0; i < tq; ++i) {
+            EXPECT_EQ(cuda::VisibleKeyEnd(tq, tk, causal, lengths.empty() ? -1 : lengths[0], i),
+                      VisibleKeyCount(s, mask, 0, i))
+                << "Tq=" << tq << " Tk=" << tk << " causal=" << causal << " length=" << length << " i=" << i;
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(FlashPlan, KeyTilesCoverEveryVisibleKeyAndSkipTheRest) {
+  for (int64_t tq : {1, 64, 100, 300}) {
+    for (int64_t tk : {1, 63, 64, 65, 300}) {
+      for (bool causal : {false, true}) {
+        for (int64_t length : {-1, 0, 50}) {
+          for (int64_t row0 = 0; row0 < tq; row0 += 64) {
+            const int64_t tiles = cuda::KeyTileCount(tq, tk, causal, length, row0, 64, 64);
+            int64_t needed = 0;  // one past the last key any row of the tile sees
+            for (int64_t i = row0; i < std::min(tq, row0 + 64); ++i) {
+              needed = std::max(needed, cuda::VisibleKeyEnd(tq, tk, causal, length, i));
+            }
+            EXPECT_EQ(tiles, (needed + 63) / 64) << "Tq=" << tq << " Tk=" << tk << " causal=" << causal
+                                                 << " length=" << length << " row0=" << row0;
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(FlashPlan, CausalSquareAttentionVisitsAboutHalfTheTiles) {
+  const int64_t t = 4096, tiles = t / 64;
+  int64_t visited = 0;
+  for (int64_t row0 = 0; row0 < t; row0 += 64) visited += cuda::KeyTileCount(t, t, true, -1, row0, 64, 64);
+  EXPECT_EQ(visited, tiles * (tiles + 1) / 2);  // the diagonal tiles and those below it
+}
+
+TEST(CudaSupports, EveryDtypeUpToHeadDim256) {
+  for (v1::DataType dtype : {v1::FP32, v1::FP16, v1::BF16}) {
+    for (int64_t dk : {1, 8, 20, 64, 80, 128, 256}) {
+      AttentionProblem problem;
+      problem.shape = Shape(2, 9, 9, 4, 2, dk);
+      problem.input_dtype = dtype;
+      problem.return_weights = dk % 2 == 0;
+      EXPECT_TRUE(cuda::CudaSupports(problem).ok()) << DTypeName(dtype) << " d_k " << dk;
+    }
+    AttentionProblem too_wide;
+    too_wide.shape = Shape(2, 9, 9, 4, 2, 512);
+    too_wide.input_dtype = dtype;
+    EXPECT_EQ(cuda::CudaSupports(too_wide).code(), absl::StatusCode::kUnimplemented);
+  }
+}
+
+TEST(CudaWorkspace, CountsProjectionsHeadsAndStatistics) {
+  AttentionProblem p;
+  p.shape = Shape(2, 16, 32, 8, 2, 64);
+  p.shape.d_model = p.shape.d_kv_in = p.shape.d_v_in = 512;
+  p.input_dtype = v1::BF16;
+  // Q and heads: 2*16 rows of 512 bf16; K, V: 2*32 rows of 128 bf16; the fp32 output 2*16 x 512.
+  const int64_t base = (32 * 512 * 2 + 2 * 64 * 128) * 2 + 32 * 512 * 4;
+  EXPECT_EQ(cuda::CudaWorkspaceBytes(p), base);
+  p.return_weights = true;
+  EXPECT_EQ(cuda::CudaWorkspaceBytes(p), base + 2 * 8 * 16 * 4);  // a log-sum-exp per (batch, head, query)
+}
+
+// C[m x n] = A[m x k] B[k x n], column-major with leading dimensions: what cublasGemmEx computes.
+void ColumnMajorProduct(const cuda::ColumnMajorGemm& g) {
+  const float* a = static_cast<const float*>(g.a);
+  const float* b = static_cast<const float*>(g.b);
+  float* c = static_cast<float*>(g.c);
+  for (int64_t i = 0; i < g.m; ++i) {
+    for (int64_t j = 0; j < g.n; ++j) {
+      float sum = 0.0f;
+      for (int64_t p = 0; p < g.k; ++p) sum += a[i + p * g.lda] * b[p + j * g.ldb];
+      c[i + j * g.ldc] = sum;
+    }
+  }
+}
+
+TEST(CublasMapping, RowMajorProductWithStridesIsTheColumnMajorCall) {
+  // y[rows, n] = x[rows, k] w[k, n], every matrix with a row stride wider than its row (as the fused Q|K|V
+  // projection reads its column blocks).
+  const int64_t rows = 5, k = 7, n = 3, ldx = 9, ldw = 11, ldy = 4;
+  const std::vector<float> x = testing::RandomVector(rows * ldx, 1, 1.0f), w = testing::RandomVector(k * ldw, 2, 1.0f);
+  std::vector<float> y(rows * ldy, -7.0f), want(rows * ldy, -7.0f);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < n; ++c) {
+      float sum = 0.0f;
+      for (int64_t p = 0; p < k; ++p) sum += x[r * ldx + p] * w[p * ldw + c];
+      want[r * ldy + c] = sum;
+    }
+  }
+  const cuda::ColumnMajorGemm g = cuda::RowMajorGemm(rows, n, k, x.data(), ldx, w.data(), ldw, y.data(), ldy);
+  EXPECT_EQ(g.m, n);
+  EXPECT_EQ(g.n, rows);
+  EXPECT_EQ(g.k, k);
+  ColumnMajorProduct(g);
+  EXPECT_TRUE(testing::AllClose(y, want, 1e-6, 1e-6));  // including the untouched padding (-7)
+}
+
+TEST(CudaStatus, MapsRuntimeErrorsToCodesAndNamesThem) {
+  EXPECT_TRUE(cuda::CudaStatus(cudaSuccess, "x").ok());
+  const absl::Status oom = cuda::CudaStatus(cudaErrorMemoryAllocation, "allocating");
+  EXPECT_EQ(oom.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(oom.message(), HasSubstr("allocating: cudaErrorMemoryAllocation: "));
+  EXPECT_EQ(cuda::CudaStatus(cudaErrorInsufficientDriver, "x").code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(cuda::CudaStatus(cudaErrorNoDevice, "x").code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(cuda::CudaStatus(cudaErrorNoKernelImageForDevice, "x").code(), absl::StatusCode::kUnavailable);
+  const absl::Status fault = cuda::CudaStatus(cudaErrorIllegalAddress, "the layer on the GPU");
+  EXPECT_EQ(fault.code(), absl::StatusCode::kInternal);
+  EXPECT_THAT(fault.message(), HasSubstr("cudaErrorIllegalAddress"));
+}
+
+TEST(CudaStatus, MapsCublasErrorsToCodesAndNamesThem) {
+  EXPECT_TRUE(cuda::CublasStatus(CUBLAS_STATUS_SUCCESS, "x").ok());
+  EXPECT_EQ(cuda::CublasStatus(CUBLAS_STATUS_ALLOC_FAILED, "x").code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(cuda::CublasStatus(CUBLAS_STATUS_NOT_SUPPORTED, "x").code(), absl::StatusCode::kUnimplemented);
+  const absl::Status failed = cuda::CublasStatus(CUBLAS_STATUS_EXECUTION_FAILED, "cublasGemmEx 4x5x6");
+  EXPECT_EQ(failed.code(), absl::StatusCode::kInternal);
+  EXPECT_EQ(failed.message(), "cublasGemmEx 4x5x6: CUBLAS_STATUS_EXECUTION_FAILED");
+}
+
+// The driver's answer on this machine: empty when a GPU is usable.
+std::string NoGpuReason() {
+  int count = 0;
+  const cudaError_t error = cudaGetDeviceCount(&count);
+  if (error != cudaSuccess) return cudaGetErrorString(error);
+  return count == 0 ? "no device" : "";
+}
+
+TEST(CudaBackend, WithoutAGpuCreateIsUnavailableWithTheDriversReason) {
+  const std::string reason = NoGpuReason();
+  if (reason.empty()) GTEST_SKIP() << "a GPU is present";
+  absl::StatusOr<std::unique_ptr<CudaBackend>> backend = CudaBackend::Create();
+  EXPECT_EQ(backend.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(backend.status().message(), HasSubstr(reason));
+}
+
+TEST(CudaBackend, WithoutAGpuTheRegistryListsItUnavailableAndAutoMeansCpu) {
+  const std::string reason = NoGpuReason();
+  if (reason.empty()) GTEST_SKIP() << "a GPU is present";
+  EXPECT_TRUE(BackendRegistry::CompiledIn(kCudaBackend));
+  std::unique_ptr<BackendRegistry> registry = BackendRegistry::Create();
+  int listed = 0;
+  for (const BackendEntry& entry : registry->entries()) {
+    if (entry.name != kCudaBackend) continue;
+    ++listed;
+    EXPECT_TRUE(entry.compiled_in);
+    EXPECT_FALSE(entry.available());
+    EXPECT_THAT(entry.detail, HasSubstr(reason));
+  }
+  EXPECT_EQ(listed, 1);
+  EXPECT_EQ(registry->DefaultName(), "cpu");
+  absl::StatusOr<Backend*> cuda = registry->Find("cuda", "backend");
+  EXPECT_EQ(cuda.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(cuda.status().message(), HasSubstr("backend: backend 'cuda' is unavailable on this machine: "));
+  // --backend cuda at start-up is refused the same way.
+  EXPECT_EQ(registry->SetDefault("cuda", "--backend").code(), absl::StatusCode::kUnavailable);
+}
+
+}  // namespace
+}  // namespace mha

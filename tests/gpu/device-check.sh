@@ -1,0 +1,134 @@
+#!/usr/bin/env bash
+# The GPU check of the CUDA backend, prepared here and run in one call on a GPU machine (docs/GPU.md).
+#
+#   tests/gpu/device-check.sh --bundle       here: build with CUDA (build/), pack the binaries and the shared
+#                                            libraries they need (not glibc, not cuBLAS) into .gpu-bundle/
+#   tests/gpu/device-check.sh [OUT]          there (or here, where it stops at the GPU step): run everything from
+#                                            $MHA_GPU_BIN, else .gpu-bundle/, else build/bin; write at most 8 files
+#                                            into OUT (else $OUT)
+#
+# The GPU machine has CUDA 13, PyTorch's cuBLAS wheels and compute-sanitizer, but not this project's Debian
+# libraries: the bundle carries them (about 20 MiB compressed; the device tool carries at most 64 MiB).
+# Files written: 1-versions.txt, 2-conformance.txt, 3-memcheck.txt, 4-flash-bench.txt, 5-end-to-end.txt,
+# summary.txt. Exit status 0 when every step that ran passed, 2 when there is no GPU.
+set -uo pipefail
+root=$(cd "$(dirname "$0")/../.." && pwd)
+bundle_dir="$root/.gpu-bundle"
+binaries=(mha_server mha_client backend_conformance_test cuda_backend_test flash_bench)
+
+if [[ "${1:-}" == "--bundle" ]]; then
+  set -e
+  build="${BUILD_DIR:-$root/build}"
+  cmake -S "$root" -B "$build" -DMHA_WITH_CUDA=ON >/dev/null
+  cmake --build "$build" -j"$(nproc)" --target "${binaries[@]}"
+  rm -rf "$bundle_dir" && mkdir -p "$bundle_dir/stage/bin" "$bundle_dir/stage/lib"
+  for b in "${binaries[@]}"; do cp "$build/bin/$b" "$bundle_dir/stage/bin/"; done
+  # Every shared library but glibc's (the GPU machine's own glibc is as new or newer) and the driver's.
+  for b in "${binaries[@]}"; do ldd "$build/bin/$b"; done | awk '$3 ~ /^\// {print $3}' | sort -u |
+    grep -Ev '/(libc|libm|libpthread|libdl|librt|ld-linux-x86-64|libcuda)\.so' |
+    while read -r lib; do cp -L "$lib" "$bundle_dir/stage/lib/"; done
+  git -C "$root" rev-parse HEAD >"$bundle_dir/stage/REVISION" 2>/dev/null || true
+  tar -C "$bundle_dir/stage" -cJf "$bundle_dir/bundle.tar.xz" .
+  rm -rf "$bundle_dir/stage"
+  ls -la "$bundle_dir/bundle.tar.xz"
+  echo "carry .gpu-bundle and run: bash tests/gpu/device-check.sh"
+  exit 0
+fi
+
+out="${1:-${OUT:-$root/gpu-check-out}}"
+mkdir -p "$out"
+summary="$out/summary.txt"
+: >"$summary"
+note() { echo "$*" | tee -a "$summary"; }
+failed=0
+
+if [[ -n "${MHA_GPU_BIN:-}" ]]; then
+  bin="$MHA_GPU_BIN"  # ctest's gpu_device_check: this build's binaries, whatever bundle lies around
+  note "binaries: $bin"
+elif [[ -f "$bundle_dir/bundle.tar.xz" ]]; then
+  run_dir=$(mktemp -d)
+  tar -C "$run_dir" -xJf "$bundle_dir/bundle.tar.xz"
+  bin="$run_dir/bin"
+  export LD_LIBRARY_PATH="$run_dir/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  note "bundle: revision $(cat "$run_dir/REVISION" 2>/dev/null || echo unknown)"
+else
+  bin="$root/build/bin"
+  note "no .gpu-bundle: running $bin"
+fi
+# cuBLAS is dlopen()ed: the toolkit's, else the one PyTorch's wheels carry.
+for dir in /usr/local/cuda/lib64 /usr/local/cuda/lib \
+  $(python3 -c 'import nvidia.cublas, os; print(os.path.join(nvidia.cublas.__path__[0], "lib"))' 2>/dev/null); do
+  if [[ -e "$dir/libcublas.so.13" ]]; then export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}$dir"; note "cuBLAS: $dir"; break; fi
+done
+
+# 1. Versions.
+{
+  echo "## nvidia-smi"; nvidia-smi 2>&1 || echo "nvidia-smi: not available"
+  echo "## nvcc"; (nvcc --version || /usr/local/cuda/bin/nvcc --version) 2>&1 | tail -2
+  echo "## CPU"; grep -m1 'model name' /proc/cpuinfo; nproc
+} >"$out/1-versions.txt" 2>&1
+
+# 2. The GPU step: is there one?
+gpu_reason=$("$bin/flash_bench" --probe 2>&1 | head -1)
+if ! nvidia-smi -L >/dev/null 2>&1; then
+  note "GPU: none present (${gpu_reason}); the GPU steps below are skipped and the GPU run is still owed"
+  "$bin/cuda_backend_test" >"$out/2-conformance.txt" 2>&1 || failed=1
+  note "cuda_backend_test (host side, no GPU): $(tail -1 "$out/2-conformance.txt")"
+  exit $((failed ? 1 : 2))
+fi
+note "GPU: $(nvidia-smi -L | head -1)"
+
+# 2. Conformance: every case of the suite and the contract tests on the CUDA backend, against the reference.
+{
+  timeout 240 "$bin/backend_conformance_test" --gtest_filter='*cuda*:BackendRegistry.*' --gtest_brief=1
+  echo "exit $?"
+  timeout 60 "$bin/cuda_backend_test" --gtest_brief=1
+  echo "exit $?"
+} >"$out/2-conformance.txt" 2>&1
+grep -q "^exit [^0]" "$out/2-conformance.txt" && failed=1
+note "conformance: $(grep -E '^\[  (PASSED|FAILED|SKIPPED)' "$out/2-conformance.txt" | tr '\n' ' ')"
+
+# 3. compute-sanitizer memcheck on the small cases (it may be refused under some virtualisation; then say so).
+sanitizer=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null || true)
+if [[ -n "$sanitizer" ]]; then
+  timeout 150 "$sanitizer" --tool memcheck --error-exitcode 3 "$bin/backend_conformance_test" \
+    --gtest_filter='*mha_self_cuda:*gqa_causal_mask_bf16_to_bf16_cuda:*sdpa_weights_fp16_to_fp16_cuda:*key_lengths_with_zero_cuda:*dk20_odd_width_weights_cuda:*biases_cross_cuda' \
+    --gtest_brief=1 >"$out/3-memcheck.txt" 2>&1
+  status=$?
+  note "memcheck: exit $status ($(grep -m1 -E 'ERROR SUMMARY' "$out/3-memcheck.txt" || echo 'no summary'))"
+  [[ $status -eq 3 ]] && failed=1
+else
+  note "memcheck: compute-sanitizer not found" | tee "$out/3-memcheck.txt"
+fi
+
+# 4. The fused kernel's TFLOP/s next to the cuBLAS bf16 GEMM rate.
+timeout 200 "$bin/flash_bench" >"$out/4-flash-bench.txt" 2>&1 || failed=1
+grep -q MISMATCH "$out/4-flash-bench.txt" && failed=1
+note "flash_bench: $(grep -c '^| [0-9]' "$out/4-flash-bench.txt") rows; $(grep -m1 GEMM "$out/4-flash-bench.txt")"
+
+# 5. The whole layer through the gRPC server: CUDA against the CPU backend, fp16 on the wire, B=8 T=512 d=512.
+{
+  work=$(mktemp -d)
+  "$bin/mha_server" --listen 127.0.0.1:0 --port_file "$work/port" >"$work/server.log" 2>&1 &
+  pid=$!
+  for _ in $(seq 300); do [[ -s "$work/port" ]] && break; sleep 0.1; done
+  target="127.0.0.1:$(cat "$work/port")"
+  "$bin/mha_client" info --target "$target"
+  for dtype in fp32 fp16 bf16; do
+    echo "## call --backend cuda --dtype $dtype --check"
+    "$bin/mha_client" call --target "$target" --backend cuda --dtype "$dtype" --batch 2 --seq 64 --check
+    echo "exit $?"
+  done
+  echo "## call --backend cuda --check --causal --weights"
+  "$bin/mha_client" call --target "$target" --backend cuda --dtype bf16 --batch 2 --seq 100 --causal --weights --check
+  echo "exit $?"
+  for backend in cuda cpu cuda cpu; do
+    echo "## bench --backend $backend --dtype fp16 --batch 8 --seq 512"
+    "$bin/mha_client" bench --target "$target" --backend "$backend" --dtype fp16 --batch 8 --seq 512 -n 20 --warmup 3
+  done
+  kill -TERM "$pid"; wait "$pid"
+  echo "## server log"; tail -20 "$work/server.log"
+} >"$out/5-end-to-end.txt" 2>&1
+grep -q "^exit [^0]" "$out/5-end-to-end.txt" && failed=1
+note "end to end: $(grep -c '^exit 0' "$out/5-end-to-end.txt") of 4 checked calls passed"
+exit $failed
