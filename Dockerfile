@@ -36,8 +36,8 @@ RUN cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DBUILD_TESTING=OFF 
  && cmake --build build --target mha_server mha_client \
  && mkdir /out && strip -o /out/mha_server build/bin/mha_server && strip -o /out/mha_client build/bin/mha_client \
  && rm -rf build
-# Marks this stage's final image, which podman/buildah keep untagged after the build: `podman image prune
-# --filter label=mhaserve.stage=build` removes it and leaves the cached install layer above (which has no label).
+# Marks this stage's final image, which podman/buildah keep untagged after the build: README's `podman rmi
+# --no-prune` line removes it and leaves the cached install layer above (which has no label).
 LABEL mhaserve.stage=build
 
 FROM ${BASE_IMAGE}

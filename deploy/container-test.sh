@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Runs README's container lines as written (base image, build, prune, run on 127.0.0.1:50051 and a checked call),
-# then runs the image for real on free loopback ports: health (the image's own HEALTHCHECK, which must find the
-# port the server bound), info, demo-layer calls checked against the reference backend
-# from a second container, then SIGTERM during a long call (it must finish, and the container must exit 0), once
+# Runs README's container lines as written (base image, build, removal of the build stage's image, run on
+# 127.0.0.1:50051 and a checked call), then runs the image for real on free loopback ports: health (the image's own
+# HEALTHCHECK, which must find the port the server bound), info, demo-layer calls checked against the reference
+# backend from a second container, then SIGTERM during a long call (it must finish, and the container must exit 0), once
 # under podman's --init and once with the server itself as PID 1 on a read-only root without capabilities (as the
 # Kubernetes Deployment runs it). Containers are removed; the images stay cached.
 #
@@ -22,12 +22,14 @@ deploy/install-deps.sh --container
 state=${MHA_CONTAINER_DIR:-$root/build/containers}
 mkdir -p "$state"
 state=$(cd "$state" && pwd)
+# The run root (locks, mount state; on tmpfs, so that a reboot clears it) is this storage's own: two checkouts'
+# storages must not share one.
 cat >"$state/storage.conf" <<EOF
 # Written by deploy/container-test.sh.
 [storage]
 driver = "overlay"
 graphroot = "$state/storage"
-runroot = "/run/mhaserve-containers"
+runroot = "/run/mhaserve-containers-$(printf %s "$state" | sha256sum | cut -c1-12)"
 EOF
 export CONTAINERS_CONF=$root/deploy/podman/containers.conf
 export CONTAINERS_STORAGE_CONF=$state/storage.conf
@@ -44,7 +46,7 @@ cleanup() {
 }
 trap cleanup EXIT
 
-# --- README's container lines, as written: base image, build, prune, then the run line in the background -----------
+# --- README's container lines, as written: base image, build, build stage's image removed, then the run line -------
 # The lines export CONTAINERS_CONF themselves; the storage stays this script's (CONTAINERS_STORAGE_CONF above).
 t_build=$(date +%s)
 mapfile -t readme_lines < <(awk '/^<!-- container-lines -->/ { on = 1; next } /^<!-- \/container-lines -->/ { on = 0 }
