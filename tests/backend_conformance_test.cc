@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <map>
 #include <memory>
 #include <ostream>
 #include <string>
@@ -12,6 +13,7 @@
 #include <tuple>
 #include <vector>
 
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "proto/mha/v1/tensor_codec.h"
 #include "server/backends/registry.h"
@@ -379,6 +381,20 @@ std::vector<Case> Cases() {
     cross.head_mask = true;
     cross.key_lengths = true;
     cases.push_back(WithDtypes(cross, in, in));
+    // A layer of the demo's width: 16-bit compute paths accumulate over 512 inputs.
+    Case demo = Make("demo_sized_causal", 2, 64, 64, 512, 0, 8, 8, 64);
+    demo.causal = true;
+    demo.bias = true;
+    cases.push_back(WithDtypes(demo, in, in));
+    // The attention core at head_dim 128 (the CUDA backend's tensor-core kernel) with partial query and key
+    // tiles, GQA, causal with Tq < Tk, key lengths and a per-batch mask, weights returned.
+    Case core128 = Make("sdpa_dk128_partial_tiles_masks", 2, 70, 130, 0, 0, 4, 2, 128);
+    core128.sdpa = true;
+    core128.causal = true;
+    core128.key_lengths = true;
+    core128.mask = Mask::kPerBatch;
+    core128.weights = true;
+    cases.push_back(WithDtypes(core128, in, in));
     Case sdpa = Make("sdpa_weights", 2, 7, 12, 0, 0, 4, 2, 16);
     sdpa.sdpa = true;
     sdpa.weights = true;
@@ -405,12 +421,12 @@ absl::StatusOr<std::unique_ptr<Backend>> Create(const std::string& label) {
   return absl::NotFoundError(label);
 }
 
-// The CUDA backend computes 16-bit requests in their dtype (the proto's DataType contract): Q, K, V, the
-// probabilities and the heads are rounded to fp16 / bf16 on the way, a few roundings more than the CPU's one of the
-// output. The tolerances are the proto's.
-Case WithToleranceOf(Case c, const std::string& label) {
-  if (label != kCudaBackend || c.input_dtype == v1::FP32) return c;
-  const double tolerance = c.input_dtype == v1::BF16 ? 3e-2 : 4e-3;
+// A backend that computes a 16-bit request in its dtype (Backend::ComputeDtype: the CUDA backend; the CPU backend's
+// bf16 projections) rounds the weights, Q, K, V, the probabilities or the heads on the way, a few roundings more
+// than the fp32 path's one of the output. The tolerances are the proto's.
+Case WithToleranceOf(Case c, v1::DataType compute) {
+  if (compute == v1::FP32) return c;
+  const double tolerance = compute == v1::BF16 ? 3e-2 : 4e-3;
   c.atol = std::max(c.atol, tolerance);
   c.rtol = std::max(c.rtol, tolerance);
   return c;
@@ -420,15 +436,16 @@ class ConformanceTest : public ::testing::TestWithParam<std::tuple<Case, std::st
 
 TEST_P(ConformanceTest, MatchesTheReference) {
   const std::string& label = std::get<1>(GetParam());
-  const Case c = WithToleranceOf(std::get<0>(GetParam()), label);
   absl::StatusOr<std::unique_ptr<Backend>> backend = Create(label);
   if (absl::IsUnavailable(backend.status())) GTEST_SKIP() << label << ": " << backend.status().message();
   ASSERT_TRUE(backend.ok()) << backend.status();
+  const Case& given = std::get<0>(GetParam());
   AttentionProblem problem;
-  problem.shape = Problem(c).shape();
-  problem.input_dtype = c.input_dtype;
-  problem.output_dtype = c.output_dtype;
-  problem.return_weights = c.weights;
+  problem.shape = Problem(given).shape();
+  problem.input_dtype = given.input_dtype;
+  problem.output_dtype = given.output_dtype;
+  problem.return_weights = given.weights;
+  const Case c = WithToleranceOf(given, (*backend)->ComputeDtype(problem));
   if (absl::Status supported = (*backend)->Supports(problem); !supported.ok()) {
     EXPECT_EQ(supported.code(), absl::StatusCode::kUnimplemented) << supported;
     GTEST_SKIP() << label << " does not support this case: " << supported.message();
@@ -552,16 +569,21 @@ INSTANTIATE_TEST_SUITE_P(Backends, BackendContractTest, ::testing::ValuesIn(Labe
   return label;
 });
 
-TEST(BackendRegistry, EveryBackendHasADefaultFactory) {
-  std::vector<std::string> defaults;
+TEST(BackendRegistry, EveryBackendHasOneDefaultFactory) {
+  std::map<std::string, int> defaults;
   for (const BackendFactory& f : BackendRegistry::Factories()) {
-    if (f.variant.empty()) defaults.push_back(f.name);
+    defaults[f.name];
+    if (f.variant.empty()) ++defaults[f.name];
   }
-  std::vector<std::string> want = {std::string(kReferenceBackend), std::string(kCpuBackend)};
-#ifdef MHA_HAVE_CUDA
-  want.push_back(std::string(kCudaBackend));
-#endif
-  EXPECT_EQ(defaults, want);
+  EXPECT_EQ(defaults[std::string(kReferenceBackend)], 1);
+  EXPECT_EQ(defaults[std::string(kCpuBackend)], 1);
+  for (const auto& [name, count] : defaults) EXPECT_EQ(count, 1) << name;
+  // The registry lists every backend the service knows, compiled in or not.
+  std::vector<std::string> listed;
+  const std::unique_ptr<BackendRegistry> registry = BackendRegistry::Create();
+  for (const BackendEntry& entry : registry->entries()) listed.push_back(entry.name);
+  EXPECT_THAT(listed, ::testing::UnorderedElementsAre(std::string(kReferenceBackend), std::string(kCpuBackend),
+                                                      std::string(kCudaBackend)));
 }
 
 }  // namespace

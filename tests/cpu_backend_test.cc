@@ -1,11 +1,15 @@
-// What is particular to the CPU backend: choosing tile kernels. Its results are checked against the reference, for
-// every kernel set, by backend_conformance_test.cc.
+// What is particular to the CPU backend: choosing tile kernels and the bf16 path. Its results are checked against the
+// reference, for every kernel set and with the bf16 path on and off, by backend_conformance_test.cc.
 #include "server/backends/cpu/cpu_backend.h"
 
 #include <string>
 
 #include "gtest/gtest.h"
+#include "proto/mha/v1/tensor_codec.h"
+#include "server/backends/cpu/bf16_matmul.h"
 #include "server/backends/cpu/tile_kernels.h"
+#include "server/layer.h"
+#include "tests/test_util.h"
 
 namespace mha {
 namespace {
@@ -51,6 +55,68 @@ TEST(CpuBackend, WarmUpSucceeds) {
   absl::StatusOr<std::unique_ptr<CpuBackend>> cpu = CpuBackend::Create();
   ASSERT_TRUE(cpu.ok()) << cpu.status();
   EXPECT_TRUE((*cpu)->WarmUp().ok());
+}
+
+AttentionProblem LayerProblem(v1::DataType dtype) {
+  AttentionProblem p;
+  p.shape.batch = 1;
+  p.shape.q_len = p.shape.kv_len = 16;
+  p.shape.d_model = p.shape.d_kv_in = p.shape.d_v_in = 512;
+  p.shape.heads = {8, 8, 64, false, 0.125f};
+  p.input_dtype = p.output_dtype = dtype;
+  return p;
+}
+
+TEST(CpuBackend, Bf16LayerCallsComputeInBf16WhereTheCpuHasIt) {
+  absl::StatusOr<std::unique_ptr<CpuBackend>> cpu = CpuBackend::Create();
+  ASSERT_TRUE(cpu.ok()) << cpu.status();
+  if (cpu::NativeBf16Matmul().empty()) {
+    EXPECT_EQ((*cpu)->ComputeDtype(LayerProblem(v1::BF16)), v1::FP32);
+    EXPECT_NE((*cpu)->device().find("fp32 projections only"), std::string::npos) << (*cpu)->device();
+    GTEST_SKIP() << "no native bf16 on this CPU: every request computes in fp32";
+  }
+  EXPECT_EQ((*cpu)->ComputeDtype(LayerProblem(v1::BF16)), v1::BF16);
+  EXPECT_NE((*cpu)->device().find("bf16 projections on " + cpu::NativeBf16Matmul()), std::string::npos)
+      << (*cpu)->device();
+  EXPECT_EQ((*cpu)->ComputeDtype(LayerProblem(v1::FP32)), v1::FP32);
+  EXPECT_EQ((*cpu)->ComputeDtype(LayerProblem(v1::FP16)), v1::FP32);  // oneDNN 2.6 has no fp16 matmul on x86
+  AttentionProblem sdpa = LayerProblem(v1::BF16);
+  sdpa.shape.d_model = sdpa.shape.d_kv_in = sdpa.shape.d_v_in = 0;
+  EXPECT_EQ((*cpu)->ComputeDtype(sdpa), v1::FP32);  // the attention core is fp32
+  absl::StatusOr<std::unique_ptr<CpuBackend>> fp32 = CpuBackend::Create("auto", /*bf16=*/false);
+  ASSERT_TRUE(fp32.ok()) << fp32.status();
+  EXPECT_EQ((*fp32)->ComputeDtype(LayerProblem(v1::BF16)), v1::FP32);
+}
+
+// Runs the demo layer on 16 bf16 tokens; `inline_weights` passes them as a request's inline weights would be.
+void RunDemoLayer(Backend& backend, bool inline_weights) {
+  const std::shared_ptr<const Layer> layer = MakeDemoLayer();
+  const std::vector<float> x = testing::RandomVector(16 * 512, 3, 1.0f);
+  std::vector<uint16_t> query(x.size()), out(x.size());
+  EncodeFromFloat(v1::BF16, x.data(), x.size(), query.data());
+  MhaArgs a;
+  a.shape = LayerProblem(v1::BF16).shape;
+  a.weights = layer->Weights();
+  if (inline_weights) a.weights.resident_id = 0;
+  a.kv_source = KvSource::kQuery;
+  a.query = a.key = a.value = {query.data(), v1::BF16};
+  a.out = {out.data(), v1::BF16};
+  ASSERT_TRUE(backend.MultiHeadAttention(a).ok());
+}
+
+TEST(CpuBackend, StoredLayersArePackedOnceAndInlineWeightsPerCall) {
+  if (cpu::NativeBf16Matmul().empty()) GTEST_SKIP() << "no native bf16 on this CPU";
+  absl::StatusOr<std::unique_ptr<CpuBackend>> cpu = CpuBackend::Create();
+  ASSERT_TRUE(cpu.ok()) << cpu.status();
+  const int64_t before = cpu::PackedWeightBytes();
+  RunDemoLayer(**cpu, /*inline_weights=*/true);
+  EXPECT_EQ(cpu::PackedWeightBytes(), before);  // packed for the call, not kept
+  RunDemoLayer(**cpu, /*inline_weights=*/false);
+  const int64_t packed = cpu::PackedWeightBytes();
+  // Q|K|V [512, 1536] and O [512, 512] in bf16 (packed layouts may pad).
+  EXPECT_GE(packed - before, (512 * 1536 + 512 * 512) * 2);
+  RunDemoLayer(**cpu, /*inline_weights=*/false);
+  EXPECT_EQ(cpu::PackedWeightBytes(), packed);  // the second call reuses them
 }
 
 }  // namespace

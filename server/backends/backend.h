@@ -150,6 +150,9 @@ class Backend {
   // Ask before computing: OK if this backend computes `problem`; UNIMPLEMENTED, saying why, otherwise. The service
   // asks before queueing any work.
   virtual absl::Status Supports(const AttentionProblem& problem) const = 0;
+  // The dtype the products of `problem` are computed in (FP32, or the 16-bit wire dtype on a path that computes in
+  // it): it sets the call's tolerance against the reference (the proto's DataType).
+  virtual v1::DataType ComputeDtype(const AttentionProblem& problem) const { return v1::FP32; }
   // Working memory (bytes) `problem` needs beyond its inputs and outputs, so that the service can refuse what would
   // not fit before computing.
   virtual int64_t WorkspaceBytes(const AttentionProblem& problem) const = 0;

@@ -26,6 +26,8 @@ std::vector<BackendFactory> BackendRegistry::Factories() {
   for (const char* isa : {"avx512", "avx2", "portable"}) {
     factories.push_back({std::string(kCpuBackend), isa, [isa] { return Upcast(CpuBackend::Create(isa)); }});
   }
+  // Every request in fp32: the path of CPUs without native bf16, tested on those with it too.
+  factories.push_back({std::string(kCpuBackend), "fp32", [] { return Upcast(CpuBackend::Create("auto", false)); }});
 #ifdef MHA_HAVE_CUDA
   factories.push_back({std::string(kCudaBackend), "", [] { return Upcast(CudaBackend::Create()); }});
 #endif

@@ -20,6 +20,8 @@
 #include "benchmark/benchmark.h"
 #include "oneapi/dnnl/dnnl.h"
 #include "proto/mha/v1/attention_shape.h"
+#include "proto/mha/v1/tensor_codec.h"
+#include "server/backends/cpu/bf16_matmul.h"
 #include "server/backends/cpu/cpu_backend.h"
 #include "tests/bench/fma_probe.h"
 
@@ -159,6 +161,55 @@ void BM_MultiHeadAttention(benchmark::State& state, Shape shape, bool with_weigh
   TimeAgainstPeak(state, Flops(shape), [&] { return (*backend)->MultiHeadAttention(args); });
 }
 
+// The layer on bf16 inputs and outputs, as a stored layer (weights packed once): `bf16_path` false forces the fp32
+// path (what CPUs without native bf16 run), so that the two are measured in the same run.
+void BM_MultiHeadAttentionBf16(benchmark::State& state, Shape shape, bool bf16_path) {
+  auto backend = CpuBackend::Create("auto", bf16_path);
+  if (!backend.ok()) {
+    state.SkipWithError("no oneDNN CPU engine");
+    return;
+  }
+  if (bf16_path && cpu::NativeBf16Matmul().empty()) {
+    state.SkipWithError("no native bf16 on this CPU");
+    return;
+  }
+  Problem problem(shape, /*with_weights=*/false);
+  std::vector<uint16_t> x16(problem.x.size()), out16(problem.out.size());
+  EncodeFromFloat(v1::BF16, problem.x.data(), problem.x.size(), x16.data());
+  MhaArgs args = problem.Args();
+  args.weights.resident_id = uint64_t{1} << 62;  // as a stored layer: packed on the first call
+  args.query = args.key = args.value = {x16.data(), v1::BF16};
+  args.out = {out16.data(), v1::BF16};
+  if (!(*backend)->MultiHeadAttention(args).ok()) {
+    state.SkipWithError("backend failed");
+    return;
+  }
+  TimeAgainstPeak(state, Flops(shape), [&] { return (*backend)->MultiHeadAttention(args); });
+}
+
+// oneDNN's bf16 matmul on the fused Q|K|V projection's shape (weights packed once): the rate the bf16 layer is
+// held against.
+void BM_Bf16Matmul(benchmark::State& state, Shape shape) {
+  if (cpu::NativeBf16Matmul().empty()) {
+    state.SkipWithError("no native bf16 on this CPU");
+    return;
+  }
+  Problem problem(shape, /*with_weights=*/false);
+  const int64_t m = shape.batch * shape.q_len, k = shape.d_model, n = 3 * shape.d_model;
+  std::vector<uint16_t> x16(problem.x.size());
+  EncodeFromFloat(v1::BF16, problem.x.data(), problem.x.size(), x16.data());
+  std::vector<float> y(m * n);
+  const cpu::Bf16Weights w{problem.w_qkv.data(), n, uint64_t{1} << 62};
+  const auto call = [&] {
+    return cpu::MatmulBf16(x16.data(), m, k, k, w, nullptr, n, y.data(), cpu::MatmulOut::kF32, n, nullptr);
+  };
+  if (!call().ok()) {
+    state.SkipWithError("matmul failed");
+    return;
+  }
+  TimeAgainstPeak(state, 2.0 * m * k * n, call);
+}
+
 // The attention core alone (ScaledDotProductAttention on head-packed Q, K, V): no projections, so the FLOPs are
 // 4 B H d_k times the visible pairs, and the causal saving shows undiluted.
 void BM_AttentionCore(benchmark::State& state, Shape shape, bool with_weights) {
@@ -280,6 +331,20 @@ int main(int argc, char** argv) {
         ->UseRealTime();
     if (shape.causal) continue;  // the same projections as the non-causal shape
     benchmark::RegisterBenchmark(("proj_" + shape.name + "/weights_off").c_str(), BM_Projections, shape)
+        ->Unit(benchmark::kMillisecond)
+        ->UseRealTime();
+  }
+  // bf16 requests: the bf16 path against the fp32 path, interleaved, and oneDNN's bf16 matmul rate.
+  for (const Shape& shape : Shapes()) {
+    if (shape.batch * shape.q_len < 1024) continue;  // the large shapes
+    for (bool bf16_path : {true, false}) {
+      benchmark::RegisterBenchmark(("bf16_" + shape.name + (bf16_path ? "/bf16_path" : "/fp32_path")).c_str(),
+                                   BM_MultiHeadAttentionBf16, shape, bf16_path)
+          ->Unit(benchmark::kMillisecond)
+          ->UseRealTime();
+    }
+    if (shape.causal || shape.kv_heads != shape.heads) continue;
+    benchmark::RegisterBenchmark(("bf16_matmul_" + shape.name).c_str(), BM_Bf16Matmul, shape)
         ->Unit(benchmark::kMillisecond)
         ->UseRealTime();
   }

@@ -9,8 +9,10 @@
 #include "absl/strings/str_cat.h"
 #include "oneapi/dnnl/dnnl.h"
 #include "server/backends/cpu/attention_core.h"
+#include "server/backends/cpu/bf16_matmul.h"
 #include "server/backends/cpu/cpu_info.h"
 #include "server/backends/float_io.h"
+#include "proto/mha/v1/tensor_codec.h"
 #include "server/backends/synthetic.h"
 
 namespace mha {
@@ -43,6 +45,7 @@ class ScopedOmpThreads {
 struct CallScratch {
   std::vector<float> projected;  // Q|K|V projections
   std::vector<float> heads;      // concatenated head outputs [B Tq, H d_k]
+  std::vector<uint16_t> heads16;  // the same in bf16, for the bf16 output projection
 };
 
 CallScratch& ThreadScratch() {
@@ -57,6 +60,7 @@ class ScratchTrim {
   ~ScratchTrim() {
     cpu::ReleaseIfLarge(scratch_.projected, cpu::kKeptCallScratchBytes);
     cpu::ReleaseIfLarge(scratch_.heads, cpu::kKeptCallScratchBytes);
+    cpu::ReleaseIfLarge(scratch_.heads16, cpu::kKeptCallScratchBytes);
   }
   ScratchTrim(const ScratchTrim&) = delete;
   ScratchTrim& operator=(const ScratchTrim&) = delete;
@@ -65,7 +69,8 @@ class ScratchTrim {
   CallScratch& scratch_;
 };
 
-float* Grown(std::vector<float>& v, int64_t n) {
+template <typename T>
+T* Grown(std::vector<T>& v, int64_t n) {
   if (static_cast<int64_t>(v.size()) < n) v.resize(n);
   return v.data();
 }
@@ -105,7 +110,7 @@ absl::Status Linear(const float* x, int64_t m, int64_t k, int64_t ldx, const flo
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<CpuBackend>> CpuBackend::Create(absl::string_view tile_kernels) {
+absl::StatusOr<std::unique_ptr<CpuBackend>> CpuBackend::Create(absl::string_view tile_kernels, bool bf16) {
   // A 1x1x1 product proves that oneDNN loads and runs here.
   const float one = 1.0f;
   float out = 0.0f;
@@ -127,13 +132,16 @@ absl::StatusOr<std::unique_ptr<CpuBackend>> CpuBackend::Create(absl::string_view
     return absl::InvalidArgumentError(
         absl::StrCat("unknown tile kernels \"", tile_kernels, "\"; expected auto, avx512, avx2 or portable"));
   }
-  return std::unique_ptr<CpuBackend>(new CpuBackend(std::move(tiles)));
+  return std::unique_ptr<CpuBackend>(new CpuBackend(std::move(tiles), bf16 && !cpu::NativeBf16Matmul().empty()));
 }
 
 std::string CpuBackend::device() const {
   const dnnl_version_t* v = dnnl_version();
   return absl::StrCat(cpu::CpuModelName(), " (oneDNN ", v->major, ".", v->minor, ".", v->patch, ", ",
-                      tile_kernels_.front()->isa, " attention tiles, ", omp_get_max_threads(), " OpenMP threads)");
+                      tile_kernels_.front()->isa, " attention tiles, ",
+                      bf16_ ? absl::StrCat("bf16 projections on ", cpu::NativeBf16Matmul())
+                            : std::string("fp32 projections only"),
+                      ", ", omp_get_max_threads(), " OpenMP threads)");
 }
 
 const kernels::TileKernels& CpuBackend::KernelsFor(int64_t head_dim) const {
@@ -141,6 +149,10 @@ const kernels::TileKernels& CpuBackend::KernelsFor(int64_t head_dim) const {
     if (head_dim % k->lanes == 0) return *k;
   }
   return *tile_kernels_.front();
+}
+
+v1::DataType CpuBackend::ComputeDtype(const AttentionProblem& problem) const {
+  return bf16_ && problem.input_dtype == v1::BF16 && problem.shape.has_projections() ? v1::BF16 : v1::FP32;
 }
 
 int64_t CpuBackend::WorkspaceBytes(const AttentionProblem& problem) const {
@@ -153,6 +165,7 @@ int64_t CpuBackend::WorkspaceBytes(const AttentionProblem& problem) const {
     floats += q_rows * 2 * h.q_width() + 2 * kv_rows * h.kv_width();  // Q, K, V and the concatenated heads
     if (problem.input_dtype != v1::FP32) floats += q_rows * s.d_model + kv_rows * (s.d_kv_in + s.d_v_in);
     if (problem.output_dtype != v1::FP32) floats += q_rows * s.d_model + weights;
+    if (ComputeDtype(problem) == v1::BF16) floats += q_rows * h.q_width() / 2;  // the heads in bf16
   } else {
     const int64_t q = q_rows * h.q_width(), kv = kv_rows * h.kv_width();
     if (problem.input_dtype != v1::FP32) floats += q + 2 * kv;
@@ -197,19 +210,35 @@ absl::Status CpuBackend::MultiHeadAttention(const MhaArgs& a) {
   CallScratch& scratch = ThreadScratch();
   const ScratchTrim trim(scratch);
 
-  const FloatInput query(a.query, q_rows * s.d_model);
-  const FloatInput key(a.kv_source == KvSource::kQuery ? ConstTensor{} : a.key, kv_rows * s.d_kv_in);
-  const FloatInput value(a.kv_source == KvSource::kKeyValue ? a.value : ConstTensor{}, kv_rows * s.d_v_in);
+  // bf16 requests on a CPU with native bf16 arithmetic project on oneDNN's bf16 matmul straight from the wire
+  // bytes; everything else decodes to fp32 and projects with sgemm.
+  AttentionProblem problem;
+  problem.shape = s;
+  problem.input_dtype = a.query.dtype;
+  const bool bf16 = ComputeDtype(problem) == v1::BF16;
+  const FloatInput query(bf16 ? ConstTensor{} : a.query, q_rows * s.d_model);
+  const FloatInput key(bf16 || a.kv_source == KvSource::kQuery ? ConstTensor{} : a.key, kv_rows * s.d_kv_in);
+  const FloatInput value(!bf16 && a.kv_source == KvSource::kKeyValue ? a.value : ConstTensor{}, kv_rows * s.d_v_in);
   const float* key_data = a.kv_source == KvSource::kQuery ? query.data() : key.data();
   const float* value_data = a.kv_source == KvSource::kKeyValue ? value.data() : key_data;
+  const void* key_bytes = a.kv_source == KvSource::kQuery ? a.query.data : a.key.data;
+  const void* value_bytes = a.kv_source == KvSource::kKeyValue ? a.value.data : key_bytes;
+  // y = x W + b on the path this call takes; x is fp32 (sgemm) or the wire's bf16 bytes.
+  const auto project = [&](const float* x, const void* x16, int64_t rows, int64_t in, const float* wm, int64_t ld,
+                           const float* b, int64_t n, float* y, int64_t ldy) {
+    if (bf16) {
+      return cpu::MatmulBf16(x16, rows, in, in, {wm, ld, w.resident_id}, b, n, y, cpu::MatmulOut::kF32, ldy, stop);
+    }
+    return Linear(x, rows, in, in, wm, ld, b, n, y, ldy, stop);
+  };
 
   cpu::Packed q, k, v;
   if (a.kv_source == KvSource::kQuery && w.fused_qkv) {
     // One product projects Q|K|V; each is then read in place through the row stride of the fused output.
     const int64_t width = q_width + 2 * kv_width;
     float* projected = Grown(scratch.projected, q_rows * width);
-    absl::Status status = Linear(query.data(), q_rows, s.d_model, s.d_model, w.w_q, w.ld_q, w.b_q, width, projected,
-                                 width, stop);
+    absl::Status status =
+        project(query.data(), a.query.data, q_rows, s.d_model, w.w_q, w.ld_q, w.b_q, width, projected, width);
     if (!status.ok()) return status;
     q = {projected, width};
     k = {projected + q_width, width};
@@ -219,12 +248,12 @@ absl::Status CpuBackend::MultiHeadAttention(const MhaArgs& a) {
     float* kp = qp + q_rows * q_width;
     float* vp = kp + kv_rows * kv_width;
     absl::Status status =
-        Linear(query.data(), q_rows, s.d_model, s.d_model, w.w_q, w.ld_q, w.b_q, q_width, qp, q_width, stop);
+        project(query.data(), a.query.data, q_rows, s.d_model, w.w_q, w.ld_q, w.b_q, q_width, qp, q_width);
     if (status.ok()) {
-      status = Linear(key_data, kv_rows, s.d_kv_in, s.d_kv_in, w.w_k, w.ld_k, w.b_k, kv_width, kp, kv_width, stop);
+      status = project(key_data, key_bytes, kv_rows, s.d_kv_in, w.w_k, w.ld_k, w.b_k, kv_width, kp, kv_width);
     }
     if (status.ok()) {
-      status = Linear(value_data, kv_rows, s.d_v_in, s.d_v_in, w.w_v, w.ld_v, w.b_v, kv_width, vp, kv_width, stop);
+      status = project(value_data, value_bytes, kv_rows, s.d_v_in, w.w_v, w.ld_v, w.b_v, kv_width, vp, kv_width);
     }
     if (!status.ok()) return status;
     q = {qp, q_width};
@@ -249,6 +278,23 @@ absl::Status CpuBackend::MultiHeadAttention(const MhaArgs& a) {
         for (int64_t c = 0; c < h.head_dim; ++c) row[c] *= a.head_mask[head];
       }
     }
+  }
+  if (bf16) {
+    // The heads in bf16, then the output product writes a bf16 output in place, or fp32 (converted after for
+    // fp16).
+    uint16_t* heads16 = Grown(scratch.heads16, q_rows * q_width);
+    EncodeFromFloat(v1::BF16, heads, q_rows * q_width, heads16);
+    const cpu::Bf16Weights w_o{w.w_o, s.d_model, w.resident_id};
+    if (a.out.dtype == v1::BF16) {
+      return cpu::MatmulBf16(heads16, q_rows, q_width, q_width, w_o, w.b_o, s.d_model, a.out.data,
+                             cpu::MatmulOut::kBF16, s.d_model, stop);
+    }
+    FloatOutput out(a.out, q_rows * s.d_model);
+    absl::Status status = cpu::MatmulBf16(heads16, q_rows, q_width, q_width, w_o, w.b_o, s.d_model, out.data(),
+                                          cpu::MatmulOut::kF32, s.d_model, stop);
+    if (!status.ok()) return status;
+    out.Finish();
+    return absl::OkStatus();
   }
   FloatOutput out(a.out, q_rows * s.d_model);
   absl::Status status = Linear(heads, q_rows, q_width, q_width, w.w_o, s.d_model, w.b_o, s.d_model, out.data(),

@@ -1,6 +1,7 @@
-// Attention on the host CPU in fp32: projections through oneDNN's sgemm (one fused Q|K|V product for
-// self-attention with a fused layer), the attention core on hand-written tile kernels (attention_core.h), chosen
-// per call among the instruction sets this CPU runs.
+// Attention on the host CPU: projections through oneDNN's sgemm (one fused Q|K|V product for self-attention with a
+// fused layer), or for bf16 requests on a CPU with native bf16 arithmetic through oneDNN's bf16 matmul with the
+// layer's weights packed once (bf16_matmul.h); the attention core in fp32 on hand-written tile kernels
+// (attention_core.h), chosen per call among the instruction sets this CPU runs.
 //
 // Thread-safe: scratch buffers belong to the calling thread. Each call parallelises over the calling thread's
 // OpenMP threads (omp_set_num_threads on that thread sets how many); calls up to kSerialFlops run on the calling
@@ -33,13 +34,18 @@ class CpuBackend final : public Backend {
   // first whose vector width divides head_dim, else the widest), or one of "avx512", "avx2", "portable".
   // UNAVAILABLE if oneDNN does not run here or the CPU lacks the requested instructions; INVALID_ARGUMENT for any
   // other name.
-  static absl::StatusOr<std::unique_ptr<CpuBackend>> Create(absl::string_view tile_kernels = "auto");
+  // bf16: bf16 requests project on oneDNN's bf16 matmul (bf16_matmul.h) when this CPU computes bf16 natively
+  // (AVX512-BF16 or AMX); false, or a CPU without it, computes every request in fp32.
+  static absl::StatusOr<std::unique_ptr<CpuBackend>> Create(absl::string_view tile_kernels = "auto",
+                                                            bool bf16 = true);
 
   absl::string_view name() const override { return kCpuBackend; }
   std::string device() const override;
   // Every shape, dtype and option (16-bit tensors are converted to fp32 at the edges; any head_dim runs on the tile
   // kernels).
   absl::Status Supports(const AttentionProblem& problem) const override { return absl::OkStatus(); }
+  // BF16 for a bf16 layer call when the bf16 projections are on; FP32 otherwise (the attention core is fp32).
+  v1::DataType ComputeDtype(const AttentionProblem& problem) const override;
   // Projections, the concatenated heads, fp32 copies of 16-bit inputs and outputs, and each thread's tile scratch.
   int64_t WorkspaceBytes(const AttentionProblem& problem) const override;
   double inline_max_flops() const override { return kInlineMaxFlops; }
@@ -49,13 +55,14 @@ class CpuBackend final : public Backend {
   absl::Status MultiHeadAttention(const MhaArgs& args) override;
 
  private:
-  explicit CpuBackend(std::vector<const kernels::TileKernels*> tile_kernels)
-      : tile_kernels_(std::move(tile_kernels)) {}
+  CpuBackend(std::vector<const kernels::TileKernels*> tile_kernels, bool bf16)
+      : tile_kernels_(std::move(tile_kernels)), bf16_(bf16) {}
 
   // The kernels a call with this head_dim runs on.
   const kernels::TileKernels& KernelsFor(int64_t head_dim) const;
 
   const std::vector<const kernels::TileKernels*> tile_kernels_;  // in order of preference; never empty
+  const bool bf16_;  // bf16 requests project in bf16
 };
 
 }  // namespace mha

@@ -161,10 +161,20 @@ template <typename T>
 __device__ __forceinline__ uint32_t Pair(const T* x) {
   return *reinterpret_cast<const uint32_t*>(x);
 }
-template <typename T>
-__device__ __forceinline__ uint32_t Pair(T lo, T hi) {
-  const uint16_t l = *reinterpret_cast<const uint16_t*>(&lo), h = *reinterpret_cast<const uint16_t*>(&hi);
-  return static_cast<uint32_t>(l) | (static_cast<uint32_t>(h) << 16);
+// ldmatrix: four 8x8 matrices of 16-bit elements from shared memory, lane i giving the address of row i % 8 of
+// matrix i / 8 (16-byte aligned). Lane l receives in r[j] row l / 4, columns 2 (l % 4) and 2 (l % 4) + 1 of matrix
+// j; with .trans, rows 2 (l % 4) and 2 (l % 4) + 1 of column l / 4 (the transposed matrix's).
+__device__ __forceinline__ void LoadMatrices(uint32_t (&r)[4], const void* shared) {
+  const uint32_t address = static_cast<uint32_t>(__cvta_generic_to_shared(shared));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(address));
+}
+__device__ __forceinline__ void LoadMatricesTransposed(uint32_t (&r)[4], const void* shared) {
+  const uint32_t address = static_cast<uint32_t>(__cvta_generic_to_shared(shared));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(address));
 }
 
 // Copies `rows` rows of kD 16-bit elements (row stride `stride` elements, 16-byte aligned) into shared memory
@@ -233,14 +243,19 @@ __global__ void __launch_bounds__(kTcThreads) TensorCoreAttention(AttentionParam
     LoadTile<T, kD, kRow>(v_shared, v + key0 * p.kv_row_stride, p.kv_row_stride, kTcBlockN, p.kv_len - key0);
     __syncthreads();
 
+    // S = Q K^T. One ldmatrix gives B fragments for 8 keys x 32 dims: matrix m holds keys nb*8.. and dims
+    // kk*16 + 8m.., so r[0], r[1] are B for dims kk*16.. and r[2], r[3] for dims (kk+1)*16..
     float s[kTcBlockN / 8][4];
     #pragma unroll
     for (int nb = 0; nb < kTcBlockN / 8; ++nb) {
       s[nb][0] = s[nb][1] = s[nb][2] = s[nb][3] = 0.0f;
-      const T* key_row = k_shared + (nb * 8 + g) * kRow + 2 * t;
+      const T* key_rows = k_shared + (nb * 8 + (lane & 7)) * kRow + (lane >> 3) * 8;
       #pragma unroll
-      for (int kk = 0; kk < kD / 16; ++kk) {
-        Mma<T>::Run(s[nb], q_frag[kk], Pair(key_row + kk * 16), Pair(key_row + kk * 16 + 8));
+      for (int kk = 0; kk < kD / 16; kk += 2) {
+        uint32_t b[4];
+        LoadMatrices(b, key_rows + kk * 16);
+        Mma<T>::Run(s[nb], q_frag[kk], b[0], b[1]);
+        Mma<T>::Run(s[nb], q_frag[kk + 1], b[2], b[3]);
       }
     }
     // Scale, mask, and each row's running max over the quad of threads that shares it.
@@ -293,11 +308,15 @@ __global__ void __launch_bounds__(kTcThreads) TensorCoreAttention(AttentionParam
       const uint32_t a[4] = {Mma<T>::Pack(s[2 * kk][0], s[2 * kk][1]), Mma<T>::Pack(s[2 * kk][2], s[2 * kk][3]),
                              Mma<T>::Pack(s[2 * kk + 1][0], s[2 * kk + 1][1]),
                              Mma<T>::Pack(s[2 * kk + 1][2], s[2 * kk + 1][3])};
-      const T* v0 = v_shared + (kk * 16 + 2 * t) * kRow + g;
+      // One transposed ldmatrix gives B fragments for 16 keys x 16 dims: matrix m holds keys kk*16 + 8 (m % 2)..
+      // and dims (nb + m / 2) * 8.., so r[0], r[1] are B for dims nb*8.. and r[2], r[3] for dims (nb+1)*8..
+      const T* value_rows = v_shared + (kk * 16 + ((lane >> 3) & 1) * 8 + (lane & 7)) * kRow + (lane >> 4) * 8;
       #pragma unroll
-      for (int nb = 0; nb < kD / 8; ++nb) {
-        const T* vn = v0 + nb * 8;
-        Mma<T>::Run(o[nb], a, Pair(vn[0], vn[kRow]), Pair(vn[8 * kRow], vn[9 * kRow]));
+      for (int nb = 0; nb < kD / 8; nb += 2) {
+        uint32_t b[4];
+        LoadMatricesTransposed(b, value_rows + nb * 8);
+        Mma<T>::Run(o[nb], a, b[0], b[1]);
+        Mma<T>::Run(o[nb + 1], a, b[2], b[3]);
       }
     }
   }

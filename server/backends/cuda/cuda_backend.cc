@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <initializer_list>
 #include <cstring>
 #include <list>
 #include <map>
@@ -52,29 +53,31 @@ cudaDataType_t CudaType(int dtype) {
   }
 }
 
-// Device memory (cudaMalloc), grown on demand; contents are not kept across growth.
-class DeviceBuffer {
+// Memory from `Allocate` (cudaMalloc: device; cudaMallocHost: page-locked host memory, so that copies run
+// asynchronously on a stream), grown on demand; contents are not kept across growth.
+template <cudaError_t (*Allocate)(void**, size_t), cudaError_t (*Free)(void*)>
+class CudaBuffer {
  public:
-  DeviceBuffer() = default;
-  ~DeviceBuffer() { Release(); }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  explicit CudaBuffer(const char* what) : what_(what) {}
+  ~CudaBuffer() { Release(); }
+  CudaBuffer(const CudaBuffer&) = delete;
+  CudaBuffer& operator=(const CudaBuffer&) = delete;
 
   absl::Status Reserve(int64_t bytes) {
     if (bytes <= size_) return absl::OkStatus();
     Release();
     void* p = nullptr;
-    const cudaError_t error = cudaMalloc(&p, static_cast<size_t>(bytes));
+    const cudaError_t error = Allocate(&p, static_cast<size_t>(bytes));
     if (error != cudaSuccess) {
-      cudaGetLastError();  // not sticky: clear it
-      return CudaStatus(error, absl::StrCat("allocating ", bytes, " bytes of device memory"));
+      cudaGetLastError();  // an allocation failure is not sticky: clear it
+      return CudaStatus(error, absl::StrCat("allocating ", bytes, " bytes of ", what_));
     }
     data_ = static_cast<char*>(p);
     size_ = bytes;
     return absl::OkStatus();
   }
   void Release() {
-    if (data_ != nullptr) cudaFree(data_);
+    if (data_ != nullptr) Free(data_);
     data_ = nullptr;
     size_ = 0;
   }
@@ -82,42 +85,21 @@ class DeviceBuffer {
   int64_t size() const { return size_; }
 
  private:
+  const char* const what_;
   char* data_ = nullptr;
   int64_t size_ = 0;
 };
 
-// Page-locked host memory (cudaMallocHost), so that copies run asynchronously on a stream.
-class PinnedBuffer {
+cudaError_t DeviceAllocate(void** p, size_t bytes) { return cudaMalloc(p, bytes); }
+cudaError_t HostAllocate(void** p, size_t bytes) { return cudaMallocHost(p, bytes); }
+
+class DeviceBuffer : public CudaBuffer<DeviceAllocate, cudaFree> {
  public:
-  PinnedBuffer() = default;
-  ~PinnedBuffer() { Release(); }
-  PinnedBuffer(const PinnedBuffer&) = delete;
-  PinnedBuffer& operator=(const PinnedBuffer&) = delete;
-
-  absl::Status Reserve(int64_t bytes) {
-    if (bytes <= size_) return absl::OkStatus();
-    Release();
-    void* p = nullptr;
-    const cudaError_t error = cudaMallocHost(&p, static_cast<size_t>(bytes));
-    if (error != cudaSuccess) {
-      cudaGetLastError();
-      return CudaStatus(error, absl::StrCat("allocating ", bytes, " bytes of pinned host memory"));
-    }
-    data_ = static_cast<char*>(p);
-    size_ = bytes;
-    return absl::OkStatus();
-  }
-  void Release() {
-    if (data_ != nullptr) cudaFreeHost(data_);
-    data_ = nullptr;
-    size_ = 0;
-  }
-  char* data() const { return data_; }
-  int64_t size() const { return size_; }
-
- private:
-  char* data_ = nullptr;
-  int64_t size_ = 0;
+  DeviceBuffer() : CudaBuffer("device memory") {}
+};
+class PinnedBuffer : public CudaBuffer<HostAllocate, cudaFreeHost> {
+ public:
+  PinnedBuffer() : CudaBuffer("pinned host memory") {}
 };
 
 // Cuts aligned pieces off a buffer. With a null base it only measures: the same sequence of Take calls first
@@ -407,6 +389,14 @@ void FinishCopyOut(const Staged& t) {
   if (t.bytes > 0) std::memcpy(const_cast<void*>(t.host), t.pinned, t.bytes);
 }
 
+// Copies the outputs back through the pinned buffer once everything enqueued on `stream` has run.
+absl::Status ReturnOutputs(std::initializer_list<const Staged*> outputs, cudaStream_t stream, const char* what) {
+  for (const Staged* t : outputs) RETURN_IF_ERROR_STATUS(StartCopyOut(*t, stream));
+  RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(stream), what);
+  for (const Staged* t : outputs) FinishCopyOut(*t);
+  return absl::OkStatus();
+}
+
 absl::Status Stopped(const StopSignal* stop) { return stop == nullptr ? absl::OkStatus() : stop->Check(); }
 
 // The mask inputs of a call on the device.
@@ -419,6 +409,24 @@ void SizeMask(const AttentionShape& s, const AttentionMask& mask, absl::Span<con
   const int64_t additive = mask.additive == nullptr ? 0 : (mask.additive_per_batch ? s.batch : 1) * s.q_len * s.kv_len;
   m.additive = {mask.additive, nullptr, nullptr, additive * 4};
   m.head_mask = {head_mask.data(), nullptr, nullptr, static_cast<int64_t>(head_mask.size()) * 4};
+}
+
+// The attention kernel's parameters that come from the call's shape and masks (mask tensors already on the device).
+cuda::AttentionParams ShapeParams(const AttentionShape& s, const AttentionMask& mask, const DeviceMask& device) {
+  cuda::AttentionParams p;
+  p.key_lengths = reinterpret_cast<const int32_t*>(device.key_lengths.device);
+  p.additive = reinterpret_cast<const float*>(device.additive.device);
+  p.additive_per_batch = mask.additive_per_batch;
+  p.head_mask = reinterpret_cast<const float*>(device.head_mask.device);
+  p.batch = s.batch;
+  p.q_len = s.q_len;
+  p.kv_len = s.kv_len;
+  p.heads = s.heads.num_heads;
+  p.kv_heads = s.heads.num_kv_heads;
+  p.head_dim = s.heads.head_dim;
+  p.causal = s.heads.causal;
+  p.scale = s.heads.scale;
+  return p;
 }
 
 }  // namespace
@@ -461,7 +469,7 @@ absl::Status CudaBackend::Impl::Sdpa(const SdpaArgs& a) {
   for (Staged* x : {&q, &k, &v, &mask.key_lengths, &mask.additive}) RETURN_IF_ERROR_STATUS(CopyIn(*x, lane->stream));
   RETURN_IF_ERROR_STATUS(Stopped(a.stop));
 
-  cuda::AttentionParams p;
+  cuda::AttentionParams p = ShapeParams(s, a.mask, mask);
   p.q = q.device;
   p.k = k.device;
   p.v = v.device;
@@ -471,17 +479,6 @@ absl::Status CudaBackend::Impl::Sdpa(const SdpaArgs& a) {
   p.out = direct ? out.device : out_f32;
   p.out_dtype = direct ? out_dtype : cuda::kF32;
   p.lse = lse;
-  p.key_lengths = reinterpret_cast<const int32_t*>(mask.key_lengths.device);
-  p.additive = reinterpret_cast<const float*>(mask.additive.device);
-  p.additive_per_batch = a.mask.additive_per_batch;
-  p.batch = s.batch;
-  p.q_len = s.q_len;
-  p.kv_len = s.kv_len;
-  p.heads = h.num_heads;
-  p.kv_heads = h.num_kv_heads;
-  p.head_dim = h.head_dim;
-  p.causal = h.causal;
-  p.scale = h.scale;
   RETURN_IF_CUDA_ERROR(cuda::LaunchAttention(p, *plan, lane->stream), "launching attention");
   if (!direct) {
     RETURN_IF_CUDA_ERROR(cuda::LaunchConvert(out_f32, cuda::kF32, out.device, out_dtype, q_count, lane->stream),
@@ -491,12 +488,7 @@ absl::Status CudaBackend::Impl::Sdpa(const SdpaArgs& a) {
     RETURN_IF_CUDA_ERROR(cuda::LaunchAttentionWeights(p, weights.device, out_dtype, lane->stream),
                          "launching the attention weights");
   }
-  RETURN_IF_ERROR_STATUS(StartCopyOut(out, lane->stream));
-  RETURN_IF_ERROR_STATUS(StartCopyOut(weights, lane->stream));
-  RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(lane->stream), "attention on the GPU");
-  FinishCopyOut(out);
-  FinishCopyOut(weights);
-  return absl::OkStatus();
+  return ReturnOutputs({&out, &weights}, lane->stream, "attention on the GPU");
 }
 
 absl::Status CudaBackend::Impl::Mha(const MhaArgs& a) {
@@ -570,7 +562,7 @@ absl::Status CudaBackend::Impl::Mha(const MhaArgs& a) {
   // Q, K, V in the compute dtype.
   const char* key_in = a.kv_source == KvSource::kQuery ? query.device : key.device;
   const char* value_in = a.kv_source == KvSource::kKeyValue ? value.device : key_in;
-  cuda::AttentionParams p;
+  cuda::AttentionParams p = ShapeParams(s, a.mask, mask);
   if (fused) {
     const int64_t width = q_width + 2 * kv_width;
     RETURN_IF_ERROR_STATUS(Linear(*lane, t, t, query.device, q_rows, s.d_model, s.d_model, matrix(offsets.q),
@@ -601,18 +593,6 @@ absl::Status CudaBackend::Impl::Mha(const MhaArgs& a) {
   p.out = heads;
   p.out_dtype = t;
   p.lse = lse;
-  p.key_lengths = reinterpret_cast<const int32_t*>(mask.key_lengths.device);
-  p.additive = reinterpret_cast<const float*>(mask.additive.device);
-  p.additive_per_batch = a.mask.additive_per_batch;
-  p.head_mask = reinterpret_cast<const float*>(mask.head_mask.device);
-  p.batch = s.batch;
-  p.q_len = s.q_len;
-  p.kv_len = s.kv_len;
-  p.heads = h.num_heads;
-  p.kv_heads = h.num_kv_heads;
-  p.head_dim = h.head_dim;
-  p.causal = h.causal;
-  p.scale = h.scale;
   RETURN_IF_CUDA_ERROR(cuda::LaunchAttention(p, *plan, lane->stream), "launching attention");
   if (weight_count > 0) {
     // The weights are softmax alone: the head mask scales the heads' outputs, not their weights.
@@ -632,12 +612,7 @@ absl::Status CudaBackend::Impl::Mha(const MhaArgs& a) {
         cuda::LaunchConvert(out_f32, cuda::kF32, out.device, out_dtype, q_rows * s.d_model, lane->stream),
         "converting the output");
   }
-  RETURN_IF_ERROR_STATUS(StartCopyOut(out, lane->stream));
-  RETURN_IF_ERROR_STATUS(StartCopyOut(weights, lane->stream));
-  RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(lane->stream), "the layer on the GPU");
-  FinishCopyOut(out);
-  FinishCopyOut(weights);
-  return absl::OkStatus();
+  return ReturnOutputs({&out, &weights}, lane->stream, "the layer on the GPU");
 }
 
 absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(const Options& options) {

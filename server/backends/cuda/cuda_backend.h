@@ -45,6 +45,8 @@ class CudaBackend final : public Backend {
   std::string device() const override;
   // head_dim up to 256 and sizes cuBLAS's 32-bit dimensions hold; every dtype, mask and option.
   absl::Status Supports(const AttentionProblem& problem) const override;
+  // The wire dtype: 16-bit requests compute on tensor cores in their dtype.
+  v1::DataType ComputeDtype(const AttentionProblem& problem) const override { return problem.input_dtype; }
   // Device bytes beyond inputs and outputs (projections, heads, statistics); host staging equals inputs plus
   // outputs.
   int64_t WorkspaceBytes(const AttentionProblem& problem) const override;
