@@ -1,63 +1,94 @@
 # mhaserve container image. Multi-stage: build on Debian bookworm with the project's own install script, run with
-# the runtime libraries only. deploy/container-test.sh builds and runs it in CI with podman; docs/DEPLOY.md has the
-# commands and the measured numbers.
+# the runtime libraries only. deploy/container-test.sh builds and runs both variants in CI with podman;
+# docs/DEPLOY.md has the commands and the measured numbers.
 #
 #   README's "Containers" lines (no registry needed), or where a registry is reachable:
 #   podman build --format docker -t localhost/mhaserve:0.1.0 .      (docker build -t mhaserve:0.1.0 .)
 #   podman run --rm --init --network host localhost/mhaserve:0.1.0 --listen 127.0.0.1:50051 [--threads N ...]
 #
 # Build arguments:
-#   BASE_IMAGE  Debian bookworm image for both stages (default debian:bookworm; CI passes a debootstrapped local
+#   BASE_IMAGE  Debian bookworm image for every stage (default debian:bookworm; CI passes a debootstrapped local
 #               localhost/debian:bookworm since no registry is reachable there).
-#   VARIANT     cpu (default; what CI builds and tests) or cuda: adds Debian's CUDA 11.8 toolkit (contrib/non-free)
-#               to the build stage and its runtime libraries to the image, and configures with -DMHA_WITH_CUDA=ON.
-#               The CUDA backend is not in the tree yet (the server reports cuda "not compiled into this build"),
-#               so today the cuda variant serves on the CPU; run it with the GPU passed in (docker --gpus all,
-#               podman --device nvidia.com/gpu=all).
+#   VARIANT     cpu (default): configured with -DMHA_WITH_CUDA=OFF, the oneDNN CPU backend only.
+#               cuda: configured with -DMHA_WITH_CUDA=ON against the build machine's CUDA 13 toolkit, mounted at
+#               /mnt for the build (no NVIDIA base image is needed, nor is the 2.7 GB toolkit copied anywhere):
+#                 podman build --volume /usr/local/cuda-13.0:/mnt:ro --build-arg VARIANT=cuda ...
+#               /mnt because it exists in the base image: a mount point podman has to create stays behind as an
+#               empty directory in every layer a RUN makes, the runtime stage's included.
+#               The image also carries libcublas.so.13 and libcublasLt.so.13 (about 570 MiB), which the server
+#               loads at start only when a GPU is present; libcuda.so.1 comes from the host's driver through the
+#               NVIDIA container runtime. Without a GPU the server reports cuda unavailable, with the driver's
+#               reason, and serves on the CPU. docs/DEPLOY.md, "Running on a GPU node".
+#   CUDA_ARCHITECTURES  CMAKE_CUDA_ARCHITECTURES for VARIANT=cuda (default: the project's, sm_90 + compute_90 PTX).
+# Both variants share the cached install layer of the build stage and the runtime packages' layer, so building
+# the second costs its compile and, for cuda, the library layers.
 ARG BASE_IMAGE=debian:bookworm
 
 FROM ${BASE_IMAGE} AS build
-ARG VARIANT=cpu
 WORKDIR /src
 # The install script alone first, so this layer (the slow part) is cached across source changes.
 COPY deploy/install-deps.sh deploy/install-deps.sh
-RUN deploy/install-deps.sh --build-only \
- && if [ "$VARIANT" = cuda ]; then \
-      sed -i 's/^Components: main$/Components: main contrib non-free non-free-firmware/' \
-        /etc/apt/sources.list.d/debian.sources \
-      && apt-get update -qq \
-      && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends nvidia-cuda-toolkit; \
-    elif [ "$VARIANT" != cpu ]; then echo "VARIANT must be cpu or cuda, got $VARIANT" >&2; exit 2; fi \
- && rm -rf /var/lib/apt/lists/*
+RUN deploy/install-deps.sh --build-only && rm -rf /var/lib/apt/lists/*
+# Declared after the install step: a build argument takes part in the cache key of every RUN after it, and that
+# layer is the same for both variants.
+ARG VARIANT=cpu
+# /out/root is laid over the runtime image's root: for cuda, cuBLAS from the mounted toolkit in the loader's
+# default directory, where the server's dlopen("libcublas.so.13") finds it without an ld.so.cache entry (so the
+# runtime stage runs nothing), and NVIDIA's licence for it (the EULA the cuBLAS and runtime wheels both carry); for
+# cpu, nothing. Before the sources are copied, so the 570 MiB copy stays cached across source changes. cudart is
+# linked statically; the toolkit's libraries have RUNPATH $ORIGIN, so libcublas finds libcublasLt beside it.
+# /usr/local/cuda is where CMake looks for nvcc.
+# Debian's CMake 3.25.1 cannot find CUDA 13 as shipped: FindCUDAToolkit sets a property on CUDA::nvToolsExt, which
+# it creates only when libnvToolsExt exists, and CUDA 13 has none ("set_property could not find TARGET"). The
+# one-line guard below is the fix this project's machines carry in the same file (`dpkg -V cmake-data` lists it).
+RUN mkdir -p /out/root /out/bin \
+ && case "$VARIANT" in \
+      cpu) ;; \
+      cuda) [ -x /mnt/bin/nvcc ] && [ -e /mnt/lib/libcublas.so.13 ] \
+          || { echo "VARIANT=cuda needs the CUDA 13 toolkit mounted at /mnt:" \
+                    "podman build --volume /usr/local/cuda-13.0:/mnt:ro ..." >&2; exit 2; } \
+        && ln -sfn /mnt /usr/local/cuda \
+        && find_cuda=/usr/share/cmake-3.25/Modules/FindCUDAToolkit.cmake \
+        && newer='CMAKE_MINIMUM_REQUIRED_VERSION VERSION_GREATER_EQUAL 3.25' \
+        && sed -i "s/^\( *\)if($newer)\$/\1if(TARGET CUDA::nvToolsExt AND $newer)/" $find_cuda \
+        && grep -q "if(TARGET CUDA::nvToolsExt AND $newer)" $find_cuda \
+        && lib=/out/root/usr/lib/x86_64-linux-gnu doc=/out/root/usr/share/doc/mhaserve-cuda \
+        && mkdir -p $lib $doc \
+        && cp /usr/local/cuda/lib/libcublas.so.13 /usr/local/cuda/lib/libcublasLt.so.13 $lib/ \
+        && cp /usr/local/cuda/dist-info/nvidia_cublas-*/licenses/License.txt $doc/NVIDIA-CUDA-EULA.txt ;; \
+      *) echo "VARIANT must be cpu or cuda, got $VARIANT" >&2; exit 2 ;; \
+    esac
 COPY . .
-# Only the two stripped binaries leave this step (in /out): the build tree would make every cached layer large.
+# CMAKE_CUDA_ARCHITECTURES for VARIANT=cuda, e.g. "80-real;90" to add A100 machine code; empty: the project's
+# default (sm_90 machine code and compute_90 PTX: H100/H200, and later GPUs through the driver's PTX compiler).
+ARG CUDA_ARCHITECTURES=
+# Only the two stripped binaries leave this step (in /out/bin): the build tree would make every cached layer large.
 RUN cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DBUILD_TESTING=OFF \
-      $([ "$VARIANT" = cuda ] && echo -DMHA_WITH_CUDA=ON) \
+      -DMHA_WITH_CUDA=$([ "$VARIANT" = cuda ] && echo ON || echo OFF) \
+      ${CUDA_ARCHITECTURES:+"-DCMAKE_CUDA_ARCHITECTURES=$CUDA_ARCHITECTURES"} \
  && cmake --build build --target mha_server mha_client \
- && mkdir /out && strip -o /out/mha_server build/bin/mha_server && strip -o /out/mha_client build/bin/mha_client \
+ && strip -o /out/bin/mha_server build/bin/mha_server && strip -o /out/bin/mha_client build/bin/mha_client \
  && rm -rf build
-# Marks this stage's final image, which podman/buildah keep untagged after the build: `podman image prune
-# --filter label=mhaserve.stage=build` removes it and leaves the cached install layer above (which has no label).
+# Marks this stage's final image, which podman/buildah keep untagged after the build: README's `podman rmi
+# --no-prune` line removes it and leaves the cached layers above (which have no label).
 LABEL mhaserve.stage=build
 
 FROM ${BASE_IMAGE}
-ARG VARIANT=cpu
 # Exactly the packages owning the shared libraries the two binaries link (ldd + dpkg -S), nothing to build with.
+# The same for both variants: the cuda variant's binary links cudart statically and dlopens cuBLAS.
 RUN apt-get update -qq \
  && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
       libgrpc++1.51 libgrpc29 libprotobuf32 libabsl20220623 libre2-9 libc-ares2 libssl3 zlib1g \
       libdnnl2 ocl-icd-libopencl1 libgomp1 libspdlog1.10 libfmt9 libstdc++6 \
       libprometheus-cpp-core1.0 libprometheus-cpp-pull1.0 \
- && if [ "$VARIANT" = cuda ]; then \
-      sed -i 's/^Components: main$/Components: main contrib non-free non-free-firmware/' \
-        /etc/apt/sources.list.d/debian.sources \
-      && apt-get update -qq \
-      && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends libcudart11.0 libcublas11; \
-    fi \
  && apt-get clean && rm -rf /var/lib/apt/lists/* /var/cache/apt/*.bin \
  && useradd --system --uid 10001 --no-create-home --shell /usr/sbin/nologin mha \
  && mkdir /layers
-COPY --from=build /out/mha_server /out/mha_client /usr/local/bin/
+# cuda: cuBLAS (nothing for cpu). Before the binaries, so that a source change leaves this layer cached.
+COPY --from=build /out/root/ /
+COPY --from=build /out/bin/ /usr/local/bin/
+ARG VARIANT=cpu
+LABEL mhaserve.variant=$VARIANT
 # Layers (*.safetensors) mounted at /layers are registered at start; the built-in "demo" layer is always there.
 USER 10001:10001
 # gRPC: mha.v1.Attention, grpc.health.v1.Health and reflection; Prometheus metrics at :9464/metrics.

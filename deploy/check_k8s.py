@@ -1,7 +1,7 @@
 #!/usr/bin/python3
 """Checks that the Kubernetes manifests in deploy/k8s/ fit together, without a cluster.
 
-Usage: check_k8s.py K8S_DIR DOCKERFILE MONITORING_DIR METRICS_SOURCE
+Usage: check_k8s.py K8S_DIR DOCKERFILE MONITORING_DIR METRICS_SOURCE [GPU_OVERLAY_DIR [KUSTOMIZE_OUTPUT]]
 
 Reads kustomization.yaml and every resource it lists (python3-yaml), then checks what `kubectl apply` would not:
 names and labels that select the Deployment's pods, ports that resolve to a container port, the ConfigMap and
@@ -10,9 +10,15 @@ an HPA and a PDB that can work together, and the container port matching the ima
 kustomization (MONITORING_DIR): the ServiceMonitor selects the metrics Service and names its port; the alert rules
 cover errors, p99 latency, queue saturation and restarts; every metric the alerts, the Grafana dashboard, the
 adapter rules and the HPA name is one the server exports (METRICS_SOURCE, server/metrics.cc) or kube-state-metrics'
-restart counter. Prints one line per problem and exits 1 when there is any.
+restart counter. With GPU_OVERLAY_DIR (deploy/k8s-gpu): the overlay builds on K8S_DIR alone, its patches reach
+the base's Deployment, container and HPA, the result passes every check above, and it runs the cuda image of the
+base's version on one GPU (nvidia.com/gpu limit 1, RuntimeClass nvidia, the GPU taint tolerated, --backend auto);
+with KUSTOMIZE_OUTPUT (`kubectl kustomize GPU_OVERLAY_DIR`), this check's rendering of the overlay must equal
+kustomize's. Prints one line per problem and exits 1 when there is any.
 """
+import copy
 import json
+import os
 import re
 import sys
 
@@ -156,8 +162,8 @@ def check_monitoring(monitoring_dir, k8s_resources, metrics_source):
           f"{len(rules)} alert rules checked")
 
 
-def main(k8s_dir, dockerfile, monitoring_dir, metrics_source):
-    kustomization, resources = load_resources(k8s_dir)
+def check_stack(kustomization, resources, dockerfile):
+    """The Deployment, Services, HPA and PDB of one kustomization's resources, and the image they run."""
 
     def of_kind(kind):
         return [r for r in resources if r["kind"] == kind]
@@ -298,22 +304,178 @@ def main(k8s_dir, dockerfile, monitoring_dir, metrics_source):
 
     # The image the Deployment runs is the one kustomize rewrites, and it exposes the container port.
     image_name = container["image"].rsplit(":", 1)[0]
-    check(any(i["name"] == image_name for i in kustomization.get("images", [])),
+    check(any(image_name in (i["name"], i.get("newName")) for i in kustomization.get("images", [])),
           f"kustomization.yaml: images has no entry for {image_name}")
     with open(dockerfile) as f:
         exposed = {int(p.split("/")[0]) for line in f if line.startswith("EXPOSE") for p in line.split()[1:]}
     check(set(ports) <= exposed,
           f"container ports {sorted(ports)} are not all EXPOSEd by {dockerfile} {sorted(exposed)}")
+
+
+def load_overlay(overlay_dir, base_dir, base_kustomization, base_resources):
+    """An overlay's kustomization and the base's resources as it changes them, for what this project's overlays
+    use: `images` (newName/newTag), strategic-merge patches (maps merged, containers matched by name, args, command
+    and tolerations replaced) and JSON patches (test, add, replace, remove). The overlay must build on base_dir
+    alone. A strategic merge into any other list of the base is reported, not guessed at: kustomize merges some
+    lists by keys this check does not know (topologySpreadConstraints by key and whenUnsatisfiable)."""
+    with open(f"{overlay_dir}/kustomization.yaml") as f:
+        overlay = yaml.safe_load(f)
+    where = f"{overlay_dir}/kustomization.yaml"
+    check(overlay.get("kind") == "Kustomization", f"{where}: kind is not Kustomization")
+    bases = [os.path.realpath(os.path.join(overlay_dir, r)) for r in overlay.get("resources", [])]
+    check(bases == [os.path.realpath(base_dir)], f"{where}: resources must be the base {base_dir} alone")
+    resources = copy.deepcopy(base_resources)
+
+    images = {i["name"]: dict(i) for i in base_kustomization.get("images", [])}
+    for image in overlay.get("images", []):
+        if check(image["name"] in images, f"{where}: images names {image['name']}, which the base does not set"):
+            images[image["name"]].update(image)
+    for resource in resources:
+        for container in resource.get("spec", {}).get("template", {}).get("spec", {}).get("containers", []):
+            name = container["image"].rsplit(":", 1)[0]
+            if name in images:
+                image = images[name]
+                container["image"] = f"{image.get('newName', name)}:{image.get('newTag', 'latest')}"
+
+    def target(kind, name, what):
+        matches = [r for r in resources if r["kind"] == kind and r["metadata"]["name"] == name]
+        check(len(matches) == 1, f"{where}: {what} targets {kind} {name}, which the base does not define once")
+        return matches[0] if len(matches) == 1 else None
+
+    for patch in overlay.get("patches", []):
+        if "path" in patch:
+            with open(f"{overlay_dir}/{patch['path']}") as f:
+                doc = yaml.safe_load(f)
+            resource = target(doc["kind"], doc["metadata"]["name"], patch["path"])
+            if resource is not None:
+                strategic_merge(resource, doc, f"{overlay_dir}/{patch['path']}")
+        else:
+            what = f"the JSON patch of {patch['target']['kind']} {patch['target']['name']}"
+            resource = target(patch["target"]["kind"], patch["target"]["name"], what)
+            if resource is not None:
+                json_patch(resource, yaml.safe_load(patch["patch"]), f"{where}: {what}")
+    overlay_kustomization = dict(base_kustomization, images=list(images.values()))
+    return overlay, overlay_kustomization, resources
+
+
+# How a strategic merge treats the lists the overlays patch (the Kubernetes API's patch strategies): containers are
+# merged by name; args, command and tolerations are replaced whole.
+MERGE_KEYS = {"containers": "name"}
+REPLACED_LISTS = {"args", "command", "tolerations"}
+
+
+def strategic_merge(base, patch, where):
+    for key, value in patch.items():
+        if isinstance(value, dict) and isinstance(base.get(key), dict):
+            strategic_merge(base[key], value, where)
+        elif isinstance(value, list) and key in base and key not in REPLACED_LISTS:
+            merge_key = MERGE_KEYS.get(key)
+            if not check(merge_key, f"{where}: merges into the base's list {key}; use a JSON patch"):
+                continue
+            for item in value:
+                matches = [b for b in base[key] if b.get(merge_key) == item.get(merge_key)]
+                if check(matches, f"{where}: the base has no {key} entry with {merge_key} {item.get(merge_key)!r}"):
+                    strategic_merge(matches[0], item, where)
+        else:
+            base[key] = copy.deepcopy(value)
+
+
+def json_patch(doc, operations, where):
+    """RFC 6902 test, add, replace and remove on doc, in place."""
+    for operation in operations:
+        op, path = operation["op"], operation["path"]
+        *parents, last = [p.replace("~1", "/").replace("~0", "~") for p in path.split("/")[1:]]
+        try:
+            node = doc
+            for part in parents:
+                node = node[int(part)] if isinstance(node, list) else node[part]
+            key = (len(node) if last == "-" else int(last)) if isinstance(node, list) else last
+            if op == "test":
+                check(node[key] == operation["value"], f"{where}: test {path} failed: it is {node[key]!r}")
+            elif op == "replace":
+                node[key]  # must exist
+                node[key] = copy.deepcopy(operation["value"])
+            elif op == "add" and isinstance(node, list):
+                node.insert(key, copy.deepcopy(operation["value"]))
+            elif op == "add":
+                node[key] = copy.deepcopy(operation["value"])
+            elif op == "remove":
+                del node[key]
+            else:
+                check(False, f"{where}: unsupported JSON patch op {op}")
+        except (KeyError, IndexError, ValueError, TypeError):
+            check(False, f"{where}: {op} {path}: no such path in the base")
+
+
+def check_gpu_overlay(overlay, base_kustomization, resources):
+    """What makes the GPU overlay one: the cuda image of the base's version, one GPU per pod, the NVIDIA runtime
+    class, the GPU taint tolerated, --backend left at auto, and a node spread that lets replicas share a GPU node."""
+    base_tags = {i["name"]: i.get("newTag") for i in base_kustomization.get("images", [])}
+    for image in overlay.get("images", []):
+        if image["name"] in base_tags:
+            check(image.get("newTag") == f"{base_tags[image['name']]}-cuda",
+                  f"images: {image['name']} must be tagged {base_tags[image['name']]}-cuda (the cuda variant "
+                  f"deploy/container-test.sh builds), not {image.get('newTag')}")
+    deployments = [r for r in resources if r["kind"] == "Deployment"]
+    if not deployments:
+        return
+    pod = deployments[0]["spec"]["template"]["spec"]
+    name = deployments[0]["metadata"]["name"]
+    check(pod.get("runtimeClassName") == "nvidia", f"Deployment {name}: runtimeClassName must be nvidia")
+    check(any(t.get("key") == "nvidia.com/gpu" and t.get("effect") == "NoSchedule"
+              and (t.get("operator") == "Exists" or "value" in t) for t in pod.get("tolerations", [])),
+          f"Deployment {name}: no toleration for the nvidia.com/gpu:NoSchedule taint")
+    for constraint in pod.get("topologySpreadConstraints", []):
+        check(constraint["topologyKey"] != "kubernetes.io/hostname"
+              or constraint["whenUnsatisfiable"] != "DoNotSchedule",
+              f"Deployment {name}: a DoNotSchedule spread across nodes counts CPU nodes too and leaves replicas "
+              f"Pending on a multi-GPU node")
+    for container in pod["containers"]:
+        resources_spec = container.get("resources", {})
+        limits, requests = resources_spec.get("limits", {}), resources_spec.get("requests", {})
+        check(str(limits.get("nvidia.com/gpu")) == "1",
+              f"Deployment {name}: container {container['name']} must limit nvidia.com/gpu to 1")
+        check(str(requests.get("nvidia.com/gpu", limits.get("nvidia.com/gpu"))) == str(limits.get("nvidia.com/gpu")),
+              f"Deployment {name}: container {container['name']}: nvidia.com/gpu request differs from its limit")
+        backend = flag_values(container.get("args", [])).get("backend", "auto")
+        check(backend == "auto", f"Deployment {name}: --backend={backend}; leave it auto (CUDA when available)")
+
+
+def compare_with_kustomize(resources, kustomize_output):
+    """The overlay as this check renders it against `kubectl kustomize`'s rendering of it."""
+    with open(kustomize_output) as f:
+        rendered = {(d["kind"], d["metadata"]["name"]): d for d in yaml.safe_load_all(f) if d}
+    ours = {(r["kind"], r["metadata"]["name"]): r for r in resources}
+    check(set(rendered) == set(ours), f"kubectl kustomize renders {sorted(rendered)}, this check {sorted(ours)}")
+    for key in set(rendered) & set(ours):
+        check(rendered[key] == ours[key], f"{key[0]} {key[1]}: kubectl kustomize renders it differently")
+
+
+def main(k8s_dir, dockerfile, monitoring_dir, metrics_source, gpu_overlay_dir=None, kustomize_output=None):
+    kustomization, resources = load_resources(k8s_dir)
+    check_stack(kustomization, resources, dockerfile)
     check_monitoring(monitoring_dir, resources, metrics_source)
     print(f"check_k8s: {len(resources)} resources from {k8s_dir}/kustomization.yaml checked, "
           f"{len(problems)} problem(s)")
+    if gpu_overlay_dir is None:
+        return
+    before = len(problems)
+    overlay, overlay_kustomization, overlay_resources = load_overlay(gpu_overlay_dir, k8s_dir, kustomization,
+                                                                    resources)
+    check_stack(overlay_kustomization, overlay_resources, dockerfile)
+    check_gpu_overlay(overlay, kustomization, overlay_resources)
+    if kustomize_output:
+        compare_with_kustomize(overlay_resources, kustomize_output)
+    problems[before:] = [f"{gpu_overlay_dir}: {p}" for p in problems[before:]]
+    print(f"check_k8s: {gpu_overlay_dir} over {k8s_dir} checked"
+          f"{' against kubectl kustomize' if kustomize_output else ''}, {len(problems) - before} problem(s)")
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 5:
+    if not 5 <= len(sys.argv) <= 7:
         sys.exit(__doc__)
     try:
-        main(*sys.argv[1:5])
+        main(*sys.argv[1:])
     except (OSError, yaml.YAMLError, KeyError, TypeError, ValueError, StopIteration) as error:
         problems.append(f"cannot read the manifests: {error!r}")
     for problem in problems:
