@@ -38,9 +38,6 @@ ARG VARIANT=cpu
 # cpu, nothing. Before the sources are copied, so the 570 MiB copy stays cached across source changes. cudart is
 # linked statically; the toolkit's libraries have RUNPATH $ORIGIN, so libcublas finds libcublasLt beside it.
 # /usr/local/cuda is where CMake looks for nvcc.
-# Debian's CMake 3.25.1 cannot find CUDA 13 as shipped: FindCUDAToolkit sets a property on CUDA::nvToolsExt, which
-# it creates only when libnvToolsExt exists, and CUDA 13 has none ("set_property could not find TARGET"). The
-# one-line guard below is the fix this project's machines carry in the same file (`dpkg -V cmake-data` lists it).
 RUN mkdir -p /out/root /out/bin \
  && case "$VARIANT" in \
       cpu) ;; \
@@ -48,10 +45,6 @@ RUN mkdir -p /out/root /out/bin \
           || { echo "VARIANT=cuda needs the CUDA 13 toolkit mounted at /mnt:" \
                     "podman build --volume /usr/local/cuda-13.0:/mnt:ro ..." >&2; exit 2; } \
         && ln -sfn /mnt /usr/local/cuda \
-        && find_cuda=/usr/share/cmake-3.25/Modules/FindCUDAToolkit.cmake \
-        && newer='CMAKE_MINIMUM_REQUIRED_VERSION VERSION_GREATER_EQUAL 3.25' \
-        && sed -i "s/^\( *\)if($newer)\$/\1if(TARGET CUDA::nvToolsExt AND $newer)/" $find_cuda \
-        && grep -q "if(TARGET CUDA::nvToolsExt AND $newer)" $find_cuda \
         && lib=/out/root/usr/lib/x86_64-linux-gnu doc=/out/root/usr/share/doc/mhaserve-cuda \
         && mkdir -p $lib $doc \
         && cp /usr/local/cuda/lib/libcublas.so.13 /usr/local/cuda/lib/libcublasLt.so.13 $lib/ \
