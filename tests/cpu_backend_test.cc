@@ -88,15 +88,15 @@ TEST(CpuBackend, Bf16LayerCallsComputeInBf16WhereTheCpuHasIt) {
   EXPECT_EQ((*fp32)->ComputeDtype(LayerProblem(v1::BF16)), v1::FP32);
 }
 
-// Runs the demo layer on 16 bf16 tokens; `inline_weights` passes them as a request's inline weights would be.
-void RunDemoLayer(Backend& backend, bool inline_weights) {
-  const std::shared_ptr<const Layer> layer = MakeDemoLayer();
+// Runs `layer` (the demo layer's shape) on 16 bf16 tokens; `inline_weights` passes its weights as a request's
+// inline weights would be.
+void RunDemoLayer(Backend& backend, const Layer& layer, bool inline_weights) {
   const std::vector<float> x = testing::RandomVector(16 * 512, 3, 1.0f);
   std::vector<uint16_t> query(x.size()), out(x.size());
   EncodeFromFloat(v1::BF16, x.data(), x.size(), query.data());
   MhaArgs a;
   a.shape = LayerProblem(v1::BF16).shape;
-  a.weights = layer->Weights();
+  a.weights = layer.Weights();
   if (inline_weights) a.weights.resident_id = 0;
   a.kv_source = KvSource::kQuery;
   a.query = a.key = a.value = {query.data(), v1::BF16};
@@ -108,15 +108,19 @@ TEST(CpuBackend, StoredLayersArePackedOnceAndInlineWeightsPerCall) {
   if (cpu::NativeBf16Matmul().empty()) GTEST_SKIP() << "no native bf16 on this CPU";
   absl::StatusOr<std::unique_ptr<CpuBackend>> cpu = CpuBackend::Create();
   ASSERT_TRUE(cpu.ok()) << cpu.status();
+  const std::shared_ptr<const Layer> layer = MakeDemoLayer();
   const int64_t before = cpu::PackedWeightBytes();
-  RunDemoLayer(**cpu, /*inline_weights=*/true);
+  RunDemoLayer(**cpu, *layer, /*inline_weights=*/true);
   EXPECT_EQ(cpu::PackedWeightBytes(), before);  // packed for the call, not kept
-  RunDemoLayer(**cpu, /*inline_weights=*/false);
+  RunDemoLayer(**cpu, *layer, /*inline_weights=*/false);
   const int64_t packed = cpu::PackedWeightBytes();
   // Q|K|V [512, 1536] and O [512, 512] in bf16 (packed layouts may pad).
   EXPECT_GE(packed - before, (512 * 1536 + 512 * 512) * 2);
-  RunDemoLayer(**cpu, /*inline_weights=*/false);
+  RunDemoLayer(**cpu, *layer, /*inline_weights=*/false);
   EXPECT_EQ(cpu::PackedWeightBytes(), packed);  // the second call reuses them
+  // Another layer (a new id, even where its memory reuses the first's addresses) is packed for itself.
+  RunDemoLayer(**cpu, *MakeDemoLayer(), /*inline_weights=*/false);
+  EXPECT_GT(cpu::PackedWeightBytes(), packed);
 }
 
 }  // namespace
