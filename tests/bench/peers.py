@@ -25,8 +25,9 @@ Each peer's first output is checked against a float64 reference on 32 query rows
 
 Between peers the process sleeps --pause seconds: one library's idle OpenMP / OpenBLAS / TBB threads spin for a
 while after its last call and slow the next one (measured: the server read 42-51% of peak right after numpy, 72-84%
-after half a second). With --probe, the FMA probe (attention_bench with no benchmark selected) runs before each
-shape, in its own process, and its peak is printed with that shape's lines.
+after half a second). With --probe, the FMA probe (attention_bench with no benchmark selected) runs right before
+and right after each shape's peers, in its own process; the higher reading goes with that shape's lines (a shape's
+lines come out when it is done).
 
 Prints one JSON object per line: first {"versions": {...}, "threads": N, "cpu": ...}, then per (shape, weights,
 peer) {"round", "shape", "weights", "peer", "impl", "gflops" (fastest call), "gflops_median", "ms_best",
@@ -349,7 +350,7 @@ def main():
     parser.add_argument("--round", type=int, default=0, help="label of this round in the output")
     parser.add_argument("--filter", default="", help="only shapes whose name contains this")
     parser.add_argument("--peers", default=",".join(PEERS))
-    parser.add_argument("--probe", default="", help="attention_bench binary: the FMA probe before each shape")
+    parser.add_argument("--probe", default="", help="attention_bench binary: the FMA probe around each shape")
     args = parser.parse_args()
     import torch  # after the thread variables; set_num_threads for its intra-op pool as well
     torch.set_num_threads(args.threads)
@@ -361,24 +362,31 @@ def main():
         if args.filter not in name:
             continue
         problem = Problem(B, T, d, H, Hkv, causal)
-        peak = probe(args.probe, args.threads) if args.probe else None
+        peak_before = probe(args.probe, args.threads) if args.probe else None
+        lines = []
         for weights in weight_cases:
             for peer in args.peers.split(","):
                 row = {"round": args.round, "shape": name, "weights": weights, "peer": peer}
                 try:
                     impl, call = make_peer(peer, problem, weights, args.threads)
                 except NotApplicable as why:
-                    print(json.dumps(dict(row, impl="", na=str(why))), flush=True)
+                    lines.append(dict(row, impl="", na=str(why)))
                     continue
                 time.sleep(args.pause)
                 out, _ = call()  # warm-up: allocation, first touch, the libraries' own caches
                 seconds = time_calls(call, args.min_time)
                 best, median = seconds[0], seconds[len(seconds) // 2]
                 f = flops(B, T, d, H, Hkv, causal)
-                print(json.dumps(dict(row, impl=impl, gflops=f / best / 1e9, gflops_median=f / median / 1e9,
-                                      ms_best=best * 1e3, ms_median=median * 1e3, runs=len(seconds),
-                                      max_err=problem.error(out), peak_gflops=peak)), flush=True)
+                lines.append(dict(row, impl=impl, gflops=f / best / 1e9, gflops_median=f / median / 1e9,
+                                  ms_best=best * 1e3, ms_median=median * 1e3, runs=len(seconds),
+                                  max_err=problem.error(out)))
                 del call, out
+        # The probe's peak: the higher of its readings right before and right after the shape's peers.
+        peak = max(peak_before, probe(args.probe, args.threads)) if args.probe else None
+        for line in lines:
+            if "na" not in line:
+                line["peak_gflops"] = peak
+            print(json.dumps(line), flush=True)
 
 
 if __name__ == "__main__":
