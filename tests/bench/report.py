@@ -2,8 +2,11 @@
 round) into markdown tables with ratios.
 
 Across rounds, a rate's "best" is the fastest call of any round and its "median" the median of the rounds' median
-calls; a share of peak is taken per round (against the probe of that row or shape in that round) and then the same
-way. Ours on attention_bench's shapes comes from attention_bench, on the others from server_shapes.py (peer "ours").
+calls. Each row carries the FMA probe read right around it; a round whose probe read under QUIET of the run's highest
+reading (another job had part of the cores) is left out of that row, unless every round of it was disturbed (then
+all are kept and the cell is starred). "% of peak" is the best rate against the highest probe reading of the rounds
+kept; its median, the median of each kept round's median call against that round's probe. Ours on attention_bench's
+shapes comes from attention_bench, on the others from server_shapes.py (peer "ours_server").
 
 Usage: report.py --peers PEERS_JSONL BENCH_JSON [BENCH_JSON ...]
 """
@@ -14,19 +17,26 @@ import json
 import statistics
 
 PEER_ORDER = ["numpy", "torch_sdpa", "torch_mha", "ort_attention", "ort_gqa", "ort_fused", "openvino"]
+QUIET = 0.8
 
 
-def aggregate(rows):
-    """rows: per-round dicts with gflops, gflops_median, ms_best, peak. Returns one dict over the rounds."""
-    pct = [100 * r["gflops"] / r["peak"] for r in rows if r["peak"]]
-    pct_median = [100 * r["gflops_median"] / r["peak"] for r in rows if r["peak"]]
-    return {"gflops": max(r["gflops"] for r in rows),
-            "gflops_median": statistics.median(r["gflops_median"] for r in rows),
-            "ms_best": min(r["ms_best"] for r in rows),
-            "peak": max((r["peak"] for r in rows if r["peak"]), default=float("nan")),
-            "pct": max(pct, default=float("nan")),
+def aggregate(rows, run_peak):
+    """rows: per-round dicts with gflops, gflops_median, ms_best, peak. Returns one dict over the rounds kept."""
+    kept = [r for r in rows if r["peak"] and r["peak"] >= QUIET * run_peak] or rows
+    peaks = [r["peak"] for r in kept if r["peak"]]
+    pct_median = [100 * r["gflops_median"] / r["peak"] for r in kept if r["peak"]]
+    best = max(r["gflops"] for r in kept)
+    return {"gflops": best,
+            "gflops_median": statistics.median(r["gflops_median"] for r in kept),
+            "ms_best": min(r["ms_best"] for r in kept),
+            "peak": max(peaks, default=float("nan")),
+            "pct": 100 * best / max(peaks) if peaks else float("nan"),
             "pct_median": statistics.median(pct_median) if pct_median else float("nan"),
-            "rounds": len(rows)}
+            "rounds": len(rows), "kept": len(kept) if kept is not rows else 0}
+
+
+def star(row):
+    return "*" if row["kept"] == 0 else ""
 
 
 def load_bench(paths):
@@ -41,7 +51,7 @@ def load_bench(paths):
             rows[(shape, case == "weights_on")].append({
                 "gflops": b["GFLOPs"], "gflops_median": b["GFLOPs_median"], "ms_best": b["ms_best"],
                 "peak": b["peak_gflops"]})
-    return {key: aggregate(r) for key, r in rows.items()}, first_peaks, context
+    return rows, first_peaks, context
 
 
 def load_peers(path):
@@ -66,12 +76,7 @@ def load_peers(path):
         impl[p["peer"]] = p["impl"]
         rows[key].append({"gflops": p["gflops"], "gflops_median": p["gflops_median"], "ms_best": p["ms_best"],
                           "peak": p.get("peak_gflops"), "max_err": p.get("max_err")})
-    agg = {}
-    for key, r in rows.items():
-        agg[key] = aggregate(r)
-        errs = [x["max_err"] for x in r if x["max_err"] is not None]
-        agg[key]["max_err"] = max(errs) if errs else None
-    return agg, na, impl, header, shapes
+    return rows, na, impl, header, shapes
 
 
 def main():
@@ -79,9 +84,17 @@ def main():
     parser.add_argument("--peers", required=True)
     parser.add_argument("bench", nargs="+")
     args = parser.parse_args()
-    bench, first_peaks, context = load_bench(args.bench)
-    peers, na, impl, header, peer_shapes = load_peers(args.peers)
+    bench_rows, first_peaks, context = load_bench(args.bench)
+    peer_rows, na, impl, header, peer_shapes = load_peers(args.peers)
     rounds = len(args.bench)
+    run_peak = max(r["peak"] or 0 for rows in list(bench_rows.values()) + list(peer_rows.values()) for r in rows)
+    bench = {key: aggregate(r, run_peak) for key, r in bench_rows.items()}
+    peers = {}
+    for key, r in peer_rows.items():
+        peers[key] = aggregate(r, run_peak)
+        errs = [x["max_err"] for x in r if x["max_err"] is not None]
+        peers[key]["max_err"] = max(errs) if errs else None
+    measured = list(bench.values()) + list(peers.values())
 
     print("fp32 peak (FMA probe, %s chains, %s threads) at the start of each of the %d rounds: %s GFLOP/s" % (
         context.get("peak_isa"), context.get("num_cpus"), rounds, ", ".join("%.0f" % p for p in first_peaks)))
@@ -89,17 +102,24 @@ def main():
         print("Peers: %s, %d threads; CPU: %s" % (
             ", ".join("%s %s" % kv for kv in header["versions"].items()), header["threads"], header["cpu"]))
     print()
-    print("Every rate: best = the fastest call of any round; median = the median of the rounds' median calls. "
-          "% of peak: against the FMA probe taken right before and after the row (attention_bench) or the shape "
-          "(peers, server_shapes.py), the higher reading, in the same round.")
+    def left_out(rows):
+        return sum(m["rounds"] - m["kept"] for m in rows if m["kept"]), sum(m["rounds"] for m in rows)
+    print("Every rate: best = the fastest call of the rounds kept; median = the median of those rounds' median calls. "
+          "The FMA probe runs right before and after each row (attention_bench) or shape (peers, server_shapes.py); "
+          "a round whose probe read under %.0f%% of the run's highest reading (%.0f GFLOP/s) is left out of that row "
+          "(another job had part of the cores): %d of %d row-rounds of ours, %d of %d of the peers. * = every round of "
+          "that row read under it (all kept). %% of peak: the best rate against the highest probe reading of the rounds "
+          "kept; its median: each kept round's median call against that round's probe." % (
+              (100 * QUIET, run_peak) + left_out(bench.values()) + left_out(peers.values())))
     print()
     print("| shape (B,T,d,H,Hkv) | weights | ours GFLOP/s | peak | % of peak | median | ms |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
     for (shape, weights), b in bench.items():
         if shape.startswith(("core_", "proj_")):
             continue
-        print("| %s | %s | %.1f | %.0f | %.0f%% | %.0f%% | %.3f |" % (
-            shape, "on" if weights else "off", b["gflops"], b["peak"], b["pct"], b["pct_median"], b["ms_best"]))
+        print("| %s | %s | %.1f%s | %.0f | %.0f%% | %.0f%% | %.3f |" % (
+            shape, "on" if weights else "off", b["gflops"], star(b), b["peak"], b["pct"], b["pct_median"],
+            b["ms_best"]))
 
     if peer_shapes:
         present = [p for p in PEER_ORDER if any(k[2] == p for k in list(peers) + list(na))]
@@ -116,11 +136,11 @@ def main():
             cells = []
             for p in present:
                 r = peers.get((shape, weights, p))
-                cells.append("%.1f / %.1f" % (r["gflops"], r["gflops_median"]) if r else
+                cells.append("%.1f / %.1f%s" % (r["gflops"], r["gflops_median"], star(r)) if r else
                              "n/a" if (shape, weights, p) in na else "")
             print("| %s | %s | %s%s | %s |" % (
                 shape, "on" if weights else "off",
-                "%.1f / %.1f" % (ours["gflops"], ours["gflops_median"]) if ours else "",
+                "%.1f / %.1f%s" % (ours["gflops"], ours["gflops_median"], star(ours)) if ours else "",
                 "" if (shape, weights) in bench else " (s)", " | ".join(cells)))
             timed = [(peers[(shape, weights, p)], p) for p in present if (shape, weights, p) in peers]
             if ours and timed:
