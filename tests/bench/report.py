@@ -107,9 +107,9 @@ def main():
     print("Every rate: best = the fastest call of the rounds kept; median = the median of those rounds' median calls. "
           "The FMA probe runs right before and after each row (attention_bench) or shape (peers, server_shapes.py); "
           "a round whose probe read under %.0f%% of the run's highest reading (%.0f GFLOP/s) is left out of that row "
-          "(another job had part of the cores): %d of %d row-rounds of ours, %d of %d of the peers. * = every round of "
-          "that row read under it (all kept). %% of peak: the best rate against the highest probe reading of the rounds "
-          "kept; its median: each kept round's median call against that round's probe." % (
+          "(another job had part of the cores): %d of %d row-rounds of ours, %d of %d of the peers. * = every round "
+          "of that row read under it (all kept). %% of peak: the best rate against the highest probe reading of the "
+          "rounds kept; its median: each kept round's median call against that round's probe." % (
               (100 * QUIET, run_peak) + left_out(bench.values()) + left_out(peers.values())))
     print()
     print("| shape (B,T,d,H,Hkv) | weights | ours GFLOP/s | peak | % of peak | median | ms |")
@@ -168,8 +168,8 @@ def main():
                                     "; max |diff| from the float64 reference %.1e" % max(errs) if errs else "",
                                     "; n/a: " + "; ".join(reasons) if reasons else ""))
         if "ours_server" in impl:
-            print("- ours: attention_bench (the backend alone, buffers reused); (s): %s (tests/bench/server_shapes.py), "
-                  "on the shapes attention_bench lacks" % impl["ours_server"])
+            print("- ours: attention_bench (the backend alone, buffers reused); (s): %s "
+                  "(tests/bench/server_shapes.py), on the shapes attention_bench lacks" % impl["ours_server"])
             for (shape, weights), b in bench.items():
                 server = peers.get((shape, weights, "ours_server"))
                 if server:

@@ -3,7 +3,7 @@
 # run instead (numpy, PyTorch 2, ONNX Runtime, OpenVINO), same shapes, same threads, in interleaved rounds of one
 # run. Builds, makes the peers' virtual environment on first use (tests/bench/peers-env.sh), writes build/perf/ and
 # prints markdown tables.
-#   tests/bench/run_all.sh [--min_time SECONDS] [--rounds N]      (defaults 0.5 and 3: about 15 minutes on 2 cores)
+#   tests/bench/run_all.sh [--min_time SECONDS] [--rounds N]      (defaults 0.5 and 3: 20-30 minutes on 2 cores)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 min_time=0.5
