@@ -123,5 +123,28 @@ TEST(CpuBackend, StoredLayersArePackedOnceAndInlineWeightsPerCall) {
   EXPECT_GT(cpu::PackedWeightBytes(), packed);
 }
 
+TEST(CpuBackend, ABf16QueryWithFp32KeysTakesTheFp32Path) {
+  // A request may mix dtypes: the bf16 path reads every activation as bf16, so it must not take this one.
+  absl::StatusOr<std::unique_ptr<CpuBackend>> cpu = CpuBackend::Create();
+  absl::StatusOr<std::unique_ptr<CpuBackend>> fp32 = CpuBackend::Create("auto", /*bf16=*/false);
+  ASSERT_TRUE(cpu.ok() && fp32.ok());
+  const std::shared_ptr<const Layer> layer = MakeDemoLayer();
+  const std::vector<float> x = testing::RandomVector(16 * 512, 3, 1.0f), kv = testing::RandomVector(16 * 512, 4, 1.0f);
+  std::vector<uint16_t> query(x.size());
+  EncodeFromFloat(v1::BF16, x.data(), x.size(), query.data());
+  std::vector<float> got(x.size()), want(x.size());
+  MhaArgs a;
+  a.shape = LayerProblem(v1::BF16).shape;
+  a.weights = layer->Weights();
+  a.kv_source = KvSource::kKeyValue;
+  a.query = {query.data(), v1::BF16};
+  a.key = a.value = {kv.data(), v1::FP32};
+  a.out = {got.data(), v1::FP32};
+  ASSERT_TRUE((*cpu)->MultiHeadAttention(a).ok());
+  a.out = {want.data(), v1::FP32};
+  ASSERT_TRUE((*fp32)->MultiHeadAttention(a).ok());
+  EXPECT_EQ(got, want);
+}
+
 }  // namespace
 }  // namespace mha

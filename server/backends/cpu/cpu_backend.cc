@@ -8,11 +8,11 @@
 
 #include "absl/strings/str_cat.h"
 #include "oneapi/dnnl/dnnl.h"
+#include "proto/mha/v1/tensor_codec.h"
 #include "server/backends/cpu/attention_core.h"
 #include "server/backends/cpu/bf16_matmul.h"
 #include "server/backends/cpu/cpu_info.h"
 #include "server/backends/float_io.h"
-#include "proto/mha/v1/tensor_codec.h"
 #include "server/backends/synthetic.h"
 
 namespace mha {
@@ -212,10 +212,13 @@ absl::Status CpuBackend::MultiHeadAttention(const MhaArgs& a) {
 
   // bf16 requests on a CPU with native bf16 arithmetic project on oneDNN's bf16 matmul straight from the wire
   // bytes; everything else decodes to fp32 and projects with sgemm.
+  // Only when every activation the call reads is bf16 (a request may mix dtypes).
   AttentionProblem problem;
   problem.shape = s;
   problem.input_dtype = a.query.dtype;
-  const bool bf16 = ComputeDtype(problem) == v1::BF16;
+  const bool bf16 = ComputeDtype(problem) == v1::BF16 &&
+                    (a.kv_source == KvSource::kQuery || a.key.dtype == v1::BF16) &&
+                    (a.kv_source != KvSource::kKeyValue || a.value.dtype == v1::BF16);
   const FloatInput query(bf16 ? ConstTensor{} : a.query, q_rows * s.d_model);
   const FloatInput key(bf16 || a.kv_source == KvSource::kQuery ? ConstTensor{} : a.key, kv_rows * s.d_kv_in);
   const FloatInput value(!bf16 && a.kv_source == KvSource::kKeyValue ? a.value : ConstTensor{}, kv_rows * s.d_v_in);

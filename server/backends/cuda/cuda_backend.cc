@@ -431,7 +431,20 @@ cuda::AttentionParams ShapeParams(const AttentionShape& s, const AttentionMask& 
 
 }  // namespace
 
+// The CUDA backend computes in one dtype, the query's: a request whose tensors mix dtypes is refused (the CPU
+// backend serves it).
+absl::Status OneDtype(std::initializer_list<const ConstTensor*> tensors) {
+  for (const ConstTensor* t : tensors) {
+    if (t->dtype != (*tensors.begin())->dtype) {
+      return absl::UnimplementedError(
+          "the CUDA backend computes query, key and value of one dtype; this request mixes them");
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status CudaBackend::Impl::Sdpa(const SdpaArgs& a) {
+  RETURN_IF_ERROR_STATUS(OneDtype({&a.q, &a.k, &a.v}));
   const AttentionShape& s = a.shape;
   const HeadSpec& h = s.heads;
   const int t = a.q.dtype, out_dtype = a.out.dtype;
@@ -492,6 +505,7 @@ absl::Status CudaBackend::Impl::Sdpa(const SdpaArgs& a) {
 }
 
 absl::Status CudaBackend::Impl::Mha(const MhaArgs& a) {
+  RETURN_IF_ERROR_STATUS(OneDtype({&a.query, &a.key, &a.value}));
   const AttentionShape& s = a.shape;
   const HeadSpec& h = s.heads;
   const LayerWeights& w = a.weights;
