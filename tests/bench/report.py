@@ -40,17 +40,23 @@ def star(row):
 
 
 def load_bench(paths):
-    """attention_bench rows by (shape, weights), aggregated over the rounds; and the rounds' first probes."""
+    """attention_bench's rows per round, by (shape, case): the fp32 layer, core_ and proj_ rows by (shape, weights
+    on?), the bf16 rows by (shape, "bf16_path" / "fp32_path" / "matmul"); and the rounds' first probes."""
     rows, first_peaks, context = collections.defaultdict(list), [], {}
     for path in paths:
         bench = json.load(open(path))
         context = bench["context"]
         first_peaks.append(float(context.get("peak_gflops", "nan")))
         for b in bench["benchmarks"]:
-            shape, case = b["name"].split("/")[:2]
-            rows[(shape, case == "weights_on")].append({
-                "gflops": b["GFLOPs"], "gflops_median": b["GFLOPs_median"], "ms_best": b["ms_best"],
-                "peak": b["peak_gflops"]})
+            shape, case = (b["name"].split("/") + [""])[:2]  # "shape/case/real_time" or "shape/real_time"
+            if shape.startswith("bf16_matmul_"):
+                key = (shape, "matmul")
+            elif shape.startswith("bf16_"):
+                key = (shape, case)
+            else:
+                key = (shape, case == "weights_on")
+            rows[key].append({"gflops": b["GFLOPs"], "gflops_median": b["GFLOPs_median"], "ms_best": b["ms_best"],
+                              "peak": b["peak_gflops"]})
     return rows, first_peaks, context
 
 
@@ -88,7 +94,8 @@ def main():
     peer_rows, na, impl, header, peer_shapes = load_peers(args.peers)
     rounds = len(args.bench)
     run_peak = max(r["peak"] or 0 for rows in list(bench_rows.values()) + list(peer_rows.values()) for r in rows)
-    bench = {key: aggregate(r, run_peak) for key, r in bench_rows.items()}
+    all_bench = {key: aggregate(r, run_peak) for key, r in bench_rows.items()}
+    bench = {key: b for key, b in all_bench.items() if not key[0].startswith("bf16_")}
     peers = {}
     for key, r in peer_rows.items():
         peers[key] = aggregate(r, run_peak)
@@ -208,6 +215,22 @@ def main():
             if base and causal:
                 print("causal / non-causal time (fastest calls), %s, %s: %.2fx" % (
                     what, shape, causal["ms_best"] / base["ms_best"]))
+    bf16 = [(key[0][len("bf16_"):], b, all_bench.get((key[0], "fp32_path")),
+             all_bench.get(("bf16_matmul_" + key[0][len("bf16_"):], "matmul")))
+            for key, b in all_bench.items() if key[1] == "bf16_path"]
+    if bf16:
+        print()
+        print("bf16 requests (bf16 in and out, weights off): the bf16 path against the fp32 path on the same request, "
+              "and against oneDNN's bf16 matmul on the fused Q|K|V shape, fastest calls:")
+        print()
+        print("| shape | bf16 path GFLOP/s | % of fp32 peak | fp32 path | bf16 / fp32 | bf16 matmul | % of its rate |")
+        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+        for shape, b, fp32, matmul in bf16:
+            print("| %s | %.1f%s | %.0f%% | %s | %s | %s | %s |" % (
+                shape, b["gflops"], star(b), b["pct"], "%.1f" % fp32["gflops"] if fp32 else "",
+                "%.2fx" % (b["gflops"] / fp32["gflops"]) if fp32 else "",
+                "%.1f" % matmul["gflops"] if matmul else "",
+                "%.0f%%" % (100 * b["gflops"] / matmul["gflops"]) if matmul else ""))
     print()
     print("FLOPs: 2BTqdHdk + 4BTkdHkvdk + 2BTqHdkd + 4BHdk x visible pairs (TqTk, or T(T+1)/2 causal: "
           "AttentionFlops in proto/mha/v1/attention_shape.h), for ours and every peer alike.")
