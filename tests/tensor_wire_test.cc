@@ -1,0 +1,261 @@
+// Tensors outside the protobuf message: the encoding is protobuf's own, decoding routes each tensor's data to the
+// caller's memory and accepts exactly what protobuf accepts.
+#include "proto/mha/v1/tensor_wire.h"
+
+#include <map>
+#include <string>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "grpc/grpc.h"
+#include "gtest/gtest.h"
+
+namespace mha {
+namespace {
+
+using ::testing::HasSubstr;
+
+// gRPC's slices need the library initialised, as a server or channel would have it.
+class GrpcEnvironment : public ::testing::Environment {
+ public:
+  void SetUp() override { grpc_init(); }
+  void TearDown() override { grpc_shutdown(); }
+};
+const auto* const kEnvironment = ::testing::AddGlobalTestEnvironment(new GrpcEnvironment);
+
+std::string Bytes(const grpc::ByteBuffer& buffer) {
+  std::vector<grpc::Slice> slices;
+  EXPECT_TRUE(buffer.Dump(&slices).ok());
+  std::string out;
+  for (const grpc::Slice& slice : slices) out.append(reinterpret_cast<const char*>(slice.begin()), slice.size());
+  return out;
+}
+
+// `bytes` as a byte buffer of slices of `piece` bytes each (the last may be shorter).
+grpc::ByteBuffer Split(const std::string& bytes, size_t piece) {
+  std::vector<grpc::Slice> slices;
+  for (size_t at = 0; at < bytes.size(); at += piece) slices.emplace_back(bytes.substr(at, piece));
+  return grpc::ByteBuffer(slices.data(), slices.size());
+}
+
+v1::Tensor MakeTensor(std::vector<int64_t> shape, v1::DataType dtype, std::string data) {
+  v1::Tensor tensor;
+  for (int64_t d : shape) tensor.add_shape(d);
+  tensor.set_dtype(dtype);
+  tensor.set_data(std::move(data));
+  return tensor;
+}
+
+TensorBytes Out(int field, const v1::Tensor& tensor, std::vector<grpc::Slice>* keep) {
+  TensorBytes out;
+  out.field = field;
+  out.header = tensor;
+  out.header.clear_data();
+  out.data = grpc::Slice(tensor.data());
+  keep->push_back(out.data);
+  return out;
+}
+
+v1::MultiHeadAttentionResponse SampleResponse() {
+  v1::MultiHeadAttentionResponse response;
+  *response.mutable_output() = MakeTensor({1, 2, 3}, v1::FP32, std::string(24, '\x11'));
+  *response.mutable_attention_weights() = MakeTensor({1, 1, 2, 2}, v1::BF16, std::string(8, '\x22'));
+  response.set_backend("cpu");
+  response.mutable_timing()->set_compute_us(12345);
+  return response;
+}
+
+v1::MultiHeadAttentionRequest SampleRequest() {
+  v1::MultiHeadAttentionRequest request;
+  *request.mutable_query() = MakeTensor({2, 3, 4}, v1::FP32, std::string(96, 'q'));
+  *request.mutable_key() = MakeTensor({2, 5, 4}, v1::FP16, std::string(80, 'k'));
+  request.set_layer("demo");
+  request.add_key_lengths(5);
+  request.add_key_lengths(3);
+  *request.mutable_attn_mask() = MakeTensor({3, 5}, v1::FP32, std::string(60, 'm'));
+  request.add_head_mask(0.5f);
+  request.set_output_dtype(v1::BF16);
+  return request;
+}
+
+// Decodes with fields {1, 2} going to per-field strings, the way a client fills its arrays.
+struct Decoded {
+  absl::Status status;
+  std::map<int, std::string> data;
+  int calls = 0;
+};
+
+template <typename Message>
+Decoded Decode(const grpc::ByteBuffer& in, Message* message, std::vector<int> fields = {1, 2}) {
+  Decoded decoded;
+  decoded.status = DecodeWithTensors(in, fields,
+                                     [&](int field, size_t bytes) {
+                                       ++decoded.calls;
+                                       std::string& to = decoded.data[field];
+                                       to.assign(bytes, '\0');
+                                       return to.data();
+                                     },
+                                     message);
+  return decoded;
+}
+
+TEST(TensorWire, AResponseEncodesToTheBytesProtobufWrites) {
+  const v1::MultiHeadAttentionResponse response = SampleResponse();
+  std::vector<grpc::Slice> keep;
+  const TensorBytes output = Out(1, response.output(), &keep);
+  const TensorBytes weights = Out(2, response.attention_weights(), &keep);
+  v1::MultiHeadAttentionResponse rest = response;
+  rest.clear_output();
+  rest.clear_attention_weights();
+  grpc::ByteBuffer encoded;
+  const TensorBytes* tensors[] = {&output, &weights};
+  ASSERT_TRUE(EncodeWithTensors(tensors, rest, &encoded).ok());
+  EXPECT_EQ(Bytes(encoded), response.SerializeAsString());
+}
+
+TEST(TensorWire, TheDataSliceIsSentAsIsNotCopied) {
+  char* data = nullptr;
+  TensorBytes output;
+  output.field = 1;
+  output.header = MakeTensor({4}, v1::FP32, "");
+  output.data = NewTensorSlice(16, &data);
+  grpc::ByteBuffer encoded;
+  const TensorBytes* tensors[] = {&output};
+  ASSERT_TRUE(EncodeWithTensors(tensors, v1::MultiHeadAttentionResponse(), &encoded).ok());
+  std::vector<grpc::Slice> slices;
+  ASSERT_TRUE(encoded.Dump(&slices).ok());
+  ASSERT_EQ(slices.size(), 2u);
+  EXPECT_EQ(reinterpret_cast<const char*>(slices[1].begin()), data);
+}
+
+TEST(TensorWire, NewTensorSliceIsZeroed) {
+  char* data = nullptr;
+  const grpc::Slice slice = NewTensorSlice(4096, &data);
+  ASSERT_EQ(slice.size(), 4096u);
+  EXPECT_EQ(std::string(data, 4096), std::string(4096, '\0'));
+}
+
+TEST(TensorWire, TensorsOutOfFieldOrderStillParseAsTheWholeMessage) {
+  const v1::MultiHeadAttentionRequest request = SampleRequest();
+  std::vector<grpc::Slice> keep;
+  const TensorBytes query = Out(1, request.query(), &keep);
+  const TensorBytes mask = Out(8, request.attn_mask(), &keep);
+  v1::MultiHeadAttentionRequest rest = request;
+  rest.clear_query();
+  rest.clear_attn_mask();
+  grpc::ByteBuffer encoded;
+  const TensorBytes* tensors[] = {&mask, &query};
+  ASSERT_TRUE(EncodeWithTensors(tensors, rest, &encoded).ok());
+  v1::MultiHeadAttentionRequest parsed;
+  ASSERT_TRUE(parsed.ParseFromString(Bytes(encoded)));
+  EXPECT_EQ(parsed.SerializeAsString(), request.SerializeAsString());
+}
+
+TEST(TensorWire, AHeaderWithDataIsRefused) {
+  TensorBytes output;
+  output.field = 1;
+  output.header = MakeTensor({1}, v1::FP32, "abcd");
+  grpc::ByteBuffer encoded;
+  const TensorBytes* tensors[] = {&output};
+  EXPECT_EQ(EncodeWithTensors(tensors, v1::MultiHeadAttentionResponse(), &encoded).code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST(TensorWire, DecodeSendsTheChosenTensorsDataToTheSinkAndKeepsTheRest) {
+  const v1::MultiHeadAttentionRequest request = SampleRequest();
+  v1::MultiHeadAttentionRequest message;
+  const Decoded decoded = Decode(Split(request.SerializeAsString(), 7), &message);
+  ASSERT_TRUE(decoded.status.ok()) << decoded.status;
+  EXPECT_EQ(decoded.data.at(1), request.query().data());
+  EXPECT_EQ(decoded.data.at(2), request.key().data());
+  EXPECT_TRUE(message.query().data().empty());
+  EXPECT_TRUE(message.key().data().empty());
+  // Everything else is in the message, the mask's data included (field 8 was not chosen).
+  v1::MultiHeadAttentionRequest whole = message;
+  whole.mutable_query()->set_data(decoded.data.at(1));
+  whole.mutable_key()->set_data(decoded.data.at(2));
+  EXPECT_EQ(whole.SerializeAsString(), request.SerializeAsString());
+}
+
+TEST(TensorWire, DecodeReadsAnySlicing) {
+  const std::string bytes = SampleRequest().SerializeAsString();
+  for (size_t piece : {1, 2, 3, 64, 100000}) {
+    v1::MultiHeadAttentionRequest message;
+    const Decoded decoded = Decode(Split(bytes, piece), &message);
+    ASSERT_TRUE(decoded.status.ok()) << "slices of " << piece << ": " << decoded.status;
+    EXPECT_EQ(decoded.data.at(1), SampleRequest().query().data()) << "slices of " << piece;
+  }
+}
+
+TEST(TensorWire, ARepeatedTensorFieldMergesAsInProtobuf) {
+  // Two occurrences of query: protobuf appends the shapes and keeps the last data.
+  const std::string first = MakeTensor({2}, v1::FP32, "aaaaaaaa").SerializeAsString();
+  const std::string second = MakeTensor({3}, v1::FP32, "bbbb").SerializeAsString();
+  std::string bytes;
+  for (const std::string* body : {&first, &second}) {
+    bytes += '\x0a';
+    bytes += static_cast<char>(body->size());
+    bytes += *body;
+  }
+  v1::MultiHeadAttentionRequest protobuf;
+  ASSERT_TRUE(protobuf.ParseFromString(bytes));
+  v1::MultiHeadAttentionRequest message;
+  const Decoded decoded = Decode(Split(bytes, 5), &message);
+  ASSERT_TRUE(decoded.status.ok()) << decoded.status;
+  EXPECT_EQ(decoded.calls, 2);
+  EXPECT_EQ(decoded.data.at(1), protobuf.query().data());
+  message.mutable_query()->set_data(decoded.data.at(1));
+  EXPECT_EQ(message.SerializeAsString(), protobuf.SerializeAsString());
+}
+
+TEST(TensorWire, DecodeAcceptsExactlyThePrefixesProtobufAccepts) {
+  const std::string bytes = SampleRequest().SerializeAsString();
+  for (size_t n = 0; n <= bytes.size(); ++n) {
+    const std::string prefix = bytes.substr(0, n);
+    v1::MultiHeadAttentionRequest protobuf, message;
+    const Decoded decoded = Decode(Split(prefix, 3), &message);
+    EXPECT_EQ(decoded.status.ok(), protobuf.ParseFromString(prefix)) << "prefix of " << n << " bytes";
+    if (!decoded.status.ok()) {
+      EXPECT_EQ(decoded.status.code(), absl::StatusCode::kInvalidArgument);
+      EXPECT_THAT(decoded.status.message(), HasSubstr("malformed message"));
+    }
+  }
+}
+
+TEST(TensorWire, ALengthPastTheEndIsRefusedBeforeTheSinkIsAsked) {
+  std::string bytes = "\x0a\x05";  // query, 5 bytes
+  bytes += "\x1a\x7f";              // data, 127 bytes: past the tensor's end
+  bytes += "abc";
+  v1::MultiHeadAttentionRequest message;
+  const Decoded decoded = Decode(Split(bytes, 100), &message);
+  EXPECT_EQ(decoded.status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(decoded.calls, 0);
+}
+
+TEST(TensorWire, ARefusingSinkFailsTheDecodeNamingTheField) {
+  const std::string bytes = SampleRequest().SerializeAsString();
+  v1::MultiHeadAttentionRequest message;
+  const int fields[] = {2};
+  const absl::Status status =
+      DecodeWithTensors(Split(bytes, 16), fields, [](int, size_t) -> char* { return nullptr; }, &message);
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(status.message(), HasSubstr("field 2's data (80 bytes) is refused"));
+}
+
+TEST(TensorWire, GroupsAreRefused) {
+  v1::MultiHeadAttentionRequest message;
+  const Decoded decoded = Decode(Split(std::string("\x0b\x0c", 2), 1), &message);  // start group 1, end group 1
+  EXPECT_EQ(decoded.status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(decoded.status.message(), HasSubstr("wire type 3"));
+}
+
+TEST(TensorWire, AnEmptyBufferIsAnEmptyMessage) {
+  v1::MultiHeadAttentionResponse message;
+  message.set_backend("stale");
+  const Decoded decoded = Decode(grpc::ByteBuffer(), &message);
+  ASSERT_TRUE(decoded.status.ok()) << decoded.status;
+  EXPECT_EQ(message.SerializeAsString(), "");
+}
+
+}  // namespace
+}  // namespace mha
