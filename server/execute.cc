@@ -1,7 +1,6 @@
 #include "server/execute.h"
 
 #include <cmath>
-#include <cstring>
 #include <cstdint>
 #include <limits>
 #include <memory>
@@ -15,19 +14,23 @@ namespace {
 
 ConstTensor View(const v1::Tensor& t) { return {t.data().data(), t.dtype()}; }
 
-// Shapes `tensor` as `shape` in `dtype` with room for its bytes, and returns a view the backend writes into.
-MutableTensor Allocate(v1::Tensor* tensor, std::initializer_list<int64_t> shape, v1::DataType dtype) {
+// Makes `tensor` response field `field`, shaped `shape` in `dtype`, with a fresh slice for its bytes; returns the
+// view the backend writes into.
+MutableTensor Allocate(int field, std::initializer_list<int64_t> shape, v1::DataType dtype, TensorBytes* tensor) {
   int64_t count = 1;
-  tensor->Clear();
+  tensor->field = field;
+  tensor->header.Clear();
   for (int64_t d : shape) {
-    tensor->add_shape(d);
+    tensor->header.add_shape(d);
     count *= d;
   }
-  tensor->set_dtype(dtype);
-  std::string* bytes = tensor->mutable_data();
-  bytes->resize(count * DTypeSize(dtype));
-  return {bytes->data(), dtype};
+  tensor->header.set_dtype(dtype);
+  char* bytes = nullptr;
+  tensor->data = NewTensorSlice(count * DTypeSize(dtype), &bytes);
+  return {bytes, dtype};
 }
+
+constexpr int kOutputField = 1, kWeightsField = 2;  // in both responses
 
 // The mask as additive fp32, checked while decoding: an additive mask's -inf masks a key, NaN and +inf have no
 // meaning; a boolean (MASK_KEEP) mask's 1 becomes 0 and its 0 becomes -inf, and any other value has no meaning.
@@ -56,8 +59,7 @@ absl::Status DecodeMask(const AttentionPlan& plan, std::vector<float>* values, A
 
 }  // namespace
 
-absl::Status ExecuteMultiHeadAttention(const MhaPlan& plan, const StopSignal* stop,
-                                       v1::MultiHeadAttentionResponse* response) {
+absl::Status ExecuteMultiHeadAttention(const MhaPlan& plan, const StopSignal* stop, MhaReply* reply) {
   const AttentionProblem& p = plan.problem;
   const AttentionShape& s = p.shape;
   std::vector<float> additive;
@@ -74,17 +76,17 @@ absl::Status ExecuteMultiHeadAttention(const MhaPlan& plan, const StopSignal* st
   args.key = View(*plan.key);
   args.value = View(*plan.value);
   args.head_mask = plan.head_mask;
-  args.out = Allocate(response->mutable_output(), {s.batch, s.q_len, s.d_model}, p.output_dtype);
+  args.out = Allocate(kOutputField, {s.batch, s.q_len, s.d_model}, p.output_dtype, &reply->output);
   if (p.return_weights) {
-    args.attention_weights = Allocate(response->mutable_attention_weights(),
-                                      {s.batch, s.heads.num_heads, s.q_len, s.kv_len}, p.output_dtype);
+    args.attention_weights = Allocate(kWeightsField, {s.batch, s.heads.num_heads, s.q_len, s.kv_len},
+                                      p.output_dtype, &reply->attention_weights);
   }
-  response->set_backend(std::string(plan.backend->name()));
+  reply->message.set_backend(std::string(plan.backend->name()));
   return plan.backend->MultiHeadAttention(args);
 }
 
 absl::Status ExecuteMultiHeadAttentionBatch(absl::Span<const MhaPlan* const> plans, const StopSignal* stop,
-                                            absl::Span<v1::MultiHeadAttentionResponse* const> responses) {
+                                            absl::Span<MhaReply* const> replies) {
   const MhaPlan& first = *plans.front();
   const AttentionProblem& p = first.problem;
   const v1::DataType input_dtype = first.query->dtype();
@@ -110,7 +112,8 @@ absl::Status ExecuteMultiHeadAttentionBatch(absl::Span<const MhaPlan* const> pla
   }
   const size_t out_size = DTypeSize(p.output_dtype);
   const int64_t out_per_item = s.q_len * s.d_model, weights_per_item = s.heads.num_heads * s.q_len * s.kv_len;
-  std::string out(s.batch * out_per_item * out_size, '\0'), weights;
+  // The batch's outputs in one slice each; every call's reply takes its rows as a sub-slice of it, uncopied.
+  TensorBytes out, weights;
   MhaArgs args;
   args.shape = s;
   args.stop = stop;
@@ -118,33 +121,33 @@ absl::Status ExecuteMultiHeadAttentionBatch(absl::Span<const MhaPlan* const> pla
   args.weights = first.layer->Weights();
   args.kv_source = KvSource::kQuery;
   args.query = args.key = args.value = {query.data(), input_dtype};
-  args.out = {out.data(), p.output_dtype};
+  args.out = Allocate(kOutputField, {s.batch, s.q_len, s.d_model}, p.output_dtype, &out);
   if (p.return_weights) {
-    weights.resize(s.batch * weights_per_item * out_size);
-    args.attention_weights = {weights.data(), p.output_dtype};
+    args.attention_weights =
+        Allocate(kWeightsField, {s.batch, s.heads.num_heads, s.q_len, s.kv_len}, p.output_dtype, &weights);
   }
   if (absl::Status status = first.backend->MultiHeadAttention(args); !status.ok()) return status;
 
-  // Each call's slice of the outputs into its response.
+  // Each call's rows of the outputs, as sub-slices, into its reply.
   int64_t b0 = 0;
   for (size_t i = 0; i < plans.size(); ++i) {
     const int64_t batch = plans[i]->problem.shape.batch;
-    v1::MultiHeadAttentionResponse* response = responses[i];
-    MutableTensor slice = Allocate(response->mutable_output(), {batch, s.q_len, s.d_model}, p.output_dtype);
-    std::memcpy(slice.data, out.data() + b0 * out_per_item * out_size, batch * out_per_item * out_size);
-    if (p.return_weights) {
-      slice = Allocate(response->mutable_attention_weights(), {batch, s.heads.num_heads, s.q_len, s.kv_len},
-                       p.output_dtype);
-      std::memcpy(slice.data, weights.data() + b0 * weights_per_item * out_size, batch * weights_per_item * out_size);
-    }
-    response->set_backend(std::string(first.backend->name()));
+    MhaReply* reply = replies[i];
+    const auto rows = [&](const TensorBytes& all, int64_t per_item, TensorBytes* to) {
+      to->field = all.field;
+      to->header = all.header;
+      to->header.set_shape(0, batch);
+      to->data = all.data.sub(b0 * per_item * out_size, (b0 + batch) * per_item * out_size);
+    };
+    rows(out, out_per_item, &reply->output);
+    if (p.return_weights) rows(weights, weights_per_item, &reply->attention_weights);
+    reply->message.set_backend(std::string(first.backend->name()));
     b0 += batch;
   }
   return absl::OkStatus();
 }
 
-absl::Status ExecuteScaledDotProductAttention(const SdpaPlan& plan, const StopSignal* stop,
-                                              v1::ScaledDotProductAttentionResponse* response) {
+absl::Status ExecuteScaledDotProductAttention(const SdpaPlan& plan, const StopSignal* stop, SdpaReply* reply) {
   const AttentionProblem& p = plan.problem;
   const AttentionShape& s = p.shape;
   std::vector<float> additive;
@@ -155,13 +158,13 @@ absl::Status ExecuteScaledDotProductAttention(const SdpaPlan& plan, const StopSi
   args.q = View(*plan.q);
   args.k = View(*plan.k);
   args.v = View(*plan.v);
-  args.out = Allocate(response->mutable_output(), {s.batch, s.q_len, s.heads.num_heads, s.heads.head_dim},
-                      p.output_dtype);
+  args.out = Allocate(kOutputField, {s.batch, s.q_len, s.heads.num_heads, s.heads.head_dim}, p.output_dtype,
+                      &reply->output);
   if (p.return_weights) {
-    args.weights = Allocate(response->mutable_attention_weights(), {s.batch, s.heads.num_heads, s.q_len, s.kv_len},
-                            p.output_dtype);
+    args.weights = Allocate(kWeightsField, {s.batch, s.heads.num_heads, s.q_len, s.kv_len}, p.output_dtype,
+                            &reply->attention_weights);
   }
-  response->set_backend(std::string(plan.backend->name()));
+  reply->message.set_backend(std::string(plan.backend->name()));
   return plan.backend->ScaledDotProductAttention(args);
 }
 

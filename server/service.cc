@@ -148,9 +148,9 @@ absl::Status AttentionService::Admit(const char* rpc, Role role, const grpc::Cal
 template <typename Request, typename Response, typename Plan>
 class ComputeCall final : public WorkItem {
  public:
-  using Execute = absl::Status (*)(const Plan&, const StopSignal*, Response*);
+  using Execute = absl::Status (*)(const Plan&, const StopSignal*, Reply<Response>*);
   using ExecuteBatch = absl::Status (*)(absl::Span<const Plan* const>, const StopSignal*,
-                                        absl::Span<Response* const>);
+                                        absl::Span<Reply<Response>* const>);
 
   ComputeCall(AttentionService* service, std::string id, const char* rpc, grpc::CallbackServerContext* context,
               grpc::ServerUnaryReactor* reactor, std::unique_ptr<Request> request, grpc::ByteBuffer* out,
@@ -173,11 +173,11 @@ class ComputeCall final : public WorkItem {
 
   absl::Status Run(absl::Duration waited) override {
     const absl::Time started = absl::Now();
-    absl::Status status = execute_(plan_, this, &response_);
+    absl::Status status = execute_(plan_, this, &reply_);
     const absl::Time computed = absl::Now();
     // A call whose client gave up or whose deadline passed while it computed ended so, whatever the backend said.
     if (status.ok()) status = Check();
-    Timing* timing = response_.mutable_timing();
+    Timing* timing = reply_.message.mutable_timing();
     timing->set_queue_us(absl::ToInt64Microseconds(waited));
     timing->set_compute_us(absl::ToInt64Microseconds(computed - started));
     timing->set_handler_us(absl::ToInt64Microseconds(computed - received()));
@@ -190,18 +190,18 @@ class ComputeCall final : public WorkItem {
     std::vector<ComputeCall*> calls = {this};
     for (WorkItem* other : others) calls.push_back(static_cast<ComputeCall*>(other));
     std::vector<const Plan*> plans;
-    std::vector<Response*> responses;
+    std::vector<Reply<Response>*> replies;
     for (ComputeCall* call : calls) {
       plans.push_back(&call->plan_);
-      responses.push_back(&call->response_);
+      replies.push_back(&call->reply_);
     }
     const BatchStop stop(calls);
     const absl::Time started = absl::Now();
-    const absl::Status status = execute_batch_(plans, &stop, responses);
+    const absl::Status status = execute_batch_(plans, &stop, replies);
     const absl::Time computed = absl::Now();
     for (size_t i = 0; i < calls.size(); ++i) {
       ComputeCall& call = *calls[i];
-      Timing* timing = call.response_.mutable_timing();
+      Timing* timing = call.reply_.message.mutable_timing();
       timing->set_queue_us(absl::ToInt64Microseconds(waited[i]));
       timing->set_compute_us(absl::ToInt64Microseconds(computed - started));
       timing->set_handler_us(absl::ToInt64Microseconds(computed - call.received()));
@@ -231,7 +231,7 @@ class ComputeCall final : public WorkItem {
   };
 
   void Finish(absl::Status status, double compute_seconds) {
-    if (status.ok()) status = Serialize(response_, out_);
+    if (status.ok()) status = reply_.Encode(out_);
     service_->CallDone(id_, rpc_, plan_.shapes, plan_.backend->name(), status, received(), compute_seconds,
                        status.ok() ? plan_.flops : 0);
     reactor_->Finish(ToGrpcStatus(status));
@@ -244,7 +244,7 @@ class ComputeCall final : public WorkItem {
   grpc::ServerUnaryReactor* const reactor_;
   const std::unique_ptr<Request> request_;
   grpc::ByteBuffer* const out_;
-  Response response_;
+  Reply<Response> reply_;
   const Plan plan_;
   const Execute execute_;
   const ExecuteBatch execute_batch_;  // null when calls of this rpc are never batched
@@ -254,8 +254,9 @@ template <typename Request, typename Response, typename Plan>
 grpc::ServerUnaryReactor* AttentionService::Compute(
     const char* rpc, grpc::CallbackServerContext* context, const grpc::ByteBuffer* bytes, grpc::ByteBuffer* out,
     absl::StatusOr<Plan> (*validate)(const Request&, const ValidationContext&),
-    absl::Status (*execute)(const Plan&, const StopSignal*, Response*),
-    absl::Status (*execute_batch)(absl::Span<const Plan* const>, const StopSignal*, absl::Span<Response* const>)) {
+    absl::Status (*execute)(const Plan&, const StopSignal*, Reply<Response>*),
+    absl::Status (*execute_batch)(absl::Span<const Plan* const>, const StopSignal*,
+                                  absl::Span<Reply<Response>* const>)) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   const absl::Time received = absl::Now();
   const std::string id = Identify(context);

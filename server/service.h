@@ -10,6 +10,7 @@
 #include "proto/mha/v1/attention.grpc.pb.h"
 #include "server/auth.h"
 #include "server/backends/registry.h"
+#include "server/execute.h"
 #include "server/layer_store.h"
 #include "server/metrics.h"
 #include "server/scheduler.h"
@@ -74,9 +75,9 @@ class AttentionService final : public RawAttentionService {
   grpc::ServerUnaryReactor* Compute(const char* rpc, grpc::CallbackServerContext* context,
                                     const grpc::ByteBuffer* bytes, grpc::ByteBuffer* out,
                                     absl::StatusOr<Plan> (*validate)(const Request&, const ValidationContext&),
-                                    absl::Status (*execute)(const Plan&, const StopSignal*, Response*),
+                                    absl::Status (*execute)(const Plan&, const StopSignal*, Reply<Response>*),
                                     absl::Status (*execute_batch)(absl::Span<const Plan* const>, const StopSignal*,
-                                                                  absl::Span<Response* const>));
+                                                                  absl::Span<Reply<Response>* const>));
 
   // Admits, then answers at once with what `handle` returns (its log detail in `detail`): the RPCs that do not
   // compute.

@@ -158,13 +158,14 @@ void RunLayer(const std::shared_ptr<const Layer>& layer, const std::vector<Backe
     plan.workspace_bytes = backend->WorkspaceBytes(plan.problem);
     if (!SmallEnough(plan)) return;
     Count(Stage::kComputed);
-    v1::MultiHeadAttentionResponse response;
-    const absl::Status status = ExecuteMultiHeadAttention(plan, nullptr, &response);
+    MhaReply reply;
+    const absl::Status status = ExecuteMultiHeadAttention(plan, nullptr, &reply);
     if (!status.ok()) {
       std::fprintf(stderr, "fuzz: a valid layer's call failed on %s: %s\n", std::string(backend->name()).c_str(),
                    std::string(status.message()).c_str());
       std::abort();
     }
+    const v1::MultiHeadAttentionResponse response = reply.Assembled();
     CheckOutput(response.output(), "output");
     CheckOutput(response.attention_weights(), "attention_weights");
   }

@@ -52,22 +52,22 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     on.workspace_bytes = backend->WorkspaceBytes(on.problem);
     if (!SmallEnough(on)) continue;
     Count(Stage::kComputed);
-    v1::MultiHeadAttentionResponse response;
-    const absl::Status status = ExecuteMultiHeadAttention(on, nullptr, &response);
+    MhaReply reply;
+    const absl::Status status = ExecuteMultiHeadAttention(on, nullptr, &reply);
     // Execution may only refuse what validation leaves to it: NaN or +inf in the attention mask.
     if (!status.ok()) {
       if (status.code() != absl::StatusCode::kInvalidArgument) Fail("execution failed", status);
       continue;
     }
-    CheckResponse(on, response);
+    CheckResponse(on, reply.Assembled());
     if (!on.batch_key.empty()) {
-      v1::MultiHeadAttentionResponse first, second;
+      MhaReply first, second;
       const MhaPlan* plans[] = {&on, &on};
-      v1::MultiHeadAttentionResponse* responses[] = {&first, &second};
-      const absl::Status batch = ExecuteMultiHeadAttentionBatch(plans, nullptr, responses);
+      MhaReply* replies[] = {&first, &second};
+      const absl::Status batch = ExecuteMultiHeadAttentionBatch(plans, nullptr, replies);
       if (!batch.ok()) Fail("a batch of two failed where the call alone succeeded", batch);
-      CheckResponse(on, first);
-      CheckResponse(on, second);
+      CheckResponse(on, first.Assembled());
+      CheckResponse(on, second.Assembled());
     }
   }
   return 0;

@@ -32,12 +32,13 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     on.workspace_bytes = backend->WorkspaceBytes(on.problem);
     if (!SmallEnough(on)) continue;
     Count(Stage::kComputed);
-    v1::ScaledDotProductAttentionResponse response;
-    const absl::Status status = ExecuteScaledDotProductAttention(on, nullptr, &response);
+    SdpaReply reply;
+    const absl::Status status = ExecuteScaledDotProductAttention(on, nullptr, &reply);
     if (!status.ok()) {
       if (status.code() != absl::StatusCode::kInvalidArgument) Fail("execution failed", status);
       continue;
     }
+    const v1::ScaledDotProductAttentionResponse response = reply.Assembled();
     const AttentionShape& s = on.problem.shape;
     CheckOutput(response.output(), "output");
     const std::vector<int64_t> want = {s.batch, s.q_len, s.heads.num_heads, s.heads.head_dim};
