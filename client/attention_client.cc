@@ -1,9 +1,12 @@
 #include "client/attention_client.h"
 
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "grpcpp/support/client_interceptor.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "proto/mha/v1/tensor_codec.h"
+#include "proto/mha/v1/tensor_wire.h"
 
 namespace mha {
 
@@ -65,7 +68,10 @@ std::shared_ptr<grpc::Channel> CreateAttentionChannel(const ClientOptions& optio
 }
 
 AttentionClient::AttentionClient(const ClientOptions& options)
-    : options_(options), channel_(CreateAttentionChannel(options)), stub_(v1::Attention::NewStub(channel_)) {}
+    : options_(options),
+      channel_(CreateAttentionChannel(options)),
+      stub_(v1::Attention::NewStub(channel_)),
+      generic_stub_(std::make_unique<grpc::GenericStub>(channel_)) {}
 
 namespace {
 
@@ -90,36 +96,99 @@ absl::StatusOr<v1::MultiHeadAttentionResponse> AttentionClient::MultiHeadAttenti
   return Unary(stub_.get(), &v1::Attention::Stub::MultiHeadAttention, request, options_.timeout);
 }
 
+namespace {
+
+constexpr char kMultiHeadAttentionMethod[] = "/mha.v1.Attention/MultiHeadAttention";
+constexpr int kQueryField = 1, kKeyField = 2, kValueField = 3;     // MultiHeadAttentionRequest
+constexpr int kOutputField = 1, kWeightsField = 2;                 // MultiHeadAttentionResponse
+
+// `array` as Tensor field `field` in `dtype`: its values borrowed as they lie when the wire is fp32 (the caller keeps
+// them alive through the call), else encoded once into a slice of their own.
+TensorBytes WireTensor(int field, const Array& array, v1::DataType dtype) {
+  TensorBytes tensor;
+  tensor.field = field;
+  for (int64_t d : array.shape) tensor.header.add_shape(d);
+  tensor.header.set_dtype(dtype);
+  const size_t count = array.values.size();
+  if (dtype == v1::FP32) {
+    tensor.data = BorrowedSlice(array.values.data(), count * sizeof(float));
+  } else {
+    char* bytes = nullptr;
+    tensor.data = NewTensorSlice(count * DTypeSize(dtype), &bytes);
+    EncodeFromFloat(dtype, array.values.data(), count, bytes);
+  }
+  return tensor;
+}
+
+// Checks that the server's fp32 tensor `header` fills `array`, whose values hold its data, and gives it its shape.
+absl::Status TakeTensor(const v1::Tensor& header, const char* name, Array* array) {
+  int64_t count = 1;
+  for (int64_t d : header.shape()) count *= d;
+  if (header.dtype() != v1::FP32 || static_cast<int64_t>(array->values.size()) != count) {
+    return absl::InternalError(absl::StrCat("the server's ", name, " is ", DTypeName(header.dtype()), " ",
+                                            ShapeString(header.shape()), " with ", array->values.size(),
+                                            " fp32 values; expected fp32 filling its shape"));
+  }
+  array->shape.assign(header.shape().begin(), header.shape().end());
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::StatusOr<MhaOutputs> AttentionClient::MultiHeadAttention(const MhaInputs& inputs) {
   if (inputs.query == nullptr) return absl::InvalidArgumentError("query is required");
-  v1::MultiHeadAttentionRequest request;
+  // The tensors travel outside the message (proto/mha/v1/tensor_wire.h): the arrays' bytes go to gRPC as they are,
+  // and the response's come straight from gRPC's buffers into MhaOutputs.
+  std::vector<TensorBytes> tensors;
+  tensors.push_back(WireTensor(kQueryField, *inputs.query, inputs.wire_dtype));
+  if (inputs.key != nullptr) tensors.push_back(WireTensor(kKeyField, *inputs.key, inputs.wire_dtype));
+  if (inputs.value != nullptr) tensors.push_back(WireTensor(kValueField, *inputs.value, inputs.wire_dtype));
+  v1::MultiHeadAttentionRequest rest;
+  rest.set_layer(inputs.layer);
+  if (inputs.causal) rest.mutable_heads()->set_causal(true);
+  for (int32_t length : inputs.key_lengths) rest.add_key_lengths(length);
+  for (float factor : inputs.head_mask) rest.add_head_mask(factor);
+  rest.set_return_attention_weights(inputs.return_attention_weights);
   // Outputs in fp32 whatever the wire dtype of the inputs, so MhaOutputs holds exactly what the server computed.
-  FloatsToTensor(inputs.query->values, inputs.query->shape, inputs.wire_dtype, request.mutable_query());
-  if (inputs.key != nullptr) {
-    FloatsToTensor(inputs.key->values, inputs.key->shape, inputs.wire_dtype, request.mutable_key());
-  }
-  if (inputs.value != nullptr) {
-    FloatsToTensor(inputs.value->values, inputs.value->shape, inputs.wire_dtype, request.mutable_value());
-  }
-  request.set_layer(inputs.layer);
-  if (inputs.causal) request.mutable_heads()->set_causal(true);
-  for (int32_t length : inputs.key_lengths) request.add_key_lengths(length);
-  for (float factor : inputs.head_mask) request.add_head_mask(factor);
-  request.set_return_attention_weights(inputs.return_attention_weights);
-  request.set_output_dtype(v1::FP32);
-  request.set_backend(inputs.backend);
-  absl::StatusOr<v1::MultiHeadAttentionResponse> response = MultiHeadAttention(request);
-  if (!response.ok()) return response.status();
+  rest.set_output_dtype(v1::FP32);
+  rest.set_backend(inputs.backend);
+  std::vector<const TensorBytes*> tensor_list;
+  for (const TensorBytes& tensor : tensors) tensor_list.push_back(&tensor);
+  grpc::ByteBuffer request, response;
+  if (absl::Status status = EncodeWithTensors(tensor_list, rest, &request); !status.ok()) return status;
+
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(absl::Now() + options_.timeout));
+  absl::Notification done;
+  grpc::Status status;
+  generic_stub_->UnaryCall(&context, kMultiHeadAttentionMethod, grpc::StubOptions(), &request, &response,
+                           [&](grpc::Status result) {
+                             status = std::move(result);
+                             done.Notify();
+                           });
+  done.WaitForNotification();
+  if (!status.ok()) return FromGrpcStatus(status);
+
   MhaOutputs outputs;
-  outputs.output.shape.assign(response->output().shape().begin(), response->output().shape().end());
-  outputs.output.values = TensorToFloats(response->output());
-  if (response->has_attention_weights()) {
-    const v1::Tensor& weights = response->attention_weights();
-    outputs.attention_weights.shape.assign(weights.shape().begin(), weights.shape().end());
-    outputs.attention_weights.values = TensorToFloats(weights);
+  v1::MultiHeadAttentionResponse message;
+  const int tensor_fields[] = {kOutputField, kWeightsField};
+  const absl::Status decoded = DecodeWithTensors(
+      response, tensor_fields,
+      [&outputs](int field, size_t bytes) -> char* {
+        if (bytes % sizeof(float) != 0) return nullptr;
+        std::vector<float>& values = field == kOutputField ? outputs.output.values : outputs.attention_weights.values;
+        values.resize(bytes / sizeof(float));
+        return reinterpret_cast<char*>(values.data());
+      },
+      &message);
+  if (!decoded.ok()) return absl::InternalError(absl::StrCat("cannot decode the response: ", decoded.message()));
+  if (absl::Status taken = TakeTensor(message.output(), "output", &outputs.output); !taken.ok()) return taken;
+  if (message.has_attention_weights()) {
+    absl::Status taken = TakeTensor(message.attention_weights(), "attention_weights", &outputs.attention_weights);
+    if (!taken.ok()) return taken;
   }
-  outputs.backend = response->backend();
-  outputs.timing = response->timing();
+  outputs.backend = message.backend();
+  outputs.timing = message.timing();
   return outputs;
 }
 

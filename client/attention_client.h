@@ -11,6 +11,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/grpcpp.h"
 #include "proto/mha/v1/attention.grpc.pb.h"
 
@@ -79,7 +80,9 @@ class AttentionClient {
   explicit AttentionClient(const ClientOptions& options);
 
   absl::StatusOr<v1::MultiHeadAttentionResponse> MultiHeadAttention(const v1::MultiHeadAttentionRequest& request);
-  // The same call on plain arrays: fp32 in and out, no protobuf in sight. See MhaInputs.
+  // The same call on plain arrays: fp32 in and out, no protobuf in sight. See MhaInputs. The arrays' bytes are
+  // sent as they lie (fp32 wire) and the outputs decoded straight from gRPC's buffers: one copy of each tensor's
+  // bytes on this side, gRPC's into the outputs.
   absl::StatusOr<MhaOutputs> MultiHeadAttention(const MhaInputs& inputs);
   absl::StatusOr<v1::ScaledDotProductAttentionResponse> ScaledDotProductAttention(
       const v1::ScaledDotProductAttentionRequest& request);
@@ -96,6 +99,7 @@ class AttentionClient {
   ClientOptions options_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Attention::Stub> stub_;
+  std::unique_ptr<grpc::GenericStub> generic_stub_;  // for calls whose tensors travel outside the message
 };
 
 }  // namespace mha

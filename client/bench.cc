@@ -15,6 +15,7 @@
 #include "absl/synchronization/notification.h"
 #include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/impl/codegen/proto_utils.h"
+#include "proto/mha/v1/tensor_wire.h"
 
 namespace mha {
 namespace {
@@ -63,6 +64,7 @@ struct Call {
   grpc::ClientContext context;
   grpc::ByteBuffer request;
   grpc::ByteBuffer response;
+  std::unique_ptr<char[]> output, weights;  // the response's tensors, as a client would keep them
   Clock::time_point intended;
   Clock::time_point started;
   Clock::time_point sent;
@@ -72,8 +74,25 @@ class LoadRunner {
  public:
   LoadRunner(const LoadOptions& options, absl::Span<const std::shared_ptr<grpc::Channel>> channels,
              const v1::MultiHeadAttentionRequest& request)
-      : options_(options), request_(request), state_(std::make_shared<LoadState>()) {
+      : options_(options), request_(request), rest_(request), state_(std::make_shared<LoadState>()) {
     for (const auto& channel : channels) stubs_.push_back(std::make_unique<grpc::GenericStub>(channel));
+    // Every call sends the request's tensors from where they lie, as AttentionClient does with a caller's arrays.
+    const auto borrow = [this](int field, const v1::Tensor& tensor) {
+      TensorBytes& bytes = tensors_[tensor_count_++];
+      bytes.field = field;
+      bytes.header.set_dtype(tensor.dtype());
+      *bytes.header.mutable_shape() = tensor.shape();
+      bytes.data = BorrowedSlice(tensor.data().data(), tensor.data().size());
+    };
+    if (request.has_query()) borrow(1, request.query());
+    if (request.has_key()) borrow(2, request.key());
+    if (request.has_value()) borrow(3, request.value());
+    if (request.has_attn_mask()) borrow(8, request.attn_mask());
+    rest_.clear_query();
+    rest_.clear_key();
+    rest_.clear_value();
+    rest_.clear_attn_mask();
+    for (int i = 0; i < tensor_count_; ++i) tensor_list_[i] = &tensors_[i];
   }
 
   ~LoadRunner() {
@@ -185,12 +204,12 @@ class LoadRunner {
     }
     call->intended = intended;
     call->started = Clock::now();
-    bool own_buffer = false;
-    const grpc::Status serialized =
-        grpc::SerializationTraits<v1::MultiHeadAttentionRequest>::Serialize(request_, &call->request, &own_buffer);
+    const absl::Status serialized =
+        EncodeWithTensors(absl::MakeConstSpan(tensor_list_, tensor_count_), rest_, &call->request);
     call->sent = Clock::now();
     if (!serialized.ok()) {
-      Finish(*call, serialized, Clock::now(), record);
+      Finish(*call, grpc::Status(grpc::StatusCode::INTERNAL, std::string(serialized.message())), Clock::now(),
+             record);
       if (done) done();
       return;
     }
@@ -208,15 +227,22 @@ class LoadRunner {
     sample.code = status.error_code();
     if (status.ok()) {
       v1::MultiHeadAttentionResponse response;
-      const grpc::Status decoded =
-          grpc::SerializationTraits<v1::MultiHeadAttentionResponse>::Deserialize(&call.response, &response);
+      const int tensor_fields[] = {1, 2};
+      const absl::Status decoded = DecodeWithTensors(
+          call.response, tensor_fields,
+          [&call](int field, size_t bytes) {
+            std::unique_ptr<char[]>& to = field == 1 ? call.output : call.weights;
+            to.reset(new char[bytes]);
+            return to.get();
+          },
+          &response);
       if (decoded.ok()) {
         sample.server_queue = static_cast<double>(response.timing().queue_us()) * 1e-6;
         sample.server_compute = static_cast<double>(response.timing().compute_us()) * 1e-6;
         sample.server_handler = static_cast<double>(response.timing().handler_us()) * 1e-6;
       } else {
-        sample.code = decoded.error_code();
-        sample.message = absl::StrCat("cannot decode the response: ", decoded.error_message());
+        sample.code = grpc::StatusCode::INTERNAL;
+        sample.message = absl::StrCat("cannot decode the response: ", decoded.message());
       }
     } else {
       sample.message = status.error_message();
@@ -236,7 +262,11 @@ class LoadRunner {
   }
 
   const LoadOptions options_;
-  const v1::MultiHeadAttentionRequest& request_;
+  const v1::MultiHeadAttentionRequest& request_;  // outlives every call: its tensors' bytes are sent from it
+  v1::MultiHeadAttentionRequest rest_;            // request_ without the tensors in tensors_
+  TensorBytes tensors_[4];
+  const TensorBytes* tensor_list_[4] = {};
+  int tensor_count_ = 0;
   std::vector<std::unique_ptr<grpc::GenericStub>> stubs_;
   std::shared_ptr<LoadState> state_;
   Clock::time_point start_;

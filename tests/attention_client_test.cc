@@ -2,7 +2,12 @@
 // absl::Status with the server's code.
 #include "client/attention_client.h"
 
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
 #include <memory>
+#include <string>
 
 #include "absl/strings/str_cat.h"
 #include "client/bench.h"
@@ -68,6 +73,65 @@ TEST_F(AttentionClientTest, HalfPrecisionWireStillReturnsFp32) {
   ASSERT_TRUE(out.ok()) << out.status();
   EXPECT_EQ(out->output.values.size(), 4u * 512);
   EXPECT_TRUE(out->attention_weights.values.empty());
+}
+
+// The array call sends its tensors outside the message and decodes them straight into the outputs; the proto
+// call goes through protobuf as a whole. Same server, same inputs: the same bits.
+TEST_F(AttentionClientTest, ArrayCallsGiveTheBitsOfTheProtoCall) {
+  const Array query{{2, 6, 512}, RandomVector(2 * 6 * 512, 6)};
+  const Array key{{2, 9, 512}, RandomVector(2 * 9 * 512, 7)};
+  const Array value{{2, 9, 512}, RandomVector(2 * 9 * 512, 8)};
+  for (v1::DataType wire : {v1::FP32, v1::BF16}) {
+    MhaInputs inputs;
+    inputs.query = &query;
+    inputs.key = &key;
+    inputs.value = &value;
+    inputs.key_lengths = {9, 4};
+    inputs.return_attention_weights = true;
+    inputs.wire_dtype = wire;
+    absl::StatusOr<MhaOutputs> arrays = client_->MultiHeadAttention(inputs);
+    ASSERT_TRUE(arrays.ok()) << arrays.status();
+
+    v1::MultiHeadAttentionRequest request;
+    FloatsToTensor(query.values, query.shape, wire, request.mutable_query());
+    FloatsToTensor(key.values, key.shape, wire, request.mutable_key());
+    FloatsToTensor(value.values, value.shape, wire, request.mutable_value());
+    request.set_layer("demo");
+    request.add_key_lengths(9);
+    request.add_key_lengths(4);
+    request.set_return_attention_weights(true);
+    request.set_output_dtype(v1::FP32);
+    absl::StatusOr<v1::MultiHeadAttentionResponse> proto = client_->MultiHeadAttention(request);
+    ASSERT_TRUE(proto.ok()) << proto.status();
+    EXPECT_EQ(arrays->output.values, TensorToFloats(proto->output())) << DTypeName(wire);
+    EXPECT_EQ(arrays->attention_weights.values, TensorToFloats(proto->attention_weights())) << DTypeName(wire);
+    EXPECT_THAT(arrays->attention_weights.shape, ::testing::ElementsAre(2, 8, 6, 9));
+  }
+}
+
+// The array call goes through gRPC's generic stub; the channel's token goes with it all the same.
+TEST(AttentionClientTokenTest, ArrayCallsCarryTheChannelsToken) {
+  spdlog::set_level(spdlog::level::warn);
+  const std::string tokens =
+      (std::filesystem::temp_directory_path() / ("mha-client-tokens-" + std::to_string(getpid()))).string();
+  std::ofstream(tokens) << "client-token-0123456789\n";
+  ServerOptions options;
+  options.listen = "127.0.0.1:0";
+  options.threads = 1;
+  options.auth_tokens_file = tokens;
+  absl::StatusOr<std::unique_ptr<MhaServer>> server = MhaServer::Start(options);
+  std::filesystem::remove(tokens);
+  ASSERT_TRUE(server.ok()) << server.status();
+  const Array query{{1, 4, 512}, RandomVector(4 * 512, 9)};
+  MhaInputs inputs;
+  inputs.query = &query;
+  ClientOptions client_options;
+  client_options.target = absl::StrCat("127.0.0.1:", (*server)->port());
+  EXPECT_EQ(AttentionClient(client_options).MultiHeadAttention(inputs).status().code(),
+            absl::StatusCode::kUnauthenticated);
+  client_options.token = "client-token-0123456789";
+  absl::StatusOr<MhaOutputs> out = AttentionClient(client_options).MultiHeadAttention(inputs);
+  EXPECT_TRUE(out.ok()) << out.status();
 }
 
 TEST_F(AttentionClientTest, ServerErrorsKeepTheirCode) {
