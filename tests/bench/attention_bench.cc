@@ -334,16 +334,16 @@ int main(int argc, char** argv) {
         ->Unit(benchmark::kMillisecond)
         ->UseRealTime();
   }
-  // bf16 requests: the bf16 path against the fp32 path, interleaved, and oneDNN's bf16 matmul rate.
+  // bf16 requests: the bf16 path against the fp32 path, interleaved, on every shape (the small ones show the cost
+  // of anything done per call); oneDNN's bf16 matmul rate on the large ones.
   for (const Shape& shape : Shapes()) {
-    if (shape.batch * shape.q_len < 1024) continue;  // the large shapes
     for (bool bf16_path : {true, false}) {
       benchmark::RegisterBenchmark(("bf16_" + shape.name + (bf16_path ? "/bf16_path" : "/fp32_path")).c_str(),
                                    BM_MultiHeadAttentionBf16, shape, bf16_path)
           ->Unit(benchmark::kMillisecond)
           ->UseRealTime();
     }
-    if (shape.causal || shape.kv_heads != shape.heads) continue;
+    if (shape.batch * shape.q_len < 1024 || shape.causal || shape.kv_heads != shape.heads) continue;
     benchmark::RegisterBenchmark(("bf16_matmul_" + shape.name).c_str(), BM_Bf16Matmul, shape)
         ->Unit(benchmark::kMillisecond)
         ->UseRealTime();

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <list>
 #include <map>
+#include <memory>
 #include <tuple>
 #include <unordered_map>
 #include <utility>
@@ -40,6 +41,47 @@ dnnl::matmul::primitive_desc Describe(int64_t m, int64_t k, int64_t n, int64_t l
     return dnnl::matmul::primitive_desc(dnnl::matmul::desc(src, weights, b, dst), Engine());
   }
   return dnnl::matmul::primitive_desc(dnnl::matmul::desc(src, weights, dst), Engine());
+}
+
+// A matmul primitive with its description, for one shape.
+struct Primitive {
+  dnnl::matmul::primitive_desc pd;
+  dnnl::matmul matmul;
+};
+
+// The primitives of the shapes seen lately, each created once: describing a matmul costs 30-150 us (measured on
+// this project's VM), more than a small request's projection computes. Bounded: emptied when it reaches kMaxEntries
+// (shapes come from requests). Thread-safe; oneDNN primitives may execute on several threads at once.
+class PrimitiveCache {
+ public:
+  static constexpr size_t kMaxEntries = 256;
+
+  std::shared_ptr<const Primitive> Get(int64_t m, int64_t k, int64_t n, int64_t ldx, bool bias, dt y_type,
+                                       int64_t ldy) {
+    const Key key{m, k, n, ldx, ldy, bias, static_cast<int>(y_type)};
+    {
+      absl::MutexLock lock(&mu_);
+      const auto it = entries_.find(key);
+      if (it != entries_.end()) return it->second;
+    }
+    // Created outside the lock; two threads may both create one, and the second insert keeps the first.
+    auto made = std::make_shared<Primitive>();
+    made->pd = Describe(m, k, n, ldx, bias, y_type, ldy);
+    made->matmul = dnnl::matmul(made->pd);
+    absl::MutexLock lock(&mu_);
+    if (entries_.size() >= kMaxEntries) entries_.clear();
+    return entries_.emplace(key, std::move(made)).first->second;
+  }
+
+ private:
+  using Key = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, bool, int>;
+  absl::Mutex mu_;
+  std::map<Key, std::shared_ptr<const Primitive>> entries_ ABSL_GUARDED_BY(mu_);
+};
+
+PrimitiveCache& Primitives() {
+  static PrimitiveCache* cache = new PrimitiveCache();
+  return *cache;
 }
 
 // Layer weights packed for a weights layout, least recently used dropped beyond kCacheBytes. A layer's matrices
@@ -134,7 +176,8 @@ absl::Status MatmulBf16(const void* x, int64_t m, int64_t k, int64_t ldx, const 
         if (absl::Status status = stop->Check(); !status.ok()) return status;
       }
       const int64_t r = std::min(rows, m - r0);
-      const dnnl::matmul::primitive_desc pd = Describe(r, k, n, ldx, bias != nullptr, out, ldy);
+      const std::shared_ptr<const Primitive> primitive = Primitives().Get(r, k, n, ldx, bias != nullptr, out, ldy);
+      const dnnl::matmul::primitive_desc& pd = primitive->pd;
       if (!packed || packed.get_desc() != pd.weights_desc()) {
         if (w.resident_id != 0) {
           absl::StatusOr<dnnl::memory> cached = Cache().Get(w, k, n, pd.weights_desc());
@@ -152,7 +195,7 @@ absl::Status MatmulBf16(const void* x, int64_t m, int64_t k, int64_t ldx, const 
       if (bias != nullptr) {
         args[DNNL_ARG_BIAS] = dnnl::memory(pd.bias_desc(), Engine(), const_cast<float*>(bias));
       }
-      dnnl::matmul(pd).execute(stream, args);
+      primitive->matmul.execute(stream, args);
       stream.wait();
     }
   } catch (const dnnl::error& e) {

@@ -4,8 +4,8 @@
 // Sapphire Rapids VM (2 threads, oneDNN 2.6.3): 840-1320 GFLOP/s on AMX against 220-280 for fp32 on the same
 // shapes (docs/PERFORMANCE.md).
 //
-// Thread-safe. oneDNN's own primitive cache keeps the primitives of recent shapes; this module keeps the packed
-// weights.
+// Thread-safe. This module keeps the primitives of recent shapes (describing one costs more than a small projection
+// computes) and the packed weights.
 #ifndef MHA_SERVER_BACKENDS_CPU_BF16_MATMUL_H_
 #define MHA_SERVER_BACKENDS_CPU_BF16_MATMUL_H_
 
