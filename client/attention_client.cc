@@ -172,15 +172,13 @@ absl::StatusOr<MhaOutputs> AttentionClient::MultiHeadAttention(const MhaInputs& 
   MhaOutputs outputs;
   v1::MultiHeadAttentionResponse message;
   const int tensor_fields[] = {kOutputField, kWeightsField};
-  const absl::Status decoded = DecodeWithTensors(
-      response, tensor_fields,
-      [&outputs](int field, size_t bytes) -> char* {
-        if (bytes % sizeof(float) != 0) return nullptr;
-        std::vector<float>& values = field == kOutputField ? outputs.output.values : outputs.attention_weights.values;
-        values.resize(bytes / sizeof(float));
-        return reinterpret_cast<char*>(values.data());
-      },
-      &message);
+  CopyingSink sink([&outputs](int field, size_t bytes) -> char* {
+    if (bytes % sizeof(float) != 0) return nullptr;
+    std::vector<float>& values = field == kOutputField ? outputs.output.values : outputs.attention_weights.values;
+    values.resize(bytes / sizeof(float));
+    return reinterpret_cast<char*>(values.data());
+  });
+  const absl::Status decoded = DecodeWithTensors(response, tensor_fields, &sink, &message);
   if (!decoded.ok()) return absl::InternalError(absl::StrCat("cannot decode the response: ", decoded.message()));
   if (absl::Status taken = TakeTensor(message.output(), "output", &outputs.output); !taken.ok()) return taken;
   if (message.has_attention_weights()) {

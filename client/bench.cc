@@ -228,14 +228,12 @@ class LoadRunner {
     if (status.ok()) {
       v1::MultiHeadAttentionResponse response;
       const int tensor_fields[] = {1, 2};
-      const absl::Status decoded = DecodeWithTensors(
-          call.response, tensor_fields,
-          [&call](int field, size_t bytes) {
-            std::unique_ptr<char[]>& to = field == 1 ? call.output : call.weights;
-            to.reset(new char[bytes]);
-            return to.get();
-          },
-          &response);
+      CopyingSink sink([&call](int field, size_t bytes) {
+        std::unique_ptr<char[]>& to = field == 1 ? call.output : call.weights;
+        to.reset(new char[bytes]);
+        return to.get();
+      });
+      const absl::Status decoded = DecodeWithTensors(call.response, tensor_fields, &sink, &response);
       if (decoded.ok()) {
         sample.server_queue = static_cast<double>(response.timing().queue_us()) * 1e-6;
         sample.server_compute = static_cast<double>(response.timing().compute_us()) * 1e-6;

@@ -11,6 +11,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "server/execute.h"
+#include "server/request_reader.h"
 #include "server/work_item.h"
 #include "spdlog/spdlog.h"
 
@@ -125,16 +126,22 @@ std::string AttentionService::Identify(grpc::CallbackServerContext* context) {
 
 template <typename Request>
 absl::Status AttentionService::Admit(const char* rpc, Role role, const grpc::CallbackServerContext& context,
-                                     const grpc::ByteBuffer* bytes, Request* request) const {
+                                     const grpc::ByteBuffer* bytes, Request* request,
+                                     std::vector<FiniteScan>* scans) const {
   if (auth_ != nullptr) {
     if (absl::Status status = auth_->Check(Metadata(context, "authorization"), role, rpc); !status.ok()) return status;
   }
   const size_t size = bytes->Length();
-  // Parsing releases the wire bytes as it goes, as gRPC's own handlers do (the buffer is gRPC's, alive until the
-  // call finishes, and read by nothing else).
-  const grpc::Status parsed =
-      grpc::SerializationTraits<Request>::Deserialize(const_cast<grpc::ByteBuffer*>(bytes), request);
-  if (!parsed.ok()) {
+  bool parsed;
+  if (scans != nullptr) {
+    // A compute request: its activations' bytes copied once and scanned for inf and NaN on the way.
+    parsed = ReadComputeRequest(*bytes, request, scans).ok();
+  } else {
+    // Parsing releases the wire bytes as it goes, as gRPC's own handlers do (the buffer is gRPC's, alive until the
+    // call finishes, and read by nothing else).
+    parsed = grpc::SerializationTraits<Request>::Deserialize(const_cast<grpc::ByteBuffer*>(bytes), request).ok();
+  }
+  if (!parsed) {
     return absl::InvalidArgumentError(absl::StrCat("the request (", size, " bytes) does not parse as ",
                                                    Request::descriptor()->full_name(),
                                                    "; is the client's proto mha.v1's?"));
@@ -262,8 +269,11 @@ grpc::ServerUnaryReactor* AttentionService::Compute(
   const std::string id = Identify(context);
   const int64_t request_bytes = static_cast<int64_t>(bytes->Length());
   auto request = std::make_unique<Request>();
-  absl::Status status = Admit(rpc, Role::kCompute, *context, bytes, request.get());
-  absl::StatusOr<Plan> plan = status.ok() ? validate(*request, validation_) : absl::StatusOr<Plan>(status);
+  std::vector<FiniteScan> scans;
+  absl::Status status = Admit(rpc, Role::kCompute, *context, bytes, request.get(), &scans);
+  ValidationContext validation = validation_;
+  validation.finite_scans = scans;
+  absl::StatusOr<Plan> plan = status.ok() ? validate(*request, validation) : absl::StatusOr<Plan>(status);
   if (!plan.ok()) {
     CallDone(id, rpc, "-", "", plan.status(), received);
     reactor->Finish(ToGrpcStatus(plan.status()));
@@ -287,7 +297,7 @@ grpc::ServerUnaryReactor* AttentionService::Answer(const char* rpc, Role role, g
   Request request;
   Response response;
   std::string detail = "-";
-  absl::Status status = Admit(rpc, role, *context, bytes, &request);
+  absl::Status status = Admit(rpc, role, *context, bytes, &request, nullptr);
   if (status.ok()) status = handle(request, &response, &detail);
   if (status.ok()) status = Serialize(response, out);
   CallDone(id, rpc, detail, "", status, start);

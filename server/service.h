@@ -6,6 +6,7 @@
 
 #include <atomic>
 #include <memory>
+#include <vector>
 
 #include "proto/mha/v1/attention.grpc.pb.h"
 #include "server/auth.h"
@@ -65,10 +66,11 @@ class AttentionService final : public RawAttentionService {
   // one; either way it is returned in the response's x-request-id metadata.
   std::string Identify(grpc::CallbackServerContext* context);
 
-  // The token check (when tokens are configured) and the parse of `bytes` into `request`; the first error.
+  // The token check (when tokens are configured) and the parse of `bytes` into `request`; the first error. With
+  // `scans`, `request` is a compute request read by ReadComputeRequest, which fills them.
   template <typename Request>
   absl::Status Admit(const char* rpc, Role role, const grpc::CallbackServerContext& context,
-                     const grpc::ByteBuffer* bytes, Request* request) const;
+                     const grpc::ByteBuffer* bytes, Request* request, std::vector<FiniteScan>* scans) const;
 
   // Admits, validates with `validate`, then hands the call to the scheduler as a WorkItem that runs `execute`.
   template <typename Request, typename Response, typename Plan>

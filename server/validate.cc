@@ -18,12 +18,16 @@ absl::Status Invalid(absl::string_view a, absl::string_view b = "", absl::string
 
 // Checks a present tensor's encoding, rank and finite values; `what` describes the expected shape, e.g.
 // "[B, Tq, d_model]".
-absl::Status CheckRanked(const v1::Tensor& t, absl::string_view field, int rank, absl::string_view what) {
+absl::Status CheckRanked(const v1::Tensor& t, absl::string_view field, int rank, absl::string_view what,
+                         const ValidationContext& context) {
   if (t.shape_size() != rank) {
     return Invalid(field, absl::StrCat(" must have rank ", rank, " ", what, ", got shape "),
                    ShapeString(t.shape()));
   }
   RETURN_IF_ERROR(CheckTensor(t, field).status());
+  for (const FiniteScan& scan : context.finite_scans) {
+    if (scan.tensor == &t && scan.dtype == t.dtype()) return NonFiniteError(t, field, scan.first_non_finite);
+  }
   return CheckFinite(t, field);
 }
 
@@ -172,7 +176,7 @@ absl::StatusOr<MhaPlan> ValidateMultiHeadAttention(const v1::MultiHeadAttentionR
   MhaPlan plan;
   if (!request.has_query()) return Invalid("query is required: [B, Tq, d_model]");
   const v1::Tensor& query = request.query();
-  RETURN_IF_ERROR(CheckRanked(query, "query", 3, "[B, Tq, d_model]"));
+  RETURN_IF_ERROR(CheckRanked(query, "query", 3, "[B, Tq, d_model]", context));
   const int64_t batch = query.shape(0), q_len = query.shape(1), d_model = query.shape(2);
 
   LayerShape layer;
@@ -216,7 +220,7 @@ absl::StatusOr<MhaPlan> ValidateMultiHeadAttention(const v1::MultiHeadAttentionR
   const v1::Tensor* key = &query;
   if (request.has_key()) {
     key = &request.key();
-    RETURN_IF_ERROR(CheckRanked(*key, "key", 3, "[B, Tk, d_kv_in]"));
+    RETURN_IF_ERROR(CheckRanked(*key, "key", 3, "[B, Tk, d_kv_in]", context));
     RETURN_IF_ERROR(CheckDim(*key, "key", 0, "B", batch, "(query's batch)"));
   }
   if (key->shape(2) != layer.d_kv_in) {
@@ -226,7 +230,7 @@ absl::StatusOr<MhaPlan> ValidateMultiHeadAttention(const v1::MultiHeadAttentionR
   const v1::Tensor* value = key;
   if (request.has_value()) {
     value = &request.value();
-    RETURN_IF_ERROR(CheckRanked(*value, "value", 3, "[B, Tk, d_v_in]"));
+    RETURN_IF_ERROR(CheckRanked(*value, "value", 3, "[B, Tk, d_v_in]", context));
     RETURN_IF_ERROR(CheckDim(*value, "value", 0, "B", batch, "(query's batch)"));
     RETURN_IF_ERROR(CheckDim(*value, "value", 1, "Tk", key->shape(1), "(key's length)"));
   }
@@ -272,15 +276,15 @@ absl::StatusOr<SdpaPlan> ValidateScaledDotProductAttention(const v1::ScaledDotPr
   if (!request.has_k()) return Invalid("k is required: [B, Tk, Hkv, d_k]");
   if (!request.has_v()) return Invalid("v is required: [B, Tk, Hkv, d_k]");
   const v1::Tensor &q = request.q(), &k = request.k(), &v = request.v();
-  RETURN_IF_ERROR(CheckRanked(q, "q", 4, "[B, Tq, H, d_k]"));
-  RETURN_IF_ERROR(CheckRanked(k, "k", 4, "[B, Tk, Hkv, d_k]"));
+  RETURN_IF_ERROR(CheckRanked(q, "q", 4, "[B, Tq, H, d_k]", context));
+  RETURN_IF_ERROR(CheckRanked(k, "k", 4, "[B, Tk, Hkv, d_k]", context));
   RETURN_IF_ERROR(CheckDim(k, "k", 0, "B", q.shape(0), "(q's batch)"));
   RETURN_IF_ERROR(CheckDim(k, "k", 3, "d_k", q.shape(3), "(q's head_dim)"));
   if (q.shape(2) % k.shape(2) != 0) {
     return Invalid(absl::StrCat("k.shape[2] (Hkv = ", k.shape(2), ") must divide q.shape[2] (H = ", q.shape(2),
                                 ")"));
   }
-  RETURN_IF_ERROR(CheckRanked(v, "v", 4, "[B, Tk, Hkv, d_k]"));
+  RETURN_IF_ERROR(CheckRanked(v, "v", 4, "[B, Tk, Hkv, d_k]", context));
   const std::vector<int64_t> k_shape(k.shape().begin(), k.shape().end());
   const std::vector<int64_t> v_shape(v.shape().begin(), v.shape().end());
   if (k_shape != v_shape) {

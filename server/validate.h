@@ -16,6 +16,7 @@
 #include "server/backends/backend.h"
 #include "server/backends/registry.h"
 #include "server/layer_store.h"
+#include "server/request_reader.h"
 
 namespace mha {
 
@@ -62,6 +63,8 @@ struct ValidationContext {
   int64_t max_scratch_bytes = 0;  // backend working memory (Backend::WorkspaceBytes) beyond this: RESOURCE_EXHAUSTED
   double max_request_flops = 0;   // AttentionFlops beyond this: RESOURCE_EXHAUSTED
   double max_reference_flops = 0;  // the same on the reference backend
+  // Inputs already scanned for inf and NaN while they were read (ReadComputeRequest); the rest are scanned here.
+  absl::Span<const FiniteScan> finite_scans;
 };
 
 absl::StatusOr<MhaPlan> ValidateMultiHeadAttention(const v1::MultiHeadAttentionRequest& request,

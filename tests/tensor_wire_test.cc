@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/escaping.h"
 #include "gmock/gmock.h"
 #include "grpc/grpc.h"
 #include "gtest/gtest.h"
@@ -88,14 +89,13 @@ struct Decoded {
 template <typename Message>
 Decoded Decode(const grpc::ByteBuffer& in, Message* message, std::vector<int> fields = {1, 2}) {
   Decoded decoded;
-  decoded.status = DecodeWithTensors(in, fields,
-                                     [&](int field, size_t bytes) {
-                                       ++decoded.calls;
-                                       std::string& to = decoded.data[field];
-                                       to.assign(bytes, '\0');
-                                       return to.data();
-                                     },
-                                     message);
+  CopyingSink sink([&](int field, size_t bytes) {
+    ++decoded.calls;
+    std::string& to = decoded.data[field];
+    to.assign(bytes, '\0');
+    return to.data();
+  });
+  decoded.status = DecodeWithTensors(in, fields, &sink, message);
   return decoded;
 }
 
@@ -177,6 +177,42 @@ TEST(TensorWire, DecodeSendsTheChosenTensorsDataToTheSinkAndKeepsTheRest) {
   EXPECT_EQ(whole.SerializeAsString(), request.SerializeAsString());
 }
 
+// A sink that records what it is told.
+class RecordingSink final : public TensorSink {
+ public:
+  bool Begin(int field, const v1::Tensor& header, size_t bytes) override {
+    begins.push_back({field, header.dtype(), header.shape_size(), bytes});
+    return true;
+  }
+  void Append(const char* data, size_t n) override { pieces.emplace_back(data, n); }
+
+  struct Begun {
+    int field;
+    v1::DataType dtype;
+    int rank;
+    size_t bytes;
+  };
+  std::vector<Begun> begins;
+  std::vector<std::string> pieces;
+};
+
+TEST(TensorWire, TheSinkSeesTheHeaderReadSoFarAndTheDataAsItLies) {
+  const v1::MultiHeadAttentionRequest request = SampleRequest();
+  RecordingSink sink;
+  v1::MultiHeadAttentionRequest message;
+  const int fields[] = {2};
+  ASSERT_TRUE(DecodeWithTensors(Split(request.SerializeAsString(), 32), fields, &sink, &message).ok());
+  ASSERT_EQ(sink.begins.size(), 1u);
+  EXPECT_EQ(sink.begins[0].field, 2);
+  EXPECT_EQ(sink.begins[0].dtype, v1::FP16);  // protobuf writes shape and dtype before data
+  EXPECT_EQ(sink.begins[0].rank, 3);
+  EXPECT_EQ(sink.begins[0].bytes, 80u);
+  EXPECT_GT(sink.pieces.size(), 1u);  // 80 bytes across slices of 32
+  std::string joined;
+  for (const std::string& piece : sink.pieces) joined += piece;
+  EXPECT_EQ(joined, request.key().data());
+}
+
 TEST(TensorWire, DecodeReadsAnySlicing) {
   const std::string bytes = SampleRequest().SerializeAsString();
   for (size_t piece : {1, 2, 3, 64, 100000}) {
@@ -184,6 +220,24 @@ TEST(TensorWire, DecodeReadsAnySlicing) {
     const Decoded decoded = Decode(Split(bytes, piece), &message);
     ASSERT_TRUE(decoded.status.ok()) << "slices of " << piece << ": " << decoded.status;
     EXPECT_EQ(decoded.data.at(1), SampleRequest().query().data()) << "slices of " << piece;
+  }
+}
+
+// Long fields left to protobuf (here the mask, unchosen, and a long layer name) are handed on as references to the
+// input's slices rather than copied; the message is the same.
+TEST(TensorWire, LongUnchosenFieldsReachTheMessageWhole) {
+  v1::MultiHeadAttentionRequest request = SampleRequest();
+  std::string mask(10000, '\0');
+  for (size_t i = 0; i < mask.size(); ++i) mask[i] = static_cast<char>(i * 7);
+  request.mutable_attn_mask()->set_data(mask);
+  request.set_layer(std::string(5000, 'n'));
+  for (size_t piece : {1000, 4096, 100000}) {
+    v1::MultiHeadAttentionRequest message;
+    const Decoded decoded = Decode(Split(request.SerializeAsString(), piece), &message);
+    ASSERT_TRUE(decoded.status.ok()) << decoded.status;
+    message.mutable_query()->set_data(decoded.data.at(1));
+    message.mutable_key()->set_data(decoded.data.at(2));
+    EXPECT_EQ(message.SerializeAsString(), request.SerializeAsString()) << "slices of " << piece;
   }
 }
 
@@ -222,6 +276,24 @@ TEST(TensorWire, DecodeAcceptsExactlyThePrefixesProtobufAccepts) {
   }
 }
 
+// Found by fuzz_request_reader: protobuf reads a tag as at most five bytes kept to 32 bits, and a length as at
+// most five bytes; the decoder reads them the same way.
+TEST(TensorWire, TagsAndLengthsReadAsProtobufReadsThem) {
+  const std::string cases[] = {
+      std::string("\xd8\xcd\xfb\x8b\x23\xd9\x37", 7),          // a five-byte tag past 32 bits, then a varint
+      std::string("\x0a\x80\x80\x80\x80\x80\x00", 7),          // a six-byte length of 0 for query
+      std::string("\x2a\x80\x80\x80\x80\x80\x00", 7),          // the same for layer (a field left to protobuf)
+      std::string("\xf8\xff\xff\xff\xff\x01\x00", 7),          // a six-byte tag
+  };
+  for (const std::string& bytes : cases) {
+    v1::MultiHeadAttentionRequest protobuf, message;
+    const bool protobuf_ok = protobuf.ParseFromString(bytes);
+    const Decoded decoded = Decode(Split(bytes, 3), &message);
+    EXPECT_EQ(decoded.status.ok(), protobuf_ok) << absl::CHexEscape(bytes) << ": " << decoded.status;
+    if (protobuf_ok && decoded.status.ok()) EXPECT_EQ(message.SerializeAsString(), protobuf.SerializeAsString());
+  }
+}
+
 TEST(TensorWire, ALengthPastTheEndIsRefusedBeforeTheSinkIsAsked) {
   std::string bytes = "\x0a\x05";  // query, 5 bytes
   bytes += "\x1a\x7f";              // data, 127 bytes: past the tensor's end
@@ -236,8 +308,8 @@ TEST(TensorWire, ARefusingSinkFailsTheDecodeNamingTheField) {
   const std::string bytes = SampleRequest().SerializeAsString();
   v1::MultiHeadAttentionRequest message;
   const int fields[] = {2};
-  const absl::Status status =
-      DecodeWithTensors(Split(bytes, 16), fields, [](int, size_t) -> char* { return nullptr; }, &message);
+  CopyingSink refusing([](int, size_t) -> char* { return nullptr; });
+  const absl::Status status = DecodeWithTensors(Split(bytes, 16), fields, &refusing, &message);
   EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(status.message(), HasSubstr("field 2's data (80 bytes) is refused"));
 }

@@ -1,8 +1,11 @@
 """End-to-end numbers through the real server: mha_client bench for the tiny shape (1,16,16,64,4) and for
-(8,512,512,512,8,8), each next to the health-check round trip measured in the same run, and the server's time
-outside the backend (handler - compute) as a share of compute.
+(8,512,512,512,8,8) with fp32 and with bf16 on the wire, each next to the health-check round trip measured in the
+same run, the server's time outside the backend (handler - compute) as a share of compute, and the end-to-end rate
+as a share of the compute rate (#16's wire target) over interleaved rounds, optionally alternating with another
+build.
 
 Usage: /usr/bin/python3 tests/bench/e2e.py [--server build/bin/mha_server] [--client build/bin/mha_client]
+           [--rounds 3] [--compare OTHER_SERVER,OTHER_CLIENT]
 """
 
 import argparse
@@ -38,46 +41,103 @@ def bench(client, target, *args):
     return json.loads(out)
 
 
+ROWS = [
+    # name, mha_client bench arguments, include the health baseline
+    ("tiny (1,16,16,64,4)", ["--layer", "tiny", "--batch", "1", "--seq", "16", "-n", "3000", "--warmup", "200",
+                             "--health_baseline", "3000"]),
+    ("(8,512,512,512,8,8) fp32", ["--layer", "demo", "--batch", "8", "--seq", "512", "-n", "20", "--warmup", "2",
+                                  "--health_baseline", "500"]),
+    ("(8,512,512,512,8,8) bf16 wire", ["--layer", "demo", "--batch", "8", "--seq", "512", "--dtype", "bf16",
+                                       "-n", "20", "--warmup", "2", "--health_baseline", "500"]),
+]
+
+
+def run_build(server_bin, client_bin, layers, work):
+    """Every row once against a fresh server of this build: {row name: bench json}."""
+    port_file = os.path.join(work, "port")
+    if os.path.exists(port_file):
+        os.remove(port_file)
+    server = subprocess.Popen([server_bin, "--listen", "127.0.0.1:0", "--port_file", port_file,
+                               "--layers_dir", layers, "--log_level", "warn"])
+    try:
+        for _ in range(200):
+            if os.path.exists(port_file) and open(port_file).read().strip():
+                break
+            time.sleep(0.05)
+        target = "127.0.0.1:" + open(port_file).read().strip()
+        return {name: bench(client_bin, target, *row_args) for name, row_args in ROWS}
+    finally:
+        server.send_signal(signal.SIGTERM)
+        server.wait(timeout=30)
+
+
+def wire_ratio(r):
+    """End-to-end rate over the server's compute rate: mean compute time over mean latency, one run."""
+    return r["split_ms"]["server_compute"] / r["latency_ms"]["mean"]
+
+
+def median(values):
+    values = sorted(values)
+    n = len(values)
+    return values[n // 2] if n % 2 else 0.5 * (values[n // 2 - 1] + values[n // 2])
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--server", default="build/bin/mha_server")
     parser.add_argument("--client", default="build/bin/mha_client")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--compare", default="",
+                        help="SERVER,CLIENT of another build, run alternately with this one in every round")
     args = parser.parse_args()
+    builds = [("this build", args.server, args.client)]
+    if args.compare:
+        other_server, other_client = args.compare.split(",")
+        builds.append(("compared build", other_server, other_client))
+    results = {label: [] for label, _, _ in builds}
     with tempfile.TemporaryDirectory() as work:
         layers = os.path.join(work, "layers")
         os.mkdir(layers)
         write_layer(os.path.join(layers, "tiny.safetensors"), d_model=64, heads=4)
-        port_file = os.path.join(work, "port")
-        server = subprocess.Popen([args.server, "--listen", "127.0.0.1:0", "--port_file", port_file,
-                                   "--layers_dir", layers, "--log_level", "warn"])
-        try:
-            for _ in range(200):
-                if os.path.exists(port_file) and open(port_file).read().strip():
-                    break
-                time.sleep(0.05)
-            target = "127.0.0.1:" + open(port_file).read().strip()
-            rows = [("tiny (1,16,16,64,4)", bench(client := args.client, target, "--layer", "tiny", "--batch", "1",
-                                                  "--seq", "16", "-n", "3000", "--warmup", "200",
-                                                  "--health_baseline", "3000")),
-                    ("(8,512,512,512,8,8)", bench(client, target, "--layer", "demo", "--batch", "8", "--seq", "512",
-                                                  "-n", "20", "--warmup", "2", "--health_baseline", "500"))]
-        finally:
-            server.send_signal(signal.SIGTERM)
-            server.wait(timeout=30)
-    print("| request | p50 ms | p99 ms | health p50 ms | p50 / health | server compute ms | server outside "
-          "compute | GFLOP/s |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for name, r in rows:
-        split = r["split_ms"]
-        outside = split["server_queue"] + split["server_other"]
-        print("| %s | %.3f | %.3f | %.3f | %.2fx | %.3f | %.1f%% | %.1f |" % (
-            name, r["latency_ms"]["p50"], r["latency_ms"]["p99"], r["health_rtt_ms"]["p50"],
-            r["latency_ms"]["p50"] / r["health_rtt_ms"]["p50"], split["server_compute"],
-            100 * outside / split["server_compute"], r["gflops"]))
+        for _ in range(args.rounds):
+            for label, server_bin, client_bin in builds:
+                results[label].append(run_build(server_bin, client_bin, layers, work))
+
+    for label, _, _ in builds:
+        rounds = results[label]
+        last = rounds[-1]
+        print("%s, last of %d rounds:" % (label, len(rounds)))
+        print()
+        print("| request | p50 ms | p99 ms | health p50 ms | p50 / health | server compute ms | server outside "
+              "compute | GFLOP/s |")
+        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+        for name, _ in ROWS:
+            r = last[name]
+            split = r["split_ms"]
+            outside = split["server_queue"] + split["server_other"]
+            print("| %s | %.3f | %.3f | %.3f | %.2fx | %.3f | %.1f%% | %.1f |" % (
+                name, r["latency_ms"]["p50"], r["latency_ms"]["p99"], r["health_rtt_ms"]["p50"],
+                r["latency_ms"]["p50"] / r["health_rtt_ms"]["p50"], split["server_compute"],
+                100 * outside / split["server_compute"], r["gflops"]))
+        print()
+    print("End-to-end rate / compute rate (mean server compute over mean latency), every round:")
+    print()
+    print("| request | build | median | best | rounds | client encode ms | client decode ms | rest ms |")
+    print("| --- | --- | ---: | ---: | --- | ---: | ---: | ---: |")
+    for name, _ in ROWS[1:]:
+        for label, _, _ in builds:
+            rs = [rounds[name] for rounds in results[label]]
+            ratios = [wire_ratio(r) for r in rs]
+            print("| %s | %s | %.3f | %.3f | %s | %.2f | %.2f | %.2f |" % (
+                name, label, median(ratios), max(ratios), ", ".join("%.3f" % x for x in ratios),
+                median([r["split_ms"]["serialize"] for r in rs]), median([r["split_ms"]["deserialize"] for r in rs]),
+                median([r["split_ms"]["other"] + r["split_ms"]["server_other"] + r["split_ms"]["server_queue"]
+                        for r in rs])))
     print()
     print("p50 / health: end-to-end median over the health-check median, same connection, same run. "
-          "Server outside compute: (handler - compute) / compute, i.e. validation, queue hand-off and response "
-          "assembly.")
+          "Server outside compute: (handler - compute) / compute, i.e. parse, validation and queue hand-off. "
+          "Client encode/decode: the request's encoding and the response's decoding in mha_client bench (medians of "
+          "the rounds' means); rest: everything else outside compute (transfer both ways, the server's parse).")
 
 
 if __name__ == "__main__":

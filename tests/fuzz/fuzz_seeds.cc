@@ -25,8 +25,13 @@ class Corpus {
  public:
   Corpus(const fs::path& root, const std::string& target) : dir_(root / target) { fs::create_directories(dir_); }
   void Add(const std::string& name, const std::string& bytes) {
-    std::ofstream(dir_ / ("seed_" + name), std::ios::binary) << bytes;
+    std::ofstream(dir_ / ("seed_" + name_prefix_ + name), std::ios::binary) << prefix_ << bytes;
     ++count_;
+  }
+  // Every later seed starts with `bytes` and its name with `name`.
+  void SetPrefix(const std::string& name, const std::string& bytes) {
+    name_prefix_ = name;
+    prefix_ = bytes;
   }
   void Add(const std::string& name, const google::protobuf::Message& message) {
     Add(name, message.SerializeAsString());
@@ -36,6 +41,7 @@ class Corpus {
  private:
   fs::path dir_;
   int count_ = 0;
+  std::string name_prefix_, prefix_;
 };
 
 // Fixed, varied values in [-1, 1].
@@ -408,6 +414,15 @@ void CodecSeeds(Corpus& c) {
   c.Add("raw_floats", std::string(reinterpret_cast<const char*>(specials), sizeof(specials)));
 }
 
+// fuzz_request_reader's first byte picks the message (high bit: SDPA) and the slicing; the rest are the requests'
+// seeds.
+void RequestReaderSeeds(Corpus& c) {
+  c.SetPrefix("mha_", std::string(1, '\x07'));
+  MhaSeeds(c);
+  c.SetPrefix("sdpa_", std::string(1, '\x83'));
+  SdpaSeeds(c);
+}
+
 }  // namespace
 }  // namespace mha
 
@@ -420,7 +435,8 @@ int main(int argc, char** argv) {
   const std::pair<const char*, std::function<void(mha::Corpus&)>> targets[] = {
       {"fuzz_mha_request", mha::MhaSeeds},     {"fuzz_sdpa_request", mha::SdpaSeeds},
       {"fuzz_load_layer_request", mha::LoadLayerSeeds}, {"fuzz_safetensors", mha::SafetensorsSeeds},
-      {"fuzz_npy", mha::NpySeeds},             {"fuzz_tensor_codec", mha::CodecSeeds}};
+      {"fuzz_npy", mha::NpySeeds},             {"fuzz_tensor_codec", mha::CodecSeeds},
+      {"fuzz_request_reader", mha::RequestReaderSeeds}};
   for (const auto& [name, seeds] : targets) {
     mha::Corpus corpus(root, name);
     seeds(corpus);

@@ -227,8 +227,13 @@ int64_t FirstNonFinite(int dtype, const void* src, size_t n) {
 absl::Status CheckFinite(const v1::Tensor& tensor, absl::string_view field) {
   const size_t size = DTypeSize(tensor.dtype());
   if (size == 0) return absl::OkStatus();
-  const int64_t bad = FirstNonFinite(tensor.dtype(), tensor.data().data(), tensor.data().size() / size);
-  if (bad < 0) return absl::OkStatus();
+  return NonFiniteError(tensor, field,
+                        FirstNonFinite(tensor.dtype(), tensor.data().data(), tensor.data().size() / size));
+}
+
+absl::Status NonFiniteError(const v1::Tensor& tensor, absl::string_view field, int64_t bad) {
+  const size_t size = DTypeSize(tensor.dtype());
+  if (bad < 0 || size == 0) return absl::OkStatus();
   float value;
   DecodeToFloat(tensor.dtype(), tensor.data().data() + bad * size, 1, &value);
   // The flat index as a multi-index, innermost dimension last.

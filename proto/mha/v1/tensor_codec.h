@@ -51,6 +51,8 @@ int64_t FirstNonFinite(int dtype, const void* src, size_t n);
 // For a tensor that passed CheckTensor: INVALID_ARGUMENT naming `field`, the first non-finite element's index and
 // its value when the tensor holds NaN or inf (the service rejects them rather than compute with them).
 absl::Status CheckFinite(const v1::Tensor& tensor, absl::string_view field);
+// The same for a tensor whose first non-finite element is already known to be `first_non_finite` (-1: none).
+absl::Status NonFiniteError(const v1::Tensor& tensor, absl::string_view field, int64_t first_non_finite);
 
 // Decodes a tensor that passed CheckTensor into fp32.
 std::vector<float> TensorToFloats(const v1::Tensor& tensor);

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "grpcpp/support/proto_buffer_reader.h"
 
 namespace mha {
 namespace {
@@ -43,17 +44,29 @@ class SliceReader {
 
   size_t remaining() const { return remaining_; }
 
-  bool ReadVarint(uint64_t* value) {
+  // A varint of at most `max_bytes` bytes, bits past 64 dropped (as protobuf reads values).
+  bool ReadVarint(uint64_t* value, int max_bytes = 10) {
     *value = 0;
-    for (int shift = 0; shift < 64; shift += 7) {
+    for (int i = 0; i < max_bytes; ++i) {
       if (remaining_ == 0) return false;
       const uint8_t byte = slices_[slice_].begin()[offset_];
       Advance(1);
-      *value |= static_cast<uint64_t>(byte & 0x7f) << shift;
+      if (i < 10) *value |= static_cast<uint64_t>(byte & 0x7f) << (7 * i);
       if ((byte & 0x80) == 0) return true;
     }
-    return false;  // more than ten bytes
+    return false;
   }
+
+  // A tag as protobuf reads one: at most five bytes, kept to 32 bits.
+  bool ReadTag(uint32_t* tag) {
+    uint64_t value;
+    if (!ReadVarint(&value, 5)) return false;
+    *tag = static_cast<uint32_t>(value);
+    return true;
+  }
+
+  // A length as protobuf reads one: at most five bytes, below 2 GiB.
+  bool ReadLength(uint64_t* length) { return ReadVarint(length, 5) && *length < (uint64_t{1} << 31); }
 
   // Copies the next `n` bytes to `out` (or skips them when out is null); false if fewer remain.
   bool Read(size_t n, char* out) {
@@ -65,6 +78,32 @@ class SliceReader {
         std::memcpy(out, slice.begin() + offset_, take);
         out += take;
       }
+      Advance(take);
+      n -= take;
+    }
+    return true;
+  }
+
+  // Hands the next `n` bytes to `sink` piece by piece, as they lie in the slices; false if fewer remain.
+  bool Stream(size_t n, TensorSink* sink) {
+    if (n > remaining_) return false;
+    while (n > 0) {
+      const grpc::Slice& slice = slices_[slice_];
+      const size_t take = std::min(n, slice.size() - offset_);
+      sink->Append(reinterpret_cast<const char*>(slice.begin() + offset_), take);
+      Advance(take);
+      n -= take;
+    }
+    return true;
+  }
+
+  // The next `n` bytes as references to the slices they lie in (no copy); false if fewer remain.
+  bool Share(size_t n, std::vector<grpc::Slice>* out) {
+    if (n > remaining_) return false;
+    while (n > 0) {
+      const grpc::Slice& slice = slices_[slice_];
+      const size_t take = std::min(n, slice.size() - offset_);
+      out->push_back(slice.sub(offset_, offset_ + take));
       Advance(take);
       n -= take;
     }
@@ -99,13 +138,66 @@ class SliceReader {
   size_t remaining_ = 0;
 };
 
+// Fields at least this long are passed on as references to gRPC's slices rather than copied.
+constexpr uint64_t kShareBytes = 4096;
+
+// The message re-encoded without the chosen tensors' data: small parts written out, long fields as references to
+// the input's slices, so that what the decode leaves to protobuf costs one copy, as protobuf's own parse would.
+class Rest {
+ public:
+  std::string* text() { return &pending_; }
+  size_t size() const { return flushed_ + pending_.size(); }
+
+  bool Share(SliceReader* reader, size_t n) {
+    Flush();
+    flushed_ += n;
+    return reader->Share(n, &slices_);
+  }
+
+  void Append(Rest&& other) {
+    Flush();
+    other.Flush();
+    for (grpc::Slice& slice : other.slices_) slices_.push_back(std::move(slice));
+    flushed_ += other.flushed_;
+  }
+
+  std::string Flatten() {
+    Flush();
+    std::string out;
+    for (const grpc::Slice& slice : slices_) out.append(reinterpret_cast<const char*>(slice.begin()), slice.size());
+    return out;
+  }
+
+  bool ParseInto(google::protobuf::MessageLite* message) {
+    Flush();
+    message->Clear();
+    if (slices_.empty()) return true;
+    grpc::ByteBuffer buffer(slices_.data(), slices_.size());
+    grpc::ProtoBufferReader stream(&buffer);
+    return message->ParseFromZeroCopyStream(&stream);
+  }
+
+ private:
+  void Flush() {
+    if (pending_.empty()) return;
+    flushed_ += pending_.size();
+    slices_.emplace_back(pending_);
+    pending_.clear();
+  }
+
+  std::string pending_;
+  std::vector<grpc::Slice> slices_;
+  size_t flushed_ = 0;  // bytes in slices_
+};
+
 absl::Status Malformed(absl::string_view what) {
   return absl::InvalidArgumentError(absl::StrCat("malformed message: ", what));
 }
 
 // Copies one field, whose tag has been read, into `out` as protobuf would write it. The enclosing message ends
 // where `end` bytes of `reader` remain (0 at the top level).
-absl::Status CopyField(int field, int wire_type, size_t end, SliceReader* reader, std::string* out) {
+absl::Status CopyField(int field, int wire_type, size_t end, SliceReader* reader, Rest* rest) {
+  std::string* out = rest->text();
   AppendTag(field, wire_type, out);
   const auto left = [&] { return reader->remaining() < end ? 0 : reader->remaining() - end; };
   switch (wire_type) {
@@ -121,10 +213,11 @@ absl::Status CopyField(int field, int wire_type, size_t end, SliceReader* reader
       return left() >= 4 && reader->Append(4, out) ? absl::OkStatus() : Malformed("truncated fixed32");
     case kLengthDelimited: {
       uint64_t size;
-      if (!reader->ReadVarint(&size) || reader->remaining() < end) return Malformed("truncated length");
+      if (!reader->ReadLength(&size) || reader->remaining() < end) return Malformed("truncated length");
       if (size > left()) return Malformed("a length past the end");
       AppendVarint(size, out);
-      return reader->Append(size, out) ? absl::OkStatus() : Malformed("truncated field");
+      const bool read = size >= kShareBytes ? rest->Share(reader, size) : reader->Append(size, out);
+      return read ? absl::OkStatus() : Malformed("truncated field");
     }
     default:
       return Malformed(absl::StrCat("field ", field, " has wire type ", wire_type, ", which this API never uses"));
@@ -134,8 +227,8 @@ absl::Status CopyField(int field, int wire_type, size_t end, SliceReader* reader
 // Reads a tag; false at the end of the input or on a malformed one (then *status says so).
 bool ReadTag(SliceReader* reader, size_t end_remaining, int* field, int* wire_type, absl::Status* status) {
   if (reader->remaining() <= end_remaining) return false;
-  uint64_t tag;
-  if (!reader->ReadVarint(&tag) || tag >> 3 == 0 || tag >> 3 > 536870911) {
+  uint32_t tag;
+  if (!reader->ReadTag(&tag) || tag >> 3 == 0) {
     *status = Malformed("bad tag");
     return false;
   }
@@ -146,7 +239,7 @@ bool ReadTag(SliceReader* reader, size_t end_remaining, int* field, int* wire_ty
 
 // The body of a Tensor field `field` (its length read: `size` bytes follow), with its data sent to `sink` and the
 // rest re-encoded into *header.
-absl::Status SplitTensor(int field, size_t size, TensorSink sink, SliceReader* reader, std::string* header) {
+absl::Status SplitTensor(int field, size_t size, TensorSink* sink, SliceReader* reader, Rest* header) {
   if (size > reader->remaining()) return Malformed("a length past the end");
   const size_t end = reader->remaining() - size;
   int sub_field, wire_type;
@@ -155,13 +248,14 @@ absl::Status SplitTensor(int field, size_t size, TensorSink sink, SliceReader* r
     if (reader->remaining() < end) return Malformed("a tensor's field crosses its end");
     if (sub_field == kTensorDataField && wire_type == kLengthDelimited) {
       uint64_t bytes;
-      if (!reader->ReadVarint(&bytes)) return Malformed("truncated length");
+      if (!reader->ReadLength(&bytes)) return Malformed("truncated length");
       if (reader->remaining() < end || bytes > reader->remaining() - end) return Malformed("a length past the end");
-      char* to = sink(field, bytes);
-      if (to == nullptr && bytes > 0) {
+      v1::Tensor so_far;
+      if (!so_far.ParseFromString(header->Flatten())) so_far.Clear();  // malformed: the message's parse says so
+      if (!sink->Begin(field, so_far, bytes)) {
         return absl::InvalidArgumentError(absl::StrCat("field ", field, "'s data (", bytes, " bytes) is refused"));
       }
-      reader->Read(bytes, to);
+      reader->Stream(bytes, sink);
       continue;
     }
     if (absl::Status copied = CopyField(sub_field, wire_type, end, reader, header); !copied.ok()) return copied;
@@ -211,10 +305,20 @@ absl::Status EncodeWithTensors(absl::Span<const TensorBytes* const> tensors, con
   return absl::OkStatus();
 }
 
-absl::Status DecodeWithTensors(const grpc::ByteBuffer& in, absl::Span<const int> fields, TensorSink sink,
+bool CopyingSink::Begin(int field, const v1::Tensor&, size_t bytes) {
+  at_ = room_(field, bytes);
+  return at_ != nullptr || bytes == 0;
+}
+
+void CopyingSink::Append(const char* data, size_t n) {
+  std::memcpy(at_, data, n);
+  at_ += n;
+}
+
+absl::Status DecodeWithTensors(const grpc::ByteBuffer& in, absl::Span<const int> fields, TensorSink* sink,
                                google::protobuf::MessageLite* message) {
   SliceReader reader(in);
-  std::string rest;
+  Rest rest;
   int field, wire_type;
   absl::Status status;
   while (ReadTag(&reader, 0, &field, &wire_type, &status)) {
@@ -224,16 +328,15 @@ absl::Status DecodeWithTensors(const grpc::ByteBuffer& in, absl::Span<const int>
       continue;
     }
     uint64_t size;
-    if (!reader.ReadVarint(&size)) return Malformed("truncated length");
-    std::string header;
+    if (!reader.ReadLength(&size)) return Malformed("truncated length");
+    Rest header;
     if (absl::Status split = SplitTensor(field, size, sink, &reader, &header); !split.ok()) return split;
-    AppendTag(field, kLengthDelimited, &rest);
-    AppendVarint(header.size(), &rest);
-    rest += header;
+    AppendTag(field, kLengthDelimited, rest.text());
+    AppendVarint(header.size(), rest.text());
+    rest.Append(std::move(header));
   }
   if (!status.ok()) return status;
-  message->Clear();
-  if (!message->ParseFromString(rest)) return Malformed("its fields do not parse");
+  if (!rest.ParseInto(message)) return Malformed("its fields do not parse");
   return absl::OkStatus();
 }
 

@@ -12,8 +12,9 @@
 #define MHA_PROTO_MHA_V1_TENSOR_WIRE_H_
 
 #include <cstddef>
+#include <functional>
+#include <utility>
 
-#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/types/span.h"
 #include "google/protobuf/message_lite.h"
@@ -44,15 +45,35 @@ grpc::Slice BorrowedSlice(const void* data, size_t bytes);
 absl::Status EncodeWithTensors(absl::Span<const TensorBytes* const> tensors, const google::protobuf::MessageLite& rest,
                                grpc::ByteBuffer* out);
 
-// Where DecodeWithTensors puts the data of Tensor field `field`: room for `bytes` bytes, or nullptr to refuse them
-// (the decode then fails with INVALID_ARGUMENT). Called again if the field's data occurs again; the last one wins,
-// as in protobuf.
-using TensorSink = absl::FunctionRef<char*(int field, size_t bytes)>;
+// Where DecodeWithTensors puts the data of the chosen Tensor fields, piece by piece as it lies in gRPC's slices.
+class TensorSink {
+ public:
+  virtual ~TensorSink() = default;
+  // Field `field`'s data begins: `bytes` bytes follow through Append (bounded by the message's size). `header` is
+  // the tensor as read so far: its shape and dtype when they come before the data, as protobuf writes them. False
+  // refuses the data (the decode then fails with INVALID_ARGUMENT). Called again if the field's data occurs again;
+  // the last one wins, as in protobuf.
+  virtual bool Begin(int field, const v1::Tensor& header, size_t bytes) = 0;
+  // The next `n` bytes of the data begun last.
+  virtual void Append(const char* data, size_t n) = 0;
+};
+
+// A TensorSink that copies each field's data to the memory `room(field, bytes)` returns (nullptr refuses).
+class CopyingSink final : public TensorSink {
+ public:
+  explicit CopyingSink(std::function<char*(int field, size_t bytes)> room) : room_(std::move(room)) {}
+  bool Begin(int field, const v1::Tensor&, size_t bytes) override;
+  void Append(const char* data, size_t n) override;
+
+ private:
+  std::function<char*(int, size_t)> room_;
+  char* at_ = nullptr;
+};
 
 // Parses `in` into `message` (cleared first), except that the data of the top-level Tensor fields numbered in
-// `fields` is copied to what `sink` returns instead of into the message (their shape and dtype stay in the
-// message). INVALID_ARGUMENT when the bytes are not a well-formed `message`.
-absl::Status DecodeWithTensors(const grpc::ByteBuffer& in, absl::Span<const int> fields, TensorSink sink,
+// `fields` goes to `sink` instead of into the message (their shape and dtype stay in the message).
+// INVALID_ARGUMENT when the bytes are not a well-formed `message`.
+absl::Status DecodeWithTensors(const grpc::ByteBuffer& in, absl::Span<const int> fields, TensorSink* sink,
                                google::protobuf::MessageLite* message);
 
 }  // namespace mha
