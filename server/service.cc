@@ -124,6 +124,10 @@ std::string AttentionService::Identify(grpc::CallbackServerContext* context) {
   return trace.empty() ? absl::StrCat("rid=", id) : absl::StrCat("rid=", id, " trace=", trace);
 }
 
+// Compute requests from this size on are read by ReadComputeRequest; below it protobuf's own parse is a few
+// microseconds quicker (measured on the tiny (1,16,64) call) and validation's scan of a small tensor costs nothing.
+constexpr size_t kReadInPiecesBytes = 64 << 10;
+
 template <typename Request>
 absl::Status AttentionService::Admit(const char* rpc, Role role, const grpc::CallbackServerContext& context,
                                      const grpc::ByteBuffer* bytes, Request* request,
@@ -133,8 +137,8 @@ absl::Status AttentionService::Admit(const char* rpc, Role role, const grpc::Cal
   }
   const size_t size = bytes->Length();
   bool parsed;
-  if (scans != nullptr) {
-    // A compute request: its activations' bytes copied once and scanned for inf and NaN on the way.
+  if (scans != nullptr && size >= kReadInPiecesBytes) {
+    // A large compute request: its activations' bytes copied once and scanned for inf and NaN on the way.
     parsed = ReadComputeRequest(*bytes, request, scans).ok();
   } else {
     // Parsing releases the wire bytes as it goes, as gRPC's own handlers do (the buffer is gRPC's, alive until the

@@ -76,6 +76,51 @@ TEST_F(ServiceTest, AutoBackendIsTheCpuWithoutAGpu) {
   EXPECT_THAT(response.output().shape(), ::testing::ElementsAre(1, 4, 512));
 }
 
+// Compute requests of 64 KiB and more are read in pieces, scanned for inf and NaN on the way
+// (server/request_reader.h); smaller ones by protobuf, scanned by validation. Both answer alike.
+TEST_F(ServiceTest, LargeRequestsNameTheirFirstNonFiniteElementInEveryDtype) {
+  for (v1::DataType dtype : {v1::FP32, v1::FP16, v1::BF16}) {
+    v1::MultiHeadAttentionRequest request;
+    SetTensor(request.mutable_query(), {2, 64, 512}, 11, dtype);  // 128 KiB and more
+    request.set_layer("demo");
+    SetElement(request.mutable_query(), (64 + 5) * 512 + 17, kNaN);
+    SetElement(request.mutable_query(), (64 + 9) * 512, kInf);
+    v1::MultiHeadAttentionResponse response;
+    const grpc::Status status = Call(request, &response);
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << DTypeName(dtype);
+    EXPECT_THAT(status.error_message(), HasSubstr("query[1, 5, 17] is NaN")) << DTypeName(dtype);
+  }
+  v1::MultiHeadAttentionRequest cross;
+  SetTensor(cross.mutable_query(), {2, 64, 512}, 12);
+  SetTensor(cross.mutable_key(), {2, 64, 512}, 13);
+  cross.set_layer("demo");
+  SetElement(cross.mutable_key(), 2 * 64 * 512 - 1, -kInf);
+  v1::MultiHeadAttentionResponse response;
+  const grpc::Status status = Call(cross, &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(status.error_message(), HasSubstr("key[1, 63, 511] is -inf"));
+}
+
+TEST_F(ServiceTest, LargeRequestsComputeAsSmallOnesDo) {
+  // Eight items of 16 tokens (256 KiB: read in pieces) against the first item alone (32 KiB: protobuf).
+  v1::MultiHeadAttentionRequest large;
+  SetTensor(large.mutable_query(), {8, 16, 512}, 14);
+  large.set_layer("demo");
+  large.set_return_attention_weights(true);
+  v1::MultiHeadAttentionRequest small = large;
+  const std::vector<float> values = TensorToFloats(large.query());
+  FloatsToTensor(absl::MakeConstSpan(values).subspan(0, 16 * 512), {1, 16, 512}, v1::FP32, small.mutable_query());
+  v1::MultiHeadAttentionResponse large_response, small_response;
+  ASSERT_TRUE(Call(large, &large_response).ok());
+  ASSERT_TRUE(Call(small, &small_response).ok());
+  const std::vector<float> large_out = TensorToFloats(large_response.output());
+  const std::vector<float> first(large_out.begin(), large_out.begin() + 16 * 512);
+  EXPECT_TRUE(AllClose(first, TensorToFloats(small_response.output()), 1e-5, 1e-4));
+  const std::vector<float> large_weights = TensorToFloats(large_response.attention_weights());
+  const std::vector<float> first_weights(large_weights.begin(), large_weights.begin() + 8 * 16 * 16);
+  EXPECT_TRUE(AllClose(first_weights, TensorToFloats(small_response.attention_weights()), 1e-6, 1e-4));
+}
+
 // Half-precision wire types: the server widens, computes in fp32 and answers in the query's dtype.
 class WireDtypeTest : public ServiceTest, public ::testing::WithParamInterface<v1::DataType> {};
 
