@@ -136,14 +136,16 @@ absl::Status AttentionService::Admit(const char* rpc, Role role, const grpc::Cal
     if (absl::Status status = auth_->Check(Metadata(context, "authorization"), role, rpc); !status.ok()) return status;
   }
   const size_t size = bytes->Length();
+  // Either parse releases the wire bytes once read, as gRPC's own handlers do, so that a call computing holds its
+  // request once, not twice (the buffer is gRPC's, alive until the call finishes, and read by nothing else).
+  auto* wire = const_cast<grpc::ByteBuffer*>(bytes);
   bool parsed;
   if (scans != nullptr && size >= kReadInPiecesBytes) {
     // A large compute request: its activations' bytes copied once and scanned for inf and NaN on the way.
-    parsed = ReadComputeRequest(*bytes, request, scans).ok();
+    parsed = ReadComputeRequest(*wire, request, scans).ok();
+    wire->Clear();
   } else {
-    // Parsing releases the wire bytes as it goes, as gRPC's own handlers do (the buffer is gRPC's, alive until the
-    // call finishes, and read by nothing else).
-    parsed = grpc::SerializationTraits<Request>::Deserialize(const_cast<grpc::ByteBuffer*>(bytes), request).ok();
+    parsed = grpc::SerializationTraits<Request>::Deserialize(wire, request).ok();
   }
   if (!parsed) {
     return absl::InvalidArgumentError(absl::StrCat("the request (", size, " bytes) does not parse as ",
