@@ -11,13 +11,13 @@ Usage: /usr/bin/python3 tests/bench/e2e.py [--server build/bin/mha_server] [--cl
 import argparse
 import json
 import os
-import signal
 import struct
 import subprocess
 import tempfile
-import time
 
 import numpy as np
+
+from local_server import local_server
 
 
 def write_layer(path, d_model, heads, seed=0):
@@ -54,21 +54,8 @@ ROWS = [
 
 def run_build(server_bin, client_bin, layers, work):
     """Every row once against a fresh server of this build: {row name: bench json}."""
-    port_file = os.path.join(work, "port")
-    if os.path.exists(port_file):
-        os.remove(port_file)
-    server = subprocess.Popen([server_bin, "--listen", "127.0.0.1:0", "--port_file", port_file,
-                               "--layers_dir", layers, "--log_level", "warn"])
-    try:
-        for _ in range(200):
-            if os.path.exists(port_file) and open(port_file).read().strip():
-                break
-            time.sleep(0.05)
-        target = "127.0.0.1:" + open(port_file).read().strip()
+    with local_server(server_bin, work, "--layers_dir", layers, "--log_level", "warn") as target:
         return {name: bench(client_bin, target, *row_args) for name, row_args in ROWS}
-    finally:
-        server.send_signal(signal.SIGTERM)
-        server.wait(timeout=30)
 
 
 def wire_ratio(r):

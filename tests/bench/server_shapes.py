@@ -15,10 +15,8 @@ Usage: /usr/bin/python3 tests/bench/server_shapes.py [--server build/bin/mha_ser
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
-import time
 
 REPO_ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, os.path.join(REPO_ROOT, "client", "python"))
@@ -26,6 +24,7 @@ sys.path.insert(0, os.path.join(REPO_ROOT, "client", "python"))
 import numpy as np  # noqa: E402
 
 import mhaclient  # noqa: E402
+from local_server import local_server  # noqa: E402
 from peers import SERVER_SHAPES, SHAPES, flops, probe  # noqa: E402
 
 CALIBRATION_SHAPES = ["b8_t128_d512_h8", "b8_t512_d512_h8"]
@@ -41,15 +40,7 @@ def main():
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="mha_server_shapes_") as work:
         sys.path.insert(0, mhaclient.generate_stubs(os.path.join(work, "stubs"), REPO_ROOT))
-        port_file = os.path.join(work, "port")
-        server = subprocess.Popen([args.server, "--listen", "127.0.0.1:0", "--port_file", port_file,
-                                   "--threads", str(args.threads), "--log_level", "warn"])
-        try:
-            for _ in range(200):
-                if os.path.exists(port_file) and open(port_file).read().strip():
-                    break
-                time.sleep(0.05)
-            target = "127.0.0.1:" + open(port_file).read().strip()
+        with local_server(args.server, work, "--threads", str(args.threads), "--log_level", "warn") as target:
             with mhaclient.MhaClient(target, timeout=600) as client:
                 client.wait_ready()
                 for name, B, T, d, H, Hkv, causal, _ in SHAPES:
@@ -70,9 +61,6 @@ def main():
                                       "gflops_median": f / median / 1e9, "ms_best": best * 1e3,
                                       "ms_median": median * 1e3, "runs": len(seconds), "peak_gflops": peak}),
                           flush=True)
-        finally:
-            server.terminate()
-            server.wait(timeout=60)
 
 
 if __name__ == "__main__":
