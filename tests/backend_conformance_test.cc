@@ -400,6 +400,20 @@ std::vector<Case> Cases() {
     sdpa.weights = true;
     cases.push_back(WithDtypes(sdpa, in, in));
   }
+  // bf16 layers whose head_dim suits the amx tiles (multiples of 32), where a CPU has them: query blocks, tiles
+  // and key blocks cut at their edges (Tq = 140 is two query blocks of 128, the second 12 rows; Tk = 600 is a key
+  // block of 512 and a partial one), GQA, bottom-right causal with Tq < Tk, key lengths (one of them 0: rows with
+  // nothing visible), a per-batch mask with a fully masked row, a head mask; with and without weights.
+  for (bool weights : {false, true}) {
+    Case amx = Make(weights ? "bf16_core_dk32_masks_weights" : "bf16_core_dk32_masks_online", 2, 140, 600, 128, 96,
+                    4, 2, 32);
+    amx.causal = amx.key_lengths = amx.bias = amx.head_mask = true;
+    amx.mask = Mask::kPerBatch;
+    amx.weights = weights;
+    cases.push_back(WithDtypes(amx, v1::BF16, v1::BF16));
+  }
+  Case amx128 = Make("bf16_core_dk128_gqa_self", 1, 45, 45, 512, 0, 4, 1, 128);
+  cases.push_back(WithDtypes(amx128, v1::BF16, v1::FP32));
   Case to_half = Make("mha_self", 2, 7, 7, 32, 0, 4, 4, 8);
   cases.push_back(WithDtypes(to_half, v1::FP32, v1::FP16));
   return cases;

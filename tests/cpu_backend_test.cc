@@ -44,6 +44,23 @@ TEST(CpuBackend, AutoNamesTheWidestKernelsTheCpuRuns) {
   EXPECT_NE((*cpu)->device().find(std::string(widest) + " attention tiles"), std::string::npos) << (*cpu)->device();
 }
 
+TEST(CpuBackend, AmxKernelsServeBf16CallsWhereTheCpuHasThem) {
+  if (kernels::TileKernelsFor("amx") == nullptr || cpu::NativeBf16Matmul().empty()) {
+    EXPECT_EQ(CpuBackend::Create("amx").status().code(), absl::StatusCode::kUnavailable);
+    GTEST_SKIP() << "this CPU (or its kernel) does not run amx";
+  }
+  for (const char* tiles : {"auto", "amx"}) {
+    absl::StatusOr<std::unique_ptr<CpuBackend>> cpu = CpuBackend::Create(tiles);
+    ASSERT_TRUE(cpu.ok()) << cpu.status();
+    EXPECT_NE((*cpu)->device().find("bf16 attention on amx tiles"), std::string::npos) << (*cpu)->device();
+  }
+  // An fp32 set named, or the bf16 path off: no amx.
+  absl::StatusOr<std::unique_ptr<CpuBackend>> avx512 = CpuBackend::Create("avx512");
+  ASSERT_TRUE(avx512.ok()) << avx512.status();
+  EXPECT_EQ((*avx512)->device().find("amx tiles"), std::string::npos) << (*avx512)->device();
+  EXPECT_EQ(CpuBackend::Create("amx", /*bf16=*/false).status().code(), absl::StatusCode::kUnavailable);
+}
+
 TEST(CpuBackend, RunsSmallCallsInline) {
   absl::StatusOr<std::unique_ptr<CpuBackend>> cpu = CpuBackend::Create();
   ASSERT_TRUE(cpu.ok()) << cpu.status();

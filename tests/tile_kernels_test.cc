@@ -2,11 +2,14 @@
 // portable set runs everywhere), on sizes that cut the register blocks at every edge: rows not a multiple of the
 // panel (at and between the heights of the shorter register blocks), columns and widths not a multiple of a vector
 // or a block, strides wider than the data.
-// Nothing outside the output rectangle may be written.
+// Nothing outside the output rectangle may be written. The amx set rounds its operands to bf16: its plain loops
+// round them the same way, so every set is held to fp32 accumulation error.
 #include "server/backends/cpu/tile_kernels.h"
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <limits>
 #include <string>
 #include <tuple>
@@ -22,6 +25,21 @@ using ::mha::testing::RandomVector;
 
 constexpr float kSentinel = 12345.0f;
 
+// x rounded to bf16 (to nearest, ties to even) and back, as AVX512-BF16's conversions do; x finite.
+float RoundBf16(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  bits = (bits + 0x7fff + ((bits >> 16) & 1)) & 0xffff0000u;
+  std::memcpy(&x, &bits, sizeof(bits));
+  return x;
+}
+
+// An operand as the kernels of `k` see it: itself, or rounded to bf16 by a set that packs bf16.
+float AsOperand(const TileKernels& k, float x) { return k.elements_per_float == 2 ? RoundBf16(x) : x; }
+
+// The shapes of the amx set: depths and widths multiples of 32, rows and keys cutting its 32x32 blocks.
+const auto kAmxRows = ::testing::Values(1, 7, 16, 31, 32, 33, 70);
+
 // (isa, rows, cols, depth)
 class ScoresTest : public ::testing::TestWithParam<std::tuple<std::string, int, int, int>> {};
 
@@ -30,9 +48,16 @@ TEST_P(ScoresTest, MatchesPlainLoopsAndWritesOnlyTheOutput) {
   const TileKernels* k = TileKernelsFor(isa.c_str());
   if (k == nullptr) GTEST_SKIP() << "this CPU does not run " << isa;
   const int ldq = depth + 3, lds = cols + 5, ldk = depth + 2;
-  const std::vector<float> q = RandomVector(rows * ldq, 1), keys = RandomVector(cols * ldk, 2);
+  std::vector<float> q = RandomVector(rows * ldq, 1), keys = RandomVector(cols * ldk, 2);
+  // Past each row's depth: NaN, which would poison the scores if a kernel read it.
+  for (int i = 0; i < rows; ++i) {
+    for (int c = depth; c < ldq; ++c) q[i * ldq + c] = std::numeric_limits<float>::quiet_NaN();
+  }
+  for (int j = 0; j < cols; ++j) {
+    for (int c = depth; c < ldk; ++c) keys[j * ldk + c] = std::numeric_limits<float>::quiet_NaN();
+  }
   const int panels = (cols + k->key_panel - 1) / k->key_panel;
-  std::vector<float> kt(panels * k->key_panel * depth + 1, kSentinel);
+  std::vector<float> kt(panels * k->key_panel * depth / k->elements_per_float + 1, kSentinel);
   k->pack_keys(cols, depth, keys.data(), ldk, kt.data());
   EXPECT_EQ(kt.back(), kSentinel) << "packing wrote past its panels";
   std::vector<float> s(rows * lds, kSentinel);
@@ -45,8 +70,10 @@ TEST_P(ScoresTest, MatchesPlainLoopsAndWritesOnlyTheOutput) {
         continue;
       }
       double want = 0;
-      for (int c = 0; c < depth; ++c) want += static_cast<double>(q[i * ldq + c]) * keys[j * ldk + c];
-      ASSERT_NEAR(s[i * lds + j], scale * want, 1e-5 * (1 + depth)) << i << "," << j;
+      for (int c = 0; c < depth; ++c) {
+        want += static_cast<double>(AsOperand(*k, scale * q[i * ldq + c])) * AsOperand(*k, keys[j * ldk + c]);
+      }
+      ASSERT_NEAR(s[i * lds + j], want, 1e-5 * (1 + depth)) << i << "," << j;
     }
   }
 }
@@ -73,14 +100,21 @@ TEST_P(PackKeysTest, PackedKeysAreTransposedPanelsZeroPadded) {
   }
 }
 
+std::string ScoresName(const ::testing::TestParamInfo<ScoresTest::ParamType>& info) {
+  const auto& [isa, rows, cols, depth] = info.param;
+  return isa + "_rows" + std::to_string(rows) + "_cols" + std::to_string(cols) + "_depth" + std::to_string(depth);
+}
+
 INSTANTIATE_TEST_SUITE_P(Shapes, ScoresTest,
                          ::testing::Combine(::testing::Values("avx512", "avx2", "portable"), ::testing::Values(1, 7, 8, 11, 13),
                                             ::testing::Values(1, 17, 64, 65, 130), ::testing::Values(1, 8, 67)),
-                         [](const auto& info) {
-                           return std::get<0>(info.param) + "_rows" + std::to_string(std::get<1>(info.param)) +
-                                  "_cols" + std::to_string(std::get<2>(info.param)) + "_depth" +
-                                  std::to_string(std::get<3>(info.param));
-                         });
+                         ScoresName);
+
+INSTANTIATE_TEST_SUITE_P(Amx, ScoresTest,
+                         ::testing::Combine(::testing::Values("amx"), kAmxRows,
+                                            ::testing::Values(1, 17, 32, 64, 65, 130, 600),
+                                            ::testing::Values(32, 64, 128)),
+                         ScoresName);
 
 INSTANTIATE_TEST_SUITE_P(Shapes, PackKeysTest,
                          ::testing::Combine(::testing::Values("avx512", "avx2", "portable"), ::testing::Values(1, 17, 64, 130),
@@ -98,12 +132,23 @@ TEST_P(ValuesTest, MatchesPlainLoopsAndWritesOnlyTheOutput) {
   const TileKernels* k = TileKernelsFor(isa.c_str());
   if (k == nullptr) GTEST_SKIP() << "this CPU does not run " << isa;
   const int ldp = n + 3, ldv = width + 9, ldo = width + 4;
-  const std::vector<float> p = RandomVector(rows * ldp, 3), v = RandomVector(n * ldv, 4);
+  std::vector<float> p = RandomVector(rows * ldp, 3);
+  const std::vector<float> v = RandomVector(n * ldv, 4);
+  // Past each row's n probabilities: NaN, which would poison the output if a kernel read it.
+  for (int i = 0; i < rows; ++i) {
+    for (int j = n; j < ldp; ++j) p[i * ldp + j] = std::numeric_limits<float>::quiet_NaN();
+  }
   const int panels = (width + k->value_panel - 1) / k->value_panel;
-  const int panel_stride = n * k->value_panel + 5;
+  const int padded_keys = (n + k->key_multiple - 1) / k->key_multiple * k->key_multiple;
+  const int panel_floats = padded_keys * k->value_panel / k->elements_per_float, panel_stride = panel_floats + 5;
   std::vector<float> vp(panels * panel_stride, kSentinel);
   k->pack_values(n, width, v.data(), ldv, vp.data(), panel_stride);
   for (int q = 0; q < panels; ++q) {
+    for (int x = panel_floats; x < panel_stride; ++x) {
+      ASSERT_EQ(vp[q * panel_stride + x], kSentinel) << "packing wrote past panel " << q;
+    }
+  }
+  for (int q = 0; q < panels && k->elements_per_float == 1; ++q) {  // the fp32 layout; amx's is its own
     for (int j = 0; j < n; ++j) {
       for (int x = 0; x < k->value_panel; ++x) {
         const int c = q * k->value_panel + x;
@@ -126,10 +171,18 @@ TEST_P(ValuesTest, MatchesPlainLoopsAndWritesOnlyTheOutput) {
         continue;
       }
       double want = rescale ? static_cast<double>(o_scale[i]) * before[i * ldo + c] : 0.0;
-      for (int j = 0; j < n; ++j) want += static_cast<double>(p[i * ldp + j]) * v[j * ldv + c];
+      for (int j = 0; j < n; ++j) {
+        want += static_cast<double>(AsOperand(*k, p[i * ldp + j])) * AsOperand(*k, v[j * ldv + c]);
+      }
       ASSERT_NEAR(o[i * ldo + c], want, 1e-5 * (1 + n)) << i << "," << c;
     }
   }
+}
+
+std::string ValuesName(const ::testing::TestParamInfo<ValuesTest::ParamType>& info) {
+  const auto& [isa, rows, n, width, rescaled] = info.param;
+  return isa + "_rows" + std::to_string(rows) + "_n" + std::to_string(n) + "_width" + std::to_string(width) +
+         (rescaled ? "_rescaled" : "");
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, ValuesTest,
@@ -137,12 +190,13 @@ INSTANTIATE_TEST_SUITE_P(Shapes, ValuesTest,
                                             ::testing::Values(1, 7, 8, 13), ::testing::Values(1, 256),
                                             ::testing::Values(1, 5, 12, 16, 33, 48, 80),
                                             ::testing::Bool()),
-                         [](const auto& info) {
-                           return std::get<0>(info.param) + "_rows" + std::to_string(std::get<1>(info.param)) +
-                                  "_n" + std::to_string(std::get<2>(info.param)) + "_width" +
-                                  std::to_string(std::get<3>(info.param)) +
-                                  (std::get<4>(info.param) ? "_rescaled" : "");
-                         });
+                         ValuesName);
+
+INSTANTIATE_TEST_SUITE_P(Amx, ValuesTest,
+                         ::testing::Combine(::testing::Values("amx"), kAmxRows,
+                                            ::testing::Values(1, 33, 256, 600), ::testing::Values(32, 64, 128),
+                                            ::testing::Bool()),
+                         ValuesName);
 
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
@@ -323,6 +377,15 @@ INSTANTIATE_TEST_SUITE_P(Lengths, AddTest,
 TEST(TileKernels, UnknownInstructionSetIsNull) { EXPECT_EQ(TileKernelsFor("sse9"), nullptr); }
 
 TEST(TileKernels, PortableIsOfferedEverywhere) { EXPECT_NE(TileKernelsFor("portable"), nullptr); }
+
+TEST(TileKernels, AmxIsOfferedOnlyWhereTheCpuHasAmxBf16) {
+  __builtin_cpu_init();
+  if (!__builtin_cpu_supports("amx-bf16")) {
+    EXPECT_EQ(TileKernelsFor("amx"), nullptr);
+  }
+  if (TileKernelsFor("amx") == nullptr) GTEST_SKIP() << "this CPU (or its kernel) does not run amx";
+  EXPECT_EQ(TileKernelsFor("amx")->elements_per_float, 2);
+}
 
 TEST(TileKernels, Avx512IsOfferedExactlyWhenTheCpuHasIt) {
   __builtin_cpu_init();

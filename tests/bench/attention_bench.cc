@@ -15,6 +15,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "benchmark/benchmark.h"
@@ -23,6 +24,7 @@
 #include "proto/mha/v1/tensor_codec.h"
 #include "server/backends/cpu/bf16_matmul.h"
 #include "server/backends/cpu/cpu_backend.h"
+#include "server/backends/cpu/tile_kernels.h"
 #include "tests/bench/fma_probe.h"
 
 namespace mha::bench {
@@ -161,16 +163,27 @@ void BM_MultiHeadAttention(benchmark::State& state, Shape shape, bool with_weigh
   TimeAgainstPeak(state, Flops(shape), [&] { return (*backend)->MultiHeadAttention(args); });
 }
 
-// The layer on bf16 inputs and outputs, as a stored layer (weights packed once): `bf16_path` false forces the fp32
-// path (what CPUs without native bf16 run), so that the two are measured in the same run.
-void BM_MultiHeadAttentionBf16(benchmark::State& state, Shape shape, bool bf16_path) {
-  auto backend = CpuBackend::Create("auto", bf16_path);
-  if (!backend.ok()) {
-    state.SkipWithError("no oneDNN CPU engine");
+// The paths a bf16 layer call can take.
+enum class Bf16Path {
+  kBf16,          // what the server runs: bf16 projections, the attention core on amx tiles where the CPU has them
+  kBf16Fp32Core,  // bf16 projections, the attention core on the fp32 AVX-512 tiles (only measured where amx runs)
+  kFp32,          // everything in fp32 (what CPUs without native bf16 run)
+};
+
+// The layer on bf16 inputs and outputs, as a stored layer (weights packed once), on `path`, so that the paths are
+// measured in the same run.
+void BM_MultiHeadAttentionBf16(benchmark::State& state, Shape shape, Bf16Path path) {
+  if (path != Bf16Path::kFp32 && cpu::NativeBf16Matmul().empty()) {
+    state.SkipWithError("no native bf16 on this CPU");
     return;
   }
-  if (bf16_path && cpu::NativeBf16Matmul().empty()) {
-    state.SkipWithError("no native bf16 on this CPU");
+  if (path == Bf16Path::kBf16Fp32Core && kernels::TileKernelsFor("amx") == nullptr) {
+    state.SkipWithError("no amx on this CPU: the bf16 path's core is fp32 already");
+    return;
+  }
+  auto backend = CpuBackend::Create(path == Bf16Path::kBf16Fp32Core ? "avx512" : "auto", path != Bf16Path::kFp32);
+  if (!backend.ok()) {
+    state.SkipWithError("no oneDNN CPU engine");
     return;
   }
   Problem problem(shape, /*with_weights=*/false);
@@ -334,12 +347,14 @@ int main(int argc, char** argv) {
         ->Unit(benchmark::kMillisecond)
         ->UseRealTime();
   }
-  // bf16 requests: the bf16 path against the fp32 path, interleaved, on every shape (the small ones show the cost
+  // bf16 requests: the bf16 path against its projections with the fp32 core and against the fp32 path, interleaved, on every shape (the small ones show the cost
   // of anything done per call); oneDNN's bf16 matmul rate on the large ones.
   for (const Shape& shape : Shapes()) {
-    for (bool bf16_path : {true, false}) {
-      benchmark::RegisterBenchmark(("bf16_" + shape.name + (bf16_path ? "/bf16_path" : "/fp32_path")).c_str(),
-                                   BM_MultiHeadAttentionBf16, shape, bf16_path)
+    for (const auto& [path, name] : {std::pair{Bf16Path::kBf16, "bf16_path"},
+                                     std::pair{Bf16Path::kBf16Fp32Core, "fp32_core"},
+                                     std::pair{Bf16Path::kFp32, "fp32_path"}}) {
+      benchmark::RegisterBenchmark(("bf16_" + shape.name + "/" + name).c_str(), BM_MultiHeadAttentionBf16, shape,
+                                   path)
           ->Unit(benchmark::kMillisecond)
           ->UseRealTime();
     }

@@ -39,9 +39,11 @@ CorePlan PlanBlocks(const kernels::TileKernels& tiles, const AttentionShape& s, 
   p.items = s.batch * h.num_heads * p.query_blocks;
   p.row_block = std::min(kQueryBlock, s.q_len);
   p.panel = std::min<int64_t>(tiles.panel_rows, p.row_block);
-  p.key_block = std::min(kKeyBlock, s.kv_len);
-  p.kt_size = (s.kv_len + tiles.key_panel - 1) / tiles.key_panel * tiles.key_panel * dk;
-  p.v_panel_stride = s.kv_len * tiles.value_panel;
+  p.key_block = std::min<int64_t>(tiles.key_block, s.kv_len);
+  // Sizes in floats: a bf16 set (tiles.elements_per_float = 2) packs two elements per float.
+  p.kt_size = (s.kv_len + tiles.key_panel - 1) / tiles.key_panel * tiles.key_panel * dk / tiles.elements_per_float;
+  p.v_panel_stride = (s.kv_len + tiles.key_multiple - 1) / tiles.key_multiple * tiles.key_multiple *
+                     tiles.value_panel / tiles.elements_per_float;
   p.v_size = (dk + tiles.value_panel - 1) / tiles.value_panel * p.v_panel_stride;
   // Runs long enough to reuse a packed KV head, short enough to balance (another tenant can slow one thread).
   p.run = std::clamp<int64_t>(p.items / (4 * threads), 1, h.group_size() * p.query_blocks);
@@ -245,7 +247,9 @@ class Worker {
     std::fill_n(row_sum_, rows, 0.0f);
     for (int64_t j0 = 0; j0 < keys; j0 += key_block) {
       const int64_t n = std::min(key_block, keys - j0);
-      tiles_.scores(rows, n, dk, 1.0f, queries_ + p0 * dk, dk, keys_t_ + j0 * dk, scores_, key_block);
+      // j0 is a multiple of key_block, so of the set's key panel and key multiple.
+      tiles_.scores(rows, n, dk, 1.0f, queries_ + p0 * dk, dk, keys_t_ + j0 * dk / tiles_.elements_per_float,
+                    scores_, key_block);
       for (int64_t r = 0; r < rows; ++r) {
         block_visible_[r] = std::clamp<int64_t>(visible_[r] - j0, 0, n);
         if (additive != nullptr) tiles_.add(block_visible_[r], additive + r * Tk + j0, scores_ + r * key_block);
@@ -253,7 +257,8 @@ class Worker {
       tiles_.online_softmax(rows, n, block_visible_, scores_, key_block, row_max_, row_sum_, row_factor_,
                             plan_.log2_units);
       // The first block writes the accumulator; later ones rescale it by each row's factor and add.
-      tiles_.values(rows, n, dk, scores_, key_block, values_ + j0 * tiles_.value_panel, plan_.v_panel_stride,
+      tiles_.values(rows, n, dk, scores_, key_block, values_ + j0 * tiles_.value_panel / tiles_.elements_per_float,
+                    plan_.v_panel_stride,
                     j0 == 0 ? nullptr : row_factor_, acc_, dk);
     }
     for (int64_t r = 0; r < rows; ++r) {

@@ -6,7 +6,8 @@
 // its own L2 once for all those items (every query head of the GQA group, every query block). Each item's queries
 // go a panel of a few rows at a time from the score kernel through the softmax to the value kernel while the
 // panel's scores are in L1, and the next item's rows are prefetched meanwhile:
-//  - weights not requested: FlashAttention's online softmax over key blocks of kKeyBlock, so memory is O(T) per head;
+//  - weights not requested: FlashAttention's online softmax over key blocks (the kernels' key_block), so memory is
+//    O(T) per head;
 //  - weights requested: the exact row softmax written in place in the returned [B, H, Tq, Tk] tensor, then P V.
 // Key blocks that causal masking or key_lengths hide from every row of a panel are never computed. GQA/MQA point
 // each query head at its shared KV head; nothing is repeated.
@@ -26,9 +27,6 @@ namespace mha::cpu {
 
 // Query rows per work item.
 inline constexpr int64_t kQueryBlock = 128;
-// Keys per block of the online softmax: a panel of a few query rows against 512 keys keeps its scores in L1, and
-// the block's K^T and V (128 KiB each at d_k = 64) in L2.
-inline constexpr int64_t kKeyBlock = 512;
 
 // A head-packed fp32 tensor: batch b, token t, head h starts at data + (b * T + t) * row_stride + h * d_k.
 struct Packed {
