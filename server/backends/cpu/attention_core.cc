@@ -61,24 +61,18 @@ CorePlan PlanBlocks(const kernels::TileKernels& tiles, const AttentionShape& s, 
 
 // Per-thread buffers, kept across calls (up to kKeptTileScratchBytes each) and grown on demand.
 struct TileScratch {
-  std::vector<float> queries;      // [row_block, d_k], scaled
-  std::vector<float> keys_t;       // one (batch, KV head) of K^T, packed
-  std::vector<float> values;       // the same of V
-  std::vector<float> scores;       // [panel, key_block]
-  std::vector<float> accumulator;  // [panel, d_k]
-  std::vector<float> row_max, row_sum, row_factor;  // [panel]
-  std::vector<int64_t> visible, block_visible;      // [panel]: keys each row sees, in all and in this block
+  ScratchVector<float> queries;      // [row_block, d_k], scaled
+  ScratchVector<float> keys_t;       // one (batch, KV head) of K^T, packed
+  ScratchVector<float> values;       // the same of V
+  ScratchVector<float> scores;       // [panel, key_block]
+  ScratchVector<float> accumulator;  // [panel, d_k]
+  ScratchVector<float> row_max, row_sum, row_factor;  // [panel]
+  ScratchVector<int64_t> visible, block_visible;      // [panel]: keys each row sees, in all and in this block
 };
 
 TileScratch& ThreadTileScratch() {
   thread_local TileScratch scratch;
   return scratch;
-}
-
-template <typename T>
-T* Grown(std::vector<T>& v, int64_t n) {
-  if (static_cast<int64_t>(v.size()) < n) v.resize(n);
-  return v.data();
 }
 
 // Prefetches the inputs of a thread's next work item into L2 while the current one computes, a slice per panel.
@@ -318,7 +312,7 @@ absl::Status Attend(const kernels::TileKernels& tiles, const AttentionShape& sha
       }
     }
     TileScratch& t = ThreadTileScratch();
-    for (std::vector<float>* v : {&t.queries, &t.keys_t, &t.values, &t.scores, &t.accumulator}) {
+    for (ScratchVector<float>* v : {&t.queries, &t.keys_t, &t.values, &t.scores, &t.accumulator}) {
       ReleaseIfLarge(*v, kKeptTileScratchBytes);
     }
   }

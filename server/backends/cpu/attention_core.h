@@ -18,9 +18,9 @@
 #define MHA_SERVER_BACKENDS_CPU_ATTENTION_CORE_H_
 
 #include <cstdint>
-#include <vector>
 
 #include "server/backends/backend.h"
+#include "server/backends/cpu/scratch.h"
 #include "server/backends/cpu/tile_kernels.h"
 
 namespace mha::cpu {
@@ -47,12 +47,6 @@ absl::Status Attend(const kernels::TileKernels& tiles, const AttentionShape& sha
 // kept because allocating them per call showed in the profiles of small calls.
 inline constexpr int64_t kKeptCallScratchBytes = int64_t{64} << 20;
 inline constexpr int64_t kKeptTileScratchBytes = int64_t{16} << 20;
-
-// Frees `v` when it holds more than `kept` bytes.
-template <typename T>
-void ReleaseIfLarge(std::vector<T>& v, int64_t kept) {
-  if (static_cast<int64_t>(v.capacity() * sizeof(T)) > kept) std::vector<T>().swap(v);
-}
 
 // Bytes of scratch each OpenMP thread of Attend keeps for this shape.
 int64_t AttendScratchBytesPerThread(const kernels::TileKernels& tiles, const AttentionShape& shape);

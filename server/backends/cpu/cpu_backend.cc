@@ -12,6 +12,7 @@
 #include "server/backends/cpu/attention_core.h"
 #include "server/backends/cpu/bf16_matmul.h"
 #include "server/backends/cpu/cpu_info.h"
+#include "server/backends/cpu/scratch.h"
 #include "server/backends/float_io.h"
 #include "server/backends/synthetic.h"
 
@@ -43,9 +44,9 @@ class ScopedOmpThreads {
 // Buffers a MultiHeadAttention call reuses from the previous call on the same thread (grown on demand, kept up to
 // cpu::kKeptCallScratchBytes each): per thread, so that concurrent calls never share them.
 struct CallScratch {
-  std::vector<float> projected;  // Q|K|V projections
-  std::vector<float> heads;      // concatenated head outputs [B Tq, H d_k]
-  std::vector<uint16_t> heads16;  // the same in bf16, for the bf16 output projection
+  cpu::ScratchVector<float> projected;  // Q|K|V projections
+  cpu::ScratchVector<float> heads;      // concatenated head outputs [B Tq, H d_k]
+  cpu::ScratchVector<uint16_t> heads16;  // the same in bf16, for the bf16 output projection
 };
 
 CallScratch& ThreadScratch() {
@@ -68,12 +69,6 @@ class ScratchTrim {
  private:
   CallScratch& scratch_;
 };
-
-template <typename T>
-T* Grown(std::vector<T>& v, int64_t n) {
-  if (static_cast<int64_t>(v.size()) < n) v.resize(n);
-  return v.data();
-}
 
 // Calls above this many FLOPs poll their StopSignal; smaller ones finish within a millisecond anyway.
 constexpr double kStopCheckFlops = 1e8;
@@ -256,7 +251,7 @@ absl::Status CpuBackend::MultiHeadAttention(const MhaArgs& a) {
   if (a.kv_source == KvSource::kQuery && w.fused_qkv) {
     // One product projects Q|K|V; each is then read in place through the row stride of the fused output.
     const int64_t width = q_width + 2 * kv_width;
-    float* projected = Grown(scratch.projected, q_rows * width);
+    float* projected = cpu::Grown(scratch.projected, q_rows * width);
     absl::Status status =
         project(query.data(), a.query.data, q_rows, s.d_model, w.w_q, w.ld_q, w.b_q, width, projected, width);
     if (!status.ok()) return status;
@@ -264,7 +259,7 @@ absl::Status CpuBackend::MultiHeadAttention(const MhaArgs& a) {
     k = {projected + q_width, width};
     v = {projected + q_width + kv_width, width};
   } else {
-    float* qp = Grown(scratch.projected, q_rows * q_width + 2 * kv_rows * kv_width);
+    float* qp = cpu::Grown(scratch.projected, q_rows * q_width + 2 * kv_rows * kv_width);
     float* kp = qp + q_rows * q_width;
     float* vp = kp + kv_rows * kv_width;
     absl::Status status =
@@ -282,7 +277,7 @@ absl::Status CpuBackend::MultiHeadAttention(const MhaArgs& a) {
   }
 
   FloatOutput weights(a.attention_weights, s.batch * h.num_heads * s.q_len * s.kv_len);
-  float* heads = Grown(scratch.heads, q_rows * q_width);
+  float* heads = cpu::Grown(scratch.heads, q_rows * q_width);
   if (absl::Status status = cpu::Attend(KernelsFor(h.head_dim, bf16), s, a.mask, q, k, v, heads, q_width,
                                         weights.data(), stop);
       !status.ok()) {
@@ -302,7 +297,7 @@ absl::Status CpuBackend::MultiHeadAttention(const MhaArgs& a) {
   if (bf16) {
     // The heads in bf16, then the output product writes a bf16 output in place, or fp32 (converted after for
     // fp16).
-    uint16_t* heads16 = Grown(scratch.heads16, q_rows * q_width);
+    uint16_t* heads16 = cpu::Grown(scratch.heads16, q_rows * q_width);
     // On the call's threads: on one, this conversion was 6% of a large bf16 call's profile.
     constexpr int64_t kChunkRows = 64;
 #pragma omp parallel for schedule(static)

@@ -16,10 +16,9 @@
 //    n, up to the next multiple of 32, are zero.
 #include <immintrin.h>
 
-#include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
-#include <vector>
 
 #include "server/backends/cpu/tile_kernels.h"
 
@@ -50,10 +49,36 @@ class ScopedTiles {
   ~ScopedTiles() { _tile_release(); }
 };
 
-// Per-thread operands in bf16 and the fp32 blocks around the tiles, grown on demand.
+// A per-thread buffer on a 64-byte boundary, so that no tile row straddles two cache lines, grown on demand. Not a
+// std::vector: its out-of-line members would be compiled here with AVX-512 enabled, and the linker may keep this
+// copy for the whole program (the same holds for any other inline template, hence Min below).
+class AlignedBuffer {
+ public:
+  AlignedBuffer() = default;
+  AlignedBuffer(const AlignedBuffer&) = delete;
+  AlignedBuffer& operator=(const AlignedBuffer&) = delete;
+  ~AlignedBuffer() { std::free(data_); }
+
+  // At least `bytes` bytes, contents unspecified.
+  void* Get(int64_t bytes) {
+    if (bytes > size_) {
+      std::free(data_);
+      size_ = (bytes + 63) / 64 * 64;
+      data_ = std::aligned_alloc(64, size_);
+      if (data_ == nullptr) std::abort();  // at most tens of KiB (32 rows of one key chunk or one head)
+    }
+    return data_;
+  }
+
+ private:
+  void* data_ = nullptr;
+  int64_t size_ = 0;
+};
+
+// Per-thread operands in bf16 and the fp32 blocks around the tiles.
 struct Scratch {
-  std::vector<uint16_t> a;    // [kRows, depth] queries or [kRows, kKeyChunk] probabilities
-  std::vector<float> block;   // [kRows, width] output rows, or one 32x32 block of scores
+  AlignedBuffer a;      // [kRows, depth] queries or [kRows, <= kKeyChunk] probabilities, bf16
+  AlignedBuffer block;  // [kRows, width] staged output rows, or one 32x32 block of scores, fp32
 };
 
 Scratch& ThreadScratch() {
@@ -61,11 +86,7 @@ Scratch& ThreadScratch() {
   return scratch;
 }
 
-template <typename T>
-T* Grown(std::vector<T>& v, int64_t n) {
-  if (static_cast<int64_t>(v.size()) < n) v.resize(n);
-  return v.data();
-}
+int64_t Min(int64_t a, int64_t b) { return a < b ? a : b; }
 
 // The first n lanes of 16 (none for n <= 0, all for n >= 16).
 __mmask16 Mask(int64_t n) {
@@ -160,19 +181,18 @@ void Scores(int64_t rows, int64_t cols, int64_t depth, float scale, const float*
             const float* kt_floats, float* s, int64_t lds) {
   const uint16_t* kt = reinterpret_cast<const uint16_t*>(kt_floats);
   Scratch& scratch = ThreadScratch();
-  uint16_t* qb = Grown(scratch.a, kRows * depth);
-  float* edge = Grown(scratch.block, kRows * kKeyPanel);
+  uint16_t* qb = static_cast<uint16_t*>(scratch.a.Get(kRows * depth * 2));
+  float* edge = static_cast<float*>(scratch.block.Get(kRows * kKeyPanel * 4));
   const int64_t chunks = depth / 32, a_stride = depth * 2;
   ScopedTiles tiles;
   for (int64_t i0 = 0; i0 < rows; i0 += kRows) {
-    const int64_t r = std::min(kRows, rows - i0);
-    for (int64_t i = 0; i < kRows; ++i) {
-      if (i < r) {
-        ToBf16(q + (i0 + i) * ldq, depth, depth, scale, qb + i * depth);
-      } else {
-        std::memset(qb + i * depth, 0, depth * sizeof(uint16_t));
-      }
+    const int64_t r = Min(kRows, rows - i0);
+    if (ldq == depth) {  // dense rows (the attention core's queries): one pass
+      ToBf16(q + i0 * ldq, r * depth, r * depth, scale, qb);
+    } else {
+      for (int64_t i = 0; i < r; ++i) ToBf16(q + (i0 + i) * ldq, depth, depth, scale, qb + i * depth);
     }
+    std::memset(qb + r * depth, 0, (kRows - r) * depth * sizeof(uint16_t));
     for (int64_t j0 = 0; j0 < cols; j0 += kKeyPanel) {
       const uint16_t* panel = kt + j0 * depth;
       _tile_zero(0);
@@ -189,7 +209,7 @@ void Scores(int64_t rows, int64_t cols, int64_t depth, float scale, const float*
         _tile_dpbf16ps(2, 5, 6);
         _tile_dpbf16ps(3, 5, 7);
       }
-      const int64_t n = std::min(kKeyPanel, cols - j0);
+      const int64_t n = Min(kKeyPanel, cols - j0);
       if (r == kRows && n == kKeyPanel) {
         float* dst = s + i0 * lds + j0;
         _tile_stored(0, dst, lds * 4);
@@ -211,39 +231,52 @@ void Values(int64_t rows, int64_t n, int64_t width, const float* p, int64_t ldp,
             int64_t panel_stride, const float* o_scale, float* o, int64_t ldo) {
   const uint16_t* vp = reinterpret_cast<const uint16_t*>(vp_floats);
   Scratch& scratch = ThreadScratch();
-  const int64_t chunk_keys = std::min(kKeyChunk, (n + 31) / 32 * 32);
-  uint16_t* pb = Grown(scratch.a, kRows * chunk_keys);
-  float* acc = Grown(scratch.block, kRows * width);
-  const int64_t acc_stride = width * 4;
+  const int64_t chunk_keys = Min(kKeyChunk, (n + 31) / 32 * 32);
+  uint16_t* pb = static_cast<uint16_t*>(scratch.a.Get(kRows * chunk_keys * 2));
+  float* staged = static_cast<float*>(scratch.block.Get(kRows * width * 4));
   ScopedTiles tiles;
   for (int64_t i0 = 0; i0 < rows; i0 += kRows) {
-    const int64_t r = std::min(kRows, rows - i0);
-    for (int64_t i = 0; i < kRows; ++i) {
-      float* dst = acc + i * width;
-      if (i < r && o_scale != nullptr) {
-        const __m512 f = _mm512_set1_ps(o_scale[i0 + i]);
-        for (int64_t c = 0; c < width; c += 16) {
-          _mm512_storeu_ps(dst + c, _mm512_mul_ps(f, _mm512_loadu_ps(o + (i0 + i) * ldo + c)));
-        }
+    const int64_t r = Min(kRows, rows - i0);
+    // A whole block of rows accumulates in o itself; a partial one in `staged`, so that the tiles' 32 rows stay
+    // inside memory this call owns.
+    const bool direct = r == kRows;
+    float* acc = direct ? o + i0 * ldo : staged;
+    const int64_t ld = direct ? ldo : width;
+    const bool from_zero = o_scale == nullptr;
+    for (int64_t i = 0; i < (direct ? 0 : kRows); ++i) {
+      if (i < r && !from_zero) {
+        std::memcpy(staged + i * width, o + (i0 + i) * ldo, width * sizeof(float));
       } else {
-        std::memset(dst, 0, width * sizeof(float));
+        std::memset(staged + i * width, 0, width * sizeof(float));
       }
     }
-    for (int64_t k0 = 0; k0 < n; k0 += kKeyChunk) {
-      const int64_t keys = std::min(kKeyChunk, n - k0), padded = (keys + 31) / 32 * 32;
-      for (int64_t i = 0; i < kRows; ++i) {
-        if (i < r) {
-          ToBf16(p + (i0 + i) * ldp + k0, keys, padded, 1.0f, pb + i * padded);
-        } else {
-          std::memset(pb + i * padded, 0, padded * sizeof(uint16_t));
-        }
+    // The online softmax's rescaling, skipped for the rows whose max did not move (factor 1, most rows after the
+    // first blocks).
+    for (int64_t i = 0; i < r && !from_zero; ++i) {
+      if (o_scale[i0 + i] == 1.0f) continue;
+      const __m512 f = _mm512_set1_ps(o_scale[i0 + i]);
+      for (int64_t c = 0; c < width; c += 16) {
+        _mm512_storeu_ps(acc + i * ld + c, _mm512_mul_ps(f, _mm512_loadu_ps(acc + i * ld + c)));
       }
+    }
+    const int64_t stride = ld * 4;
+    for (int64_t k0 = 0; k0 < n; k0 += kKeyChunk) {
+      const int64_t keys = Min(kKeyChunk, n - k0), padded = (keys + 31) / 32 * 32;
+      for (int64_t i = 0; i < r; ++i) ToBf16(p + (i0 + i) * ldp + k0, keys, padded, 1.0f, pb + i * padded);
+      std::memset(pb + r * padded, 0, (kRows - r) * padded * sizeof(uint16_t));
       for (int64_t w = 0; w < width; w += 2 * kValuePanel) {
         float* a = acc + w;
-        _tile_loadd(0, a, acc_stride);
-        _tile_loadd(1, a + 16, acc_stride);
-        _tile_loadd(2, a + 16 * width, acc_stride);
-        _tile_loadd(3, a + 16 * width + 16, acc_stride);
+        if (k0 == 0 && from_zero && direct) {
+          _tile_zero(0);
+          _tile_zero(1);
+          _tile_zero(2);
+          _tile_zero(3);
+        } else {
+          _tile_loadd(0, a, stride);
+          _tile_loadd(1, a + 16, stride);
+          _tile_loadd(2, a + 16 * ld, stride);
+          _tile_loadd(3, a + 16 * ld + 16, stride);
+        }
         const uint16_t* v0 = vp + (w / kValuePanel) * panel_stride * 2 + k0 * 16;
         const uint16_t* v1 = v0 + panel_stride * 2;
         for (int64_t kc = 0; kc < padded; kc += 32) {
@@ -256,13 +289,15 @@ void Values(int64_t rows, int64_t n, int64_t width, const float* p, int64_t ldp,
           _tile_dpbf16ps(2, 5, 6);
           _tile_dpbf16ps(3, 5, 7);
         }
-        _tile_stored(0, a, acc_stride);
-        _tile_stored(1, a + 16, acc_stride);
-        _tile_stored(2, a + 16 * width, acc_stride);
-        _tile_stored(3, a + 16 * width + 16, acc_stride);
+        _tile_stored(0, a, stride);
+        _tile_stored(1, a + 16, stride);
+        _tile_stored(2, a + 16 * ld, stride);
+        _tile_stored(3, a + 16 * ld + 16, stride);
       }
     }
-    for (int64_t i = 0; i < r; ++i) std::memcpy(o + (i0 + i) * ldo, acc + i * width, width * sizeof(float));
+    for (int64_t i = 0; i < (direct ? 0 : r); ++i) {
+      std::memcpy(o + (i0 + i) * ldo, staged + i * width, width * sizeof(float));
+    }
   }
 }
 
