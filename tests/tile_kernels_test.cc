@@ -374,6 +374,43 @@ INSTANTIATE_TEST_SUITE_P(Lengths, AddTest,
                            return std::get<0>(info.param) + "_n" + std::to_string(std::get<1>(info.param));
                          });
 
+// (length): whole vectors of 32 and every kind of tail.
+class ToBf16Test : public ::testing::TestWithParam<int> {};
+
+TEST_P(ToBf16Test, RoundsToNearestEvenAndWritesExactlyN) {
+  const int n = GetParam();
+  const TileKernels* k = TileKernelsFor("amx");
+  if (k == nullptr) GTEST_SKIP() << "this CPU (or its kernel) does not run amx";
+  std::vector<float> src = RandomVector(n, 9, 100.0f);
+  // Ties (an odd and an even bf16 neighbour), NaN and infinities where they fit.
+  const float special[] = {1.00390625f, 1.01171875f, std::numeric_limits<float>::quiet_NaN(), -kInf, kInf};
+  for (int j = 0; j < n && j < 5; ++j) src[j] = special[j];
+  std::vector<uint16_t> dst(n + 1, 0xabcd);
+  k->to_bf16(n, src.data(), dst.data());
+  for (int j = 0; j < n; ++j) {
+    if (std::isnan(src[j])) {
+      EXPECT_EQ(dst[j] & 0x7f80, 0x7f80) << j;
+      EXPECT_NE(dst[j] & 0x7f, 0) << "NaN must stay NaN at " << j;
+      continue;
+    }
+    float back;
+    const uint32_t bits = uint32_t{dst[j]} << 16;
+    std::memcpy(&back, &bits, sizeof(back));
+    EXPECT_EQ(back, RoundBf16(src[j])) << j << ": " << src[j];
+  }
+  EXPECT_EQ(dst[n], 0xabcd) << "wrote past n";
+}
+
+INSTANTIATE_TEST_SUITE_P(Lengths, ToBf16Test, ::testing::Values(0, 1, 5, 16, 17, 31, 32, 33, 100));
+
+TEST(TileKernels, Fp32SetsHaveNoBf16Conversion) {
+  for (const char* isa : {"avx512", "avx2", "portable"}) {
+    if (const TileKernels* k = TileKernelsFor(isa); k != nullptr) {
+      EXPECT_EQ(k->to_bf16, nullptr) << isa;
+    }
+  }
+}
+
 TEST(TileKernels, UnknownInstructionSetIsNull) { EXPECT_EQ(TileKernelsFor("sse9"), nullptr); }
 
 TEST(TileKernels, PortableIsOfferedEverywhere) { EXPECT_NE(TileKernelsFor("portable"), nullptr); }

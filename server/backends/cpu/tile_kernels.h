@@ -76,6 +76,10 @@ struct TileKernels {
 
   // x[j] += y[j] for j < n (an additive mask onto a row of scores).
   void (*add)(int64_t n, const float* y, float* x);
+
+  // dst[j] = src[j] rounded to bf16 (to nearest even; NaN stays NaN, subnormals become zero) for j < n; null in the
+  // sets without bf16 instructions (the amx set has it).
+  void (*to_bf16)(int64_t n, const float* src, uint16_t* dst);
 };
 
 // The kernels for `isa` ("amx", "avx512", "avx2", "portable") if this CPU runs them, else nullptr. "amx" needs

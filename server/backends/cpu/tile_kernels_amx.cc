@@ -157,6 +157,21 @@ void PackKeys(int64_t n, int64_t depth, const float* k, int64_t ldk, float* kt_f
   }
 }
 
+void ToBf16Array(int64_t n, const float* src, uint16_t* dst) {
+  int64_t j = 0;
+  for (; j + 32 <= n; j += 32) {
+    const __m512i both = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + j + 16),
+                                                                       _mm512_loadu_ps(src + j)));
+    _mm512_storeu_si512(dst + j, both);
+  }
+  if (j < n) {
+    const __m512 lo = _mm512_maskz_loadu_ps(Mask(n - j), src + j);
+    const __m512 hi = _mm512_maskz_loadu_ps(Mask(n - j - 16), src + j + 16);
+    const __m512i both = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo));
+    _mm512_mask_storeu_epi16(dst + j, static_cast<__mmask32>((uint64_t{1} << (n - j)) - 1), both);
+  }
+}
+
 void PackValues(int64_t n, int64_t width, const float* v, int64_t ldv, float* vp_floats, int64_t panel_stride) {
   uint16_t* vp = reinterpret_cast<uint16_t*>(vp_floats);
   const int64_t pairs = (n + kKeyPanel - 1) / kKeyPanel * kKeyPanel / 2;
@@ -318,6 +333,7 @@ TileKernels MakeKernels(const TileKernels& avx512) {
   k.pack_values = PackValues;
   k.scores = Scores;
   k.values = Values;
+  k.to_bf16 = ToBf16Array;
   return k;
 }
 

@@ -438,6 +438,7 @@ extern const TileKernels kKernels = {Isa::kName,
                                      &OnlineSoftmax,
                                      &Softmax,
                                      &CopyScaled,
-                                     &AddRow};
+                                     &AddRow,
+                                     /*to_bf16=*/nullptr};
 
 #undef MHA_UNROLL
