@@ -1,5 +1,6 @@
 #include "server/backends/cpu/tile_kernels.h"
 
+#include <cpuid.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -29,12 +30,29 @@ bool AmxPermitted() {
   return permitted;
 }
 
+// AMX-TILE, AMX-BF16 and AVX512-BF16 from CPUID leaf 7, and the OS's XCR0 enabling the tile state (bits 17, 18)
+// next to the ZMM state (bits 5..7). Read directly rather than through __builtin_cpu_supports, whose feature names
+// for AMX clang 14 does not know.
+bool CpuHasAmxBf16() {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid(1, &a, &b, &c, &d) || !((c >> 27) & 1)) return false;  // OSXSAVE: xgetbv may run
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+  const bool amx_bf16 = (d >> 22) & 1, amx_tile = (d >> 24) & 1, avx512bw = (b >> 30) & 1;
+  unsigned a1 = 0, b1 = 0, c1 = 0, d1 = 0;
+  if (!__get_cpuid_count(7, 1, &a1, &b1, &c1, &d1)) return false;
+  const bool avx512_bf16 = (a1 >> 5) & 1;
+  if (!(amx_bf16 && amx_tile && avx512bw && avx512_bf16)) return false;
+  unsigned xcr0_lo = 0, xcr0_hi = 0;
+  __asm__("xgetbv" : "=a"(xcr0_lo), "=d"(xcr0_hi) : "c"(0));
+  constexpr unsigned kZmmState = 0xE0, kTileState = 0x60000;
+  return (xcr0_lo & kZmmState) == kZmmState && (xcr0_lo & kTileState) == kTileState;
+}
+
 }  // namespace
 
 const TileKernels* TileKernelsFor(const char* isa) {
   __builtin_cpu_init();
-  if (std::strcmp(isa, "amx") == 0 && __builtin_cpu_supports("amx-bf16") && __builtin_cpu_supports("amx-tile") &&
-      __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") && AmxPermitted()) {
+  if (std::strcmp(isa, "amx") == 0 && CpuHasAmxBf16() && AmxPermitted()) {
     static const TileKernels kAmx = amx::MakeKernels(avx512::kKernels);
     return &kAmx;
   }
