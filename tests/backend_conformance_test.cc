@@ -400,7 +400,7 @@ std::vector<Case> Cases() {
     sdpa.weights = true;
     cases.push_back(WithDtypes(sdpa, in, in));
   }
-  // bf16 layers whose head_dim suits the amx tiles (multiples of 32), where a CPU has them: query blocks, tiles
+  // bf16 layers and attention-core calls whose head_dim suits the amx tiles (multiples of 32), where a CPU has them: query blocks, tiles
   // and key blocks cut at their edges (Tq = 140 is two query blocks of 128, the second 12 rows; Tk = 600 is a key
   // block of 512 and a partial one), GQA, bottom-right causal with Tq < Tk, key lengths (one of them 0: rows with
   // nothing visible), a per-batch mask with a fully masked row, a head mask; with and without weights.
@@ -411,6 +411,13 @@ std::vector<Case> Cases() {
     amx.mask = Mask::kPerBatch;
     amx.weights = weights;
     cases.push_back(WithDtypes(amx, v1::BF16, v1::BF16));
+    // The attention core alone from the wire's bf16 Q, K, V (ScaledDotProductAttention), head_dim 64.
+    Case sdpa = Make(weights ? "bf16_core_sdpa_dk64_masks_weights" : "bf16_core_sdpa_dk64_masks_online", 2, 140, 600,
+                     0, 0, 4, 2, 64);
+    sdpa.sdpa = sdpa.causal = sdpa.key_lengths = true;
+    sdpa.mask = Mask::kPerBatch;
+    sdpa.weights = weights;
+    cases.push_back(WithDtypes(sdpa, v1::BF16, v1::BF16));
   }
   Case amx128 = Make("bf16_core_dk128_gqa_self", 1, 45, 45, 512, 0, 4, 1, 128);
   cases.push_back(WithDtypes(amx128, v1::BF16, v1::FP32));

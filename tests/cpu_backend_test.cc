@@ -2,7 +2,9 @@
 // reference, for every kernel set and with the bf16 path on and off, by backend_conformance_test.cc.
 #include "server/backends/cpu/cpu_backend.h"
 
+#include <cmath>
 #include <string>
+#include <vector>
 
 #include "gtest/gtest.h"
 #include "proto/mha/v1/tensor_codec.h"
@@ -61,6 +63,49 @@ TEST(CpuBackend, AmxKernelsServeBf16CallsWhereTheCpuHasThem) {
   EXPECT_EQ(CpuBackend::Create("amx", /*bf16=*/false).status().code(), absl::StatusCode::kUnavailable);
 }
 
+// Runs a bf16 ScaledDotProductAttention call of 2 x 80 queries against 300 keys, 4 heads of `head_dim` sharing 2
+// KV heads, bottom-right causal; returns its output decoded.
+std::vector<float> RunBf16Sdpa(Backend& backend, int64_t head_dim) {
+  AttentionShape s;
+  s.batch = 2;
+  s.q_len = 80;
+  s.kv_len = 300;
+  s.heads = {4, 2, head_dim, true, 1.0f / std::sqrt(static_cast<float>(head_dim))};
+  const auto bf16 = [](const std::vector<float>& x) {
+    std::vector<uint16_t> y(x.size());
+    EncodeFromFloat(v1::BF16, x.data(), x.size(), y.data());
+    return y;
+  };
+  const std::vector<uint16_t> q = bf16(testing::RandomVector(s.batch * s.q_len * s.heads.q_width(), 1));
+  const std::vector<uint16_t> k = bf16(testing::RandomVector(s.batch * s.kv_len * s.heads.kv_width(), 2));
+  const std::vector<uint16_t> v = bf16(testing::RandomVector(s.batch * s.kv_len * s.heads.kv_width(), 3));
+  std::vector<float> out(q.size());
+  SdpaArgs a;
+  a.shape = s;
+  a.q = {q.data(), v1::BF16};
+  a.k = {k.data(), v1::BF16};
+  a.v = {v.data(), v1::BF16};
+  a.out = {out.data(), v1::FP32};
+  EXPECT_TRUE(backend.ScaledDotProductAttention(a).ok());
+  return out;
+}
+
+TEST(CpuBackend, Bf16AttentionCoreCallsMultiplyOnAmxTilesWhereTheCpuHasThem) {
+  if (kernels::TileKernelsFor("amx") == nullptr || cpu::NativeBf16Matmul().empty()) {
+    GTEST_SKIP() << "this CPU (or its kernel) does not run amx";
+  }
+  absl::StatusOr<std::unique_ptr<CpuBackend>> amx = CpuBackend::Create("amx");
+  absl::StatusOr<std::unique_ptr<CpuBackend>> fp32 = CpuBackend::Create("auto", /*bf16=*/false);
+  ASSERT_TRUE(amx.ok()) << amx.status();
+  ASSERT_TRUE(fp32.ok()) << fp32.status();
+  // The probabilities rounded to bf16 on the tiles: close to the fp32 core's result, not equal to it.
+  const std::vector<float> on_tiles = RunBf16Sdpa(**amx, 64), in_fp32 = RunBf16Sdpa(**fp32, 64);
+  EXPECT_NE(on_tiles, in_fp32);
+  EXPECT_TRUE(testing::AllClose(on_tiles, in_fp32, 3e-2, 3e-2));
+  // A head_dim the tiles do not take runs the fp32 core.
+  EXPECT_EQ(RunBf16Sdpa(**amx, 40), RunBf16Sdpa(**fp32, 40));
+}
+
 TEST(CpuBackend, RunsSmallCallsInline) {
   absl::StatusOr<std::unique_ptr<CpuBackend>> cpu = CpuBackend::Create();
   ASSERT_TRUE(cpu.ok()) << cpu.status();
@@ -97,9 +142,13 @@ TEST(CpuBackend, Bf16LayerCallsComputeInBf16WhereTheCpuHasIt) {
       << (*cpu)->device();
   EXPECT_EQ((*cpu)->ComputeDtype(LayerProblem(v1::FP32)), v1::FP32);
   EXPECT_EQ((*cpu)->ComputeDtype(LayerProblem(v1::FP16)), v1::FP32);  // oneDNN 2.6 has no fp16 matmul on x86
+  // The attention core alone multiplies in bf16 on the amx set only, at the head dims it takes.
   AttentionProblem sdpa = LayerProblem(v1::BF16);
   sdpa.shape.d_model = sdpa.shape.d_kv_in = sdpa.shape.d_v_in = 0;
-  EXPECT_EQ((*cpu)->ComputeDtype(sdpa), v1::FP32);  // the attention core is fp32
+  const bool amx = (*cpu)->device().find("amx tiles") != std::string::npos;
+  EXPECT_EQ((*cpu)->ComputeDtype(sdpa), amx ? v1::BF16 : v1::FP32);
+  sdpa.shape.heads.head_dim = 40;
+  EXPECT_EQ((*cpu)->ComputeDtype(sdpa), v1::FP32);
   absl::StatusOr<std::unique_ptr<CpuBackend>> fp32 = CpuBackend::Create("auto", /*bf16=*/false);
   ASSERT_TRUE(fp32.ok()) << fp32.status();
   EXPECT_EQ((*fp32)->ComputeDtype(LayerProblem(v1::BF16)), v1::FP32);

@@ -250,6 +250,37 @@ void BM_AttentionCore(benchmark::State& state, Shape shape, bool with_weights) {
   TimeAgainstPeak(state, AttentionFlops(args.shape), [&] { return (*backend)->ScaledDotProductAttention(args); });
 }
 
+// The attention core alone on bf16 Q, K, V and output: on the amx tiles (kBf16, where the CPU has them) or the
+// fp32 tiles (kFp32), in the same run.
+void BM_AttentionCoreBf16(benchmark::State& state, Shape shape, Bf16Path path) {
+  if (path == Bf16Path::kBf16 && (kernels::TileKernelsFor("amx") == nullptr || cpu::NativeBf16Matmul().empty())) {
+    state.SkipWithError("no amx on this CPU: a bf16 attention core computes in fp32");
+    return;
+  }
+  auto backend = CpuBackend::Create("auto", path == Bf16Path::kBf16);
+  if (!backend.ok()) {
+    state.SkipWithError("no oneDNN CPU engine");
+    return;
+  }
+  const int64_t dk = shape.d_model / shape.heads;
+  SdpaArgs args;
+  args.shape = ToShape(shape, /*with_projections=*/false);
+  const std::vector<float> q(shape.batch * shape.q_len * shape.heads * dk, 0.5f);
+  std::vector<float> kv(shape.batch * shape.kv_len * shape.kv_heads * dk);
+  for (size_t i = 0; i < kv.size(); ++i) kv[i] = static_cast<float>(i % 7) * 0.1f;
+  std::vector<uint16_t> q16(q.size()), kv16(kv.size()), out16(q.size());
+  EncodeFromFloat(v1::BF16, q.data(), q.size(), q16.data());
+  EncodeFromFloat(v1::BF16, kv.data(), kv.size(), kv16.data());
+  args.q = {q16.data(), v1::BF16};
+  args.k = args.v = {kv16.data(), v1::BF16};
+  args.out = {out16.data(), v1::BF16};
+  if (!(*backend)->ScaledDotProductAttention(args).ok()) {
+    state.SkipWithError("backend failed");
+    return;
+  }
+  TimeAgainstPeak(state, AttentionFlops(args.shape), [&] { return (*backend)->ScaledDotProductAttention(args); });
+}
+
 // The projections alone, as CpuBackend runs them for self-attention without biases: one dnnl_sgemm for the fused
 // Q|K|V product [B*T, d] x [d, (H + 2 Hkv) dk] and one for the output [B*T, H dk] x [H dk, d]. With the core row
 // of the same shape it splits the layer's time (report.py's "where the time goes"). FLOPs: the first three and the
@@ -342,6 +373,11 @@ int main(int argc, char** argv) {
     benchmark::RegisterBenchmark(("core_" + shape.name + "/weights_off").c_str(), BM_AttentionCore, shape, false)
         ->Unit(benchmark::kMillisecond)
         ->UseRealTime();
+    for (const auto& [path, name] : {std::pair{Bf16Path::kBf16, "bf16_path"}, std::pair{Bf16Path::kFp32, "fp32_path"}}) {
+      benchmark::RegisterBenchmark(("bf16_core_" + shape.name + "/" + name).c_str(), BM_AttentionCoreBf16, shape, path)
+          ->Unit(benchmark::kMillisecond)
+          ->UseRealTime();
+    }
     if (shape.causal) continue;  // the same projections as the non-causal shape
     benchmark::RegisterBenchmark(("proj_" + shape.name + "/weights_off").c_str(), BM_Projections, shape)
         ->Unit(benchmark::kMillisecond)

@@ -162,7 +162,10 @@ const kernels::TileKernels& CpuBackend::KernelsFor(int64_t head_dim, bool bf16_o
 }
 
 v1::DataType CpuBackend::ComputeDtype(const AttentionProblem& problem) const {
-  return bf16_ && problem.input_dtype == v1::BF16 && problem.shape.has_projections() ? v1::BF16 : v1::FP32;
+  if (!bf16_ || problem.input_dtype != v1::BF16) return v1::FP32;
+  if (problem.shape.has_projections()) return v1::BF16;
+  // The attention core alone: in bf16 where the amx set takes this head_dim, else fp32.
+  return &KernelsFor(problem.shape.heads.head_dim, /*bf16_operands=*/true) == amx_tiles_ ? v1::BF16 : v1::FP32;
 }
 
 int64_t CpuBackend::WorkspaceBytes(const AttentionProblem& problem) const {
@@ -201,7 +204,12 @@ absl::Status CpuBackend::ScaledDotProductAttention(const SdpaArgs& a) {
   const int64_t q_count = s.batch * s.q_len * h.q_width(), kv_count = s.batch * s.kv_len * h.kv_width();
   const FloatInput q(a.q, q_count), k(a.k, kv_count), v(a.v, kv_count);
   FloatOutput out(a.out, q_count), weights(a.weights, s.batch * h.num_heads * s.q_len * s.kv_len);
-  absl::Status status = cpu::Attend(KernelsFor(h.head_dim), s, a.mask, {q.data(), h.q_width()},
+  // Q, K and V all bf16: they are exact in bf16, so the amx set multiplies them as sent (ComputeDtype).
+  AttentionProblem problem;
+  problem.shape = s;
+  problem.input_dtype = a.q.dtype;
+  const bool bf16 = ComputeDtype(problem) == v1::BF16 && a.k.dtype == v1::BF16 && a.v.dtype == v1::BF16;
+  absl::Status status = cpu::Attend(KernelsFor(h.head_dim, bf16), s, a.mask, {q.data(), h.q_width()},
                                     {k.data(), h.kv_width()}, {v.data(), h.kv_width()}, out.data(), h.q_width(),
                                     weights.data(), stop);
   if (!status.ok()) return status;

@@ -31,8 +31,8 @@ class CpuBackend final : public Backend {
   static constexpr double kInlineMaxFlops = 8e6;
 
   // The tile kernels the attention core may use: "auto" (every set this CPU runs, widest first; a call takes the
-  // first whose vector width divides head_dim, else the widest; a bf16 layer call with head_dim a multiple of 32
-  // takes the amx set where the CPU has it), "amx" (the same, requiring the amx set), or one of the fp32 sets
+  // first whose vector width divides head_dim, else the widest; a bf16 call with head_dim a multiple of 32 takes
+  // the amx set where the CPU has it), "amx" (the same, requiring the amx set), or one of the fp32 sets
   // "avx512", "avx2", "portable" for every call. UNAVAILABLE if oneDNN does not run here or the CPU lacks the
   // requested instructions; INVALID_ARGUMENT for any other name.
   // bf16: bf16 requests project on oneDNN's bf16 matmul (bf16_matmul.h) when this CPU computes bf16 natively
@@ -45,8 +45,8 @@ class CpuBackend final : public Backend {
   // Every shape, dtype and option (16-bit tensors are converted to fp32 at the edges; any head_dim runs on the tile
   // kernels).
   absl::Status Supports(const AttentionProblem& problem) const override { return absl::OkStatus(); }
-  // BF16 for a bf16 layer call when the bf16 projections are on (its attention core multiplies in bf16 on AMX); FP32
-  // otherwise.
+  // BF16 for a bf16 layer call when the bf16 projections are on (its attention core multiplies in bf16 on AMX), and
+  // for a bf16 attention-core call (ScaledDotProductAttention) whose head_dim the amx set takes; FP32 otherwise.
   v1::DataType ComputeDtype(const AttentionProblem& problem) const override;
   // Projections, the concatenated heads, fp32 copies of 16-bit inputs and outputs, and each thread's tile scratch.
   int64_t WorkspaceBytes(const AttentionProblem& problem) const override;
@@ -62,11 +62,12 @@ class CpuBackend final : public Backend {
 
   // The fp32 kernels a call with this head_dim runs on.
   const kernels::TileKernels& KernelsFor(int64_t head_dim) const;
-  // The same, or the amx set when the attention operands come from bf16 projections and head_dim suits it.
+  // The same, or the amx set when the attention operands are bf16 (from bf16 projections or the wire) and head_dim
+  // suits it.
   const kernels::TileKernels& KernelsFor(int64_t head_dim, bool bf16_operands) const;
 
   const std::vector<const kernels::TileKernels*> tile_kernels_;  // in order of preference; never empty
-  const kernels::TileKernels* const amx_tiles_;  // for bf16 layer calls; null when off or not on this CPU
+  const kernels::TileKernels* const amx_tiles_;  // for bf16 calls; null when off or not on this CPU
   const bool bf16_;  // bf16 requests project in bf16
 };
 
