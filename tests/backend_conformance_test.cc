@@ -400,10 +400,11 @@ std::vector<Case> Cases() {
     sdpa.weights = true;
     cases.push_back(WithDtypes(sdpa, in, in));
   }
-  // bf16 layers and attention-core calls whose head_dim suits the amx tiles (multiples of 32), where a CPU has them: query blocks, tiles
-  // and key blocks cut at their edges (Tq = 140 is two query blocks of 128, the second 12 rows; Tk = 600 is a key
-  // block of 512 and a partial one), GQA, bottom-right causal with Tq < Tk, key lengths (one of them 0: rows with
-  // nothing visible), a per-batch mask with a fully masked row, a head mask; with and without weights.
+  // bf16 layers and attention-core calls whose head_dim suits the amx tiles (multiples of 32), where a CPU has
+  // them: query blocks, tiles and key blocks cut at their edges (Tq = 140 is two query blocks of 128, the second 12
+  // rows; Tk = 600 is a key block of 512 and a partial one), GQA, bottom-right causal with Tq < Tk, key lengths (one
+  // of them 0: rows with nothing visible), a per-batch mask with a fully masked row, a head mask; with and without
+  // weights.
   for (bool weights : {false, true}) {
     Case amx = Make(weights ? "bf16_core_dk32_masks_weights" : "bf16_core_dk32_masks_online", 2, 140, 600, 128, 96,
                     4, 2, 32);

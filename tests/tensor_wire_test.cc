@@ -290,7 +290,9 @@ TEST(TensorWire, TagsAndLengthsReadAsProtobufReadsThem) {
     const bool protobuf_ok = protobuf.ParseFromString(bytes);
     const Decoded decoded = Decode(Split(bytes, 3), &message);
     EXPECT_EQ(decoded.status.ok(), protobuf_ok) << absl::CHexEscape(bytes) << ": " << decoded.status;
-    if (protobuf_ok && decoded.status.ok()) EXPECT_EQ(message.SerializeAsString(), protobuf.SerializeAsString());
+    if (protobuf_ok && decoded.status.ok()) {
+      EXPECT_EQ(message.SerializeAsString(), protobuf.SerializeAsString());
+    }
   }
 }
 

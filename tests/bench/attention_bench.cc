@@ -373,8 +373,10 @@ int main(int argc, char** argv) {
     benchmark::RegisterBenchmark(("core_" + shape.name + "/weights_off").c_str(), BM_AttentionCore, shape, false)
         ->Unit(benchmark::kMillisecond)
         ->UseRealTime();
-    for (const auto& [path, name] : {std::pair{Bf16Path::kBf16, "bf16_path"}, std::pair{Bf16Path::kFp32, "fp32_path"}}) {
-      benchmark::RegisterBenchmark(("bf16_core_" + shape.name + "/" + name).c_str(), BM_AttentionCoreBf16, shape, path)
+    for (const auto& [path, name] :
+         {std::pair{Bf16Path::kBf16, "bf16_path"}, std::pair{Bf16Path::kFp32, "fp32_path"}}) {
+      benchmark::RegisterBenchmark(("bf16_core_" + shape.name + "/" + name).c_str(), BM_AttentionCoreBf16, shape,
+                                   path)
           ->Unit(benchmark::kMillisecond)
           ->UseRealTime();
     }
@@ -383,8 +385,19 @@ int main(int argc, char** argv) {
         ->Unit(benchmark::kMillisecond)
         ->UseRealTime();
   }
-  // bf16 requests: the bf16 path against its projections with the fp32 core and against the fp32 path, interleaved, on every shape (the small ones show the cost
-  // of anything done per call); oneDNN's bf16 matmul rate on the large ones.
+  // One long sequence, the attention core alone: K and V of one head (4 MiB at head_dim 64) outgrow L2.
+  const Shape long_sequence{"b1_t8192_d512_h8", 1, 8192, 8192, 512, 8, 8, false};
+  benchmark::RegisterBenchmark(("core_" + long_sequence.name + "/weights_off").c_str(), BM_AttentionCore,
+                               long_sequence, false)
+      ->Unit(benchmark::kMillisecond)
+      ->UseRealTime();
+  benchmark::RegisterBenchmark(("bf16_core_" + long_sequence.name + "/bf16_path").c_str(), BM_AttentionCoreBf16,
+                               long_sequence, Bf16Path::kBf16)
+      ->Unit(benchmark::kMillisecond)
+      ->UseRealTime();
+  // bf16 requests: the bf16 path against its projections with the fp32 core and against the fp32 path,
+  // interleaved, on every shape (the small ones show the cost of anything done per call); oneDNN's bf16 matmul rate
+  // on the large ones.
   for (const Shape& shape : Shapes()) {
     for (const auto& [path, name] : {std::pair{Bf16Path::kBf16, "bf16_path"},
                                      std::pair{Bf16Path::kBf16Fp32Core, "fp32_core"},

@@ -132,17 +132,17 @@ class Worker {
     // Sized to the problem, not the tile constants, so a short sequence with a huge head_dim stays small.
     TileScratch& t = ThreadTileScratch();
     const int64_t panel = plan.panel, dk = s.heads.head_dim;
-    row_max_ = Grown(t.row_max, panel);
-    row_sum_ = Grown(t.row_sum, panel);
+    row_max_ = Grown(t.row_max, plan.row_block);
+    row_sum_ = Grown(t.row_sum, plan.row_block);
     row_factor_ = Grown(t.row_factor, panel);
-    visible_ = Grown(t.visible, panel);
+    visible_ = Grown(t.visible, plan.row_block);
     block_visible_ = Grown(t.block_visible, panel);
     queries_ = Grown(t.queries, plan.row_block * dk);
     keys_t_ = Grown(t.keys_t, plan.kt_size);
     values_ = Grown(t.values, plan.v_size);
     if (weights == nullptr) {
       scores_ = Grown(t.scores, panel * plan.key_block);
-      acc_ = Grown(t.accumulator, panel * dk);
+      acc_ = Grown(t.accumulator, plan.row_block * dk);
     }
   }
 
@@ -161,18 +161,17 @@ class Worker {
                        q_.row_stride, queries_, dk);  // dense and scaled
     const float* additive = mask_.additive == nullptr ? nullptr
                             : mask_.additive + (mask_.additive_per_batch ? it.b * Tq * Tk : 0) + it.i0 * Tk;
+    for (int64_t r = 0; r < it.rows; ++r) visible_[r] = VisibleKeyCount(s_, mask_, it.b, it.i0 + r);
+    float* out = out_ + (it.b * Tq + it.i0) * out_stride_ + it.h * dk;
+    if (weights_ == nullptr) {
+      OnlineSoftmaxItem(it.rows, additive, out, prefetch);
+      return;
+    }
     const int64_t panels = (it.rows + plan_.panel - 1) / plan_.panel;
     for (int64_t p0 = 0; p0 < it.rows; p0 += plan_.panel) {
-      const int64_t rows = std::min(plan_.panel, it.rows - p0);
       prefetch.Until(p0 / plan_.panel + 1, panels);
-      for (int64_t r = 0; r < rows; ++r) visible_[r] = VisibleKeyCount(s_, mask_, it.b, it.i0 + p0 + r);
-      float* out = out_ + (it.b * Tq + it.i0 + p0) * out_stride_ + it.h * dk;
-      const float* panel_mask = additive == nullptr ? nullptr : additive + p0 * Tk;
-      if (weights_ != nullptr) {
-        ExactSoftmaxPanel(it, p0, rows, panel_mask, out);
-      } else {
-        OnlineSoftmaxPanel(p0, rows, panel_mask, out);
-      }
+      ExactSoftmaxPanel(it, p0, std::min(plan_.panel, it.rows - p0),
+                        additive == nullptr ? nullptr : additive + p0 * Tk, out + p0 * out_stride_);
     }
   }
 
@@ -211,20 +210,23 @@ class Worker {
     packed_kv_ = id;
   }
 
-  // Keys at or past the returned count are invisible to every row of the panel (visible counts grow with the row).
-  int64_t PanelKeys(int64_t rows) const { return *std::max_element(visible_, visible_ + rows); }
+  // Keys at or past the returned count are invisible to every row [p0, p0 + rows) of the item.
+  int64_t PanelKeys(int64_t p0, int64_t rows) const {
+    return *std::max_element(visible_ + p0, visible_ + p0 + rows);
+  }
 
   // Rows [p0, p0 + rows) of `it` with weights requested: the exact softmax over whole rows, computed in place in
   // the returned weights [B, H, Tq, Tk], then P V.
   void ExactSoftmaxPanel(const Item& it, int64_t p0, int64_t rows, const float* additive, float* out) {
     const int64_t dk = s_.heads.head_dim, Tq = s_.q_len, Tk = s_.kv_len;
-    const int64_t keys = PanelKeys(rows);
+    const int64_t keys = PanelKeys(p0, rows);
+    const int64_t* visible = visible_ + p0;
     float* p = weights_ + ((it.b * s_.heads.num_heads + it.h) * Tq + it.i0 + p0) * Tk;
     if (keys > 0) tiles_.scores(rows, keys, dk, 1.0f, queries_ + p0 * dk, dk, keys_t_, p, Tk);
     if (additive != nullptr) {
-      for (int64_t r = 0; r < rows; ++r) tiles_.add(visible_[r], additive + r * Tk, p + r * Tk);
+      for (int64_t r = 0; r < rows; ++r) tiles_.add(visible[r], additive + r * Tk, p + r * Tk);
     }
-    tiles_.softmax(rows, Tk, visible_, p, Tk, plan_.log2_units);
+    tiles_.softmax(rows, Tk, visible, p, Tk, plan_.log2_units);
     if (keys > 0) {
       tiles_.values(rows, keys, dk, p, Tk, values_, plan_.v_panel_stride, /*o_scale=*/nullptr, out, out_stride_);
     } else {
@@ -232,29 +234,42 @@ class Worker {
     }
   }
 
-  // Rows [p0, p0 + rows) of the current item without weights: FlashAttention's online softmax over key blocks, a
-  // running max and sum per row and the output accumulator rescaled whenever a row's max grows.
-  void OnlineSoftmaxPanel(int64_t p0, int64_t rows, const float* additive, float* out) {
-    const int64_t dk = s_.heads.head_dim, Tk = s_.kv_len, key_block = plan_.key_block;
-    const int64_t keys = PanelKeys(rows);
+  // The current item's `rows` rows without weights: FlashAttention's online softmax over key blocks, a running max
+  // and sum per row and the output accumulator rescaled whenever a row's max grows. Key blocks outside, panels
+  // inside: a block of packed K^T and V (256 KiB at 512 keys of head_dim 64) stays in L2 for every panel of the item,
+  // where a whole head of a long sequence does not (4 MiB at 8192 keys); each panel still sees its blocks in order,
+  // so the result is what a panel at a time would give. `additive` and `out` point at the item's first row.
+  void OnlineSoftmaxItem(int64_t rows, const float* additive, float* out, RowPrefetch& prefetch) {
+    const int64_t dk = s_.heads.head_dim, Tk = s_.kv_len, key_block = plan_.key_block, panel = plan_.panel;
+    const int64_t panels = (rows + panel - 1) / panel, keys = PanelKeys(0, rows);
+    const int64_t steps = std::max<int64_t>((keys + key_block - 1) / key_block * panels, 1);
     std::fill_n(row_max_, rows, kNegInf);
     std::fill_n(row_sum_, rows, 0.0f);
+    int64_t step = 0;
     for (int64_t j0 = 0; j0 < keys; j0 += key_block) {
-      const int64_t n = std::min(key_block, keys - j0);
-      // j0 is a multiple of key_block, so of the set's key panel and key multiple.
-      tiles_.scores(rows, n, dk, 1.0f, queries_ + p0 * dk, dk, keys_t_ + j0 * dk / tiles_.elements_per_float,
-                    scores_, key_block);
-      for (int64_t r = 0; r < rows; ++r) {
-        block_visible_[r] = std::clamp<int64_t>(visible_[r] - j0, 0, n);
-        if (additive != nullptr) tiles_.add(block_visible_[r], additive + r * Tk + j0, scores_ + r * key_block);
+      for (int64_t p0 = 0; p0 < rows; p0 += panel) {
+        prefetch.Until(++step, steps);
+        const int64_t panel_rows = std::min(panel, rows - p0), panel_keys = PanelKeys(p0, panel_rows);
+        if (j0 >= panel_keys) continue;
+        const int64_t n = std::min(key_block, panel_keys - j0);
+        // j0 is a multiple of key_block, so of the set's key panel and key multiple.
+        tiles_.scores(panel_rows, n, dk, 1.0f, queries_ + p0 * dk, dk, keys_t_ + j0 * dk / tiles_.elements_per_float,
+                      scores_, key_block);
+        for (int64_t r = 0; r < panel_rows; ++r) {
+          block_visible_[r] = std::clamp<int64_t>(visible_[p0 + r] - j0, 0, n);
+          if (additive != nullptr) {
+            tiles_.add(block_visible_[r], additive + (p0 + r) * Tk + j0, scores_ + r * key_block);
+          }
+        }
+        tiles_.online_softmax(panel_rows, n, block_visible_, scores_, key_block, row_max_ + p0, row_sum_ + p0,
+                              row_factor_, plan_.log2_units);
+        // A panel's first block writes its accumulator; later ones rescale it by each row's factor and add.
+        tiles_.values(panel_rows, n, dk, scores_, key_block,
+                      values_ + j0 * tiles_.value_panel / tiles_.elements_per_float, plan_.v_panel_stride,
+                      j0 == 0 ? nullptr : row_factor_, acc_ + p0 * dk, dk);
       }
-      tiles_.online_softmax(rows, n, block_visible_, scores_, key_block, row_max_, row_sum_, row_factor_,
-                            plan_.log2_units);
-      // The first block writes the accumulator; later ones rescale it by each row's factor and add.
-      tiles_.values(rows, n, dk, scores_, key_block, values_ + j0 * tiles_.value_panel / tiles_.elements_per_float,
-                    plan_.v_panel_stride,
-                    j0 == 0 ? nullptr : row_factor_, acc_, dk);
     }
+    prefetch.Until(steps, steps);
     for (int64_t r = 0; r < rows; ++r) {
       float* dst = out + r * out_stride_;
       // The sum is at least 1 when any key is visible (its max contributes exp(0)), 0 when none is, and NaN
@@ -326,8 +341,9 @@ int64_t AttendScratchBytesPerThread(const kernels::TileKernels& tiles, const Att
   AttentionMask no_mask;
   const CorePlan p = PlanBlocks(tiles, shape, no_mask, 1);
   const int64_t dk = shape.heads.head_dim;
-  const int64_t floats = p.row_block * dk + p.kt_size + p.v_size + p.panel * (p.key_block + dk + 3);
-  return floats * static_cast<int64_t>(sizeof(float)) + 2 * p.panel * static_cast<int64_t>(sizeof(int64_t));
+  const int64_t floats = 2 * p.row_block * dk + p.kt_size + p.v_size + p.panel * (p.key_block + 1) + 2 * p.row_block;
+  return floats * static_cast<int64_t>(sizeof(float)) +
+         (p.row_block + p.panel) * static_cast<int64_t>(sizeof(int64_t));
 }
 
 }  // namespace mha::cpu

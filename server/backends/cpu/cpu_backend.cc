@@ -86,7 +86,8 @@ absl::Status Linear(const float* x, int64_t m, int64_t k, int64_t ldx, const flo
     for (int64_t r = 0; r < m; ++r) std::memcpy(y + r * ldy, bias, n * sizeof(float));
   }
   const double flops = 2.0 * static_cast<double>(m) * static_cast<double>(k) * static_cast<double>(n);
-  const int64_t slices = stop == nullptr ? 1 : std::max<int64_t>(1, static_cast<int64_t>(flops / kProjectionSliceFlops));
+  const int64_t slices =
+      stop == nullptr ? 1 : std::max<int64_t>(1, static_cast<int64_t>(flops / kProjectionSliceFlops));
   const int64_t rows = (m + slices - 1) / slices;
   for (int64_t r0 = 0; r0 < m; r0 += rows) {
     if (stop != nullptr) {
