@@ -3,6 +3,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <vector>
 
@@ -13,7 +14,6 @@
 #include "server/backends/cpu/bf16_matmul.h"
 #include "server/backends/cpu/cpu_info.h"
 #include "server/backends/cpu/scratch.h"
-#include "server/backends/float_io.h"
 #include "server/backends/synthetic.h"
 
 namespace mha {
@@ -47,6 +47,8 @@ struct CallScratch {
   cpu::ScratchVector<float> projected;  // Q|K|V projections
   cpu::ScratchVector<float> heads;      // concatenated head outputs [B Tq, H d_k]
   cpu::ScratchVector<uint16_t> heads16;  // the same in bf16, for the bf16 output projection
+  // fp32 copies of 16-bit (or unaligned) inputs and fp32 room for 16-bit outputs (Fp32Input, Fp32Output).
+  cpu::ScratchVector<float> inputs[3], output, weights;
 };
 
 CallScratch& ThreadScratch() {
@@ -62,12 +64,75 @@ class ScratchTrim {
     cpu::ReleaseIfLarge(scratch_.projected, cpu::kKeptCallScratchBytes);
     cpu::ReleaseIfLarge(scratch_.heads, cpu::kKeptCallScratchBytes);
     cpu::ReleaseIfLarge(scratch_.heads16, cpu::kKeptCallScratchBytes);
+    for (cpu::ScratchVector<float>& v : scratch_.inputs) cpu::ReleaseIfLarge(v, kKeptConversionBytes);
+    cpu::ReleaseIfLarge(scratch_.output, kKeptConversionBytes);
+    cpu::ReleaseIfLarge(scratch_.weights, kKeptConversionBytes);
   }
+
+  // Enough for the activations of an (8, 512, 512) call; a larger call's conversion buffers are freed at its end.
+  static constexpr int64_t kKeptConversionBytes = int64_t{16} << 20;
   ScratchTrim(const ScratchTrim&) = delete;
   ScratchTrim& operator=(const ScratchTrim&) = delete;
 
  private:
   CallScratch& scratch_;
+};
+
+// Converts n elements between the wire's dtype and fp32 on the calling thread's OpenMP team, in chunks.
+template <typename Convert>
+void ConvertInParallel(int64_t n, Convert convert) {
+  constexpr int64_t kChunk = int64_t{1} << 16;
+  const int64_t chunks = (n + kChunk - 1) / kChunk;
+#pragma omp parallel for schedule(static) if (chunks > 1)
+  for (int64_t c = 0; c < chunks; ++c) convert(c * kChunk, std::min(kChunk, n - c * kChunk));
+}
+
+bool IsAlignedFp32(v1::DataType dtype, const void* data) {
+  return dtype == v1::FP32 && reinterpret_cast<uintptr_t>(data) % alignof(float) == 0;
+}
+
+// An fp32 view of `count` elements of `tensor` (as float_io.h's FloatInput): its own bytes when they are aligned
+// fp32, else a copy decoded by the call's threads into `buffer`, which the thread keeps across calls: a fresh 8 MB
+// buffer per call paid for its page faults, more than for the decoding. Null for a tensor without data.
+const float* Fp32Input(const ConstTensor& tensor, int64_t count, cpu::ScratchVector<float>& buffer) {
+  if (tensor.data == nullptr) return nullptr;
+  if (IsAlignedFp32(tensor.dtype, tensor.data)) return static_cast<const float*>(tensor.data);
+  float* dst = cpu::Grown(buffer, count);
+  const size_t size = DTypeSize(tensor.dtype);
+  ConvertInParallel(count, [&](int64_t i0, int64_t n) {
+    DecodeToFloat(tensor.dtype, static_cast<const char*>(tensor.data) + i0 * size, n, dst + i0);
+  });
+  return dst;
+}
+
+// fp32 room for `count` elements of `tensor` (as float_io.h's FloatOutput): its own bytes when they are aligned
+// fp32, else `buffer` (kept across calls), encoded into the tensor by the call's threads in Finish(). An
+// unrequested tensor gives nullptr.
+class Fp32Output {
+ public:
+  Fp32Output(const MutableTensor& tensor, int64_t count, cpu::ScratchVector<float>& buffer)
+      : tensor_(tensor), count_(count) {
+    if (!tensor.requested()) return;
+    data_ = IsAlignedFp32(tensor.dtype, tensor.data) ? static_cast<float*>(tensor.data)
+                                                     : (staged_ = cpu::Grown(buffer, count));
+  }
+  Fp32Output(const Fp32Output&) = delete;
+  Fp32Output& operator=(const Fp32Output&) = delete;
+
+  float* data() { return data_; }
+  void Finish() {
+    if (staged_ == nullptr) return;
+    const size_t size = DTypeSize(tensor_.dtype);
+    ConvertInParallel(count_, [&](int64_t i0, int64_t n) {
+      EncodeFromFloat(tensor_.dtype, staged_ + i0, n, static_cast<char*>(tensor_.data) + i0 * size);
+    });
+  }
+
+ private:
+  const MutableTensor tensor_;
+  const int64_t count_;
+  float* data_ = nullptr;
+  float* staged_ = nullptr;
 };
 
 // Calls above this many FLOPs poll their StopSignal; smaller ones finish within a millisecond anyway.
@@ -203,16 +268,20 @@ absl::Status CpuBackend::ScaledDotProductAttention(const SdpaArgs& a) {
   ScopedOmpThreads threads(flops <= kSerialFlops ? 1 : omp_get_max_threads());
   const StopSignal* stop = flops > kStopCheckFlops ? a.stop : nullptr;
   const int64_t q_count = s.batch * s.q_len * h.q_width(), kv_count = s.batch * s.kv_len * h.kv_width();
-  const FloatInput q(a.q, q_count), k(a.k, kv_count), v(a.v, kv_count);
-  FloatOutput out(a.out, q_count), weights(a.weights, s.batch * h.num_heads * s.q_len * s.kv_len);
+  CallScratch& scratch = ThreadScratch();
+  const ScratchTrim trim(scratch);
+  const float* q = Fp32Input(a.q, q_count, scratch.inputs[0]);
+  const float* k = Fp32Input(a.k, kv_count, scratch.inputs[1]);
+  const float* v = Fp32Input(a.v, kv_count, scratch.inputs[2]);
+  Fp32Output out(a.out, q_count, scratch.output);
+  Fp32Output weights(a.weights, s.batch * h.num_heads * s.q_len * s.kv_len, scratch.weights);
   // Q, K and V all bf16: they are exact in bf16, so the amx set multiplies them as sent (ComputeDtype).
   AttentionProblem problem;
   problem.shape = s;
   problem.input_dtype = a.q.dtype;
   const bool bf16 = ComputeDtype(problem) == v1::BF16 && a.k.dtype == v1::BF16 && a.v.dtype == v1::BF16;
-  absl::Status status = cpu::Attend(KernelsFor(h.head_dim, bf16), s, a.mask, {q.data(), h.q_width()},
-                                    {k.data(), h.kv_width()}, {v.data(), h.kv_width()}, out.data(), h.q_width(),
-                                    weights.data(), stop);
+  absl::Status status = cpu::Attend(KernelsFor(h.head_dim, bf16), s, a.mask, {q, h.q_width()}, {k, h.kv_width()},
+                                    {v, h.kv_width()}, out.data(), h.q_width(), weights.data(), stop);
   if (!status.ok()) return status;
   out.Finish();
   weights.Finish();
@@ -240,11 +309,13 @@ absl::Status CpuBackend::MultiHeadAttention(const MhaArgs& a) {
   const bool bf16 = ComputeDtype(problem) == v1::BF16 &&
                     (a.kv_source == KvSource::kQuery || a.key.dtype == v1::BF16) &&
                     (a.kv_source != KvSource::kKeyValue || a.value.dtype == v1::BF16);
-  const FloatInput query(bf16 ? ConstTensor{} : a.query, q_rows * s.d_model);
-  const FloatInput key(bf16 || a.kv_source == KvSource::kQuery ? ConstTensor{} : a.key, kv_rows * s.d_kv_in);
-  const FloatInput value(!bf16 && a.kv_source == KvSource::kKeyValue ? a.value : ConstTensor{}, kv_rows * s.d_v_in);
-  const float* key_data = a.kv_source == KvSource::kQuery ? query.data() : key.data();
-  const float* value_data = a.kv_source == KvSource::kKeyValue ? value.data() : key_data;
+  const float* query = Fp32Input(bf16 ? ConstTensor{} : a.query, q_rows * s.d_model, scratch.inputs[0]);
+  const float* key = Fp32Input(bf16 || a.kv_source == KvSource::kQuery ? ConstTensor{} : a.key, kv_rows * s.d_kv_in,
+                               scratch.inputs[1]);
+  const float* value = Fp32Input(!bf16 && a.kv_source == KvSource::kKeyValue ? a.value : ConstTensor{},
+                                 kv_rows * s.d_v_in, scratch.inputs[2]);
+  const float* key_data = a.kv_source == KvSource::kQuery ? query : key;
+  const float* value_data = a.kv_source == KvSource::kKeyValue ? value : key_data;
   const void* key_bytes = a.kv_source == KvSource::kQuery ? a.query.data : a.key.data;
   const void* value_bytes = a.kv_source == KvSource::kKeyValue ? a.value.data : key_bytes;
   // y = x W + b on the path this call takes; x is fp32 (sgemm) or the wire's bf16 bytes.
@@ -262,7 +333,7 @@ absl::Status CpuBackend::MultiHeadAttention(const MhaArgs& a) {
     const int64_t width = q_width + 2 * kv_width;
     float* projected = cpu::Grown(scratch.projected, q_rows * width);
     absl::Status status =
-        project(query.data(), a.query.data, q_rows, s.d_model, w.w_q, w.ld_q, w.b_q, width, projected, width);
+        project(query, a.query.data, q_rows, s.d_model, w.w_q, w.ld_q, w.b_q, width, projected, width);
     if (!status.ok()) return status;
     q = {projected, width};
     k = {projected + q_width, width};
@@ -272,7 +343,7 @@ absl::Status CpuBackend::MultiHeadAttention(const MhaArgs& a) {
     float* kp = qp + q_rows * q_width;
     float* vp = kp + kv_rows * kv_width;
     absl::Status status =
-        project(query.data(), a.query.data, q_rows, s.d_model, w.w_q, w.ld_q, w.b_q, q_width, qp, q_width);
+        project(query, a.query.data, q_rows, s.d_model, w.w_q, w.ld_q, w.b_q, q_width, qp, q_width);
     if (status.ok()) {
       status = project(key_data, key_bytes, kv_rows, s.d_kv_in, w.w_k, w.ld_k, w.b_k, kv_width, kp, kv_width);
     }
@@ -285,7 +356,7 @@ absl::Status CpuBackend::MultiHeadAttention(const MhaArgs& a) {
     v = {vp, kv_width};
   }
 
-  FloatOutput weights(a.attention_weights, s.batch * h.num_heads * s.q_len * s.kv_len);
+  Fp32Output weights(a.attention_weights, s.batch * h.num_heads * s.q_len * s.kv_len, scratch.weights);
   float* heads = cpu::Grown(scratch.heads, q_rows * q_width);
   if (absl::Status status = cpu::Attend(KernelsFor(h.head_dim, bf16), s, a.mask, q, k, v, heads, q_width,
                                         weights.data(), stop);
@@ -325,14 +396,14 @@ absl::Status CpuBackend::MultiHeadAttention(const MhaArgs& a) {
       return cpu::MatmulBf16(heads16, q_rows, q_width, q_width, w_o, w.b_o, s.d_model, a.out.data,
                              cpu::MatmulOut::kBF16, s.d_model, stop);
     }
-    FloatOutput out(a.out, q_rows * s.d_model);
+    Fp32Output out(a.out, q_rows * s.d_model, scratch.output);
     absl::Status status = cpu::MatmulBf16(heads16, q_rows, q_width, q_width, w_o, w.b_o, s.d_model, out.data(),
                                           cpu::MatmulOut::kF32, s.d_model, stop);
     if (!status.ok()) return status;
     out.Finish();
     return absl::OkStatus();
   }
-  FloatOutput out(a.out, q_rows * s.d_model);
+  Fp32Output out(a.out, q_rows * s.d_model, scratch.output);
   absl::Status status = Linear(heads, q_rows, q_width, q_width, w.w_o, s.d_model, w.b_o, s.d_model, out.data(),
                                s.d_model, stop);
   if (!status.ok()) return status;
