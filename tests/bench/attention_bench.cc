@@ -223,6 +223,16 @@ void BM_Bf16Matmul(benchmark::State& state, Shape shape) {
   TimeAgainstPeak(state, 2.0 * m * k * n, call);
 }
 
+// Head-packed fp32 Q [B, Tq, H, d_k] and one tensor for K and V [B, Tk, Hkv, d_k] for the attention-core rows.
+struct CoreOperands {
+  explicit CoreOperands(const Shape& shape)
+      : q(shape.batch * shape.q_len * shape.d_model, 0.5f),
+        kv(shape.batch * shape.kv_len * shape.kv_heads * (shape.d_model / shape.heads)) {
+    for (size_t i = 0; i < kv.size(); ++i) kv[i] = static_cast<float>(i % 7) * 0.1f;
+  }
+  std::vector<float> q, kv;
+};
+
 // The attention core alone (ScaledDotProductAttention on head-packed Q, K, V): no projections, so the FLOPs are
 // 4 B H d_k times the visible pairs, and the causal saving shows undiluted.
 void BM_AttentionCore(benchmark::State& state, Shape shape, bool with_weights) {
@@ -231,12 +241,11 @@ void BM_AttentionCore(benchmark::State& state, Shape shape, bool with_weights) {
     state.SkipWithError("no oneDNN CPU engine");
     return;
   }
-  const int64_t dk = shape.d_model / shape.heads;
   SdpaArgs args;
   args.shape = ToShape(shape, /*with_projections=*/false);
-  std::vector<float> q(shape.batch * shape.q_len * shape.heads * dk, 0.5f);
-  std::vector<float> kv(shape.batch * shape.kv_len * shape.kv_heads * dk);
-  for (size_t i = 0; i < kv.size(); ++i) kv[i] = static_cast<float>(i % 7) * 0.1f;
+  CoreOperands operands(shape);
+  std::vector<float>& q = operands.q;
+  std::vector<float>& kv = operands.kv;
   std::vector<float> out(q.size()), weights;
   if (with_weights) weights.resize(shape.batch * shape.heads * shape.q_len * shape.kv_len);
   args.q = {q.data(), v1::FP32};
@@ -262,12 +271,11 @@ void BM_AttentionCoreBf16(benchmark::State& state, Shape shape, Bf16Path path) {
     state.SkipWithError("no oneDNN CPU engine");
     return;
   }
-  const int64_t dk = shape.d_model / shape.heads;
   SdpaArgs args;
   args.shape = ToShape(shape, /*with_projections=*/false);
-  const std::vector<float> q(shape.batch * shape.q_len * shape.heads * dk, 0.5f);
-  std::vector<float> kv(shape.batch * shape.kv_len * shape.kv_heads * dk);
-  for (size_t i = 0; i < kv.size(); ++i) kv[i] = static_cast<float>(i % 7) * 0.1f;
+  const CoreOperands operands(shape);
+  const std::vector<float>& q = operands.q;
+  const std::vector<float>& kv = operands.kv;
   std::vector<uint16_t> q16(q.size()), kv16(kv.size()), out16(q.size());
   EncodeFromFloat(v1::BF16, q.data(), q.size(), q16.data());
   EncodeFromFloat(v1::BF16, kv.data(), kv.size(), kv16.data());
