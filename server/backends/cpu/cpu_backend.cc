@@ -59,6 +59,9 @@ CallScratch& ThreadScratch() {
 // Frees the calling thread's call scratch beyond cpu::kKeptCallScratchBytes when a call ends, however it ends.
 class ScratchTrim {
  public:
+  // Enough for the activations of an (8, 512, 512) call; a larger call's conversion buffers are freed at its end.
+  static constexpr int64_t kKeptConversionBytes = int64_t{16} << 20;
+
   explicit ScratchTrim(CallScratch& scratch) : scratch_(scratch) {}
   ~ScratchTrim() {
     cpu::ReleaseIfLarge(scratch_.projected, cpu::kKeptCallScratchBytes);
@@ -68,9 +71,6 @@ class ScratchTrim {
     cpu::ReleaseIfLarge(scratch_.output, kKeptConversionBytes);
     cpu::ReleaseIfLarge(scratch_.weights, kKeptConversionBytes);
   }
-
-  // Enough for the activations of an (8, 512, 512) call; a larger call's conversion buffers are freed at its end.
-  static constexpr int64_t kKeptConversionBytes = int64_t{16} << 20;
   ScratchTrim(const ScratchTrim&) = delete;
   ScratchTrim& operator=(const ScratchTrim&) = delete;
 
