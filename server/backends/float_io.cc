@@ -7,33 +7,55 @@
 namespace mha {
 namespace {
 
-bool IsAlignedFloat(const void* p) { return reinterpret_cast<uintptr_t>(p) % alignof(float) == 0; }
+bool IsAlignedFp32(v1::DataType dtype, const void* data) {
+  return dtype == v1::FP32 && reinterpret_cast<uintptr_t>(data) % alignof(float) == 0;
+}
+
+float* Room(int64_t count, ConversionSpace* space, std::vector<float>& own) {
+  if (space != nullptr) return space->Room(count);
+  own.resize(count);
+  return own.data();
+}
+
+void ForEachPiece(int64_t count, ConversionSpace* space, absl::FunctionRef<void(int64_t, int64_t)> convert) {
+  if (space != nullptr) {
+    space->ForEachPiece(count, convert);
+  } else {
+    convert(0, count);
+  }
+}
 
 }  // namespace
 
-FloatInput::FloatInput(const ConstTensor& tensor, int64_t count) {
+FloatInput::FloatInput(const ConstTensor& tensor, int64_t count, ConversionSpace* space) {
   if (tensor.data == nullptr) return;
-  if (tensor.dtype == v1::FP32 && IsAlignedFloat(tensor.data)) {
+  if (IsAlignedFp32(tensor.dtype, tensor.data)) {
     data_ = static_cast<const float*>(tensor.data);
     return;
   }
-  storage_.resize(count);
-  DecodeToFloat(tensor.dtype, tensor.data, count, storage_.data());
-  data_ = storage_.data();
+  float* dst = Room(count, space, storage_);
+  const char* src = static_cast<const char*>(tensor.data);
+  const size_t size = DTypeSize(tensor.dtype);
+  ForEachPiece(count, space, [&](int64_t begin, int64_t n) {
+    DecodeToFloat(tensor.dtype, src + begin * size, n, dst + begin);
+  });
+  data_ = dst;
 }
 
-FloatOutput::FloatOutput(const MutableTensor& tensor, int64_t count) : tensor_(tensor), count_(count) {
+FloatOutput::FloatOutput(const MutableTensor& tensor, int64_t count, ConversionSpace* space)
+    : tensor_(tensor), count_(count), space_(space) {
   if (!tensor.requested()) return;
-  if (tensor.dtype == v1::FP32 && IsAlignedFloat(tensor.data)) {
-    data_ = static_cast<float*>(tensor.data);
-    return;
-  }
-  storage_.resize(count);
-  data_ = storage_.data();
+  data_ = IsAlignedFp32(tensor.dtype, tensor.data) ? static_cast<float*>(tensor.data)
+                                                   : (staged_ = Room(count, space, storage_));
 }
 
 void FloatOutput::Finish() {
-  if (!storage_.empty()) EncodeFromFloat(tensor_.dtype, storage_.data(), count_, tensor_.data);
+  if (staged_ == nullptr) return;
+  char* dst = static_cast<char*>(tensor_.data);
+  const size_t size = DTypeSize(tensor_.dtype);
+  ForEachPiece(count_, space_, [&](int64_t begin, int64_t n) {
+    EncodeFromFloat(tensor_.dtype, staged_ + begin, n, dst + begin * size);
+  });
 }
 
 }  // namespace mha

@@ -7,15 +7,29 @@
 #include <cstdint>
 #include <vector>
 
+#include "absl/functional/function_ref.h"
 #include "server/backends/backend.h"
 
 namespace mha {
 
-// An fp32 view of `count` elements of `tensor`: its own bytes when they are aligned fp32, else a decoded copy.
-// A tensor with no data gives nullptr.
+// Where FloatInput and FloatOutput put an fp32 copy, and which threads convert it. Without one they use a vector of
+// their own and the calling thread; the CPU backend passes buffers its threads keep across calls and its OpenMP
+// team. Used by one call at a time.
+class ConversionSpace {
+ public:
+  virtual ~ConversionSpace() = default;
+  // At least `count` floats, valid until the next Room() call.
+  virtual float* Room(int64_t count) = 0;
+  // Calls convert(begin, n) on pieces that cover [0, count) once each, possibly on several threads at a time, and
+  // returns when all are done.
+  virtual void ForEachPiece(int64_t count, absl::FunctionRef<void(int64_t begin, int64_t n)> convert) = 0;
+};
+
+// An fp32 view of `count` elements of `tensor`: its own bytes when they are aligned fp32, else a decoded copy (in
+// `space` when given; it must outlive this object). A tensor with no data gives nullptr.
 class FloatInput {
  public:
-  FloatInput(const ConstTensor& tensor, int64_t count);
+  FloatInput(const ConstTensor& tensor, int64_t count, ConversionSpace* space = nullptr);
   FloatInput(const FloatInput&) = delete;
   FloatInput& operator=(const FloatInput&) = delete;
 
@@ -27,10 +41,11 @@ class FloatInput {
 };
 
 // fp32 room for `count` elements of `tensor`: the backend writes fp32 into data(), then Finish() encodes it into the
-// tensor's dtype (nothing to do when data() already is the tensor's bytes). An unrequested tensor gives nullptr.
+// tensor's dtype (nothing to do when data() already is the tensor's bytes). The room is in `space` when given (it
+// must outlive this object). An unrequested tensor gives nullptr.
 class FloatOutput {
  public:
-  FloatOutput(const MutableTensor& tensor, int64_t count);
+  FloatOutput(const MutableTensor& tensor, int64_t count, ConversionSpace* space = nullptr);
   FloatOutput(const FloatOutput&) = delete;
   FloatOutput& operator=(const FloatOutput&) = delete;
 
@@ -38,10 +53,12 @@ class FloatOutput {
   void Finish();
 
  private:
-  MutableTensor tensor_;
-  int64_t count_;
+  const MutableTensor tensor_;
+  const int64_t count_;
+  ConversionSpace* const space_;
   std::vector<float> storage_;
   float* data_ = nullptr;
+  float* staged_ = nullptr;  // data_ when it is a copy to encode, else null
 };
 
 }  // namespace mha

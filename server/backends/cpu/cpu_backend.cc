@@ -14,6 +14,7 @@
 #include "server/backends/cpu/bf16_matmul.h"
 #include "server/backends/cpu/cpu_info.h"
 #include "server/backends/cpu/scratch.h"
+#include "server/backends/float_io.h"
 #include "server/backends/synthetic.h"
 
 namespace mha {
@@ -41,14 +42,32 @@ class ScopedOmpThreads {
   const int saved_dynamic_;
 };
 
+// Where FloatInput and FloatOutput convert on this backend: a buffer the calling thread keeps across calls (a fresh
+// 8 MB buffer per call paid for its page faults, more than for the conversion), converted by the calling thread's
+// OpenMP team in pieces of 64K elements.
+class KeptBuffer final : public ConversionSpace {
+ public:
+  float* Room(int64_t count) override { return cpu::Grown(buffer_, count); }
+  void ForEachPiece(int64_t count, absl::FunctionRef<void(int64_t, int64_t)> convert) override {
+    constexpr int64_t kPiece = int64_t{1} << 16;
+    const int64_t pieces = (count + kPiece - 1) / kPiece;
+#pragma omp parallel for schedule(static) if (pieces > 1)
+    for (int64_t p = 0; p < pieces; ++p) convert(p * kPiece, std::min(kPiece, count - p * kPiece));
+  }
+  void ReleaseIfLarge(int64_t kept) { cpu::ReleaseIfLarge(buffer_, kept); }
+
+ private:
+  cpu::ScratchVector<float> buffer_;
+};
+
 // Buffers a MultiHeadAttention call reuses from the previous call on the same thread (grown on demand, kept up to
 // cpu::kKeptCallScratchBytes each): per thread, so that concurrent calls never share them.
 struct CallScratch {
   cpu::ScratchVector<float> projected;  // Q|K|V projections
   cpu::ScratchVector<float> heads;      // concatenated head outputs [B Tq, H d_k]
   cpu::ScratchVector<uint16_t> heads16;  // the same in bf16, for the bf16 output projection
-  // fp32 copies of 16-bit (or unaligned) inputs and fp32 room for 16-bit outputs (Fp32Input, Fp32Output).
-  cpu::ScratchVector<float> inputs[3], output, weights;
+  // fp32 copies of 16-bit (or unaligned) inputs and fp32 room for 16-bit outputs.
+  KeptBuffer inputs[3], output, weights;
 };
 
 CallScratch& ThreadScratch() {
@@ -67,72 +86,15 @@ class ScratchTrim {
     cpu::ReleaseIfLarge(scratch_.projected, cpu::kKeptCallScratchBytes);
     cpu::ReleaseIfLarge(scratch_.heads, cpu::kKeptCallScratchBytes);
     cpu::ReleaseIfLarge(scratch_.heads16, cpu::kKeptCallScratchBytes);
-    for (cpu::ScratchVector<float>& v : scratch_.inputs) cpu::ReleaseIfLarge(v, kKeptConversionBytes);
-    cpu::ReleaseIfLarge(scratch_.output, kKeptConversionBytes);
-    cpu::ReleaseIfLarge(scratch_.weights, kKeptConversionBytes);
+    for (KeptBuffer& buffer : scratch_.inputs) buffer.ReleaseIfLarge(kKeptConversionBytes);
+    scratch_.output.ReleaseIfLarge(kKeptConversionBytes);
+    scratch_.weights.ReleaseIfLarge(kKeptConversionBytes);
   }
   ScratchTrim(const ScratchTrim&) = delete;
   ScratchTrim& operator=(const ScratchTrim&) = delete;
 
  private:
   CallScratch& scratch_;
-};
-
-// Converts n elements between the wire's dtype and fp32 on the calling thread's OpenMP team, in chunks.
-template <typename Convert>
-void ConvertInParallel(int64_t n, Convert convert) {
-  constexpr int64_t kChunk = int64_t{1} << 16;
-  const int64_t chunks = (n + kChunk - 1) / kChunk;
-#pragma omp parallel for schedule(static) if (chunks > 1)
-  for (int64_t c = 0; c < chunks; ++c) convert(c * kChunk, std::min(kChunk, n - c * kChunk));
-}
-
-bool IsAlignedFp32(v1::DataType dtype, const void* data) {
-  return dtype == v1::FP32 && reinterpret_cast<uintptr_t>(data) % alignof(float) == 0;
-}
-
-// An fp32 view of `count` elements of `tensor` (as float_io.h's FloatInput): its own bytes when they are aligned
-// fp32, else a copy decoded by the call's threads into `buffer`, which the thread keeps across calls: a fresh 8 MB
-// buffer per call paid for its page faults, more than for the decoding. Null for a tensor without data.
-const float* Fp32Input(const ConstTensor& tensor, int64_t count, cpu::ScratchVector<float>& buffer) {
-  if (tensor.data == nullptr) return nullptr;
-  if (IsAlignedFp32(tensor.dtype, tensor.data)) return static_cast<const float*>(tensor.data);
-  float* dst = cpu::Grown(buffer, count);
-  const size_t size = DTypeSize(tensor.dtype);
-  ConvertInParallel(count, [&](int64_t i0, int64_t n) {
-    DecodeToFloat(tensor.dtype, static_cast<const char*>(tensor.data) + i0 * size, n, dst + i0);
-  });
-  return dst;
-}
-
-// fp32 room for `count` elements of `tensor` (as float_io.h's FloatOutput): its own bytes when they are aligned
-// fp32, else `buffer` (kept across calls), encoded into the tensor by the call's threads in Finish(). An
-// unrequested tensor gives nullptr.
-class Fp32Output {
- public:
-  Fp32Output(const MutableTensor& tensor, int64_t count, cpu::ScratchVector<float>& buffer)
-      : tensor_(tensor), count_(count) {
-    if (!tensor.requested()) return;
-    data_ = IsAlignedFp32(tensor.dtype, tensor.data) ? static_cast<float*>(tensor.data)
-                                                     : (staged_ = cpu::Grown(buffer, count));
-  }
-  Fp32Output(const Fp32Output&) = delete;
-  Fp32Output& operator=(const Fp32Output&) = delete;
-
-  float* data() { return data_; }
-  void Finish() {
-    if (staged_ == nullptr) return;
-    const size_t size = DTypeSize(tensor_.dtype);
-    ConvertInParallel(count_, [&](int64_t i0, int64_t n) {
-      EncodeFromFloat(tensor_.dtype, staged_ + i0, n, static_cast<char*>(tensor_.data) + i0 * size);
-    });
-  }
-
- private:
-  const MutableTensor tensor_;
-  const int64_t count_;
-  float* data_ = nullptr;
-  float* staged_ = nullptr;
 };
 
 // Calls above this many FLOPs poll their StopSignal; smaller ones finish within a millisecond anyway.
@@ -270,18 +232,19 @@ absl::Status CpuBackend::ScaledDotProductAttention(const SdpaArgs& a) {
   const int64_t q_count = s.batch * s.q_len * h.q_width(), kv_count = s.batch * s.kv_len * h.kv_width();
   CallScratch& scratch = ThreadScratch();
   const ScratchTrim trim(scratch);
-  const float* q = Fp32Input(a.q, q_count, scratch.inputs[0]);
-  const float* k = Fp32Input(a.k, kv_count, scratch.inputs[1]);
-  const float* v = Fp32Input(a.v, kv_count, scratch.inputs[2]);
-  Fp32Output out(a.out, q_count, scratch.output);
-  Fp32Output weights(a.weights, s.batch * h.num_heads * s.q_len * s.kv_len, scratch.weights);
+  const FloatInput q(a.q, q_count, &scratch.inputs[0]);
+  const FloatInput k(a.k, kv_count, &scratch.inputs[1]);
+  const FloatInput v(a.v, kv_count, &scratch.inputs[2]);
+  FloatOutput out(a.out, q_count, &scratch.output);
+  FloatOutput weights(a.weights, s.batch * h.num_heads * s.q_len * s.kv_len, &scratch.weights);
   // Q, K and V all bf16: they are exact in bf16, so the amx set multiplies them as sent (ComputeDtype).
   AttentionProblem problem;
   problem.shape = s;
   problem.input_dtype = a.q.dtype;
   const bool bf16 = ComputeDtype(problem) == v1::BF16 && a.k.dtype == v1::BF16 && a.v.dtype == v1::BF16;
-  absl::Status status = cpu::Attend(KernelsFor(h.head_dim, bf16), s, a.mask, {q, h.q_width()}, {k, h.kv_width()},
-                                    {v, h.kv_width()}, out.data(), h.q_width(), weights.data(), stop);
+  absl::Status status =
+      cpu::Attend(KernelsFor(h.head_dim, bf16), s, a.mask, {q.data(), h.q_width()}, {k.data(), h.kv_width()},
+                  {v.data(), h.kv_width()}, out.data(), h.q_width(), weights.data(), stop);
   if (!status.ok()) return status;
   out.Finish();
   weights.Finish();
@@ -309,11 +272,14 @@ absl::Status CpuBackend::MultiHeadAttention(const MhaArgs& a) {
   const bool bf16 = ComputeDtype(problem) == v1::BF16 &&
                     (a.kv_source == KvSource::kQuery || a.key.dtype == v1::BF16) &&
                     (a.kv_source != KvSource::kKeyValue || a.value.dtype == v1::BF16);
-  const float* query = Fp32Input(bf16 ? ConstTensor{} : a.query, q_rows * s.d_model, scratch.inputs[0]);
-  const float* key = Fp32Input(bf16 || a.kv_source == KvSource::kQuery ? ConstTensor{} : a.key, kv_rows * s.d_kv_in,
-                               scratch.inputs[1]);
-  const float* value = Fp32Input(!bf16 && a.kv_source == KvSource::kKeyValue ? a.value : ConstTensor{},
-                                 kv_rows * s.d_v_in, scratch.inputs[2]);
+  const FloatInput query_in(bf16 ? ConstTensor{} : a.query, q_rows * s.d_model, &scratch.inputs[0]);
+  const FloatInput key_in(bf16 || a.kv_source == KvSource::kQuery ? ConstTensor{} : a.key, kv_rows * s.d_kv_in,
+                          &scratch.inputs[1]);
+  const FloatInput value_in(!bf16 && a.kv_source == KvSource::kKeyValue ? a.value : ConstTensor{},
+                            kv_rows * s.d_v_in, &scratch.inputs[2]);
+  const float* query = query_in.data();
+  const float* key = key_in.data();
+  const float* value = value_in.data();
   const float* key_data = a.kv_source == KvSource::kQuery ? query : key;
   const float* value_data = a.kv_source == KvSource::kKeyValue ? value : key_data;
   const void* key_bytes = a.kv_source == KvSource::kQuery ? a.query.data : a.key.data;
@@ -356,7 +322,7 @@ absl::Status CpuBackend::MultiHeadAttention(const MhaArgs& a) {
     v = {vp, kv_width};
   }
 
-  Fp32Output weights(a.attention_weights, s.batch * h.num_heads * s.q_len * s.kv_len, scratch.weights);
+  FloatOutput weights(a.attention_weights, s.batch * h.num_heads * s.q_len * s.kv_len, &scratch.weights);
   float* heads = cpu::Grown(scratch.heads, q_rows * q_width);
   if (absl::Status status = cpu::Attend(KernelsFor(h.head_dim, bf16), s, a.mask, q, k, v, heads, q_width,
                                         weights.data(), stop);
@@ -396,14 +362,14 @@ absl::Status CpuBackend::MultiHeadAttention(const MhaArgs& a) {
       return cpu::MatmulBf16(heads16, q_rows, q_width, q_width, w_o, w.b_o, s.d_model, a.out.data,
                              cpu::MatmulOut::kBF16, s.d_model, stop);
     }
-    Fp32Output out(a.out, q_rows * s.d_model, scratch.output);
+    FloatOutput out(a.out, q_rows * s.d_model, &scratch.output);
     absl::Status status = cpu::MatmulBf16(heads16, q_rows, q_width, q_width, w_o, w.b_o, s.d_model, out.data(),
                                           cpu::MatmulOut::kF32, s.d_model, stop);
     if (!status.ok()) return status;
     out.Finish();
     return absl::OkStatus();
   }
-  Fp32Output out(a.out, q_rows * s.d_model, scratch.output);
+  FloatOutput out(a.out, q_rows * s.d_model, &scratch.output);
   absl::Status status = Linear(heads, q_rows, q_width, q_width, w.w_o, s.d_model, w.b_o, s.d_model, out.data(),
                                s.d_model, stop);
   if (!status.ok()) return status;
