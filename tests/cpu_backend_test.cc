@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "proto/mha/v1/tensor_codec.h"
 #include "server/backends/cpu/bf16_matmul.h"
@@ -23,7 +24,7 @@ TEST(CpuBackend, UnknownKernelsAreInvalidArgument) {
 
 TEST(CpuBackend, KernelsTheCpuLacksAreUnavailable) {
   int lacking = 0;
-  for (const char* isa : {"avx512", "avx2"}) {
+  for (const char* isa : {"amx", "avx512bf16", "avx512", "avx2"}) {
     if (kernels::TileKernelsFor(isa) != nullptr) continue;
     ++lacking;
     EXPECT_EQ(CpuBackend::Create(isa).status().code(), absl::StatusCode::kUnavailable) << isa;
@@ -46,21 +47,40 @@ TEST(CpuBackend, AutoNamesTheWidestKernelsTheCpuRuns) {
   EXPECT_NE((*cpu)->device().find(std::string(widest) + " attention tiles"), std::string::npos) << (*cpu)->device();
 }
 
-TEST(CpuBackend, AmxKernelsServeBf16CallsWhereTheCpuHasThem) {
-  if (kernels::TileKernelsFor("amx") == nullptr || cpu::NativeBf16Matmul().empty()) {
-    EXPECT_EQ(CpuBackend::Create("amx").status().code(), absl::StatusCode::kUnavailable);
-    GTEST_SKIP() << "this CPU (or its kernel) does not run amx";
+// The bf16 attention-core sets: AMX-BF16's tiles, AVX512-BF16's dot products.
+class Bf16TilesTest : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(Bf16TilesTest, ServeBf16CallsWhereTheCpuHasThem) {
+  const std::string& isa = GetParam();
+  if (kernels::TileKernelsFor(isa.c_str()) == nullptr) {
+    EXPECT_EQ(CpuBackend::Create(isa).status().code(), absl::StatusCode::kUnavailable);
+    GTEST_SKIP() << "this CPU (or its kernel) does not run " << isa;
   }
-  for (const char* tiles : {"auto", "amx"}) {
-    absl::StatusOr<std::unique_ptr<CpuBackend>> cpu = CpuBackend::Create(tiles);
-    ASSERT_TRUE(cpu.ok()) << cpu.status();
-    EXPECT_NE((*cpu)->device().find("bf16 attention on amx tiles"), std::string::npos) << (*cpu)->device();
+  if (cpu::NativeBf16Matmul().empty()) GTEST_SKIP() << "no bf16 matmul on this CPU: every request computes in fp32";
+  absl::StatusOr<std::unique_ptr<CpuBackend>> cpu = CpuBackend::Create(isa);
+  ASSERT_TRUE(cpu.ok()) << cpu.status();
+  EXPECT_NE((*cpu)->device().find("bf16 attention on " + isa + " tiles"), std::string::npos) << (*cpu)->device();
+  // With the bf16 path off, a bf16 set cannot be asked for.
+  EXPECT_EQ(CpuBackend::Create(isa, /*bf16=*/false).status().code(), absl::StatusCode::kUnavailable);
+}
+
+TEST(CpuBackend, AutoTakesAmxForBf16CallsElseAvx512Bf16) {
+  if (cpu::NativeBf16Matmul().empty()) GTEST_SKIP() << "no bf16 matmul on this CPU: every request computes in fp32";
+  const char* want = kernels::TileKernelsFor("amx") != nullptr          ? "amx"
+                     : kernels::TileKernelsFor("avx512bf16") != nullptr ? "avx512bf16"
+                                                                         : nullptr;
+  absl::StatusOr<std::unique_ptr<CpuBackend>> cpu = CpuBackend::Create();
+  ASSERT_TRUE(cpu.ok()) << cpu.status();
+  if (want == nullptr) {
+    EXPECT_EQ((*cpu)->device().find("bf16 attention on"), std::string::npos) << (*cpu)->device();
+    GTEST_SKIP() << "no bf16 attention set on this CPU";
   }
-  // An fp32 set named, or the bf16 path off: no amx.
+  EXPECT_NE((*cpu)->device().find(absl::StrCat("bf16 attention on ", want, " tiles")), std::string::npos)
+      << (*cpu)->device();
+  // An fp32 set named: every attention core in fp32.
   absl::StatusOr<std::unique_ptr<CpuBackend>> avx512 = CpuBackend::Create("avx512");
   ASSERT_TRUE(avx512.ok()) << avx512.status();
-  EXPECT_EQ((*avx512)->device().find("amx tiles"), std::string::npos) << (*avx512)->device();
-  EXPECT_EQ(CpuBackend::Create("amx", /*bf16=*/false).status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ((*avx512)->device().find("bf16 attention on"), std::string::npos) << (*avx512)->device();
 }
 
 // Runs a bf16 ScaledDotProductAttention call of 2 x 80 queries against 300 keys, 4 heads of `head_dim` sharing 2
@@ -90,21 +110,25 @@ std::vector<float> RunBf16Sdpa(Backend& backend, int64_t head_dim) {
   return out;
 }
 
-TEST(CpuBackend, Bf16AttentionCoreCallsMultiplyOnAmxTilesWhereTheCpuHasThem) {
-  if (kernels::TileKernelsFor("amx") == nullptr || cpu::NativeBf16Matmul().empty()) {
-    GTEST_SKIP() << "this CPU (or its kernel) does not run amx";
+TEST_P(Bf16TilesTest, AttentionCoreCallsMultiplyInBf16) {
+  const std::string& isa = GetParam();
+  if (kernels::TileKernelsFor(isa.c_str()) == nullptr || cpu::NativeBf16Matmul().empty()) {
+    GTEST_SKIP() << "this CPU (or its kernel) does not run " << isa << " with bf16 projections";
   }
-  absl::StatusOr<std::unique_ptr<CpuBackend>> amx = CpuBackend::Create("amx");
+  absl::StatusOr<std::unique_ptr<CpuBackend>> bf16 = CpuBackend::Create(isa);
   absl::StatusOr<std::unique_ptr<CpuBackend>> fp32 = CpuBackend::Create("auto", /*bf16=*/false);
-  ASSERT_TRUE(amx.ok()) << amx.status();
+  ASSERT_TRUE(bf16.ok()) << bf16.status();
   ASSERT_TRUE(fp32.ok()) << fp32.status();
-  // The probabilities rounded to bf16 on the tiles: close to the fp32 core's result, not equal to it.
-  const std::vector<float> on_tiles = RunBf16Sdpa(**amx, 64), in_fp32 = RunBf16Sdpa(**fp32, 64);
-  EXPECT_NE(on_tiles, in_fp32);
-  EXPECT_TRUE(testing::AllClose(on_tiles, in_fp32, 3e-2, 3e-2));
-  // A head_dim the tiles do not take runs the fp32 core.
-  EXPECT_EQ(RunBf16Sdpa(**amx, 40), RunBf16Sdpa(**fp32, 40));
+  // The probabilities rounded to bf16: close to the fp32 core's result, not equal to it.
+  const std::vector<float> in_bf16 = RunBf16Sdpa(**bf16, 64), in_fp32 = RunBf16Sdpa(**fp32, 64);
+  EXPECT_NE(in_bf16, in_fp32);
+  EXPECT_TRUE(testing::AllClose(in_bf16, in_fp32, 3e-2, 3e-2));
+  // A head_dim the bf16 sets do not take runs the fp32 core.
+  EXPECT_EQ(RunBf16Sdpa(**bf16, 40), RunBf16Sdpa(**fp32, 40));
 }
+
+INSTANTIATE_TEST_SUITE_P(Sets, Bf16TilesTest, ::testing::Values("amx", "avx512bf16"),
+                         [](const auto& info) { return std::string(info.param); });
 
 TEST(CpuBackend, RunsSmallCallsInline) {
   absl::StatusOr<std::unique_ptr<CpuBackend>> cpu = CpuBackend::Create();
@@ -142,11 +166,11 @@ TEST(CpuBackend, Bf16LayerCallsComputeInBf16WhereTheCpuHasIt) {
       << (*cpu)->device();
   EXPECT_EQ((*cpu)->ComputeDtype(LayerProblem(v1::FP32)), v1::FP32);
   EXPECT_EQ((*cpu)->ComputeDtype(LayerProblem(v1::FP16)), v1::FP32);  // oneDNN 2.6 has no fp16 matmul on x86
-  // The attention core alone multiplies in bf16 on the amx set only, at the head dims it takes.
+  // The attention core alone multiplies in bf16 on a bf16 set only, at the head dims it takes.
   AttentionProblem sdpa = LayerProblem(v1::BF16);
   sdpa.shape.d_model = sdpa.shape.d_kv_in = sdpa.shape.d_v_in = 0;
-  const bool amx = (*cpu)->device().find("amx tiles") != std::string::npos;
-  EXPECT_EQ((*cpu)->ComputeDtype(sdpa), amx ? v1::BF16 : v1::FP32);
+  const bool bf16_tiles = (*cpu)->device().find("bf16 attention on") != std::string::npos;
+  EXPECT_EQ((*cpu)->ComputeDtype(sdpa), bf16_tiles ? v1::BF16 : v1::FP32);
   sdpa.shape.heads.head_dim = 40;
   EXPECT_EQ((*cpu)->ComputeDtype(sdpa), v1::FP32);
   absl::StatusOr<std::unique_ptr<CpuBackend>> fp32 = CpuBackend::Create("auto", /*bf16=*/false);

@@ -2,8 +2,8 @@
 // portable set runs everywhere), on sizes that cut the register blocks at every edge: rows not a multiple of the
 // panel (at and between the heights of the shorter register blocks), columns and widths not a multiple of a vector
 // or a block, strides wider than the data.
-// Nothing outside the output rectangle may be written. The amx set rounds its operands to bf16: its plain loops
-// round them the same way, so every set is held to fp32 accumulation error.
+// Nothing outside the output rectangle may be written. The bf16 sets (amx, avx512bf16) round their operands to bf16:
+// their plain loops round them the same way, so every set is held to fp32 accumulation error.
 #include "server/backends/cpu/tile_kernels.h"
 
 #include <algorithm>
@@ -37,8 +37,10 @@ float RoundBf16(float x) {
 // An operand as the kernels of `k` see it: itself, or rounded to bf16 by a set that packs bf16.
 float AsOperand(const TileKernels& k, float x) { return k.elements_per_float == 2 ? RoundBf16(x) : x; }
 
-// The shapes of the amx set: depths and widths multiples of 32, rows and keys cutting its 32x32 blocks.
-const auto kAmxRows = ::testing::Values(1, 7, 16, 31, 32, 33, 70);
+// The shapes of the bf16 sets: depths and widths multiples of 32, rows and keys cutting amx's 32x32 blocks and
+// avx512bf16's 12x32 (and shorter) register blocks.
+const auto kBf16Sets = ::testing::Values("amx", "avx512bf16");
+const auto kBf16Rows = ::testing::Values(1, 7, 16, 31, 32, 33, 70);
 
 // (isa, rows, cols, depth)
 class ScoresTest : public ::testing::TestWithParam<std::tuple<std::string, int, int, int>> {};
@@ -110,8 +112,8 @@ INSTANTIATE_TEST_SUITE_P(Shapes, ScoresTest,
                                             ::testing::Values(1, 17, 64, 65, 130), ::testing::Values(1, 8, 67)),
                          ScoresName);
 
-INSTANTIATE_TEST_SUITE_P(Amx, ScoresTest,
-                         ::testing::Combine(::testing::Values("amx"), kAmxRows,
+INSTANTIATE_TEST_SUITE_P(Bf16, ScoresTest,
+                         ::testing::Combine(kBf16Sets, kBf16Rows,
                                             ::testing::Values(1, 17, 32, 64, 65, 130, 600),
                                             ::testing::Values(32, 64, 128)),
                          ScoresName);
@@ -148,7 +150,7 @@ TEST_P(ValuesTest, MatchesPlainLoopsAndWritesOnlyTheOutput) {
       ASSERT_EQ(vp[q * panel_stride + x], kSentinel) << "packing wrote past panel " << q;
     }
   }
-  for (int q = 0; q < panels && k->elements_per_float == 1; ++q) {  // the fp32 layout; amx's is its own
+  for (int q = 0; q < panels && k->elements_per_float == 1; ++q) {  // the fp32 layout; the bf16 sets' is their own
     for (int j = 0; j < n; ++j) {
       for (int x = 0; x < k->value_panel; ++x) {
         const int c = q * k->value_panel + x;
@@ -192,8 +194,8 @@ INSTANTIATE_TEST_SUITE_P(Shapes, ValuesTest,
                                             ::testing::Bool()),
                          ValuesName);
 
-INSTANTIATE_TEST_SUITE_P(Amx, ValuesTest,
-                         ::testing::Combine(::testing::Values("amx"), kAmxRows,
+INSTANTIATE_TEST_SUITE_P(Bf16, ValuesTest,
+                         ::testing::Combine(kBf16Sets, kBf16Rows,
                                             ::testing::Values(1, 33, 256, 600), ::testing::Values(32, 64, 128),
                                             ::testing::Bool()),
                          ValuesName);
@@ -374,13 +376,13 @@ INSTANTIATE_TEST_SUITE_P(Lengths, AddTest,
                            return std::get<0>(info.param) + "_n" + std::to_string(std::get<1>(info.param));
                          });
 
-// (length): whole vectors of 32 and every kind of tail.
-class ToBf16Test : public ::testing::TestWithParam<int> {};
+// (isa, length): whole vectors of 32 and every kind of tail.
+class ToBf16Test : public ::testing::TestWithParam<std::tuple<std::string, int>> {};
 
 TEST_P(ToBf16Test, RoundsToNearestEvenAndWritesExactlyN) {
-  const int n = GetParam();
-  const TileKernels* k = TileKernelsFor("amx");
-  if (k == nullptr) GTEST_SKIP() << "this CPU (or its kernel) does not run amx";
+  const auto& [isa, n] = GetParam();
+  const TileKernels* k = TileKernelsFor(isa.c_str());
+  if (k == nullptr) GTEST_SKIP() << "this CPU (or its kernel) does not run " << isa;
   std::vector<float> src = RandomVector(n, 9, 100.0f);
   // Ties (an odd and an even bf16 neighbour), NaN and infinities where they fit.
   const float special[] = {1.00390625f, 1.01171875f, std::numeric_limits<float>::quiet_NaN(), -kInf, kInf};
@@ -401,7 +403,11 @@ TEST_P(ToBf16Test, RoundsToNearestEvenAndWritesExactlyN) {
   EXPECT_EQ(dst[n], 0xabcd) << "wrote past n";
 }
 
-INSTANTIATE_TEST_SUITE_P(Lengths, ToBf16Test, ::testing::Values(0, 1, 5, 16, 17, 31, 32, 33, 100));
+INSTANTIATE_TEST_SUITE_P(Lengths, ToBf16Test,
+                         ::testing::Combine(kBf16Sets, ::testing::Values(0, 1, 5, 16, 17, 31, 32, 33, 100)),
+                         [](const auto& info) {
+                           return std::get<0>(info.param) + "_n" + std::to_string(std::get<1>(info.param));
+                         });
 
 TEST(TileKernels, Fp32SetsHaveNoBf16Conversion) {
   for (const char* isa : {"avx512", "avx2", "portable"}) {
@@ -422,6 +428,17 @@ TEST(TileKernels, AmxIsOfferedOnlyWhereTheCpuHasAmxBf16) {
   }
   if (TileKernelsFor("amx") == nullptr) GTEST_SKIP() << "this CPU (or its kernel) does not run amx";
   EXPECT_EQ(TileKernelsFor("amx")->elements_per_float, 2);
+}
+
+TEST(TileKernels, Avx512Bf16IsOfferedExactlyWhenTheCpuHasIt) {
+  __builtin_cpu_init();
+  const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                   __builtin_cpu_supports("avx512bf16");
+  const TileKernels* k = TileKernelsFor("avx512bf16");
+  ASSERT_EQ(k != nullptr, has);
+  if (k == nullptr) GTEST_SKIP() << "this CPU does not run avx512bf16";
+  EXPECT_EQ(k->elements_per_float, 2);
+  EXPECT_EQ(k->lanes, 32);
 }
 
 TEST(TileKernels, Avx512IsOfferedExactlyWhenTheCpuHasIt) {

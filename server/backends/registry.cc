@@ -23,7 +23,9 @@ std::vector<BackendFactory> BackendRegistry::Factories() {
   factories.push_back({std::string(kReferenceBackend), "",
                        [] { return absl::StatusOr<std::unique_ptr<Backend>>(std::make_unique<ReferenceBackend>()); }});
   factories.push_back({std::string(kCpuBackend), "", [] { return Upcast(CpuBackend::Create()); }});
-  for (const char* isa : {"avx512", "avx2", "portable"}) {
+  // The bf16 attention core on AVX512-BF16's dot products, which "auto" passes over where the CPU has AMX; then the
+  // fp32 sets.
+  for (const char* isa : {"avx512bf16", "avx512", "avx2", "portable"}) {
     factories.push_back({std::string(kCpuBackend), isa, [isa] { return Upcast(CpuBackend::Create(isa)); }});
   }
   // Every request in fp32: the path of CPUs without native bf16, tested on those with it too.

@@ -163,10 +163,15 @@ void BM_MultiHeadAttention(benchmark::State& state, Shape shape, bool with_weigh
   TimeAgainstPeak(state, Flops(shape), [&] { return (*backend)->MultiHeadAttention(args); });
 }
 
+// A bf16 attention-core set (amx, else avx512bf16) runs on this CPU.
+bool HasBf16Tiles() {
+  return kernels::TileKernelsFor("amx") != nullptr || kernels::TileKernelsFor("avx512bf16") != nullptr;
+}
+
 // The paths a bf16 layer call can take.
 enum class Bf16Path {
-  kBf16,          // what the server runs: bf16 projections, the attention core on amx tiles where the CPU has them
-  kBf16Fp32Core,  // bf16 projections, the attention core on the fp32 AVX-512 tiles (only measured where amx runs)
+  kBf16,          // what the server runs: bf16 projections, the attention core on a bf16 set (amx or avx512bf16)
+  kBf16Fp32Core,  // bf16 projections, the attention core on the fp32 AVX-512 tiles (only where a bf16 set runs)
   kFp32,          // everything in fp32 (what CPUs without native bf16 run)
 };
 
@@ -177,8 +182,8 @@ void BM_MultiHeadAttentionBf16(benchmark::State& state, Shape shape, Bf16Path pa
     state.SkipWithError("no native bf16 on this CPU");
     return;
   }
-  if (path == Bf16Path::kBf16Fp32Core && kernels::TileKernelsFor("amx") == nullptr) {
-    state.SkipWithError("no amx on this CPU: the bf16 path's core is fp32 already");
+  if (path == Bf16Path::kBf16Fp32Core && !HasBf16Tiles()) {
+    state.SkipWithError("no bf16 attention set on this CPU: the bf16 path's core is fp32 already");
     return;
   }
   auto backend = CpuBackend::Create(path == Bf16Path::kBf16Fp32Core ? "avx512" : "auto", path != Bf16Path::kFp32);
@@ -259,11 +264,11 @@ void BM_AttentionCore(benchmark::State& state, Shape shape, bool with_weights) {
   TimeAgainstPeak(state, AttentionFlops(args.shape), [&] { return (*backend)->ScaledDotProductAttention(args); });
 }
 
-// The attention core alone on bf16 Q, K, V and output: on the amx tiles (kBf16, where the CPU has them) or the
-// fp32 tiles (kFp32), in the same run.
+// The attention core alone on bf16 Q, K, V and output: on the bf16 set (kBf16: amx or avx512bf16, where the CPU
+// has one) or the fp32 tiles (kFp32), in the same run.
 void BM_AttentionCoreBf16(benchmark::State& state, Shape shape, Bf16Path path) {
-  if (path == Bf16Path::kBf16 && (kernels::TileKernelsFor("amx") == nullptr || cpu::NativeBf16Matmul().empty())) {
-    state.SkipWithError("no amx on this CPU: a bf16 attention core computes in fp32");
+  if (path == Bf16Path::kBf16 && (!HasBf16Tiles() || cpu::NativeBf16Matmul().empty())) {
+    state.SkipWithError("no bf16 attention set on this CPU: a bf16 attention core computes in fp32");
     return;
   }
   auto backend = CpuBackend::Create("auto", path == Bf16Path::kBf16);

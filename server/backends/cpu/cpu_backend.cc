@@ -141,13 +141,22 @@ absl::StatusOr<std::unique_ptr<CpuBackend>> CpuBackend::Create(absl::string_view
     return absl::UnavailableError("oneDNN's sgemm does not run on this machine");
   }
   std::vector<const kernels::TileKernels*> tiles;
-  const kernels::TileKernels* amx = bf16 ? kernels::TileKernelsFor("amx") : nullptr;
-  if (tile_kernels == "amx" && amx == nullptr) {
-    return absl::UnavailableError(bf16 ? "this CPU does not run the amx tile kernels"
-                                       : "the amx tile kernels are for bf16 requests, which this backend computes "
-                                         "in fp32");
+  // The bf16 attention core: amx's tiles where the CPU has them, else AVX512-BF16's dot products.
+  const bool named_bf16 = tile_kernels == "amx" || tile_kernels == "avx512bf16";
+  const kernels::TileKernels* bf16_tiles = nullptr;
+  if (bf16 && named_bf16) {
+    bf16_tiles = kernels::TileKernelsFor(std::string(tile_kernels).c_str());
+  } else if (bf16) {
+    bf16_tiles = kernels::TileKernelsFor("amx");
+    if (bf16_tiles == nullptr) bf16_tiles = kernels::TileKernelsFor("avx512bf16");
   }
-  if (tile_kernels == "auto" || tile_kernels == "amx") {
+  if (named_bf16 && bf16_tiles == nullptr) {
+    return absl::UnavailableError(bf16 ? absl::StrCat("this CPU does not run the ", tile_kernels, " tile kernels")
+                                       : absl::StrCat("the ", tile_kernels,
+                                                      " tile kernels are for bf16 requests, which this backend "
+                                                      "computes in fp32"));
+  }
+  if (tile_kernels == "auto" || named_bf16) {
     for (const char* isa : {"avx512", "avx2", "portable"}) {
       if (const kernels::TileKernels* k = kernels::TileKernelsFor(isa); k != nullptr) tiles.push_back(k);
     }
@@ -157,14 +166,14 @@ absl::StatusOr<std::unique_ptr<CpuBackend>> CpuBackend::Create(absl::string_view
       return absl::UnavailableError(absl::StrCat("this CPU does not run the ", tile_kernels, " tile kernels"));
     }
     tiles.push_back(k);
-    amx = nullptr;  // an fp32 set named: every request's attention core on it
+    bf16_tiles = nullptr;  // an fp32 set named: every request's attention core on it
   } else {
-    return absl::InvalidArgumentError(
-        absl::StrCat("unknown tile kernels \"", tile_kernels, "\"; expected auto, amx, avx512, avx2 or portable"));
+    return absl::InvalidArgumentError(absl::StrCat("unknown tile kernels \"", tile_kernels,
+                                                   "\"; expected auto, amx, avx512bf16, avx512, avx2 or portable"));
   }
   const bool bf16_projections = bf16 && !cpu::NativeBf16Matmul().empty();
   return std::unique_ptr<CpuBackend>(
-      new CpuBackend(std::move(tiles), bf16_projections ? amx : nullptr, bf16_projections));
+      new CpuBackend(std::move(tiles), bf16_projections ? bf16_tiles : nullptr, bf16_projections));
 }
 
 std::string CpuBackend::device() const {
@@ -173,7 +182,7 @@ std::string CpuBackend::device() const {
                       tile_kernels_.front()->isa, " attention tiles, ",
                       bf16_ ? absl::StrCat("bf16 projections on ", cpu::NativeBf16Matmul())
                             : std::string("fp32 projections only"),
-                      amx_tiles_ != nullptr ? ", bf16 attention on amx tiles" : "",
+                      bf16_tiles_ != nullptr ? absl::StrCat(", bf16 attention on ", bf16_tiles_->isa, " tiles") : "",
                       ", ", omp_get_max_threads(), " OpenMP threads)");
 }
 
@@ -185,15 +194,15 @@ const kernels::TileKernels& CpuBackend::KernelsFor(int64_t head_dim) const {
 }
 
 const kernels::TileKernels& CpuBackend::KernelsFor(int64_t head_dim, bool bf16_operands) const {
-  if (bf16_operands && amx_tiles_ != nullptr && head_dim % amx_tiles_->lanes == 0) return *amx_tiles_;
+  if (bf16_operands && bf16_tiles_ != nullptr && head_dim % bf16_tiles_->lanes == 0) return *bf16_tiles_;
   return KernelsFor(head_dim);
 }
 
 v1::DataType CpuBackend::ComputeDtype(const AttentionProblem& problem) const {
   if (!bf16_ || problem.input_dtype != v1::BF16) return v1::FP32;
   if (problem.shape.has_projections()) return v1::BF16;
-  // The attention core alone: in bf16 where the amx set takes this head_dim, else fp32.
-  return &KernelsFor(problem.shape.heads.head_dim, /*bf16_operands=*/true) == amx_tiles_ ? v1::BF16 : v1::FP32;
+  // The attention core alone: in bf16 where the bf16 set takes this head_dim, else fp32.
+  return &KernelsFor(problem.shape.heads.head_dim, /*bf16_operands=*/true) == bf16_tiles_ ? v1::BF16 : v1::FP32;
 }
 
 int64_t CpuBackend::WorkspaceBytes(const AttentionProblem& problem) const {
@@ -237,7 +246,7 @@ absl::Status CpuBackend::ScaledDotProductAttention(const SdpaArgs& a) {
   const FloatInput v(a.v, kv_count, &scratch.inputs[2]);
   FloatOutput out(a.out, q_count, &scratch.output);
   FloatOutput weights(a.weights, s.batch * h.num_heads * s.q_len * s.kv_len, &scratch.weights);
-  // Q, K and V all bf16: they are exact in bf16, so the amx set multiplies them as sent (ComputeDtype).
+  // Q, K and V all bf16: they are exact in bf16, so the bf16 set multiplies them as sent (ComputeDtype).
   AttentionProblem problem;
   problem.shape = s;
   problem.input_dtype = a.q.dtype;
@@ -347,7 +356,7 @@ absl::Status CpuBackend::MultiHeadAttention(const MhaArgs& a) {
     // On the call's threads, with AVX512-BF16's conversion where the CPU has it: one thread's scalar conversion was
     // 6% of a large bf16 call's profile.
     constexpr int64_t kChunkRows = 64;
-    const auto to_bf16 = amx_tiles_ != nullptr ? amx_tiles_->to_bf16 : nullptr;
+    const auto to_bf16 = bf16_tiles_ != nullptr ? bf16_tiles_->to_bf16 : nullptr;
 #pragma omp parallel for schedule(static)
     for (int64_t r0 = 0; r0 < q_rows; r0 += kChunkRows) {
       const int64_t n = std::min(kChunkRows, q_rows - r0) * q_width;

@@ -1,7 +1,8 @@
 // Attention on the host CPU: projections through oneDNN's sgemm (one fused Q|K|V product for self-attention with a
 // fused layer), or for bf16 requests on a CPU with native bf16 arithmetic through oneDNN's bf16 matmul with the
 // layer's weights packed once (bf16_matmul.h); the attention core on hand-written tile kernels (attention_core.h),
-// chosen per call among the instruction sets this CPU runs: fp32, or for those bf16 calls AMX-BF16's tiles.
+// chosen per call among the instruction sets this CPU runs: fp32, or for those bf16 calls AMX-BF16's tiles or
+// AVX512-BF16's dot products.
 //
 // Thread-safe: scratch buffers belong to the calling thread. Each call parallelises over the calling thread's
 // OpenMP threads (omp_set_num_threads on that thread sets how many); calls up to kSerialFlops run on the calling
@@ -32,9 +33,9 @@ class CpuBackend final : public Backend {
 
   // The tile kernels the attention core may use: "auto" (every set this CPU runs, widest first; a call takes the
   // first whose vector width divides head_dim, else the widest; a bf16 call with head_dim a multiple of 32 takes
-  // the amx set where the CPU has it), "amx" (the same, requiring the amx set), or one of the fp32 sets
-  // "avx512", "avx2", "portable" for every call. UNAVAILABLE if oneDNN does not run here or the CPU lacks the
-  // requested instructions; INVALID_ARGUMENT for any other name.
+  // the amx set where the CPU has it, else the avx512bf16 set where it has that), "amx" or "avx512bf16" (the same,
+  // requiring that bf16 set), or one of the fp32 sets "avx512", "avx2", "portable" for every call. UNAVAILABLE if
+  // oneDNN does not run here or the CPU lacks the requested instructions; INVALID_ARGUMENT for any other name.
   // bf16: bf16 requests project on oneDNN's bf16 matmul (bf16_matmul.h) when this CPU computes bf16 natively
   // (AVX512-BF16 or AMX); false, or a CPU without it, computes every request in fp32.
   static absl::StatusOr<std::unique_ptr<CpuBackend>> Create(absl::string_view tile_kernels = "auto",
@@ -45,8 +46,9 @@ class CpuBackend final : public Backend {
   // Every shape, dtype and option (16-bit tensors are converted to fp32 at the edges; any head_dim runs on the tile
   // kernels).
   absl::Status Supports(const AttentionProblem& problem) const override { return absl::OkStatus(); }
-  // BF16 for a bf16 layer call when the bf16 projections are on (its attention core multiplies in bf16 on AMX), and
-  // for a bf16 attention-core call (ScaledDotProductAttention) whose head_dim the amx set takes; FP32 otherwise.
+  // BF16 for a bf16 layer call when the bf16 projections are on (its attention core multiplies in bf16 where a bf16
+  // set takes its head_dim), and for a bf16 attention-core call (ScaledDotProductAttention) whose head_dim the bf16
+  // set takes; FP32 otherwise.
   v1::DataType ComputeDtype(const AttentionProblem& problem) const override;
   // Projections, the concatenated heads, fp32 copies of 16-bit inputs and outputs, and each thread's tile scratch.
   int64_t WorkspaceBytes(const AttentionProblem& problem) const override;
@@ -57,17 +59,17 @@ class CpuBackend final : public Backend {
   absl::Status MultiHeadAttention(const MhaArgs& args) override;
 
  private:
-  CpuBackend(std::vector<const kernels::TileKernels*> tile_kernels, const kernels::TileKernels* amx_tiles, bool bf16)
-      : tile_kernels_(std::move(tile_kernels)), amx_tiles_(amx_tiles), bf16_(bf16) {}
+  CpuBackend(std::vector<const kernels::TileKernels*> tile_kernels, const kernels::TileKernels* bf16_tiles, bool bf16)
+      : tile_kernels_(std::move(tile_kernels)), bf16_tiles_(bf16_tiles), bf16_(bf16) {}
 
   // The fp32 kernels a call with this head_dim runs on.
   const kernels::TileKernels& KernelsFor(int64_t head_dim) const;
-  // The same, or the amx set when the attention operands are bf16 (from bf16 projections or the wire) and head_dim
+  // The same, or the bf16 set when the attention operands are bf16 (from bf16 projections or the wire) and head_dim
   // suits it.
   const kernels::TileKernels& KernelsFor(int64_t head_dim, bool bf16_operands) const;
 
   const std::vector<const kernels::TileKernels*> tile_kernels_;  // in order of preference; never empty
-  const kernels::TileKernels* const amx_tiles_;  // for bf16 calls; null when off or not on this CPU
+  const kernels::TileKernels* const bf16_tiles_;  // amx or avx512bf16, for bf16 calls; null when off or not here
   const bool bf16_;  // bf16 requests project in bf16
 };
 

@@ -19,6 +19,9 @@ extern const TileKernels kKernels;
 namespace amx {
 TileKernels MakeKernels(const TileKernels& avx512);
 }
+namespace avx512bf16 {
+TileKernels MakeKernels(const TileKernels& avx512);
+}
 
 namespace {
 
@@ -30,31 +33,35 @@ bool AmxPermitted() {
   return permitted;
 }
 
-// AMX-TILE, AMX-BF16 and AVX512-BF16 from CPUID leaf 7, and the OS's XCR0 enabling the tile state (bits 17, 18)
-// next to the ZMM state (bits 5..7). Read directly rather than through __builtin_cpu_supports, whose feature names
-// for AMX clang 14 does not know.
-bool CpuHasAmxBf16() {
+// AVX512-F, AVX512-BW and AVX512-BF16 (CPUID leaf 7), with the OS's XCR0 enabling the ZMM state (bits 5..7); with
+// `tiles`, AMX-TILE and AMX-BF16 too, and XCR0's tile state (bits 17, 18). Read directly rather than through
+// __builtin_cpu_supports, whose feature names for AMX clang 14 does not know.
+bool CpuHasAvx512Bf16(bool tiles) {
   unsigned a = 0, b = 0, c = 0, d = 0;
   if (!__get_cpuid(1, &a, &b, &c, &d) || !((c >> 27) & 1)) return false;  // OSXSAVE: xgetbv may run
   if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-  const bool amx_bf16 = (d >> 22) & 1, amx_tile = (d >> 24) & 1, avx512bw = (b >> 30) & 1;
+  const bool avx512f = (b >> 16) & 1, avx512bw = (b >> 30) & 1, amx_bf16 = (d >> 22) & 1, amx_tile = (d >> 24) & 1;
   unsigned a1 = 0, b1 = 0, c1 = 0, d1 = 0;
   if (!__get_cpuid_count(7, 1, &a1, &b1, &c1, &d1)) return false;
   const bool avx512_bf16 = (a1 >> 5) & 1;
-  if (!(amx_bf16 && amx_tile && avx512bw && avx512_bf16)) return false;
+  if (!(avx512f && avx512bw && avx512_bf16) || (tiles && !(amx_bf16 && amx_tile))) return false;
   unsigned xcr0_lo = 0, xcr0_hi = 0;
   __asm__("xgetbv" : "=a"(xcr0_lo), "=d"(xcr0_hi) : "c"(0));
   constexpr unsigned kZmmState = 0xE0, kTileState = 0x60000;
-  return (xcr0_lo & kZmmState) == kZmmState && (xcr0_lo & kTileState) == kTileState;
+  return (xcr0_lo & kZmmState) == kZmmState && (!tiles || (xcr0_lo & kTileState) == kTileState);
 }
 
 }  // namespace
 
 const TileKernels* TileKernelsFor(const char* isa) {
   __builtin_cpu_init();
-  if (std::strcmp(isa, "amx") == 0 && CpuHasAmxBf16() && AmxPermitted()) {
+  if (std::strcmp(isa, "amx") == 0 && CpuHasAvx512Bf16(/*tiles=*/true) && AmxPermitted()) {
     static const TileKernels kAmx = amx::MakeKernels(avx512::kKernels);
     return &kAmx;
+  }
+  if (std::strcmp(isa, "avx512bf16") == 0 && CpuHasAvx512Bf16(/*tiles=*/false)) {
+    static const TileKernels kAvx512Bf16 = avx512bf16::MakeKernels(avx512::kKernels);
+    return &kAvx512Bf16;
   }
   if (std::strcmp(isa, "avx512") == 0 && __builtin_cpu_supports("avx512f")) return &avx512::kKernels;
   if (std::strcmp(isa, "avx2") == 0 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {

@@ -7,10 +7,11 @@
 //
 // All matrices are row-major fp32 with explicit row strides (in floats). Thread-safe: no state.
 //
-// The "amx" set (tile_kernels_amx.cc) multiplies on AMX-BF16's tile unit: its products round their operands to
-// bf16 (fp32 accumulation), and its packed K^T and V hold bf16 in its own layout, two per float of the buffers
-// below; it is for bf16 requests, whose operands are bf16 on the wire, and only for depths and widths that are
-// multiples of its `lanes` (32).
+// The two bf16 sets, "amx" (tile_kernels_amx.cc: AMX-BF16's tile unit) and "avx512bf16"
+// (tile_kernels_avx512bf16.cc: AVX512-BF16's dot products, for CPUs without AMX), round their products' operands to
+// bf16 (fp32 accumulation), and their packed K^T and V hold bf16 in their own layout (tile_kernels_bf16.h), two per
+// float of the buffers below; they are for bf16 requests, whose operands are bf16 on the wire, and only for depths
+// and widths that are multiples of their `lanes` (32).
 #ifndef MHA_SERVER_BACKENDS_CPU_TILE_KERNELS_H_
 #define MHA_SERVER_BACKENDS_CPU_TILE_KERNELS_H_
 
@@ -22,16 +23,16 @@ namespace mha::kernels {
 inline constexpr float kLog2e = 1.44269504088896341f;
 
 struct TileKernels {
-  const char* isa;    // "avx512", "avx2" or "portable"
+  const char* isa;    // "amx", "avx512bf16", "avx512", "avx2" or "portable"
   int lanes;          // floats per vector register
   int key_panel;      // columns per panel of packed K^T
   int value_panel;    // columns per panel of packed V
   int panel_rows;     // rows one register block of either kernel covers: the natural panel height for callers
   int elements_per_float;  // packed K^T and V elements per float of their buffers: 1 (fp32) or 2 (bf16)
   int key_multiple;        // packed V's keys are padded with zero rows up to a multiple of this
-  // Keys per block of the online softmax: a panel's scores for one block stay in L1 (512 keys for the fp32 sets'
-  // panels of up to 12 rows, 256 for amx's 32), and the block's packed K^T and V in L2. A multiple of key_panel
-  // and key_multiple.
+  // Keys per block of the online softmax: a panel's scores for one block stay in L1 (512 keys for the panels of up
+  // to 12 rows of the fp32 and avx512bf16 sets, 256 for amx's 32), and the block's packed K^T and V in L2. A
+  // multiple of key_panel and key_multiple.
   int key_block;
 
   // Operands packed in panels, so that each register block streams one contiguous run of memory (sizes and
@@ -40,7 +41,7 @@ struct TileKernels {
   //    after another; columns past n are zero. Panel p starts at kt + p * key_panel * depth.
   //  - V of n keys v[n, width] (row stride ldv): ceil(width / value_panel) panels, panel_stride floats apart, each
   //    [n rounded up to key_multiple, value_panel] elements; columns past width and rows past n are zero. Row j of
-  //    panel 0 is at vp + j * value_panel (j a multiple of key_multiple for the amx set).
+  //    panel 0 is at vp + j * value_panel (j a multiple of key_multiple for the bf16 sets).
   void (*pack_keys)(int64_t n, int64_t depth, const float* k, int64_t ldk, float* kt);
   void (*pack_values)(int64_t n, int64_t width, const float* v, int64_t ldv, float* vp, int64_t panel_stride);
 
@@ -78,12 +79,13 @@ struct TileKernels {
   void (*add)(int64_t n, const float* y, float* x);
 
   // dst[j] = src[j] rounded to bf16 (to nearest even; NaN stays NaN, subnormals become zero) for j < n; null in the
-  // sets without bf16 instructions (the amx set has it).
+  // sets without bf16 instructions (the bf16 sets have it).
   void (*to_bf16)(int64_t n, const float* src, uint16_t* dst);
 };
 
-// The kernels for `isa` ("amx", "avx512", "avx2", "portable") if this CPU runs them, else nullptr. "amx" needs
-// AMX-BF16 and AVX512-BF16 and the kernel's permission for this process to use the tile state (asked for once).
+// The kernels for `isa` ("amx", "avx512bf16", "avx512", "avx2", "portable") if this CPU runs them, else nullptr.
+// "avx512bf16" needs AVX512-F, -BW and -BF16; "amx" those and AMX-BF16, and the kernel's permission for this process
+// to use the tile state (asked for once).
 const TileKernels* TileKernelsFor(const char* isa);
 
 }  // namespace mha::kernels
