@@ -223,9 +223,10 @@ def main():
     if bf16:
         print()
         print("bf16 requests (bf16 in and out, weights off): the bf16 path against the same projections with the fp32 "
-              "attention core (where the bf16 path's core is amx), against the fp32 path on the same request, "
-              "and against oneDNN's bf16 matmul on the fused Q|K|V shape, fastest calls; core_ rows: the attention "
-              "core alone (ScaledDotProductAttention on bf16 Q, K, V) on the amx tiles against the fp32 tiles:")
+              "attention core (where the bf16 path's core is a bf16 set, amx or avx512bf16), against the fp32 path on "
+              "the same request, and against oneDNN's bf16 matmul on the fused Q|K|V shape, fastest calls; core_ rows: "
+              "the attention "
+              "core alone (ScaledDotProductAttention on bf16 Q, K, V) on the bf16 set against the fp32 tiles:")
         print()
         print("| shape | bf16 path GFLOP/s | % of fp32 peak | with fp32 core | fp32 path | bf16 / fp32 | bf16 matmul "
               "| % of its rate |")
