@@ -157,3 +157,24 @@ void PackValues(int64_t n, int64_t width, const float* v, int64_t ldv, float* vp
     }
   }
 }
+
+// `avx512` (the fp32 AVX-512 set, whose softmax and copies a bf16 set keeps) with this file's packing and
+// conversion, and a bf16 set's own products, panel height and key block.
+TileKernels Bf16Kernels(const TileKernels& avx512, const char* isa, int panel_rows, int key_block,
+                        decltype(TileKernels::scores) scores, decltype(TileKernels::values) values) {
+  TileKernels k = avx512;
+  k.isa = isa;
+  k.lanes = 32;  // depth and width: whole 32-element chunks of the packed layouts
+  k.key_panel = kKeyPanel;
+  k.value_panel = kValuePanel;
+  k.panel_rows = panel_rows;
+  k.elements_per_float = 2;
+  k.key_multiple = kKeyPanel;
+  k.key_block = key_block;
+  k.pack_keys = PackKeys;
+  k.pack_values = PackValues;
+  k.scores = scores;
+  k.values = values;
+  k.to_bf16 = ToBf16Array;
+  return k;
+}
