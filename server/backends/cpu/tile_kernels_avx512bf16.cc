@@ -28,6 +28,24 @@ constexpr int64_t kRows = 12;  // rows of a register block
 
 __m512bh Pairs(__m512i x) { return reinterpret_cast<__m512bh>(x); }
 
+template <int kN>
+struct BlockRows {
+  static constexpr int kRows = kN;
+};
+
+// Calls f(BlockRows<n>{}) with the shortest register block, 4, 8 or 12 rows, that covers r <= kRows rows: the rows
+// past r are computed from zeros and dropped.
+template <typename F>
+void WithBlockRows(int64_t r, F f) {
+  if (r > 8) {
+    f(BlockRows<12>{});
+  } else if (r > 4) {
+    f(BlockRows<8>{});
+  } else {
+    f(BlockRows<4>{});
+  }
+}
+
 // Rows [0, rows) of s[., cols] (row stride lds) = qb[kRows, 2 pairs] * K^T for one 32-key panel (from its start),
 // qb holding each row's depth as `pairs` bf16 pairs. Columns at or past `cols` are not written.
 template <int kBlockRows>
@@ -69,13 +87,7 @@ void Scores(int64_t rows, int64_t cols, int64_t depth, float scale, const float*
       const uint32_t* panel = kt + j0 * pairs;
       float* out = s + i0 * lds + j0;
       const int64_t n = cols - j0;
-      if (r > 8) {
-        ScoreBlock<12>(r, n, pairs, qp, panel, out, lds);
-      } else if (r > 4) {
-        ScoreBlock<8>(r, n, pairs, qp, panel, out, lds);
-      } else {
-        ScoreBlock<4>(r, n, pairs, qp, panel, out, lds);
-      }
+      WithBlockRows(r, [&](auto block) { ScoreBlock<decltype(block)::kRows>(r, n, pairs, qp, panel, out, lds); });
     }
   }
 }
@@ -127,13 +139,9 @@ void Values(int64_t rows, int64_t n, int64_t width, const float* p, int64_t ldp,
       const uint32_t* v0 = vp + (w / kValuePanel) * panel_stride;
       const uint32_t* v1 = v0 + panel_stride;
       float* out = o + i0 * ldo + w;
-      if (r > 8) {
-        ValueBlock<12>(r, pairs, pp, padded / 2, v0, v1, scale, out, ldo);
-      } else if (r > 4) {
-        ValueBlock<8>(r, pairs, pp, padded / 2, v0, v1, scale, out, ldo);
-      } else {
-        ValueBlock<4>(r, pairs, pp, padded / 2, v0, v1, scale, out, ldo);
-      }
+      WithBlockRows(r, [&](auto block) {
+        ValueBlock<decltype(block)::kRows>(r, pairs, pp, padded / 2, v0, v1, scale, out, ldo);
+      });
     }
   }
 }
