@@ -213,6 +213,21 @@ absl::StatusOr<v1::GetServerInfoResponse> AttentionClient::GetServerInfo() {
   return Unary(stub_.get(), &v1::Attention::Stub::GetServerInfo, v1::GetServerInfoRequest(), options_.timeout);
 }
 
+absl::Status AttentionClient::RegisterSharedMemory(const std::string& name, const std::string& key,
+                                                   uint64_t byte_size) {
+  v1::RegisterSharedMemoryRequest request;
+  request.set_name(name);
+  request.set_key(key);
+  request.set_byte_size(byte_size);
+  return Unary(stub_.get(), &v1::Attention::Stub::RegisterSharedMemory, request, options_.timeout).status();
+}
+
+absl::Status AttentionClient::UnregisterSharedMemory(const std::string& name) {
+  v1::UnregisterSharedMemoryRequest request;
+  request.set_name(name);
+  return Unary(stub_.get(), &v1::Attention::Stub::UnregisterSharedMemory, request, options_.timeout).status();
+}
+
 absl::StatusOr<bool> AttentionClient::Serving() {
   auto health = grpc::health::v1::Health::NewStub(channel_);
   grpc::ClientContext context;

@@ -90,6 +90,11 @@ class AttentionClient {
   absl::Status UnloadLayer(const std::string& name);
   absl::StatusOr<v1::ListLayersResponse> ListLayers();
   absl::StatusOr<v1::GetServerInfoResponse> GetServerInfo();
+  // Maps the shared-memory object `key` (see SharedMemoryObject) of `byte_size` bytes on the server as region
+  // `name`, for SharedMemoryRef; the server must run with --max_shared_memory_regions > 0 and share this host.
+  absl::Status RegisterSharedMemory(const std::string& name, const std::string& key, uint64_t byte_size);
+  // Drops region `name` (empty: every region) on the server.
+  absl::Status UnregisterSharedMemory(const std::string& name);
   // grpc.health.v1 Check for the whole server (service ""): true when SERVING.
   absl::StatusOr<bool> Serving();
 

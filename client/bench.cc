@@ -76,22 +76,22 @@ class LoadRunner {
              const v1::MultiHeadAttentionRequest& request)
       : options_(options), request_(request), rest_(request), state_(std::make_shared<LoadState>()) {
     for (const auto& channel : channels) stubs_.push_back(std::make_unique<grpc::GenericStub>(channel));
-    // Every call sends the request's tensors from where they lie, as AttentionClient does with a caller's arrays.
-    const auto borrow = [this](int field, const v1::Tensor& tensor) {
+    // Every call sends the request's tensors from where they lie, as AttentionClient does with a caller's arrays
+    // (a tensor in shared memory stays in the rest: only its reference travels).
+    const auto borrow = [this](int field, bool present, const v1::Tensor& tensor, void (v1::MultiHeadAttentionRequest::*
+                                                                                       clear)()) {
+      if (!present || tensor.has_shared_memory()) return;
       TensorBytes& bytes = tensors_[tensor_count_++];
       bytes.field = field;
       bytes.header.set_dtype(tensor.dtype());
       *bytes.header.mutable_shape() = tensor.shape();
       bytes.data = BorrowedSlice(tensor.data().data(), tensor.data().size());
+      (rest_.*clear)();
     };
-    if (request.has_query()) borrow(1, request.query());
-    if (request.has_key()) borrow(2, request.key());
-    if (request.has_value()) borrow(3, request.value());
-    if (request.has_attn_mask()) borrow(8, request.attn_mask());
-    rest_.clear_query();
-    rest_.clear_key();
-    rest_.clear_value();
-    rest_.clear_attn_mask();
+    borrow(1, request.has_query(), request.query(), &v1::MultiHeadAttentionRequest::clear_query);
+    borrow(2, request.has_key(), request.key(), &v1::MultiHeadAttentionRequest::clear_key);
+    borrow(3, request.has_value(), request.value(), &v1::MultiHeadAttentionRequest::clear_value);
+    borrow(8, request.has_attn_mask(), request.attn_mask(), &v1::MultiHeadAttentionRequest::clear_attn_mask);
     for (int i = 0; i < tensor_count_; ++i) tensor_list_[i] = &tensors_[i];
   }
 

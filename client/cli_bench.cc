@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstring>
 #include <chrono>
 #include <cstdio>
 #include <memory>
@@ -22,6 +23,8 @@
 #include "client/bench_report.h"
 #include "client/cli.h"
 #include "client/cli_request.h"
+#include "client/shared_memory.h"
+#include "proto/mha/v1/tensor_codec.h"
 
 ABSL_FLAG(int, c, 1, "bench: concurrency, calls in flight at once (closed loop)");
 ABSL_FLAG(int64_t, n, 0, "bench: measured calls (default 200 when -z is not given)");
@@ -36,6 +39,10 @@ ABSL_FLAG(std::string, O, "pretty", "bench: report format, pretty, json or csv")
 ABSL_FLAG(int, health_baseline, 0,
           "bench: after each run, this many sequential health checks on the first connection, reported as the "
           "round-trip floor of any call");
+ABSL_FLAG(bool, shared_memory, false,
+          "bench: tensors and output through a POSIX shared-memory region registered with the server instead of "
+          "in the messages (same host; the server needs --max_shared_memory_regions > 0); every call writes the "
+          "same output bytes to one output area");
 ABSL_FLAG(bool, progress, false, "bench: progress line on stderr even when stderr is not a terminal");
 
 namespace mha::cli {
@@ -93,6 +100,62 @@ class ProgressPrinter {
   double last_printed_ = -1;
 };
 
+// The request's tensors moved into a shared-memory object registered on the server (their data replaced by
+// references), with room for the output after them; unregistered and removed when it goes.
+class SharedRequest {
+ public:
+  static absl::StatusOr<std::unique_ptr<SharedRequest>> Place(AttentionClient* client,
+                                                              v1::MultiHeadAttentionRequest* request) {
+    v1::Tensor* tensors[] = {request->has_query() ? request->mutable_query() : nullptr,
+                             request->has_key() ? request->mutable_key() : nullptr,
+                             request->has_value() ? request->mutable_value() : nullptr};
+    const v1::Tensor& query = request->query();
+    const v1::DataType out_dtype =
+        request->output_dtype() == v1::DATA_TYPE_UNSPECIFIED ? query.dtype() : request->output_dtype();
+    if (query.shape_size() != 3) return absl::InvalidArgumentError("--shared_memory needs a [B, Tq, d_model] query");
+    const uint64_t out_bytes = static_cast<uint64_t>(query.shape(0) * query.shape(1) * query.shape(2)) *
+                               DTypeSize(out_dtype);
+    uint64_t total = out_bytes;
+    for (const v1::Tensor* t : tensors) {
+      if (t != nullptr) total += (t->data().size() + 63) / 64 * 64;
+    }
+    const std::string suffix = std::to_string(getpid());
+    auto placed = std::unique_ptr<SharedRequest>(new SharedRequest(client, "mha-bench-" + suffix));
+    absl::StatusOr<std::unique_ptr<SharedMemoryObject>> object =
+        SharedMemoryObject::Create("/mha_bench_" + suffix, total);
+    if (!object.ok()) return object.status();
+    placed->object_ = *std::move(object);
+    uint64_t at = 0;
+    for (v1::Tensor* t : tensors) {
+      if (t == nullptr) continue;
+      std::memcpy(placed->object_->data() + at, t->data().data(), t->data().size());
+      t->mutable_shared_memory()->set_region(placed->name_);
+      t->mutable_shared_memory()->set_offset(at);
+      at += (t->data().size() + 63) / 64 * 64;
+      t->clear_data();
+    }
+    request->mutable_output_shared_memory()->set_region(placed->name_);
+    request->mutable_output_shared_memory()->set_offset(at);
+    if (absl::Status registered = client->RegisterSharedMemory(placed->name_, placed->object_->key(), total);
+        !registered.ok()) {
+      return absl::Status(registered.code(), absl::StrCat("RegisterSharedMemory: ", registered.message()));
+    }
+    placed->registered_ = true;
+    return placed;
+  }
+
+  ~SharedRequest() {
+    if (registered_) client_->UnregisterSharedMemory(name_).IgnoreError();
+  }
+
+ private:
+  SharedRequest(AttentionClient* client, std::string name) : client_(client), name_(std::move(name)) {}
+  AttentionClient* const client_;
+  const std::string name_;
+  std::unique_ptr<SharedMemoryObject> object_;
+  bool registered_ = false;
+};
+
 }  // namespace
 
 int RunBench(const ClientOptions& options) {
@@ -141,6 +204,12 @@ int RunBench(const ClientOptions& options) {
   AttentionClient client(options);
   absl::StatusOr<PreparedRequest> prepared = PrepareRequest(*flags, client);
   if (!prepared.ok()) return Fail(prepared.status());
+  std::unique_ptr<SharedRequest> shared;
+  if (absl::GetFlag(FLAGS_shared_memory)) {
+    absl::StatusOr<std::unique_ptr<SharedRequest>> placed = SharedRequest::Place(&client, &prepared->request);
+    if (!placed.ok()) return Fail(placed.status());
+    shared = *std::move(placed);
+  }
 
   std::vector<std::shared_ptr<grpc::Channel>> channels;
   ClientOptions channel_options = options;

@@ -12,7 +12,7 @@
 namespace mha {
 namespace {
 
-ConstTensor View(const v1::Tensor& t) { return {t.data().data(), t.dtype()}; }
+ConstTensor View(const AttentionPlan& plan, const v1::Tensor& t) { return {plan.Data(t), t.dtype()}; }
 
 // Makes `tensor` response field `field`, shaped `shape` in `dtype`, with a fresh slice for its bytes; returns the
 // view the backend writes into.
@@ -31,6 +31,21 @@ MutableTensor Allocate(int field, std::initializer_list<int64_t> shape, v1::Data
 }
 
 constexpr int kOutputField = 1, kWeightsField = 2;  // in both responses
+
+// The output: into plan.output_to when the request gave shared memory for it (the response's output then carries
+// the shape, the dtype and the reference), else into a fresh slice of the response.
+template <typename Response>
+MutableTensor AllocateOutput(const AttentionPlan& plan, std::initializer_list<int64_t> shape,
+                             Reply<Response>* reply) {
+  const v1::DataType dtype = plan.problem.output_dtype;
+  if (plan.output_to == nullptr) return Allocate(kOutputField, shape, dtype, &reply->output);
+  v1::Tensor* output = reply->message.mutable_output();
+  for (int64_t d : shape) output->add_shape(d);
+  output->set_dtype(dtype);
+  *output->mutable_shared_memory() = *plan.output_ref;
+  reply->output.field = 0;
+  return {plan.output_to, dtype};
+}
 
 // The mask as additive fp32, checked while decoding: an additive mask's -inf masks a key, NaN and +inf have no
 // meaning; a boolean (MASK_KEEP) mask's 1 becomes 0 and its 0 becomes -inf, and any other value has no meaning.
@@ -72,17 +87,18 @@ absl::Status ExecuteMultiHeadAttention(const MhaPlan& plan, const StopSignal* st
   args.stop = stop;
   args.weights = layer->Weights();
   args.kv_source = plan.kv_source;
-  args.query = View(*plan.query);
-  args.key = View(*plan.key);
-  args.value = View(*plan.value);
+  args.query = View(plan, *plan.query);
+  args.key = View(plan, *plan.key);
+  args.value = View(plan, *plan.value);
   args.head_mask = plan.head_mask;
-  args.out = Allocate(kOutputField, {s.batch, s.q_len, s.d_model}, p.output_dtype, &reply->output);
+  args.out = AllocateOutput(plan, {s.batch, s.q_len, s.d_model}, reply);
   if (p.return_weights) {
     args.attention_weights = Allocate(kWeightsField, {s.batch, s.heads.num_heads, s.q_len, s.kv_len},
                                       p.output_dtype, &reply->attention_weights);
   }
   reply->message.set_backend(std::string(plan.backend->name()));
-  return plan.backend->MultiHeadAttention(args);
+  if (absl::Status status = plan.backend->MultiHeadAttention(args); !status.ok()) return status;
+  return plan.RegionsIntact();
 }
 
 absl::Status ExecuteMultiHeadAttentionBatch(absl::Span<const MhaPlan* const> plans, const StopSignal* stop,
@@ -155,17 +171,17 @@ absl::Status ExecuteScaledDotProductAttention(const SdpaPlan& plan, const StopSi
   if (absl::Status status = DecodeMask(plan, &additive, &args.mask); !status.ok()) return status;
   args.shape = s;
   args.stop = stop;
-  args.q = View(*plan.q);
-  args.k = View(*plan.k);
-  args.v = View(*plan.v);
-  args.out = Allocate(kOutputField, {s.batch, s.q_len, s.heads.num_heads, s.heads.head_dim}, p.output_dtype,
-                      &reply->output);
+  args.q = View(plan, *plan.q);
+  args.k = View(plan, *plan.k);
+  args.v = View(plan, *plan.v);
+  args.out = AllocateOutput(plan, {s.batch, s.q_len, s.heads.num_heads, s.heads.head_dim}, reply);
   if (p.return_weights) {
     args.weights = Allocate(kWeightsField, {s.batch, s.heads.num_heads, s.q_len, s.kv_len}, p.output_dtype,
                             &reply->attention_weights);
   }
   reply->message.set_backend(std::string(plan.backend->name()));
-  return plan.backend->ScaledDotProductAttention(args);
+  if (absl::Status status = plan.backend->ScaledDotProductAttention(args); !status.ok()) return status;
+  return plan.RegionsIntact();
 }
 
 }  // namespace mha

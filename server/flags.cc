@@ -23,6 +23,10 @@ ABSL_FLAG(int, max_queue_size, kDefaults.max_queue_size, "requests waiting to co
 ABSL_FLAG(int, max_queued_mb, kDefaults.max_queued_mb, "MiB of request data the waiting requests may hold");
 ABSL_FLAG(int, max_layer_mb, kDefaults.max_layer_mb, "total fp32 MiB of registered layers");
 ABSL_FLAG(int, max_layers, kDefaults.max_layers, "registered layers at most, demo included");
+ABSL_FLAG(int, max_shared_memory_regions, kDefaults.max_shared_memory_regions,
+          "shared-memory regions clients may register for tensors (RegisterSharedMemory); 0 = off");
+ABSL_FLAG(int, max_shared_memory_mb, kDefaults.max_shared_memory_mb,
+          "MiB of registered shared-memory regions together");
 ABSL_FLAG(int, max_scratch_mb, kDefaults.max_scratch_mb, "working memory one request may need, MiB");
 ABSL_FLAG(double, inline_max_mflop, kDefaults.inline_max_mflop,
           "requests up to this many MFLOP run on the receiving gRPC thread; 0 = always the compute thread");
@@ -71,6 +75,8 @@ ServerOptions ServerOptionsFromFlags() {
   options.max_queued_mb = absl::GetFlag(FLAGS_max_queued_mb);
   options.max_layer_mb = absl::GetFlag(FLAGS_max_layer_mb);
   options.max_layers = absl::GetFlag(FLAGS_max_layers);
+  options.max_shared_memory_regions = absl::GetFlag(FLAGS_max_shared_memory_regions);
+  options.max_shared_memory_mb = absl::GetFlag(FLAGS_max_shared_memory_mb);
   options.max_scratch_mb = absl::GetFlag(FLAGS_max_scratch_mb);
   options.inline_max_mflop = absl::GetFlag(FLAGS_inline_max_mflop);
   options.max_request_gflop = absl::GetFlag(FLAGS_max_request_gflop);

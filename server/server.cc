@@ -47,6 +47,11 @@ absl::StatusOr<std::unique_ptr<MhaServer>> MhaServer::Start(ServerOptions option
   if (options.max_queue_delay_us < 0) return absl::InvalidArgumentError("--max_queue_delay_us must be >= 0");
   if (!(options.default_deadline_s > 0)) return absl::InvalidArgumentError("--default_deadline_s must be > 0");
   if (!(options.shutdown_grace_s >= 0)) return absl::InvalidArgumentError("--shutdown_grace_s must be >= 0");
+  if (options.max_shared_memory_regions < 0 || options.max_shared_memory_regions > kMaxMappedRegions) {
+    return absl::InvalidArgumentError(absl::StrCat("--max_shared_memory_regions must be in [0, ", kMaxMappedRegions,
+                                                   "], got ", options.max_shared_memory_regions));
+  }
+  if (options.max_shared_memory_mb < 1) return absl::InvalidArgumentError("--max_shared_memory_mb must be >= 1");
 
   std::unique_ptr<MhaServer> server(new MhaServer());
   if (!options.auth_tokens_file.empty()) {

@@ -75,6 +75,11 @@ struct ServerOptions {
   // When non-empty, grpc.health.v1.Health alone is also served here in plaintext and without tokens, for probes
   // that cannot speak TLS (Kubernetes' gRPC probes); it answers what the main port's health answers.
   std::string health_listen;
+  // Shared-memory regions for tensors (RegisterSharedMemory): how many a client may register at once (0 turns
+  // shared memory off, the default: it lets a caller name POSIX shared-memory objects of the server's host, so
+  // enable it only where the callers share that host), and their MiB together (address space the server maps).
+  int max_shared_memory_regions = 0;
+  int max_shared_memory_mb = 4096;
   // Bearer tokens with roles (server/auth.h); empty = no token needed. Re-read on SIGHUP.
   std::string auth_tokens_file;
   // spdlog level: trace, debug, info, warn, error, critical or off.

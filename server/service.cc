@@ -73,6 +73,7 @@ AttentionService::AttentionService(const ServerOptions& options, LayerStore* lay
       scheduler_(scheduler),
       metrics_(metrics),
       auth_(auth),
+      shared_memory_(options.max_shared_memory_regions, static_cast<int64_t>(options.max_shared_memory_mb) << 20),
       id_prefix_(absl::StrFormat("%08x", absl::Uniform<uint32_t>(absl::BitGen()))) {
   validation_.layers = layers_;
   validation_.backends = backends_;
@@ -80,6 +81,7 @@ AttentionService::AttentionService(const ServerOptions& options, LayerStore* lay
   validation_.max_scratch_bytes = static_cast<int64_t>(options.max_scratch_mb) << 20;
   validation_.max_request_flops = options.max_request_gflop * 1e9;
   validation_.max_reference_flops = options.max_reference_gflop * 1e9;
+  validation_.shared_memory = &shared_memory_;
   default_deadline_ = absl::Seconds(options.default_deadline_s);
 }
 
@@ -385,7 +387,33 @@ grpc::ServerUnaryReactor* AttentionService::GetServerInfo(grpc::CallbackServerCo
         limits->set_max_queued_bytes(static_cast<int64_t>(options_.max_queued_mb) << 20);
         limits->set_max_scratch_bytes(validation_.max_scratch_bytes);
         limits->set_max_request_gflop(options_.max_request_gflop);
+        limits->set_max_shared_memory_regions(shared_memory_.max_regions());
+        limits->set_max_shared_memory_bytes(shared_memory_.max_regions() > 0 ? shared_memory_.max_bytes() : 0);
         return absl::OkStatus();
+      });
+}
+
+grpc::ServerUnaryReactor* AttentionService::RegisterSharedMemory(grpc::CallbackServerContext* context,
+                                                                 const grpc::ByteBuffer* request,
+                                                                 grpc::ByteBuffer* response) {
+  return Answer<v1::RegisterSharedMemoryRequest, v1::RegisterSharedMemoryResponse>(
+      "RegisterSharedMemory", Role::kCompute, context, request, response,
+      [this](const v1::RegisterSharedMemoryRequest& request, v1::RegisterSharedMemoryResponse*, std::string* detail) {
+        *detail = absl::StrCat("name=", LogSafe(request.name()), " key=", LogSafe(request.key()),
+                               " bytes=", request.byte_size());
+        return shared_memory_.Register(request.name(), request.key(), request.byte_size());
+      });
+}
+
+grpc::ServerUnaryReactor* AttentionService::UnregisterSharedMemory(grpc::CallbackServerContext* context,
+                                                                   const grpc::ByteBuffer* request,
+                                                                   grpc::ByteBuffer* response) {
+  return Answer<v1::UnregisterSharedMemoryRequest, v1::UnregisterSharedMemoryResponse>(
+      "UnregisterSharedMemory", Role::kCompute, context, request, response,
+      [this](const v1::UnregisterSharedMemoryRequest& request, v1::UnregisterSharedMemoryResponse*,
+             std::string* detail) {
+        *detail = absl::StrCat("name=", LogSafe(request.name()));
+        return shared_memory_.Unregister(request.name());
       });
 }
 

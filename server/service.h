@@ -16,6 +16,7 @@
 #include "server/metrics.h"
 #include "server/scheduler.h"
 #include "server/server_options.h"
+#include "server/shared_memory.h"
 #include "server/validate.h"
 
 namespace mha {
@@ -28,7 +29,9 @@ grpc::Status ToGrpcStatus(const absl::Status& status);
 using RawAttentionService = v1::Attention::WithRawCallbackMethod_MultiHeadAttention<
     v1::Attention::WithRawCallbackMethod_ScaledDotProductAttention<v1::Attention::WithRawCallbackMethod_LoadLayer<
         v1::Attention::WithRawCallbackMethod_UnloadLayer<v1::Attention::WithRawCallbackMethod_ListLayers<
-            v1::Attention::WithRawCallbackMethod_GetServerInfo<v1::Attention::Service>>>>>>;
+            v1::Attention::WithRawCallbackMethod_GetServerInfo<
+                v1::Attention::WithRawCallbackMethod_RegisterSharedMemory<
+                    v1::Attention::WithRawCallbackMethod_UnregisterSharedMemory<v1::Attention::Service>>>>>>>>;
 
 class AttentionService final : public RawAttentionService {
  public:
@@ -51,6 +54,11 @@ class AttentionService final : public RawAttentionService {
                                        grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* GetServerInfo(grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
                                           grpc::ByteBuffer* response) override;
+  grpc::ServerUnaryReactor* RegisterSharedMemory(grpc::CallbackServerContext* context,
+                                                 const grpc::ByteBuffer* request, grpc::ByteBuffer* response) override;
+  grpc::ServerUnaryReactor* UnregisterSharedMemory(grpc::CallbackServerContext* context,
+                                                   const grpc::ByteBuffer* request,
+                                                   grpc::ByteBuffer* response) override;
 
  private:
   // Logs one finished call (`ids` from Identify, rpc, shapes, backend, status, latency) and records it in the
@@ -93,6 +101,7 @@ class AttentionService final : public RawAttentionService {
   Scheduler* scheduler_;
   ServerMetrics* metrics_;
   const TokenAuth* auth_;
+  SharedMemoryRegistry shared_memory_;
   ValidationContext validation_;
   absl::Duration default_deadline_;
   const std::string id_prefix_;  // random per process, so that ids of restarted replicas do not collide

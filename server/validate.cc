@@ -16,14 +16,54 @@ absl::Status Invalid(absl::string_view a, absl::string_view b = "", absl::string
   return absl::InvalidArgumentError(absl::StrCat(a, b, c, d));
 }
 
+// Where `bytes` bytes of `dtype_size`-byte elements at `ref` lie; the region joins plan->regions. `field` names
+// the reference, e.g. "query.shared_memory".
+absl::StatusOr<char*> ResolveShared(const v1::SharedMemoryRef& ref, size_t dtype_size, uint64_t bytes,
+                                    absl::string_view field, const ValidationContext& context, AttentionPlan* plan) {
+  if (context.shared_memory == nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat(field, ": this server does not accept shared memory"));
+  }
+  ASSIGN_OR_RETURN(std::shared_ptr<const SharedMemoryRegion> region,
+                   context.shared_memory->Find(ref.region(), absl::StrCat(field, ".region")));
+  if (ref.offset() % dtype_size != 0) {
+    return Invalid(field, absl::StrCat(".offset must be a multiple of ", dtype_size, " (the dtype's size), got ",
+                                       ref.offset()));
+  }
+  if (ref.offset() > region->size() || bytes > region->size() - ref.offset()) {
+    return Invalid(field, absl::StrCat(": offset ", ref.offset(), " + ", bytes, " bytes passes the end of region '",
+                                       region->name(), "' (", region->size(), " bytes)"));
+  }
+  char* data = region->data() + ref.offset();
+  plan->regions.push_back(std::move(region));
+  return data;
+}
+
+// A present activation in shared memory: its encoding, where it lies, and its values' finiteness.
+absl::Status CheckShared(const v1::Tensor& t, absl::string_view field, const ValidationContext& context,
+                         AttentionPlan* plan) {
+  ASSIGN_OR_RETURN(const int64_t count, CheckTensorHeader(t, field));
+  if (!t.data().empty()) {
+    return Invalid(field, ".data must be empty when ", field, ".shared_memory is set");
+  }
+  const size_t size = DTypeSize(t.dtype());
+  const uint64_t bytes = static_cast<uint64_t>(count) * size;
+  ASSIGN_OR_RETURN(const char* data,
+                   ResolveShared(t.shared_memory(), size, bytes, absl::StrCat(field, ".shared_memory"), context, plan));
+  RETURN_IF_ERROR(NonFiniteError(t, field, FirstNonFinite(t.dtype(), data, count), data));
+  RETURN_IF_ERROR(plan->RegionsIntact());
+  plan->shared_inputs.push_back({&t, data, bytes});
+  return absl::OkStatus();
+}
+
 // Checks a present tensor's encoding, rank and finite values; `what` describes the expected shape, e.g.
-// "[B, Tq, d_model]".
+// "[B, Tq, d_model]". A tensor in shared memory is resolved into plan->shared_inputs.
 absl::Status CheckRanked(const v1::Tensor& t, absl::string_view field, int rank, absl::string_view what,
-                         const ValidationContext& context) {
+                         const ValidationContext& context, AttentionPlan* plan) {
   if (t.shape_size() != rank) {
     return Invalid(field, absl::StrCat(" must have rank ", rank, " ", what, ", got shape "),
                    ShapeString(t.shape()));
   }
+  if (t.has_shared_memory()) return CheckShared(t, field, context, plan);
   RETURN_IF_ERROR(CheckTensor(t, field).status());
   for (const FiniteScan& scan : context.finite_scans) {
     if (scan.tensor == &t && scan.dtype == t.dtype()) return NonFiniteError(t, field, scan.first_non_finite);
@@ -123,6 +163,21 @@ absl::Status ValidateCommon(const Request& request, const ValidationContext& con
   // The response must fit the message limit; say so before computing anything.
   const double out_size = static_cast<double>(DTypeSize(plan->problem.output_dtype));
   double response_bytes = out_size * static_cast<double>(output_elements);
+  if (request.has_output_shared_memory()) {
+    const uint64_t bytes = static_cast<uint64_t>(output_elements) * DTypeSize(plan->problem.output_dtype);
+    ASSIGN_OR_RETURN(plan->output_to, ResolveShared(request.output_shared_memory(),
+                                                    DTypeSize(plan->problem.output_dtype), bytes,
+                                                    "output_shared_memory", context, plan));
+    plan->output_ref = &request.output_shared_memory();
+    const uintptr_t out = reinterpret_cast<uintptr_t>(plan->output_to);
+    for (const AttentionPlan::SharedInput& input : plan->shared_inputs) {
+      const uintptr_t in = reinterpret_cast<uintptr_t>(input.data);
+      if (out < in + input.bytes && in < out + bytes) {
+        return Invalid("output_shared_memory must not overlap the shared memory of an input");
+      }
+    }
+    response_bytes = 0;  // the output's bytes do not travel in the response
+  }
   if (plan->problem.return_weights) {
     response_bytes += out_size * Product({s.batch, s.heads.num_heads, s.q_len, s.kv_len});
   }
@@ -176,7 +231,7 @@ absl::StatusOr<MhaPlan> ValidateMultiHeadAttention(const v1::MultiHeadAttentionR
   MhaPlan plan;
   if (!request.has_query()) return Invalid("query is required: [B, Tq, d_model]");
   const v1::Tensor& query = request.query();
-  RETURN_IF_ERROR(CheckRanked(query, "query", 3, "[B, Tq, d_model]", context));
+  RETURN_IF_ERROR(CheckRanked(query, "query", 3, "[B, Tq, d_model]", context, &plan));
   const int64_t batch = query.shape(0), q_len = query.shape(1), d_model = query.shape(2);
 
   LayerShape layer;
@@ -220,7 +275,7 @@ absl::StatusOr<MhaPlan> ValidateMultiHeadAttention(const v1::MultiHeadAttentionR
   const v1::Tensor* key = &query;
   if (request.has_key()) {
     key = &request.key();
-    RETURN_IF_ERROR(CheckRanked(*key, "key", 3, "[B, Tk, d_kv_in]", context));
+    RETURN_IF_ERROR(CheckRanked(*key, "key", 3, "[B, Tk, d_kv_in]", context, &plan));
     RETURN_IF_ERROR(CheckDim(*key, "key", 0, "B", batch, "(query's batch)"));
   }
   if (key->shape(2) != layer.d_kv_in) {
@@ -230,7 +285,7 @@ absl::StatusOr<MhaPlan> ValidateMultiHeadAttention(const v1::MultiHeadAttentionR
   const v1::Tensor* value = key;
   if (request.has_value()) {
     value = &request.value();
-    RETURN_IF_ERROR(CheckRanked(*value, "value", 3, "[B, Tk, d_v_in]", context));
+    RETURN_IF_ERROR(CheckRanked(*value, "value", 3, "[B, Tk, d_v_in]", context, &plan));
     RETURN_IF_ERROR(CheckDim(*value, "value", 0, "B", batch, "(query's batch)"));
     RETURN_IF_ERROR(CheckDim(*value, "value", 1, "Tk", key->shape(1), "(key's length)"));
   }
@@ -257,7 +312,7 @@ absl::StatusOr<MhaPlan> ValidateMultiHeadAttention(const v1::MultiHeadAttentionR
   RETURN_IF_ERROR(ValidateHeadMask(request, &plan));
   RETURN_IF_ERROR(ValidateCommon(request, context, query.dtype(), batch * q_len * d_model, &plan));
   if (plan.layer != nullptr && plan.kv_source == KvSource::kQuery && !request.has_attn_mask() &&
-      plan.head_mask.empty()) {
+      plan.head_mask.empty() && plan.shared_inputs.empty() && plan.output_to == nullptr) {
     plan.batch_key = absl::StrCat("mha|", reinterpret_cast<uintptr_t>(plan.backend), "|",
                                   reinterpret_cast<uintptr_t>(plan.layer.get()), "|", q_len, "|", query.dtype(), "|",
                                   plan.problem.output_dtype, "|", plan.problem.return_weights, "|", s.heads.causal);
@@ -276,15 +331,15 @@ absl::StatusOr<SdpaPlan> ValidateScaledDotProductAttention(const v1::ScaledDotPr
   if (!request.has_k()) return Invalid("k is required: [B, Tk, Hkv, d_k]");
   if (!request.has_v()) return Invalid("v is required: [B, Tk, Hkv, d_k]");
   const v1::Tensor &q = request.q(), &k = request.k(), &v = request.v();
-  RETURN_IF_ERROR(CheckRanked(q, "q", 4, "[B, Tq, H, d_k]", context));
-  RETURN_IF_ERROR(CheckRanked(k, "k", 4, "[B, Tk, Hkv, d_k]", context));
+  RETURN_IF_ERROR(CheckRanked(q, "q", 4, "[B, Tq, H, d_k]", context, &plan));
+  RETURN_IF_ERROR(CheckRanked(k, "k", 4, "[B, Tk, Hkv, d_k]", context, &plan));
   RETURN_IF_ERROR(CheckDim(k, "k", 0, "B", q.shape(0), "(q's batch)"));
   RETURN_IF_ERROR(CheckDim(k, "k", 3, "d_k", q.shape(3), "(q's head_dim)"));
   if (q.shape(2) % k.shape(2) != 0) {
     return Invalid(absl::StrCat("k.shape[2] (Hkv = ", k.shape(2), ") must divide q.shape[2] (H = ", q.shape(2),
                                 ")"));
   }
-  RETURN_IF_ERROR(CheckRanked(v, "v", 4, "[B, Tk, Hkv, d_k]", context));
+  RETURN_IF_ERROR(CheckRanked(v, "v", 4, "[B, Tk, Hkv, d_k]", context, &plan));
   const std::vector<int64_t> k_shape(k.shape().begin(), k.shape().end());
   const std::vector<int64_t> v_shape(v.shape().begin(), v.shape().end());
   if (k_shape != v_shape) {

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
@@ -17,6 +18,7 @@
 #include "server/backends/registry.h"
 #include "server/layer_store.h"
 #include "server/request_reader.h"
+#include "server/shared_memory.h"
 
 namespace mha {
 
@@ -33,9 +35,36 @@ struct AttentionPlan {
   int64_t workspace_bytes = 0;            // backend->WorkspaceBytes(problem)
   // Calls with the same non-empty key compute the same function of each batch item, so that they can run as one
   // backend call along the batch dimension (request batching): same backend, registered layer, sequence lengths,
-  // dtypes, causal flag and weights request; self-attention without an attention or head mask. Empty: never
-  // batched.
+  // dtypes, causal flag and weights request; self-attention without an attention or head mask, nothing in shared
+  // memory. Empty: never batched.
   std::string batch_key;
+
+  // Tensors whose bytes lie in shared memory (mha.v1.SharedMemoryRef): the inputs, where the output goes instead of
+  // the response (null: into the response), and the regions all of them lie in, held until the plan is gone.
+  struct SharedInput {
+    const v1::Tensor* tensor = nullptr;
+    const char* data = nullptr;
+    uint64_t bytes = 0;
+  };
+  std::vector<SharedInput> shared_inputs;
+  char* output_to = nullptr;
+  const v1::SharedMemoryRef* output_ref = nullptr;  // the request's, when output_to is set
+  std::vector<std::shared_ptr<const SharedMemoryRegion>> regions;
+
+  // An input tensor's bytes: its shared memory, else its data.
+  const char* Data(const v1::Tensor& tensor) const {
+    for (const SharedInput& input : shared_inputs) {
+      if (input.tensor == &tensor) return input.data;
+    }
+    return tensor.data().data();
+  }
+  // FAILED_PRECONDITION when a region the call uses shrank (SharedMemoryRegion::Intact).
+  absl::Status RegionsIntact() const {
+    for (const auto& region : regions) {
+      if (absl::Status intact = region->Intact(); !intact.ok()) return intact;
+    }
+    return absl::OkStatus();
+  }
 };
 
 struct MhaPlan : AttentionPlan {
@@ -65,6 +94,8 @@ struct ValidationContext {
   double max_reference_flops = 0;  // the same on the reference backend
   // Inputs already scanned for inf and NaN while they were read (ReadComputeRequest); the rest are scanned here.
   absl::Span<const FiniteScan> finite_scans;
+  // Where SharedMemoryRef names resolve; null: shared memory is off.
+  const SharedMemoryRegistry* shared_memory = nullptr;
 };
 
 absl::StatusOr<MhaPlan> ValidateMultiHeadAttention(const v1::MultiHeadAttentionRequest& request,

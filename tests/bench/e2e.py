@@ -1,8 +1,8 @@
 """End-to-end numbers through the real server: mha_client bench for the tiny shape (1,16,16,64,4) and for
-(8,512,512,512,8,8) with fp32 and with bf16 on the wire, each next to the health-check round trip measured in the
-same run, the server's time outside the backend (handler - compute) as a share of compute, and the end-to-end rate
-as a share of the compute rate (#16's wire target) over interleaved rounds, optionally alternating with another
-build.
+(8,512,512,512,8,8) with fp32 and with bf16 on the wire (in the messages, and in a shared-memory region), each next
+to the health-check round trip measured in the same run, the server's time outside the backend (handler - compute)
+as a share of compute, and the end-to-end rate as a share of the compute rate (#16's wire target) over interleaved
+rounds, optionally alternating with another build.
 
 Usage: /usr/bin/python3 tests/bench/e2e.py [--server build/bin/mha_server] [--client build/bin/mha_client]
            [--rounds 3] [--compare OTHER_SERVER,OTHER_CLIENT]
@@ -49,13 +49,24 @@ ROWS = [
                                   "--health_baseline", "500"]),
     ("(8,512,512,512,8,8) bf16 wire", ["--layer", "demo", "--batch", "8", "--seq", "512", "--dtype", "bf16",
                                        "-n", "20", "--warmup", "2", "--health_baseline", "500"]),
+    # The same two with the query and the output in a shared-memory region instead of the messages (this build
+    # only: --compare builds may predate it).
+    ("(8,512,512,512,8,8) fp32 shared memory", ["--layer", "demo", "--batch", "8", "--seq", "512", "--shared_memory",
+                                                "-n", "20", "--warmup", "2", "--health_baseline", "500"]),
+    ("(8,512,512,512,8,8) bf16 shared memory", ["--layer", "demo", "--batch", "8", "--seq", "512", "--dtype", "bf16",
+                                                "--shared_memory", "-n", "20", "--warmup", "2",
+                                                "--health_baseline", "500"]),
 ]
+SHARED_MEMORY_ROWS = 2  # the last rows of ROWS
 
 
-def run_build(server_bin, client_bin, layers, work):
-    """Every row once against a fresh server of this build: {row name: bench json}."""
-    with local_server(server_bin, work, "--layers_dir", layers, "--log_level", "warn") as target:
-        return {name: bench(client_bin, target, *row_args) for name, row_args in ROWS}
+def run_build(server_bin, client_bin, layers, work, shared_memory):
+    """Every row once against a fresh server of a build: {row name: bench json}; the shared-memory rows only
+    with `shared_memory`."""
+    rows = ROWS if shared_memory else ROWS[:-SHARED_MEMORY_ROWS]
+    extra = ["--max_shared_memory_regions", "4"] if shared_memory else []
+    with local_server(server_bin, work, "--layers_dir", layers, "--log_level", "warn", *extra) as target:
+        return {name: bench(client_bin, target, *row_args) for name, row_args in rows}
 
 
 def wire_ratio(r):
@@ -88,7 +99,7 @@ def main():
         write_layer(os.path.join(layers, "tiny.safetensors"), d_model=64, heads=4)
         for _ in range(args.rounds):
             for label, server_bin, client_bin in builds:
-                results[label].append(run_build(server_bin, client_bin, layers, work))
+                results[label].append(run_build(server_bin, client_bin, layers, work, label == "this build"))
 
     for label, _, _ in builds:
         rounds = results[label]
@@ -99,6 +110,8 @@ def main():
               "compute | GFLOP/s |")
         print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
         for name, _ in ROWS:
+            if name not in last:
+                continue
             r = last[name]
             split = r["split_ms"]
             outside = split["server_queue"] + split["server_other"]
@@ -113,7 +126,9 @@ def main():
     print("| --- | --- | ---: | ---: | --- | ---: | ---: | ---: |")
     for name, _ in ROWS[1:]:
         for label, _, _ in builds:
-            rs = [rounds[name] for rounds in results[label]]
+            rs = [rounds[name] for rounds in results[label] if name in rounds]
+            if not rs:
+                continue
             ratios = [wire_ratio(r) for r in rs]
             print("| %s | %s | %.3f | %.3f | %s | %.2f | %.2f | %.2f |" % (
                 name, label, median(ratios), max(ratios), ", ".join("%.3f" % x for x in ratios),
@@ -124,7 +139,8 @@ def main():
     print("p50 / health: end-to-end median over the health-check median, same connection, same run. "
           "Server outside compute: (handler - compute) / compute, i.e. parse, validation and queue hand-off. "
           "Client encode/decode: the request's encoding and the response's decoding in mha_client bench (medians of "
-          "the rounds' means); rest: everything else outside compute (transfer both ways, the server's parse).")
+          "the rounds' means); rest: everything else outside compute (transfer both ways, the server's parse). "
+          "Shared memory: the query and the output in a registered region (mha_client bench --shared_memory).")
 
 
 if __name__ == "__main__":

@@ -167,13 +167,13 @@ absl::StatusOr<int64_t> CheckedElementCount(absl::Span<const int64_t> shape, abs
 }
 
 absl::StatusOr<int64_t> CheckTensor(const v1::Tensor& tensor, absl::string_view field) {
-  const size_t dtype_size = DTypeSize(tensor.dtype());
-  if (dtype_size == 0) {
-    return absl::InvalidArgumentError(absl::StrCat(field, ".dtype must be FP32, FP16 or BF16, got ",
-                                                   DTypeName(tensor.dtype())));
+  if (tensor.has_shared_memory()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ".shared_memory is accepted only on the activations (query, key, value; q, k, v)"));
   }
-  absl::StatusOr<int64_t> count = CheckedElementCount(tensor.shape(), field);
+  absl::StatusOr<int64_t> count = CheckTensorHeader(tensor, field);
   if (!count.ok()) return count.status();
+  const size_t dtype_size = DTypeSize(tensor.dtype());
   const int64_t want_bytes = *count * static_cast<int64_t>(dtype_size);
   if (static_cast<int64_t>(tensor.data().size()) != want_bytes) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -181,6 +181,15 @@ absl::StatusOr<int64_t> CheckTensor(const v1::Tensor& tensor, absl::string_view 
         ShapeString(tensor.shape()), " x ", dtype_size, " bytes of ", DTypeName(tensor.dtype()), ")"));
   }
   return count;
+}
+
+absl::StatusOr<int64_t> CheckTensorHeader(const v1::Tensor& tensor, absl::string_view field) {
+  const size_t dtype_size = DTypeSize(tensor.dtype());
+  if (dtype_size == 0) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ".dtype must be FP32, FP16 or BF16, got ",
+                                                   DTypeName(tensor.dtype())));
+  }
+  return CheckedElementCount(tensor.shape(), field);
 }
 
 namespace {
@@ -231,11 +240,11 @@ absl::Status CheckFinite(const v1::Tensor& tensor, absl::string_view field) {
                         FirstNonFinite(tensor.dtype(), tensor.data().data(), tensor.data().size() / size));
 }
 
-absl::Status NonFiniteError(const v1::Tensor& tensor, absl::string_view field, int64_t bad) {
+absl::Status NonFiniteError(const v1::Tensor& tensor, absl::string_view field, int64_t bad, const char* data) {
   const size_t size = DTypeSize(tensor.dtype());
   if (bad < 0 || size == 0) return absl::OkStatus();
   float value;
-  DecodeToFloat(tensor.dtype(), tensor.data().data() + bad * size, 1, &value);
+  DecodeToFloat(tensor.dtype(), (data != nullptr ? data : tensor.data().data()) + bad * size, 1, &value);
   // The flat index as a multi-index, innermost dimension last.
   std::vector<int64_t> index(tensor.shape_size());
   int64_t rest = bad;

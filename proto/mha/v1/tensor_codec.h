@@ -41,8 +41,11 @@ std::string ShapeString(absl::Span<const int64_t> shape);
 absl::StatusOr<int64_t> CheckedElementCount(absl::Span<const int64_t> shape, absl::string_view field);
 
 // Checks a tensor's dtype, that every dim is >= 1, and that data holds exactly product(shape) * dtype size
-// bytes. Errors are INVALID_ARGUMENT and name `field`. Returns the element count.
+// bytes (a tensor in shared memory is refused: only the server's validation of the activations resolves those).
+// Errors are INVALID_ARGUMENT and name `field`. Returns the element count.
 absl::StatusOr<int64_t> CheckTensor(const v1::Tensor& tensor, absl::string_view field);
+// The same without looking at where the bytes are: dtype and dims only.
+absl::StatusOr<int64_t> CheckTensorHeader(const v1::Tensor& tensor, absl::string_view field);
 
 // Index of the first NaN or infinite element among n elements of `dtype` at src (no alignment required), or -1
 // when every one is finite. dtype must have a non-zero DTypeSize.
@@ -51,8 +54,10 @@ int64_t FirstNonFinite(int dtype, const void* src, size_t n);
 // For a tensor that passed CheckTensor: INVALID_ARGUMENT naming `field`, the first non-finite element's index and
 // its value when the tensor holds NaN or inf (the service rejects them rather than compute with them).
 absl::Status CheckFinite(const v1::Tensor& tensor, absl::string_view field);
-// The same for a tensor whose first non-finite element is already known to be `first_non_finite` (-1: none).
-absl::Status NonFiniteError(const v1::Tensor& tensor, absl::string_view field, int64_t first_non_finite);
+// The same for a tensor whose first non-finite element is already known to be `first_non_finite` (-1: none), its
+// bytes at `data` (null: tensor.data()).
+absl::Status NonFiniteError(const v1::Tensor& tensor, absl::string_view field, int64_t first_non_finite,
+                            const char* data = nullptr);
 
 // Decodes a tensor that passed CheckTensor into fp32.
 std::vector<float> TensorToFloats(const v1::Tensor& tensor);

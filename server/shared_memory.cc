@@ -1,0 +1,248 @@
+#include "server/shared_memory.h"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+#include <mutex>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "server/layer_store.h"
+#include "server/status_macros.h"
+
+namespace mha {
+namespace {
+
+// The SIGBUS guard's table: one slot per mapped region. A slot is live while begin != 0; writers set end and fd
+// before begin (release) and clear begin first, so the handler (which only reads, then sets shrunk) never sees a
+// half-written slot of a live region. A slot is freed only after its region's last user let go, so a fault inside
+// a live slot's range always comes from a holder of that region.
+struct GuardSlot {
+  std::atomic<uintptr_t> begin{0};
+  std::atomic<uintptr_t> end{0};
+  std::atomic<int> fd{-1};
+  std::atomic<bool> shrunk{false};
+};
+GuardSlot g_slots[kMaxMappedRegions];
+std::atomic<bool> g_slot_taken[kMaxMappedRegions];
+uintptr_t g_page_size = 4096;
+struct sigaction g_previous;
+
+// Async-signal-safe: atomics, fstat and mmap as raw system calls. Maps anonymous memory over the region's pages
+// past the object's current end (from the faulting page if fstat fails), so that the faulting access and any
+// later one complete, and marks the region shrunk.
+void OnSigbus(int signal, siginfo_t* info, void* context) {
+  const uintptr_t address = reinterpret_cast<uintptr_t>(info->si_addr);
+  for (GuardSlot& slot : g_slots) {
+    const uintptr_t begin = slot.begin.load(std::memory_order_acquire);
+    if (begin == 0 || address < begin || address >= slot.end.load(std::memory_order_relaxed)) continue;
+    const uintptr_t end = slot.end.load(std::memory_order_relaxed);
+    uintptr_t from = address & ~(g_page_size - 1);
+    struct stat st;
+    if (syscall(SYS_fstat, slot.fd.load(std::memory_order_relaxed), &st) == 0 && st.st_size >= 0) {
+      const uintptr_t kept = begin + ((static_cast<uintptr_t>(st.st_size) + g_page_size - 1) & ~(g_page_size - 1));
+      if (kept < from) from = kept;
+    }
+    if (from < begin) from = begin;
+    const long mapped = syscall(SYS_mmap, from, end - from, PROT_READ | PROT_WRITE,
+                                MAP_FIXED | MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (mapped == static_cast<long>(from)) {
+      slot.shrunk.store(true, std::memory_order_release);
+      return;
+    }
+    break;  // could not map: fall through to what would have happened without the guard
+  }
+  if (g_previous.sa_flags & SA_SIGINFO) {
+    if (g_previous.sa_sigaction != nullptr) return g_previous.sa_sigaction(signal, info, context);
+  } else if (g_previous.sa_handler != SIG_DFL && g_previous.sa_handler != SIG_IGN) {
+    return g_previous.sa_handler(signal);
+  }
+  // Default action: restore it and return, so that the access faults again and the process ends as it would have.
+  struct sigaction dfl;
+  std::memset(&dfl, 0, sizeof(dfl));
+  dfl.sa_handler = SIG_DFL;
+  sigaction(SIGBUS, &dfl, nullptr);
+}
+
+absl::Status InstallGuardOnce() {
+  static std::once_flag once;
+  static int error = 0;
+  std::call_once(once, [] {
+    g_page_size = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+    struct sigaction action;
+    std::memset(&action, 0, sizeof(action));
+    action.sa_sigaction = &OnSigbus;
+    action.sa_flags = SA_SIGINFO;
+    sigemptyset(&action.sa_mask);
+    if (sigaction(SIGBUS, &action, &g_previous) != 0) error = errno;
+  });
+  if (error != 0) return absl::InternalError(absl::StrCat("installing the SIGBUS guard: ", std::strerror(error)));
+  return absl::OkStatus();
+}
+
+int TakeSlot() {
+  for (int i = 0; i < kMaxMappedRegions; ++i) {
+    bool expected = false;
+    if (g_slot_taken[i].compare_exchange_strong(expected, true)) return i;
+  }
+  return -1;
+}
+
+absl::Status CheckKey(const std::string& key) {
+  if (!absl::StartsWith(key, kSharedMemoryKeyPrefix)) {
+    return absl::InvalidArgumentError(absl::StrCat("key must be a shm_open name that begins with '",
+                                                   kSharedMemoryKeyPrefix,
+                                                   "' (objects of other programs are out of reach)"));
+  }
+  return LayerStore::CheckName(absl::string_view(key).substr(1), "key after its '/'");
+}
+
+}  // namespace
+
+absl::StatusOr<std::shared_ptr<SharedMemoryRegion>> SharedMemoryRegion::Map(const std::string& name,
+                                                                             const std::string& key,
+                                                                             uint64_t byte_size) {
+  RETURN_IF_ERROR(InstallGuardOnce());
+  const int fd = shm_open(key.c_str(), O_RDWR | O_CLOEXEC, 0);
+  if (fd < 0) {
+    const int error = errno;
+    if (error == ENOENT) {
+      return absl::NotFoundError(absl::StrCat("no shared-memory object '", key, "' on the server's host"));
+    }
+    return absl::InvalidArgumentError(absl::StrCat("cannot open shared-memory object '", key, "': ",
+                                                   std::strerror(error)));
+  }
+  struct stat st;
+  if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    close(fd);
+    return absl::InvalidArgumentError(absl::StrCat("'", key, "' is not a shared-memory object"));
+  }
+  if (static_cast<uint64_t>(st.st_size) < byte_size) {
+    close(fd);
+    return absl::InvalidArgumentError(absl::StrCat("byte_size is ", byte_size, " but the object '", key, "' has ",
+                                                   st.st_size, " bytes"));
+  }
+  const int slot = TakeSlot();
+  if (slot < 0) {
+    close(fd);
+    return absl::ResourceExhaustedError(
+        absl::StrCat("the server has ", kMaxMappedRegions, " shared-memory regions mapped; unregister some"));
+  }
+  void* data = mmap(nullptr, byte_size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (data == MAP_FAILED) {
+    const int error = errno;
+    close(fd);
+    g_slot_taken[slot].store(false);
+    return absl::InternalError(absl::StrCat("mapping '", key, "': ", std::strerror(error)));
+  }
+  GuardSlot& guard = g_slots[slot];
+  guard.shrunk.store(false, std::memory_order_relaxed);
+  guard.fd.store(fd, std::memory_order_relaxed);
+  guard.end.store(reinterpret_cast<uintptr_t>(data) + byte_size, std::memory_order_relaxed);
+  guard.begin.store(reinterpret_cast<uintptr_t>(data), std::memory_order_release);
+  return std::shared_ptr<SharedMemoryRegion>(
+      new SharedMemoryRegion(name, static_cast<char*>(data), byte_size, fd, slot));
+}
+
+SharedMemoryRegion::~SharedMemoryRegion() {
+  GuardSlot& guard = g_slots[slot_];
+  guard.begin.store(0, std::memory_order_release);
+  munmap(data_, size_);
+  close(fd_);
+  guard.fd.store(-1, std::memory_order_relaxed);
+  g_slot_taken[slot_].store(false, std::memory_order_release);
+}
+
+absl::Status SharedMemoryRegion::Intact() const {
+  if (!g_slots[slot_].shrunk.load(std::memory_order_acquire)) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat(
+      "shared-memory region '", name_, "' shrank below its registered ", size_,
+      " bytes while the server used it; register it again"));
+}
+
+absl::Status SharedMemoryRegistry::Register(const std::string& name, const std::string& key, uint64_t byte_size) {
+  if (max_regions_ <= 0) {
+    return absl::FailedPreconditionError(
+        "this server does not accept shared memory (start it with --max_shared_memory_regions > 0)");
+  }
+  RETURN_IF_ERROR(LayerStore::CheckName(name, "name"));
+  RETURN_IF_ERROR(CheckKey(key));
+  if (byte_size == 0 || byte_size > static_cast<uint64_t>(max_bytes_)) {
+    return absl::InvalidArgumentError(absl::StrCat("byte_size must be 1..", max_bytes_,
+                                                   " (--max_shared_memory_mb), got ", byte_size));
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    if (regions_.count(name) != 0) {
+      return absl::AlreadyExistsError(absl::StrCat("shared-memory region '", name, "' is already registered"));
+    }
+    if (static_cast<int>(regions_.size()) >= max_regions_) {
+      return absl::ResourceExhaustedError(absl::StrCat("the server holds ", max_regions_,
+                                                       " shared-memory regions (--max_shared_memory_regions)"));
+    }
+    if (bytes_ + static_cast<int64_t>(byte_size) > max_bytes_) {
+      return absl::ResourceExhaustedError(absl::StrCat("registering ", byte_size, " bytes more would pass the ",
+                                                       max_bytes_, "-byte limit (--max_shared_memory_mb)"));
+    }
+  }
+  ASSIGN_OR_RETURN(std::shared_ptr<SharedMemoryRegion> region, SharedMemoryRegion::Map(name, key, byte_size));
+  absl::MutexLock lock(&mu_);
+  // Checked again: another registration may have come in while this one mapped.
+  if (regions_.count(name) != 0) {
+    return absl::AlreadyExistsError(absl::StrCat("shared-memory region '", name, "' is already registered"));
+  }
+  if (static_cast<int>(regions_.size()) >= max_regions_ || bytes_ + static_cast<int64_t>(byte_size) > max_bytes_) {
+    return absl::ResourceExhaustedError("the shared-memory limits were reached while this region was mapped");
+  }
+  bytes_ += static_cast<int64_t>(byte_size);
+  regions_.emplace(name, std::move(region));
+  return absl::OkStatus();
+}
+
+absl::Status SharedMemoryRegistry::Unregister(const std::string& name) {
+  std::map<std::string, std::shared_ptr<const SharedMemoryRegion>> dropped;  // unmapped outside the lock
+  absl::MutexLock lock(&mu_);
+  if (name.empty()) {
+    dropped.swap(regions_);
+    bytes_ = 0;
+    return absl::OkStatus();
+  }
+  RETURN_IF_ERROR(LayerStore::CheckName(name, "name"));
+  auto it = regions_.find(name);
+  if (it == regions_.end()) {
+    return absl::NotFoundError(absl::StrCat("no shared-memory region '", name, "' is registered"));
+  }
+  bytes_ -= static_cast<int64_t>(it->second->size());
+  dropped.emplace(it->first, std::move(it->second));
+  regions_.erase(it);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::shared_ptr<const SharedMemoryRegion>> SharedMemoryRegistry::Find(const std::string& name,
+                                                                                     absl::string_view field) const {
+  if (max_regions_ <= 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        field, ": this server does not accept shared memory (start it with --max_shared_memory_regions > 0)"));
+  }
+  RETURN_IF_ERROR(LayerStore::CheckName(name, field));
+  absl::MutexLock lock(&mu_);
+  auto it = regions_.find(name);
+  if (it == regions_.end()) {
+    return absl::NotFoundError(absl::StrCat(field, ": no shared-memory region '", name, "' is registered"));
+  }
+  return it->second;
+}
+
+size_t SharedMemoryRegistry::size() const {
+  absl::MutexLock lock(&mu_);
+  return regions_.size();
+}
+
+}  // namespace mha

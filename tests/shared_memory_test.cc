@@ -1,0 +1,382 @@
+// Tensors in shared memory (RegisterSharedMemory, SharedMemoryRef): the registry's rules, the guard against an
+// object that shrinks under the server, and the service computing from and into registered regions exactly as it
+// does from and into messages.
+#include "server/shared_memory.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <string>
+
+#include "client/shared_memory.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/service_fixture.h"
+
+namespace mha::testing {
+namespace {
+
+using ::testing::HasSubstr;
+
+// A fresh shm_open name per call, so that tests (and parallel ctest processes) never share an object.
+std::string UniqueKey() {
+  static std::atomic<int> next{0};
+  return "/mha_test_" + std::to_string(getpid()) + "_" + std::to_string(next++);
+}
+
+std::unique_ptr<SharedMemoryObject> NewObject(size_t bytes) {
+  absl::StatusOr<std::unique_ptr<SharedMemoryObject>> object = SharedMemoryObject::Create(UniqueKey(), bytes);
+  EXPECT_TRUE(object.ok()) << object.status();
+  return object.ok() ? *std::move(object) : nullptr;
+}
+
+// ---- The registry ----
+
+TEST(SharedMemoryRegistryTest, IsOffWithoutRegions) {
+  SharedMemoryRegistry registry(0, 1 << 20);
+  auto object = NewObject(4096);
+  EXPECT_EQ(registry.Register("r", object->key(), 4096).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(registry.Find("r", "query.shared_memory.region").status().code(),
+            absl::StatusCode::kFailedPrecondition);
+}
+
+TEST(SharedMemoryRegistryTest, MapsTheObjectsBytes) {
+  SharedMemoryRegistry registry(4, 1 << 20);
+  auto object = NewObject(4096);
+  std::memcpy(object->data(), "hello", 5);
+  ASSERT_TRUE(registry.Register("r", object->key(), 4096).ok());
+  absl::StatusOr<std::shared_ptr<const SharedMemoryRegion>> region = registry.Find("r", "field");
+  ASSERT_TRUE(region.ok()) << region.status();
+  EXPECT_EQ(std::string((*region)->data(), 5), "hello");
+  (*region)->data()[0] = 'j';  // the server writes outputs there: the client sees them
+  EXPECT_EQ(object->data()[0], 'j');
+  EXPECT_TRUE((*region)->Intact().ok());
+}
+
+struct BadRegistration {
+  std::string label;
+  std::string name;
+  std::string key;  // "@" stands for a fresh object's key
+  uint64_t bytes;
+  absl::StatusCode code;
+};
+
+class BadRegistrationTest : public ::testing::TestWithParam<BadRegistration> {};
+
+TEST_P(BadRegistrationTest, IsRefusedWithItsCode) {
+  SharedMemoryRegistry registry(4, 1 << 20);
+  auto object = NewObject(4096);
+  const BadRegistration& c = GetParam();
+  const std::string key = c.key == "@" ? object->key() : c.key;
+  EXPECT_EQ(registry.Register(c.name, key, c.bytes).code(), c.code);
+  EXPECT_EQ(registry.size(), 0u);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Cases, BadRegistrationTest,
+    ::testing::Values(
+        BadRegistration{"EmptyName", "", "@", 4096, absl::StatusCode::kInvalidArgument},
+        BadRegistration{"NameWithASlash", "a/b", "@", 4096, absl::StatusCode::kInvalidArgument},
+        BadRegistration{"KeyWithoutSlash", "r", "mha_x", 4096, absl::StatusCode::kInvalidArgument},
+        BadRegistration{"KeyOfAnotherProgram", "r", "/other_app", 4096, absl::StatusCode::kInvalidArgument},
+        BadRegistration{"KeyIntoAFolder", "r", "/mha_/../etc/passwd", 4096, absl::StatusCode::kInvalidArgument},
+        BadRegistration{"KeyDotDot", "r", "/..", 4096, absl::StatusCode::kInvalidArgument},
+        BadRegistration{"NoSuchObject", "r", "/mha_test_no_such_object", 4096, absl::StatusCode::kNotFound},
+        BadRegistration{"ZeroBytes", "r", "@", 0, absl::StatusCode::kInvalidArgument},
+        BadRegistration{"MoreThanTheObject", "r", "@", 8192, absl::StatusCode::kInvalidArgument},
+        BadRegistration{"OverTheByteLimit", "r", "@", (2u << 20), absl::StatusCode::kInvalidArgument}),
+    [](const ::testing::TestParamInfo<BadRegistration>& info) { return info.param.label; });
+
+TEST(SharedMemoryRegistryTest, ATakenNameIsAlreadyExists) {
+  SharedMemoryRegistry registry(4, 1 << 20);
+  auto object = NewObject(4096);
+  ASSERT_TRUE(registry.Register("r", object->key(), 4096).ok());
+  EXPECT_EQ(registry.Register("r", object->key(), 4096).code(), absl::StatusCode::kAlreadyExists);
+}
+
+TEST(SharedMemoryRegistryTest, RegionsAndBytesAreBounded) {
+  SharedMemoryRegistry registry(2, 3 * 4096);
+  auto object = NewObject(8192);
+  ASSERT_TRUE(registry.Register("a", object->key(), 8192).ok());
+  EXPECT_EQ(registry.Register("b", object->key(), 8192).code(), absl::StatusCode::kResourceExhausted);
+  ASSERT_TRUE(registry.Register("b", object->key(), 4096).ok());
+  EXPECT_EQ(registry.Register("c", object->key(), 1).code(), absl::StatusCode::kResourceExhausted);
+  ASSERT_TRUE(registry.Unregister("a").ok());
+  EXPECT_TRUE(registry.Register("c", object->key(), 1).ok());
+}
+
+TEST(SharedMemoryRegistryTest, UnregisterNamesOneOrAll) {
+  SharedMemoryRegistry registry(4, 1 << 20);
+  auto object = NewObject(4096);
+  ASSERT_TRUE(registry.Register("a", object->key(), 4096).ok());
+  ASSERT_TRUE(registry.Register("b", object->key(), 4096).ok());
+  EXPECT_EQ(registry.Unregister("c").code(), absl::StatusCode::kNotFound);
+  EXPECT_TRUE(registry.Unregister("a").ok());
+  EXPECT_EQ(registry.Find("a", "field").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_TRUE(registry.Unregister("").ok());
+  EXPECT_EQ(registry.size(), 0u);
+}
+
+TEST(SharedMemoryRegistryTest, AHolderKeepsAnUnregisteredRegionMapped) {
+  SharedMemoryRegistry registry(4, 1 << 20);
+  auto object = NewObject(4096);
+  object->data()[100] = 42;
+  ASSERT_TRUE(registry.Register("r", object->key(), 4096).ok());
+  std::shared_ptr<const SharedMemoryRegion> held = *registry.Find("r", "field");
+  ASSERT_TRUE(registry.Unregister("r").ok());
+  object.reset();  // the client unmaps and removes the object too
+  EXPECT_EQ(held->data()[100], 42);
+}
+
+// The object shrinks under a registered region: reads past its new end give zeros instead of SIGBUS, writes land
+// nowhere, and the region says it is no longer intact.
+TEST(SharedMemoryRegistryTest, AnObjectThatShrinksIsCaughtNotFatal) {
+  SharedMemoryRegistry registry(4, 1 << 20);
+  auto object = NewObject(4 * 4096);
+  std::memset(object->data(), 7, 4 * 4096);
+  ASSERT_TRUE(registry.Register("r", object->key(), 4 * 4096).ok());
+  std::shared_ptr<const SharedMemoryRegion> region = *registry.Find("r", "field");
+  const int fd = shm_open(object->key().c_str(), O_RDWR, 0);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(ftruncate(fd, 4096), 0);
+  close(fd);
+
+  volatile char* bytes = region->data();
+  EXPECT_EQ(bytes[100], 7);       // still backed
+  EXPECT_EQ(bytes[3 * 4096], 0);  // lost: reads zero
+  bytes[2 * 4096] = 1;            // lost: lands nowhere
+  const absl::Status intact = region->Intact();
+  EXPECT_EQ(intact.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(intact.message()), HasSubstr("shrank"));
+}
+
+// ---- The service ----
+
+class SharedMemoryServiceTest : public ServiceTest {
+ protected:
+  void SetUp() override {
+    spdlog::set_level(spdlog::level::warn);
+    ServerOptions options;
+    options.max_shared_memory_regions = 4;
+    StartServer(options);
+    object_ = NewObject(1 << 20);
+    ASSERT_TRUE(Register("r", object_->key(), object_->size()).ok());
+  }
+
+  grpc::Status Register(const std::string& name, const std::string& key, uint64_t bytes) {
+    v1::RegisterSharedMemoryRequest request;
+    request.set_name(name);
+    request.set_key(key);
+    request.set_byte_size(bytes);
+    v1::RegisterSharedMemoryResponse response;
+    grpc::ClientContext context;
+    return stub_->RegisterSharedMemory(&context, request, &response);
+  }
+
+  // Moves `tensor`'s bytes to `offset` in the region and references them there.
+  void Share(v1::Tensor* tensor, uint64_t offset) {
+    std::memcpy(object_->data() + offset, tensor->data().data(), tensor->data().size());
+    tensor->clear_data();
+    tensor->mutable_shared_memory()->set_region("r");
+    tensor->mutable_shared_memory()->set_offset(offset);
+  }
+
+  std::unique_ptr<SharedMemoryObject> object_;
+};
+
+TEST_F(SharedMemoryServiceTest, MultiHeadAttentionFromAndIntoSharedMemoryEqualsTheMessages) {
+  v1::MultiHeadAttentionRequest request = ValidRequest();
+  request.set_return_attention_weights(true);
+  v1::MultiHeadAttentionResponse inline_response, shared_response;
+  ASSERT_TRUE(Call(request, &inline_response).ok());
+
+  Share(request.mutable_query(), 0);
+  request.mutable_output_shared_memory()->set_region("r");
+  request.mutable_output_shared_memory()->set_offset(65536);
+  const grpc::Status status = Call(request, &shared_response);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  const v1::Tensor& output = shared_response.output();
+  EXPECT_TRUE(output.data().empty());
+  EXPECT_EQ(output.shared_memory().region(), "r");
+  EXPECT_EQ(output.shared_memory().offset(), 65536u);
+  EXPECT_THAT(output.shape(), ::testing::ElementsAre(kBatch, kLen, kDModel));
+  EXPECT_EQ(output.dtype(), v1::FP32);
+  const std::string& want = inline_response.output().data();
+  EXPECT_EQ(std::string(object_->data() + 65536, want.size()), want);  // bit for bit
+  EXPECT_EQ(shared_response.attention_weights().data(), inline_response.attention_weights().data());
+}
+
+TEST_F(SharedMemoryServiceTest, KeyAndValueMayLieThereWhileTheOutputTravels) {
+  v1::MultiHeadAttentionRequest request = ValidRequest();
+  SetTensor(request.mutable_key(), {kBatch, 5, kDModel}, 7);
+  SetTensor(request.mutable_value(), {kBatch, 5, kDModel}, 8, v1::BF16);
+  v1::MultiHeadAttentionResponse inline_response, shared_response;
+  ASSERT_TRUE(Call(request, &inline_response).ok());
+  Share(request.mutable_key(), 4096);
+  Share(request.mutable_value(), 8192);
+  ASSERT_TRUE(Call(request, &shared_response).ok());
+  EXPECT_EQ(shared_response.output().data(), inline_response.output().data());
+}
+
+TEST_F(SharedMemoryServiceTest, ScaledDotProductAttentionFromAndIntoSharedMemoryEqualsTheMessages) {
+  v1::ScaledDotProductAttentionRequest request;
+  SetTensor(request.mutable_q(), {2, 3, 4, 8}, 1);
+  SetTensor(request.mutable_k(), {2, 5, 2, 8}, 2);
+  SetTensor(request.mutable_v(), {2, 5, 2, 8}, 3);
+  request.set_backend(v1::BACKEND_CPU);
+  v1::ScaledDotProductAttentionResponse inline_response, shared_response;
+  ASSERT_TRUE(Call(request, &inline_response).ok());
+  Share(request.mutable_q(), 0);
+  Share(request.mutable_k(), 4096);
+  Share(request.mutable_v(), 8192);
+  request.mutable_output_shared_memory()->set_region("r");
+  request.mutable_output_shared_memory()->set_offset(12288);
+  ASSERT_TRUE(Call(request, &shared_response).ok());
+  const std::string& want = inline_response.output().data();
+  EXPECT_EQ(std::string(object_->data() + 12288, want.size()), want);
+}
+
+struct BadReference {
+  std::string label;
+  std::function<void(v1::MultiHeadAttentionRequest*)> edit;
+  grpc::StatusCode code;
+  std::string says;
+};
+
+class SharedMemoryBadReferenceTest : public SharedMemoryServiceTest,
+                                     public ::testing::WithParamInterface<BadReference> {};
+
+TEST_P(SharedMemoryBadReferenceTest, IsRefusedNamingTheField) {
+  v1::MultiHeadAttentionRequest request = ValidRequest();
+  Share(request.mutable_query(), 0);
+  GetParam().edit(&request);
+  v1::MultiHeadAttentionResponse response;
+  const grpc::Status status = Call(request, &response);
+  EXPECT_EQ(status.error_code(), GetParam().code) << status.error_message();
+  EXPECT_THAT(status.error_message(), HasSubstr(GetParam().says));
+}
+
+void SetQueryNonFinite(const SharedMemoryObject& object) {
+  const float nan = std::nanf("");
+  std::memcpy(object.data() + 5 * sizeof(float), &nan, sizeof(nan));
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Cases, SharedMemoryBadReferenceTest,
+    ::testing::Values(
+        BadReference{"UnknownRegion",
+                     [](v1::MultiHeadAttentionRequest* r) { r->mutable_query()->mutable_shared_memory()->set_region("x"); },
+                     grpc::StatusCode::NOT_FOUND, "query.shared_memory.region"},
+        BadReference{"MisalignedOffset",
+                     [](v1::MultiHeadAttentionRequest* r) { r->mutable_query()->mutable_shared_memory()->set_offset(2); },
+                     grpc::StatusCode::INVALID_ARGUMENT, "query.shared_memory.offset must be a multiple of 4"},
+        BadReference{"PastTheEnd",
+                     [](v1::MultiHeadAttentionRequest* r) {
+                       r->mutable_query()->mutable_shared_memory()->set_offset((1 << 20) - 64);
+                     },
+                     grpc::StatusCode::INVALID_ARGUMENT, "passes the end of region 'r'"},
+        BadReference{"OffsetOverflows",
+                     [](v1::MultiHeadAttentionRequest* r) {
+                       r->mutable_query()->mutable_shared_memory()->set_offset(~uint64_t{0} - 3);
+                     },
+                     grpc::StatusCode::INVALID_ARGUMENT, "passes the end of region 'r'"},
+        BadReference{"DataToo",
+                     [](v1::MultiHeadAttentionRequest* r) { r->mutable_query()->set_data("xxxx"); },
+                     grpc::StatusCode::INVALID_ARGUMENT, "query.data must be empty"},
+        BadReference{"OnTheMask",
+                     [](v1::MultiHeadAttentionRequest* r) {
+                       SetTensor(r->mutable_attn_mask(), {kLen, kLen}, 9);
+                       r->mutable_attn_mask()->mutable_shared_memory()->set_region("r");
+                     },
+                     grpc::StatusCode::INVALID_ARGUMENT, "attn_mask.shared_memory is accepted only"},
+        BadReference{"OnAWeight",
+                     [](v1::MultiHeadAttentionRequest* r) {
+                       r->mutable_inline_weights()->mutable_w_q()->mutable_shared_memory()->set_region("r");
+                     },
+                     grpc::StatusCode::INVALID_ARGUMENT, "shared_memory is accepted only"},
+        BadReference{"OutputOverTheQuery",
+                     [](v1::MultiHeadAttentionRequest* r) {
+                       r->mutable_output_shared_memory()->set_region("r");
+                       r->mutable_output_shared_memory()->set_offset(16);
+                     },
+                     grpc::StatusCode::INVALID_ARGUMENT, "must not overlap"},
+        BadReference{"OutputInAnUnknownRegion",
+                     [](v1::MultiHeadAttentionRequest* r) { r->mutable_output_shared_memory()->set_region("x"); },
+                     grpc::StatusCode::NOT_FOUND, "output_shared_memory.region"}),
+    [](const ::testing::TestParamInfo<BadReference>& info) { return info.param.label; });
+
+TEST_F(SharedMemoryServiceTest, ANonFiniteValueThereIsNamedLikeOneInTheMessage) {
+  v1::MultiHeadAttentionRequest request = ValidRequest();
+  Share(request.mutable_query(), 0);
+  SetQueryNonFinite(*object_);
+  v1::MultiHeadAttentionResponse response;
+  const grpc::Status status = Call(request, &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(status.error_message(), HasSubstr("query[0, 0, 5] is NaN"));
+}
+
+TEST_F(SharedMemoryServiceTest, RegistrationErrorsReachTheClient) {
+  EXPECT_EQ(Register("r", object_->key(), 4096).error_code(), grpc::StatusCode::ALREADY_EXISTS);
+  EXPECT_EQ(Register("s", "/mha_test_no_such_object", 4096).error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_EQ(Register("s", "no-slash", 4096).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  v1::GetServerInfoResponse info;
+  grpc::ClientContext context;
+  ASSERT_TRUE(stub_->GetServerInfo(&context, v1::GetServerInfoRequest(), &info).ok());
+  EXPECT_EQ(info.limits().max_shared_memory_regions(), 4);
+}
+
+TEST_F(SharedMemoryServiceTest, AnUnregisteredRegionTakesNoMoreCalls) {
+  v1::UnregisterSharedMemoryRequest unregister;
+  unregister.set_name("r");
+  v1::UnregisterSharedMemoryResponse unregistered;
+  grpc::ClientContext context;
+  ASSERT_TRUE(stub_->UnregisterSharedMemory(&context, unregister, &unregistered).ok());
+  v1::MultiHeadAttentionRequest request = ValidRequest();
+  Share(request.mutable_query(), 0);
+  v1::MultiHeadAttentionResponse response;
+  EXPECT_EQ(Call(request, &response).error_code(), grpc::StatusCode::NOT_FOUND);
+}
+
+TEST_F(SharedMemoryServiceTest, AShrunkRegionFailsItsCallsAndTheServerServesOn) {
+  v1::MultiHeadAttentionRequest request = ValidRequest();
+  Share(request.mutable_query(), 512 * 1024);
+  const int fd = shm_open(object_->key().c_str(), O_RDWR, 0);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(ftruncate(fd, 4096), 0);
+  close(fd);
+  v1::MultiHeadAttentionResponse response;
+  const grpc::Status status = Call(request, &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << status.error_message();
+  EXPECT_THAT(status.error_message(), HasSubstr("shrank"));
+  // TearDown's inline call checks that the server still serves.
+}
+
+// The fixture's server runs with the default options: shared memory off.
+using SharedMemoryOffTest = ServiceTest;
+
+TEST_F(SharedMemoryOffTest, AServerWithoutRegionsRefusesRegistrationAndReferences) {
+  auto object = NewObject(4096);
+  v1::RegisterSharedMemoryRequest request;
+  request.set_name("r");
+  request.set_key(object->key());
+  request.set_byte_size(4096);
+  v1::RegisterSharedMemoryResponse response;
+  grpc::ClientContext context;
+  const grpc::Status status = stub_->RegisterSharedMemory(&context, request, &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(status.error_message(), HasSubstr("--max_shared_memory_regions"));
+
+  v1::MultiHeadAttentionRequest call = ValidRequest();
+  call.mutable_query()->clear_data();
+  call.mutable_query()->mutable_shared_memory()->set_region("r");
+  v1::MultiHeadAttentionResponse answer;
+  EXPECT_EQ(Call(call, &answer).error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+}
+
+}  // namespace
+}  // namespace mha::testing
