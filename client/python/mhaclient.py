@@ -33,6 +33,14 @@ there, RESOURCE_EXHAUSTED for an oversized message or a full queue, DEADLINE_EXC
 ``err.details()`` the server's message. Bad arguments detected locally (e.g. an unknown dtype name) raise
 ValueError / TypeError.
 
+Shared memory
+-------------
+A client on the server's host can leave tensors out of the messages (the server must run with
+``--max_shared_memory_regions`` > 0): ``SharedMemoryRegion(client, name, byte_size)`` creates a POSIX shared-memory
+object and registers it; ``region.put(array, offset)`` writes an array there and returns a Tensor that references it
+(pass it as query, key, value, q, k or v), and ``output_shared_memory=region.output_at(offset)`` has the server write
+the output there; the result's output is then read back from the region.
+
 Example::
 
     with MhaClient("127.0.0.1:50051") as c:
@@ -47,6 +55,7 @@ import numpy as np
 
 __all__ = [
     "MhaClient",
+    "SharedMemoryRegion",
     "AttentionResult",
     "LayerInfo",
     "generate_stubs",
@@ -182,9 +191,18 @@ def _backend_enum(backend):
     return _BACKENDS[key]
 
 
-def _result(resp):
+def _result(resp, regions):
+    """AttentionResult of a response; an output in shared memory is read from `regions` (name -> region)."""
+    if resp.output.HasField("shared_memory"):
+        region = regions.get(resp.output.shared_memory.region)
+        if region is None:
+            raise ValueError("the output lies in shared-memory region %r, which this client did not register"
+                             % resp.output.shared_memory.region)
+        output = region.read(resp.output)
+    else:
+        output = from_tensor(resp.output)
     return AttentionResult(
-        output=from_tensor(resp.output),
+        output=output,
         attention_weights=from_tensor(resp.attention_weights) if resp.HasField("attention_weights") else None,
         backend=resp.backend,
         queue_us=int(resp.timing.queue_us),
@@ -260,6 +278,7 @@ class MhaClient:
         self._metadata = (("authorization", "Bearer " + token),) if token else ()
         self._stub = attention_pb2_grpc.AttentionStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._regions = {}  # SharedMemoryRegion objects of this client by name
 
     def close(self):
         self._channel.close()
@@ -297,7 +316,7 @@ class MhaClient:
     def multi_head_attention(self, query, key=None, value=None, layer=None, weights=None, num_heads=0,
                              num_kv_heads=0, head_dim=0, causal=False, scale=0.0, key_lengths=None,
                              attn_mask=None, head_mask=None, return_weights=False, output_dtype=None,
-                             backend="auto", wire_dtype=None):
+                             backend="auto", wire_dtype=None, output_shared_memory=None):
         """Full attention layer: project, attend, concatenate heads, project out.
 
         query [B, Tq, d_model]; key [B, Tk, d_kv_in] (None: self-attention); value [B, Tk, d_v_in] (None: key).
@@ -308,6 +327,7 @@ class MhaClient:
         when numpy bool (True attends, as in torch's scaled_dot_product_attention); head_mask: H floats.
         output_dtype: None (query's), 'fp32', 'fp16' or 'bf16'. backend: 'auto', 'cpu', 'cuda' or 'reference'.
         wire_dtype: send every float tensor as this dtype instead of the arrays' own (see to_tensor).
+        output_shared_memory: SharedMemoryRegion.output_at(offset) to have the output written there.
         Returns AttentionResult.
         """
         if (layer is None) == (weights is None):
@@ -335,7 +355,9 @@ class MhaClient:
             self._set_mask(req, attn_mask, wire_dtype)
         if head_mask is not None:
             req.head_mask.extend(float(x) for x in head_mask)
-        return _result(self._call(self._stub.MultiHeadAttention, req))
+        if output_shared_memory is not None:
+            req.output_shared_memory.CopyFrom(output_shared_memory)
+        return _result(self._call(self._stub.MultiHeadAttention, req), self._regions)
 
     def _call(self, rpc, req):
         """One unary call with the client's deadline and token."""
@@ -351,7 +373,8 @@ class MhaClient:
             req.attn_mask.CopyFrom(to_tensor(mask, wire_dtype))
 
     def scaled_dot_product_attention(self, q, k, v, causal=False, scale=0.0, key_lengths=None, attn_mask=None,
-                                     return_weights=False, output_dtype=None, backend="auto", wire_dtype=None):
+                                     return_weights=False, output_dtype=None, backend="auto", wire_dtype=None,
+                                     output_shared_memory=None):
         """Attention core on head-packed tensors: q [B, Tq, H, d_k], k and v [B, Tk, Hkv, d_k] (Hkv divides H).
 
         Returns AttentionResult with output [B, Tq, H, d_k] and, if asked, weights [B, H, Tq, Tk].
@@ -369,7 +392,9 @@ class MhaClient:
             req.key_lengths.extend(int(x) for x in key_lengths)
         if attn_mask is not None:
             self._set_mask(req, attn_mask, wire_dtype)
-        return _result(self._call(self._stub.ScaledDotProductAttention, req))
+        if output_shared_memory is not None:
+            req.output_shared_memory.CopyFrom(output_shared_memory)
+        return _result(self._call(self._stub.ScaledDotProductAttention, req), self._regions)
 
     # ---- layers -------------------------------------------------------------------------------------------
 
@@ -388,6 +413,18 @@ class MhaClient:
         resp = self._call(self._stub.ListLayers, self._pb.ListLayersRequest())
         return [_layer_info(info) for info in resp.layers]
 
+    # ---- shared memory ------------------------------------------------------------------------------------
+
+    def register_shared_memory(self, name, key, byte_size):
+        """RegisterSharedMemory: the server maps byte_size bytes of the POSIX shared-memory object `key` ("/mha_...")
+        as region `name`. SharedMemoryRegion does this for an object it creates."""
+        self._call(self._stub.RegisterSharedMemory,
+                   self._pb.RegisterSharedMemoryRequest(name=name, key=key, byte_size=int(byte_size)))
+
+    def unregister_shared_memory(self, name=""):
+        """UnregisterSharedMemory: drops region `name` on the server ("" drops every region)."""
+        self._call(self._stub.UnregisterSharedMemory, self._pb.UnregisterSharedMemoryRequest(name=name))
+
     # ---- server -------------------------------------------------------------------------------------------
 
     def server_info(self):
@@ -398,3 +435,85 @@ class MhaClient:
         """grpc.health.v1 Check: the status name, e.g. "SERVING" (service "" = the whole server)."""
         resp = self._call(self._health.Check, self._health_pb.HealthCheckRequest(service=service))
         return self._health_pb.HealthCheckResponse.ServingStatus.Name(resp.status)
+
+
+class SharedMemoryRegion:
+    """A POSIX shared-memory object this process creates (key "/mha_py_<pid>_<n>") and registers with the client's
+    server as `name`, for tensors that skip the socket (see the module docstring). Use as a context manager or call
+    close(), which unregisters the region and removes the object. The caller must not change what put() wrote, nor
+    expect the output's bytes, while a call that uses them is in flight."""
+
+    _count = 0
+
+    def __init__(self, client, name, byte_size):
+        from multiprocessing import shared_memory
+        import os
+
+        SharedMemoryRegion._count += 1
+        self._client = client
+        self.name = name
+        self.byte_size = int(byte_size)
+        self._shm = shared_memory.SharedMemory(
+            name="mha_py_%d_%d" % (os.getpid(), SharedMemoryRegion._count), create=True, size=self.byte_size)
+        try:
+            client.register_shared_memory(name, "/" + self._shm.name, self.byte_size)
+        except Exception:
+            self._release()
+            raise
+        client._regions[name] = self
+
+    def put(self, array, offset, dtype=None):
+        """Writes `array` (encoded as to_tensor would, in `dtype`) at byte `offset` and returns a Tensor that
+        references it there, for query, key, value, q, k or v."""
+        tensor = to_tensor(array, dtype)
+        data = tensor.data
+        offset = int(offset)
+        if offset < 0 or offset + len(data) > self.byte_size:
+            raise ValueError("%d bytes at offset %d do not fit the region's %d" % (len(data), offset, self.byte_size))
+        self._shm.buf[offset:offset + len(data)] = data
+        ref = _stubs()[0].Tensor(shape=tensor.shape, dtype=tensor.dtype)
+        ref.shared_memory.region = self.name
+        ref.shared_memory.offset = offset
+        return ref
+
+    def output_at(self, offset):
+        """A SharedMemoryRef for output_shared_memory: the output's bytes go to byte `offset` of this region."""
+        return _stubs()[0].SharedMemoryRef(region=self.name, offset=int(offset))
+
+    def read(self, tensor):
+        """The array a Tensor that references this region describes (a copy of its bytes)."""
+        count = 1
+        for d in tensor.shape:
+            count *= int(d)
+        size = {1: 4, 2: 2, 3: 2}.get(tensor.dtype)
+        if size is None:
+            raise ValueError("tensor has unknown dtype %r" % (tensor.dtype,))
+        start = int(tensor.shared_memory.offset)
+        if start + count * size > self.byte_size:
+            raise ValueError("the tensor passes the end of region %r" % self.name)
+        copy = _stubs()[0].Tensor(shape=tensor.shape, dtype=tensor.dtype,
+                                  data=bytes(self._shm.buf[start:start + count * size]))
+        return from_tensor(copy)
+
+    def close(self):
+        """Unregisters the region (if the server still answers) and removes the object."""
+        if self._shm is None:
+            return
+        self._client._regions.pop(self.name, None)
+        try:
+            self._client.unregister_shared_memory(self.name)
+        except grpc.RpcError:
+            pass
+        finally:
+            self._release()
+
+    def _release(self):
+        self._shm.close()
+        self._shm.unlink()
+        self._shm = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -103,7 +103,7 @@ def run_server(work, *args):
 
 @pytest.fixture(scope="session")
 def server(tmp_path_factory):
-    with run_server(tmp_path_factory.mktemp("server")) as s:
+    with run_server(tmp_path_factory.mktemp("server"), "--max_shared_memory_regions", "4") as s:
         yield s
 
 

@@ -638,3 +638,42 @@ def test_boolean_mask_reads_as_torch_sdpa_reads_it(client):
     scores = scores.masked_fill(~torch.from_numpy(keep), float("-inf"))
     want = (torch.softmax(scores, dim=-1) @ vh).transpose(1, 2).numpy()
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-4)
+
+
+# Tensors in shared memory: the same results as through the messages, bit for bit.
+
+def test_shared_memory_round_trip(client):
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((2, 16, 512)).astype(np.float32)
+    want = client.multi_head_attention(x, layer="demo").output
+    with mhaclient.SharedMemoryRegion(client, "py-mha", 1 << 20) as region:
+        got = client.multi_head_attention(region.put(x, 0), layer="demo",
+                                          output_shared_memory=region.output_at(1 << 19))
+        np.testing.assert_array_equal(got.output, want)
+        # SDPA with bf16 tensors there and the output back in the message.
+        q, k, v = (rng.standard_normal((1, 8, 2, 32)).astype(np.float32) for _ in range(3))
+        plain = client.scaled_dot_product_attention(q, k, v, wire_dtype="bf16", backend="cpu").output
+        shared = client.scaled_dot_product_attention(region.put(q, 0, "bf16"), region.put(k, 4096, "bf16"),
+                                                     region.put(v, 8192, "bf16"), backend="cpu").output
+        np.testing.assert_array_equal(shared, plain)
+
+
+def test_shared_memory_errors_name_the_field(client):
+    with mhaclient.SharedMemoryRegion(client, "py-errors", 4096) as region:
+        with pytest.raises(grpc.RpcError) as err:
+            client.multi_head_attention(region.put(np.zeros((1, 2, 512), np.float32), 0), layer="demo",
+                                        output_shared_memory=region.output_at(0))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "output_shared_memory" in err.value.details()
+    with pytest.raises(grpc.RpcError) as err:  # unregistered by the context manager
+        client.multi_head_attention(_shared_ref("py-errors"), layer="demo")
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    assert "query.shared_memory.region" in err.value.details()
+    assert client.health() == "SERVING"
+
+
+def _shared_ref(region):
+    t = mhaclient.to_tensor(np.zeros((1, 2, 512), np.float32))
+    t.ClearField("data")
+    t.shared_memory.region = region
+    return t
