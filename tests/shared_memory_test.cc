@@ -12,6 +12,8 @@
 #include <cstring>
 #include <functional>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "client/shared_memory.h"
 #include "gmock/gmock.h"
@@ -354,6 +356,55 @@ TEST_F(SharedMemoryServiceTest, AShrunkRegionFailsItsCallsAndTheServerServesOn) 
   EXPECT_EQ(status.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << status.error_message();
   EXPECT_THAT(status.error_message(), HasSubstr("shrank"));
   // TearDown's inline call checks that the server still serves.
+}
+
+// Calls through one region while another is registered and unregistered over and over: every call either computes
+// what the messages give or finds its region gone (NOT_FOUND); a region a call holds stays mapped until it is done.
+TEST_F(SharedMemoryServiceTest, CallsRaceRegistrationSafely) {
+  v1::MultiHeadAttentionRequest plain = ValidRequest();
+  v1::MultiHeadAttentionResponse want;
+  ASSERT_TRUE(Call(plain, &want).ok());
+  auto other = NewObject(4096);
+  std::memcpy(other->data(), plain.query().data().data(), plain.query().data().size());
+  v1::MultiHeadAttentionRequest in_r = plain, in_s = plain;
+  Share(in_r.mutable_query(), 0);
+  in_s.mutable_query()->clear_data();
+  in_s.mutable_query()->mutable_shared_memory()->set_region("s");
+
+  std::atomic<bool> stop{false};
+  std::thread churn([&] {
+    while (!stop.load()) {
+      Register("s", other->key(), 4096);  // ALREADY_EXISTS now and then is fine
+      v1::UnregisterSharedMemoryRequest request;
+      request.set_name("s");
+      v1::UnregisterSharedMemoryResponse response;
+      grpc::ClientContext context;
+      stub_->UnregisterSharedMemory(&context, request, &response);
+    }
+  });
+  std::vector<std::thread> callers;
+  std::atomic<int> computed{0}, not_found{0}, wrong{0};
+  for (int t = 0; t < 3; ++t) {
+    callers.emplace_back([&, t] {
+      for (int i = 0; i < 40; ++i) {
+        v1::MultiHeadAttentionResponse response;
+        const grpc::Status status = Call(t == 0 ? in_r : in_s, &response);
+        if (status.ok() && response.output().data() == want.output().data()) {
+          ++computed;
+        } else if (status.error_code() == grpc::StatusCode::NOT_FOUND && t != 0) {
+          ++not_found;
+        } else {
+          ++wrong;
+        }
+      }
+    });
+  }
+  for (std::thread& caller : callers) caller.join();
+  stop.store(true);
+  churn.join();
+  EXPECT_EQ(wrong.load(), 0);
+  EXPECT_GE(computed.load(), 40);  // at least every call through the stable region
+  EXPECT_EQ(computed.load() + not_found.load(), 120);
 }
 
 // The fixture's server runs with the default options: shared memory off.

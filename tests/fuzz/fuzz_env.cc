@@ -1,9 +1,15 @@
 #include "tests/fuzz/fuzz_env.h"
 
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <string>
 
 #include "proto/mha/v1/tensor_codec.h"
 #include "server/execute.h"
@@ -76,6 +82,21 @@ Env* MakeEnv() {
   env->context.max_scratch_bytes = static_cast<int64_t>(options.max_scratch_mb) << 20;
   env->context.max_request_flops = options.max_request_gflop * 1e9;
   env->context.max_reference_flops = options.max_reference_gflop * 1e9;
+
+  // The "shm" region: created, registered (the registry maps it by name), then unlinked, so that nothing is left in
+  // /dev/shm however the process ends; the mappings keep the memory.
+  const std::string key = "/mha_fuzz_" + std::to_string(getpid());
+  const int fd = shm_open(key.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
+  if (fd < 0 || ftruncate(fd, kSharedMemoryBytes) != 0) std::abort();
+  void* bytes = mmap(nullptr, kSharedMemoryBytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  close(fd);
+  if (bytes == MAP_FAILED) std::abort();
+  env->shared_bytes = static_cast<char*>(bytes);
+  env->shared_memory = std::make_unique<SharedMemoryRegistry>(1, kSharedMemoryBytes);
+  const absl::Status registered = env->shared_memory->Register("shm", key, kSharedMemoryBytes);
+  shm_unlink(key.c_str());
+  if (!registered.ok()) Fail("registering the fuzz region", registered);
+  env->context.shared_memory = env->shared_memory.get();
   return env;
 }
 
@@ -107,6 +128,21 @@ std::vector<Backend*> Env::BackendsFor(size_t input_size) const {
 const Env& GetEnv() {
   static const Env* env = MakeEnv();
   return *env;
+}
+
+void ResetSharedMemory(const Env& env) {
+  const float quarter = 0.25f;
+  for (int64_t at = 0; at < kSharedMemoryBytes; at += sizeof(quarter)) {
+    std::memcpy(env.shared_bytes + at, &quarter, sizeof(quarter));
+  }
+}
+
+void CheckComputedOutput(const AttentionPlan& plan, const v1::Tensor& tensor) {
+  if (plan.output_to == nullptr) return CheckOutput(tensor, "output");
+  const absl::StatusOr<int64_t> count = CheckTensorHeader(tensor, "output");
+  if (!count.ok() || !tensor.data().empty() || !tensor.has_shared_memory()) {
+    Fail("an output in shared memory is described wrongly", count.ok() ? absl::InternalError("") : count.status());
+  }
 }
 
 bool SmallEnough(const AttentionPlan& plan) {

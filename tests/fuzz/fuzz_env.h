@@ -36,14 +36,27 @@ struct Env {
   Backend* cpu = nullptr;
   std::vector<std::unique_ptr<Backend>> cpu_variants;
   std::unique_ptr<LayerStore> layers;
-  ValidationContext context;  // ServerOptions' defaults
+  // One shared-memory region, "shm" (kSharedMemoryBytes of a /mha_fuzz_<pid> object), so that references in a
+  // request reach the bounds checks, the in-place scan and the backends; refilled before each input
+  // (ResetSharedMemory), since outputs written there would otherwise carry state from one input to the next.
+  std::unique_ptr<SharedMemoryRegistry> shared_memory;
+  char* shared_bytes = nullptr;
+  ValidationContext context;  // ServerOptions' defaults, shared memory on
 
   // The backends an input of `input_size` bytes is computed on.
   std::vector<Backend*> BackendsFor(size_t input_size) const;
 };
 
+inline constexpr int64_t kSharedMemoryBytes = 64 << 10;
+
 // Built once per process (the first call), then shared.
 const Env& GetEnv();
+
+// Fills the "shm" region with the same small finite values (fp32 0.25 = bf16 pair 0x3e80 0x0000, fp16 pair ...).
+void ResetSharedMemory(const Env& env);
+
+// The output of a computed call, in the response or (output_shared_memory) only described there.
+void CheckComputedOutput(const AttentionPlan& plan, const v1::Tensor& tensor);
 
 // Whether a plan is small enough to compute (kMaxComputeFlops, kMaxComputeBytes).
 bool SmallEnough(const AttentionPlan& plan);

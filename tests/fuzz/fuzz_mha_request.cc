@@ -15,7 +15,7 @@ namespace {
 
 void CheckResponse(const MhaPlan& plan, const v1::MultiHeadAttentionResponse& response) {
   const AttentionShape& s = plan.problem.shape;
-  CheckOutput(response.output(), "output");
+  CheckComputedOutput(plan, response.output());
   const std::vector<int64_t> want = {s.batch, s.q_len, s.d_model};
   if (std::vector<int64_t>(response.output().shape().begin(), response.output().shape().end()) != want ||
       response.output().dtype() != plan.problem.output_dtype) {
@@ -37,6 +37,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   v1::MultiHeadAttentionRequest request;
   if (!request.ParseFromArray(data, static_cast<int>(size))) return -1;  // not a message: not worth keeping
   Count(Stage::kParsed);
+  ResetSharedMemory(env);
   absl::StatusOr<MhaPlan> plan = ValidateMultiHeadAttention(request, env.context);
   if (!plan.ok()) {
     CheckRefusal(plan.status(), {absl::StatusCode::kInvalidArgument, absl::StatusCode::kNotFound,

@@ -17,10 +17,11 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   v1::ScaledDotProductAttentionRequest request;
   if (!request.ParseFromArray(data, static_cast<int>(size))) return -1;
   Count(Stage::kParsed);
+  ResetSharedMemory(env);
   absl::StatusOr<SdpaPlan> plan = ValidateScaledDotProductAttention(request, env.context);
   if (!plan.ok()) {
-    CheckRefusal(plan.status(), {absl::StatusCode::kInvalidArgument, absl::StatusCode::kUnimplemented,
-                                 absl::StatusCode::kResourceExhausted});
+    CheckRefusal(plan.status(), {absl::StatusCode::kInvalidArgument, absl::StatusCode::kNotFound,
+                                 absl::StatusCode::kUnimplemented, absl::StatusCode::kResourceExhausted});
     return 0;
   }
   Count(Stage::kValid);
@@ -40,7 +41,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     }
     const v1::ScaledDotProductAttentionResponse response = reply.Assembled();
     const AttentionShape& s = on.problem.shape;
-    CheckOutput(response.output(), "output");
+    CheckComputedOutput(on, response.output());
     const std::vector<int64_t> want = {s.batch, s.q_len, s.heads.num_heads, s.heads.head_dim};
     if (std::vector<int64_t>(response.output().shape().begin(), response.output().shape().end()) != want) {
       Fail("output shape", absl::InternalError(ShapeString(response.output().shape())));

@@ -90,6 +90,13 @@ void Mask(std::vector<int64_t> shape, v1::DataType dtype, v1::Tensor* t) {
   FloatsToTensor(v, shape, dtype, t);
 }
 
+// The tensor's bytes replaced by a reference to `offset` in the fuzz env's region "shm" (fuzz_env.h).
+void Share(v1::Tensor* t, uint64_t offset) {
+  t->clear_data();
+  t->mutable_shared_memory()->set_region("shm");
+  t->mutable_shared_memory()->set_offset(offset);
+}
+
 void MhaSeeds(Corpus& c) {
   using Req = v1::MultiHeadAttentionRequest;
   Req self;  // inline weights, self-attention: B 1, T 3, d_model 8, 2 heads of 4
@@ -125,6 +132,17 @@ void MhaSeeds(Corpus& c) {
   for (float f : {1.0f, 0.0f, 0.5f, -2.0f}) cross.add_head_mask(f);
   cross.set_return_attention_weights(true);
   c.Add("inline_cross_gqa_masks", cross);
+  {
+    Req r = self;  // the query and the output in the fuzz env's shared-memory region "shm"
+    Share(r.mutable_query(), 64);
+    r.mutable_output_shared_memory()->set_region("shm");
+    r.mutable_output_shared_memory()->set_offset(4096);
+    c.Add("shared_memory_query_output", r);
+    r = cross;
+    Share(r.mutable_key(), 0);
+    Share(r.mutable_value(), 8192);
+    c.Add("shared_memory_key_value", r);
+  }
   {
     Req r = cross;
     Mask({2, 3, 4}, v1::FP16, r.mutable_attn_mask());
@@ -206,6 +224,15 @@ void SdpaSeeds(Corpus& c) {
   Tensor({1, 5, 2, 8}, v1::FP32, base.mutable_k(), 1.0f);
   Tensor({1, 5, 2, 8}, v1::FP32, base.mutable_v(), 2.0f);
   c.Add("basic", base);
+  {
+    Req r = base;  // everything in the fuzz env's shared-memory region "shm"
+    Share(r.mutable_q(), 0);
+    Share(r.mutable_k(), 1024);
+    Share(r.mutable_v(), 2048);
+    r.mutable_output_shared_memory()->set_region("shm");
+    r.mutable_output_shared_memory()->set_offset(4096);
+    c.Add("shared_memory_all", r);
+  }
   {
     Req r = base;
     r.mutable_heads()->set_causal(true);
