@@ -35,7 +35,8 @@ std::atomic<bool> g_slot_taken[kMaxMappedRegions];
 uintptr_t g_page_size = 4096;
 struct sigaction g_previous;
 
-// Async-signal-safe: atomics, fstat and mmap as raw system calls. Maps anonymous memory over the region's pages
+// Async-signal-safe: atomics, fstat (on POSIX's list) and mmap as a raw system call (every argument passed as a
+// long, as the kernel reads them). Maps anonymous memory over the region's pages
 // past the object's current end (from the faulting page if fstat fails), so that the faulting access and any
 // later one complete, and marks the region shrunk.
 void OnSigbus(int signal, siginfo_t* info, void* context) {
@@ -46,13 +47,14 @@ void OnSigbus(int signal, siginfo_t* info, void* context) {
     const uintptr_t end = slot.end.load(std::memory_order_relaxed);
     uintptr_t from = address & ~(g_page_size - 1);
     struct stat st;
-    if (syscall(SYS_fstat, slot.fd.load(std::memory_order_relaxed), &st) == 0 && st.st_size >= 0) {
+    if (fstat(slot.fd.load(std::memory_order_relaxed), &st) == 0 && st.st_size >= 0) {
       const uintptr_t kept = begin + ((static_cast<uintptr_t>(st.st_size) + g_page_size - 1) & ~(g_page_size - 1));
       if (kept < from) from = kept;
     }
     if (from < begin) from = begin;
-    const long mapped = syscall(SYS_mmap, from, end - from, PROT_READ | PROT_WRITE,
-                                MAP_FIXED | MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    const long mapped = syscall(SYS_mmap, static_cast<long>(from), static_cast<long>(end - from),
+                                static_cast<long>(PROT_READ | PROT_WRITE),
+                                static_cast<long>(MAP_FIXED | MAP_PRIVATE | MAP_ANONYMOUS), -1L, 0L);
     if (mapped == static_cast<long>(from)) {
       slot.shrunk.store(true, std::memory_order_release);
       return;
