@@ -78,8 +78,8 @@ class LoadRunner {
     for (const auto& channel : channels) stubs_.push_back(std::make_unique<grpc::GenericStub>(channel));
     // Every call sends the request's tensors from where they lie, as AttentionClient does with a caller's arrays
     // (a tensor in shared memory stays in the rest: only its reference travels).
-    const auto borrow = [this](int field, bool present, const v1::Tensor& tensor, void (v1::MultiHeadAttentionRequest::*
-                                                                                       clear)()) {
+    using Clear = void (v1::MultiHeadAttentionRequest::*)();
+    const auto borrow = [this](int field, bool present, const v1::Tensor& tensor, Clear clear) {
       if (!present || tensor.has_shared_memory()) return;
       TensorBytes& bytes = tensors_[tensor_count_++];
       bytes.field = field;

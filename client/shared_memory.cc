@@ -21,16 +21,19 @@ absl::StatusOr<std::unique_ptr<SharedMemoryObject>> SharedMemoryObject::Create(c
     const std::string why = absl::StrCat("creating shared-memory object '", key, "': ", std::strerror(error));
     return error == EEXIST ? absl::AlreadyExistsError(why) : absl::InvalidArgumentError(why);
   }
+  // Every page allocated now (posix_fallocate, not a sparse ftruncate), so that a /dev/shm too small for the object
+  // fails here, not with SIGBUS in whichever process touches the page first.
   void* data = MAP_FAILED;
-  if (ftruncate(fd, static_cast<off_t>(bytes)) == 0) {
+  int error = posix_fallocate(fd, 0, static_cast<off_t>(bytes));
+  if (error == 0) {
     data = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (data == MAP_FAILED) error = errno;
   }
-  const int error = errno;
   close(fd);  // the mapping keeps the object
   if (data == MAP_FAILED) {
     shm_unlink(key.c_str());
-    return absl::ResourceExhaustedError(
-        absl::StrCat("sizing or mapping shared-memory object '", key, "' (", bytes, " bytes): ", std::strerror(error)));
+    return absl::ResourceExhaustedError(absl::StrCat("allocating or mapping shared-memory object '", key, "' (", bytes,
+                                                     " bytes): ", std::strerror(error)));
   }
   return std::unique_ptr<SharedMemoryObject>(new SharedMemoryObject(key, static_cast<char*>(data), bytes));
 }

@@ -15,7 +15,8 @@ namespace mha {
 class SharedMemoryObject {
  public:
   // Creates the object `key` ("/mha_" then [A-Za-z0-9._-], as RegisterSharedMemory wants) of `bytes` bytes (>= 1),
-  // readable and writable by this user only, zero-filled, and maps it. ALREADY_EXISTS when the name is taken.
+  // readable and writable by this user only, zero-filled and allocated (RESOURCE_EXHAUSTED when /dev/shm has no room),
+  // and maps it. ALREADY_EXISTS when the name is taken.
   static absl::StatusOr<std::unique_ptr<SharedMemoryObject>> Create(const std::string& key, size_t bytes);
   // Unmaps and removes the object (a server that still maps it keeps its pages until it unmaps them).
   ~SharedMemoryObject();

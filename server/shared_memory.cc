@@ -36,9 +36,9 @@ uintptr_t g_page_size = 4096;
 struct sigaction g_previous;
 
 // Async-signal-safe: atomics, fstat (on POSIX's list) and mmap as a raw system call (every argument passed as a
-// long, as the kernel reads them). Maps anonymous memory over the region's pages
-// past the object's current end (from the faulting page if fstat fails), so that the faulting access and any
-// later one complete, and marks the region shrunk.
+// long, as the kernel reads them). Maps anonymous memory over the region's pages past the object's current end, or
+// from the faulting page when that lies inside it (a tmpfs that had no room for the page), so that the faulting
+// access and any later one complete, and marks the region shrunk.
 void OnSigbus(int signal, siginfo_t* info, void* context) {
   const uintptr_t address = reinterpret_cast<uintptr_t>(info->si_addr);
   for (GuardSlot& slot : g_slots) {
@@ -165,8 +165,8 @@ SharedMemoryRegion::~SharedMemoryRegion() {
 absl::Status SharedMemoryRegion::Intact() const {
   if (!g_slots[slot_].shrunk.load(std::memory_order_acquire)) return absl::OkStatus();
   return absl::FailedPreconditionError(absl::StrCat(
-      "shared-memory region '", name_, "' shrank below its registered ", size_,
-      " bytes while the server used it; register it again"));
+      "shared-memory region '", name_, "' lost pages while the server used it (its object shrank below the "
+      "registered ", size_, " bytes, or /dev/shm had no room for a page); register it again"));
 }
 
 absl::Status SharedMemoryRegistry::Register(const std::string& name, const std::string& key, uint64_t byte_size) {

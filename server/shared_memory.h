@@ -2,8 +2,8 @@
 // this host that clients create and the server maps, so that a tensor's bytes reach the backend, and an output
 // reaches the client, without the socket's copies.
 //
-// A client owns the object and could shrink it while the server reads or writes the mapping, which would raise
-// SIGBUS and end the process. The regions are guarded: a SIGBUS inside a registered mapping maps anonymous memory
+// A client owns the object and could shrink it while the server reads or writes the mapping (or leave pages unbacked
+// in a /dev/shm too full to back them), which would raise SIGBUS and end the process. The regions are guarded: a SIGBUS inside a registered mapping maps anonymous memory
 // over the lost tail of the region (so the access completes, reading zeros or writing nowhere) and marks the region
 // shrunk; every call that touched it then fails with FAILED_PRECONDITION (Intact), and the region takes no more calls.
 // A SIGBUS anywhere else goes to the handler that was installed before, or kills the process as it would have.

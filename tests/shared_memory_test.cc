@@ -154,7 +154,7 @@ TEST(SharedMemoryRegistryTest, AnObjectThatShrinksIsCaughtNotFatal) {
   bytes[2 * 4096] = 1;            // lost: lands nowhere
   const absl::Status intact = region->Intact();
   EXPECT_EQ(intact.code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_THAT(std::string(intact.message()), HasSubstr("shrank"));
+  EXPECT_THAT(std::string(intact.message()), HasSubstr("lost pages"));
 }
 
 // ---- The service ----
@@ -272,10 +272,14 @@ INSTANTIATE_TEST_SUITE_P(
     Cases, SharedMemoryBadReferenceTest,
     ::testing::Values(
         BadReference{"UnknownRegion",
-                     [](v1::MultiHeadAttentionRequest* r) { r->mutable_query()->mutable_shared_memory()->set_region("x"); },
+                     [](v1::MultiHeadAttentionRequest* r) {
+                       r->mutable_query()->mutable_shared_memory()->set_region("x");
+                     },
                      grpc::StatusCode::NOT_FOUND, "query.shared_memory.region"},
         BadReference{"MisalignedOffset",
-                     [](v1::MultiHeadAttentionRequest* r) { r->mutable_query()->mutable_shared_memory()->set_offset(2); },
+                     [](v1::MultiHeadAttentionRequest* r) {
+                       r->mutable_query()->mutable_shared_memory()->set_offset(2);
+                     },
                      grpc::StatusCode::INVALID_ARGUMENT, "query.shared_memory.offset must be a multiple of 4"},
         BadReference{"PastTheEnd",
                      [](v1::MultiHeadAttentionRequest* r) {
@@ -354,7 +358,7 @@ TEST_F(SharedMemoryServiceTest, AShrunkRegionFailsItsCallsAndTheServerServesOn) 
   v1::MultiHeadAttentionResponse response;
   const grpc::Status status = Call(request, &response);
   EXPECT_EQ(status.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << status.error_message();
-  EXPECT_THAT(status.error_message(), HasSubstr("shrank"));
+  EXPECT_THAT(status.error_message(), HasSubstr("lost pages"));
   // TearDown's inline call checks that the server still serves.
 }
 
