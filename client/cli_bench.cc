@@ -6,9 +6,9 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <cstring>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
@@ -115,9 +115,10 @@ class SharedRequest {
     if (query.shape_size() != 3) return absl::InvalidArgumentError("--shared_memory needs a [B, Tq, d_model] query");
     const uint64_t out_bytes = static_cast<uint64_t>(query.shape(0) * query.shape(1) * query.shape(2)) *
                                DTypeSize(out_dtype);
+    const auto padded = [](const v1::Tensor* t) -> uint64_t { return (t->data().size() + 63) / 64 * 64; };
     uint64_t total = out_bytes;
     for (const v1::Tensor* t : tensors) {
-      if (t != nullptr) total += (t->data().size() + 63) / 64 * 64;
+      if (t != nullptr) total += padded(t);
     }
     const std::string suffix = std::to_string(getpid());
     auto placed = std::unique_ptr<SharedRequest>(new SharedRequest(client, "mha-bench-" + suffix));
@@ -131,7 +132,7 @@ class SharedRequest {
       std::memcpy(placed->object_->data() + at, t->data().data(), t->data().size());
       t->mutable_shared_memory()->set_region(placed->name_);
       t->mutable_shared_memory()->set_offset(at);
-      at += (t->data().size() + 63) / 64 * 64;
+      at += padded(t);
       t->clear_data();
     }
     request->mutable_output_shared_memory()->set_region(placed->name_);

@@ -180,29 +180,20 @@ absl::Status SharedMemoryRegistry::Register(const std::string& name, const std::
     return absl::InvalidArgumentError(absl::StrCat("byte_size must be 1..", max_bytes_,
                                                    " (--max_shared_memory_mb), got ", byte_size));
   }
-  {
-    absl::MutexLock lock(&mu_);
-    if (regions_.count(name) != 0) {
-      return absl::AlreadyExistsError(absl::StrCat("shared-memory region '", name, "' is already registered"));
-    }
-    if (static_cast<int>(regions_.size()) >= max_regions_) {
-      return absl::ResourceExhaustedError(absl::StrCat("the server holds ", max_regions_,
-                                                       " shared-memory regions (--max_shared_memory_regions)"));
-    }
-    if (bytes_ + static_cast<int64_t>(byte_size) > max_bytes_) {
-      return absl::ResourceExhaustedError(absl::StrCat("registering ", byte_size, " bytes more would pass the ",
-                                                       max_bytes_, "-byte limit (--max_shared_memory_mb)"));
-    }
-  }
-  ASSIGN_OR_RETURN(std::shared_ptr<SharedMemoryRegion> region, SharedMemoryRegion::Map(name, key, byte_size));
+  // Mapped under the lock (a few system calls; registrations are rare), so that the limits hold without a recheck.
   absl::MutexLock lock(&mu_);
-  // Checked again: another registration may have come in while this one mapped.
   if (regions_.count(name) != 0) {
     return absl::AlreadyExistsError(absl::StrCat("shared-memory region '", name, "' is already registered"));
   }
-  if (static_cast<int>(regions_.size()) >= max_regions_ || bytes_ + static_cast<int64_t>(byte_size) > max_bytes_) {
-    return absl::ResourceExhaustedError("the shared-memory limits were reached while this region was mapped");
+  if (static_cast<int>(regions_.size()) >= max_regions_) {
+    return absl::ResourceExhaustedError(absl::StrCat("the server holds ", max_regions_,
+                                                     " shared-memory regions (--max_shared_memory_regions)"));
   }
+  if (bytes_ + static_cast<int64_t>(byte_size) > max_bytes_) {
+    return absl::ResourceExhaustedError(absl::StrCat("registering ", byte_size, " bytes more would pass the ",
+                                                     max_bytes_, "-byte limit (--max_shared_memory_mb)"));
+  }
+  ASSIGN_OR_RETURN(std::shared_ptr<SharedMemoryRegion> region, SharedMemoryRegion::Map(name, key, byte_size));
   bytes_ += static_cast<int64_t>(byte_size);
   regions_.emplace(name, std::move(region));
   return absl::OkStatus();
