@@ -228,6 +228,12 @@ absl::Status AttentionClient::UnregisterSharedMemory(const std::string& name) {
   return Unary(stub_.get(), &v1::Attention::Stub::UnregisterSharedMemory, request, options_.timeout).status();
 }
 
+absl::StatusOr<v1::GetSharedMemoryStatusResponse> AttentionClient::GetSharedMemoryStatus(const std::string& name) {
+  v1::GetSharedMemoryStatusRequest request;
+  request.set_name(name);
+  return Unary(stub_.get(), &v1::Attention::Stub::GetSharedMemoryStatus, request, options_.timeout);
+}
+
 absl::StatusOr<bool> AttentionClient::Serving() {
   auto health = grpc::health::v1::Health::NewStub(channel_);
   grpc::ClientContext context;

@@ -95,6 +95,8 @@ class AttentionClient {
   absl::Status RegisterSharedMemory(const std::string& name, const std::string& key, uint64_t byte_size);
   // Drops region `name` (empty: every region) on the server.
   absl::Status UnregisterSharedMemory(const std::string& name);
+  // The registered regions (empty `name`: all of them; else that one, or NOT_FOUND).
+  absl::StatusOr<v1::GetSharedMemoryStatusResponse> GetSharedMemoryStatus(const std::string& name = "");
   // grpc.health.v1 Check for the whole server (service ""): true when SERVING.
   absl::StatusOr<bool> Serving();
 

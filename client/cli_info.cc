@@ -1,4 +1,5 @@
-// mha_client health and info: the server's health status, and its version, backends, limits and layers.
+// mha_client health and info: the server's health status, and its version, backends, limits, layers and
+// shared-memory regions.
 #include <cstdio>
 
 #include "client/cli.h"
@@ -34,6 +35,15 @@ int RunInfo(const ClientOptions& options) {
     std::printf("  layer %-16s d_model %lld, heads %d (kv %d, d_k %d)%s, %s\n", layer.name().c_str(),
                 static_cast<long long>(layer.d_model()), layer.heads().num_heads(), layer.heads().num_kv_heads(),
                 layer.heads().head_dim(), layer.heads().causal() ? ", causal" : "", layer.source().c_str());
+  }
+  if (l.max_shared_memory_regions() == 0) return kExitOk;
+  std::printf("shared memory: up to %d regions, %lld MiB\n", l.max_shared_memory_regions(),
+              static_cast<long long>(l.max_shared_memory_bytes() >> 20));
+  absl::StatusOr<v1::GetSharedMemoryStatusResponse> regions = client.GetSharedMemoryStatus();
+  if (!regions.ok()) return Fail(regions.status());
+  for (const auto& region : regions->regions()) {
+    std::printf("  region %-16s %s, %llu bytes%s\n", region.name().c_str(), region.key().c_str(),
+                static_cast<unsigned long long>(region.byte_size()), region.intact() ? "" : ", LOST PAGES");
   }
   return kExitOk;
 }

@@ -12,6 +12,7 @@
 #include "absl/time/time.h"
 #include "server/execute.h"
 #include "server/request_reader.h"
+#include "server/status_macros.h"
 #include "server/work_item.h"
 #include "spdlog/spdlog.h"
 
@@ -414,6 +415,27 @@ grpc::ServerUnaryReactor* AttentionService::UnregisterSharedMemory(grpc::Callbac
              std::string* detail) {
         *detail = absl::StrCat("name=", LogSafe(request.name()));
         return shared_memory_.Unregister(request.name());
+      });
+}
+
+grpc::ServerUnaryReactor* AttentionService::GetSharedMemoryStatus(grpc::CallbackServerContext* context,
+                                                                  const grpc::ByteBuffer* request,
+                                                                  grpc::ByteBuffer* response) {
+  return Answer<v1::GetSharedMemoryStatusRequest, v1::GetSharedMemoryStatusResponse>(
+      "GetSharedMemoryStatus", Role::kCompute, context, request, response,
+      [this](const v1::GetSharedMemoryStatusRequest& request, v1::GetSharedMemoryStatusResponse* response,
+             std::string* detail) {
+        *detail = absl::StrCat("name=", LogSafe(request.name()));
+        ASSIGN_OR_RETURN(std::vector<std::shared_ptr<const SharedMemoryRegion>> regions,
+                         shared_memory_.List(request.name()));
+        for (const auto& region : regions) {
+          v1::SharedMemoryRegionStatus* status = response->add_regions();
+          status->set_name(region->name());
+          status->set_key(region->key());
+          status->set_byte_size(region->size());
+          status->set_intact(region->Intact().ok());
+        }
+        return absl::OkStatus();
       });
 }
 

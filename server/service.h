@@ -31,7 +31,8 @@ using RawAttentionService = v1::Attention::WithRawCallbackMethod_MultiHeadAttent
         v1::Attention::WithRawCallbackMethod_UnloadLayer<v1::Attention::WithRawCallbackMethod_ListLayers<
             v1::Attention::WithRawCallbackMethod_GetServerInfo<
                 v1::Attention::WithRawCallbackMethod_RegisterSharedMemory<
-                    v1::Attention::WithRawCallbackMethod_UnregisterSharedMemory<v1::Attention::Service>>>>>>>>;
+                    v1::Attention::WithRawCallbackMethod_UnregisterSharedMemory<
+                        v1::Attention::WithRawCallbackMethod_GetSharedMemoryStatus<v1::Attention::Service>>>>>>>>>;
 
 class AttentionService final : public RawAttentionService {
  public:
@@ -59,6 +60,9 @@ class AttentionService final : public RawAttentionService {
   grpc::ServerUnaryReactor* UnregisterSharedMemory(grpc::CallbackServerContext* context,
                                                    const grpc::ByteBuffer* request,
                                                    grpc::ByteBuffer* response) override;
+  grpc::ServerUnaryReactor* GetSharedMemoryStatus(grpc::CallbackServerContext* context,
+                                                  const grpc::ByteBuffer* request,
+                                                  grpc::ByteBuffer* response) override;
 
  private:
   // Logs one finished call (`ids` from Identify, rpc, shapes, backend, status, latency) and records it in the

@@ -150,7 +150,7 @@ absl::StatusOr<std::shared_ptr<SharedMemoryRegion>> SharedMemoryRegion::Map(cons
   guard.end.store(reinterpret_cast<uintptr_t>(data) + byte_size, std::memory_order_relaxed);
   guard.begin.store(reinterpret_cast<uintptr_t>(data), std::memory_order_release);
   return std::shared_ptr<SharedMemoryRegion>(
-      new SharedMemoryRegion(name, static_cast<char*>(data), byte_size, fd, slot));
+      new SharedMemoryRegion(name, key, static_cast<char*>(data), byte_size, fd, slot));
 }
 
 SharedMemoryRegion::~SharedMemoryRegion() {
@@ -231,6 +231,24 @@ absl::StatusOr<std::shared_ptr<const SharedMemoryRegion>> SharedMemoryRegistry::
     return absl::NotFoundError(absl::StrCat(field, ": no shared-memory region '", name, "' is registered"));
   }
   return it->second;
+}
+
+absl::StatusOr<std::vector<std::shared_ptr<const SharedMemoryRegion>>> SharedMemoryRegistry::List(
+    const std::string& name) const {
+  std::vector<std::shared_ptr<const SharedMemoryRegion>> listed;
+  if (!name.empty()) {
+    ASSIGN_OR_RETURN(std::shared_ptr<const SharedMemoryRegion> region, Find(name, "name"));
+    listed.push_back(std::move(region));
+    return listed;
+  }
+  if (max_regions_ <= 0) {
+    return absl::FailedPreconditionError(
+        "this server does not accept shared memory (start it with --max_shared_memory_regions > 0)");
+  }
+  absl::MutexLock lock(&mu_);
+  listed.reserve(regions_.size());
+  for (const auto& entry : regions_) listed.push_back(entry.second);
+  return listed;
 }
 
 size_t SharedMemoryRegistry::size() const {

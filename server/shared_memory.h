@@ -14,6 +14,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
@@ -36,6 +37,7 @@ class SharedMemoryRegion {
   SharedMemoryRegion& operator=(const SharedMemoryRegion&) = delete;
 
   const std::string& name() const { return name_; }
+  const std::string& key() const { return key_; }
   char* data() const { return data_; }
   uint64_t size() const { return size_; }
 
@@ -43,10 +45,11 @@ class SharedMemoryRegion {
   absl::Status Intact() const;
 
  private:
-  SharedMemoryRegion(std::string name, char* data, uint64_t size, int fd, int slot)
-      : name_(std::move(name)), data_(data), size_(size), fd_(fd), slot_(slot) {}
+  SharedMemoryRegion(std::string name, std::string key, char* data, uint64_t size, int fd, int slot)
+      : name_(std::move(name)), key_(std::move(key)), data_(data), size_(size), fd_(fd), slot_(slot) {}
 
   const std::string name_;
+  const std::string key_;
   char* const data_;
   const uint64_t size_;
   const int fd_;    // kept open so that the SIGBUS handler can read the object's size (fstat)
@@ -69,6 +72,9 @@ class SharedMemoryRegistry {
   // none is, FAILED_PRECONDITION when shared memory is off.
   absl::StatusOr<std::shared_ptr<const SharedMemoryRegion>> Find(const std::string& name,
                                                                  absl::string_view field) const;
+  // The region `name`, or every region ordered by name when `name` is empty: FAILED_PRECONDITION when shared
+  // memory is off, NOT_FOUND for a name not registered.
+  absl::StatusOr<std::vector<std::shared_ptr<const SharedMemoryRegion>>> List(const std::string& name) const;
 
   int max_regions() const { return max_regions_; }
   int64_t max_bytes() const { return max_bytes_; }

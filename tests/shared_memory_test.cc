@@ -124,6 +124,32 @@ TEST(SharedMemoryRegistryTest, UnregisterNamesOneOrAll) {
   EXPECT_EQ(registry.size(), 0u);
 }
 
+TEST(SharedMemoryRegistryTest, ListNamesOneOrAllInOrder) {
+  SharedMemoryRegistry registry(4, 1 << 20);
+  auto object = NewObject(8192);
+  ASSERT_TRUE(registry.Register("b", object->key(), 8192).ok());
+  ASSERT_TRUE(registry.Register("a", object->key(), 4096).ok());
+  absl::StatusOr<std::vector<std::shared_ptr<const SharedMemoryRegion>>> all = registry.List("");
+  ASSERT_TRUE(all.ok()) << all.status();
+  ASSERT_EQ(all->size(), 2u);
+  EXPECT_EQ((*all)[0]->name(), "a");
+  EXPECT_EQ((*all)[0]->size(), 4096u);
+  EXPECT_EQ((*all)[1]->name(), "b");
+  EXPECT_EQ((*all)[1]->key(), object->key());
+  absl::StatusOr<std::vector<std::shared_ptr<const SharedMemoryRegion>>> one = registry.List("b");
+  ASSERT_TRUE(one.ok()) << one.status();
+  ASSERT_EQ(one->size(), 1u);
+  EXPECT_EQ((*one)[0]->size(), 8192u);
+  EXPECT_EQ(registry.List("c").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(registry.List("no/slash").status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(SharedMemoryRegistryTest, ListIsRefusedWhenOff) {
+  SharedMemoryRegistry registry(0, 1 << 20);
+  EXPECT_EQ(registry.List("").status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(registry.List("r").status().code(), absl::StatusCode::kFailedPrecondition);
+}
+
 TEST(SharedMemoryRegistryTest, AHolderKeepsAnUnregisteredRegionMapped) {
   SharedMemoryRegistry registry(4, 1 << 20);
   auto object = NewObject(4096);
@@ -178,6 +204,13 @@ class SharedMemoryServiceTest : public ServiceTest {
     v1::RegisterSharedMemoryResponse response;
     grpc::ClientContext context;
     return stub_->RegisterSharedMemory(&context, request, &response);
+  }
+
+  grpc::Status Status(const std::string& name, v1::GetSharedMemoryStatusResponse* response) {
+    v1::GetSharedMemoryStatusRequest request;
+    request.set_name(name);
+    grpc::ClientContext context;
+    return stub_->GetSharedMemoryStatus(&context, request, response);
   }
 
   // Moves `tensor`'s bytes to `offset` in the region and references them there.
@@ -336,6 +369,33 @@ TEST_F(SharedMemoryServiceTest, RegistrationErrorsReachTheClient) {
   EXPECT_EQ(info.limits().max_shared_memory_regions(), 4);
 }
 
+TEST_F(SharedMemoryServiceTest, StatusListsTheRegionsWithTheirKeysAndSizes) {
+  auto other = NewObject(4096);
+  ASSERT_TRUE(Register("a", other->key(), 1000).ok());
+  v1::GetSharedMemoryStatusResponse all;
+  ASSERT_TRUE(Status("", &all).ok());
+  ASSERT_EQ(all.regions_size(), 2);
+  EXPECT_EQ(all.regions(0).name(), "a");
+  EXPECT_EQ(all.regions(0).key(), other->key());
+  EXPECT_EQ(all.regions(0).byte_size(), 1000u);
+  EXPECT_TRUE(all.regions(0).intact());
+  EXPECT_EQ(all.regions(1).name(), "r");
+  EXPECT_EQ(all.regions(1).byte_size(), object_->size());
+
+  v1::GetSharedMemoryStatusResponse one;
+  ASSERT_TRUE(Status("r", &one).ok());
+  ASSERT_EQ(one.regions_size(), 1);
+  EXPECT_EQ(one.regions(0).key(), object_->key());
+}
+
+TEST_F(SharedMemoryServiceTest, StatusOfAnUnknownRegionIsNotFound) {
+  v1::GetSharedMemoryStatusResponse response;
+  const grpc::Status status = Status("nope", &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_THAT(status.error_message(), HasSubstr("'nope'"));
+  EXPECT_EQ(Status("bad name!", &response).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+}
+
 TEST_F(SharedMemoryServiceTest, AnUnregisteredRegionTakesNoMoreCalls) {
   v1::UnregisterSharedMemoryRequest unregister;
   unregister.set_name("r");
@@ -359,6 +419,10 @@ TEST_F(SharedMemoryServiceTest, AShrunkRegionFailsItsCallsAndTheServerServesOn) 
   const grpc::Status status = Call(request, &response);
   EXPECT_EQ(status.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << status.error_message();
   EXPECT_THAT(status.error_message(), HasSubstr("lost pages"));
+  v1::GetSharedMemoryStatusResponse regions;
+  ASSERT_TRUE(Status("r", &regions).ok());
+  ASSERT_EQ(regions.regions_size(), 1);
+  EXPECT_FALSE(regions.regions(0).intact());
   // TearDown's inline call checks that the server still serves.
 }
 
@@ -431,6 +495,11 @@ TEST_F(SharedMemoryOffTest, AServerWithoutRegionsRefusesRegistrationAndReference
   call.mutable_query()->mutable_shared_memory()->set_region("r");
   v1::MultiHeadAttentionResponse answer;
   EXPECT_EQ(Call(call, &answer).error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+
+  v1::GetSharedMemoryStatusResponse regions;
+  grpc::ClientContext status_context;
+  EXPECT_EQ(stub_->GetSharedMemoryStatus(&status_context, v1::GetSharedMemoryStatusRequest(), &regions).error_code(),
+            grpc::StatusCode::FAILED_PRECONDITION);
 }
 
 }  // namespace

@@ -39,7 +39,8 @@ A client on the server's host can leave tensors out of the messages (the server 
 ``--max_shared_memory_regions`` > 0): ``SharedMemoryRegion(client, name, byte_size)`` creates a POSIX shared-memory
 object and registers it; ``region.put(array, offset)`` writes an array there and returns a Tensor that references it
 (pass it as query, key, value, q, k or v), and ``output_shared_memory=region.output_at(offset)`` has the server write
-the output there; the result's output is then read back from the region.
+the output there; the result's output is then read back from the region. ``client.shared_memory_status()`` lists
+the server's regions.
 
 Example::
 
@@ -425,6 +426,12 @@ class MhaClient:
         """UnregisterSharedMemory: drops region `name` on the server ("" drops every region)."""
         self._call(self._stub.UnregisterSharedMemory, self._pb.UnregisterSharedMemoryRequest(name=name))
 
+    def shared_memory_status(self, name=""):
+        """GetSharedMemoryStatus: the registered regions as dicts (name, key, byte_size, intact), ordered by name;
+        `name` asks for that one region (grpc.StatusCode.NOT_FOUND when it is not registered)."""
+        resp = self._call(self._stub.GetSharedMemoryStatus, self._pb.GetSharedMemoryStatusRequest(name=name))
+        return [_to_dict(region) for region in resp.regions]
+
     # ---- server -------------------------------------------------------------------------------------------
 
     def server_info(self):
@@ -455,8 +462,9 @@ class SharedMemoryRegion:
         self.byte_size = int(byte_size)
         self._shm = shared_memory.SharedMemory(
             name="mha_py_%d_%d" % (os.getpid(), SharedMemoryRegion._count), create=True, size=self.byte_size)
+        self.key = "/" + self._shm.name  # shm_open's name
         try:
-            client.register_shared_memory(name, "/" + self._shm.name, self.byte_size)
+            client.register_shared_memory(name, self.key, self.byte_size)
         except Exception:
             self._release()
             raise

@@ -672,6 +672,18 @@ def test_shared_memory_errors_name_the_field(client):
     assert client.health() == "SERVING"
 
 
+def test_shared_memory_status_lists_the_registered_regions(client):
+    with mhaclient.SharedMemoryRegion(client, "py-status-b", 8192) as b, \
+            mhaclient.SharedMemoryRegion(client, "py-status-a", 4096):
+        listed = [r for r in client.shared_memory_status() if r["name"].startswith("py-status-")]
+        assert [(r["name"], r["byte_size"], r["intact"]) for r in listed] == [
+            ("py-status-a", 4096, True), ("py-status-b", 8192, True)]
+        assert client.shared_memory_status("py-status-b")[0]["key"] == b.key
+    with pytest.raises(grpc.RpcError) as err:
+        client.shared_memory_status("py-status-a")
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+
 def _shared_ref(region):
     t = mhaclient.to_tensor(np.zeros((1, 2, 512), np.float32))
     t.ClearField("data")
