@@ -16,6 +16,7 @@
 #include "proto/mha/v1/tensor_codec.h"
 #include "server/server.h"
 #include "spdlog/spdlog.h"
+#include "tests/service_fixture.h"
 #include "tests/test_util.h"
 
 namespace mha {
@@ -28,12 +29,8 @@ class AttentionClientTest : public ::testing::Test {
  protected:
   void SetUp() override {
     spdlog::set_level(spdlog::level::warn);
-    ServerOptions options;
-    options.listen = "127.0.0.1:0";
-    options.threads = 2;
-    absl::StatusOr<std::unique_ptr<MhaServer>> server = MhaServer::Start(options);
-    ASSERT_TRUE(server.ok()) << server.status();
-    server_ = *std::move(server);
+    server_ = mha::testing::StartLoopbackServer();
+    ASSERT_NE(server_, nullptr);
     ClientOptions client_options;
     client_options.target = absl::StrCat("127.0.0.1:", server_->port());
     client_options.timeout = absl::Seconds(30);

@@ -49,6 +49,17 @@ inline v1::MultiHeadAttentionRequest SlowDemoRequest(int64_t batch) {
   return r;
 }
 
+// A server on a free loopback port (127.0.0.1:0) with two compute threads; null, and the test failed, if it cannot
+// start.
+inline std::unique_ptr<MhaServer> StartLoopbackServer() {
+  ServerOptions options;
+  options.listen = "127.0.0.1:0";
+  options.threads = 2;
+  absl::StatusOr<std::unique_ptr<MhaServer>> server = MhaServer::Start(options);
+  EXPECT_TRUE(server.ok()) << server.status();
+  return server.ok() ? *std::move(server) : nullptr;
+}
+
 class ServiceTest : public ::testing::Test {
  protected:
   void SetUp() override {
