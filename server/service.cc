@@ -131,44 +131,6 @@ std::string AttentionService::Identify(grpc::CallbackServerContext* context) {
 // microseconds quicker (measured on the tiny (1,16,64) call) and validation's scan of a small tensor costs nothing.
 constexpr size_t kReadInPiecesBytes = 64 << 10;
 
-// A call that ended without a request message. gRPC still starts the handler, without a payload, when the client
-// cancels (or its deadline passes) before the message arrives, and whether it did is known only once the call is
-// done: the answer is INVALID_ARGUMENT (a client that sent none), but the call is logged and counted as it ended.
-class NoRequestReactor final : public grpc::ServerUnaryReactor {
- public:
-  NoRequestReactor(AttentionService* service, std::string id, const char* rpc, absl::Time received,
-                   absl::Time deadline)
-      : service_(service), id_(std::move(id)), rpc_(rpc), received_(received), deadline_(deadline) {
-    Finish(ToGrpcStatus(absl::InvalidArgumentError("the call carried no request message")));
-  }
-
-  void OnCancel() override { cancelled_.store(true); }
-
-  void OnDone() override {
-    absl::Status status = absl::InvalidArgumentError("the call carried no request message");
-    const bool cancelled = cancelled_.load();
-    if (cancelled && absl::Now() >= deadline_) {
-      status = absl::DeadlineExceededError("the call passed its deadline before its request arrived");
-    } else if (cancelled) {
-      status = absl::CancelledError("the client cancelled the call before its request arrived");
-    }
-    service_->CallDone(id_, rpc_, "-", "", status, received_);
-    delete this;
-  }
-
- private:
-  AttentionService* const service_;
-  const std::string id_;
-  const char* const rpc_;
-  const absl::Time received_, deadline_;
-  std::atomic<bool> cancelled_{false};  // OnCancel, if it runs, runs before OnDone (maybe on another thread)
-};
-
-grpc::ServerUnaryReactor* AttentionService::NoRequest(const char* rpc, grpc::CallbackServerContext* context,
-                                                      std::string id, absl::Time received) {
-  return new NoRequestReactor(this, std::move(id), rpc, received, absl::FromChrono(context->deadline()));
-}
-
 template <typename Request>
 absl::Status AttentionService::Admit(const char* rpc, Role role, const grpc::CallbackServerContext& context,
                                      const grpc::ByteBuffer* bytes, Request* request,
@@ -311,10 +273,9 @@ grpc::ServerUnaryReactor* AttentionService::Compute(
     absl::Status (*execute)(const Plan&, const StopSignal*, Reply<Response>*),
     absl::Status (*execute_batch)(absl::Span<const Plan* const>, const StopSignal*,
                                   absl::Span<Reply<Response>* const>)) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   const absl::Time received = absl::Now();
   const std::string id = Identify(context);
-  if (!bytes->Valid()) return NoRequest(rpc, context, id, received);
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   const int64_t request_bytes = static_cast<int64_t>(bytes->Length());
   auto request = std::make_unique<Request>();
   std::vector<FiniteScan> scans;
@@ -342,7 +303,6 @@ grpc::ServerUnaryReactor* AttentionService::Answer(const char* rpc, Role role, g
                                                    Handle handle) {
   const absl::Time start = absl::Now();
   const std::string id = Identify(context);
-  if (!bytes->Valid()) return NoRequest(rpc, context, id, start);
   Request request;
   Response response;
   std::string detail = "-";

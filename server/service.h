@@ -69,13 +69,9 @@ class AttentionService final : public RawAttentionService {
   // metrics. backend is empty when no backend was involved; compute_seconds and flops when compute ran.
   void CallDone(const std::string& ids, const char* rpc, absl::string_view shapes, absl::string_view backend,
                 const absl::Status& status, absl::Time start, double compute_seconds = 0, double flops = 0);
-  // Ends a call that arrived without a request message (see NoRequestReactor in service.cc).
-  grpc::ServerUnaryReactor* NoRequest(const char* rpc, grpc::CallbackServerContext* context, std::string id,
-                                      absl::Time received);
 
   template <typename Request, typename Response, typename Plan>
   friend class ComputeCall;
-  friend class NoRequestReactor;
 
   // The call's identity for logs: "rid=<id>", plus " trace=<trace id>" when the client sent a W3C traceparent. The
   // request id is the client's x-request-id metadata when it is 1..128 characters of [A-Za-z0-9._:/-], else a new

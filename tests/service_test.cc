@@ -531,6 +531,7 @@ INSTANTIATE_TEST_SUITE_P(Inline, InlineTest, ::testing::Bool(),
 TEST_F(ServiceTest, FullQueueIsResourceExhausted) {
   ServerOptions options;
   options.max_queue_size = 1;
+  options.default_deadline_s = 3600;  // the waiting call must not time out behind reference loops under TSan
   StartServer(options);
   int ok = 0, exhausted = 0;
   for (const grpc::Status& status : CallConcurrently(SlowDemoRequest(2), 4)) {
@@ -545,6 +546,7 @@ TEST_F(ServiceTest, FullQueueIsResourceExhausted) {
 TEST_F(ServiceTest, QueuedBytesOverTheLimitAreResourceExhausted) {
   ServerOptions options;
   options.max_queued_mb = 1;  // each request below carries 2 MiB: one may wait, the next is refused
+  options.default_deadline_s = 3600;  // the waiting call must not time out behind reference loops under TSan
   StartServer(options);
   int ok = 0, refused = 0;
   for (const grpc::Status& status : CallConcurrently(SlowDemoRequest(4), 4)) {

@@ -13,7 +13,6 @@
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "grpc/health/v1/health.grpc.pb.h"
-#include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "server/server.h"
@@ -66,6 +65,11 @@ class ServingTest : public ServiceTest {
 };
 
 TEST_F(ServingTest, CancelledCallStopsComputingAndFreesTheComputeThread) {
+  // The next call arrives while the cancelled one may still count as queued work: a default deadline far enough
+  // that admission never refuses it (under TSan on a slow host that work read 127 s against the default 120 s).
+  ServerOptions options;
+  options.default_deadline_s = 3600;
+  StartServer(options);
   // About ten seconds of reference loops; the client cancels it once it computes.
   std::unique_ptr<BackgroundCall> slow = Start(SlowDemoRequest(16));
   slow->context.TryCancel();
@@ -77,79 +81,6 @@ TEST_F(ServingTest, CancelledCallStopsComputingAndFreesTheComputeThread) {
   EXPECT_LT(next.timing().queue_us(), 2'000'000);
   EXPECT_THAT(server_->metrics().Text(),
               HasSubstr("mha_requests_total{backend=\"reference\",code=\"CANCELLED\",rpc=\"MultiHeadAttention\"} 1"));
-}
-
-// A raw call to MultiHeadAttention over loopback TCP (the in-process transport drops a call that ends before its
-// message before any handler sees it): started, then cancelled or half-closed without a request message.
-class NoRequestTest : public ::testing::Test {
- protected:
-  void SetUp() override {
-    spdlog::set_level(spdlog::level::err);
-    server_ = mha::testing::StartLoopbackServer();
-    ASSERT_NE(server_, nullptr);
-  }
-
-  // Starts the call, then cancels it (`cancel`) or half-closes it without a message; returns the client's status.
-  grpc::Status CallWithoutMessage(bool cancel) {
-    grpc::GenericStub generic(grpc::CreateChannel(absl::StrCat("127.0.0.1:", server_->port()),
-                                                  grpc::InsecureChannelCredentials()));
-    grpc::CompletionQueue queue;
-    grpc::ClientContext context;
-    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
-    std::unique_ptr<grpc::GenericClientAsyncReaderWriter> call =
-        generic.PrepareCall(&context, "/mha.v1.Attention/MultiHeadAttention", &queue);
-    void* tag = nullptr;
-    call->StartCall(tag);
-    Await(&queue);
-    if (cancel) {
-      context.TryCancel();
-    } else {
-      call->WritesDone(tag);
-      Await(&queue);
-    }
-    grpc::Status status;
-    call->Finish(&status, tag);
-    Await(&queue);
-    queue.Shutdown();
-    bool ok;
-    while (queue.Next(&tag, &ok)) {
-    }
-    return status;
-  }
-
-  // The metrics once `line` appears in them (bounded wait: the server's side ends on its own thread).
-  std::string MetricsOnce(const std::string& line) {
-    for (int i = 0; i < 500 && server_->metrics().Text().find(line) == std::string::npos; ++i) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    }
-    return server_->metrics().Text();
-  }
-
-  static void Await(grpc::CompletionQueue* queue) {
-    void* tag;
-    bool ok;
-    ASSERT_EQ(queue->AsyncNext(&tag, &ok, std::chrono::system_clock::now() + std::chrono::seconds(10)),
-              grpc::CompletionQueue::GOT_EVENT);
-  }
-
-  std::unique_ptr<MhaServer> server_;
-};
-
-TEST_F(NoRequestTest, ACallCancelledBeforeItsRequestArrivedCountsAsCancelled) {
-  EXPECT_EQ(CallWithoutMessage(/*cancel=*/true).error_code(), grpc::StatusCode::CANCELLED);
-  const std::string cancelled = "mha_requests_total{backend=\"\",code=\"CANCELLED\",rpc=\"MultiHeadAttention\"} 1";
-  const std::string text = MetricsOnce(cancelled);
-  EXPECT_THAT(text, HasSubstr(cancelled));
-  EXPECT_THAT(text, ::testing::Not(HasSubstr("code=\"INVALID_ARGUMENT\"")));
-}
-
-TEST_F(NoRequestTest, ACallWithoutARequestMessageIsInvalidArgument) {
-  const grpc::Status status = CallWithoutMessage(/*cancel=*/false);
-  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
-  EXPECT_THAT(status.error_message(), HasSubstr("no request message"));
-  const std::string invalid =
-      "mha_requests_total{backend=\"\",code=\"INVALID_ARGUMENT\",rpc=\"MultiHeadAttention\"} 1";
-  EXPECT_THAT(MetricsOnce(invalid), HasSubstr(invalid));
 }
 
 TEST_F(ServingTest, CallThatCannotMeetItsDeadlineIsRefusedAtArrival) {
