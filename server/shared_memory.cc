@@ -106,6 +106,12 @@ absl::Status CheckKey(const std::string& key) {
   return LayerStore::CheckName(absl::string_view(key).substr(1), "key after its '/'");
 }
 
+// What every registry call answers while shared memory is off; `prefix` names the field, when there is one.
+absl::Status SharedMemoryOff(absl::string_view prefix = "") {
+  return absl::FailedPreconditionError(absl::StrCat(
+      prefix, "this server does not accept shared memory (start it with --max_shared_memory_regions > 0)"));
+}
+
 }  // namespace
 
 absl::StatusOr<std::shared_ptr<SharedMemoryRegion>> SharedMemoryRegion::Map(const std::string& name,
@@ -170,10 +176,7 @@ absl::Status SharedMemoryRegion::Intact() const {
 }
 
 absl::Status SharedMemoryRegistry::Register(const std::string& name, const std::string& key, uint64_t byte_size) {
-  if (max_regions_ <= 0) {
-    return absl::FailedPreconditionError(
-        "this server does not accept shared memory (start it with --max_shared_memory_regions > 0)");
-  }
+  if (max_regions_ <= 0) return SharedMemoryOff();
   RETURN_IF_ERROR(LayerStore::CheckName(name, "name"));
   RETURN_IF_ERROR(CheckKey(key));
   if (byte_size == 0 || byte_size > static_cast<uint64_t>(max_bytes_)) {
@@ -220,10 +223,7 @@ absl::Status SharedMemoryRegistry::Unregister(const std::string& name) {
 
 absl::StatusOr<std::shared_ptr<const SharedMemoryRegion>> SharedMemoryRegistry::Find(const std::string& name,
                                                                                      absl::string_view field) const {
-  if (max_regions_ <= 0) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        field, ": this server does not accept shared memory (start it with --max_shared_memory_regions > 0)"));
-  }
+  if (max_regions_ <= 0) return SharedMemoryOff(absl::StrCat(field, ": "));
   RETURN_IF_ERROR(LayerStore::CheckName(name, field));
   absl::MutexLock lock(&mu_);
   auto it = regions_.find(name);
@@ -241,10 +241,7 @@ absl::StatusOr<std::vector<std::shared_ptr<const SharedMemoryRegion>>> SharedMem
     listed.push_back(std::move(region));
     return listed;
   }
-  if (max_regions_ <= 0) {
-    return absl::FailedPreconditionError(
-        "this server does not accept shared memory (start it with --max_shared_memory_regions > 0)");
-  }
+  if (max_regions_ <= 0) return SharedMemoryOff();
   absl::MutexLock lock(&mu_);
   listed.reserve(regions_.size());
   for (const auto& entry : regions_) listed.push_back(entry.second);
