@@ -52,7 +52,10 @@ run_tsan() {
   export OMP_THREAD_LIMIT=1
   # ignore_noninstrumented_modules: memcpy, new and delete called from inside gRPC, protobuf or abseil (which
   # synchronise through atomics TSan cannot see) are not checked; our code's accesses are.
-  export TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:ignore_noninstrumented_modules=1:suppressions=$supp/tsan.supp"
+  # history_size=7 (the most): TSan keeps enough of each thread's past to restore the earlier access's stack, which
+  # tsan.supp's gRPC hand-off entries match on (with the default, a report's writing stack may be "failed to
+  # restore" and escape them).
+  export TSAN_OPTIONS="history_size=7:halt_on_error=1:second_deadlock_stack=1:ignore_noninstrumented_modules=1:suppressions=$supp/tsan.supp"
   ctest --test-dir build-tsan --output-on-failure -L cpp_concurrency -E "$not_sanitizable"
 }
 
