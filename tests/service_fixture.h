@@ -3,6 +3,7 @@
 #ifndef MHA_TESTS_SERVICE_FIXTURE_H_
 #define MHA_TESTS_SERVICE_FIXTURE_H_
 
+#include <chrono>
 #include <future>
 #include <memory>
 #include <vector>
@@ -88,18 +89,37 @@ class ServiceTest : public ::testing::Test {
     return stub_->ScaledDotProductAttention(&context, request, response);
   }
 
-  // Sends `request` from `calls` threads at once and returns every status.
-  std::vector<grpc::Status> CallConcurrently(const v1::MultiHeadAttentionRequest& request, int calls) {
-    std::vector<std::future<grpc::Status>> pending;
-    for (int i = 0; i < calls; ++i) {
-      pending.push_back(std::async(std::launch::async, [&] {
-        v1::MultiHeadAttentionResponse response;
-        return Call(request, &response);
-      }));
+  // A call made on another thread; `status` holds how it ended.
+  struct BackgroundCall {
+    v1::MultiHeadAttentionRequest request;
+    grpc::ClientContext context;
+    v1::MultiHeadAttentionResponse response;
+    std::future<grpc::Status> status;
+  };
+
+  // Starts `request` on another thread; with `computing`, returns once the compute thread runs a call. Tests that
+  // only need a long call to be running cancel it (context.TryCancel()) once they have seen what they look for,
+  // rather than wait out its reference loops (tens of seconds in a sanitizer build).
+  std::unique_ptr<BackgroundCall> Start(v1::MultiHeadAttentionRequest request, bool computing = true) {
+    auto call = std::make_unique<BackgroundCall>();
+    call->request = std::move(request);
+    // Far enough that the admission estimate never refuses a blocking call, even in a sanitizer build whose
+    // reference loops run tens of times slower (they would pass the server's default).
+    call->context.set_deadline(std::chrono::system_clock::now() + std::chrono::hours(1));
+    call->status = std::async(std::launch::async, [this, c = call.get()] {
+      return stub_->MultiHeadAttention(&c->context, c->request, &c->response);
+    });
+    if (computing) {
+      EXPECT_TRUE(server_->scheduler().AwaitRunning(absl::Seconds(30)));
     }
-    std::vector<grpc::Status> statuses;
-    for (auto& call : pending) statuses.push_back(call.get());
-    return statuses;
+    return call;
+  }
+
+  // Cancels `call` and waits for it; it ends CANCELLED, or OK when it finished first.
+  static void CancelAndWait(BackgroundCall* call) {
+    call->context.TryCancel();
+    const grpc::Status status = call->status.get();
+    EXPECT_TRUE(status.ok() || status.error_code() == grpc::StatusCode::CANCELLED) << status.error_message();
   }
 
   // After every test: a valid call still succeeds, so nothing above broke the server.

@@ -11,6 +11,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/time/clock.h"
 #include "gmock/gmock.h"
 #include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/grpcpp.h"
@@ -482,21 +483,16 @@ TEST_F(ServiceTest, FullyMaskedRowsGiveTheOutputBiasNotNaN) {
 }
 
 TEST_F(ServiceTest, HealthyWhileALongRequestComputes) {
-  const v1::MultiHeadAttentionRequest slow = SlowDemoRequest(4);
-  auto pending = std::async(std::launch::async, [&] {
-    v1::MultiHeadAttentionResponse response;
-    return Call(slow, &response);
-  });
-  ASSERT_TRUE(server_->scheduler().AwaitRunning(absl::Seconds(30)));
+  std::unique_ptr<BackgroundCall> slow = Start(SlowDemoRequest(4));
   const auto start = std::chrono::steady_clock::now();
   v1::GetServerInfoResponse info;
   grpc::ClientContext context;
   ASSERT_TRUE(stub_->GetServerInfo(&context, v1::GetServerInfoRequest(), &info).ok());
   const auto waited = std::chrono::steady_clock::now() - start;
-  EXPECT_EQ(pending.wait_for(std::chrono::seconds(0)), std::future_status::timeout)
+  EXPECT_EQ(slow->status.wait_for(std::chrono::seconds(0)), std::future_status::timeout)
       << "the slow request finished too early to prove anything; make it bigger";
   EXPECT_LT(waited, std::chrono::milliseconds(500));
-  EXPECT_TRUE(pending.get().ok());
+  CancelAndWait(slow.get());
 }
 
 // A tiny request next to a long one: computed on the gRPC thread by default, so it does not queue behind it.
@@ -507,22 +503,23 @@ TEST_P(InlineTest, TinyRequestsSkipTheQueueOnlyWhenInlineIsOn) {
   ServerOptions options;
   options.inline_max_mflop = inline_on ? 4 : 0;
   StartServer(options);
-  const v1::MultiHeadAttentionRequest slow = SlowDemoRequest(4);
-  auto pending = std::async(std::launch::async, [&] {
-    v1::MultiHeadAttentionResponse response;
-    return Call(slow, &response);
-  });
-  ASSERT_TRUE(server_->scheduler().AwaitRunning(absl::Seconds(30)));
-  v1::MultiHeadAttentionResponse tiny;
-  ASSERT_TRUE(Call(ValidRequest(), &tiny).ok());  // 2 x 3 tokens, d_model 8: a few kFLOP on the cpu backend
+  std::unique_ptr<BackgroundCall> slow = Start(SlowDemoRequest(4));
+  // 2 x 3 tokens, d_model 8: a few kFLOP on the cpu backend.
+  std::unique_ptr<BackgroundCall> tiny = Start(ValidRequest(), /*computing=*/false);
   if (inline_on) {
-    EXPECT_EQ(tiny.timing().queue_us(), 0);
-    EXPECT_EQ(pending.wait_for(std::chrono::seconds(0)), std::future_status::timeout)
+    ASSERT_TRUE(tiny->status.get().ok());
+    EXPECT_EQ(tiny->response.timing().queue_us(), 0);
+    EXPECT_EQ(slow->status.wait_for(std::chrono::seconds(0)), std::future_status::timeout)
         << "the long request finished first, so this proves nothing; make it longer";
+    CancelAndWait(slow.get());
   } else {
-    EXPECT_GT(tiny.timing().queue_us(), 100000) << "it should have waited for the long request";
+    // It waits behind the long request: let it wait a while, then end the long one.
+    ASSERT_TRUE(server_->scheduler().AwaitQueued(1, absl::Seconds(30)));
+    absl::SleepFor(absl::Milliseconds(150));
+    CancelAndWait(slow.get());
+    ASSERT_TRUE(tiny->status.get().ok());
+    EXPECT_GT(tiny->response.timing().queue_us(), 100000) << "it should have waited for the long request";
   }
-  EXPECT_TRUE(pending.get().ok());
 }
 
 INSTANTIATE_TEST_SUITE_P(Inline, InlineTest, ::testing::Bool(),
@@ -531,34 +528,31 @@ INSTANTIATE_TEST_SUITE_P(Inline, InlineTest, ::testing::Bool(),
 TEST_F(ServiceTest, FullQueueIsResourceExhausted) {
   ServerOptions options;
   options.max_queue_size = 1;
-  options.default_deadline_s = 3600;  // the waiting call must not time out behind reference loops under TSan
   StartServer(options);
-  int ok = 0, exhausted = 0;
-  for (const grpc::Status& status : CallConcurrently(SlowDemoRequest(2), 4)) {
-    ok += status.ok();
-    exhausted += status.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED;
-  }
-  EXPECT_EQ(ok + exhausted, 4);
-  EXPECT_GE(ok, 1);
-  EXPECT_GE(exhausted, 1);  // one computes, one waits, the rest are refused
+  std::unique_ptr<BackgroundCall> computing = Start(SlowDemoRequest(4));
+  std::unique_ptr<BackgroundCall> waiting = Start(SlowDemoRequest(4), /*computing=*/false);
+  ASSERT_TRUE(server_->scheduler().AwaitQueued(1, absl::Seconds(30)));
+  v1::MultiHeadAttentionResponse response;
+  const grpc::Status status = Call(SlowDemoRequest(4), &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_THAT(status.error_message(), HasSubstr("--max_queue_size"));
+  CancelAndWait(waiting.get());
+  CancelAndWait(computing.get());
 }
 
 TEST_F(ServiceTest, QueuedBytesOverTheLimitAreResourceExhausted) {
   ServerOptions options;
-  options.max_queued_mb = 1;  // each request below carries 2 MiB: one may wait, the next is refused
-  options.default_deadline_s = 3600;  // the waiting call must not time out behind reference loops under TSan
+  options.max_queued_mb = 1;  // each request below carries 2 MiB: one may wait alone, the next is refused
   StartServer(options);
-  int ok = 0, refused = 0;
-  for (const grpc::Status& status : CallConcurrently(SlowDemoRequest(4), 4)) {
-    ok += status.ok();
-    if (status.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED) {
-      ++refused;
-      EXPECT_THAT(status.error_message(), HasSubstr("--max_queued_mb"));
-    }
-  }
-  EXPECT_EQ(ok + refused, 4);
-  EXPECT_GE(ok, 1);
-  EXPECT_GE(refused, 1);
+  std::unique_ptr<BackgroundCall> computing = Start(SlowDemoRequest(4));
+  std::unique_ptr<BackgroundCall> waiting = Start(SlowDemoRequest(4), /*computing=*/false);
+  ASSERT_TRUE(server_->scheduler().AwaitQueued(1, absl::Seconds(30)));
+  v1::MultiHeadAttentionResponse response;
+  const grpc::Status status = Call(SlowDemoRequest(4), &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_THAT(status.error_message(), HasSubstr("--max_queued_mb"));
+  CancelAndWait(waiting.get());
+  CancelAndWait(computing.get());
 }
 
 // One rejected MultiHeadAttention input: how to break a valid request, and the status it must get.

@@ -37,32 +37,8 @@ v1::MultiHeadAttentionRequest QueuedCpuRequest() {
   return r;
 }
 
-// A call made on another thread; `status` holds how it ended.
-struct BackgroundCall {
-  v1::MultiHeadAttentionRequest request;
-  grpc::ClientContext context;
-  v1::MultiHeadAttentionResponse response;
-  std::future<grpc::Status> status;
-};
-
-class ServingTest : public ServiceTest {
- protected:
-  // Starts `request` on another thread; with `computing`, returns once the compute thread runs a call.
-  std::unique_ptr<BackgroundCall> Start(v1::MultiHeadAttentionRequest request, bool computing = true) {
-    auto call = std::make_unique<BackgroundCall>();
-    call->request = std::move(request);
-    // Far enough that the admission estimate never refuses a blocking call, even in a sanitizer build whose
-    // reference loops run tens of times slower (they would pass the server's default); tests cancel them anyway.
-    call->context.set_deadline(std::chrono::system_clock::now() + std::chrono::hours(1));
-    call->status = std::async(std::launch::async, [this, c = call.get()] {
-      return stub_->MultiHeadAttention(&c->context, c->request, &c->response);
-    });
-    if (computing) {
-      EXPECT_TRUE(server_->scheduler().AwaitRunning(absl::Seconds(30)));
-    }
-    return call;
-  }
-};
+// The fixture's Start() and BackgroundCall, under this suite's name.
+using ServingTest = ServiceTest;
 
 TEST_F(ServingTest, CancelledCallStopsComputingAndFreesTheComputeThread) {
   // The next call arrives while the cancelled one may still count as queued work: a default deadline far enough
@@ -144,7 +120,7 @@ TEST_F(ServingTest, InFlightMemoryIsBounded) {
   const grpc::Status status = Call(QueuedCpuRequest(), &response);
   EXPECT_EQ(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
   EXPECT_THAT(status.error_message(), HasSubstr("--max_inflight_mb"));
-  EXPECT_TRUE(slow->status.get().ok());
+  CancelAndWait(slow.get());
 }
 
 TEST_F(ServingTest, ShutdownStopsALongCallAtTheEndOfItsGracePeriod) {
