@@ -363,6 +363,39 @@ TEST_F(ServiceTest, UnparsableRequestBytesAreInvalidArgument) {
   }
 }
 
+// A call that ends before its request message arrives (a client cancelling while it sends; here, deterministically,
+// one that half-closes without a message) reaches the handler with no payload: counted as cancelled, not as a
+// request that does not parse.
+TEST_F(ServiceTest, CallEndedBeforeItsRequestArrivedIsCancelled) {
+  grpc::GenericStub generic(server_->InProcessChannel());
+  grpc::CompletionQueue cq;
+  grpc::ClientContext context;
+  std::unique_ptr<grpc::GenericClientAsyncReaderWriter> call =
+      generic.PrepareCall(&context, "/mha.v1.Attention/MultiHeadAttention", &cq);
+  auto step = [&cq](int tag) {
+    void* got = nullptr;
+    bool ok = false;
+    ASSERT_TRUE(cq.Next(&got, &ok));
+    EXPECT_EQ(got, reinterpret_cast<void*>(static_cast<intptr_t>(tag)));
+  };
+  call->StartCall(reinterpret_cast<void*>(1));
+  step(1);
+  call->WritesDone(reinterpret_cast<void*>(2));
+  step(2);
+  grpc::Status status;
+  call->Finish(&status, reinterpret_cast<void*>(3));
+  step(3);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::CANCELLED);
+  EXPECT_THAT(status.error_message(), HasSubstr("no request message arrived"));
+  EXPECT_THAT(server_->metrics().Text(),
+              HasSubstr("mha_requests_total{backend=\"\",code=\"CANCELLED\",rpc=\"MultiHeadAttention\"} 1"));
+  cq.Shutdown();
+  void* ignored;
+  bool ok;
+  while (cq.Next(&ignored, &ok)) {
+  }
+}
+
 TEST_F(ServiceTest, LoadLayerPastTheMemoryLimitIsResourceExhausted) {
   ServerOptions options;
   options.max_layer_mb = 4;  // exactly the demo layer: 4 weights of 1 MiB, held once
