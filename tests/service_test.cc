@@ -558,9 +558,21 @@ TEST_P(InlineTest, TinyRequestsSkipTheQueueOnlyWhenInlineIsOn) {
 INSTANTIATE_TEST_SUITE_P(Inline, InlineTest, ::testing::Bool(),
                          [](const auto& info) { return info.param ? "On" : "Off"; });
 
-TEST_F(ServiceTest, FullQueueIsResourceExhausted) {
+// A queue limit: how to set it, and the flag its refusal names.
+struct QueueLimit {
+  std::string name;
+  void (*set)(ServerOptions*);
+  std::string flag;
+};
+
+std::ostream& operator<<(std::ostream& os, const QueueLimit& c) { return os << c.name; }
+
+class QueueLimitTest : public ServiceTest, public ::testing::WithParamInterface<QueueLimit> {};
+
+// One call computes, one waits, and the next is refused by the limit, naming its flag.
+TEST_P(QueueLimitTest, TheCallPastTheLimitIsResourceExhausted) {
   ServerOptions options;
-  options.max_queue_size = 1;
+  GetParam().set(&options);
   StartServer(options);
   std::unique_ptr<BackgroundCall> computing = Start(SlowDemoRequest(4));
   std::unique_ptr<BackgroundCall> waiting = Start(SlowDemoRequest(4), /*computing=*/false);
@@ -568,25 +580,17 @@ TEST_F(ServiceTest, FullQueueIsResourceExhausted) {
   v1::MultiHeadAttentionResponse response;
   const grpc::Status status = Call(SlowDemoRequest(4), &response);
   EXPECT_EQ(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
-  EXPECT_THAT(status.error_message(), HasSubstr("--max_queue_size"));
+  EXPECT_THAT(status.error_message(), HasSubstr(GetParam().flag));
   CancelAndWait(waiting.get());
   CancelAndWait(computing.get());
 }
 
-TEST_F(ServiceTest, QueuedBytesOverTheLimitAreResourceExhausted) {
-  ServerOptions options;
-  options.max_queued_mb = 1;  // each request below carries 2 MiB: one may wait alone, the next is refused
-  StartServer(options);
-  std::unique_ptr<BackgroundCall> computing = Start(SlowDemoRequest(4));
-  std::unique_ptr<BackgroundCall> waiting = Start(SlowDemoRequest(4), /*computing=*/false);
-  ASSERT_TRUE(server_->scheduler().AwaitQueued(1, absl::Seconds(30)));
-  v1::MultiHeadAttentionResponse response;
-  const grpc::Status status = Call(SlowDemoRequest(4), &response);
-  EXPECT_EQ(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
-  EXPECT_THAT(status.error_message(), HasSubstr("--max_queued_mb"));
-  CancelAndWait(waiting.get());
-  CancelAndWait(computing.get());
-}
+INSTANTIATE_TEST_SUITE_P(
+    Limits, QueueLimitTest,
+    ::testing::Values(QueueLimit{"FullQueue", [](ServerOptions* o) { o->max_queue_size = 1; }, "--max_queue_size"},
+                      // each request carries 2 MiB: one may wait alone, the next is refused
+                      QueueLimit{"QueuedBytes", [](ServerOptions* o) { o->max_queued_mb = 1; }, "--max_queued_mb"}),
+    [](const auto& info) { return info.param.name; });
 
 // One rejected MultiHeadAttention input: how to break a valid request, and the status it must get.
 struct BadInput {
