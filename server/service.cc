@@ -139,9 +139,10 @@ absl::Status AttentionService::Admit(const char* rpc, Role role, const grpc::Cal
     if (absl::Status status = auth_->Check(Metadata(context, "authorization"), role, rpc); !status.ok()) return status;
   }
   // gRPC starts a unary handler without a payload when the call ended before its request message arrived: every
-  // gRPC client sends the message with the call, so that is a client that cancelled while sending (a deadline that
-  // passes first never reaches this handler: gRPC ends that call itself). Counted as CANCELLED, not as a request
-  // that does not parse. A 0-byte message (all fields at their defaults) is a payload, validated like any other.
+  // gRPC client sends the message with the call, so that is a client that cancelled while sending. Counted as
+  // CANCELLED, not as a request that does not parse. Over TCP a deadline that passes first also lands here and is
+  // counted as CANCELLED too (its client sees DEADLINE_EXCEEDED); the in-process transport ends such a call without
+  // starting the handler. A 0-byte message (all fields at their defaults) is a payload, validated like any other.
   if (!bytes->Valid()) {
     return absl::CancelledError(
         "no request message arrived: the client cancelled the call before sending it (or closed it without one)");
