@@ -131,6 +131,9 @@ std::string AttentionService::Identify(grpc::CallbackServerContext* context) {
 // microseconds quicker (measured on the tiny (1,16,64) call) and validation's scan of a small tensor costs nothing.
 constexpr size_t kReadInPiecesBytes = 64 << 10;
 
+// How close to its deadline a call that ended without a request message counts as having reached it (Admit).
+constexpr absl::Duration kDeadlineSlack = absl::Milliseconds(100);
+
 template <typename Request>
 absl::Status AttentionService::Admit(const char* rpc, Role role, const grpc::CallbackServerContext& context,
                                      const grpc::ByteBuffer* bytes, Request* request,
@@ -139,11 +142,17 @@ absl::Status AttentionService::Admit(const char* rpc, Role role, const grpc::Cal
     if (absl::Status status = auth_->Check(Metadata(context, "authorization"), role, rpc); !status.ok()) return status;
   }
   // gRPC starts a unary handler without a payload when the call ended before its request message arrived: every
-  // gRPC client sends the message with the call, so that is a client that cancelled while sending. Counted as
-  // CANCELLED, not as a request that does not parse. Over TCP a deadline that passes first also lands here and is
-  // counted as CANCELLED too (its client sees DEADLINE_EXCEEDED); the in-process transport ends such a call without
-  // starting the handler. A 0-byte message (all fields at their defaults) is a payload, validated like any other.
+  // gRPC client sends the message with the call, so that is a client that gave up while sending. Over TCP that
+  // includes a deadline passing first (the in-process transport ends such a call without starting the handler):
+  // counted as DEADLINE_EXCEEDED, what its client saw, when the deadline is past or within kDeadlineSlack, since the
+  // client's own timer usually cancels the stream a little before the server's copy of the deadline expires (the
+  // grpc-timeout header is rounded up, to 10 ms for timeouts of 1-10 s and 100 ms for 10-100 s). Otherwise
+  // CANCELLED, not a request that does not parse. A 0-byte message (all fields at their defaults) is a payload,
+  // validated like any other.
   if (!bytes->Valid()) {
+    if (absl::FromChrono(context.deadline()) - absl::Now() <= kDeadlineSlack) {
+      return absl::DeadlineExceededError("the call reached its deadline before its request message arrived");
+    }
     return absl::CancelledError(
         "no request message arrived: the client cancelled the call before sending it (or closed it without one)");
   }

@@ -11,6 +11,8 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "gmock/gmock.h"
 #include "grpcpp/generic/generic_stub.h"
@@ -395,6 +397,62 @@ TEST_F(ServiceTest, CallEndedBeforeItsRequestArrivedIsCancelled) {
   while (cq.Next(&ignored, &ok)) {
   }
 }
+
+// Over TCP a call that ends before its request message arrives reaches the handler without a payload whether its
+// client cancelled it or its deadline passed (the in-process transport never starts the handler for the latter): the
+// server counts it with the code its client saw.
+struct EndedWithoutMessageCase {
+  const char* name;
+  bool cancel;  // the client cancels at once; otherwise a 300 ms deadline passes
+  grpc::StatusCode code;
+  const char* counted;
+};
+
+class EndedWithoutMessageOverTcpTest : public ::testing::TestWithParam<EndedWithoutMessageCase> {};
+
+TEST_P(EndedWithoutMessageOverTcpTest, IsCountedWithTheCodeItsClientSaw) {
+  spdlog::set_level(spdlog::level::warn);
+  std::unique_ptr<MhaServer> server = mha::testing::StartLoopbackServer();
+  ASSERT_NE(server, nullptr);
+  grpc::GenericStub generic(
+      grpc::CreateChannel(absl::StrCat("127.0.0.1:", server->port()), grpc::InsecureChannelCredentials()));
+  grpc::CompletionQueue cq;
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() +
+                       (GetParam().cancel ? std::chrono::milliseconds(3600000) : std::chrono::milliseconds(300)));
+  std::unique_ptr<grpc::GenericClientAsyncReaderWriter> call =
+      generic.PrepareCall(&context, "/mha.v1.Attention/MultiHeadAttention", &cq);
+  void* tag = nullptr;
+  bool ok = false;
+  call->StartCall(reinterpret_cast<void*>(1));  // headers only; the message never follows
+  ASSERT_TRUE(cq.Next(&tag, &ok));
+  if (GetParam().cancel) context.TryCancel();
+  grpc::Status status;
+  call->Finish(&status, reinterpret_cast<void*>(2));
+  ASSERT_TRUE(cq.Next(&tag, &ok));
+  EXPECT_EQ(tag, reinterpret_cast<void*>(2));
+  EXPECT_EQ(status.error_code(), GetParam().code);
+  // The server counts the call when its handler ends, which may be after the client saw its status.
+  const std::string counted = absl::StrCat("mha_requests_total{backend=\"\",code=\"", GetParam().counted,
+                                           "\",rpc=\"MultiHeadAttention\"} 1");
+  const absl::Time give_up = absl::Now() + absl::Seconds(10);
+  while (absl::Now() < give_up && !absl::StrContains(server->metrics().Text(), counted)) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  const std::string text = server->metrics().Text();
+  EXPECT_THAT(text, HasSubstr(counted));
+  EXPECT_THAT(text, ::testing::Not(HasSubstr("code=\"INVALID_ARGUMENT\"")));
+  cq.Shutdown();
+  while (cq.Next(&tag, &ok)) {
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Transport, EndedWithoutMessageOverTcpTest,
+    ::testing::Values(EndedWithoutMessageCase{"DeadlinePassed", false, grpc::StatusCode::DEADLINE_EXCEEDED,
+                                              "DEADLINE_EXCEEDED"},
+                      EndedWithoutMessageCase{"ClientCancelled", true, grpc::StatusCode::CANCELLED, "CANCELLED"}),
+    [](const ::testing::TestParamInfo<EndedWithoutMessageCase>& info) { return std::string(info.param.name); });
 
 TEST_F(ServiceTest, LoadLayerPastTheMemoryLimitIsResourceExhausted) {
   ServerOptions options;
