@@ -214,34 +214,45 @@ class SoftmaxTest : public ::testing::TestWithParam<std::tuple<std::string, bool
  protected:
   // The weight of x = s - max, in double precision.
   double Weight(double x) const { return std::get<1>(GetParam()) ? std::exp2(x) : std::exp(x); }
-};
-
-TEST_P(SoftmaxTest, ExactSoftmaxOverVisibleKeysZeroesTheRest) {
-  const auto& [isa, log2] = GetParam();
-  const TileKernels* k = TileKernelsFor(isa.c_str());
-  if (k == nullptr) GTEST_SKIP() << "this CPU does not run " << isa;
-  const int n = 45, lds = 50;
-  const std::vector<int64_t> visible = {0, 1, 15, 16, 17, 33, n};
-  const int rows = static_cast<int>(visible.size());
-  std::vector<float> s = MaskedScores(rows, lds, 7);
-  s[1 * lds] = -kInf;  // row 1 sees one key, and it is masked: all zeros, not NaN
-  const std::vector<float> in = s;
-  k->softmax(rows, n, visible.data(), s.data(), lds, log2);
-  for (int r = 0; r < rows; ++r) {
-    double max = -kInf, sum = 0;
-    for (int j = 0; j < visible[r]; ++j) max = std::max<double>(max, in[r * lds + j]);
-    for (int j = 0; j < visible[r] && max != -kInf; ++j) sum += Weight(in[r * lds + j] - max);
-    for (int j = 0; j < lds; ++j) {
-      const float got = s[r * lds + j];
-      if (j >= n) {
-        EXPECT_EQ(got, in[r * lds + j]) << "wrote past n at " << r << "," << j;
-      } else if (j >= visible[r] || max == -kInf || in[r * lds + j] == -kInf) {
-        EXPECT_EQ(got, 0.0f) << r << "," << j;  // masked: exactly zero
-      } else {
-        EXPECT_NEAR(got, Weight(in[r * lds + j] - max) / sum, 1e-6) << r << "," << j;
+  // Runs the exact softmax on `visible.size()` rows of MaskedScores (row stride lds) and checks every element:
+  // weights within 1e-6 of double precision's, exactly 0 where masked, untouched at and past n.
+  void CheckExactSoftmax(int n, int lds, const std::vector<int64_t>& visible) const {
+    const auto& [isa, log2] = GetParam();
+    const TileKernels* k = TileKernelsFor(isa.c_str());
+    if (k == nullptr) GTEST_SKIP() << "this CPU does not run " << isa;
+    const int rows = static_cast<int>(visible.size());
+    std::vector<float> s = MaskedScores(rows, lds, 7);
+    s[1 * lds] = -kInf;  // row 1 sees one key, and it is masked: all zeros, not NaN
+    const std::vector<float> in = s;
+    k->softmax(rows, n, visible.data(), s.data(), lds, log2);
+    for (int r = 0; r < rows; ++r) {
+      double max = -kInf, sum = 0;
+      for (int j = 0; j < visible[r]; ++j) max = std::max<double>(max, in[r * lds + j]);
+      for (int j = 0; j < visible[r] && max != -kInf; ++j) sum += Weight(in[r * lds + j] - max);
+      for (int j = 0; j < lds; ++j) {
+        const float got = s[r * lds + j];
+        if (j >= n) {
+          EXPECT_EQ(got, in[r * lds + j]) << "wrote past n at " << r << "," << j;
+        } else if (j >= visible[r] || max == -kInf || in[r * lds + j] == -kInf) {
+          EXPECT_EQ(got, 0.0f) << r << "," << j;  // masked: exactly zero
+        } else {
+          EXPECT_NEAR(got, Weight(in[r * lds + j] - max) / sum, 1e-6) << r << "," << j;
+        }
       }
     }
   }
+};
+
+TEST_P(SoftmaxTest, ExactSoftmaxOverVisibleKeysZeroesTheRest) {
+  const int n = 45;
+  CheckExactSoftmax(n, /*lds=*/50, {0, 1, 15, 16, 17, 33, n});
+}
+
+// Masked runs of 256 keys and more are zeroed with non-temporal stores from their first whole cache line: runs of
+// 256 and more that start at many offsets within a line (lds = 709 moves each row's start), and end off a vector.
+TEST_P(SoftmaxTest, LongMaskedRunsAreZeroedUpToNAndNoFurther) {
+  const int n = 700;
+  CheckExactSoftmax(n, /*lds=*/709, {0, 1, 100, 255, 256, 300, 437, 444, n - 256, n});
 }
 
 TEST_P(SoftmaxTest, OnlineBlocksGiveTheExactWeightedSum) {

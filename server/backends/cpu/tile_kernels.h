@@ -67,8 +67,9 @@ struct TileKernels {
   void (*online_softmax)(int64_t rows, int64_t n, const int64_t* visible, float* s, int64_t lds, float* row_max,
                          float* row_sum, float* factor, bool log2);
 
-  // Exact softmax of each row of s[rows, n] over keys [0, visible[r]), the rest zeroed; a row with nothing visible
-  // (or only -inf) becomes all zeros, never NaN.
+  // Exact softmax of each row of s[rows, n] over keys [0, visible[r]), the rest zeroed (long zero runs with
+  // non-temporal stores, so they are not left in the caches); a row with nothing visible (or only -inf) becomes all
+  // zeros, never NaN.
   void (*softmax)(int64_t rows, int64_t n, const int64_t* visible, float* s, int64_t lds, bool log2);
 
   // dst[r, c] = scale * src[r, c] for r < rows and c < cols.

@@ -43,6 +43,9 @@ struct Isa {
   }
   static void Store(float* p, V x) { _mm256_storeu_ps(p, x); }
   static void StorePartial(float* p, V x, int n) { _mm256_maskstore_ps(p, FirstLanes(n), x); }
+  // A non-temporal store to a 32-byte aligned p (avx512's StoreStream), and the fence that orders such stores.
+  static void StoreStream(float* p, V x) { _mm256_stream_ps(p, x); }
+  static void StreamFence() { _mm_sfence(); }
   static V Fnmadd(V a, V b, V c) { return _mm256_fnmadd_ps(a, b, c); }
   static V RoundNearest(V x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
   // p * 2^n for integral n, 2^n built in the exponent bits, and 0 in the lanes where x < lowest or x is -inf (where

@@ -32,6 +32,10 @@ struct Isa {
   static void StorePartial(float* p, V x, int n) {
     _mm512_mask_storeu_ps(p, static_cast<__mmask16>((1u << n) - 1), x);
   }
+  // A non-temporal store to a 64-byte aligned p: the line is written without being read first, and not cached.
+  static void StoreStream(float* p, V x) { _mm512_stream_ps(p, x); }
+  // Orders the non-temporal stores before every later store (another thread may read what they wrote).
+  static void StreamFence() { _mm_sfence(); }
   static V Fnmadd(V a, V b, V c) { return _mm512_fnmadd_ps(a, b, c); }
   static V RoundNearest(V x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
   // p * 2^n for integral n (vscalefps), and 0 in the lanes where x < lowest or x is -inf (where p and n are NaN or
