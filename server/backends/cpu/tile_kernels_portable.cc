@@ -47,10 +47,10 @@ struct Isa {
   static void Store(float* p, V x) { std::memcpy(p, &x, sizeof(x)); }
   static void StorePartial(float* p, V x, int n) {
     for (int i = 0; i < n; ++i) p[i] = x[i];
-  }  // Plain stores: the portable set keeps to what every compiler and CPU has (avx512's StoreStream).
+  }
+  // Plain stores where avx512's StoreStream streams: the portable set keeps to what every x86-64 compiler has.
   static void StoreStream(float* p, V x) { Store(p, x); }
   static void StreamFence() {}
-
   static V Fnmadd(V a, V b, V c) { return c - a * b; }
   // Adding and subtracting 1.5 * 2^23 rounds to the nearest integer for |x| < 2^22; larger values are integers
   // already or lie in lanes Pow2Live clears.
