@@ -214,6 +214,12 @@ class SoftmaxTest : public ::testing::TestWithParam<std::tuple<std::string, bool
  protected:
   // The weight of x = s - max, in double precision.
   double Weight(double x) const { return std::get<1>(GetParam()) ? std::exp2(x) : std::exp(x); }
+  // How far (relative) the online softmax's weights may be from Weight: the bf16 sets' exps keep bf16's precision
+  // only (degree-3 fits, 7.5e-5), the fp32 sets' fp32's (degree 5, 2e-7), each plus float rounding.
+  double OnlineBound() const {
+    const std::string& isa = std::get<0>(GetParam());
+    return isa == "amx" || isa == "avx512bf16" ? 8e-5 : 3e-7;
+  }
   // Runs the exact softmax on `visible.size()` rows of MaskedScores (row stride lds) and checks every element:
   // weights within 1e-6 of double precision's, exactly 0 where masked, untouched at and past n.
   void CheckExactSoftmax(int n, int lds, const std::vector<int64_t>& visible) const {
@@ -297,15 +303,16 @@ TEST_P(SoftmaxTest, OnlineBlocksGiveTheExactWeightedSum) {
       continue;
     }
     EXPECT_FLOAT_EQ(row_max[r], static_cast<float>(max)) << r;
-    EXPECT_NEAR(row_sum[r], sum, 1e-5 * sum) << r;
-    EXPECT_NEAR(out[r] / row_sum[r], weighted / sum, 1e-4) << r;
+    EXPECT_NEAR(row_sum[r], sum, std::max(1e-5, OnlineBound()) * sum) << r;
+    // A mean of key indices below n: weights off by OnlineBound move it by at most 2 * OnlineBound * n.
+    EXPECT_NEAR(out[r] / row_sum[r], weighted / sum, std::max(1e-4, 2 * OnlineBound() * n)) << r;
   }
 }
 
-TEST_P(SoftmaxTest, OnlineBlockWeightIsWithin3e7OfLibm) {
+TEST_P(SoftmaxTest, OnlineBlockWeightIsWithinItsBoundOfLibm) {
   // The first block of a row leaves weight(s - max) in place: s - max from 0 down to near the smallest normal
-  // result (-87 for e^x, -125 for 2^x), against double-precision exp or exp2; -inf and a value below the normal
-  // range must give exactly 0.
+  // result (-87 for e^x, -125 for 2^x), against double-precision exp or exp2, within OnlineBound; -inf and a value
+  // below the normal range must give exactly 0.
   const auto& [isa, log2] = GetParam();
   const TileKernels* k = TileKernelsFor(isa.c_str());
   if (k == nullptr) GTEST_SKIP() << "this CPU does not run " << isa;
@@ -328,13 +335,14 @@ TEST_P(SoftmaxTest, OnlineBlockWeightIsWithin3e7OfLibm) {
     if (j == n / 2 || j == n / 3) continue;
     const double want = Weight(static_cast<double>(in[j]) - 1.5);
     sum += want;
-    EXPECT_NEAR(s[j], want, 3e-7 * want) << "weight(" << in[j] - 1.5f << ")";
+    EXPECT_NEAR(s[j], want, OnlineBound() * want) << "weight(" << in[j] - 1.5f << ")";
   }
-  EXPECT_NEAR(row_sum, sum, 1e-6 * sum);
+  EXPECT_NEAR(row_sum, sum, std::max(1e-6, OnlineBound()) * sum);
 }
 
 INSTANTIATE_TEST_SUITE_P(Isas, SoftmaxTest,
-                         ::testing::Combine(::testing::Values("avx512", "avx2", "portable"), ::testing::Bool()),
+                         ::testing::Combine(::testing::Values("amx", "avx512bf16", "avx512", "avx2", "portable"),
+                                            ::testing::Bool()),
                          [](const auto& info) {
                            return std::get<0>(info.param) + (std::get<1>(info.param) ? "_log2" : "_natural");
                          });

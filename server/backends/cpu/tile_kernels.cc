@@ -9,6 +9,7 @@
 namespace mha::kernels {
 namespace avx512 {
 extern const TileKernels kKernels;
+extern const decltype(TileKernels::online_softmax) kBf16OnlineSoftmax;  // its exps to bf16's precision
 }
 namespace avx2 {
 extern const TileKernels kKernels;
@@ -51,16 +52,23 @@ bool CpuHasAvx512Bf16(bool tiles) {
   return (xcr0_lo & kZmmState) == kZmmState && (!tiles || (xcr0_lo & kTileState) == kTileState);
 }
 
+// A bf16 set (its packing and products over the AVX-512 set's kernels) with the online softmax whose exps keep
+// bf16's precision only: its products round the weights to bf16.
+TileKernels WithBf16Softmax(TileKernels k) {
+  k.online_softmax = avx512::kBf16OnlineSoftmax;
+  return k;
+}
+
 }  // namespace
 
 const TileKernels* TileKernelsFor(const char* isa) {
   __builtin_cpu_init();
   if (std::strcmp(isa, "amx") == 0 && CpuHasAvx512Bf16(/*tiles=*/true) && AmxPermitted()) {
-    static const TileKernels kAmx = amx::MakeKernels(avx512::kKernels);
+    static const TileKernels kAmx = WithBf16Softmax(amx::MakeKernels(avx512::kKernels));
     return &kAmx;
   }
   if (std::strcmp(isa, "avx512bf16") == 0 && CpuHasAvx512Bf16(/*tiles=*/false)) {
-    static const TileKernels kAvx512Bf16 = avx512bf16::MakeKernels(avx512::kKernels);
+    static const TileKernels kAvx512Bf16 = WithBf16Softmax(avx512bf16::MakeKernels(avx512::kKernels));
     return &kAvx512Bf16;
   }
   if (std::strcmp(isa, "avx512") == 0 && __builtin_cpu_supports("avx512f")) return &avx512::kKernels;

@@ -251,13 +251,36 @@ inline Isa::V Exp2(Isa::V x) {
   return Isa::Pow2Live(Degree5(Isa::Sub(x, n), k2), n, x, -126.0f);
 }
 
-// The weight of a score x below the row's max: 2^x for scores in log2 units (kLog2), else e^x.
-template <bool kLog2>
+// c[3] f^3 + ... + c[0], by Horner's rule.
+inline Isa::V Degree3(Isa::V f, const float (&c)[4]) {
+  return Isa::Fma(Isa::Fma(Isa::Fma(Isa::Splat(c[3]), f, Isa::Splat(c[2])), f, Isa::Splat(c[1])), f,
+                  Isa::Splat(c[0]));
+}
+
+// Exp and Exp2 to bf16's precision, for weights that the bf16 sets round to bf16 (2^-9 relative) before their
+// products: degree-3 polynomials fitted for relative error, within 7.5e-5 of double exp and exp2 over the same
+// ranges; the same reductions and the same zeros below them. The online softmax 15% faster than with Exp2.
+inline Isa::V ExpBf16(Isa::V x) {
+  static constexpr float kE[4] = {9.999280572e-1f, 1.000164151e+0f, 5.049633384e-1f, 1.656685919e-1f};
+  const Isa::V n = Isa::RoundNearest(Isa::Mul(x, Isa::Splat(1.44269504088896341f)));
+  Isa::V f = Isa::Fnmadd(n, Isa::Splat(0.693359375f), x);
+  f = Isa::Fnmadd(n, Isa::Splat(-2.12194440e-4f), f);
+  return Isa::Pow2Live(Degree3(f, kE), n, x, -87.33654f);
+}
+inline Isa::V Exp2Bf16(Isa::V x) {
+  static constexpr float k2[4] = {9.999280572e-1f, 6.932609677e-1f, 2.426111549e-1f, 5.517172441e-2f};
+  const Isa::V n = Isa::RoundNearest(x);
+  return Isa::Pow2Live(Degree3(Isa::Sub(x, n), k2), n, x, -126.0f);
+}
+
+// The weight of a score x below the row's max: 2^x for scores in log2 units (kLog2), else e^x; to bf16's
+// precision with kBf16.
+template <bool kLog2, bool kBf16 = false>
 inline Isa::V Weight(Isa::V x) {
   if constexpr (kLog2) {
-    return Exp2(x);
+    return kBf16 ? Exp2Bf16(x) : Exp2(x);
   } else {
-    return Exp(x);
+    return kBf16 ? ExpBf16(x) : Exp(x);
   }
 }
 
@@ -268,14 +291,14 @@ inline float ScalarWeight(float x) {
 
 // x[j] = Weight(x[j] - shift) for j in [0, n); returns their sum. shift is finite.
 // Two vectors per step with a sum each, so that the polynomials of neighbouring vectors overlap.
-template <bool kLog2>
+template <bool kLog2, bool kBf16 = false>
 inline float WeightShiftSum(float* x, int64_t n, float shift) {
   const Isa::V s = Isa::Splat(shift);
   Isa::V sum = Isa::Zero(), sum1 = Isa::Zero();
   int64_t j = 0;
   for (; j + 2 * Isa::kLanes <= n; j += 2 * Isa::kLanes) {
-    const Isa::V e0 = Weight<kLog2>(Isa::Sub(Isa::Load(x + j), s));
-    const Isa::V e1 = Weight<kLog2>(Isa::Sub(Isa::Load(x + j + Isa::kLanes), s));
+    const Isa::V e0 = Weight<kLog2, kBf16>(Isa::Sub(Isa::Load(x + j), s));
+    const Isa::V e1 = Weight<kLog2, kBf16>(Isa::Sub(Isa::Load(x + j + Isa::kLanes), s));
     Isa::Store(x + j, e0);
     Isa::Store(x + j + Isa::kLanes, e1);
     sum = Isa::Add(sum, e0);
@@ -283,13 +306,13 @@ inline float WeightShiftSum(float* x, int64_t n, float shift) {
   }
   sum = Isa::Add(sum, sum1);
   for (; j + Isa::kLanes <= n; j += Isa::kLanes) {
-    const Isa::V e = Weight<kLog2>(Isa::Sub(Isa::Load(x + j), s));
+    const Isa::V e = Weight<kLog2, kBf16>(Isa::Sub(Isa::Load(x + j), s));
     Isa::Store(x + j, e);
     sum = Isa::Add(sum, e);
   }
   if (j < n) {
     const int tail = static_cast<int>(n - j);
-    const Isa::V e = Weight<kLog2>(Isa::Sub(Isa::LoadPartial(x + j, tail, -__builtin_inff()), s));  // weight 0
+    const Isa::V e = Weight<kLog2, kBf16>(Isa::Sub(Isa::LoadPartial(x + j, tail, -__builtin_inff()), s));  // weight 0
     Isa::StorePartial(x + j, e, tail);
     sum = Isa::Add(sum, e);
   }
@@ -311,7 +334,7 @@ inline void ScaleRow(float* x, int64_t n, float factor) {
   for (; j < n; ++j) x[j] *= factor;
 }
 
-template <bool kLog2>
+template <bool kLog2, bool kBf16>
 inline void OnlineSoftmaxIn(int64_t rows, int64_t n, const int64_t* visible, float* s, int64_t lds, float* row_max,
                             float* row_sum, float* factor) {
   // Two passes: every row's new max (held in factor[] until the second pass), then the weights. Row by row, each
@@ -339,7 +362,7 @@ inline void OnlineSoftmaxIn(int64_t rows, int64_t n, const int64_t* visible, flo
     factor[r] = row_max[r] == -__builtin_inff() ? 0.0f
                 : row_max[r] == new_max        ? 1.0f
                                                : ScalarWeight<kLog2>(row_max[r] - new_max);
-    row_sum[r] = row_sum[r] * factor[r] + WeightShiftSum<kLog2>(row, count, new_max);
+    row_sum[r] = row_sum[r] * factor[r] + WeightShiftSum<kLog2, kBf16>(row, count, new_max);
     row_max[r] = new_max;
   }
 }
@@ -382,9 +405,19 @@ inline void SoftmaxIn(int64_t rows, int64_t n, const int64_t* visible, float* s,
 inline void OnlineSoftmax(int64_t rows, int64_t n, const int64_t* visible, float* s, int64_t lds, float* row_max,
                           float* row_sum, float* factor, bool log2) {
   if (log2) {
-    OnlineSoftmaxIn<true>(rows, n, visible, s, lds, row_max, row_sum, factor);
+    OnlineSoftmaxIn<true, false>(rows, n, visible, s, lds, row_max, row_sum, factor);
   } else {
-    OnlineSoftmaxIn<false>(rows, n, visible, s, lds, row_max, row_sum, factor);
+    OnlineSoftmaxIn<false, false>(rows, n, visible, s, lds, row_max, row_sum, factor);
+  }
+}
+
+// OnlineSoftmax with its weights to bf16's precision (ExpBf16), for the bf16 sets.
+inline void OnlineSoftmaxBf16(int64_t rows, int64_t n, const int64_t* visible, float* s, int64_t lds,
+                              float* row_max, float* row_sum, float* factor, bool log2) {
+  if (log2) {
+    OnlineSoftmaxIn<true, true>(rows, n, visible, s, lds, row_max, row_sum, factor);
+  } else {
+    OnlineSoftmaxIn<false, true>(rows, n, visible, s, lds, row_max, row_sum, factor);
   }
 }
 
@@ -469,5 +502,8 @@ extern const TileKernels kKernels = {Isa::kName,
                                      &CopyScaled,
                                      &AddRow,
                                      /*to_bf16=*/nullptr};
+
+// The online softmax of the bf16 sets built on this set's kernels (tile_kernels.cc).
+extern const decltype(TileKernels::online_softmax) kBf16OnlineSoftmax = &OnlineSoftmaxBf16;
 
 #undef MHA_UNROLL
