@@ -402,22 +402,14 @@ inline void SoftmaxIn(int64_t rows, int64_t n, const int64_t* visible, float* s,
   Isa::StreamFence();
 }
 
+// TileKernels::online_softmax; with kBf16, its weights to bf16's precision (ExpBf16), for the bf16 sets.
+template <bool kBf16>
 inline void OnlineSoftmax(int64_t rows, int64_t n, const int64_t* visible, float* s, int64_t lds, float* row_max,
                           float* row_sum, float* factor, bool log2) {
   if (log2) {
-    OnlineSoftmaxIn<true, false>(rows, n, visible, s, lds, row_max, row_sum, factor);
+    OnlineSoftmaxIn<true, kBf16>(rows, n, visible, s, lds, row_max, row_sum, factor);
   } else {
-    OnlineSoftmaxIn<false, false>(rows, n, visible, s, lds, row_max, row_sum, factor);
-  }
-}
-
-// OnlineSoftmax with its weights to bf16's precision (ExpBf16), for the bf16 sets.
-inline void OnlineSoftmaxBf16(int64_t rows, int64_t n, const int64_t* visible, float* s, int64_t lds,
-                              float* row_max, float* row_sum, float* factor, bool log2) {
-  if (log2) {
-    OnlineSoftmaxIn<true, true>(rows, n, visible, s, lds, row_max, row_sum, factor);
-  } else {
-    OnlineSoftmaxIn<false, true>(rows, n, visible, s, lds, row_max, row_sum, factor);
+    OnlineSoftmaxIn<false, kBf16>(rows, n, visible, s, lds, row_max, row_sum, factor);
   }
 }
 
@@ -497,13 +489,13 @@ extern const TileKernels kKernels = {Isa::kName,
                                      &PackValues,
                                      &Scores,
                                      &Values,
-                                     &OnlineSoftmax,
+                                     &OnlineSoftmax</*kBf16=*/false>,
                                      &Softmax,
                                      &CopyScaled,
                                      &AddRow,
                                      /*to_bf16=*/nullptr};
 
 // The online softmax of the bf16 sets built on this set's kernels (tile_kernels.cc).
-extern const decltype(TileKernels::online_softmax) kBf16OnlineSoftmax = &OnlineSoftmaxBf16;
+extern const decltype(TileKernels::online_softmax) kBf16OnlineSoftmax = &OnlineSoftmax</*kBf16=*/true>;
 
 #undef MHA_UNROLL
