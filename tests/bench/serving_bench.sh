@@ -4,7 +4,7 @@
 # and -c 2 while a second mha_server on the same cores computes large calls without pause. Prints one line per
 # run, with the CPU time the server and the load generator spent per call (both share the machine's cores); the
 # FMA probe's peak comes from attention_bench in the same run. Each round also measures the floor of a call:
-# the same 32 concurrent calls on a layer with d_model 64 (T=16: 0.3 MFLOP, next to nothing to compute).
+# the same 32 concurrent calls on a layer with d_model 64 (T=16: 0.6 MFLOP, next to nothing to compute).
 #   tests/bench/serving_bench.sh [ROUNDS]      (default 3; about 20 s a round)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
