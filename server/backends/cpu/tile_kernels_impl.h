@@ -222,65 +222,52 @@ inline float RowMax(const float* x, int64_t n) {
   return Isa::ReduceMax(Isa::Max(Isa::Max(m0, m1), Isa::Max(m2, m3)));
 }
 
-// c[5] f^5 + ... + c[1] f + c[0], by Horner's rule.
-inline Isa::V Degree5(Isa::V f, const float (&c)[6]) {
-  Isa::V p = Isa::Splat(c[5]);
-  MHA_UNROLL for (int k = 4; k >= 0; --k) p = Isa::Fma(p, f, Isa::Splat(c[k]));
+// c[N-1] f^(N-1) + ... + c[1] f + c[0], by Horner's rule.
+template <int N>
+inline Isa::V Horner(Isa::V f, const float (&c)[N]) {
+  Isa::V p = Isa::Splat(c[N - 1]);
+  MHA_UNROLL for (int k = N - 2; k >= 0; --k) p = Isa::Fma(p, f, Isa::Splat(c[k]));
   return p;
 }
 
-// exp(x) for x <= 88 (-inf included): 2^n p(f) with n = round(x log2 e), f = x - n ln 2 (ln 2 in two parts), p a
-// degree-5 polynomial fitted to e^f on [-ln2/2, ln2/2] for relative error: within 2.0e-7 of double exp over
-// [-87, 0]. Below -87.3 (-inf included): 0.
-inline Isa::V Exp(Isa::V x) {
-  static constexpr float kE[6] = {1.000000119e+0f, 9.999997020e-1f, 4.999889433e-1f,
-                                  1.666757464e-1f, 4.191538319e-2f, 8.297654800e-3f};
+// exp(x) for x <= 88 (-inf included): 2^n p(f) with n = round(x log2 e), f = x - n ln 2 (ln 2 in two parts), p the
+// polynomial c fitted to e^f on [-ln2/2, ln2/2] for relative error. Below -87.3 (-inf included): 0.
+template <int N>
+inline Isa::V Exp(Isa::V x, const float (&c)[N]) {
   const Isa::V n = Isa::RoundNearest(Isa::Mul(x, Isa::Splat(1.44269504088896341f)));
   Isa::V f = Isa::Fnmadd(n, Isa::Splat(0.693359375f), x);
   f = Isa::Fnmadd(n, Isa::Splat(-2.12194440e-4f), f);
-  return Isa::Pow2Live(Degree5(f, kE), n, x, -87.33654f);
+  return Isa::Pow2Live(Horner(f, c), n, x, -87.33654f);
 }
 
-// 2^x for x <= 127 (-inf included): 2^n p(f) with n = round(x) and f = x - n (exact), p Exp's polynomial with its
-// coefficients times ln2^k: within 1.8e-7 (relative) of double exp2 over [-125, 0]. Below -126 (-inf included):
-// 0. For scores in log2 units: no multiply by log2 e and one reduction step fewer than Exp.
-inline Isa::V Exp2(Isa::V x) {
-  static constexpr float k2[6] = {1.000000119e+0f, 6.931470037e-1f, 2.402211875e-1f,
-                                  5.550713092e-2f, 9.675541893e-3f, 1.327647129e-3f};
+// 2^x for x <= 127 (-inf included): 2^n p(f) with n = round(x) and f = x - n (exact), p the polynomial c fitted to
+// 2^f on [-1/2, 1/2]. Below -126 (-inf included): 0. For scores in log2 units: no multiply by log2 e and one
+// reduction step fewer than Exp.
+template <int N>
+inline Isa::V Exp2(Isa::V x, const float (&c)[N]) {
   const Isa::V n = Isa::RoundNearest(x);
-  return Isa::Pow2Live(Degree5(Isa::Sub(x, n), k2), n, x, -126.0f);
+  return Isa::Pow2Live(Horner(Isa::Sub(x, n), c), n, x, -126.0f);
 }
 
-// c[3] f^3 + ... + c[0], by Horner's rule.
-inline Isa::V Degree3(Isa::V f, const float (&c)[4]) {
-  return Isa::Fma(Isa::Fma(Isa::Fma(Isa::Splat(c[3]), f, Isa::Splat(c[2])), f, Isa::Splat(c[1])), f,
-                  Isa::Splat(c[0]));
-}
-
-// Exp and Exp2 to bf16's precision, for weights that the bf16 sets round to bf16 (2^-9 relative) before their
-// products: degree-3 polynomials fitted for relative error, within 7.5e-5 of double exp and exp2 over the same
-// ranges; the same reductions and the same zeros below them. The online softmax 15% faster than with Exp2.
-inline Isa::V ExpBf16(Isa::V x) {
-  static constexpr float kE[4] = {9.999280572e-1f, 1.000164151e+0f, 5.049633384e-1f, 1.656685919e-1f};
-  const Isa::V n = Isa::RoundNearest(Isa::Mul(x, Isa::Splat(1.44269504088896341f)));
-  Isa::V f = Isa::Fnmadd(n, Isa::Splat(0.693359375f), x);
-  f = Isa::Fnmadd(n, Isa::Splat(-2.12194440e-4f), f);
-  return Isa::Pow2Live(Degree3(f, kE), n, x, -87.33654f);
-}
-inline Isa::V Exp2Bf16(Isa::V x) {
-  static constexpr float k2[4] = {9.999280572e-1f, 6.932609677e-1f, 2.426111549e-1f, 5.517172441e-2f};
-  const Isa::V n = Isa::RoundNearest(x);
-  return Isa::Pow2Live(Degree3(Isa::Sub(x, n), k2), n, x, -126.0f);
-}
+// Degree 5, for fp32 weights: within 2.0e-7 of double exp over [-87, 0], and (Exp's coefficients times ln2^k)
+// within 1.8e-7 of double exp2 over [-125, 0].
+constexpr float kExpFp32[6] = {1.000000119e+0f, 9.999997020e-1f, 4.999889433e-1f,
+                               1.666757464e-1f, 4.191538319e-2f, 8.297654800e-3f};
+constexpr float kExp2Fp32[6] = {1.000000119e+0f, 6.931470037e-1f, 2.402211875e-1f,
+                                5.550713092e-2f, 9.675541893e-3f, 1.327647129e-3f};
+// Degree 3, for weights that the bf16 sets round to bf16 (2^-9 relative) before their products: within 7.5e-5 of
+// double exp and exp2 over the same ranges; the online softmax 15% faster than with degree 5.
+constexpr float kExpBf16[4] = {9.999280572e-1f, 1.000164151e+0f, 5.049633384e-1f, 1.656685919e-1f};
+constexpr float kExp2Bf16[4] = {9.999280572e-1f, 6.932609677e-1f, 2.426111549e-1f, 5.517172441e-2f};
 
 // The weight of a score x below the row's max: 2^x for scores in log2 units (kLog2), else e^x; to bf16's
 // precision with kBf16.
 template <bool kLog2, bool kBf16 = false>
 inline Isa::V Weight(Isa::V x) {
   if constexpr (kLog2) {
-    return kBf16 ? Exp2Bf16(x) : Exp2(x);
+    return kBf16 ? Exp2(x, kExp2Bf16) : Exp2(x, kExp2Fp32);
   } else {
-    return kBf16 ? ExpBf16(x) : Exp(x);
+    return kBf16 ? Exp(x, kExpBf16) : Exp(x, kExpFp32);
   }
 }
 
@@ -402,7 +389,7 @@ inline void SoftmaxIn(int64_t rows, int64_t n, const int64_t* visible, float* s,
   Isa::StreamFence();
 }
 
-// TileKernels::online_softmax; with kBf16, its weights to bf16's precision (ExpBf16), for the bf16 sets.
+// TileKernels::online_softmax; with kBf16, its weights to bf16's precision (degree-3 exps), for the bf16 sets.
 template <bool kBf16>
 inline void OnlineSoftmax(int64_t rows, int64_t n, const int64_t* visible, float* s, int64_t lds, float* row_max,
                           float* row_sum, float* factor, bool log2) {
