@@ -412,6 +412,11 @@ std::vector<Case> Cases() {
     amx.mask = Mask::kPerBatch;
     amx.weights = weights;
     cases.push_back(WithDtypes(amx, v1::BF16, v1::BF16));
+    // Without the head mask the core writes the heads in bf16 itself (with weights: staged, then rounded).
+    Case heads16 = amx;
+    heads16.name = weights ? "bf16_core_dk32_bf16_heads_weights" : "bf16_core_dk32_bf16_heads_online";
+    heads16.head_mask = false;
+    cases.push_back(WithDtypes(heads16, v1::BF16, v1::BF16));
     // The attention core alone from the wire's bf16 Q, K, V (ScaledDotProductAttention), head_dim 64.
     Case sdpa = Make(weights ? "bf16_core_sdpa_dk64_masks_weights" : "bf16_core_sdpa_dk64_masks_online", 2, 140, 600,
                      0, 0, 4, 2, 64);

@@ -428,10 +428,119 @@ INSTANTIATE_TEST_SUITE_P(Lengths, ToBf16Test,
                            return std::get<0>(info.param) + "_n" + std::to_string(std::get<1>(info.param));
                          });
 
-TEST(TileKernels, Fp32SetsHaveNoBf16Conversion) {
+// bf16 bits of x (x already a bf16 value).
+uint16_t Bf16Bits(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+float FromBf16Bits(uint16_t b) {
+  const uint32_t bits = uint32_t{b} << 16;
+  float x;
+  std::memcpy(&x, &bits, sizeof(x));
+  return x;
+}
+
+// (isa, keys, depth or width): bf16 sources, with row strides wider than the data.
+class Bf16SourceTest : public ::testing::TestWithParam<std::tuple<std::string, int, int>> {
+ protected:
+  // n rows of `width` bf16 values (stride ld) as fp32 and as bf16 bits.
+  static void Rows(int n, int width, int ld, uint32_t seed, std::vector<float>* fp32, std::vector<uint16_t>* bf16) {
+    *fp32 = RandomVector(n * ld, seed);
+    bf16->assign(n * ld, 0);
+    for (int i = 0; i < n * ld; ++i) {
+      (*fp32)[i] = RoundBf16((*fp32)[i]);
+      (*bf16)[i] = Bf16Bits((*fp32)[i]);
+    }
+  }
+};
+
+TEST_P(Bf16SourceTest, PackingKeysFromBf16GivesThePackingOfTheSameValuesInFp32) {
+  const auto& [isa, n, depth] = GetParam();
+  const TileKernels* k = TileKernelsFor(isa.c_str());
+  if (k == nullptr) GTEST_SKIP() << "this CPU does not run " << isa;
+  const int ldk = depth + 2;
+  std::vector<float> keys;
+  std::vector<uint16_t> keys16;
+  Rows(n, depth, ldk, 21, &keys, &keys16);
+  const int floats = (n + k->key_panel - 1) / k->key_panel * k->key_panel * depth / k->elements_per_float;
+  std::vector<float> want(floats + 16, kSentinel), got(floats + 16, kSentinel);
+  k->pack_keys(n, depth, keys.data(), ldk, want.data());
+  k->pack_keys_bf16(n, depth, keys16.data(), ldk, got.data());
+  ASSERT_EQ(0, std::memcmp(want.data(), got.data(), want.size() * sizeof(float)));
+  for (int i = floats; i < floats + 16; ++i) ASSERT_EQ(got[i], kSentinel) << "wrote past the panels at " << i;
+}
+
+TEST_P(Bf16SourceTest, PackingValuesFromBf16GivesThePackingOfTheSameValuesInFp32) {
+  const auto& [isa, n, width] = GetParam();
+  const TileKernels* k = TileKernelsFor(isa.c_str());
+  if (k == nullptr) GTEST_SKIP() << "this CPU does not run " << isa;
+  const int ldv = width + 9;
+  std::vector<float> values;
+  std::vector<uint16_t> values16;
+  Rows(n, width, ldv, 22, &values, &values16);
+  const int panels = width / k->value_panel;
+  const int padded_keys = (n + k->key_multiple - 1) / k->key_multiple * k->key_multiple;
+  const int panel_stride = padded_keys * k->value_panel / k->elements_per_float + 5;
+  std::vector<float> want(panels * panel_stride, kSentinel), got(panels * panel_stride, kSentinel);
+  k->pack_values(n, width, values.data(), ldv, want.data(), panel_stride);
+  k->pack_values_bf16(n, width, values16.data(), ldv, got.data(), panel_stride);
+  ASSERT_EQ(0, std::memcmp(want.data(), got.data(), want.size() * sizeof(float)));  // the gaps' sentinels too
+}
+
+TEST_P(Bf16SourceTest, CopyScaledFromBf16ScalesEveryElementAndWritesNothingElse) {
+  const auto& [isa, rows, cols] = GetParam();
+  const TileKernels* k = TileKernelsFor(isa.c_str());
+  if (k == nullptr) GTEST_SKIP() << "this CPU does not run " << isa;
+  const int lds = cols + 3, ldc = cols + 2;
+  std::vector<float> src;
+  std::vector<uint16_t> src16;
+  Rows(rows, cols, lds, 23, &src, &src16);
+  std::vector<float> copied(rows * ldc, kSentinel);
+  k->copy_scaled_bf16(rows, cols, 0.375f, src16.data(), lds, copied.data(), ldc);
+  for (int r = 0; r < rows; ++r) {
+    for (int c = 0; c < ldc; ++c) {
+      ASSERT_EQ(copied[r * ldc + c], c < cols ? 0.375f * src[r * lds + c] : kSentinel) << r << "," << c;
+    }
+  }
+}
+
+TEST_P(Bf16SourceTest, CopyScaledToBf16RoundsEveryScaledElementAndWritesNothingElse) {
+  const auto& [isa, rows, cols] = GetParam();
+  const TileKernels* k = TileKernelsFor(isa.c_str());
+  if (k == nullptr) GTEST_SKIP() << "this CPU does not run " << isa;
+  const int lds = cols + 3, ldc = cols + 2;
+  const std::vector<float> src = RandomVector(rows * lds, 24, 10.0f);
+  std::vector<uint16_t> copied(rows * ldc, 0xabcd);
+  k->copy_scaled_to_bf16(rows, cols, 0.3f, src.data(), lds, copied.data(), ldc);
+  for (int r = 0; r < rows; ++r) {
+    for (int c = 0; c < ldc; ++c) {
+      if (c >= cols) {
+        ASSERT_EQ(copied[r * ldc + c], 0xabcd) << "wrote past the columns at " << r << "," << c;
+      } else {
+        ASSERT_EQ(FromBf16Bits(copied[r * ldc + c]), RoundBf16(0.3f * src[r * lds + c])) << r << "," << c;
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, Bf16SourceTest,
+                         ::testing::Combine(kBf16Sets, ::testing::Values(1, 17, 32, 33, 130),
+                                            ::testing::Values(32, 64, 128)),
+                         [](const auto& info) {
+                           return std::get<0>(info.param) + "_n" + std::to_string(std::get<1>(info.param)) + "_" +
+                                  std::to_string(std::get<2>(info.param));
+                         });
+
+TEST(TileKernels, Fp32SetsHaveNoBf16Conversions) {
   for (const char* isa : {"avx512", "avx2", "portable"}) {
     if (const TileKernels* k = TileKernelsFor(isa); k != nullptr) {
       EXPECT_EQ(k->to_bf16, nullptr) << isa;
+      EXPECT_EQ(k->pack_keys_bf16, nullptr) << isa;
+      EXPECT_EQ(k->pack_values_bf16, nullptr) << isa;
+      EXPECT_EQ(k->copy_scaled_bf16, nullptr) << isa;
+      EXPECT_EQ(k->copy_scaled_to_bf16, nullptr) << isa;
     }
   }
 }

@@ -9,6 +9,8 @@
 #include <limits>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
+
 namespace mha::cpu {
 namespace {
 
@@ -80,10 +82,10 @@ TileScratch& ThreadTileScratch() {
 // do not run ahead on (docs/PERFORMANCE.md has the measurements).
 class RowPrefetch {
  public:
-  // Rows of `width` floats: `rows` of them from `first`, `stride` floats apart, to be read or (`write`) written.
-  // At most four ranges.
-  void Add(const float* first, int64_t rows, int64_t stride, int64_t width, bool write = false) {
-    ranges_[count_++] = {first, rows, stride, width, write};
+  // Rows of `width` bytes: `rows` of them from `first`, `stride` bytes apart, to be read or (`write`) written. At
+  // most four ranges.
+  void Add(const void* first, int64_t rows, int64_t stride, int64_t width, bool write = false) {
+    ranges_[count_++] = {static_cast<const char*>(first), rows, stride, width, write};
     total_ += rows;
   }
   // Issues the prefetches of the rows up to fraction `part / parts` of all rows (parts > 0).
@@ -93,7 +95,7 @@ class RowPrefetch {
       int64_t row = done_, r = 0;
       while (row >= ranges_[r].rows) row -= ranges_[r++].rows;
       const Range& range = ranges_[r];
-      // Every 64-byte line the row touches, from the one holding its first float to the one holding its last.
+      // Every 64-byte line the row touches, from the one holding its first byte to the one holding its last.
       const uintptr_t begin = reinterpret_cast<uintptr_t>(range.first + row * range.stride) & ~uintptr_t{63};
       const uintptr_t last = reinterpret_cast<uintptr_t>(range.first + row * range.stride + range.width - 1);
       for (uintptr_t line = begin; line <= last; line += 64) {
@@ -108,7 +110,7 @@ class RowPrefetch {
 
  private:
   struct Range {
-    const float* first;
+    const char* first;
     int64_t rows, stride, width;
     bool write;
   };
@@ -126,8 +128,8 @@ struct Item {
 class Worker {
  public:
   Worker(const kernels::TileKernels& tiles, const AttentionShape& s, const AttentionMask& mask, const CorePlan& plan,
-         Packed q, Packed k, Packed v, float* out, int64_t out_stride, float* weights)
-      : tiles_(tiles), s_(s), mask_(mask), plan_(plan), q_(q), k_(k), v_(v), out_(out), out_stride_(out_stride),
+         Packed q, Packed k, Packed v, PackedOut out, float* weights)
+      : tiles_(tiles), s_(s), mask_(mask), plan_(plan), q_(q), k_(k), v_(v), out_(out),
         weights_(weights) {
     // Sized to the problem, not the tile constants, so a short sequence with a huge head_dim stays small.
     TileScratch& t = ThreadTileScratch();
@@ -140,10 +142,9 @@ class Worker {
     queries_ = Grown(t.queries, plan.row_block * dk);
     keys_t_ = Grown(t.keys_t, plan.kt_size);
     values_ = Grown(t.values, plan.v_size);
-    if (weights == nullptr) {
-      scores_ = Grown(t.scores, panel * plan.key_block);
-      acc_ = Grown(t.accumulator, plan.row_block * dk);
-    }
+    if (weights == nullptr) scores_ = Grown(t.scores, panel * plan.key_block);
+    // With weights, the accumulator stages a panel's bf16 output.
+    if (weights == nullptr || out.bf16 != nullptr) acc_ = Grown(t.accumulator, plan.row_block * dk);
   }
 
   Item Locate(int64_t item) const {
@@ -157,12 +158,16 @@ class Worker {
     const Item it = Locate(item);
     const int64_t dk = s_.heads.head_dim, Tq = s_.q_len, Tk = s_.kv_len;
     PackKvHead(it.b, it.h / s_.heads.group_size());
-    tiles_.copy_scaled(it.rows, dk, plan_.q_scale, q_.data + (it.b * Tq + it.i0) * q_.row_stride + it.h * dk,
-                       q_.row_stride, queries_, dk);  // dense and scaled
+    const int64_t q_offset = (it.b * Tq + it.i0) * q_.row_stride + it.h * dk;  // dense and scaled below
+    if (q_.bf16 != nullptr) {
+      tiles_.copy_scaled_bf16(it.rows, dk, plan_.q_scale, q_.bf16 + q_offset, q_.row_stride, queries_, dk);
+    } else {
+      tiles_.copy_scaled(it.rows, dk, plan_.q_scale, q_.data + q_offset, q_.row_stride, queries_, dk);
+    }
     const float* additive = mask_.additive == nullptr ? nullptr
                             : mask_.additive + (mask_.additive_per_batch ? it.b * Tq * Tk : 0) + it.i0 * Tk;
     for (int64_t r = 0; r < it.rows; ++r) visible_[r] = VisibleKeyCount(s_, mask_, it.b, it.i0 + r);
-    float* out = out_ + (it.b * Tq + it.i0) * out_stride_ + it.h * dk;
+    const int64_t out = (it.b * Tq + it.i0) * out_.row_stride + it.h * dk;  // the item's first output element
     if (weights_ == nullptr) {
       OnlineSoftmaxItem(it.rows, additive, out, prefetch);
       return;
@@ -171,7 +176,7 @@ class Worker {
     for (int64_t p0 = 0; p0 < it.rows; p0 += plan_.panel) {
       prefetch.Until(p0 / plan_.panel + 1, panels);
       ExactSoftmaxPanel(it, p0, std::min(plan_.panel, it.rows - p0),
-                        additive == nullptr ? nullptr : additive + p0 * Tk, out + p0 * out_stride_);
+                        additive == nullptr ? nullptr : additive + p0 * Tk, out + p0 * out_.row_stride);
     }
   }
 
@@ -180,18 +185,24 @@ class Worker {
   void PrefetchNext(int64_t item, int64_t next, int64_t ahead, int64_t j, int64_t share, RowPrefetch& prefetch) const {
     if (!plan_.prefetch_next) return;
     const int64_t dk = s_.heads.head_dim, G = s_.heads.group_size(), Tq = s_.q_len, Tk = s_.kv_len;
+    const int64_t in_size = q_.bf16 != nullptr ? 2 : 4;  // bytes per input element
     if (next < plan_.items) {
       const Item n = Locate(next);
-      prefetch.Add(q_.data + (n.b * Tq + n.i0) * q_.row_stride + n.h * dk, n.rows, q_.row_stride, dk);
-      prefetch.Add(out_ + (n.b * Tq + n.i0) * out_stride_ + n.h * dk, n.rows, out_stride_, dk, /*write=*/true);
+      prefetch.Add(Bytes(q_) + ((n.b * Tq + n.i0) * q_.row_stride + n.h * dk) * in_size, n.rows,
+                   q_.row_stride * in_size, dk * in_size);
+      const int64_t out_size = out_.bf16 != nullptr ? 2 : 4;
+      prefetch.Add(Bytes(out_) + ((n.b * Tq + n.i0) * out_.row_stride + n.h * dk) * out_size, n.rows,
+                   out_.row_stride * out_size, dk * out_size, /*write=*/true);
     }
     if (ahead < plan_.items) {
       const Item a = Locate(ahead), cur = Locate(item);
       const int64_t a_kv = a.h / G;
       if (a.b != cur.b || a_kv != cur.h / G) {
         const int64_t k0 = Tk * j / share, k1 = Tk * (j + 1) / share;
-        prefetch.Add(k_.data + (a.b * Tk + k0) * k_.row_stride + a_kv * dk, k1 - k0, k_.row_stride, dk);
-        prefetch.Add(v_.data + (a.b * Tk + k0) * v_.row_stride + a_kv * dk, k1 - k0, v_.row_stride, dk);
+        for (const Packed& x : {k_, v_}) {
+          prefetch.Add(Bytes(x) + ((a.b * Tk + k0) * x.row_stride + a_kv * dk) * in_size, k1 - k0,
+                       x.row_stride * in_size, dk * in_size);
+        }
       }
     }
   }
@@ -204,10 +215,23 @@ class Worker {
     const int64_t id = b * s_.heads.num_kv_heads + kv;
     if (id == packed_kv_) return;
     const int64_t dk = s_.heads.head_dim, Tk = s_.kv_len;
-    tiles_.pack_keys(Tk, dk, k_.data + b * Tk * k_.row_stride + kv * dk, k_.row_stride, keys_t_);
-    tiles_.pack_values(Tk, dk, v_.data + b * Tk * v_.row_stride + kv * dk, v_.row_stride, values_,
-                       plan_.v_panel_stride);
+    const int64_t k_offset = b * Tk * k_.row_stride + kv * dk, v_offset = b * Tk * v_.row_stride + kv * dk;
+    if (k_.bf16 != nullptr) {
+      tiles_.pack_keys_bf16(Tk, dk, k_.bf16 + k_offset, k_.row_stride, keys_t_);
+      tiles_.pack_values_bf16(Tk, dk, v_.bf16 + v_offset, v_.row_stride, values_, plan_.v_panel_stride);
+    } else {
+      tiles_.pack_keys(Tk, dk, k_.data + k_offset, k_.row_stride, keys_t_);
+      tiles_.pack_values(Tk, dk, v_.data + v_offset, v_.row_stride, values_, plan_.v_panel_stride);
+    }
     packed_kv_ = id;
+  }
+
+  // The first byte of a tensor, fp32 or bf16.
+  static const char* Bytes(const Packed& x) {
+    return x.bf16 != nullptr ? reinterpret_cast<const char*>(x.bf16) : reinterpret_cast<const char*>(x.data);
+  }
+  static const char* Bytes(const PackedOut& x) {
+    return x.bf16 != nullptr ? reinterpret_cast<const char*>(x.bf16) : reinterpret_cast<const char*>(x.data);
   }
 
   // Keys at or past the returned count are invisible to every row [p0, p0 + rows) of the item.
@@ -217,7 +241,7 @@ class Worker {
 
   // Rows [p0, p0 + rows) of `it` with weights requested: the exact softmax over whole rows, computed in place in
   // the returned weights [B, H, Tq, Tk], then P V.
-  void ExactSoftmaxPanel(const Item& it, int64_t p0, int64_t rows, const float* additive, float* out) {
+  void ExactSoftmaxPanel(const Item& it, int64_t p0, int64_t rows, const float* additive, int64_t out) {
     const int64_t dk = s_.heads.head_dim, Tq = s_.q_len, Tk = s_.kv_len;
     const int64_t keys = PanelKeys(p0, rows);
     const int64_t* visible = visible_ + p0;
@@ -227,10 +251,20 @@ class Worker {
       for (int64_t r = 0; r < rows; ++r) tiles_.add(visible[r], additive + r * Tk, p + r * Tk);
     }
     tiles_.softmax(rows, Tk, visible, p, Tk, plan_.log2_units);
-    if (keys > 0) {
-      tiles_.values(rows, keys, dk, p, Tk, values_, plan_.v_panel_stride, /*o_scale=*/nullptr, out, out_stride_);
+    const int64_t ldo = out_.row_stride;
+    if (keys == 0) {
+      for (int64_t r = 0; r < rows; ++r) {
+        if (out_.bf16 != nullptr) {
+          std::fill_n(out_.bf16 + out + r * ldo, dk, uint16_t{0});
+        } else {
+          std::fill_n(out_.data + out + r * ldo, dk, 0.0f);
+        }
+      }
+    } else if (out_.bf16 != nullptr) {  // staged in fp32, then rounded
+      tiles_.values(rows, keys, dk, p, Tk, values_, plan_.v_panel_stride, /*o_scale=*/nullptr, acc_, dk);
+      tiles_.copy_scaled_to_bf16(rows, dk, 1.0f, acc_, dk, out_.bf16 + out, ldo);
     } else {
-      for (int64_t r = 0; r < rows; ++r) std::fill_n(out + r * out_stride_, dk, 0.0f);
+      tiles_.values(rows, keys, dk, p, Tk, values_, plan_.v_panel_stride, /*o_scale=*/nullptr, out_.data + out, ldo);
     }
   }
 
@@ -238,8 +272,9 @@ class Worker {
   // and sum per row and the output accumulator rescaled whenever a row's max grows. Key blocks outside, panels
   // inside: a block of packed K^T and V (256 KiB at 512 keys of head_dim 64) stays in L2 for every panel of the item,
   // where a whole head of a long sequence does not (4 MiB at 8192 keys); each panel still sees its blocks in order,
-  // so the result is what a panel at a time would give. `additive` and `out` point at the item's first row.
-  void OnlineSoftmaxItem(int64_t rows, const float* additive, float* out, RowPrefetch& prefetch) {
+  // so the result is what a panel at a time would give. `additive` points at the item's first row, `out` is the
+  // offset of its first output element.
+  void OnlineSoftmaxItem(int64_t rows, const float* additive, int64_t out, RowPrefetch& prefetch) {
     const int64_t dk = s_.heads.head_dim, Tk = s_.kv_len, key_block = plan_.key_block, panel = plan_.panel;
     const int64_t panels = (rows + panel - 1) / panel, keys = PanelKeys(0, rows);
     const int64_t steps = std::max<int64_t>((keys + key_block - 1) / key_block * panels, 1);
@@ -271,13 +306,21 @@ class Worker {
     }
     prefetch.Until(steps, steps);
     for (int64_t r = 0; r < rows; ++r) {
-      float* dst = out + r * out_stride_;
+      const int64_t dst = out + r * out_.row_stride;
       // The sum is at least 1 when any key is visible (its max contributes exp(0)), 0 when none is, and NaN
-      // when a score overflowed: NaN then reaches the output, as in PyTorch.
-      if (row_sum_[r] != 0.0f) {
-        tiles_.copy_scaled(1, dk, 1.0f / row_sum_[r], acc_ + r * dk, dk, dst, dk);
+      // when a score overflowed: NaN then reaches the output, as in PyTorch. Every key masked: zero output, never
+      // NaN.
+      const bool any = row_sum_[r] != 0.0f;
+      if (out_.bf16 == nullptr) {
+        if (any) {
+          tiles_.copy_scaled(1, dk, 1.0f / row_sum_[r], acc_ + r * dk, dk, out_.data + dst, dk);
+        } else {
+          std::fill_n(out_.data + dst, dk, 0.0f);
+        }
+      } else if (any) {
+        tiles_.copy_scaled_to_bf16(1, dk, 1.0f / row_sum_[r], acc_ + r * dk, dk, out_.bf16 + dst, dk);
       } else {
-        std::fill_n(dst, dk, 0.0f);  // every key masked: zero output, never NaN
+        std::fill_n(out_.bf16 + dst, dk, uint16_t{0});
       }
     }
   }
@@ -287,8 +330,7 @@ class Worker {
   const AttentionMask& mask_;
   const CorePlan& plan_;
   const Packed q_, k_, v_;
-  float* const out_;
-  const int64_t out_stride_;
+  const PackedOut out_;
   float* const weights_;
   float *row_max_, *row_sum_, *row_factor_, *queries_, *keys_t_, *values_;
   float* scores_ = nullptr;
@@ -300,14 +342,19 @@ class Worker {
 }  // namespace
 
 absl::Status Attend(const kernels::TileKernels& tiles, const AttentionShape& shape, const AttentionMask& mask,
-                    Packed q, Packed k, Packed v, float* out, int64_t out_stride, float* weights,
-                    const StopSignal* stop) {
+                    Packed q, Packed k, Packed v, PackedOut out, float* weights, const StopSignal* stop) {
+  const bool bf16 = q.bf16 != nullptr;
+  if ((k.bf16 != nullptr) != bf16 || (v.bf16 != nullptr) != bf16 ||
+      ((bf16 || out.bf16 != nullptr) && tiles.elements_per_float != 2)) {
+    return absl::InvalidArgumentError(absl::StrCat("Q, K and V must be all fp32 or all bf16, and bf16 (in or out) "
+                                                   "only for a bf16 tile set (this one: ", tiles.isa, ")"));
+  }
   const CorePlan plan = PlanBlocks(tiles, shape, mask, omp_get_max_threads());
   std::atomic<int64_t> next_run{0};
   std::atomic<bool> stopped{false};
 #pragma omp parallel
   {
-    Worker worker(tiles, shape, mask, plan, q, k, v, out, out_stride, weights);
+    Worker worker(tiles, shape, mask, plan, q, k, v, out, weights);
     // Runs of `plan.run` consecutive items are claimed from a shared counter, as schedule(dynamic) would. A thread
     // claims one run ahead, so that while it computes a run it knows the next one and prefetches its inputs.
     int64_t first = next_run.fetch_add(1) * plan.run, item = first, end = std::min(first + plan.run, plan.items);

@@ -28,18 +28,30 @@ namespace mha::cpu {
 // Query rows per work item.
 inline constexpr int64_t kQueryBlock = 128;
 
-// A head-packed fp32 tensor: batch b, token t, head h starts at data + (b * T + t) * row_stride + h * d_k.
+// A head-packed tensor: batch b, token t, head h starts at element (b * T + t) * row_stride + h * d_k of `data`
+// (fp32), or of `bf16` where that is set instead (for the bf16 tile sets only: their products round every operand
+// to bf16, so bf16 projections and wire tensors are read as they are).
 struct Packed {
   const float* data;
-  int64_t row_stride;
+  int64_t row_stride;  // in elements
+  const uint16_t* bf16 = nullptr;
 };
 
-// Writes attention over q [B, Tq, H, d_k], k and v [B, Tk, Hkv, d_k] into out (head-packed, row stride out_stride)
-// and, when weights is not null, the probabilities into weights [B, H, Tq, Tk]. `stop` (may be null) is polled
-// before each work item; once it says stop, the remaining items are skipped and its status returned.
+// Where Attend writes its output: head-packed as Packed above, fp32 into `data` or bf16 (rounded to nearest even)
+// into `bf16` where that is set instead (bf16 sets only).
+struct PackedOut {
+  float* data;
+  int64_t row_stride;  // in elements
+  uint16_t* bf16 = nullptr;
+};
+
+// Writes attention over q [B, Tq, H, d_k], k and v [B, Tk, Hkv, d_k] into out and, when weights is not null, the
+// probabilities into weights [B, H, Tq, Tk]. `stop` (may be null) is polled
+// before each work item; once it says stop, the remaining items are skipped and its status returned. Q, K and V are
+// either all fp32 or all bf16, and bf16 (inputs or output) only with a bf16 set (tiles.elements_per_float == 2);
+// else INVALID_ARGUMENT.
 absl::Status Attend(const kernels::TileKernels& tiles, const AttentionShape& shape, const AttentionMask& mask,
-                    Packed q, Packed k, Packed v, float* out, int64_t out_stride, float* weights,
-                    const StopSignal* stop);
+                    Packed q, Packed k, Packed v, PackedOut out, float* weights, const StopSignal* stop);
 
 // Scratch a thread keeps for its next call, per buffer: the backend's projections (enough for B T = 4096 tokens
 // of width 4096) and the attention core's packed K and V (Tk = 65536 keys at d_k = 64). Larger buffers are freed

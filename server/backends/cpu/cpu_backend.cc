@@ -64,6 +64,7 @@ class KeptBuffer final : public ConversionSpace {
 // cpu::kKeptCallScratchBytes each): per thread, so that concurrent calls never share them.
 struct CallScratch {
   cpu::ScratchVector<float> projected;  // Q|K|V projections
+  cpu::ScratchVector<uint16_t> projected16;  // the same in bf16, for a bf16 attention core
   cpu::ScratchVector<float> heads;      // concatenated head outputs [B Tq, H d_k]
   cpu::ScratchVector<uint16_t> heads16;  // the same in bf16, for the bf16 output projection
   // fp32 copies of 16-bit (or unaligned) inputs and fp32 room for 16-bit outputs.
@@ -84,6 +85,7 @@ class ScratchTrim {
   explicit ScratchTrim(CallScratch& scratch) : scratch_(scratch) {}
   ~ScratchTrim() {
     cpu::ReleaseIfLarge(scratch_.projected, cpu::kKeptCallScratchBytes);
+    cpu::ReleaseIfLarge(scratch_.projected16, cpu::kKeptCallScratchBytes);
     cpu::ReleaseIfLarge(scratch_.heads, cpu::kKeptCallScratchBytes);
     cpu::ReleaseIfLarge(scratch_.heads16, cpu::kKeptCallScratchBytes);
     for (KeptBuffer& buffer : scratch_.inputs) buffer.ReleaseIfLarge(kKeptConversionBytes);
@@ -241,19 +243,32 @@ absl::Status CpuBackend::ScaledDotProductAttention(const SdpaArgs& a) {
   const int64_t q_count = s.batch * s.q_len * h.q_width(), kv_count = s.batch * s.kv_len * h.kv_width();
   CallScratch& scratch = ThreadScratch();
   const ScratchTrim trim(scratch);
-  const FloatInput q(a.q, q_count, &scratch.inputs[0]);
-  const FloatInput k(a.k, kv_count, &scratch.inputs[1]);
-  const FloatInput v(a.v, kv_count, &scratch.inputs[2]);
-  FloatOutput out(a.out, q_count, &scratch.output);
-  FloatOutput weights(a.weights, s.batch * h.num_heads * s.q_len * s.kv_len, &scratch.weights);
-  // Q, K and V all bf16: they are exact in bf16, so the bf16 set multiplies them as sent (ComputeDtype).
+  // Q, K and V all bf16: they are exact in bf16, so the bf16 set multiplies them as sent (ComputeDtype), and reads
+  // them in place where each is 2-byte aligned (no fp32 copy twice their size).
   AttentionProblem problem;
   problem.shape = s;
   problem.input_dtype = a.q.dtype;
   const bool bf16 = ComputeDtype(problem) == v1::BF16 && a.k.dtype == v1::BF16 && a.v.dtype == v1::BF16;
-  absl::Status status =
-      cpu::Attend(KernelsFor(h.head_dim, bf16), s, a.mask, {q.data(), h.q_width()}, {k.data(), h.kv_width()},
-                  {v.data(), h.kv_width()}, out.data(), h.q_width(), weights.data(), stop);
+  const kernels::TileKernels& tiles = KernelsFor(h.head_dim, bf16);
+  const auto aligned16 = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % alignof(uint16_t) == 0; };
+  const bool in_place = bf16 && tiles.elements_per_float == 2 && aligned16(a.q.data) && aligned16(a.k.data) &&
+                        aligned16(a.v.data);
+  const FloatInput q(in_place ? ConstTensor{} : a.q, q_count, &scratch.inputs[0]);
+  const FloatInput k(in_place ? ConstTensor{} : a.k, kv_count, &scratch.inputs[1]);
+  const FloatInput v(in_place ? ConstTensor{} : a.v, kv_count, &scratch.inputs[2]);
+  // A bf16 output the same way.
+  const bool out_in_place = in_place && a.out.dtype == v1::BF16 && aligned16(a.out.data);
+  FloatOutput out(out_in_place ? MutableTensor{} : a.out, q_count, &scratch.output);
+  FloatOutput weights(a.weights, s.batch * h.num_heads * s.q_len * s.kv_len, &scratch.weights);
+  const auto packed = [&](const FloatInput& fp32, const ConstTensor& wire, int64_t stride) {
+    return in_place ? cpu::Packed{nullptr, stride, static_cast<const uint16_t*>(wire.data)}
+                    : cpu::Packed{fp32.data(), stride};
+  };
+  const cpu::PackedOut packed_out = out_in_place
+                                        ? cpu::PackedOut{nullptr, h.q_width(), static_cast<uint16_t*>(a.out.data)}
+                                        : cpu::PackedOut{out.data(), h.q_width()};
+  absl::Status status = cpu::Attend(tiles, s, a.mask, packed(q, a.q, h.q_width()), packed(k, a.k, h.kv_width()),
+                                    packed(v, a.v, h.kv_width()), packed_out, weights.data(), stop);
   if (!status.ok()) return status;
   out.Finish();
   weights.Finish();
@@ -293,49 +308,69 @@ absl::Status CpuBackend::MultiHeadAttention(const MhaArgs& a) {
   const float* value_data = a.kv_source == KvSource::kKeyValue ? value : key_data;
   const void* key_bytes = a.kv_source == KvSource::kQuery ? a.query.data : a.key.data;
   const void* value_bytes = a.kv_source == KvSource::kKeyValue ? a.value.data : key_bytes;
-  // y = x W + b on the path this call takes; x is fp32 (sgemm) or the wire's bf16 bytes.
+  // Where a bf16 tile set takes this head_dim, the bf16 projections write Q, K and V in bf16 and the attention core
+  // reads them so: its products round them to bf16 anyway, and half the bytes go to memory and back.
+  const kernels::TileKernels& tiles = KernelsFor(h.head_dim, bf16);
+  const bool bf16_qkv = bf16 && tiles.elements_per_float == 2;
+  // y = x W + b on the path this call takes; x is fp32 (sgemm) or the wire's bf16 bytes, y is fp32, or bf16 with
+  // bf16_qkv. Offsets and strides are in elements.
+  const int64_t qkv_count = a.kv_source == KvSource::kQuery && w.fused_qkv
+                                ? q_rows * (q_width + 2 * kv_width)
+                                : q_rows * q_width + 2 * kv_rows * kv_width;
+  float* projected = bf16_qkv ? nullptr : cpu::Grown(scratch.projected, qkv_count);
+  uint16_t* projected16 = bf16_qkv ? cpu::Grown(scratch.projected16, qkv_count) : nullptr;
   const auto project = [&](const float* x, const void* x16, int64_t rows, int64_t in, const float* wm, int64_t ld,
-                           const float* b, int64_t n, float* y, int64_t ldy) {
-    if (bf16) {
-      return cpu::MatmulBf16(x16, rows, in, in, {wm, ld, w.resident_id}, b, n, y, cpu::MatmulOut::kF32, ldy, stop);
+                           const float* b, int64_t n, int64_t y_offset, int64_t ldy) {
+    if (bf16_qkv) {
+      return cpu::MatmulBf16(x16, rows, in, in, {wm, ld, w.resident_id}, b, n, projected16 + y_offset,
+                             cpu::MatmulOut::kBF16, ldy, stop);
     }
-    return Linear(x, rows, in, in, wm, ld, b, n, y, ldy, stop);
+    if (bf16) {
+      return cpu::MatmulBf16(x16, rows, in, in, {wm, ld, w.resident_id}, b, n, projected + y_offset,
+                             cpu::MatmulOut::kF32, ldy, stop);
+    }
+    return Linear(x, rows, in, in, wm, ld, b, n, projected + y_offset, ldy, stop);
+  };
+  // Q, K or V at `offset` elements of the projections, `stride` elements per row.
+  const auto packed = [&](int64_t offset, int64_t stride) {
+    return bf16_qkv ? cpu::Packed{nullptr, stride, projected16 + offset} : cpu::Packed{projected + offset, stride};
   };
 
   cpu::Packed q, k, v;
   if (a.kv_source == KvSource::kQuery && w.fused_qkv) {
     // One product projects Q|K|V; each is then read in place through the row stride of the fused output.
     const int64_t width = q_width + 2 * kv_width;
-    float* projected = cpu::Grown(scratch.projected, q_rows * width);
-    absl::Status status =
-        project(query, a.query.data, q_rows, s.d_model, w.w_q, w.ld_q, w.b_q, width, projected, width);
+    absl::Status status = project(query, a.query.data, q_rows, s.d_model, w.w_q, w.ld_q, w.b_q, width, 0, width);
     if (!status.ok()) return status;
-    q = {projected, width};
-    k = {projected + q_width, width};
-    v = {projected + q_width + kv_width, width};
+    q = packed(0, width);
+    k = packed(q_width, width);
+    v = packed(q_width + kv_width, width);
   } else {
-    float* qp = cpu::Grown(scratch.projected, q_rows * q_width + 2 * kv_rows * kv_width);
-    float* kp = qp + q_rows * q_width;
-    float* vp = kp + kv_rows * kv_width;
+    const int64_t k_offset = q_rows * q_width, v_offset = k_offset + kv_rows * kv_width;
     absl::Status status =
-        project(query, a.query.data, q_rows, s.d_model, w.w_q, w.ld_q, w.b_q, q_width, qp, q_width);
+        project(query, a.query.data, q_rows, s.d_model, w.w_q, w.ld_q, w.b_q, q_width, 0, q_width);
     if (status.ok()) {
-      status = project(key_data, key_bytes, kv_rows, s.d_kv_in, w.w_k, w.ld_k, w.b_k, kv_width, kp, kv_width);
+      status = project(key_data, key_bytes, kv_rows, s.d_kv_in, w.w_k, w.ld_k, w.b_k, kv_width, k_offset, kv_width);
     }
     if (status.ok()) {
-      status = project(value_data, value_bytes, kv_rows, s.d_v_in, w.w_v, w.ld_v, w.b_v, kv_width, vp, kv_width);
+      status =
+          project(value_data, value_bytes, kv_rows, s.d_v_in, w.w_v, w.ld_v, w.b_v, kv_width, v_offset, kv_width);
     }
     if (!status.ok()) return status;
-    q = {qp, q_width};
-    k = {kp, kv_width};
-    v = {vp, kv_width};
+    q = packed(0, q_width);
+    k = packed(k_offset, kv_width);
+    v = packed(v_offset, kv_width);
   }
 
   FloatOutput weights(a.attention_weights, s.batch * h.num_heads * s.q_len * s.kv_len, &scratch.weights);
-  float* heads = cpu::Grown(scratch.heads, q_rows * q_width);
-  if (absl::Status status = cpu::Attend(KernelsFor(h.head_dim, bf16), s, a.mask, q, k, v, heads, q_width,
-                                        weights.data(), stop);
-      !status.ok()) {
+  // The heads in fp32, or straight in bf16 for the bf16 output product where the core runs on a bf16 set and no
+  // head mask scales them first.
+  const bool heads_bf16 = bf16_qkv && a.head_mask.empty();
+  float* heads = heads_bf16 ? nullptr : cpu::Grown(scratch.heads, q_rows * q_width);
+  uint16_t* heads16 = bf16 ? cpu::Grown(scratch.heads16, q_rows * q_width) : nullptr;
+  const cpu::PackedOut heads_out =
+      heads_bf16 ? cpu::PackedOut{nullptr, q_width, heads16} : cpu::PackedOut{heads, q_width};
+  if (absl::Status status = cpu::Attend(tiles, s, a.mask, q, k, v, heads_out, weights.data(), stop); !status.ok()) {
     return status;
   }
   weights.Finish();
@@ -350,20 +385,21 @@ absl::Status CpuBackend::MultiHeadAttention(const MhaArgs& a) {
     }
   }
   if (bf16) {
-    // The heads in bf16, then the output product writes a bf16 output in place, or fp32 (converted after for
-    // fp16).
-    uint16_t* heads16 = cpu::Grown(scratch.heads16, q_rows * q_width);
+    // The heads in bf16 (unless the core wrote them so), then the output product writes a bf16 output in place, or
+    // fp32 (converted after for fp16).
     // On the call's threads, with AVX512-BF16's conversion where the CPU has it: one thread's scalar conversion was
     // 6% of a large bf16 call's profile.
     constexpr int64_t kChunkRows = 64;
     const auto to_bf16 = bf16_tiles_ != nullptr ? bf16_tiles_->to_bf16 : nullptr;
+    if (!heads_bf16) {
 #pragma omp parallel for schedule(static)
-    for (int64_t r0 = 0; r0 < q_rows; r0 += kChunkRows) {
-      const int64_t n = std::min(kChunkRows, q_rows - r0) * q_width;
-      if (to_bf16 != nullptr) {
-        to_bf16(n, heads + r0 * q_width, heads16 + r0 * q_width);
-      } else {
-        EncodeFromFloat(v1::BF16, heads + r0 * q_width, n, heads16 + r0 * q_width);
+      for (int64_t r0 = 0; r0 < q_rows; r0 += kChunkRows) {
+        const int64_t n = std::min(kChunkRows, q_rows - r0) * q_width;
+        if (to_bf16 != nullptr) {
+          to_bf16(n, heads + r0 * q_width, heads16 + r0 * q_width);
+        } else {
+          EncodeFromFloat(v1::BF16, heads + r0 * q_width, n, heads16 + r0 * q_width);
+        }
       }
     }
     const cpu::Bf16Weights w_o{w.w_o, s.d_model, w.resident_id};

@@ -82,6 +82,17 @@ struct TileKernels {
   // dst[j] = src[j] rounded to bf16 (to nearest even; NaN stays NaN, subnormals become zero) for j < n; null in the
   // sets without bf16 instructions (the bf16 sets have it).
   void (*to_bf16)(int64_t n, const float* src, uint16_t* dst);
+
+  // pack_keys, pack_values and copy_scaled from bf16 sources (strides in elements): a bf16 request's projections
+  // and wire tensors, read as they are instead of through an fp32 copy twice their size. Null in the fp32 sets.
+  void (*pack_keys_bf16)(int64_t n, int64_t depth, const uint16_t* k, int64_t ldk, float* kt);
+  void (*pack_values_bf16)(int64_t n, int64_t width, const uint16_t* v, int64_t ldv, float* vp, int64_t panel_stride);
+  void (*copy_scaled_bf16)(int64_t rows, int64_t cols, float scale, const uint16_t* src, int64_t lds, float* dst,
+                           int64_t ldd);
+  // copy_scaled into bf16 (rounded as to_bf16 rounds): the attention core's output for a bf16 consumer. Null in the
+  // fp32 sets.
+  void (*copy_scaled_to_bf16)(int64_t rows, int64_t cols, float scale, const float* src, int64_t lds, uint16_t* dst,
+                              int64_t ldd);
 };
 
 // The kernels for `isa` ("amx", "avx512bf16", "avx512", "avx2", "portable") if this CPU runs them, else nullptr.

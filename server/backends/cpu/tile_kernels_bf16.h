@@ -70,6 +70,10 @@ void ToBf16(const float* src, int64_t n, int64_t padded, float scale, uint16_t* 
   }
 }
 
+// GCC 12 reports the self-initialised placeholder of the unpack and shuffle intrinsics (_mm512_undefined_epi32) as
+// an uninitialised read here since PackKeys became a template over its source type; every result lane is defined.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
 // Transposes 16 rows of 16 dwords in place: rows[r] lane c becomes rows[c] lane r.
 void Transpose16x16(__m512i rows[16]) {
   __m512i t[16], u[16];
@@ -95,8 +99,17 @@ void Transpose16x16(__m512i rows[16]) {
     rows[12 + k] = _mm512_shuffle_i32x4(odd_a, odd_b, 0xdd);    // column 12 + k
   }
 }
+#pragma GCC diagnostic pop
 
-void PackKeys(int64_t n, int64_t depth, const float* k, int64_t ldk, float* kt_floats) {
+// 32 consecutive elements of a row as bf16 (a depth chunk of one key): rounded from fp32, or as they are.
+__m512i Chunk32(const float* src) {
+  return reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + 16), _mm512_loadu_ps(src)));
+}
+__m512i Chunk32(const uint16_t* src) { return _mm512_loadu_si512(src); }
+
+// PackKeys from fp32 or bf16 keys (T).
+template <typename T>
+void PackKeysFrom(int64_t n, int64_t depth, const T* k, int64_t ldk, float* kt_floats) {
   uint32_t* kt = reinterpret_cast<uint32_t*>(kt_floats);  // one bf16 pair per element
   const int64_t panels = (n + kKeyPanel - 1) / kKeyPanel, chunks = depth / 32;
   __m512i rows[16];
@@ -109,8 +122,7 @@ void PackKeys(int64_t n, int64_t depth, const float* k, int64_t ldk, float* kt_f
         for (int64_t x = 0; x < 16; ++x) {
           const int64_t key = p * kKeyPanel + half * 16 + x;
           if (key < n) {
-            const float* src = k + key * ldk + 32 * c;
-            rows[x] = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + 16), _mm512_loadu_ps(src)));
+            rows[x] = Chunk32(k + key * ldk + 32 * c);
           } else {
             rows[x] = _mm512_setzero_si512();
           }
@@ -121,6 +133,13 @@ void PackKeys(int64_t n, int64_t depth, const float* k, int64_t ldk, float* kt_f
       }
     }
   }
+}
+
+void PackKeys(int64_t n, int64_t depth, const float* k, int64_t ldk, float* kt) {
+  PackKeysFrom(n, depth, k, ldk, kt);
+}
+void PackKeysBf16(int64_t n, int64_t depth, const uint16_t* k, int64_t ldk, float* kt) {
+  PackKeysFrom(n, depth, k, ldk, kt);
 }
 
 void ToBf16Array(int64_t n, const float* src, uint16_t* dst) {
@@ -138,7 +157,22 @@ void ToBf16Array(int64_t n, const float* src, uint16_t* dst) {
   }
 }
 
-void PackValues(int64_t n, int64_t width, const float* v, int64_t ldv, float* vp_floats, int64_t panel_stride) {
+// Columns [0, 16) of two rows (those of `cols`; a null row gives zeros) as bf16, the even row in lanes 0-15 and the
+// odd one in 16-31: rounded from fp32, or as they are.
+__m512i RowPair(const float* even, const float* odd, __mmask16 cols) {
+  const __m512 e = even != nullptr ? _mm512_maskz_loadu_ps(cols, even) : _mm512_setzero_ps();
+  const __m512 o = odd != nullptr ? _mm512_maskz_loadu_ps(cols, odd) : _mm512_setzero_ps();
+  return reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(o, e));
+}
+__m512i RowPair(const uint16_t* even, const uint16_t* odd, __mmask16 cols) {
+  const __m512i e = even != nullptr ? _mm512_maskz_loadu_epi16(cols, even) : _mm512_setzero_si512();
+  const __m512i o = odd != nullptr ? _mm512_maskz_loadu_epi16(cols, odd) : _mm512_setzero_si512();
+  return _mm512_inserti64x4(e, _mm512_castsi512_si256(o), 1);
+}
+
+// PackValues from fp32 or bf16 values (T).
+template <typename T>
+void PackValuesFrom(int64_t n, int64_t width, const T* v, int64_t ldv, float* vp_floats, int64_t panel_stride) {
   uint16_t* vp = reinterpret_cast<uint16_t*>(vp_floats);
   const int64_t pairs = (n + kKeyPanel - 1) / kKeyPanel * kKeyPanel / 2;
   // Interleaves the 16 bf16 of one row (lanes 0-15) with those of the next (lanes 16-31).
@@ -150,10 +184,43 @@ void PackValues(int64_t n, int64_t width, const float* v, int64_t ldv, float* vp
     const __mmask16 cols = Mask(width - w);
     for (int64_t j = 0; j < pairs; ++j) {
       const int64_t r0 = 2 * j, r1 = 2 * j + 1;
-      const __m512 even = r0 < n ? _mm512_maskz_loadu_ps(cols, v + r0 * ldv + w) : _mm512_setzero_ps();
-      const __m512 odd = r1 < n ? _mm512_maskz_loadu_ps(cols, v + r1 * ldv + w) : _mm512_setzero_ps();
-      const __m512i both = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(odd, even));
+      const __m512i both = RowPair(r0 < n ? v + r0 * ldv + w : nullptr, r1 < n ? v + r1 * ldv + w : nullptr, cols);
       _mm512_storeu_si512(panel + j * 32, _mm512_permutexvar_epi16(interleave, both));
+    }
+  }
+}
+
+void PackValues(int64_t n, int64_t width, const float* v, int64_t ldv, float* vp, int64_t panel_stride) {
+  PackValuesFrom(n, width, v, ldv, vp, panel_stride);
+}
+void PackValuesBf16(int64_t n, int64_t width, const uint16_t* v, int64_t ldv, float* vp, int64_t panel_stride) {
+  PackValuesFrom(n, width, v, ldv, vp, panel_stride);
+}
+
+// dst[r, c] = bf16(scale * src[r, c]).
+void CopyScaledToBf16(int64_t rows, int64_t cols, float scale, const float* src, int64_t lds, uint16_t* dst,
+                      int64_t ldd) {
+  const __m512 f = _mm512_set1_ps(scale);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < cols; c += 32) {
+      const __m512 lo = _mm512_mul_ps(f, _mm512_maskz_loadu_ps(Mask(cols - c), src + r * lds + c));
+      const __m512 hi = _mm512_mul_ps(f, _mm512_maskz_loadu_ps(Mask(cols - c - 16), src + r * lds + c + 16));
+      const __mmask32 m = cols - c >= 32 ? ~__mmask32{0} : static_cast<__mmask32>((uint32_t{1} << (cols - c)) - 1);
+      _mm512_mask_storeu_epi16(dst + r * ldd + c, m, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
+    }
+  }
+}
+
+// dst[r, c] = scale * src[r, c] from bf16 src (a bf16 is the top half of its fp32).
+void CopyScaledBf16(int64_t rows, int64_t cols, float scale, const uint16_t* src, int64_t lds, float* dst,
+                    int64_t ldd) {
+  const __m512 f = _mm512_set1_ps(scale);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < cols; c += 16) {
+      const __mmask16 m = Mask(cols - c);
+      const __m256i h = _mm512_castsi512_si256(_mm512_maskz_loadu_epi16(m, src + r * lds + c));
+      const __m512 x = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+      _mm512_mask_storeu_ps(dst + r * ldd + c, m, _mm512_mul_ps(f, x));
     }
   }
 }
@@ -176,5 +243,9 @@ TileKernels Bf16Kernels(const TileKernels& avx512, const char* isa, int panel_ro
   k.scores = scores;
   k.values = values;
   k.to_bf16 = ToBf16Array;
+  k.pack_keys_bf16 = PackKeysBf16;
+  k.pack_values_bf16 = PackValuesBf16;
+  k.copy_scaled_bf16 = CopyScaledBf16;
+  k.copy_scaled_to_bf16 = CopyScaledToBf16;
   return k;
 }

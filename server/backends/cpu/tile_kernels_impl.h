@@ -480,7 +480,11 @@ extern const TileKernels kKernels = {Isa::kName,
                                      &Softmax,
                                      &CopyScaled,
                                      &AddRow,
-                                     /*to_bf16=*/nullptr};
+                                     /*to_bf16=*/nullptr,
+                                     /*pack_keys_bf16=*/nullptr,
+                                     /*pack_values_bf16=*/nullptr,
+                                     /*copy_scaled_bf16=*/nullptr,
+                                     /*copy_scaled_to_bf16=*/nullptr};
 
 // The online softmax of the bf16 sets built on this set's kernels (tile_kernels.cc).
 extern const decltype(TileKernels::online_softmax) kBf16OnlineSoftmax = &OnlineSoftmax</*kBf16=*/true>;
