@@ -349,7 +349,10 @@ absl::Status Attend(const kernels::TileKernels& tiles, const AttentionShape& sha
     return absl::InvalidArgumentError(absl::StrCat("Q, K and V must be all fp32 or all bf16, and bf16 (in or out) "
                                                    "only for a bf16 tile set (this one: ", tiles.isa, ")"));
   }
-  const CorePlan plan = PlanBlocks(tiles, shape, mask, omp_get_max_threads());
+  CorePlan plan = PlanBlocks(tiles, shape, mask, omp_get_max_threads());
+  // bf16 inputs are half the bytes, and prefetching them costs more than it saves: on Sapphire Rapids (amx set) the
+  // bf16 layer at (32,64) ran 1.12x, (8,128) 1.05x and (8,512) 1.03x faster without, the long rows level.
+  if (bf16) plan.prefetch_next = false;
   std::atomic<int64_t> next_run{0};
   std::atomic<bool> stopped{false};
 #pragma omp parallel
