@@ -3,6 +3,8 @@
 #include "server/backends/cpu/cpu_backend.h"
 
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -84,30 +86,41 @@ TEST(CpuBackend, AutoTakesAmxForBf16CallsElseAvx512Bf16) {
 }
 
 // Runs a bf16 ScaledDotProductAttention call of 2 x 80 queries against 300 keys, 4 heads of `head_dim` sharing 2
-// KV heads, bottom-right causal; returns its output decoded.
-std::vector<float> RunBf16Sdpa(Backend& backend, int64_t head_dim) {
+// KV heads, bottom-right causal, its output in `out_dtype`; returns the output decoded. With `odd_addresses`, q, k,
+// v and the output lie one byte past a 2-byte boundary (not bf16-aligned).
+std::vector<float> RunBf16Sdpa(Backend& backend, int64_t head_dim, v1::DataType out_dtype = v1::FP32,
+                               bool odd_addresses = false) {
   AttentionShape s;
   s.batch = 2;
   s.q_len = 80;
   s.kv_len = 300;
   s.heads = {4, 2, head_dim, true, 1.0f / std::sqrt(static_cast<float>(head_dim))};
-  const auto bf16 = [](const std::vector<float>& x) {
+  const int64_t q_count = s.batch * s.q_len * s.heads.q_width(), kv_count = s.batch * s.kv_len * s.heads.kv_width();
+  const int64_t offset = odd_addresses ? 1 : 0;
+  // Each tensor's bytes at `offset` of its own buffer (of uint32_t, so that the buffer itself is aligned).
+  const auto bf16 = [&](const std::vector<float>& x) {
+    std::vector<uint32_t> buffer(x.size() / 2 + 2);
     std::vector<uint16_t> y(x.size());
     EncodeFromFloat(v1::BF16, x.data(), x.size(), y.data());
-    return y;
+    std::memcpy(reinterpret_cast<char*>(buffer.data()) + offset, y.data(), y.size() * sizeof(uint16_t));
+    return buffer;
   };
-  const std::vector<uint16_t> q = bf16(testing::RandomVector(s.batch * s.q_len * s.heads.q_width(), 1));
-  const std::vector<uint16_t> k = bf16(testing::RandomVector(s.batch * s.kv_len * s.heads.kv_width(), 2));
-  const std::vector<uint16_t> v = bf16(testing::RandomVector(s.batch * s.kv_len * s.heads.kv_width(), 3));
-  std::vector<float> out(q.size());
+  const std::vector<uint32_t> q = bf16(testing::RandomVector(q_count, 1));
+  const std::vector<uint32_t> k = bf16(testing::RandomVector(kv_count, 2));
+  const std::vector<uint32_t> v = bf16(testing::RandomVector(kv_count, 3));
+  const int64_t out_size = out_dtype == v1::FP32 ? 4 : 2;
+  std::vector<uint32_t> out(q_count * out_size / 4 + 2);
+  const auto at = [&](const std::vector<uint32_t>& x) { return reinterpret_cast<const char*>(x.data()) + offset; };
   SdpaArgs a;
   a.shape = s;
-  a.q = {q.data(), v1::BF16};
-  a.k = {k.data(), v1::BF16};
-  a.v = {v.data(), v1::BF16};
-  a.out = {out.data(), v1::FP32};
+  a.q = {at(q), v1::BF16};
+  a.k = {at(k), v1::BF16};
+  a.v = {at(v), v1::BF16};
+  a.out = {reinterpret_cast<char*>(out.data()) + offset, out_dtype};
   EXPECT_TRUE(backend.ScaledDotProductAttention(a).ok());
-  return out;
+  std::vector<float> decoded(q_count);
+  DecodeToFloat(out_dtype, a.out.data, q_count, decoded.data());
+  return decoded;
 }
 
 TEST_P(Bf16TilesTest, AttentionCoreCallsMultiplyInBf16) {
@@ -125,6 +138,22 @@ TEST_P(Bf16TilesTest, AttentionCoreCallsMultiplyInBf16) {
   EXPECT_TRUE(testing::AllClose(in_bf16, in_fp32, 3e-2, 3e-2));
   // A head_dim the bf16 sets do not take runs the fp32 core.
   EXPECT_EQ(RunBf16Sdpa(**bf16, 40), RunBf16Sdpa(**fp32, 40));
+}
+
+// The bf16 set reads bf16 Q, K, V and writes a bf16 output in place where they are 2-byte aligned, else through fp32
+// copies: either way the same operands meet the same roundings, so the results are bit-identical.
+TEST_P(Bf16TilesTest, UnalignedBf16TensorsGiveTheAlignedResult) {
+  const std::string& isa = GetParam();
+  if (kernels::TileKernelsFor(isa.c_str()) == nullptr || cpu::NativeBf16Matmul().empty()) {
+    GTEST_SKIP() << "this CPU (or its kernel) does not run " << isa << " with bf16 projections";
+  }
+  absl::StatusOr<std::unique_ptr<CpuBackend>> cpu = CpuBackend::Create(isa);
+  ASSERT_TRUE(cpu.ok()) << cpu.status();
+  for (v1::DataType out : {v1::BF16, v1::FP32}) {
+    const std::vector<float> aligned = RunBf16Sdpa(**cpu, 64, out, /*odd_addresses=*/false);
+    const std::vector<float> odd = RunBf16Sdpa(**cpu, 64, out, /*odd_addresses=*/true);
+    EXPECT_EQ(aligned, odd) << v1::DataType_Name(out);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Sets, Bf16TilesTest, ::testing::Values("amx", "avx512bf16"),
