@@ -82,10 +82,10 @@ TileScratch& ThreadTileScratch() {
 // do not run ahead on (docs/PERFORMANCE.md has the measurements).
 class RowPrefetch {
  public:
-  // Rows of `width` bytes: `rows` of them from `first`, `stride` bytes apart, to be read or (`write`) written. At
-  // most four ranges.
-  void Add(const void* first, int64_t rows, int64_t stride, int64_t width, bool write = false) {
-    ranges_[count_++] = {static_cast<const char*>(first), rows, stride, width, write};
+  // Rows of `width` floats: `rows` of them from `first`, `stride` floats apart, to be read or (`write`) written.
+  // At most four ranges.
+  void Add(const float* first, int64_t rows, int64_t stride, int64_t width, bool write = false) {
+    ranges_[count_++] = {first, rows, stride, width, write};
     total_ += rows;
   }
   // Issues the prefetches of the rows up to fraction `part / parts` of all rows (parts > 0).
@@ -95,7 +95,7 @@ class RowPrefetch {
       int64_t row = done_, r = 0;
       while (row >= ranges_[r].rows) row -= ranges_[r++].rows;
       const Range& range = ranges_[r];
-      // Every 64-byte line the row touches, from the one holding its first byte to the one holding its last.
+      // Every 64-byte line the row touches, from the one holding its first float to the one holding its last.
       const uintptr_t begin = reinterpret_cast<uintptr_t>(range.first + row * range.stride) & ~uintptr_t{63};
       const uintptr_t last = reinterpret_cast<uintptr_t>(range.first + row * range.stride + range.width - 1);
       for (uintptr_t line = begin; line <= last; line += 64) {
@@ -110,7 +110,7 @@ class RowPrefetch {
 
  private:
   struct Range {
-    const char* first;
+    const float* first;
     int64_t rows, stride, width;
     bool write;
   };
@@ -181,28 +181,24 @@ class Worker {
   }
 
   // Adds to `prefetch` the next item's queries and output rows, and this item's share (index j of `share` items in
-  // the current run) of the next run's K and V when that run starts a new KV head.
+  // the current run) of the next run's K and V when that run starts a new KV head. fp32 inputs and output only
+  // (Attend turns prefetching off for bf16 ones).
   void PrefetchNext(int64_t item, int64_t next, int64_t ahead, int64_t j, int64_t share, RowPrefetch& prefetch) const {
     if (!plan_.prefetch_next) return;
     const int64_t dk = s_.heads.head_dim, G = s_.heads.group_size(), Tq = s_.q_len, Tk = s_.kv_len;
-    const int64_t in_size = q_.bf16 != nullptr ? 2 : 4;  // bytes per input element
     if (next < plan_.items) {
       const Item n = Locate(next);
-      prefetch.Add(Bytes(q_) + ((n.b * Tq + n.i0) * q_.row_stride + n.h * dk) * in_size, n.rows,
-                   q_.row_stride * in_size, dk * in_size);
-      const int64_t out_size = out_.bf16 != nullptr ? 2 : 4;
-      prefetch.Add(Bytes(out_) + ((n.b * Tq + n.i0) * out_.row_stride + n.h * dk) * out_size, n.rows,
-                   out_.row_stride * out_size, dk * out_size, /*write=*/true);
+      prefetch.Add(q_.data + (n.b * Tq + n.i0) * q_.row_stride + n.h * dk, n.rows, q_.row_stride, dk);
+      prefetch.Add(out_.data + (n.b * Tq + n.i0) * out_.row_stride + n.h * dk, n.rows, out_.row_stride, dk,
+                   /*write=*/true);
     }
     if (ahead < plan_.items) {
       const Item a = Locate(ahead), cur = Locate(item);
       const int64_t a_kv = a.h / G;
       if (a.b != cur.b || a_kv != cur.h / G) {
         const int64_t k0 = Tk * j / share, k1 = Tk * (j + 1) / share;
-        for (const Packed& x : {k_, v_}) {
-          prefetch.Add(Bytes(x) + ((a.b * Tk + k0) * x.row_stride + a_kv * dk) * in_size, k1 - k0,
-                       x.row_stride * in_size, dk * in_size);
-        }
+        prefetch.Add(k_.data + (a.b * Tk + k0) * k_.row_stride + a_kv * dk, k1 - k0, k_.row_stride, dk);
+        prefetch.Add(v_.data + (a.b * Tk + k0) * v_.row_stride + a_kv * dk, k1 - k0, v_.row_stride, dk);
       }
     }
   }
@@ -226,12 +222,21 @@ class Worker {
     packed_kv_ = id;
   }
 
-  // The first byte of a tensor, fp32 or bf16.
-  static const char* Bytes(const Packed& x) {
-    return x.bf16 != nullptr ? reinterpret_cast<const char*>(x.bf16) : reinterpret_cast<const char*>(x.data);
-  }
-  static const char* Bytes(const PackedOut& x) {
-    return x.bf16 != nullptr ? reinterpret_cast<const char*>(x.bf16) : reinterpret_cast<const char*>(x.data);
+  // Output row at element `dst` = scale * src[0, d_k) (rounded to bf16 for a bf16 output), or zeros for a null
+  // src.
+  void StoreRow(int64_t dst, const float* src, float scale) {
+    const int64_t dk = s_.heads.head_dim;
+    if (out_.bf16 != nullptr) {
+      if (src != nullptr) {
+        tiles_.copy_scaled_to_bf16(1, dk, scale, src, dk, out_.bf16 + dst, dk);
+      } else {
+        std::fill_n(out_.bf16 + dst, dk, uint16_t{0});
+      }
+    } else if (src != nullptr) {
+      tiles_.copy_scaled(1, dk, scale, src, dk, out_.data + dst, dk);
+    } else {
+      std::fill_n(out_.data + dst, dk, 0.0f);
+    }
   }
 
   // Keys at or past the returned count are invisible to every row [p0, p0 + rows) of the item.
@@ -252,20 +257,13 @@ class Worker {
     }
     tiles_.softmax(rows, Tk, visible, p, Tk, plan_.log2_units);
     const int64_t ldo = out_.row_stride;
-    if (keys == 0) {
-      for (int64_t r = 0; r < rows; ++r) {
-        if (out_.bf16 != nullptr) {
-          std::fill_n(out_.bf16 + out + r * ldo, dk, uint16_t{0});
-        } else {
-          std::fill_n(out_.data + out + r * ldo, dk, 0.0f);
-        }
-      }
-    } else if (out_.bf16 != nullptr) {  // staged in fp32, then rounded
-      tiles_.values(rows, keys, dk, p, Tk, values_, plan_.v_panel_stride, /*o_scale=*/nullptr, acc_, dk);
-      tiles_.copy_scaled_to_bf16(rows, dk, 1.0f, acc_, dk, out_.bf16 + out, ldo);
-    } else {
+    if (keys > 0 && out_.bf16 == nullptr) {
       tiles_.values(rows, keys, dk, p, Tk, values_, plan_.v_panel_stride, /*o_scale=*/nullptr, out_.data + out, ldo);
+      return;
     }
+    // Nothing visible: zeros; a bf16 output: staged in fp32, then rounded.
+    if (keys > 0) tiles_.values(rows, keys, dk, p, Tk, values_, plan_.v_panel_stride, /*o_scale=*/nullptr, acc_, dk);
+    for (int64_t r = 0; r < rows; ++r) StoreRow(out + r * ldo, keys > 0 ? acc_ + r * dk : nullptr, 1.0f);
   }
 
   // The current item's `rows` rows without weights: FlashAttention's online softmax over key blocks, a running max
@@ -306,22 +304,11 @@ class Worker {
     }
     prefetch.Until(steps, steps);
     for (int64_t r = 0; r < rows; ++r) {
-      const int64_t dst = out + r * out_.row_stride;
       // The sum is at least 1 when any key is visible (its max contributes exp(0)), 0 when none is, and NaN
       // when a score overflowed: NaN then reaches the output, as in PyTorch. Every key masked: zero output, never
       // NaN.
       const bool any = row_sum_[r] != 0.0f;
-      if (out_.bf16 == nullptr) {
-        if (any) {
-          tiles_.copy_scaled(1, dk, 1.0f / row_sum_[r], acc_ + r * dk, dk, out_.data + dst, dk);
-        } else {
-          std::fill_n(out_.data + dst, dk, 0.0f);
-        }
-      } else if (any) {
-        tiles_.copy_scaled_to_bf16(1, dk, 1.0f / row_sum_[r], acc_ + r * dk, dk, out_.bf16 + dst, dk);
-      } else {
-        std::fill_n(out_.bf16 + dst, dk, uint16_t{0});
-      }
+      StoreRow(out + r * out_.row_stride, any ? acc_ + r * dk : nullptr, any ? 1.0f / row_sum_[r] : 0.0f);
     }
   }
 
@@ -351,8 +338,9 @@ absl::Status Attend(const kernels::TileKernels& tiles, const AttentionShape& sha
   }
   CorePlan plan = PlanBlocks(tiles, shape, mask, omp_get_max_threads());
   // bf16 inputs are half the bytes, and prefetching them costs more than it saves: on Sapphire Rapids (amx set) the
-  // bf16 layer at (32,64) ran 1.12x, (8,128) 1.05x and (8,512) 1.03x faster without, the long rows level.
-  if (bf16) plan.prefetch_next = false;
+  // bf16 layer at (32,64) ran 1.12x, (8,128) 1.05x and (8,512) 1.03x faster without, the long rows level. (A bf16
+  // output comes only with bf16 inputs; the prefetch handles fp32 rows alone.)
+  if (bf16 || out.bf16 != nullptr) plan.prefetch_next = false;
   std::atomic<int64_t> next_run{0};
   std::atomic<bool> stopped{false};
 #pragma omp parallel

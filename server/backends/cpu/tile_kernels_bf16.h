@@ -107,9 +107,9 @@ __m512i Chunk32(const float* src) {
 }
 __m512i Chunk32(const uint16_t* src) { return _mm512_loadu_si512(src); }
 
-// PackKeys from fp32 or bf16 keys (T).
+// TileKernels::pack_keys from fp32 keys (T = float) or pack_keys_bf16 from bf16 ones (T = uint16_t).
 template <typename T>
-void PackKeysFrom(int64_t n, int64_t depth, const T* k, int64_t ldk, float* kt_floats) {
+void PackKeys(int64_t n, int64_t depth, const T* k, int64_t ldk, float* kt_floats) {
   uint32_t* kt = reinterpret_cast<uint32_t*>(kt_floats);  // one bf16 pair per element
   const int64_t panels = (n + kKeyPanel - 1) / kKeyPanel, chunks = depth / 32;
   __m512i rows[16];
@@ -133,13 +133,6 @@ void PackKeysFrom(int64_t n, int64_t depth, const T* k, int64_t ldk, float* kt_f
       }
     }
   }
-}
-
-void PackKeys(int64_t n, int64_t depth, const float* k, int64_t ldk, float* kt) {
-  PackKeysFrom(n, depth, k, ldk, kt);
-}
-void PackKeysBf16(int64_t n, int64_t depth, const uint16_t* k, int64_t ldk, float* kt) {
-  PackKeysFrom(n, depth, k, ldk, kt);
 }
 
 void ToBf16Array(int64_t n, const float* src, uint16_t* dst) {
@@ -170,9 +163,9 @@ __m512i RowPair(const uint16_t* even, const uint16_t* odd, __mmask16 cols) {
   return _mm512_inserti64x4(e, _mm512_castsi512_si256(o), 1);
 }
 
-// PackValues from fp32 or bf16 values (T).
+// TileKernels::pack_values (T = float) or pack_values_bf16 (T = uint16_t).
 template <typename T>
-void PackValuesFrom(int64_t n, int64_t width, const T* v, int64_t ldv, float* vp_floats, int64_t panel_stride) {
+void PackValues(int64_t n, int64_t width, const T* v, int64_t ldv, float* vp_floats, int64_t panel_stride) {
   uint16_t* vp = reinterpret_cast<uint16_t*>(vp_floats);
   const int64_t pairs = (n + kKeyPanel - 1) / kKeyPanel * kKeyPanel / 2;
   // Interleaves the 16 bf16 of one row (lanes 0-15) with those of the next (lanes 16-31).
@@ -188,13 +181,6 @@ void PackValuesFrom(int64_t n, int64_t width, const T* v, int64_t ldv, float* vp
       _mm512_storeu_si512(panel + j * 32, _mm512_permutexvar_epi16(interleave, both));
     }
   }
-}
-
-void PackValues(int64_t n, int64_t width, const float* v, int64_t ldv, float* vp, int64_t panel_stride) {
-  PackValuesFrom(n, width, v, ldv, vp, panel_stride);
-}
-void PackValuesBf16(int64_t n, int64_t width, const uint16_t* v, int64_t ldv, float* vp, int64_t panel_stride) {
-  PackValuesFrom(n, width, v, ldv, vp, panel_stride);
 }
 
 // dst[r, c] = bf16(scale * src[r, c]).
@@ -238,13 +224,13 @@ TileKernels Bf16Kernels(const TileKernels& avx512, const char* isa, int panel_ro
   k.elements_per_float = 2;
   k.key_multiple = kKeyPanel;
   k.key_block = key_block;
-  k.pack_keys = PackKeys;
-  k.pack_values = PackValues;
+  k.pack_keys = PackKeys<float>;
+  k.pack_values = PackValues<float>;
   k.scores = scores;
   k.values = values;
   k.to_bf16 = ToBf16Array;
-  k.pack_keys_bf16 = PackKeysBf16;
-  k.pack_values_bf16 = PackValuesBf16;
+  k.pack_keys_bf16 = PackKeys<uint16_t>;
+  k.pack_values_bf16 = PackValues<uint16_t>;
   k.copy_scaled_bf16 = CopyScaledBf16;
   k.copy_scaled_to_bf16 = CopyScaledToBf16;
   return k;
