@@ -49,6 +49,7 @@ TEST(FlashPlan, SixteenBitHeadDims64And128RunOnTensorCores) {
       // K and V tiles of 64 padded rows (what ptxas reports), within the 48 KiB of static shared memory.
       EXPECT_EQ(plan->smem_bytes, 2 * 64 * (dk + 8) * 2);
       EXPECT_LE(plan->smem_bytes, 48 * 1024);
+      EXPECT_TRUE(plan->async_copies);  // cp.async overlaps the tile copies with the products
     }
   }
 }
@@ -66,6 +67,7 @@ TEST(FlashPlan, Fp32AndOtherHeadDimsRunOnTheSimtKernel) {
     EXPECT_EQ(plan->threads, 128);
     EXPECT_EQ(plan->grid_x, 3 * 4);
     EXPECT_EQ(plan->grid_y, 3);  // one warp per query row, four per block
+    EXPECT_FALSE(plan->async_copies);
   }
 }
 
@@ -129,6 +131,31 @@ TEST(FlashPlan, CausalSquareAttentionVisitsAboutHalfTheTiles) {
   int64_t visited = 0;
   for (int64_t row0 = 0; row0 < t; row0 += 64) visited += cuda::KeyTileCount(t, t, true, -1, row0, 64, 64);
   EXPECT_EQ(visited, tiles * (tiles + 1) / 2);  // the diagonal tiles and those below it
+}
+
+TEST(FlashPlan, CausalQueryTilesRunLongestFirst) {
+  for (int64_t tq : {1, 64, 1000}) {
+    for (int64_t tk : {tq, tq + 200}) {
+      const int64_t grid_y = (tq + 63) / 64;
+      std::vector<bool> seen(grid_y, false);
+      int64_t previous = INT64_MAX;
+      for (int64_t y = 0; y < grid_y; ++y) {
+        const int64_t tile = cuda::QueryTileOf(true, grid_y, y);
+        ASSERT_GE(tile, 0);
+        ASSERT_LT(tile, grid_y);
+        EXPECT_FALSE(seen[tile]) << "tile " << tile << " twice";
+        seen[tile] = true;
+        // Blocks start in about blockIdx order: the work of the block rows must not grow along y.
+        const int64_t work = cuda::KeyTileCount(tq, tk, true, -1, tile * 64, 64, 64);
+        EXPECT_LE(work, previous) << "Tq=" << tq << " Tk=" << tk << " y=" << y;
+        previous = work;
+      }
+    }
+  }
+}
+
+TEST(FlashPlan, NonCausalQueryTilesRunInOrder) {
+  for (int64_t y = 0; y < 5; ++y) EXPECT_EQ(cuda::QueryTileOf(false, 5, y), y);
 }
 
 TEST(CudaSupports, EveryDtypeUpToHeadDim256) {

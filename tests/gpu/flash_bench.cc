@@ -127,9 +127,9 @@ FlashPlan Plan(const AttentionParams& p) {
   return *PlanFlash(s, v1::BF16);
 }
 
-// The tensor-core kernel against the SIMT kernel (fp32 arithmetic throughout) on one causal GQA case; returns the
-// largest absolute difference of the outputs.
-float CrossCheck(int64_t dk) {
+// The tensor-core kernel (tiles copied asynchronously or not) against the SIMT kernel (fp32 arithmetic
+// throughout) on one causal GQA case; returns the largest absolute difference of the outputs.
+float CrossCheck(int64_t dk, bool async_copies) {
   const int64_t b = 2, t = 300, h = 8, hkv = 2;
   __nv_bfloat16 *q = Random(b * t * h * dk, 11), *k = Random(b * t * hkv * dk, 12), *v = Random(b * t * hkv * dk, 13);
   float *tc = nullptr, *simt = nullptr;
@@ -138,6 +138,7 @@ float CrossCheck(int64_t dk) {
   AttentionParams p = Params(q, k, v, tc, b, t, h, hkv, dk, true);
   p.out_dtype = kF32;
   FlashPlan plan = Plan(p);
+  plan.async_copies = async_copies;
   CHECK_CUDA(LaunchAttention(p, plan, nullptr));
   p.out = simt;
   plan.kernel = FlashKernel::kSimt;
@@ -180,39 +181,48 @@ int Main(int argc, char** argv) {
   std::printf("# flash_bench on %s (sm_%d%d, %d SMs)\n\n", props.name, props.major, props.minor,
               props.multiProcessorCount);
   for (int64_t dk : {64, 128}) {
-    const float diff = CrossCheck(dk);
-    std::printf("tensor-core vs SIMT kernel, bf16 causal GQA d_k=%lld: max |diff| %.2e %s\n",
-                static_cast<long long>(dk), diff, diff < 2e-2f ? "ok" : "MISMATCH");
+    for (bool async_copies : {true, false}) {
+      const float diff = CrossCheck(dk, async_copies);
+      std::printf("tensor-core (%s copies) vs SIMT kernel, bf16 causal GQA d_k=%lld: max |diff| %.2e %s\n",
+                  async_copies ? "async" : "plain", static_cast<long long>(dk), diff,
+                  diff < 2e-2f ? "ok" : "MISMATCH");
+    }
   }
   const double gemm = GemmTflops(**api, 8192);
   std::printf("\ncuBLAS bf16 GEMM 8192^3 (fp32 accumulate): %.1f TFLOP/s\n\n", gemm);
-  std::printf("| T | d_k | H/Hkv | causal | B | ms | TFLOP/s | of GEMM |\n|---|---|---|---|---|---|---|---|\n");
+  // The last column: the same kernel with plain tile loads between barriers (plan.async_copies off).
+  std::printf("| T | d_k | H/Hkv | causal | B | ms | TFLOP/s | of GEMM | plain loads TFLOP/s |\n"
+              "|---|---|---|---|---|---|---|---|---|\n");
   const int64_t tokens = 16384, h = 32;
+  // Every row has B * T = tokens: one set of random tensors, made once at the largest size, serves them all.
+  const int64_t most = tokens * h * 128;
+  __nv_bfloat16 *q = Random(most, 21), *k = Random(most, 22), *v = Random(most, 23), *o = nullptr;
+  CHECK_CUDA(cudaMalloc(&o, most * 2));
   for (int64_t t : {1024, 2048, 4096, 8192, 16384}) {
     if (quick && t != 4096) continue;
     for (int64_t dk : {64, 128}) {
       for (int64_t hkv : {32, 8}) {
         for (bool causal : {false, true}) {
           const int64_t b = std::max<int64_t>(1, tokens / t);
-          __nv_bfloat16 *q = Random(b * t * h * dk, 21), *k = Random(b * t * hkv * dk, 22),
-                        *v = Random(b * t * hkv * dk, 23), *o = nullptr;
-          CHECK_CUDA(cudaMalloc(&o, b * t * h * dk * 2));
           const AttentionParams p = Params(q, k, v, o, b, t, h, hkv, dk, causal);
           const FlashPlan plan = Plan(p);
+          FlashPlan plain = plan;
+          plain.async_copies = false;
           const float ms = TimeMs([&] { CHECK_CUDA(LaunchAttention(p, plan, nullptr)); }, quick ? 3 : 7);
+          const float plain_ms = TimeMs([&] { CHECK_CUDA(LaunchAttention(p, plain, nullptr)); }, quick ? 3 : 5);
           const double pairs = causal ? t * (t + 1) / 2.0 : static_cast<double>(t) * t;
-          const double tflops = 4.0 * b * h * dk * pairs / (ms * 1e-3) / 1e12;
-          std::printf("| %lld | %lld | %lld/%lld | %s | %lld | %.3f | %.1f | %.0f%% |\n", static_cast<long long>(t),
-                      static_cast<long long>(dk), static_cast<long long>(h), static_cast<long long>(hkv),
-                      causal ? "yes" : "no", static_cast<long long>(b), ms, tflops,
-                      gemm > 0 ? 100 * tflops / gemm : 0.0);
-          for (void* x : {static_cast<void*>(q), static_cast<void*>(k), static_cast<void*>(v),
-                          static_cast<void*>(o)}) {
-            cudaFree(x);
-          }
+          const double flop = 4.0 * b * h * dk * pairs;
+          const double tflops = flop / (ms * 1e-3) / 1e12;
+          std::printf("| %lld | %lld | %lld/%lld | %s | %lld | %.3f | %.1f | %.0f%% | %.1f |\n",
+                      static_cast<long long>(t), static_cast<long long>(dk), static_cast<long long>(h),
+                      static_cast<long long>(hkv), causal ? "yes" : "no", static_cast<long long>(b), ms, tflops,
+                      gemm > 0 ? 100 * tflops / gemm : 0.0, flop / (plain_ms * 1e-3) / 1e12);
         }
       }
     }
+  }
+  for (void* x : {static_cast<void*>(q), static_cast<void*>(k), static_cast<void*>(v), static_cast<void*>(o)}) {
+    cudaFree(x);
   }
   return 0;
 }

@@ -59,7 +59,7 @@ __global__ void __launch_bounds__(kSimtThreads) SimtAttention(AttentionParams p)
   const int heads = static_cast<int>(p.heads);
   const int64_t b = static_cast<int>(blockIdx.x) / heads, h = static_cast<int>(blockIdx.x) % heads;
   const int64_t kv_head = static_cast<int>(h) / (heads / static_cast<int>(p.kv_heads));
-  const int64_t i = static_cast<int64_t>(blockIdx.y) * kSimtWarps + warp;
+  const int64_t i = QueryTileOf(p.causal, gridDim.y, blockIdx.y) * kSimtWarps + warp;
   if (i >= p.q_len) return;  // the whole warp: nothing below synchronises the block
   const int d_k = static_cast<int>(p.head_dim);
   const T* q = static_cast<const T*>(p.q) + (b * p.q_len + i) * p.q_row_stride + h * d_k;
@@ -121,7 +121,9 @@ __global__ void __launch_bounds__(kSimtThreads) SimtAttention(AttentionParams p)
 // Tensor-core kernel (FlashAttention-2's structure): a block of 4 warps owns 64 query rows of one (batch, head);
 // each warp holds its 16 rows of Q as mma.sync A fragments in registers, streams 64-key tiles of K and V through
 // shared memory, computes S = Q K^T and O += P V with m16n8k16 MMAs (fp32 accumulators), and reuses S's
-// accumulator layout as P's A fragments. Fragment layouts (PTX ISA, mma.m16n8k16): with g = lane / 4 and
+// accumulator layout as P's A fragments. With kAsync (the plan's async_copies) the tiles come by cp.async in
+// FlashAttention-2's order: V(j) is copied while S(j) is computed, K(j + 1) while O += P(j) V(j) is, so that one
+// K tile and one V tile of shared memory suffice. Fragment layouts (PTX ISA, mma.m16n8k16): with g = lane / 4 and
 // t = lane % 4, A holds rows g and g + 8, columns 2t, 2t + 1 and 2t + 8, 2t + 9; B holds columns (k) 2t, 2t + 1 and
 // 2t + 8, 2t + 9 of row (n) g; C holds rows g and g + 8, columns 2t and 2t + 1.
 
@@ -177,20 +179,36 @@ __device__ __forceinline__ void LoadMatricesTransposed(uint32_t (&r)[4], const v
                : "r"(address));
 }
 
+// 16 bytes from global to shared memory without passing through registers (sm_80+): the copy runs while the
+// thread goes on, until WaitCopies.
+__device__ __forceinline__ void CopyAsync16(void* shared, const void* global) {
+  const uint32_t address = static_cast<uint32_t>(__cvta_generic_to_shared(shared));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(address), "l"(global) : "memory");
+}
+__device__ __forceinline__ void CommitCopies() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+// Waits for this thread's copies; a __syncthreads() after it makes every thread's copies visible to the block.
+__device__ __forceinline__ void WaitCopies() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+
 // Copies `rows` rows of kD 16-bit elements (row stride `stride` elements, 16-byte aligned) into shared memory
-// (row stride kRow); rows past `valid` become zeros.
-template <typename T, int kD, int kRow>
+// (row stride kRow); rows past `valid` become zeros. kAsync: with cp.async (then CommitCopies, WaitCopies and a
+// barrier before use); else plain loads (a barrier before use).
+template <bool kAsync, typename T, int kD, int kRow>
 __device__ __forceinline__ void LoadTile(T* shared, const T* global, int64_t stride, int rows, int64_t valid) {
   constexpr int kVectors = kD / 8;  // 16-byte vectors per row
   for (int idx = threadIdx.x; idx < rows * kVectors; idx += kTcThreads) {
     const int r = idx / kVectors, c = (idx % kVectors) * 8;
-    uint4 value = make_uint4(0, 0, 0, 0);
-    if (r < valid) value = *reinterpret_cast<const uint4*>(global + r * stride + c);
-    *reinterpret_cast<uint4*>(shared + r * kRow + c) = value;
+    uint4* to = reinterpret_cast<uint4*>(shared + r * kRow + c);
+    if (r >= valid) {
+      *to = make_uint4(0, 0, 0, 0);
+    } else if constexpr (kAsync) {
+      CopyAsync16(to, global + r * stride + c);
+    } else {
+      *to = *reinterpret_cast<const uint4*>(global + r * stride + c);
+    }
   }
 }
 
-template <typename T, typename OutT, int kD>
+template <typename T, typename OutT, int kD, bool kAsync>
 __global__ void __launch_bounds__(kTcThreads) TensorCoreAttention(AttentionParams p) {
   constexpr int kRow = kD + 8;  // padded shared-memory row, in elements
   __shared__ __align__(16) T k_shared[kTcBlockN * kRow];
@@ -200,17 +218,24 @@ __global__ void __launch_bounds__(kTcThreads) TensorCoreAttention(AttentionParam
   const int heads = static_cast<int>(p.heads);
   const int64_t b = static_cast<int>(blockIdx.x) / heads, h = static_cast<int>(blockIdx.x) % heads;
   const int64_t kv_head = static_cast<int>(h) / (heads / static_cast<int>(p.kv_heads));
-  const int64_t row0 = static_cast<int64_t>(blockIdx.y) * kTcBlockM;
+  const int64_t row0 = QueryTileOf(p.causal, gridDim.y, blockIdx.y) * kTcBlockM;
   const T* q = static_cast<const T*>(p.q) + (b * p.q_len + row0) * p.q_row_stride + h * kD;
   const T* k = static_cast<const T*>(p.k) + b * p.kv_len * p.kv_row_stride + kv_head * kD;
   const T* v = static_cast<const T*>(p.v) + b * p.kv_len * p.kv_row_stride + kv_head * kD;
+  const int64_t key_length = p.key_lengths ? p.key_lengths[b] : -1;
+  const int64_t tiles = KeyTileCount(p.q_len, p.kv_len, p.causal, key_length, row0, kTcBlockM, kTcBlockN);
 
-  // Q through k_shared into this warp's A fragments.
-  LoadTile<T, kD, kRow>(k_shared, q, p.q_row_stride, kTcBlockM, p.q_len - row0);
+  // Q through v_shared into this warp's A fragments; with async copies the first K tile is on its way meanwhile.
+  LoadTile<kAsync, T, kD, kRow>(v_shared, q, p.q_row_stride, kTcBlockM, p.q_len - row0);
+  if constexpr (kAsync) {
+    if (tiles > 0) LoadTile<true, T, kD, kRow>(k_shared, k, p.kv_row_stride, kTcBlockN, p.kv_len);
+    CommitCopies();
+    WaitCopies();
+  }
   __syncthreads();
   uint32_t q_frag[kD / 16][4];
   {
-    const T* base = k_shared + (warp * 16 + g) * kRow + 2 * t;
+    const T* base = v_shared + (warp * 16 + g) * kRow + 2 * t;
     #pragma unroll
     for (int kk = 0; kk < kD / 16; ++kk) {
       q_frag[kk][0] = Pair(base + kk * 16);
@@ -222,7 +247,6 @@ __global__ void __launch_bounds__(kTcThreads) TensorCoreAttention(AttentionParam
 
   // This thread's two query rows.
   const int64_t rows[2] = {row0 + warp * 16 + g, row0 + warp * 16 + g + 8};
-  const int64_t key_length = p.key_lengths ? p.key_lengths[b] : -1;
   int64_t visible[2];
   const float* mask[2];
   #pragma unroll
@@ -235,13 +259,24 @@ __global__ void __launch_bounds__(kTcThreads) TensorCoreAttention(AttentionParam
   #pragma unroll
   for (int nb = 0; nb < kD / 8; ++nb) o[nb][0] = o[nb][1] = o[nb][2] = o[nb][3] = 0.0f;
 
-  const int64_t tiles = KeyTileCount(p.q_len, p.kv_len, p.causal, key_length, row0, kTcBlockM, kTcBlockN);
   for (int64_t tile = 0; tile < tiles; ++tile) {
     const int64_t key0 = tile * kTcBlockN;
-    __syncthreads();  // every warp is done with the previous tile (and with Q in k_shared)
-    LoadTile<T, kD, kRow>(k_shared, k + key0 * p.kv_row_stride, p.kv_row_stride, kTcBlockN, p.kv_len - key0);
-    LoadTile<T, kD, kRow>(v_shared, v + key0 * p.kv_row_stride, p.kv_row_stride, kTcBlockN, p.kv_len - key0);
-    __syncthreads();
+    if constexpr (kAsync) {
+      // K(tile) has landed (issued before the previous O += P V) and every warp is done with v_shared (the
+      // previous tile's V, or Q): V(tile) goes on its way while S is computed.
+      WaitCopies();
+      __syncthreads();
+      LoadTile<true, T, kD, kRow>(v_shared, v + key0 * p.kv_row_stride, p.kv_row_stride, kTcBlockN,
+                                  p.kv_len - key0);
+      CommitCopies();
+    } else {
+      __syncthreads();  // every warp is done with the previous tile (and with Q in v_shared)
+      LoadTile<false, T, kD, kRow>(k_shared, k + key0 * p.kv_row_stride, p.kv_row_stride, kTcBlockN,
+                                   p.kv_len - key0);
+      LoadTile<false, T, kD, kRow>(v_shared, v + key0 * p.kv_row_stride, p.kv_row_stride, kTcBlockN,
+                                   p.kv_len - key0);
+      __syncthreads();
+    }
 
     // S = Q K^T. One ldmatrix gives B fragments for 8 keys x 32 dims: matrix m holds keys nb*8.. and dims
     // kk*16 + 8m.., so r[0], r[1] are B for dims kk*16.. and r[2], r[3] for dims (kk+1)*16..
@@ -301,6 +336,16 @@ __global__ void __launch_bounds__(kTcThreads) TensorCoreAttention(AttentionParam
       o[nb][1] *= correction[0];
       o[nb][2] *= correction[1];
       o[nb][3] *= correction[1];
+    }
+    if constexpr (kAsync) {
+      // V(tile) has landed and every warp is done with k_shared: K(tile + 1) goes on its way during O += P V.
+      WaitCopies();
+      __syncthreads();
+      if (tile + 1 < tiles) {
+        LoadTile<true, T, kD, kRow>(k_shared, k + (key0 + kTcBlockN) * p.kv_row_stride, p.kv_row_stride, kTcBlockN,
+                                    p.kv_len - key0 - kTcBlockN);
+      }
+      CommitCopies();
     }
     // O += P V: P's A fragments are S's accumulators of two neighbouring 8-key blocks.
     #pragma unroll
@@ -409,9 +454,15 @@ cudaError_t LaunchTyped(const AttentionParams& p, const FlashPlan& plan, cudaStr
   if (plan.kernel == FlashKernel::kTensorCore) {
     if constexpr (!std::is_same_v<T, float>) {
       if (p.head_dim == 64) {
-        TensorCoreAttention<T, OutT, 64><<<grid, kTcThreads, 0, stream>>>(p);
+        if (plan.async_copies) {
+          TensorCoreAttention<T, OutT, 64, true><<<grid, kTcThreads, 0, stream>>>(p);
+        } else {
+          TensorCoreAttention<T, OutT, 64, false><<<grid, kTcThreads, 0, stream>>>(p);
+        }
+      } else if (plan.async_copies) {
+        TensorCoreAttention<T, OutT, 128, true><<<grid, kTcThreads, 0, stream>>>(p);
       } else {
-        TensorCoreAttention<T, OutT, 128><<<grid, kTcThreads, 0, stream>>>(p);
+        TensorCoreAttention<T, OutT, 128, false><<<grid, kTcThreads, 0, stream>>>(p);
       }
       return cudaGetLastError();
     }

@@ -54,6 +54,13 @@ MHA_HOST_DEVICE inline int64_t KeyTileCount(int64_t q_len, int64_t kv_len, bool 
   return (end + block_n - 1) / block_n;
 }
 
+// The query tile that block row `y` of a grid of `grid_y` rows computes. Blocks start in about blockIdx order, and
+// under causal masking the last query tiles see the most keys: they run first, so that the short tiles fill in at
+// the end instead of a long one finishing alone.
+MHA_HOST_DEVICE inline int64_t QueryTileOf(bool causal, int64_t grid_y, int64_t y) {
+  return causal ? grid_y - 1 - y : y;
+}
+
 enum class FlashKernel { kTensorCore, kSimt };
 
 // One launch of the attention kernel: grid (batch * heads, query tiles), `threads` per block.
@@ -65,6 +72,9 @@ struct FlashPlan {
   int64_t grid_x = 0;       // batch * num_heads
   int64_t grid_y = 0;       // query tiles: ceil(q_len / block_m)
   int64_t smem_bytes = 0;   // static shared memory per block
+  // Tensor-core kernel: K and V tiles copied with cp.async, V's copy overlapping S = Q K^T and the next K's
+  // overlapping O += P V (FlashAttention-2's order); false: plain loads between barriers (kept for comparison).
+  bool async_copies = false;
 };
 
 #ifndef __CUDACC__
