@@ -26,11 +26,30 @@ int64_t BatchRows(const WorkItem& item) {
 }  // namespace
 
 Scheduler::Scheduler(const SchedulerOptions& options, ServerMetrics* metrics)
-    : options_(options), metrics_(metrics), worker_([this] { Run(); }) {}
+    : options_(options), metrics_(metrics) {
+  threads_.emplace_back([this] { Run(true); });
+  for (int i = 0; i < options_.concurrent_threads; ++i) threads_.emplace_back([this] { Run(false); });
+}
 
 Scheduler::~Scheduler() {
   Shutdown();
-  worker_.join();
+  for (std::thread& thread : threads_) thread.join();
+}
+
+bool Scheduler::OnComputeThread(const WorkItem& item) const {
+  return options_.concurrent_threads == 0 || item.plan().backend->concurrent_calls() <= 1;
+}
+
+std::deque<Scheduler::Queued>::iterator Scheduler::NextFor(bool compute_thread) {
+  for (auto it = queue_.begin(); it != queue_.end(); ++it) {
+    const WorkItem& item = *it->item;
+    if (OnComputeThread(item) != compute_thread) continue;
+    if (compute_thread) return it;  // one thread: the item's backend runs nothing else here
+    const Backend* backend = item.plan().backend;
+    const auto running = running_calls_.find(backend);
+    if (running == running_calls_.end() || running->second < backend->concurrent_calls()) return it;
+  }
+  return queue_.end();
 }
 
 bool Scheduler::RunsInline(const WorkItem& item) const {
@@ -62,8 +81,9 @@ absl::Status Scheduler::Admit(const WorkItem& item) const {
   const double compute_s = EstimateSeconds(item);
   if (compute_s > 0) {
     const absl::Time now = absl::Now();
+    // Conservative with concurrent threads: as if everything ahead ran one after another.
     double wait_s = queued_seconds_;
-    if (running_) wait_s += std::max(0.0, running_estimate_s_ - absl::ToDoubleSeconds(now - running_since_));
+    for (const Running& r : running_) wait_s += std::max(0.0, r.estimate_s - absl::ToDoubleSeconds(now - r.since));
     const double left_s = absl::ToDoubleSeconds(item.deadline() - now);
     if (wait_s + compute_s > left_s) {
       return absl::DeadlineExceededError(absl::StrFormat(
@@ -115,12 +135,13 @@ void Scheduler::Abort() {
 
 bool Scheduler::AwaitRunning(absl::Duration timeout) const {
   absl::MutexLock lock(&mu_);
-  return mu_.AwaitWithTimeout(absl::Condition(&running_), timeout);
+  const auto running = [this]() ABSL_NO_THREAD_SAFETY_ANALYSIS { return !running_.empty(); };
+  return mu_.AwaitWithTimeout(absl::Condition(&running), timeout);
 }
 
 bool Scheduler::AwaitIdle(absl::Duration timeout) const {
   absl::MutexLock lock(&mu_);
-  const auto idle = [this]() ABSL_NO_THREAD_SAFETY_ANALYSIS { return !running_ && queue_.empty(); };
+  const auto idle = [this]() ABSL_NO_THREAD_SAFETY_ANALYSIS { return running_.empty() && queue_.empty(); };
   return mu_.AwaitWithTimeout(absl::Condition(&idle), timeout);
 }
 
@@ -132,8 +153,10 @@ bool Scheduler::AwaitQueued(int n, absl::Duration timeout) const {
 
 absl::Duration Scheduler::StuckFor() const {
   absl::MutexLock lock(&mu_);
-  if (!running_ || queue_.empty()) return absl::ZeroDuration();
-  return absl::Now() - running_since_;
+  if (running_.empty() || queue_.empty()) return absl::ZeroDuration();
+  absl::Time oldest = absl::InfiniteFuture();
+  for (const Running& r : running_) oldest = std::min(oldest, r.since);
+  return absl::Now() - oldest;
 }
 
 int Scheduler::QueueDepth() const {
@@ -165,7 +188,8 @@ void Scheduler::TakeBatchable(const WorkItem& first, int64_t* rows, std::vector<
   }
 }
 
-void Scheduler::Compute(Queued first, std::vector<Queued> batch) {
+void Scheduler::Compute(Queued first, std::vector<Queued> batch, std::list<Running>::iterator running) {
+  const Backend* backend = first.item->plan().backend;
   std::vector<Queued> calls;
   calls.push_back(std::move(first));
   for (Queued& q : batch) calls.push_back(std::move(q));
@@ -205,26 +229,33 @@ void Scheduler::Compute(Queued first, std::vector<Queued> batch) {
     }
   }
   absl::MutexLock lock(&mu_);
-  running_ = false;
+  running_.erase(running);
+  if (--running_calls_[backend] == 0) running_calls_.erase(backend);
   inflight_bytes_ -= held;
   inflight_ -= static_cast<int>(calls.size());
 }
 
-void Scheduler::Run() {
-  // The OpenMP thread count is per calling thread: set it once here, where every queued computation runs.
+void Scheduler::Run(bool compute_thread) {
+  // The OpenMP thread count is per calling thread: set it once here, where the queued computations run.
   omp_set_num_threads(options_.compute_threads);
   for (;;) {
     Queued next;
     std::vector<Queued> batch;
+    std::list<Running>::iterator running;
     {
       absl::MutexLock lock(&mu_);
-      running_ = false;
-      mu_.Await(absl::Condition(
-          +[](Scheduler* s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(s->mu_) { return s->stopping_ || !s->queue_.empty(); },
-          this));
-      if (queue_.empty()) return;  // stopping and drained
-      next = std::move(queue_.front());
-      queue_.pop_front();
+      const auto ready = [this, compute_thread]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+        return (stopping_ && queue_.empty()) || NextFor(compute_thread) != queue_.end();
+      };
+      mu_.Await(absl::Condition(&ready));
+      const auto it = NextFor(compute_thread);
+      if (it == queue_.end()) return;  // stopping and drained
+      next = std::move(*it);
+      queue_.erase(it);
+      // Counted as running from here on, through the batching wait below, so that no other thread takes a call
+      // of the same backend past its concurrent_calls() and AwaitIdle does not see a gap.
+      running = running_.insert(running_.end(), Running{absl::Now(), next.estimate_s});
+      ++running_calls_[next.item->plan().backend];
       queued_bytes_ -= next.item->request_bytes();
       queued_seconds_ = std::max(0.0, queued_seconds_ - next.estimate_s);
       if (options_.max_batch_rows > 0 && !next.item->plan().batch_key.empty()) {
@@ -240,13 +271,11 @@ void Scheduler::Run() {
           seen = queue_.size();
         }
       }
-      running_ = true;
-      running_since_ = absl::Now();
-      running_estimate_s_ = next.estimate_s;
-      for (const Queued& q : batch) running_estimate_s_ += q.estimate_s;
+      running->since = absl::Now();
+      for (const Queued& q : batch) running->estimate_s += q.estimate_s;
       SetDepth();
     }
-    Compute(std::move(next), std::move(batch));
+    Compute(std::move(next), std::move(batch), running);
   }
 }
 

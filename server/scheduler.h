@@ -12,13 +12,17 @@
 //    responsive (health checks answer while a long request computes) and concurrent calls do not each start
 //    OpenMP teams on the same cores. A full queue refuses new work instead of buffering requests without limit;
 //    an item whose client gave up while it waited is rejected when its turn comes, not computed; a running one
-//    stops at its next check (WorkItem is its StopSignal).
+//    stops at its next check (WorkItem is its StopSignal);
+//  - side by side: a backend whose calls overlap usefully (Backend::concurrent_calls() > 1: a GPU's streams, where
+//    one call's copies run during another's kernels) has its calls taken from the same queue by the concurrent
+//    threads, up to that many at once; they never wait behind the compute thread's call, nor it behind them.
 #ifndef MHA_SERVER_SCHEDULER_H_
 #define MHA_SERVER_SCHEDULER_H_
 
 #include <atomic>
 #include <cstdint>
 #include <deque>
+#include <list>
 #include <map>
 #include <memory>
 #include <thread>
@@ -35,6 +39,9 @@ namespace mha {
 
 struct SchedulerOptions {
   int compute_threads = 1;          // OpenMP threads of the compute thread's computations
+  // Threads for the backends whose calls run side by side (Backend::concurrent_calls() > 1), each backend up to
+  // its count at once; 0: those calls, too, run one at a time on the compute thread.
+  int concurrent_threads = 0;
   int max_queue = 64;               // items waiting (not running) at most
   int64_t max_queued_bytes = 0;     // request bytes the waiting items may hold together
   int64_t max_inflight_bytes = 0;   // memory_bytes the admitted (waiting and running) items may hold together
@@ -63,14 +70,15 @@ class Scheduler {
   // Stops the running computation at its next check and rejects everything still queued with UNAVAILABLE: the end
   // of a shutdown's grace period. Thread-safe.
   void Abort();
-  // Blocks until an item is computing on the compute thread, or `timeout` passes; true if one is. For tests that
-  // must know a long call has started.
+  // Blocks until an item is computing or gathering its batch (on any of the scheduler's threads), or `timeout`
+  // passes; true if one is.
+  // For tests that must know a long call has started.
   bool AwaitRunning(absl::Duration timeout) const;
   // Blocks until nothing waits or computes, or `timeout` passes; true if idle.
   bool AwaitIdle(absl::Duration timeout) const;
   // Blocks until `n` items wait in the queue, or `timeout` passes; true if they do. For tests.
   bool AwaitQueued(int n, absl::Duration timeout) const;
-  // How long the running item has computed while others waited; zero when nothing waits.
+  // How long the longest-running item has computed while others waited; zero when nothing waits.
   absl::Duration StuckFor() const;
   // Items waiting in the queue now. Thread-safe.
   int QueueDepth() const;
@@ -87,13 +95,24 @@ class Scheduler {
   // Publishes the queue's length; under mu_, so that the gauge follows the queue's order of events.
   void SetDepth() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   struct Queued;
+  // Whether `item` computes on the compute thread (its backend runs one call at a time) rather than on a
+  // concurrent thread.
+  bool OnComputeThread(const WorkItem& item) const;
+  // The first waiting item the compute thread (or a concurrent thread) may take now: for a concurrent thread, one
+  // whose backend runs fewer calls than its concurrent_calls(). queue_.end() if none.
+  std::deque<Queued>::iterator NextFor(bool compute_thread) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Moves the waiting items that can join `first`'s batch into *batch (in queue order) while the batch's rows
   // (B Tq of each call) stay within max_batch_rows; *rows counts them.
   void TakeBatchable(const WorkItem& first, int64_t* rows, std::vector<Queued>* batch)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Computes `first` and `batch` (may be empty) and records what the scheduler learns from it.
-  void Compute(Queued first, std::vector<Queued> batch);
-  void Run();
+  struct Running {
+    absl::Time since;
+    double estimate_s;  // the sum of the computation's items' EstimateSeconds
+  };
+  // Computes `first` and `batch` (may be empty), records what the scheduler learns from it, and ends `running`.
+  void Compute(Queued first, std::vector<Queued> batch, std::list<Running>::iterator running);
+  // The loop of the compute thread (compute_thread) or of a concurrent thread.
+  void Run(bool compute_thread);
 
   const SchedulerOptions options_;
   ServerMetrics* const metrics_;
@@ -109,12 +128,11 @@ class Scheduler {
   int64_t inflight_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   int inflight_ ABSL_GUARDED_BY(mu_) = 0;       // queued + running
   double queued_seconds_ ABSL_GUARDED_BY(mu_) = 0;  // sum of the queued items' estimates
-  bool running_ ABSL_GUARDED_BY(mu_) = false;
-  absl::Time running_since_ ABSL_GUARDED_BY(mu_);
-  double running_estimate_s_ ABSL_GUARDED_BY(mu_) = 0;
+  std::list<Running> running_ ABSL_GUARDED_BY(mu_);                    // the computations under way
+  std::map<const Backend*, int> running_calls_ ABSL_GUARDED_BY(mu_);   // computations under way per backend
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::map<const Backend*, double> rates_ ABSL_GUARDED_BY(mu_);  // FLOP/s
-  std::thread worker_;
+  std::vector<std::thread> threads_;  // the compute thread first, then the concurrent threads
 };
 
 }  // namespace mha

@@ -98,6 +98,12 @@ absl::StatusOr<std::unique_ptr<MhaServer>> MhaServer::Start(ServerOptions option
   if (!options.metrics_listen.empty()) RETURN_IF_ERROR(server->metrics_->Serve(options.metrics_listen));
   SchedulerOptions scheduling;
   scheduling.compute_threads = options.threads;
+  // One concurrent thread per call a backend overlaps (the CUDA backend's lanes); none on a CPU-only server.
+  for (const BackendEntry& entry : server->backends_->entries()) {
+    if (entry.available() && entry.backend->concurrent_calls() > 1) {
+      scheduling.concurrent_threads += entry.backend->concurrent_calls();
+    }
+  }
   scheduling.max_queue = options.max_queue_size;
   scheduling.max_queued_bytes = static_cast<int64_t>(options.max_queued_mb) << 20;
   scheduling.inline_max_flops = options.inline_max_mflop * 1e6;
@@ -203,7 +209,8 @@ MhaServer::~MhaServer() { Shutdown(); }
 
 namespace {
 
-// Runs one backend's WarmUp on the compute thread, where its thread pools must start.
+// Runs one backend's WarmUp on the thread that computes its calls (the compute thread for a CPU backend), where
+// its thread pools must start.
 class WarmUpItem final : public WorkItem {
  public:
   WarmUpItem(Backend* backend, Scheduler* scheduler, absl::Notification* done)

@@ -131,8 +131,8 @@ struct MhaArgs {
   MutableTensor attention_weights;    // [B, H, Tq, Tk], when requested
 };
 
-// A way to compute attention. Implementations are thread-safe (the server runs one large computation at a time,
-// but tiny requests run concurrently on gRPC's threads). Errors from third-party libraries are converted to Status
+// A way to compute attention. Implementations are thread-safe (the server runs a backend's large computations one
+// at a time unless concurrent_calls() says more, and tiny requests run concurrently on gRPC's threads). Errors from third-party libraries are converted to Status
 // inside; nothing throws across this interface. A call that args.stop stopped returns the signal's status, and
 // its outputs are unspecified.
 class Backend {
@@ -159,6 +159,10 @@ class Backend {
   // Calls of at most this many FLOPs (AttentionFlops) run on the calling thread alone and in tens of microseconds,
   // so the server may run them on the gRPC thread that received them. 0: never.
   virtual double inline_max_flops() const { return 0; }
+  // Large calls the backend computes well side by side (a GPU's streams: one call's copies overlap another's
+  // kernels); the server runs up to this many at once. 1: one at a time, on one thread (a CPU backend's calls
+  // already take every core, and its thread pools belong to that thread).
+  virtual int concurrent_calls() const { return 1; }
   // Pays one-time start-up costs (library initialisation, code generation, thread pools) with a small
   // representative computation; returns its AttentionFlops, so that a second call can be timed to learn the
   // backend's speed. Called on the thread that will compute.

@@ -127,6 +127,11 @@ note "flash_bench: $(grep -c '^| [0-9]' "$out/4-flash-bench.txt") rows; $(grep -
     echo "## bench --backend $backend --dtype fp16 --batch 8 --seq 512"
     "$bin/mha_client" bench --target "$target" --backend "$backend" --dtype fp16 --batch 8 --seq 512 -n 20 --warmup 3
   done
+  # Two calls in flight on two connections: the CUDA backend's two lanes on the scheduler's concurrent threads,
+  # one call's copies overlapping the other's kernels (calls/s against the -c 1 run above).
+  echo "## bench --backend cuda --dtype fp16 --batch 8 --seq 512 -c 2 --connections 2"
+  "$bin/mha_client" bench --target "$target" --backend cuda --dtype fp16 --batch 8 --seq 512 -n 40 --warmup 3 \
+    -c 2 --connections 2
   # The GPU's compute is short next to 4 MB each way through the socket: the same call with the tensors in
   # shared memory shows what the wire costs.
   echo "## bench --backend cuda --dtype fp16 --batch 8 --seq 512 --shared_memory"

@@ -248,6 +248,7 @@ class CudaBackend::Impl {
                         ", ", lanes_.size(), " streams", options_.allow_tf32 ? ", TF32 allowed" : "", ")");
   }
 
+  int lanes() const { return static_cast<int>(lanes_.size()); }
   absl::Status Sdpa(const SdpaArgs& a);
   absl::Status Mha(const MhaArgs& a);
 
@@ -263,6 +264,11 @@ class CudaBackend::Impl {
       impl_.free_.pop_back();
     }
     ~Lease() {
+      // A call that returned early (an error, a cancellation) may have left copies and kernels in flight on the
+      // lane's buffers: they finish before the lane serves another call, whose host-side copies into the pinned
+      // buffer would race them. A completed call has synchronized already. An error here is the stream's sticky
+      // error, which the next call on the lane reports.
+      cudaStreamSynchronize(lane_->stream);
       if (lane_->device.size() > kKeptLaneBytes) lane_->device.Release();
       if (lane_->host.size() > kKeptLaneBytes) lane_->host.Release();
       absl::MutexLock lock(&impl_.mu_);
@@ -683,6 +689,8 @@ absl::Status CudaBackend::Supports(const AttentionProblem& problem) const {
 int64_t CudaBackend::WorkspaceBytes(const AttentionProblem& problem) const {
   return cuda::CudaWorkspaceBytes(problem);
 }
+
+int CudaBackend::concurrent_calls() const { return impl_->lanes(); }
 
 absl::StatusOr<double> CudaBackend::WarmUp() { return RunSyntheticLayer(*this, 256, 512, 8); }
 

@@ -50,6 +50,8 @@ class CudaBackend final : public Backend {
   // Device bytes beyond inputs and outputs (projections, heads, statistics); host staging equals inputs plus
   // outputs.
   int64_t WorkspaceBytes(const AttentionProblem& problem) const override;
+  // One call per lane at a time: the server's concurrent threads keep every lane busy.
+  int concurrent_calls() const override;
   absl::StatusOr<double> WarmUp() override;
   absl::Status ScaledDotProductAttention(const SdpaArgs& args) override;
   absl::Status MultiHeadAttention(const MhaArgs& args) override;
