@@ -41,14 +41,16 @@ TEST(FlashPlan, SixteenBitHeadDims64And128RunOnTensorCores) {
       absl::StatusOr<cuda::FlashPlan> plan = cuda::PlanFlash(Shape(2, 1000, 1000, 32, 8, dk), dtype);
       ASSERT_TRUE(plan.ok()) << plan.status();
       EXPECT_EQ(plan->kernel, cuda::FlashKernel::kTensorCore) << dk;
-      EXPECT_EQ(plan->block_m, 64);
+      EXPECT_EQ(plan->block_m, 128);
       EXPECT_EQ(plan->block_n, 64);
-      EXPECT_EQ(plan->threads, 128);
+      EXPECT_EQ(plan->threads, 256);  // 8 warps of 16 query rows
       EXPECT_EQ(plan->grid_x, 2 * 32);
-      EXPECT_EQ(plan->grid_y, 16);  // ceil(1000 / 64)
-      // K and V tiles of 64 padded rows (what ptxas reports), within the 48 KiB of static shared memory.
+      EXPECT_EQ(plan->grid_y, 8);  // ceil(1000 / 128)
+      // K and V tiles of 64 padded rows (what ptxas reports), within the 48 KiB of static shared memory; Q's 128
+      // padded rows pass through the same room.
       EXPECT_EQ(plan->smem_bytes, 2 * 64 * (dk + 8) * 2);
       EXPECT_LE(plan->smem_bytes, 48 * 1024);
+      EXPECT_LE(plan->block_m * (dk + 8) * 2, plan->smem_bytes);
       EXPECT_TRUE(plan->async_copies);  // cp.async overlaps the tile copies with the products
     }
   }

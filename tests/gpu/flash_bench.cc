@@ -127,9 +127,19 @@ FlashPlan Plan(const AttentionParams& p) {
   return *PlanFlash(s, v1::BF16);
 }
 
-// The tensor-core kernel (tiles copied asynchronously or not) against the SIMT kernel (fp32 arithmetic
-// throughout) on one causal GQA case; returns the largest absolute difference of the outputs.
-float CrossCheck(int64_t dk, bool async_copies) {
+// The tensor-core plan `plan` as another of its compiled variants: `block_m` query rows per block (64 or 128),
+// tiles copied asynchronously or not.
+FlashPlan Variant(FlashPlan plan, int64_t q_len, int block_m, bool async_copies) {
+  plan.block_m = block_m;
+  plan.threads = 2 * block_m;
+  plan.grid_y = (q_len + block_m - 1) / block_m;
+  plan.async_copies = async_copies;
+  return plan;
+}
+
+// A variant of the tensor-core kernel against the SIMT kernel (fp32 arithmetic throughout) on one causal GQA case;
+// returns the largest absolute difference of the outputs.
+float CrossCheck(int64_t dk, int block_m, bool async_copies) {
   const int64_t b = 2, t = 300, h = 8, hkv = 2;
   __nv_bfloat16 *q = Random(b * t * h * dk, 11), *k = Random(b * t * hkv * dk, 12), *v = Random(b * t * hkv * dk, 13);
   float *tc = nullptr, *simt = nullptr;
@@ -137,8 +147,7 @@ float CrossCheck(int64_t dk, bool async_copies) {
   CHECK_CUDA(cudaMalloc(&simt, b * t * h * dk * 4));
   AttentionParams p = Params(q, k, v, tc, b, t, h, hkv, dk, true);
   p.out_dtype = kF32;
-  FlashPlan plan = Plan(p);
-  plan.async_copies = async_copies;
+  FlashPlan plan = Variant(Plan(p), t, block_m, async_copies);
   CHECK_CUDA(LaunchAttention(p, plan, nullptr));
   p.out = simt;
   plan.kernel = FlashKernel::kSimt;
@@ -181,18 +190,21 @@ int Main(int argc, char** argv) {
   std::printf("# flash_bench on %s (sm_%d%d, %d SMs)\n\n", props.name, props.major, props.minor,
               props.multiProcessorCount);
   for (int64_t dk : {64, 128}) {
-    for (bool async_copies : {true, false}) {
-      const float diff = CrossCheck(dk, async_copies);
-      std::printf("tensor-core (%s copies) vs SIMT kernel, bf16 causal GQA d_k=%lld: max |diff| %.2e %s\n",
-                  async_copies ? "async" : "plain", static_cast<long long>(dk), diff,
-                  diff < 2e-2f ? "ok" : "MISMATCH");
+    for (int block_m : {128, 64}) {
+      for (bool async_copies : {true, false}) {
+        const float diff = CrossCheck(dk, block_m, async_copies);
+        std::printf("tensor-core (%d rows, %s copies) vs SIMT kernel, bf16 causal GQA d_k=%lld: max |diff| %.2e %s\n",
+                    block_m, async_copies ? "async" : "plain", static_cast<long long>(dk), diff,
+                    diff < 2e-2f ? "ok" : "MISMATCH");
+      }
     }
   }
   const double gemm = GemmTflops(**api, 8192);
   std::printf("\ncuBLAS bf16 GEMM 8192^3 (fp32 accumulate): %.1f TFLOP/s\n\n", gemm);
-  // The last column: the same kernel with plain tile loads between barriers (plan.async_copies off).
-  std::printf("| T | d_k | H/Hkv | causal | B | ms | TFLOP/s | of GEMM | plain loads TFLOP/s |\n"
-              "|---|---|---|---|---|---|---|---|---|\n");
+  // The plan's kernel (128 query rows per block, asynchronous tile copies), then the same kernel with plain tile
+  // loads between barriers and with 64-row blocks.
+  std::printf("| T | d_k | H/Hkv | causal | B | ms | TFLOP/s | of GEMM | plain loads TFLOP/s | 64 rows TFLOP/s |\n"
+              "|---|---|---|---|---|---|---|---|---|---|\n");
   const int64_t tokens = 16384, h = 32;
   // Every row has B * T = tokens: one set of random tensors, made once at the largest size, serves them all.
   const int64_t most = tokens * h * 128;
@@ -206,17 +218,18 @@ int Main(int argc, char** argv) {
           const int64_t b = std::max<int64_t>(1, tokens / t);
           const AttentionParams p = Params(q, k, v, o, b, t, h, hkv, dk, causal);
           const FlashPlan plan = Plan(p);
-          FlashPlan plain = plan;
-          plain.async_copies = false;
+          const FlashPlan plain = Variant(plan, t, plan.block_m, false), short_rows = Variant(plan, t, 64, true);
           const float ms = TimeMs([&] { CHECK_CUDA(LaunchAttention(p, plan, nullptr)); }, quick ? 3 : 7);
           const float plain_ms = TimeMs([&] { CHECK_CUDA(LaunchAttention(p, plain, nullptr)); }, quick ? 3 : 5);
+          const float short_ms = TimeMs([&] { CHECK_CUDA(LaunchAttention(p, short_rows, nullptr)); }, quick ? 3 : 5);
           const double pairs = causal ? t * (t + 1) / 2.0 : static_cast<double>(t) * t;
           const double flop = 4.0 * b * h * dk * pairs;
           const double tflops = flop / (ms * 1e-3) / 1e12;
-          std::printf("| %lld | %lld | %lld/%lld | %s | %lld | %.3f | %.1f | %.0f%% | %.1f |\n",
+          std::printf("| %lld | %lld | %lld/%lld | %s | %lld | %.3f | %.1f | %.0f%% | %.1f | %.1f |\n",
                       static_cast<long long>(t), static_cast<long long>(dk), static_cast<long long>(h),
                       static_cast<long long>(hkv), causal ? "yes" : "no", static_cast<long long>(b), ms, tflops,
-                      gemm > 0 ? 100 * tflops / gemm : 0.0, flop / (plain_ms * 1e-3) / 1e12);
+                      gemm > 0 ? 100 * tflops / gemm : 0.0, flop / (plain_ms * 1e-3) / 1e12,
+                      flop / (short_ms * 1e-3) / 1e12);
         }
       }
     }

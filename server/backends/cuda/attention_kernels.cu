@@ -118,10 +118,10 @@ __global__ void __launch_bounds__(kSimtThreads) SimtAttention(AttentionParams p)
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// Tensor-core kernel (FlashAttention-2's structure): a block of 4 warps owns 64 query rows of one (batch, head);
-// each warp holds its 16 rows of Q as mma.sync A fragments in registers, streams 64-key tiles of K and V through
-// shared memory, computes S = Q K^T and O += P V with m16n8k16 MMAs (fp32 accumulators), and reuses S's
-// accumulator layout as P's A fragments. With kAsync (the plan's async_copies) the tiles come by cp.async in
+// Tensor-core kernel (FlashAttention-2's structure): a block of kWarps warps (4 or 8: the plan's block_m / 16) owns
+// 16 kWarps query rows of one (batch, head); each warp holds its 16 rows of Q as mma.sync A fragments in
+// registers, streams 64-key tiles of K and V through shared memory, computes S = Q K^T and O += P V with m16n8k16
+// MMAs (fp32 accumulators), and reuses S's accumulator layout as P's A fragments. With kAsync (the plan's async_copies) the tiles come by cp.async in
 // FlashAttention-2's order: V(j) is copied while S(j) is computed, K(j + 1) while O += P(j) V(j) is, so that one
 // K tile and one V tile of shared memory suffice. Fragment layouts (PTX ISA, mma.m16n8k16): with g = lane / 4 and
 // t = lane % 4, A holds rows g and g + 8, columns 2t, 2t + 1 and 2t + 8, 2t + 9; B holds columns (k) 2t, 2t + 1 and
@@ -190,12 +190,12 @@ __device__ __forceinline__ void CommitCopies() { asm volatile("cp.async.commit_g
 __device__ __forceinline__ void WaitCopies() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
 
 // Copies `rows` rows of kD 16-bit elements (row stride `stride` elements, 16-byte aligned) into shared memory
-// (row stride kRow); rows past `valid` become zeros. kAsync: with cp.async (then CommitCopies, WaitCopies and a
-// barrier before use); else plain loads (a barrier before use).
-template <bool kAsync, typename T, int kD, int kRow>
+// (row stride kRow) with the block's kThreads threads; rows past `valid` become zeros. kAsync: with cp.async (then
+// CommitCopies, WaitCopies and a barrier before use); else plain loads (a barrier before use).
+template <bool kAsync, int kThreads, typename T, int kD, int kRow>
 __device__ __forceinline__ void LoadTile(T* shared, const T* global, int64_t stride, int rows, int64_t valid) {
   constexpr int kVectors = kD / 8;  // 16-byte vectors per row
-  for (int idx = threadIdx.x; idx < rows * kVectors; idx += kTcThreads) {
+  for (int idx = threadIdx.x; idx < rows * kVectors; idx += kThreads) {
     const int r = idx / kVectors, c = (idx % kVectors) * 8;
     uint4* to = reinterpret_cast<uint4*>(shared + r * kRow + c);
     if (r >= valid) {
@@ -208,34 +208,44 @@ __device__ __forceinline__ void LoadTile(T* shared, const T* global, int64_t str
   }
 }
 
-template <typename T, typename OutT, int kD, bool kAsync>
-__global__ void __launch_bounds__(kTcThreads) TensorCoreAttention(AttentionParams p) {
+template <typename T, typename OutT, int kD, int kWarps, bool kAsync>
+__global__ void __launch_bounds__(32 * kWarps) TensorCoreAttention(AttentionParams p) {
+  constexpr int kThreads = 32 * kWarps, kBlockM = 16 * kWarps;
   constexpr int kRow = kD + 8;  // padded shared-memory row, in elements
-  __shared__ __align__(16) T k_shared[kTcBlockN * kRow];
-  __shared__ __align__(16) T v_shared[kTcBlockN * kRow];
+  // The K tile, then the V tile. Q passes through their room on its way to registers: the V tile's for 64 rows
+  // (the first K tile is copied meanwhile), both for 128.
+  static_assert(kBlockM <= 2 * kTcBlockN, "Q's staging must fit in the K and V tiles");
+  __shared__ __align__(16) T tiles_shared[2 * kTcBlockN * kRow];
+  T* const k_shared = tiles_shared;
+  T* const v_shared = tiles_shared + kTcBlockN * kRow;
+  T* const q_shared = tiles_shared + (2 * kTcBlockN - kBlockM) * kRow;
+  constexpr bool kQInVTile = kBlockM <= kTcBlockN;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   // 32-bit division (64-bit division is a function call): batch * heads < 2^31 (PlanFlash).
   const int heads = static_cast<int>(p.heads);
   const int64_t b = static_cast<int>(blockIdx.x) / heads, h = static_cast<int>(blockIdx.x) % heads;
   const int64_t kv_head = static_cast<int>(h) / (heads / static_cast<int>(p.kv_heads));
-  const int64_t row0 = QueryTileOf(p.causal, gridDim.y, blockIdx.y) * kTcBlockM;
+  const int64_t row0 = QueryTileOf(p.causal, gridDim.y, blockIdx.y) * kBlockM;
   const T* q = static_cast<const T*>(p.q) + (b * p.q_len + row0) * p.q_row_stride + h * kD;
   const T* k = static_cast<const T*>(p.k) + b * p.kv_len * p.kv_row_stride + kv_head * kD;
   const T* v = static_cast<const T*>(p.v) + b * p.kv_len * p.kv_row_stride + kv_head * kD;
   const int64_t key_length = p.key_lengths ? p.key_lengths[b] : -1;
-  const int64_t tiles = KeyTileCount(p.q_len, p.kv_len, p.causal, key_length, row0, kTcBlockM, kTcBlockN);
+  const int64_t tiles = KeyTileCount(p.q_len, p.kv_len, p.causal, key_length, row0, kBlockM, kTcBlockN);
 
-  // Q through v_shared into this warp's A fragments; with async copies the first K tile is on its way meanwhile.
-  LoadTile<kAsync, T, kD, kRow>(v_shared, q, p.q_row_stride, kTcBlockM, p.q_len - row0);
+  // Q into this warp's A fragments through shared memory.
+  LoadTile<kAsync, kThreads, T, kD, kRow>(q_shared, q, p.q_row_stride, kBlockM, p.q_len - row0);
+  if constexpr (kAsync && kQInVTile) {
+    // Q lies in the V tile's room: the first K tile is copied meanwhile.
+    if (tiles > 0) LoadTile<true, kThreads, T, kD, kRow>(k_shared, k, p.kv_row_stride, kTcBlockN, p.kv_len);
+  }
   if constexpr (kAsync) {
-    if (tiles > 0) LoadTile<true, T, kD, kRow>(k_shared, k, p.kv_row_stride, kTcBlockN, p.kv_len);
     CommitCopies();
     WaitCopies();
   }
   __syncthreads();
   uint32_t q_frag[kD / 16][4];
   {
-    const T* base = v_shared + (warp * 16 + g) * kRow + 2 * t;
+    const T* base = q_shared + (warp * 16 + g) * kRow + 2 * t;
     #pragma unroll
     for (int kk = 0; kk < kD / 16; ++kk) {
       q_frag[kk][0] = Pair(base + kk * 16);
@@ -262,19 +272,25 @@ __global__ void __launch_bounds__(kTcThreads) TensorCoreAttention(AttentionParam
   for (int64_t tile = 0; tile < tiles; ++tile) {
     const int64_t key0 = tile * kTcBlockN;
     if constexpr (kAsync) {
+      if (!kQInVTile && tile == 0) {
+        // Q filled the K tile too: every warp has its fragments now, so the first K tile may come.
+        __syncthreads();
+        LoadTile<true, kThreads, T, kD, kRow>(k_shared, k, p.kv_row_stride, kTcBlockN, p.kv_len);
+        CommitCopies();
+      }
       // K(tile) has landed (issued before the previous O += P V) and every warp is done with v_shared (the
       // previous tile's V, or Q): V(tile) goes on its way while S is computed.
       WaitCopies();
       __syncthreads();
-      LoadTile<true, T, kD, kRow>(v_shared, v + key0 * p.kv_row_stride, p.kv_row_stride, kTcBlockN,
-                                  p.kv_len - key0);
+      LoadTile<true, kThreads, T, kD, kRow>(v_shared, v + key0 * p.kv_row_stride, p.kv_row_stride, kTcBlockN,
+                                            p.kv_len - key0);
       CommitCopies();
     } else {
-      __syncthreads();  // every warp is done with the previous tile (and with Q in v_shared)
-      LoadTile<false, T, kD, kRow>(k_shared, k + key0 * p.kv_row_stride, p.kv_row_stride, kTcBlockN,
-                                   p.kv_len - key0);
-      LoadTile<false, T, kD, kRow>(v_shared, v + key0 * p.kv_row_stride, p.kv_row_stride, kTcBlockN,
-                                   p.kv_len - key0);
+      __syncthreads();  // every warp is done with the previous tile (and with Q)
+      LoadTile<false, kThreads, T, kD, kRow>(k_shared, k + key0 * p.kv_row_stride, p.kv_row_stride, kTcBlockN,
+                                             p.kv_len - key0);
+      LoadTile<false, kThreads, T, kD, kRow>(v_shared, v + key0 * p.kv_row_stride, p.kv_row_stride, kTcBlockN,
+                                             p.kv_len - key0);
       __syncthreads();
     }
 
@@ -342,8 +358,8 @@ __global__ void __launch_bounds__(kTcThreads) TensorCoreAttention(AttentionParam
       WaitCopies();
       __syncthreads();
       if (tile + 1 < tiles) {
-        LoadTile<true, T, kD, kRow>(k_shared, k + (key0 + kTcBlockN) * p.kv_row_stride, p.kv_row_stride, kTcBlockN,
-                                    p.kv_len - key0 - kTcBlockN);
+        LoadTile<true, kThreads, T, kD, kRow>(k_shared, k + (key0 + kTcBlockN) * p.kv_row_stride, p.kv_row_stride,
+                                              kTcBlockN, p.kv_len - key0 - kTcBlockN);
       }
       CommitCopies();
     }
@@ -448,23 +464,34 @@ unsigned GridFor(int64_t n) {
   return static_cast<unsigned>(blocks < 4096 ? (blocks < 1 ? 1 : blocks) : 4096);
 }
 
+template <typename T, typename OutT, int kD>
+cudaError_t LaunchTensorCore(const AttentionParams& p, const FlashPlan& plan, cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>(plan.grid_x), static_cast<unsigned>(plan.grid_y));
+  if (plan.block_m == 64) {
+    if (plan.async_copies) {
+      TensorCoreAttention<T, OutT, kD, 4, true><<<grid, 128, 0, stream>>>(p);
+    } else {
+      TensorCoreAttention<T, OutT, kD, 4, false><<<grid, 128, 0, stream>>>(p);
+    }
+  } else if (plan.block_m == 128) {
+    if (plan.async_copies) {
+      TensorCoreAttention<T, OutT, kD, 8, true><<<grid, 256, 0, stream>>>(p);
+    } else {
+      TensorCoreAttention<T, OutT, kD, 8, false><<<grid, 256, 0, stream>>>(p);
+    }
+  } else {
+    return cudaErrorInvalidValue;
+  }
+  return cudaGetLastError();
+}
+
 template <typename T, typename OutT>
 cudaError_t LaunchTyped(const AttentionParams& p, const FlashPlan& plan, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(plan.grid_x), static_cast<unsigned>(plan.grid_y));
   if (plan.kernel == FlashKernel::kTensorCore) {
     if constexpr (!std::is_same_v<T, float>) {
-      if (p.head_dim == 64) {
-        if (plan.async_copies) {
-          TensorCoreAttention<T, OutT, 64, true><<<grid, kTcThreads, 0, stream>>>(p);
-        } else {
-          TensorCoreAttention<T, OutT, 64, false><<<grid, kTcThreads, 0, stream>>>(p);
-        }
-      } else if (plan.async_copies) {
-        TensorCoreAttention<T, OutT, 128, true><<<grid, kTcThreads, 0, stream>>>(p);
-      } else {
-        TensorCoreAttention<T, OutT, 128, false><<<grid, kTcThreads, 0, stream>>>(p);
-      }
-      return cudaGetLastError();
+      if (p.head_dim == 64) return LaunchTensorCore<T, OutT, 64>(p, plan, stream);
+      return LaunchTensorCore<T, OutT, 128>(p, plan, stream);
     }
     return cudaErrorInvalidValue;
   }

@@ -20,9 +20,9 @@ absl::StatusOr<FlashPlan> PlanFlash(const AttentionShape& s, v1::DataType dtype)
     plan.block_n = kTcBlockN;
     plan.threads = kTcThreads;
     plan.async_copies = true;
-    // One K tile and one V tile in 16-bit (the Q tile passes through the K tile's room on its way to registers),
-    // each row padded by 8 elements (16 bytes) so that the fragment loads of a warp's 8 row groups fall on
-    // different banks.
+    // One K tile and one V tile in 16-bit (the Q tile passes through their room on its way to registers), each
+    // row padded by 8 elements (16 bytes) so that the fragment loads of a warp's 8 row groups fall on different
+    // banks.
     const int64_t row = (h.head_dim + 8) * 2;
     plan.smem_bytes = 2 * kTcBlockN * row;
   } else {

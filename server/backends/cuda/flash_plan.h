@@ -20,10 +20,12 @@ namespace cuda {
 
 // The largest head_dim any kernel computes (the SIMT kernel keeps head_dim / 32 values per lane in registers).
 inline constexpr int kMaxHeadDim = 256;
-// The tensor-core kernel: 4 warps of 16 query rows each, key tiles of 64.
-inline constexpr int kTcBlockM = 64;
+// The tensor-core kernel: warps of 16 query rows each, 8 of them by default (128 query rows per block, so that each
+// K/V tile read from L2 serves twice the rows of a 4-warp block; 4 warps is the other compiled choice), key tiles
+// of 64.
+inline constexpr int kTcBlockM = 128;
 inline constexpr int kTcBlockN = 64;
-inline constexpr int kTcThreads = 128;
+inline constexpr int kTcThreads = 2 * kTcBlockM;
 // The SIMT kernel: one warp per query row, 4 warps per block, keys in steps of 32 (one per lane).
 inline constexpr int kSimtWarps = 4;
 inline constexpr int kSimtThreads = 32 * kSimtWarps;
@@ -66,7 +68,7 @@ enum class FlashKernel { kTensorCore, kSimt };
 // One launch of the attention kernel: grid (batch * heads, query tiles), `threads` per block.
 struct FlashPlan {
   FlashKernel kernel = FlashKernel::kSimt;
-  int block_m = 0;          // query rows per block
+  int block_m = 0;          // query rows per block (tensor cores: 64 or 128, 16 per warp)
   int block_n = 0;          // keys per tile
   int threads = 0;          // per block
   int64_t grid_x = 0;       // batch * num_heads
