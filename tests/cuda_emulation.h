@@ -1,0 +1,325 @@
+// Runs CUDA device code on the host, for tests on machines without a GPU. Each CUDA thread of a block is a fiber
+// (ucontext) on the calling thread, blocks run one after another, and `__shared__` arrays are static (the running
+// block owns them). A fiber runs until it reaches __syncthreads, __syncwarp or a warp-wide instruction, and the
+// lowest-numbered thread that can go on goes next, so threads and warps run as far ahead of the others as the code
+// lets them: a read of shared memory that lacks its barrier sees what was there before, not what another warp was
+// to write. The warp-wide instructions the kernels use are computed
+// from their definitions in NVIDIA's PTX ISA: mma.sync.aligned.m16n8k16.row.col (bf16 or fp16 inputs, fp32
+// accumulators, the fragment layouts), ldmatrix.sync.aligned.m8n8.x4 (plain and .trans), shuffles; and cp.async,
+// whose copies land at the thread's wait_group, not before. What this cannot show: speed, the hardware's order of
+// accumulation, and races between threads that do not meet at a barrier (they run one after another here).
+//
+// Define MHA_CUDA_EMULATION and include this before the kernels' header. Not thread-safe: one Launch at a time.
+#ifndef MHA_TESTS_CUDA_EMULATION_H_
+#define MHA_TESTS_CUDA_EMULATION_H_
+
+#ifndef MHA_CUDA_EMULATION
+#error "define MHA_CUDA_EMULATION before including tests/cuda_emulation.h"
+#endif
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <ucontext.h>
+#include <vector_functions.h>
+#include <vector_types.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "proto/mha/v1/tensor_codec.h"
+
+// The CUDA host headers define the space qualifiers as nothing for a host compiler; here shared arrays must be
+// shared by the block's threads.
+#undef __shared__
+#define __shared__ static
+#define __launch_bounds__(...)
+
+// The built-in variables of the running fiber.
+inline uint3 threadIdx;
+inline uint3 blockIdx;
+inline dim3 blockDim;
+inline dim3 gridDim;
+
+inline float __expf(float x) { return std::exp(x); }
+
+namespace mha {
+namespace emulation {
+
+// One block's fibers and what they wait for.
+class Block {
+ public:
+  static constexpr size_t kStackBytes = 256 * 1024;
+
+  // Runs `body` once per thread of a block of `threads` (a multiple of 32). Returns an empty string, or why the
+  // block could not finish (its threads wait at barriers that never complete).
+  std::string Run(unsigned threads, const std::function<void()>& body) {
+    body_ = &body;
+    fibers_.clear();
+    fibers_.resize(threads);
+    warps_.assign((threads + 31) / 32, Warp());
+    block_barrier_ = Barrier();
+    for (unsigned t = 0; t < threads; ++t) {
+      Fiber& f = fibers_[t];
+      f.stack = std::make_unique<char[]>(kStackBytes);
+      getcontext(&f.context);
+      f.context.uc_stack.ss_sp = f.stack.get();
+      f.context.uc_stack.ss_size = kStackBytes;
+      f.context.uc_link = &scheduler_;
+      makecontext(&f.context, &Block::Trampoline, 0);
+    }
+    // Always the lowest runnable thread next: warp 0 runs through its warp-wide steps as far as it can before warp
+    // 1 starts, so that the warps drift as far apart as the code allows and a missing __syncthreads shows.
+    for (;;) {
+      bool live = false;
+      unsigned next = threads;
+      for (unsigned t = 0; t < threads; ++t) {
+        if (fibers_[t].done) continue;
+        live = true;
+        if (Runnable(t)) {
+          next = t;
+          break;
+        }
+      }
+      if (!live) return "";
+      if (next == threads) return "deadlock: every live thread waits at a barrier that cannot complete";
+      Fiber& f = fibers_[next];
+      current_ = next;
+      threadIdx = make_uint3(next, 0, 0);
+      swapcontext(&scheduler_, &f.context);
+      if (f.finished_body) f.done = true;
+    }
+  }
+
+  // __syncthreads: every thread of the block that has not exited.
+  void SyncThreads() { Wait(&block_barrier_, LiveThreads()); }
+  // __syncwarp (full mask): the warp's threads that have not exited.
+  void SyncWarp() { Wait(&warps_[current_ / 32].barrier, LiveLanes(current_ / 32)); }
+
+  // The 32 registers the lanes of this thread's warp put in, once all have: the exchange behind the warp-wide
+  // instructions. Each lane gives `value` (up to 8 words) and gets the warp's values.
+  template <typename Value>
+  std::vector<Value> Exchange(const Value& value) {
+    Warp& warp = warps_[current_ / 32];
+    auto& slots = warp.slots;
+    if (slots.size() < 32 * sizeof(Value)) slots.resize(32 * sizeof(Value));
+    std::memcpy(slots.data() + (current_ % 32) * sizeof(Value), &value, sizeof(Value));
+    SyncWarp();
+    std::vector<Value> all(32);
+    std::memcpy(all.data(), slots.data(), 32 * sizeof(Value));
+    SyncWarp();  // nobody overwrites the slots before every lane has read them
+    return all;
+  }
+
+  unsigned lane() const { return current_ % 32; }
+
+  // cp.async: the copy waits in this thread's list until WaitCopies.
+  void CopyAsync(void* to, const void* from, size_t bytes) {
+    Fiber& f = fibers_[current_];
+    f.pending.push_back({to, from, bytes});
+  }
+  void WaitCopies() {
+    Fiber& f = fibers_[current_];
+    for (const Copy& c : f.pending) std::memcpy(c.to, c.from, c.bytes);
+    f.pending.clear();
+  }
+
+  static Block*& Current() {
+    static Block* block = nullptr;
+    return block;
+  }
+
+ private:
+  struct Barrier {
+    uint64_t generation = 0;
+    unsigned arrived = 0;
+  };
+  struct Warp {
+    Barrier barrier;
+    std::vector<char> slots;
+  };
+  struct Copy {
+    void* to;
+    const void* from;
+    size_t bytes;
+  };
+  struct Fiber {
+    ucontext_t context;
+    std::unique_ptr<char[]> stack;
+    bool done = false, finished_body = false;
+    const Barrier* waiting = nullptr;  // null: runnable
+    uint64_t waiting_generation = 0;
+    std::vector<Copy> pending;
+  };
+
+  static void Trampoline() {
+    Block* block = Current();
+    (*block->body_)();
+    block->fibers_[block->current_].finished_body = true;  // uc_link returns to the scheduler
+  }
+
+  bool Runnable(unsigned t) const {
+    const Fiber& f = fibers_[t];
+    return f.waiting == nullptr || f.waiting->generation != f.waiting_generation;
+  }
+
+  unsigned LiveThreads() const {
+    unsigned n = 0;
+    for (const Fiber& f : fibers_) n += f.done || f.finished_body ? 0 : 1;
+    return n;
+  }
+  unsigned LiveLanes(unsigned warp) const {
+    unsigned n = 0;
+    for (unsigned t = 32 * warp; t < 32 * warp + 32 && t < fibers_.size(); ++t) {
+      n += fibers_[t].done || fibers_[t].finished_body ? 0 : 1;
+    }
+    return n;
+  }
+
+  // Arrives at `barrier` of `participants` threads and returns once it has completed.
+  void Wait(Barrier* barrier, unsigned participants) {
+    Fiber& f = fibers_[current_];
+    if (++barrier->arrived == participants) {
+      barrier->arrived = 0;
+      ++barrier->generation;
+      return;
+    }
+    f.waiting = barrier;
+    f.waiting_generation = barrier->generation;
+    swapcontext(&f.context, &scheduler_);  // back when the barrier's generation has moved on
+    f.waiting = nullptr;
+  }
+
+  const std::function<void()>* body_ = nullptr;
+  std::vector<Fiber> fibers_;
+  std::vector<Warp> warps_;
+  Barrier block_barrier_;
+  ucontext_t scheduler_;
+  unsigned current_ = 0;
+};
+
+// Runs `kernel(args...)` over `grid` blocks of `threads`, blocks one after another. Returns "" or why a block could
+// not finish.
+template <typename... Args>
+std::string Launch(void (*kernel)(Args...), dim3 grid, unsigned threads, Args... args) {
+  Block block;
+  Block::Current() = &block;
+  gridDim = grid;
+  blockDim = dim3(threads);
+  const std::function<void()> body = [&] { kernel(args...); };
+  for (unsigned z = 0; z < grid.z; ++z) {
+    for (unsigned y = 0; y < grid.y; ++y) {
+      for (unsigned x = 0; x < grid.x; ++x) {
+        blockIdx = make_uint3(x, y, z);
+        std::string error = block.Run(threads, body);
+        if (!error.empty()) return error;
+      }
+    }
+  }
+  Block::Current() = nullptr;
+  return "";
+}
+
+// A 16-bit element of a register: the lower address in the low half.
+inline uint16_t Half(uint32_t reg, int high) { return static_cast<uint16_t>(high ? reg >> 16 : reg & 0xffff); }
+
+// A 16-bit element's value (the codec's conversions, independent of CUDA's types).
+template <typename T>
+float Widen(uint16_t bits) {
+  return std::is_same_v<T, __half> ? HalfToFloat(bits) : Bf16ToFloat(bits);
+}
+
+// mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}.{bf16,f16}.f32, from the PTX ISA's fragment layouts: with
+// g = lane / 4 and t = lane % 4, register i of A holds row g (i = 0, 2) or g + 8 (i = 1, 3), columns 2t, 2t + 1,
+// plus 8 for i = 2, 3; register i of B holds rows (k) 2t, 2t + 1, plus 8 for i = 1, of column (n) g; C's c0, c1 are
+// row g, columns 2t, 2t + 1, and c2, c3 row g + 8. Products and sums in fp32.
+template <typename T>
+void Mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  struct Fragments {
+    uint32_t a[4], b[2];
+  };
+  Fragments mine{{a[0], a[1], a[2], a[3]}, {b0, b1}};
+  const std::vector<Fragments> all = Block::Current()->Exchange(mine);
+  float A[16][16], B[16][8];
+  for (int lane = 0; lane < 32; ++lane) {
+    const int g = lane / 4, t = lane % 4;
+    for (int i = 0; i < 4; ++i) {
+      const int row = g + (i % 2) * 8, col = 2 * t + (i / 2) * 8;
+      A[row][col] = Widen<T>(Half(all[lane].a[i], 0));
+      A[row][col + 1] = Widen<T>(Half(all[lane].a[i], 1));
+    }
+    for (int i = 0; i < 2; ++i) {
+      const int row = 2 * t + i * 8;
+      B[row][g] = Widen<T>(Half(all[lane].b[i], 0));
+      B[row + 1][g] = Widen<T>(Half(all[lane].b[i], 1));
+    }
+  }
+  const int lane = static_cast<int>(Block::Current()->lane()), g = lane / 4, t = lane % 4;
+  for (int i = 0; i < 4; ++i) {
+    const int row = g + (i / 2) * 8, col = 2 * t + (i % 2);
+    float sum = 0.0f;
+    for (int k = 0; k < 16; ++k) sum += A[row][k] * B[k][col];
+    c[i] += sum;
+  }
+}
+
+// ldmatrix.sync.aligned.m8n8.x4.shared.b16: lane i gives the address of row i % 8 of matrix i / 8; lane l receives
+// in r[j] row l / 4, columns 2 (l % 4) and 2 (l % 4) + 1 of matrix j, or with .trans rows 2 (l % 4) and
+// 2 (l % 4) + 1 of column l / 4.
+inline void LoadMatrix(uint32_t (&r)[4], const void* shared, bool transposed) {
+  const std::vector<const char*> rows = Block::Current()->Exchange(static_cast<const char*>(shared));
+  const int lane = static_cast<int>(Block::Current()->lane());
+  for (int j = 0; j < 4; ++j) {
+    uint16_t lo, hi;
+    if (!transposed) {
+      std::memcpy(&lo, rows[8 * j + lane / 4] + 2 * (2 * (lane % 4)), 2);
+      std::memcpy(&hi, rows[8 * j + lane / 4] + 2 * (2 * (lane % 4) + 1), 2);
+    } else {
+      std::memcpy(&lo, rows[8 * j + 2 * (lane % 4)] + 2 * (lane / 4), 2);
+      std::memcpy(&hi, rows[8 * j + 2 * (lane % 4) + 1] + 2 * (lane / 4), 2);
+    }
+    r[j] = static_cast<uint32_t>(lo) | static_cast<uint32_t>(hi) << 16;
+  }
+}
+
+}  // namespace emulation
+}  // namespace mha
+
+inline void __syncthreads() { mha::emulation::Block::Current()->SyncThreads(); }
+inline void __syncwarp(unsigned = 0xffffffffu) { mha::emulation::Block::Current()->SyncWarp(); }
+inline float __shfl_xor_sync(unsigned, float value, int lane_mask) {
+  const std::vector<float> all = mha::emulation::Block::Current()->Exchange(value);
+  return all[mha::emulation::Block::Current()->lane() ^ static_cast<unsigned>(lane_mask)];
+}
+inline float __shfl_sync(unsigned, float value, int src_lane) {
+  const std::vector<float> all = mha::emulation::Block::Current()->Exchange(value);
+  return all[static_cast<unsigned>(src_lane) % 32];
+}
+
+// What attention_kernels.cuh leaves out under MHA_CUDA_EMULATION: its inline PTX, one function each.
+namespace mha {
+namespace cuda {
+namespace device {
+inline void MmaBf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  emulation::Mma<__nv_bfloat16>(c, a, b0, b1);
+}
+inline void MmaF16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  emulation::Mma<__half>(c, a, b0, b1);
+}
+inline void LoadMatrices(uint32_t (&r)[4], const void* shared) { emulation::LoadMatrix(r, shared, false); }
+inline void LoadMatricesTransposed(uint32_t (&r)[4], const void* shared) { emulation::LoadMatrix(r, shared, true); }
+inline void CopyAsync16(void* shared, const void* global) {
+  emulation::Block::Current()->CopyAsync(shared, global, 16);
+}
+inline void CommitCopies() {}
+inline void WaitCopies() { emulation::Block::Current()->WaitCopies(); }
+}  // namespace device
+}  // namespace cuda
+}  // namespace mha
+
+#endif  // MHA_TESTS_CUDA_EMULATION_H_
