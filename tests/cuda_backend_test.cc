@@ -56,6 +56,19 @@ TEST(FlashPlan, SixteenBitHeadDims64And128RunOnTensorCores) {
   }
 }
 
+TEST(FlashPlan, TensorCoreVariantsChangeRowsWarpsAndCopiesOnly) {
+  const cuda::FlashPlan plan = *cuda::PlanFlash(Shape(2, 1000, 1000, 32, 8, 128), v1::BF16);
+  const cuda::FlashPlan variant = cuda::TensorCoreVariant(plan, 1000, 64, false);
+  EXPECT_EQ(variant.kernel, cuda::FlashKernel::kTensorCore);
+  EXPECT_EQ(variant.block_m, 64);
+  EXPECT_EQ(variant.threads, 128);  // 4 warps
+  EXPECT_EQ(variant.grid_y, 16);    // ceil(1000 / 64)
+  EXPECT_FALSE(variant.async_copies);
+  EXPECT_EQ(variant.grid_x, plan.grid_x);
+  EXPECT_EQ(variant.block_n, plan.block_n);
+  EXPECT_EQ(variant.smem_bytes, plan.smem_bytes);
+}
+
 TEST(FlashPlan, Fp32AndOtherHeadDimsRunOnTheSimtKernel) {
   struct Case {
     v1::DataType dtype;

@@ -144,10 +144,7 @@ TEST_P(EmulatedKernelTest, MatchesTheReference) {
   cuda::FlashPlan plan = *planned;
   if (c.block_m != 0) {
     ASSERT_EQ(plan.kernel, cuda::FlashKernel::kTensorCore);
-    plan.block_m = c.block_m;
-    plan.threads = 2 * c.block_m;
-    plan.grid_y = (c.q_len + c.block_m - 1) / c.block_m;
-    plan.async_copies = c.async_copies;
+    plan = cuda::TensorCoreVariant(plan, c.q_len, c.block_m, c.async_copies);
   }
   const v1::DataType out_dtype = c.fp32_out ? v1::FP32 : c.dtype;
   std::vector<uint8_t> out(q_count * DTypeSize(out_dtype), 0xff);  // NaN-ish until written

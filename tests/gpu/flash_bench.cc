@@ -127,16 +127,6 @@ FlashPlan Plan(const AttentionParams& p) {
   return *PlanFlash(s, v1::BF16);
 }
 
-// The tensor-core plan `plan` as another of its compiled variants: `block_m` query rows per block (64 or 128),
-// tiles copied asynchronously or not.
-FlashPlan Variant(FlashPlan plan, int64_t q_len, int block_m, bool async_copies) {
-  plan.block_m = block_m;
-  plan.threads = 2 * block_m;
-  plan.grid_y = (q_len + block_m - 1) / block_m;
-  plan.async_copies = async_copies;
-  return plan;
-}
-
 // A variant of the tensor-core kernel against the SIMT kernel (fp32 arithmetic throughout) on one causal GQA case;
 // returns the largest absolute difference of the outputs.
 float CrossCheck(int64_t dk, int block_m, bool async_copies) {
@@ -147,7 +137,7 @@ float CrossCheck(int64_t dk, int block_m, bool async_copies) {
   CHECK_CUDA(cudaMalloc(&simt, b * t * h * dk * 4));
   AttentionParams p = Params(q, k, v, tc, b, t, h, hkv, dk, true);
   p.out_dtype = kF32;
-  FlashPlan plan = Variant(Plan(p), t, block_m, async_copies);
+  FlashPlan plan = TensorCoreVariant(Plan(p), t, block_m, async_copies);
   CHECK_CUDA(LaunchAttention(p, plan, nullptr));
   p.out = simt;
   plan.kernel = FlashKernel::kSimt;
@@ -218,7 +208,8 @@ int Main(int argc, char** argv) {
           const int64_t b = std::max<int64_t>(1, tokens / t);
           const AttentionParams p = Params(q, k, v, o, b, t, h, hkv, dk, causal);
           const FlashPlan plan = Plan(p);
-          const FlashPlan plain = Variant(plan, t, plan.block_m, false), short_rows = Variant(plan, t, 64, true);
+          const FlashPlan plain = TensorCoreVariant(plan, t, plan.block_m, false);
+          const FlashPlan short_rows = TensorCoreVariant(plan, t, 64, true);
           const float ms = TimeMs([&] { CHECK_CUDA(LaunchAttention(p, plan, nullptr)); }, quick ? 3 : 7);
           const float plain_ms = TimeMs([&] { CHECK_CUDA(LaunchAttention(p, plain, nullptr)); }, quick ? 3 : 5);
           const float short_ms = TimeMs([&] { CHECK_CUDA(LaunchAttention(p, short_rows, nullptr)); }, quick ? 3 : 5);

@@ -13,13 +13,12 @@ absl::StatusOr<FlashPlan> PlanFlash(const AttentionShape& s, v1::DataType dtype)
         absl::StrCat("the CUDA kernels compute head_dim up to ", kMaxHeadDim, ", got ", h.head_dim));
   }
   FlashPlan plan;
+  plan.grid_x = s.batch * h.num_heads;
   const bool tensor_cores = (dtype == v1::FP16 || dtype == v1::BF16) && (h.head_dim == 64 || h.head_dim == 128);
   if (tensor_cores) {
     plan.kernel = FlashKernel::kTensorCore;
-    plan.block_m = kTcBlockM;
     plan.block_n = kTcBlockN;
-    plan.threads = kTcThreads;
-    plan.async_copies = true;
+    plan = TensorCoreVariant(plan, s.q_len, kTcBlockM, true);
     // One K tile and one V tile in 16-bit (the Q tile passes through their room on its way to registers), each
     // row padded by 8 elements (16 bytes) so that the fragment loads of a warp's 8 row groups fall on different
     // banks.
@@ -32,9 +31,8 @@ absl::StatusOr<FlashPlan> PlanFlash(const AttentionShape& s, v1::DataType dtype)
     plan.threads = kSimtThreads;
     // Each warp's query row in fp32, padded to the kernel's register chunks of 32.
     plan.smem_bytes = kSimtWarps * ((h.head_dim + 31) / 32 * 32) * 4;
+    plan.grid_y = (s.q_len + plan.block_m - 1) / plan.block_m;
   }
-  plan.grid_x = s.batch * h.num_heads;
-  plan.grid_y = (s.q_len + plan.block_m - 1) / plan.block_m;
   if (plan.grid_y > kMaxGridYZ) {
     return absl::UnimplementedError(absl::StrCat("the CUDA kernels run up to ", kMaxGridYZ * plan.block_m,
                                                  " query rows at this head_dim and dtype, got ", s.q_len));
@@ -42,6 +40,14 @@ absl::StatusOr<FlashPlan> PlanFlash(const AttentionShape& s, v1::DataType dtype)
   if (plan.grid_x > int64_t{0x7fffffff}) {
     return absl::UnimplementedError(absl::StrCat("batch * num_heads above 2^31 - 1: ", plan.grid_x));
   }
+  return plan;
+}
+
+FlashPlan TensorCoreVariant(FlashPlan plan, int64_t q_len, int block_m, bool async_copies) {
+  plan.block_m = block_m;
+  plan.threads = 2 * block_m;  // a warp per 16 rows
+  plan.grid_y = (q_len + block_m - 1) / block_m;
+  plan.async_copies = async_copies;
   return plan;
 }
 

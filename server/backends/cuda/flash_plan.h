@@ -25,7 +25,6 @@ inline constexpr int kMaxHeadDim = 256;
 // of 64.
 inline constexpr int kTcBlockM = 128;
 inline constexpr int kTcBlockN = 64;
-inline constexpr int kTcThreads = 2 * kTcBlockM;
 // The SIMT kernel: one warp per query row, 4 warps per block, keys in steps of 32 (one per lane).
 inline constexpr int kSimtWarps = 4;
 inline constexpr int kSimtThreads = 32 * kSimtWarps;
@@ -85,6 +84,11 @@ struct FlashPlan {
 // tensor-core kernel serves fp16 and bf16 with head_dim 64 or 128; every other case takes the SIMT kernel.
 // UNIMPLEMENTED when no kernel computes the shape (head_dim above kMaxHeadDim, a grid beyond CUDA's limits).
 absl::StatusOr<FlashPlan> PlanFlash(const AttentionShape& shape, v1::DataType dtype);
+
+// `plan` (a tensor-core plan) as another of the kernel's compiled variants: `block_m` query rows per block (64 or
+// 128: 4 or 8 warps of 16 rows), its tiles copied asynchronously or not. For the benchmark and the tests that
+// compare the variants; PlanFlash makes its choice through it too.
+FlashPlan TensorCoreVariant(FlashPlan plan, int64_t q_len, int block_m, bool async_copies);
 
 // What the CUDA backend computes: every dtype, mask and option, with head_dim up to kMaxHeadDim. UNIMPLEMENTED,
 // saying why, otherwise.
