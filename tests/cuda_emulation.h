@@ -46,8 +46,6 @@ inline uint3 blockIdx;
 inline dim3 blockDim;
 inline dim3 gridDim;
 
-inline float __expf(float x) { return std::exp(x); }
-
 namespace mha {
 namespace emulation {
 

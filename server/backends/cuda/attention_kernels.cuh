@@ -27,6 +27,7 @@ namespace cuda {
 namespace device {
 
 constexpr unsigned kFullMask = 0xffffffffu;
+constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
 
 __device__ __forceinline__ float ToFloat(float x) { return x; }
 __device__ __forceinline__ float ToFloat(__half x) { return __half2float(x); }
@@ -283,7 +284,10 @@ __global__ void __launch_bounds__(32 * kWarps) TensorCoreAttention(AttentionPara
     visible[r] = rows[r] < p.q_len ? VisibleKeyEnd(p.q_len, p.kv_len, p.causal, key_length, rows[r]) : 0;
     mask[r] = rows[r] < p.q_len ? MaskRow(p, b, rows[r]) : nullptr;
   }
+  // The running max m is kept in the log2 domain (scores times log2 e), where exp2 is the hardware's exponential
+  // and the scale folds into one multiply.
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+  const float scale_log2 = p.scale * kLog2e;
   float o[kD / 8][4];
   #pragma unroll
   for (int nb = 0; nb < kD / 8; ++nb) o[nb][0] = o[nb][1] = o[nb][2] = o[nb][3] = 0.0f;
@@ -328,21 +332,35 @@ __global__ void __launch_bounds__(32 * kWarps) TensorCoreAttention(AttentionPara
         Mma<T>::Run(s[nb], q_frag[kk + 1], b[2], b[3]);
       }
     }
-    // Scale, mask, and each row's running max over the quad of threads that shares it.
+    // Scale (into the log2 domain), mask, and each row's running max over the quad of threads that shares it. A
+    // tile whose keys both of this thread's rows see in full, without an additive mask, needs no test per key.
     float tile_max[2] = {-INFINITY, -INFINITY};
-    #pragma unroll
-    for (int nb = 0; nb < kTcBlockN / 8; ++nb) {
+    const bool interior = key0 + kTcBlockN <= visible[0] && key0 + kTcBlockN <= visible[1] && mask[0] == nullptr &&
+                          mask[1] == nullptr;
+    if (interior) {
       #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int r = e >> 1;
-        const int64_t j = key0 + nb * 8 + 2 * t + (e & 1);
-        float score = -INFINITY;
-        if (j < visible[r]) {
-          score = s[nb][e] * p.scale;
-          if (mask[r] != nullptr) score += mask[r][j];
+      for (int nb = 0; nb < kTcBlockN / 8; ++nb) {
+        #pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          s[nb][e] *= scale_log2;
+          tile_max[e >> 1] = fmaxf(tile_max[e >> 1], s[nb][e]);
         }
-        s[nb][e] = score;
-        tile_max[r] = fmaxf(tile_max[r], score);
+      }
+    } else {
+      #pragma unroll
+      for (int nb = 0; nb < kTcBlockN / 8; ++nb) {
+        #pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int r = e >> 1;
+          const int64_t j = key0 + nb * 8 + 2 * t + (e & 1);
+          float score = -INFINITY;
+          if (j < visible[r]) {
+            score = s[nb][e] * scale_log2;
+            if (mask[r] != nullptr) score = fmaf(mask[r][j], kLog2e, score);
+          }
+          s[nb][e] = score;
+          tile_max[r] = fmaxf(tile_max[r], score);
+        }
       }
     }
     float correction[2], base[2];
@@ -352,7 +370,7 @@ __global__ void __launch_bounds__(32 * kWarps) TensorCoreAttention(AttentionPara
       tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(kFullMask, tile_max[r], 2));
       const float m_new = fmaxf(m[r], tile_max[r]);
       base[r] = m_new == -INFINITY ? 0.0f : m_new;
-      correction[r] = __expf(m[r] - base[r]);
+      correction[r] = exp2f(m[r] - base[r]);
       m[r] = m_new;
       l[r] *= correction[r];  // this thread's part of the row sum; the quad adds its parts at the end
     }
@@ -361,7 +379,7 @@ __global__ void __launch_bounds__(32 * kWarps) TensorCoreAttention(AttentionPara
       #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int r = e >> 1;
-        s[nb][e] = __expf(s[nb][e] - base[r]);
+        s[nb][e] = exp2f(s[nb][e] - base[r]);
         l[r] += s[nb][e];
       }
     }
@@ -418,7 +436,8 @@ __global__ void __launch_bounds__(32 * kWarps) TensorCoreAttention(AttentionPara
       out[nb * 8 + 2 * t + 1] = FromFloat<OutT>(o[nb][2 * r + 1] * factor[r]);
     }
     if (p.lse != nullptr && t == 0) {
-      p.lse[(b * p.heads + h) * p.q_len + rows[r]] = l[r] == 0.0f ? -INFINITY : m[r] + logf(l[r]);
+      // m is in log2 units: the natural log-sum-exp is (m + log2 l) ln 2.
+      p.lse[(b * p.heads + h) * p.q_len + rows[r]] = l[r] == 0.0f ? -INFINITY : (m[r] + log2f(l[r])) * kLn2;
     }
   }
 }
