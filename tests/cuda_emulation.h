@@ -99,8 +99,8 @@ class Block {
   // __syncwarp (full mask): the warp's threads that have not exited.
   void SyncWarp() { Wait(&warps_[current_ / 32].barrier, LiveLanes(current_ / 32)); }
 
-  // The 32 registers the lanes of this thread's warp put in, once all have: the exchange behind the warp-wide
-  // instructions. Each lane gives `value` (up to 8 words) and gets the warp's values.
+  // The exchange behind the warp-wide instructions: each lane of this thread's warp gives `value` (trivially
+  // copyable) and gets all 32 lanes' values, indexed by lane, once every lane has given its own.
   template <typename Value>
   std::vector<Value> Exchange(const Value& value) {
     Warp& warp = warps_[current_ / 32];
@@ -215,7 +215,10 @@ std::string Launch(void (*kernel)(Args...), dim3 grid, unsigned threads, Args...
       for (unsigned x = 0; x < grid.x; ++x) {
         blockIdx = make_uint3(x, y, z);
         std::string error = block.Run(threads, body);
-        if (!error.empty()) return error;
+        if (!error.empty()) {
+          Block::Current() = nullptr;
+          return error;
+        }
       }
     }
   }
