@@ -11,10 +11,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <limits>
 #include <ostream>
-#include <random>
 #include <string>
 #include <vector>
 
@@ -22,6 +20,7 @@
 #include "proto/mha/v1/tensor_codec.h"
 #include "server/backends/cuda/flash_plan.h"
 #include "server/backends/reference/reference_backend.h"
+#include "tests/test_util.h"
 
 namespace mha {
 namespace {
@@ -46,37 +45,15 @@ struct Case {
 // P V): about 3x the largest error seen over these cases, so that one key seen or hidden by mistake shows.
 double Tolerance(v1::DataType dtype) { return dtype == v1::FP32 ? 1e-6 : dtype == v1::FP16 ? 6e-4 : 3e-3; }
 
+// `x` in the wire's `dtype` bytes, and back (the codec's conversions).
 std::vector<uint8_t> Encode(const std::vector<float>& x, v1::DataType dtype) {
   std::vector<uint8_t> bytes(x.size() * DTypeSize(dtype));
-  for (size_t i = 0; i < x.size(); ++i) {
-    if (dtype == v1::FP32) {
-      std::memcpy(bytes.data() + 4 * i, &x[i], 4);
-    } else {
-      const uint16_t h = dtype == v1::FP16 ? FloatToHalf(x[i]) : FloatToBf16(x[i]);
-      std::memcpy(bytes.data() + 2 * i, &h, 2);
-    }
-  }
+  EncodeFromFloat(dtype, x.data(), x.size(), bytes.data());
   return bytes;
 }
-
 std::vector<float> Decode(const std::vector<uint8_t>& bytes, v1::DataType dtype) {
   std::vector<float> x(bytes.size() / DTypeSize(dtype));
-  for (size_t i = 0; i < x.size(); ++i) {
-    if (dtype == v1::FP32) {
-      std::memcpy(&x[i], bytes.data() + 4 * i, 4);
-    } else {
-      uint16_t h;
-      std::memcpy(&h, bytes.data() + 2 * i, 2);
-      x[i] = dtype == v1::FP16 ? HalfToFloat(h) : Bf16ToFloat(h);
-    }
-  }
-  return x;
-}
-
-std::vector<float> Uniform(size_t n, float range, std::mt19937* rng) {
-  std::uniform_real_distribution<float> dist(-range, range);
-  std::vector<float> x(n);
-  for (float& v : x) v = dist(*rng);
+  DecodeToFloat(dtype, bytes.data(), x.size(), x.data());
   return x;
 }
 
@@ -94,13 +71,13 @@ TEST_P(EmulatedKernelTest, MatchesTheReference) {
   shape.heads.causal = c.causal;
   shape.heads.scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
 
-  std::mt19937 rng(static_cast<uint32_t>(c.q_len * 131 + c.kv_len * 7 + c.head_dim));
+  const uint32_t seed = static_cast<uint32_t>(c.q_len * 131 + c.kv_len * 7 + c.head_dim);
   const int64_t q_count = c.batch * c.q_len * c.heads * c.head_dim;
   const int64_t kv_count = c.batch * c.kv_len * c.kv_heads * c.head_dim;
   // Queries spread wider than keys, so that the softmax is peaked and a key wrongly seen or hidden shows.
-  const std::vector<uint8_t> q = Encode(Uniform(q_count, 2.0f, &rng), c.dtype);
-  const std::vector<uint8_t> k = Encode(Uniform(kv_count, 1.0f, &rng), c.dtype);
-  const std::vector<uint8_t> v = Encode(Uniform(kv_count, 1.0f, &rng), c.dtype);
+  const std::vector<uint8_t> q = Encode(testing::RandomVector(q_count, seed, 2.0f), c.dtype);
+  const std::vector<uint8_t> k = Encode(testing::RandomVector(kv_count, seed + 1), c.dtype);
+  const std::vector<uint8_t> v = Encode(testing::RandomVector(kv_count, seed + 2), c.dtype);
   std::vector<int32_t> lengths;
   if (c.key_lengths) {
     for (int64_t b = 0; b < c.batch; ++b) {
@@ -109,7 +86,7 @@ TEST_P(EmulatedKernelTest, MatchesTheReference) {
   }
   std::vector<float> additive;
   if (c.additive) {
-    additive = Uniform(c.batch * c.q_len * c.kv_len, 1.0f, &rng);
+    additive = testing::RandomVector(c.batch * c.q_len * c.kv_len, seed + 3);
     for (size_t i = 0; i < additive.size(); i += 5) additive[i] = -std::numeric_limits<float>::infinity();
   }
   std::vector<float> head_mask;
@@ -176,30 +153,19 @@ TEST_P(EmulatedKernelTest, MatchesTheReference) {
   ASSERT_NE(launch.kernel, nullptr);
   ASSERT_EQ(emulation::Launch(launch.kernel, launch.grid, launch.threads, p), "");
 
-  const std::vector<float> got = Decode(out, out_dtype);
+  // |got - want| <= tol (1 + |want|): atol = rtol = tol.
   const double tolerance = Tolerance(c.dtype) + (out_dtype == v1::BF16 ? 2e-3 : 0.0);  // the output's rounding
-  int64_t bad = 0;
-  for (int64_t i = 0; i < q_count; ++i) {
-    if (!(std::fabs(got[i] - want[i]) <= tolerance * (1 + std::fabs(want[i])))) {
-      if (++bad <= 5) ADD_FAILURE() << "out[" << i << "] = " << got[i] << ", want " << want[i];
-    }
-  }
-  EXPECT_EQ(bad, 0) << "of " << q_count << " outputs";
+  EXPECT_TRUE(testing::AllClose(Decode(out, out_dtype), want, tolerance, tolerance)) << "outputs";
 
   if (c.weights) {
     std::vector<uint8_t> weights(want_weights.size() * DTypeSize(out_dtype), 0xff);
     const cuda::device::WeightsLaunch pass = cuda::device::ChooseWeightsKernel(p, out_dtype);
     ASSERT_NE(pass.kernel, nullptr);
     ASSERT_EQ(emulation::Launch(pass.kernel, pass.grid, pass.threads, p, static_cast<void*>(weights.data())), "");
-    const std::vector<float> got_weights = Decode(weights, out_dtype);
     const double weight_tolerance = out_dtype == v1::FP32 ? 1e-5 : out_dtype == v1::FP16 ? 1e-3 : 8e-3;
-    bad = 0;
-    for (size_t i = 0; i < want_weights.size(); ++i) {
-      if (!(std::fabs(got_weights[i] - want_weights[i]) <= weight_tolerance * (1e-3 + std::fabs(want_weights[i])))) {
-        if (++bad <= 5) ADD_FAILURE() << "weights[" << i << "] = " << got_weights[i] << ", want " << want_weights[i];
-      }
-    }
-    EXPECT_EQ(bad, 0) << "of " << want_weights.size() << " weights";
+    EXPECT_TRUE(testing::AllClose(Decode(weights, out_dtype), want_weights, 1e-3 * weight_tolerance,
+                                  weight_tolerance))
+        << "weights";
   }
 }
 
