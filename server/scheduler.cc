@@ -46,8 +46,9 @@ std::deque<Scheduler::Queued>::iterator Scheduler::NextFor(bool compute_thread) 
     if (OnComputeThread(item) != compute_thread) continue;
     if (compute_thread) return it;  // one thread: the item's backend runs nothing else here
     const Backend* backend = item.plan().backend;
-    const auto running = running_calls_.find(backend);
-    if (running == running_calls_.end() || running->second < backend->concurrent_calls()) return it;
+    const auto running = std::count_if(running_.begin(), running_.end(),
+                                       [backend](const Running& r) { return r.backend == backend; });
+    if (running < backend->concurrent_calls()) return it;
   }
   return queue_.end();
 }
@@ -189,7 +190,6 @@ void Scheduler::TakeBatchable(const WorkItem& first, int64_t* rows, std::vector<
 }
 
 void Scheduler::Compute(Queued first, std::vector<Queued> batch, std::list<Running>::iterator running) {
-  const Backend* backend = first.item->plan().backend;
   std::vector<Queued> calls;
   calls.push_back(std::move(first));
   for (Queued& q : batch) calls.push_back(std::move(q));
@@ -230,7 +230,6 @@ void Scheduler::Compute(Queued first, std::vector<Queued> batch, std::list<Runni
   }
   absl::MutexLock lock(&mu_);
   running_.erase(running);
-  if (--running_calls_[backend] == 0) running_calls_.erase(backend);
   inflight_bytes_ -= held;
   inflight_ -= static_cast<int>(calls.size());
 }
@@ -254,8 +253,7 @@ void Scheduler::Run(bool compute_thread) {
       queue_.erase(it);
       // Counted as running from here on, through the batching wait below, so that no other thread takes a call
       // of the same backend past its concurrent_calls() and AwaitIdle does not see a gap.
-      running = running_.insert(running_.end(), Running{absl::Now(), next.estimate_s});
-      ++running_calls_[next.item->plan().backend];
+      running = running_.insert(running_.end(), Running{next.item->plan().backend, absl::Now(), next.estimate_s});
       queued_bytes_ -= next.item->request_bytes();
       queued_seconds_ = std::max(0.0, queued_seconds_ - next.estimate_s);
       if (options_.max_batch_rows > 0 && !next.item->plan().batch_key.empty()) {

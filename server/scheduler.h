@@ -99,13 +99,14 @@ class Scheduler {
   // concurrent thread.
   bool OnComputeThread(const WorkItem& item) const;
   // The first waiting item the compute thread (or a concurrent thread) may take now: for a concurrent thread, one
-  // whose backend runs fewer calls than its concurrent_calls(). queue_.end() if none.
+  // whose backend has fewer computations in running_ than its concurrent_calls(). queue_.end() if none.
   std::deque<Queued>::iterator NextFor(bool compute_thread) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Moves the waiting items that can join `first`'s batch into *batch (in queue order) while the batch's rows
   // (B Tq of each call) stay within max_batch_rows; *rows counts them.
   void TakeBatchable(const WorkItem& first, int64_t* rows, std::vector<Queued>* batch)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   struct Running {
+    const Backend* backend;
     absl::Time since;
     double estimate_s;  // the sum of the computation's items' EstimateSeconds
   };
@@ -128,8 +129,7 @@ class Scheduler {
   int64_t inflight_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   int inflight_ ABSL_GUARDED_BY(mu_) = 0;       // queued + running
   double queued_seconds_ ABSL_GUARDED_BY(mu_) = 0;  // sum of the queued items' estimates
-  std::list<Running> running_ ABSL_GUARDED_BY(mu_);                    // the computations under way
-  std::map<const Backend*, int> running_calls_ ABSL_GUARDED_BY(mu_);   // computations under way per backend
+  std::list<Running> running_ ABSL_GUARDED_BY(mu_);  // the computations under way
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::map<const Backend*, double> rates_ ABSL_GUARDED_BY(mu_);  // FLOP/s
   std::vector<std::thread> threads_;  // the compute thread first, then the concurrent threads
