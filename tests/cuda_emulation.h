@@ -1,12 +1,12 @@
-// Runs CUDA device code on the host, for tests on machines without a GPU. Each CUDA thread of a block is a fiber
-// (ucontext) on the calling thread, blocks run one after another, and `__shared__` arrays are static (the running
-// block owns them). A fiber runs until it reaches __syncthreads, __syncwarp or a warp-wide instruction, and the
-// lowest-numbered thread that can go on goes next, so threads and warps run as far ahead of the others as the code
-// lets them: a read of shared memory that lacks its barrier sees what was there before, not what another warp was
-// to write. The warp-wide instructions the kernels use are computed
-// from their definitions in NVIDIA's PTX ISA: mma.sync.aligned.m16n8k16.row.col (bf16 or fp16 inputs, fp32
-// accumulators, the fragment layouts), ldmatrix.sync.aligned.m8n8.x4 (plain and .trans), shuffles; and cp.async,
-// whose copies land at the thread's wait_group, not before. What this cannot show: speed, the hardware's order of
+// Runs CUDA device code on the host, for tests on machines without a GPU. Each CUDA thread of a block is a fiber on the
+// calling thread (its own stack, entered with ucontext, switched with __builtin_setjmp/longjmp), blocks run one after
+// another, and `__shared__` arrays are static (the running block owns them). A fiber runs until it reaches
+// __syncthreads, __syncwarp or a warp-wide instruction, and the lowest-numbered thread that can go on goes next, so
+// threads and warps run as far ahead of the others as the code lets them: a read of shared memory that lacks its
+// barrier sees what was there before, not what another warp was to write. The warp-wide instructions the kernels use
+// are computed from their definitions in NVIDIA's PTX ISA: mma.sync.aligned.m16n8k16.row.col (bf16 or fp16 inputs, fp32
+// accumulators, the fragment layouts), ldmatrix.sync.aligned.m8n8.x4 (plain and .trans), shuffles; and cp.async, whose
+// copies land at the thread's wait_group, not before. What this cannot show: speed, the hardware's order of
 // accumulation, and races between threads that do not meet at a barrier (they run one after another here).
 //
 // Define MHA_CUDA_EMULATION and include this before the kernels' header. Not thread-safe: one Launch at a time.
@@ -23,6 +23,7 @@
 #include <vector_functions.h>
 #include <vector_types.h>
 
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -61,54 +62,50 @@ class Block {
     fibers_.clear();
     fibers_.resize(threads);
     warps_.assign((threads + 31) / 32, Warp());
+    for (unsigned w = 0; w < warps_.size(); ++w) warps_[w].live = threads - 32 * w < 32 ? threads - 32 * w : 32;
+    live_ = threads;
+    lowest_ = 0;
     block_barrier_ = Barrier();
+    if (stacks_.size() < threads) stacks_.resize(threads);  // kept from block to block of a launch
     for (unsigned t = 0; t < threads; ++t) {
       Fiber& f = fibers_[t];
-      f.stack = std::make_unique<char[]>(kStackBytes);
+      if (stacks_[t] == nullptr) stacks_[t] = std::make_unique<char[]>(kStackBytes);
       getcontext(&f.context);
-      f.context.uc_stack.ss_sp = f.stack.get();
+      f.context.uc_stack.ss_sp = stacks_[t].get();
       f.context.uc_stack.ss_size = kStackBytes;
-      f.context.uc_link = &scheduler_;
+      f.context.uc_link = nullptr;  // the body never returns: Trampoline jumps back to the scheduler
       makecontext(&f.context, &Block::Trampoline, 0);
     }
     // Always the lowest runnable thread next: warp 0 runs through its warp-wide steps as far as it can before warp
-    // 1 starts, so that the warps drift as far apart as the code allows and a missing __syncthreads shows.
+    // 1 starts, so that the warps drift as far apart as the code allows and a missing __syncthreads shows. No thread
+    // below lowest_ can run (the search starts there; a completed barrier moves it down to its first thread).
     for (;;) {
-      bool live = false;
-      unsigned next = threads;
-      for (unsigned t = 0; t < threads; ++t) {
-        if (fibers_[t].done) continue;
-        live = true;
-        if (Runnable(t)) {
-          next = t;
-          break;
-        }
-      }
-      if (!live) return "";
+      if (live_ == 0) return "";
+      unsigned next = lowest_;
+      while (next < threads && (fibers_[next].finished_body || !Runnable(next))) ++next;
       if (next == threads) return "deadlock: every live thread waits at a barrier that cannot complete";
-      Fiber& f = fibers_[next];
+      lowest_ = next;
       current_ = next;
       threadIdx = make_uint3(next, 0, 0);
-      swapcontext(&scheduler_, &f.context);
-      if (f.finished_body) f.done = true;
+      Resume(fibers_[next]);
     }
   }
 
   // __syncthreads: every thread of the block that has not exited.
-  void SyncThreads() { Wait(&block_barrier_, LiveThreads()); }
+  void SyncThreads() { Wait(&block_barrier_, live_, 0); }
   // __syncwarp (full mask): the warp's threads that have not exited.
-  void SyncWarp() { Wait(&warps_[current_ / 32].barrier, LiveLanes(current_ / 32)); }
+  void SyncWarp() { Wait(&warps_[current_ / 32].barrier, warps_[current_ / 32].live, current_ / 32 * 32); }
 
   // The exchange behind the warp-wide instructions: each lane of this thread's warp gives `value` (trivially
   // copyable) and gets all 32 lanes' values, indexed by lane, once every lane has given its own.
   template <typename Value>
-  std::vector<Value> Exchange(const Value& value) {
+  std::array<Value, 32> Exchange(const Value& value) {
     Warp& warp = warps_[current_ / 32];
     auto& slots = warp.slots;
     if (slots.size() < 32 * sizeof(Value)) slots.resize(32 * sizeof(Value));
     std::memcpy(slots.data() + (current_ % 32) * sizeof(Value), &value, sizeof(Value));
     SyncWarp();
-    std::vector<Value> all(32);
+    std::array<Value, 32> all;
     std::memcpy(all.data(), slots.data(), 32 * sizeof(Value));
     SyncWarp();  // nobody overwrites the slots before every lane has read them
     return all;
@@ -140,25 +137,48 @@ class Block {
   struct Warp {
     Barrier barrier;
     std::vector<char> slots;
+    unsigned live = 0;  // lanes that have not exited
   };
   struct Copy {
     void* to;
     const void* from;
     size_t bytes;
   };
+
+  // A context switch: __builtin_setjmp saved `buffer` (stack, frame and resume address; the compiler spills every
+  // other register around the setjmp). Unlike swapcontext it makes no system call for the signal mask, which took
+  // three quarters of the emulation's time. Not inlined: GCC forbids the longjmp in the setjmp's own function.
+  [[gnu::noinline]] static void Jump(void** buffer) { __builtin_longjmp(buffer, 1); }
+
   struct Fiber {
-    ucontext_t context;
-    std::unique_ptr<char[]> stack;
-    bool done = false, finished_body = false;
+    ucontext_t context;  // where the fiber starts (Trampoline on its stack)
+    void* resume[5];     // where it goes on after a switch
+    bool entered = false;
+    bool finished_body = false;
     const Barrier* waiting = nullptr;  // null: runnable
     uint64_t waiting_generation = 0;
     std::vector<Copy> pending;
   };
 
+  // Runs fiber `f` until it waits or finishes. Nothing after the setjmp reads a local: the jump back may have
+  // clobbered them.
+  [[gnu::noinline]] void Resume(Fiber& f) {
+    if (__builtin_setjmp(scheduler_) == 0) {
+      if (!f.entered) {
+        f.entered = true;
+        setcontext(&f.context);  // onto the fiber's own stack, the first time
+      }
+      Jump(f.resume);
+    }
+  }
+
   static void Trampoline() {
     Block* block = Current();
     (*block->body_)();
-    block->fibers_[block->current_].finished_body = true;  // uc_link returns to the scheduler
+    block->fibers_[block->current_].finished_body = true;
+    --block->live_;
+    --block->warps_[block->current_ / 32].live;
+    Jump(block->scheduler_);
   }
 
   bool Runnable(unsigned t) const {
@@ -166,38 +186,29 @@ class Block {
     return f.waiting == nullptr || f.waiting->generation != f.waiting_generation;
   }
 
-  unsigned LiveThreads() const {
-    unsigned n = 0;
-    for (const Fiber& f : fibers_) n += f.done || f.finished_body ? 0 : 1;
-    return n;
-  }
-  unsigned LiveLanes(unsigned warp) const {
-    unsigned n = 0;
-    for (unsigned t = 32 * warp; t < 32 * warp + 32 && t < fibers_.size(); ++t) {
-      n += fibers_[t].done || fibers_[t].finished_body ? 0 : 1;
-    }
-    return n;
-  }
-
-  // Arrives at `barrier` of `participants` threads and returns once it has completed.
-  void Wait(Barrier* barrier, unsigned participants) {
+  // Arrives at `barrier` of `participants` threads, the first of them `first`, and returns once it has completed.
+  void Wait(Barrier* barrier, unsigned participants, unsigned first) {
     Fiber& f = fibers_[current_];
     if (++barrier->arrived == participants) {
       barrier->arrived = 0;
       ++barrier->generation;
+      if (first < lowest_) lowest_ = first;  // its waiters may run again
       return;
     }
     f.waiting = barrier;
     f.waiting_generation = barrier->generation;
-    swapcontext(&f.context, &scheduler_);  // back when the barrier's generation has moved on
-    f.waiting = nullptr;
+    if (__builtin_setjmp(f.resume) == 0) Jump(scheduler_);  // back when the barrier's generation has moved on
+    fibers_[current_].waiting = nullptr;  // (current_ is this fiber again; `f` may not have survived the jump)
   }
 
   const std::function<void()>* body_ = nullptr;
   std::vector<Fiber> fibers_;
+  std::vector<std::unique_ptr<char[]>> stacks_;
   std::vector<Warp> warps_;
+  unsigned live_ = 0;    // threads that have not exited
+  unsigned lowest_ = 0;  // no thread below it can run
   Barrier block_barrier_;
-  ucontext_t scheduler_;
+  void* scheduler_[5];
   unsigned current_ = 0;
 };
 
@@ -245,7 +256,7 @@ void Mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
     uint32_t a[4], b[2];
   };
   Fragments mine{{a[0], a[1], a[2], a[3]}, {b0, b1}};
-  const std::vector<Fragments> all = Block::Current()->Exchange(mine);
+  const std::array<Fragments, 32> all = Block::Current()->Exchange(mine);
   float A[16][16], B[16][8];
   for (int lane = 0; lane < 32; ++lane) {
     const int g = lane / 4, t = lane % 4;
@@ -273,7 +284,7 @@ void Mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
 // in r[j] row l / 4, columns 2 (l % 4) and 2 (l % 4) + 1 of matrix j, or with .trans rows 2 (l % 4) and
 // 2 (l % 4) + 1 of column l / 4.
 inline void LoadMatrix(uint32_t (&r)[4], const void* shared, bool transposed) {
-  const std::vector<const char*> rows = Block::Current()->Exchange(static_cast<const char*>(shared));
+  const std::array<const char*, 32> rows = Block::Current()->Exchange(static_cast<const char*>(shared));
   const int lane = static_cast<int>(Block::Current()->lane());
   for (int j = 0; j < 4; ++j) {
     uint16_t lo, hi;
@@ -294,11 +305,11 @@ inline void LoadMatrix(uint32_t (&r)[4], const void* shared, bool transposed) {
 inline void __syncthreads() { mha::emulation::Block::Current()->SyncThreads(); }
 inline void __syncwarp(unsigned = 0xffffffffu) { mha::emulation::Block::Current()->SyncWarp(); }
 inline float __shfl_xor_sync(unsigned, float value, int lane_mask) {
-  const std::vector<float> all = mha::emulation::Block::Current()->Exchange(value);
+  const std::array<float, 32> all = mha::emulation::Block::Current()->Exchange(value);
   return all[mha::emulation::Block::Current()->lane() ^ static_cast<unsigned>(lane_mask)];
 }
 inline float __shfl_sync(unsigned, float value, int src_lane) {
-  const std::vector<float> all = mha::emulation::Block::Current()->Exchange(value);
+  const std::array<float, 32> all = mha::emulation::Block::Current()->Exchange(value);
   return all[static_cast<unsigned>(src_lane) % 32];
 }
 
