@@ -399,6 +399,14 @@ std::vector<Case> Cases() {
     sdpa.sdpa = true;
     sdpa.weights = true;
     cases.push_back(WithDtypes(sdpa, in, in));
+    // PyTorch's finite mask extremes (kExtremes) through the 16-bit attention core at head_dim 64 (the CUDA
+    // backend's tensor-core kernel), weights returned: a row of the lowest float has uniform weights, the largest
+    // float takes all of its row's weight, as in the fp32 cases above.
+    Case extremes = Make("sdpa_dk64_mask_lowest_and_largest_floats_weights", 2, 9, 40, 0, 0, 4, 2, 64);
+    extremes.sdpa = true;
+    extremes.mask = Mask::kExtremes;
+    extremes.weights = true;
+    cases.push_back(WithDtypes(extremes, in, in));
   }
   // bf16 layers and attention-core calls whose head_dim suits the amx tiles (multiples of 32), where a CPU has
   // them: query blocks, tiles and key blocks cut at their edges (Tq = 140 is two query blocks of 128, the second 12

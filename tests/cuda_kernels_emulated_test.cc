@@ -36,7 +36,7 @@ struct Case {
   bool additive = false;     // a per-item additive mask with -inf entries
   bool head_mask = false;
   bool fp32_out = false;     // the kernel writes fp32 (a 16-bit layer's heads are written in their own dtype)
-  bool weights = false;      // row log-sum-exp, then the weights pass
+  bool weights = false;      // row statistics, then the weights pass
 
   friend std::ostream& operator<<(std::ostream& os, const Case& c) { return os << c.name; }
 };
@@ -126,7 +126,7 @@ TEST_P(EmulatedKernelTest, MatchesTheReference) {
   }
   const v1::DataType out_dtype = c.fp32_out ? v1::FP32 : c.dtype;
   std::vector<uint8_t> out(q_count * DTypeSize(out_dtype), 0xff);  // NaN-ish until written
-  std::vector<float> lse(c.weights ? c.batch * c.heads * c.q_len : 0);
+  std::vector<float> row_stats(c.weights ? 2 * c.batch * c.heads * c.q_len : 0);
   cuda::AttentionParams p;
   p.q = q.data();
   p.k = k.data();
@@ -136,7 +136,7 @@ TEST_P(EmulatedKernelTest, MatchesTheReference) {
   p.dtype = c.dtype;
   p.out = out.data();
   p.out_dtype = out_dtype;
-  p.lse = c.weights ? lse.data() : nullptr;
+  p.row_stats = c.weights ? row_stats.data() : nullptr;
   p.key_lengths = c.key_lengths ? lengths.data() : nullptr;
   p.additive = c.additive ? additive.data() : nullptr;
   p.additive_per_batch = true;

@@ -123,7 +123,11 @@ __global__ void __launch_bounds__(kSimtThreads) SimtAttention(AttentionParams p)
     const int d = lane + 32 * c;
     if (d < d_k) out[d] = FromFloat<OutT>(o[c] * factor);
   }
-  if (p.lse != nullptr && lane == 0) p.lse[(b * p.heads + h) * p.q_len + i] = l == 0.0f ? -INFINITY : m + logf(l);
+  if (p.row_stats != nullptr && lane == 0) {
+    float* stats = p.row_stats + 2 * ((b * p.heads + h) * p.q_len + i);
+    stats[0] = m;
+    stats[1] = l;
+  }
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -284,10 +288,13 @@ __global__ void __launch_bounds__(32 * kWarps) TensorCoreAttention(AttentionPara
     visible[r] = rows[r] < p.q_len ? VisibleKeyEnd(p.q_len, p.kv_len, p.causal, key_length, rows[r]) : 0;
     mask[r] = rows[r] < p.q_len ? MaskRow(p, b, rows[r]) : nullptr;
   }
-  // The running max m is kept in the log2 domain (scores times log2 e), where exp2 is the hardware's exponential
-  // and the scale folds into one multiply.
+  // Scores and the running max m are kept in the log2 domain (times log2 e), where exp2 is the hardware's
+  // exponential and the scale folds into one multiply. With an additive mask they stay in natural units and each
+  // exponent is scaled after its subtraction: a finite mask such as PyTorch's finfo(float32).min times log2 e
+  // overflows to -inf (a row of them must get uniform weights, not none), and s - m of two such scores is exact.
+  const bool natural = p.additive != nullptr;
+  const float score_scale = natural ? p.scale : p.scale * kLog2e, to_log2 = natural ? kLog2e : 1.0f;
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
-  const float scale_log2 = p.scale * kLog2e;
   float o[kD / 8][4];
   #pragma unroll
   for (int nb = 0; nb < kD / 8; ++nb) o[nb][0] = o[nb][1] = o[nb][2] = o[nb][3] = 0.0f;
@@ -342,7 +349,7 @@ __global__ void __launch_bounds__(32 * kWarps) TensorCoreAttention(AttentionPara
       for (int nb = 0; nb < kTcBlockN / 8; ++nb) {
         #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          s[nb][e] *= scale_log2;
+          s[nb][e] *= score_scale;
           tile_max[e >> 1] = fmaxf(tile_max[e >> 1], s[nb][e]);
         }
       }
@@ -355,8 +362,8 @@ __global__ void __launch_bounds__(32 * kWarps) TensorCoreAttention(AttentionPara
           const int64_t j = key0 + nb * 8 + 2 * t + (e & 1);
           float score = -INFINITY;
           if (j < visible[r]) {
-            score = s[nb][e] * scale_log2;
-            if (mask[r] != nullptr) score = fmaf(mask[r][j], kLog2e, score);
+            score = s[nb][e] * score_scale;
+            if (mask[r] != nullptr) score += mask[r][j];  // natural units (a mask means natural)
           }
           s[nb][e] = score;
           tile_max[r] = fmaxf(tile_max[r], score);
@@ -370,7 +377,7 @@ __global__ void __launch_bounds__(32 * kWarps) TensorCoreAttention(AttentionPara
       tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(kFullMask, tile_max[r], 2));
       const float m_new = fmaxf(m[r], tile_max[r]);
       base[r] = m_new == -INFINITY ? 0.0f : m_new;
-      correction[r] = exp2f(m[r] - base[r]);
+      correction[r] = exp2f((m[r] - base[r]) * to_log2);
       m[r] = m_new;
       l[r] *= correction[r];  // this thread's part of the row sum; the quad adds its parts at the end
     }
@@ -379,7 +386,7 @@ __global__ void __launch_bounds__(32 * kWarps) TensorCoreAttention(AttentionPara
       #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int r = e >> 1;
-        s[nb][e] = exp2f(s[nb][e] - base[r]);
+        s[nb][e] = exp2f((s[nb][e] - base[r]) * to_log2);
         l[r] += s[nb][e];
       }
     }
@@ -435,15 +442,18 @@ __global__ void __launch_bounds__(32 * kWarps) TensorCoreAttention(AttentionPara
       out[nb * 8 + 2 * t] = FromFloat<OutT>(o[nb][2 * r] * factor[r]);
       out[nb * 8 + 2 * t + 1] = FromFloat<OutT>(o[nb][2 * r + 1] * factor[r]);
     }
-    if (p.lse != nullptr && t == 0) {
-      // m is in log2 units: the natural log-sum-exp is (m + log2 l) ln 2.
-      p.lse[(b * p.heads + h) * p.q_len + rows[r]] = l[r] == 0.0f ? -INFINITY : (m[r] + log2f(l[r])) * kLn2;
+    if (p.row_stats != nullptr && t == 0) {
+      float* stats = p.row_stats + 2 * ((b * p.heads + h) * p.q_len + rows[r]);
+      stats[0] = natural ? m[r] : m[r] * kLn2;
+      stats[1] = l[r];
     }
   }
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// Attention weights from the row log-sum-exp: one warp per query row, lane l writes keys l, l + 32, ...
+// Attention weights exp(s - max) / sum from each row's statistics: one warp per query row, lane l writes keys l,
+// l + 32, ... (Not exp(s - log-sum-exp): where the max is as large as PyTorch's finfo.min, max + log(sum) rounds
+// back to max.)
 template <typename T, typename WeightT>
 __global__ void __launch_bounds__(kSimtThreads) AttentionWeights(AttentionParams p, void* weights) {
   __shared__ float q_shared[kSimtWarps][kMaxHeadDim];
@@ -462,17 +472,18 @@ __global__ void __launch_bounds__(kSimtThreads) AttentionWeights(AttentionParams
   __syncwarp();
   const int64_t n = VisibleKeyEnd(p.q_len, p.kv_len, p.causal, p.key_lengths ? p.key_lengths[b] : -1, i);
   const float* mask = MaskRow(p, b, i);
-  const float lse = p.lse[(b * p.heads + h) * p.q_len + i];
+  const float* stats = p.row_stats + 2 * ((b * p.heads + h) * p.q_len + i);
+  const float row_max = stats[0], row_sum = stats[1];
   WeightT* row = static_cast<WeightT*>(weights) + ((b * p.heads + h) * p.q_len + i) * p.kv_len;
   for (int64_t j = lane; j < p.kv_len; j += 32) {
     float w = 0.0f;
-    if (j < n && lse != -INFINITY) {
+    if (j < n && row_sum != 0.0f) {
       const T* kj = k + j * p.kv_row_stride;
       float dot = 0.0f;
       for (int d = 0; d < d_k; ++d) dot = fmaf(qs[d], ToFloat(kj[d]), dot);
       float s = dot * p.scale;
       if (mask != nullptr) s += mask[j];
-      w = expf(s - lse);  // 0 for a masked (-inf) score
+      w = expf(s - row_max) / row_sum;  // 0 for a masked (-inf) score
     }
     row[j] = FromFloat<WeightT>(w);
   }

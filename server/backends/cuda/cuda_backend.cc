@@ -468,7 +468,7 @@ absl::Status CudaBackend::Impl::Sdpa(const SdpaArgs& a) {
   DeviceMask mask;
   SizeMask(s, a.mask, {}, mask);
   char* out_f32 = nullptr;
-  float* lse = nullptr;
+  float* row_stats = nullptr;
   std::vector<Staged*> staged = {&q, &k, &v, &mask.key_lengths, &mask.additive, &out, &weights};
   const auto carve = [&](char* device, char* host) {
     Carver d(device), p(host);
@@ -477,7 +477,7 @@ absl::Status CudaBackend::Impl::Sdpa(const SdpaArgs& a) {
       x->pinned = p.Take(x->bytes);
     }
     if (!direct) out_f32 = d.Take(q_count * 4);
-    if (weight_count > 0) lse = reinterpret_cast<float*>(d.Take(s.batch * h.num_heads * s.q_len * 4));
+    if (weight_count > 0) row_stats = reinterpret_cast<float*>(d.Take(s.batch * h.num_heads * s.q_len * 8));
     return std::pair<int64_t, int64_t>(d.used(), p.used());
   };
   Lease lane(*this);
@@ -497,7 +497,7 @@ absl::Status CudaBackend::Impl::Sdpa(const SdpaArgs& a) {
   p.dtype = t;
   p.out = direct ? out.device : out_f32;
   p.out_dtype = direct ? out_dtype : cuda::kF32;
-  p.lse = lse;
+  p.row_stats = row_stats;
   RETURN_IF_CUDA_ERROR(cuda::LaunchAttention(p, *plan, lane->stream), "launching attention");
   if (!direct) {
     RETURN_IF_CUDA_ERROR(cuda::LaunchConvert(out_f32, cuda::kF32, out.device, out_dtype, q_count, lane->stream),
@@ -535,7 +535,7 @@ absl::Status CudaBackend::Impl::Mha(const MhaArgs& a) {
   DeviceMask mask;
   SizeMask(s, a.mask, a.head_mask, mask);
   char *projected = nullptr, *heads = nullptr, *out_f32 = nullptr, *layer_matrices = nullptr;
-  float *layer_biases = nullptr, *layer_staging = nullptr, *lse = nullptr;
+  float *layer_biases = nullptr, *layer_staging = nullptr, *row_stats = nullptr;
   std::vector<Staged*> staged = {&query, &key, &value, &mask.key_lengths, &mask.additive, &mask.head_mask,
                                  &out, &weights};
   const auto carve = [&](char* device, char* host) {
@@ -547,7 +547,7 @@ absl::Status CudaBackend::Impl::Mha(const MhaArgs& a) {
     projected = d.Take((q_rows * q_width + 2 * kv_rows * kv_width) * in_size);
     heads = d.Take(q_rows * q_width * in_size);
     if (!direct) out_f32 = d.Take(q_rows * s.d_model * 4);
-    if (weight_count > 0) lse = reinterpret_cast<float*>(d.Take(s.batch * h.num_heads * s.q_len * 4));
+    if (weight_count > 0) row_stats = reinterpret_cast<float*>(d.Take(s.batch * h.num_heads * s.q_len * 8));
     if (inline_layer) {
       layer_matrices = d.Take(offsets.weights * in_size);
       layer_biases = reinterpret_cast<float*>(d.Take(offsets.biases * 4));
@@ -612,7 +612,7 @@ absl::Status CudaBackend::Impl::Mha(const MhaArgs& a) {
   p.dtype = t;
   p.out = heads;
   p.out_dtype = t;
-  p.lse = lse;
+  p.row_stats = row_stats;
   RETURN_IF_CUDA_ERROR(cuda::LaunchAttention(p, *plan, lane->stream), "launching attention");
   if (weight_count > 0) {
     // The weights are softmax alone: the head mask scales the heads' outputs, not their weights.

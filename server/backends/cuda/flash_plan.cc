@@ -69,7 +69,7 @@ int64_t CudaWorkspaceBytes(const AttentionProblem& problem) {
   } else {
     bytes += q_rows * h.q_width() * 4;  // fp32 output before conversion
   }
-  if (problem.return_weights) bytes += s.batch * h.num_heads * s.q_len * 4;  // row log-sum-exp
+  if (problem.return_weights) bytes += s.batch * h.num_heads * s.q_len * 8;  // row max and sum
   return bytes;
 }
 

@@ -28,7 +28,9 @@ struct AttentionParams {
   int dtype = kF32;
   void* out = nullptr;          // [B, Tq, H, d_k] contiguous, in out_dtype (dtype or kF32)
   int out_dtype = kF32;
-  float* lse = nullptr;         // [B, H, Tq] row log-sum-exp (-inf for a row with no visible key), or null
+  // [B, H, Tq, 2]: each row's max score and sum of exp(score - max), natural units (-inf and 0 for a row with no
+  // visible key), or null.
+  float* row_stats = nullptr;
   const int32_t* key_lengths = nullptr;  // [B] or null
   const float* additive = nullptr;       // [Tq, Tk] or [B, Tq, Tk] (additive_per_batch), or null
   bool additive_per_batch = false;
@@ -38,12 +40,12 @@ struct AttentionParams {
   float scale = 1.0f;
 };
 
-// softmax(q k^T scale + mask) v for every (batch, head, query row), as `plan` (PlanFlash) says; writes p.lse when
-// set. A row with no visible key gets zeros (and lse -inf).
+// softmax(q k^T scale + mask) v for every (batch, head, query row), as `plan` (PlanFlash) says; writes
+// p.row_stats when set. A row with no visible key gets zeros.
 cudaError_t LaunchAttention(const AttentionParams& p, const FlashPlan& plan, cudaStream_t stream);
 
-// The attention weights [B, H, Tq, Tk] in weights_dtype, from the row log-sum-exp a LaunchAttention with p.lse set
-// wrote: the second pass of the weights-requested path.
+// The attention weights [B, H, Tq, Tk] in weights_dtype, from the row statistics a LaunchAttention with
+// p.row_stats set wrote: the second pass of the weights-requested path.
 cudaError_t LaunchAttentionWeights(const AttentionParams& p, void* weights, int weights_dtype, cudaStream_t stream);
 
 // rows x n of y (row stride ldy elements, `dtype`) = bias[n] (fp32) on every row.
