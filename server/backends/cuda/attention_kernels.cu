@@ -1,5 +1,6 @@
 // The CUDA backend's launchers: the attention kernels of attention_kernels.cuh, and element-wise helpers (bias rows,
-// dtype conversions).
+// dtype conversions). Under MHA_CUDA_EMULATION (tests/emulated_cuda) g++ compiles this file too, with Enqueue
+// provided by the emulated runtime.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -34,6 +35,15 @@ __global__ void Convert(const S* src, D* dst, int64_t n) {
   }
 }
 
+#ifndef MHA_CUDA_EMULATION
+// kernel<<<grid, threads, 0, stream>>>(args...) and the launch's error: the one place this file launches from.
+template <typename... Params, typename... Args>
+cudaError_t Enqueue(void (*kernel)(Params...), dim3 grid, unsigned threads, cudaStream_t stream, Args... args) {
+  kernel<<<grid, threads, 0, stream>>>(args...);
+  return cudaGetLastError();
+}
+#endif
+
 // Blocks for a grid-stride loop over n elements.
 unsigned GridFor(int64_t n) {
   const int64_t blocks = (n + 255) / 256;
@@ -44,18 +54,14 @@ template <typename S>
 cudaError_t ConvertFrom(const S* src, void* dst, int dst_dtype, int64_t n, cudaStream_t stream) {
   switch (dst_dtype) {
     case kF32:
-      Convert<<<GridFor(n), 256, 0, stream>>>(src, static_cast<float*>(dst), n);
-      break;
+      return Enqueue(Convert<S, float>, GridFor(n), 256, stream, src, static_cast<float*>(dst), n);
     case kF16:
-      Convert<<<GridFor(n), 256, 0, stream>>>(src, static_cast<__half*>(dst), n);
-      break;
+      return Enqueue(Convert<S, __half>, GridFor(n), 256, stream, src, static_cast<__half*>(dst), n);
     case kBF16:
-      Convert<<<GridFor(n), 256, 0, stream>>>(src, static_cast<__nv_bfloat16*>(dst), n);
-      break;
+      return Enqueue(Convert<S, __nv_bfloat16>, GridFor(n), 256, stream, src, static_cast<__nv_bfloat16*>(dst), n);
     default:
       return cudaErrorInvalidValue;
   }
-  return cudaGetLastError();
 }
 
 }  // namespace
@@ -64,16 +70,14 @@ cudaError_t LaunchAttention(const AttentionParams& p, const FlashPlan& plan, cud
   if (p.batch == 0 || p.q_len == 0) return cudaSuccess;
   const device::AttentionLaunch launch = device::ChooseAttentionKernel(p, plan);
   if (launch.kernel == nullptr) return cudaErrorInvalidValue;
-  launch.kernel<<<launch.grid, launch.threads, 0, stream>>>(p);
-  return cudaGetLastError();
+  return Enqueue(launch.kernel, launch.grid, launch.threads, stream, p);
 }
 
 cudaError_t LaunchAttentionWeights(const AttentionParams& p, void* weights, int weights_dtype, cudaStream_t stream) {
   if (p.batch == 0 || p.q_len == 0 || p.kv_len == 0) return cudaSuccess;
   const device::WeightsLaunch launch = device::ChooseWeightsKernel(p, weights_dtype);
   if (launch.kernel == nullptr) return cudaErrorInvalidValue;
-  launch.kernel<<<launch.grid, launch.threads, 0, stream>>>(p, weights);
-  return cudaGetLastError();
+  return Enqueue(launch.kernel, launch.grid, launch.threads, stream, p, weights);
 }
 
 cudaError_t LaunchBroadcastRows(const float* bias, int64_t n, int64_t rows, void* y, int64_t ldy, int dtype,
@@ -82,18 +86,15 @@ cudaError_t LaunchBroadcastRows(const float* bias, int64_t n, int64_t rows, void
   const unsigned grid = GridFor(rows * n);
   switch (dtype) {
     case kF32:
-      BroadcastRows<<<grid, 256, 0, stream>>>(bias, n, rows, static_cast<float*>(y), ldy);
-      break;
+      return Enqueue(BroadcastRows<float>, grid, 256, stream, bias, n, rows, static_cast<float*>(y), ldy);
     case kF16:
-      BroadcastRows<<<grid, 256, 0, stream>>>(bias, n, rows, static_cast<__half*>(y), ldy);
-      break;
+      return Enqueue(BroadcastRows<__half>, grid, 256, stream, bias, n, rows, static_cast<__half*>(y), ldy);
     case kBF16:
-      BroadcastRows<<<grid, 256, 0, stream>>>(bias, n, rows, static_cast<__nv_bfloat16*>(y), ldy);
-      break;
+      return Enqueue(BroadcastRows<__nv_bfloat16>, grid, 256, stream, bias, n, rows,
+                     static_cast<__nv_bfloat16*>(y), ldy);
     default:
       return cudaErrorInvalidValue;
   }
-  return cudaGetLastError();
 }
 
 cudaError_t LaunchConvert(const void* src, int src_dtype, void* dst, int dst_dtype, int64_t n, cudaStream_t stream) {

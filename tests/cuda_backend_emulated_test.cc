@@ -1,0 +1,163 @@
+// The CUDA backend on the emulated runtime and cuBLAS (tests/emulated_cuda) where only the emulation can put it:
+// device memory that runs out, memory left behind, and the emulation's own promise that work waits for the host.
+// Its numbers against the reference are backend_conformance_emulated_cuda_test's.
+#include <cuda_runtime_api.h>
+
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "server/backends/cuda/cuda_backend.h"
+#include "server/backends/reference/reference_backend.h"
+#include "tests/emulated_cuda/runtime.h"
+#include "tests/test_util.h"
+
+namespace mha {
+namespace {
+
+using ::mha::testing::AllClose;
+using ::mha::testing::RandomVector;
+using ::testing::HasSubstr;
+
+// fp32 attention alone, B = 2, H = 4, Hkv = 2, d_k = 64, causal: inputs, and the call writing `out`.
+class Sdpa {
+ public:
+  Sdpa(int64_t q_len, int64_t kv_len) {
+    s_.batch = 2;
+    s_.q_len = q_len;
+    s_.kv_len = kv_len;
+    s_.heads.num_heads = 4;
+    s_.heads.num_kv_heads = 2;
+    s_.heads.head_dim = 64;
+    s_.heads.causal = true;
+    s_.heads.scale = 0.125f;
+    q_ = RandomVector(s_.batch * q_len * s_.heads.q_width(), 1);
+    k_ = RandomVector(s_.batch * kv_len * s_.heads.kv_width(), 2);
+    v_ = RandomVector(s_.batch * kv_len * s_.heads.kv_width(), 3);
+  }
+  // Bytes of device memory the inputs and the output take.
+  int64_t tensor_bytes() const { return 4 * static_cast<int64_t>(2 * q_.size() + 2 * k_.size()); }
+
+  absl::Status Run(Backend& backend, std::vector<float>& out) const {
+    out.assign(q_.size(), std::nanf(""));
+    SdpaArgs a;
+    a.shape = s_;
+    a.q = {q_.data(), v1::FP32};
+    a.k = {k_.data(), v1::FP32};
+    a.v = {v_.data(), v1::FP32};
+    a.out = {out.data(), v1::FP32};
+    return backend.ScaledDotProductAttention(a);
+  }
+
+ private:
+  AttentionShape s_;
+  std::vector<float> q_, k_, v_;
+};
+
+constexpr int64_t kMiB = int64_t{1} << 20;
+
+class EmulatedCudaBackendTest : public ::testing::Test {
+ protected:
+  void TearDown() override { emulation::SetDeviceMemory(int64_t{1} << 30); }
+
+  std::unique_ptr<CudaBackend> Create() {
+    absl::StatusOr<std::unique_ptr<CudaBackend>> backend = CudaBackend::Create();
+    EXPECT_TRUE(backend.ok()) << backend.status();
+    return backend.ok() ? *std::move(backend) : nullptr;
+  }
+};
+
+TEST_F(EmulatedCudaBackendTest, ReportsTheEmulatedDevice) {
+  std::unique_ptr<CudaBackend> backend = Create();
+  ASSERT_NE(backend, nullptr);
+  EXPECT_THAT(backend->device(), HasSubstr("emulated sm_90 on the host (sm_90, 1024 MiB"));
+  EXPECT_EQ(backend->concurrent_calls(), 2);
+}
+
+TEST_F(EmulatedCudaBackendTest, ACallLargerThanTheDeviceIsRefusedUpFront) {
+  emulation::SetDeviceMemory(1 * kMiB);
+  std::unique_ptr<CudaBackend> backend = Create();
+  ASSERT_NE(backend, nullptr);
+  const Sdpa large(1024, 1024);  // 6 MiB of tensors
+  ASSERT_GT(large.tensor_bytes(), 1 * kMiB);
+  std::vector<float> out;
+  const absl::Status status = large.Run(*backend, out);
+  EXPECT_EQ(status.code(), absl::StatusCode::kResourceExhausted) << status;
+  EXPECT_THAT(status.message(), HasSubstr("bytes of device memory"));
+}
+
+TEST_F(EmulatedCudaBackendTest, AFailedAllocationIsResourceExhaustedAndTheNextCallSucceeds) {
+  emulation::SetDeviceMemory(8 * kMiB);
+  std::unique_ptr<CudaBackend> backend = Create();
+  ASSERT_NE(backend, nullptr);
+  const Sdpa call(256, 256);  // 1.5 MiB of tensors: fits the device, not what another user leaves of it
+  void* other_user = nullptr;
+  ASSERT_EQ(cudaMalloc(&other_user, 7 * kMiB), cudaSuccess);
+  std::vector<float> out;
+  const absl::Status refused = call.Run(*backend, out);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kResourceExhausted) << refused;
+  EXPECT_THAT(refused.message(), HasSubstr("cudaErrorMemoryAllocation"));
+  ASSERT_EQ(cudaFree(other_user), cudaSuccess);
+
+  ASSERT_TRUE(call.Run(*backend, out).ok());
+  ReferenceBackend reference;
+  std::vector<float> want;
+  ASSERT_TRUE(call.Run(reference, want).ok());
+  EXPECT_TRUE(AllClose(out, want, 2e-5, 1e-4));
+}
+
+TEST_F(EmulatedCudaBackendTest, ReleasesAllDeviceMemoryWhenDestroyed) {
+  const int64_t before = emulation::DeviceMemoryInUse();
+  {
+    std::unique_ptr<CudaBackend> backend = Create();
+    ASSERT_NE(backend, nullptr);
+    std::vector<float> out;
+    ASSERT_TRUE(Sdpa(100, 130).Run(*backend, out).ok());
+    EXPECT_GT(emulation::DeviceMemoryInUse(), before);
+  }
+  EXPECT_EQ(emulation::DeviceMemoryInUse(), before);
+}
+
+// The emulation's promise that gives the backend's tests their teeth: what is enqueued happens when the host waits,
+// not before, so a result read without cudaStreamSynchronize is missing, as it may be on a GPU.
+TEST(EmulatedCudaRuntimeTest, AnAsynchronousCopyLandsWhenTheStreamIsWaitedFor) {
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  void *device = nullptr, *pinned = nullptr;
+  ASSERT_EQ(cudaMalloc(&device, 4), cudaSuccess);
+  ASSERT_EQ(cudaMallocHost(&pinned, 4), cudaSuccess);
+  const float value = 1.5f;
+  std::memcpy(pinned, &value, 4);
+  ASSERT_EQ(cudaMemcpyAsync(device, pinned, 4, cudaMemcpyHostToDevice, stream), cudaSuccess);
+  std::memset(pinned, 0, 4);  // overwritten before the copy ran: the copy takes the new bytes, as a GPU's might
+  ASSERT_EQ(cudaMemcpyAsync(pinned, device, 4, cudaMemcpyDeviceToHost, stream), cudaSuccess);
+  float got;
+  std::memcpy(&got, pinned, 4);
+  EXPECT_EQ(got, 0.0f);  // nothing ran yet
+  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  std::memcpy(&got, pinned, 4);
+  EXPECT_EQ(got, 0.0f);
+  EXPECT_EQ(cudaFree(device), cudaSuccess);
+  EXPECT_EQ(cudaFreeHost(pinned), cudaSuccess);
+  EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);
+}
+
+TEST(EmulatedCudaRuntimeTest, ACopyBeyondItsAllocationIsRefused) {
+  void* device = nullptr;
+  ASSERT_EQ(cudaMalloc(&device, 64), cudaSuccess);
+  std::vector<char> host(128);
+  EXPECT_EQ(cudaMemcpyAsync(device, host.data(), 65, cudaMemcpyHostToDevice, nullptr), cudaErrorInvalidValue);
+  EXPECT_EQ(cudaGetLastError(), cudaErrorInvalidValue);
+  EXPECT_EQ(cudaMemcpyAsync(static_cast<char*>(device) + 1, host.data(), 64, cudaMemcpyHostToDevice, nullptr),
+            cudaErrorInvalidValue);
+  cudaGetLastError();
+  EXPECT_EQ(cudaMemcpyAsync(device, host.data(), 64, cudaMemcpyHostToDevice, nullptr), cudaSuccess);
+  EXPECT_EQ(cudaFree(device), cudaSuccess);
+}
+
+}  // namespace
+}  // namespace mha
