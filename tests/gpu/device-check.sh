@@ -107,39 +107,6 @@ grep -q MISMATCH "$out/4-flash-bench.txt" && failed=1
 note "flash_bench: $(grep -c '^| [0-9]' "$out/4-flash-bench.txt") rows; $(grep -m1 GEMM "$out/4-flash-bench.txt")"
 
 # 5. The whole layer through the gRPC server: CUDA against the CPU backend, fp16 on the wire, B=8 T=512 d=512.
-{
-  work=$(mktemp -d)
-  "$bin/mha_server" --listen 127.0.0.1:0 --port_file "$work/port" --max_shared_memory_regions 4 \
-    >"$work/server.log" 2>&1 &
-  pid=$!
-  for _ in $(seq 300); do [[ -s "$work/port" ]] && break; sleep 0.1; done
-  target="127.0.0.1:$(cat "$work/port")"
-  "$bin/mha_client" info --target "$target"
-  for dtype in fp32 fp16 bf16; do
-    echo "## call --backend cuda --dtype $dtype --check"
-    "$bin/mha_client" call --target "$target" --backend cuda --dtype "$dtype" --batch 2 --seq 64 --check
-    echo "exit $?"
-  done
-  echo "## call --backend cuda --check --causal --weights"
-  "$bin/mha_client" call --target "$target" --backend cuda --dtype bf16 --batch 2 --seq 100 --causal --weights --check
-  echo "exit $?"
-  for backend in cuda cpu cuda cpu; do
-    echo "## bench --backend $backend --dtype fp16 --batch 8 --seq 512"
-    "$bin/mha_client" bench --target "$target" --backend "$backend" --dtype fp16 --batch 8 --seq 512 -n 20 --warmup 3
-  done
-  # Two calls in flight on two connections: the CUDA backend's two lanes on the scheduler's concurrent threads,
-  # one call's copies overlapping the other's kernels (calls/s against the -c 1 run above).
-  echo "## bench --backend cuda --dtype fp16 --batch 8 --seq 512 -c 2 --connections 2"
-  "$bin/mha_client" bench --target "$target" --backend cuda --dtype fp16 --batch 8 --seq 512 -n 40 --warmup 3 \
-    -c 2 --connections 2
-  # The GPU's compute is short next to 4 MB each way through the socket: the same call with the tensors in
-  # shared memory shows what the wire costs.
-  echo "## bench --backend cuda --dtype fp16 --batch 8 --seq 512 --shared_memory"
-  "$bin/mha_client" bench --target "$target" --backend cuda --dtype fp16 --batch 8 --seq 512 -n 20 --warmup 3 \
-    --shared_memory
-  kill -TERM "$pid"; wait "$pid"
-  echo "## server log"; tail -20 "$work/server.log"
-} >"$out/5-end-to-end.txt" 2>&1
-grep -q "^exit [^0]" "$out/5-end-to-end.txt" && failed=1
-note "end to end: $(grep -c '^exit 0' "$out/5-end-to-end.txt") of 4 checked calls passed"
+bash "$root/tests/gpu/end-to-end.sh" "$bin/mha_server" "$bin/mha_client" >"$out/5-end-to-end.txt" 2>&1 || failed=1
+note "$(tail -1 "$out/5-end-to-end.txt")"
 exit $failed
