@@ -58,6 +58,13 @@ ABSL_FLAG(std::string, health_listen, kDefaults.health_listen,
           "also serve grpc.health.v1 alone here, plaintext and without tokens (for probes); empty = off");
 ABSL_FLAG(std::string, auth_tokens_file, kDefaults.auth_tokens_file,
           "bearer tokens, one per line with an optional role (compute, admin); empty = no token needed");
+ABSL_FLAG(int, cuda_device, kDefaults.cuda_device, "CUDA device ordinal of the cuda backend");
+ABSL_FLAG(int, cuda_streams, kDefaults.cuda_streams,
+          "calls the cuda backend computes side by side, each on its own stream and buffers (1-16)");
+ABSL_FLAG(bool, cuda_allow_tf32, kDefaults.cuda_allow_tf32,
+          "fp32 projections on the cuda backend may use TF32 tensor cores (about 10 bits of mantissa)");
+ABSL_FLAG(int, cuda_layer_cache_mb, kDefaults.cuda_layer_cache_mb,
+          "GPU MiB for stored layers kept resident on the cuda backend; 0 = a quarter of the GPU's memory");
 ABSL_FLAG(std::string, log_level, kDefaults.log_level, "trace, debug, info, warn, error, critical or off");
 
 namespace mha {
@@ -95,6 +102,10 @@ ServerOptions ServerOptionsFromFlags() {
   options.tls_client_ca = absl::GetFlag(FLAGS_tls_client_ca);
   options.health_listen = absl::GetFlag(FLAGS_health_listen);
   options.auth_tokens_file = absl::GetFlag(FLAGS_auth_tokens_file);
+  options.cuda_device = absl::GetFlag(FLAGS_cuda_device);
+  options.cuda_streams = absl::GetFlag(FLAGS_cuda_streams);
+  options.cuda_allow_tf32 = absl::GetFlag(FLAGS_cuda_allow_tf32);
+  options.cuda_layer_cache_mb = absl::GetFlag(FLAGS_cuda_layer_cache_mb);
   options.log_level = absl::GetFlag(FLAGS_log_level);
   return options;
 }

@@ -52,6 +52,11 @@ absl::StatusOr<std::unique_ptr<MhaServer>> MhaServer::Start(ServerOptions option
                                                    "], got ", options.max_shared_memory_regions));
   }
   if (options.max_shared_memory_mb < 1) return absl::InvalidArgumentError("--max_shared_memory_mb must be >= 1");
+  if (options.cuda_device < 0) return absl::InvalidArgumentError("--cuda_device must be >= 0");
+  if (options.cuda_streams < 1 || options.cuda_streams > 16) {
+    return absl::InvalidArgumentError(absl::StrCat("--cuda_streams must be in [1, 16], got ", options.cuda_streams));
+  }
+  if (options.cuda_layer_cache_mb < 0) return absl::InvalidArgumentError("--cuda_layer_cache_mb must be >= 0");
 
   std::unique_ptr<MhaServer> server(new MhaServer());
   if (!options.auth_tokens_file.empty()) {
@@ -74,7 +79,12 @@ absl::StatusOr<std::unique_ptr<MhaServer>> MhaServer::Start(ServerOptions option
   RETURN_IF_ERROR(server->layers_->Add(MakeDemoLayer()));
   if (!options.layers_dir.empty()) RETURN_IF_ERROR(server->layers_->LoadDirectory(options.layers_dir));
 
-  server->backends_ = BackendRegistry::Create();
+  BackendOptions backend_options;
+  backend_options.cuda_device = options.cuda_device;
+  backend_options.cuda_streams = options.cuda_streams;
+  backend_options.cuda_allow_tf32 = options.cuda_allow_tf32;
+  backend_options.cuda_layer_cache_bytes = static_cast<int64_t>(options.cuda_layer_cache_mb) << 20;
+  server->backends_ = BackendRegistry::Create(backend_options);
   RETURN_IF_ERROR(server->backends_->SetDefault(options.backend, "--backend"));
   // Inline calls run on gRPC's threads, so only as large as a backend keeps single-threaded.
   double inline_limit = 0;

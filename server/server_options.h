@@ -82,6 +82,14 @@ struct ServerOptions {
   int max_shared_memory_mb = 4096;
   // Bearer tokens with roles (server/auth.h); empty = no token needed. Re-read on SIGHUP.
   std::string auth_tokens_file;
+  // The CUDA backend (where compiled in): device ordinal; calls computed side by side, each on its own stream with
+  // its own cuBLAS handle and buffers (the scheduler runs that many concurrent threads for it); TF32 tensor cores
+  // for fp32 projections (about 10 bits of mantissa: fp32 requests then miss fp32 tolerances); device MiB for stored
+  // layers kept resident, least recently used dropped beyond it, 0 meaning a quarter of the device's memory.
+  int cuda_device = 0;
+  int cuda_streams = 2;
+  bool cuda_allow_tf32 = false;
+  int cuda_layer_cache_mb = 0;
   // spdlog level: trace, debug, info, warn, error, critical or off.
   std::string log_level = "info";
 };

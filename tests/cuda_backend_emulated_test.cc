@@ -3,6 +3,7 @@
 // Its numbers against the reference are backend_conformance_emulated_cuda_test's.
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <memory>
@@ -13,6 +14,7 @@
 #include "gtest/gtest.h"
 #include "server/backends/cuda/cuda_backend.h"
 #include "server/backends/reference/reference_backend.h"
+#include "server/backends/registry.h"
 #include "tests/emulated_cuda/runtime.h"
 #include "tests/test_util.h"
 
@@ -58,14 +60,60 @@ class Sdpa {
   std::vector<float> q_, k_, v_;
 };
 
+// An fp32 self-attention layer, B = 1, T = 16, d_model = 64, H = 4, d_k = 16: inputs, weights, and the call.
+class SelfAttention {
+ public:
+  // resident_id 0: inline weights, copied per call; else a stored layer the backend keeps resident.
+  explicit SelfAttention(uint64_t resident_id, uint32_t seed = 1) : resident_id_(resident_id) {
+    s_.batch = 1;
+    s_.q_len = s_.kv_len = 16;
+    s_.d_model = s_.d_kv_in = s_.d_v_in = 64;
+    s_.heads.num_heads = s_.heads.num_kv_heads = 4;
+    s_.heads.head_dim = 16;
+    s_.heads.scale = 0.25f;
+    x_ = RandomVector(16 * 64, seed);
+    for (int i = 0; i < 4; ++i) w_[i] = RandomVector(64 * 64, seed + 1 + i, 0.125f);
+  }
+  // Device bytes of the layer's resident copy: four fp32 matrices, and 4 bytes for its (absent) biases.
+  static int64_t resident_bytes() { return 4 * 64 * 64 * 4 + 4; }
+
+  absl::Status Run(Backend& backend, std::vector<float>& out) const {
+    out.assign(x_.size(), std::nanf(""));
+    MhaArgs a;
+    a.shape = s_;
+    a.weights.w_q = w_[0].data();
+    a.weights.w_k = w_[1].data();
+    a.weights.w_v = w_[2].data();
+    a.weights.w_o = w_[3].data();
+    a.weights.ld_q = a.weights.ld_k = a.weights.ld_v = 64;
+    a.weights.resident_id = resident_id_;
+    a.kv_source = KvSource::kQuery;
+    a.query = a.key = a.value = {x_.data(), v1::FP32};
+    a.out = {out.data(), v1::FP32};
+    return backend.MultiHeadAttention(a);
+  }
+
+ private:
+  AttentionShape s_;
+  uint64_t resident_id_;
+  std::vector<float> x_, w_[4];
+};
+
+// max |got - want| / (1 + |want|).
+double LargestError(const std::vector<float>& got, const std::vector<float>& want) {
+  double worst = 0;
+  for (size_t i = 0; i < got.size(); ++i) worst = std::max(worst, std::abs(got[i] - want[i]) / (1.0 + std::abs(want[i])));
+  return worst;
+}
+
 constexpr int64_t kMiB = int64_t{1} << 20;
 
 class EmulatedCudaBackendTest : public ::testing::Test {
  protected:
   void TearDown() override { emulation::SetDeviceMemory(int64_t{1} << 30); }
 
-  std::unique_ptr<CudaBackend> Create() {
-    absl::StatusOr<std::unique_ptr<CudaBackend>> backend = CudaBackend::Create();
+  std::unique_ptr<CudaBackend> Create(const CudaBackend::Options& options = CudaBackend::Options()) {
+    absl::StatusOr<std::unique_ptr<CudaBackend>> backend = CudaBackend::Create(options);
     EXPECT_TRUE(backend.ok()) << backend.status();
     return backend.ok() ? *std::move(backend) : nullptr;
   }
@@ -120,6 +168,58 @@ TEST_F(EmulatedCudaBackendTest, ReleasesAllDeviceMemoryWhenDestroyed) {
     EXPECT_GT(emulation::DeviceMemoryInUse(), before);
   }
   EXPECT_EQ(emulation::DeviceMemoryInUse(), before);
+}
+
+TEST_F(EmulatedCudaBackendTest, TheRegistryConfiguresTheCudaBackendFromItsOptions) {
+  BackendOptions options;
+  options.cuda_streams = 3;
+  options.cuda_allow_tf32 = true;
+  const std::unique_ptr<BackendRegistry> registry = BackendRegistry::Create(options);
+  absl::StatusOr<Backend*> cuda = registry->Find(kCudaBackend, "backend");
+  ASSERT_TRUE(cuda.ok()) << cuda.status();
+  EXPECT_EQ((*cuda)->concurrent_calls(), 3);
+  EXPECT_THAT((*cuda)->device(), HasSubstr("3 streams, TF32 allowed"));
+}
+
+// fp32 keeps fp32 tolerances unless TF32 is allowed: the emulated cuBLAS rounds the products' inputs to TF32's 10
+// mantissa bits when the backend asks for CUBLAS_COMPUTE_32F_FAST_TF32.
+TEST_F(EmulatedCudaBackendTest, Fp32ProjectionsUseTf32OnlyWhenAllowed) {
+  const SelfAttention layer(0);
+  ReferenceBackend reference;
+  std::vector<float> want, fp32, tf32;
+  ASSERT_TRUE(layer.Run(reference, want).ok());
+  std::unique_ptr<CudaBackend> strict = Create();
+  ASSERT_NE(strict, nullptr);
+  ASSERT_TRUE(layer.Run(*strict, fp32).ok());
+  CudaBackend::Options options;
+  options.allow_tf32 = true;
+  std::unique_ptr<CudaBackend> fast = Create(options);
+  ASSERT_NE(fast, nullptr);
+  ASSERT_TRUE(layer.Run(*fast, tf32).ok());
+  // fp32 errors measured: 5e-8 without TF32, 9e-5 with it (relative to 1 + |want|).
+  EXPECT_LT(LargestError(fp32, want), 1e-6);
+  EXPECT_GT(LargestError(tf32, want), 2e-5);
+  EXPECT_LT(LargestError(tf32, want), 1e-3);
+}
+
+// Stored layers stay resident up to the cache's size; beyond it the least recently used is dropped.
+TEST_F(EmulatedCudaBackendTest, StoredLayersBeyondTheCacheAreDropped) {
+  for (const bool small_cache : {false, true}) {
+    CudaBackend::Options options;
+    options.layer_cache_bytes = small_cache ? SelfAttention::resident_bytes() : 0;
+    std::unique_ptr<CudaBackend> backend = Create(options);
+    ASSERT_NE(backend, nullptr);
+    std::vector<float> out;
+    ASSERT_TRUE(SelfAttention(/*resident_id=*/1).Run(*backend, out).ok());
+    const int64_t one_layer = emulation::DeviceMemoryInUse();
+    ASSERT_TRUE(SelfAttention(/*resident_id=*/2, /*seed=*/7).Run(*backend, out).ok());
+    const int64_t grown = emulation::DeviceMemoryInUse() - one_layer;
+    if (small_cache) {
+      EXPECT_EQ(grown, 0) << "the first layer was not dropped";
+    } else {
+      EXPECT_EQ(grown, SelfAttention::resident_bytes()) << "the second layer was not kept";
+    }
+  }
 }
 
 // The emulation's promise that gives the backend's tests their teeth: what is enqueued happens when the host waits,

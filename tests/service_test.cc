@@ -492,6 +492,27 @@ TEST(ServerOptionsTest, InlineLimitAboveTheSerialThresholdIsRejected) {
   EXPECT_EQ(MhaServer::Start(options).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
+TEST(ServerOptionsTest, CudaFlagsOutOfRangeAreRejectedNamingTheFlag) {
+  struct Bad {
+    void (*set)(ServerOptions&);
+    const char* flag;
+  };
+  const Bad cases[] = {
+      {[](ServerOptions& o) { o.cuda_device = -1; }, "--cuda_device"},
+      {[](ServerOptions& o) { o.cuda_streams = 0; }, "--cuda_streams"},
+      {[](ServerOptions& o) { o.cuda_streams = 17; }, "--cuda_streams"},
+      {[](ServerOptions& o) { o.cuda_layer_cache_mb = -1; }, "--cuda_layer_cache_mb"},
+  };
+  for (const Bad& bad : cases) {
+    ServerOptions options;
+    options.listen = "";
+    bad.set(options);
+    const absl::Status status = MhaServer::Start(options).status();
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << bad.flag;
+    EXPECT_THAT(status.message(), ::testing::HasSubstr(bad.flag));
+  }
+}
+
 TEST_F(ServiceTest, ServerInfoListsBackendsAndLimits) {
   v1::GetServerInfoResponse info;
   grpc::ClientContext context;

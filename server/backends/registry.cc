@@ -18,7 +18,7 @@ absl::StatusOr<std::unique_ptr<Backend>> Upcast(absl::StatusOr<std::unique_ptr<T
 
 }  // namespace
 
-std::vector<BackendFactory> BackendRegistry::Factories() {
+std::vector<BackendFactory> BackendRegistry::Factories([[maybe_unused]] const BackendOptions& options) {
   std::vector<BackendFactory> factories;
   factories.push_back({std::string(kReferenceBackend), "",
                        [] { return absl::StatusOr<std::unique_ptr<Backend>>(std::make_unique<ReferenceBackend>()); }});
@@ -31,7 +31,12 @@ std::vector<BackendFactory> BackendRegistry::Factories() {
   // Every request in fp32: the path of CPUs without native bf16, tested on those with it too.
   factories.push_back({std::string(kCpuBackend), "fp32", [] { return Upcast(CpuBackend::Create("auto", false)); }});
 #ifdef MHA_HAVE_CUDA
-  factories.push_back({std::string(kCudaBackend), "", [] { return Upcast(CudaBackend::Create()); }});
+  CudaBackend::Options cuda;
+  cuda.device = options.cuda_device;
+  cuda.lanes = options.cuda_streams;
+  cuda.allow_tf32 = options.cuda_allow_tf32;
+  cuda.layer_cache_bytes = options.cuda_layer_cache_bytes;
+  factories.push_back({std::string(kCudaBackend), "", [cuda] { return Upcast(CudaBackend::Create(cuda)); }});
 #endif
   return factories;
 }
@@ -43,9 +48,9 @@ bool BackendRegistry::CompiledIn(absl::string_view name) {
   return false;
 }
 
-std::unique_ptr<BackendRegistry> BackendRegistry::Create() {
+std::unique_ptr<BackendRegistry> BackendRegistry::Create(const BackendOptions& options) {
   auto registry = std::make_unique<BackendRegistry>();
-  for (const BackendFactory& factory : Factories()) {
+  for (const BackendFactory& factory : Factories(options)) {
     if (!factory.variant.empty()) continue;
     BackendEntry entry;
     entry.name = factory.name;

@@ -23,6 +23,17 @@ struct BackendFactory {
   std::string label() const { return variant.empty() ? name : name + "/" + variant; }
 };
 
+// How the server configures its backends (its --cuda_* flags); the defaults are what tests and tools get.
+struct BackendOptions {
+  // The CUDA backend's, ignored where it is not compiled in (CudaBackend::Options): device ordinal; calls computed
+  // side by side, each with its own stream, cuBLAS handle and buffers; TF32 tensor cores for fp32 projections;
+  // device memory for stored layers kept resident, 0 meaning a quarter of the device's.
+  int cuda_device = 0;
+  int cuda_streams = 2;
+  bool cuda_allow_tf32 = false;
+  int64_t cuda_layer_cache_bytes = 0;
+};
+
 struct BackendEntry {
   std::string name;                  // a k*Backend constant
   bool compiled_in = false;
@@ -36,13 +47,13 @@ class BackendRegistry {
  public:
   // Every compiled-in backend with its variants, defaults first. Creating one may fail (UNAVAILABLE: not on this
   // machine).
-  static std::vector<BackendFactory> Factories();
+  static std::vector<BackendFactory> Factories(const BackendOptions& options = BackendOptions());
   // Whether this build carries the backend `name` (a k*Backend constant), usable here or not.
   static bool CompiledIn(absl::string_view name);
 
   // Instantiates the default of every compiled-in backend that works here. Never fails: unusable ones are listed
   // with a reason.
-  static std::unique_ptr<BackendRegistry> Create();
+  static std::unique_ptr<BackendRegistry> Create(const BackendOptions& options = BackendOptions());
 
   // INVALID_ARGUMENT for an unknown name or one not compiled in; UNAVAILABLE for one compiled in but unusable on
   // this machine (e.g. CUDA without a GPU). Both messages name `field`.
