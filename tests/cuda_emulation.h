@@ -9,6 +9,9 @@
 // copies land at the thread's wait_group, not before. What this cannot show: speed, the hardware's order of
 // accumulation, and races between threads that do not meet at a barrier (they run one after another here).
 //
+// Under ASan the switches between stacks are announced to it, so that it checks the kernels' accesses to global and
+// `__shared__` memory as it checks any code's.
+//
 // Define MHA_CUDA_EMULATION and include this before the kernels' header. Not thread-safe: one Launch at a time.
 #ifndef MHA_TESTS_CUDA_EMULATION_H_
 #define MHA_TESTS_CUDA_EMULATION_H_
@@ -20,6 +23,10 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <ucontext.h>
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/asan_interface.h>
+#include <sanitizer/common_interface_defs.h>
+#endif
 #include <vector_functions.h>
 #include <vector_types.h>
 
@@ -70,6 +77,10 @@ class Block {
     for (unsigned t = 0; t < threads; ++t) {
       Fiber& f = fibers_[t];
       if (stacks_[t] == nullptr) stacks_[t] = std::make_unique<char[]>(kStackBytes);
+#if defined(__SANITIZE_ADDRESS__)
+      // A block that deadlocked left its fibers' frames (and ASan's poisoned redzones in them) on these stacks.
+      if (abandoned_) ASAN_UNPOISON_MEMORY_REGION(stacks_[t].get(), kStackBytes);
+#endif
       getcontext(&f.context);
       f.context.uc_stack.ss_sp = stacks_[t].get();
       f.context.uc_stack.ss_size = kStackBytes;
@@ -79,11 +90,15 @@ class Block {
     // Always the lowest runnable thread next: warp 0 runs through its warp-wide steps as far as it can before warp
     // 1 starts, so that the warps drift as far apart as the code allows and a missing __syncthreads shows. No thread
     // below lowest_ can run (the search starts there; a completed barrier moves it down to its first thread).
+    abandoned_ = false;
     for (;;) {
       if (live_ == 0) return "";
       unsigned next = lowest_;
       while (next < threads && (fibers_[next].finished_body || !Runnable(next))) ++next;
-      if (next == threads) return "deadlock: every live thread waits at a barrier that cannot complete";
+      if (next == threads) {
+        abandoned_ = true;
+        return "deadlock: every live thread waits at a barrier that cannot complete";
+      }
       lowest_ = next;
       current_ = next;
       threadIdx = make_uint3(next, 0, 0);
@@ -154,6 +169,7 @@ class Block {
     ucontext_t context;  // where the fiber starts (Trampoline on its stack)
     void* resume[5];     // where it goes on after a switch
     bool entered = false;
+    void* fake_stack = nullptr;  // ASan's, while the fiber is switched out
     bool finished_body = false;
     const Barrier* waiting = nullptr;  // null: runnable
     uint64_t waiting_generation = 0;
@@ -164,21 +180,42 @@ class Block {
   // clobbered them.
   [[gnu::noinline]] void Resume(Fiber& f) {
     if (__builtin_setjmp(scheduler_) == 0) {
+      StartSwitch(&scheduler_fake_stack_, stacks_[current_].get(), kStackBytes);
       if (!f.entered) {
         f.entered = true;
         setcontext(&f.context);  // onto the fiber's own stack, the first time
       }
       Jump(f.resume);
     }
+    FinishSwitch(Current()->scheduler_fake_stack_, nullptr, nullptr);
   }
 
   static void Trampoline() {
     Block* block = Current();
+    block->FinishSwitch(nullptr, &block->scheduler_bottom_, &block->scheduler_size_);
     (*block->body_)();
     block->fibers_[block->current_].finished_body = true;
     --block->live_;
     --block->warps_[block->current_ / 32].live;
+    block->StartSwitch(nullptr, block->scheduler_bottom_, block->scheduler_size_);  // this fiber is done
     Jump(block->scheduler_);
+  }
+
+  // ASan follows the switches between the scheduler's stack and the fibers' (__sanitizer_*_switch_fiber: its
+  // fake stacks, and its idea of the current stack's bounds); without ASan these do nothing.
+  void StartSwitch(void** fake_stack, const void* bottom, size_t size) {
+#if defined(__SANITIZE_ADDRESS__)
+    __sanitizer_start_switch_fiber(fake_stack, bottom, size);
+#else
+    (void)fake_stack, (void)bottom, (void)size;
+#endif
+  }
+  void FinishSwitch(void* fake_stack, const void** from_bottom, size_t* from_size) {
+#if defined(__SANITIZE_ADDRESS__)
+    __sanitizer_finish_switch_fiber(fake_stack, from_bottom, from_size);
+#else
+    (void)fake_stack, (void)from_bottom, (void)from_size;
+#endif
   }
 
   bool Runnable(unsigned t) const {
@@ -197,8 +234,13 @@ class Block {
     }
     f.waiting = barrier;
     f.waiting_generation = barrier->generation;
-    if (__builtin_setjmp(f.resume) == 0) Jump(scheduler_);  // back when the barrier's generation has moved on
-    fibers_[current_].waiting = nullptr;  // (current_ is this fiber again; `f` may not have survived the jump)
+    if (__builtin_setjmp(f.resume) == 0) {
+      StartSwitch(&f.fake_stack, scheduler_bottom_, scheduler_size_);
+      Jump(scheduler_);  // back when the barrier's generation has moved on
+    }
+    // current_ is this fiber again; `f` may not have survived the jump.
+    FinishSwitch(fibers_[current_].fake_stack, &scheduler_bottom_, &scheduler_size_);
+    fibers_[current_].waiting = nullptr;
   }
 
   const std::function<void()>* body_ = nullptr;
@@ -209,6 +251,10 @@ class Block {
   unsigned lowest_ = 0;  // no thread below it can run
   Barrier block_barrier_;
   void* scheduler_[5];
+  void* scheduler_fake_stack_ = nullptr;  // ASan's, while a fiber runs
+  const void* scheduler_bottom_ = nullptr;
+  size_t scheduler_size_ = 0;
+  bool abandoned_ = false;  // the last block deadlocked
   unsigned current_ = 0;
 };
 

@@ -25,7 +25,8 @@ work=$(mktemp -d)
 "$server" --listen 127.0.0.1:0 --port_file "$work/port" --max_shared_memory_regions 4 >"$work/server.log" 2>&1 &
 pid=$!
 trap 'kill -TERM "$pid" 2>/dev/null; wait "$pid" 2>/dev/null; rm -rf "$work"' EXIT
-for _ in $(seq 600); do [[ -s "$work/port" ]] && break; sleep 0.1; done
+# Up to 5 minutes: the emulated server's warm-up runs the CUDA kernels on the CPU (under ASan, 10 times slower).
+for _ in $(seq 3000); do [[ -s "$work/port" ]] && break; kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
 if [[ ! -s "$work/port" ]]; then
   echo "the server did not start:"; cat "$work/server.log"
   echo "end to end: 0 of 1 steps passed (no server)"

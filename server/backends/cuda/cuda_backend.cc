@@ -21,6 +21,11 @@
 #include "server/backends/cuda/kernels.h"
 #include "server/backends/synthetic.h"
 
+#if defined(MHA_CUDA_EMULATION) && defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/asan_interface.h>
+#define MHA_GUARD_PIECES 1
+#endif
+
 namespace mha {
 namespace {
 
@@ -102,6 +107,17 @@ class PinnedBuffer : public CudaBuffer<HostAllocate, cudaFreeHost> {
   PinnedBuffer() : CudaBuffer("pinned host memory") {}
 };
 
+#ifdef MHA_GUARD_PIECES
+// Only where device memory is host memory, under ASan (tests/emulated_cuda): each piece a Carver cuts is followed
+// by poisoned bytes, so that a kernel or a copy that runs past its tensor into the next one is reported; the lane's
+// buffers are made addressable again when its call ends.
+constexpr int64_t kGuardBytes = kAlignment;
+void Unpoison(char* p, int64_t bytes) { ASAN_UNPOISON_MEMORY_REGION(p, bytes); }
+#else
+constexpr int64_t kGuardBytes = 0;
+void Unpoison(char*, int64_t) {}
+#endif
+
 // Cuts aligned pieces off a buffer. With a null base it only measures: the same sequence of Take calls first
 // sizes a buffer, then carves it.
 class Carver {
@@ -110,7 +126,10 @@ class Carver {
   char* Take(int64_t bytes) {
     if (bytes == 0) return nullptr;
     char* p = base_ == nullptr ? nullptr : base_ + used_;
-    used_ += RoundUp(bytes, kAlignment);
+    used_ += RoundUp(bytes, kAlignment) + kGuardBytes;
+#ifdef MHA_GUARD_PIECES
+    if (p != nullptr) ASAN_POISON_MEMORY_REGION(p + bytes, RoundUp(bytes, kAlignment) - bytes + kGuardBytes);
+#endif
     return p;
   }
   int64_t used() const { return used_; }
@@ -269,6 +288,8 @@ class CudaBackend::Impl {
       // buffer would race them. A completed call has synchronized already. An error here is the stream's sticky
       // error, which the next call on the lane reports.
       cudaStreamSynchronize(lane_->stream);
+      Unpoison(lane_->device.data(), lane_->device.size());
+      Unpoison(lane_->host.data(), lane_->host.size());
       if (lane_->device.size() > kKeptLaneBytes) lane_->device.Release();
       if (lane_->host.size() > kKeptLaneBytes) lane_->host.Release();
       absl::MutexLock lock(&impl_.mu_);
