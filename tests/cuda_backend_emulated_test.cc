@@ -139,12 +139,13 @@ TEST_F(EmulatedCudaBackendTest, ACallLargerThanTheDeviceIsRefusedUpFront) {
 }
 
 TEST_F(EmulatedCudaBackendTest, AFailedAllocationIsResourceExhaustedAndTheNextCallSucceeds) {
-  emulation::SetDeviceMemory(8 * kMiB);
+  emulation::SetDeviceMemory(2 * kMiB);
   std::unique_ptr<CudaBackend> backend = Create();
   ASSERT_NE(backend, nullptr);
-  const Sdpa call(256, 256);  // 1.5 MiB of tensors: fits the device, not what another user leaves of it
+  const Sdpa call(128, 128);  // 0.75 MiB of tensors: fits the device, not what another user leaves of it
+  ASSERT_LT(call.tensor_bytes(), 1 * kMiB);
   void* other_user = nullptr;
-  ASSERT_EQ(cudaMalloc(&other_user, 7 * kMiB), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&other_user, 3 * kMiB / 2), cudaSuccess);
   std::vector<float> out;
   const absl::Status refused = call.Run(*backend, out);
   EXPECT_EQ(refused.code(), absl::StatusCode::kResourceExhausted) << refused;
@@ -164,7 +165,7 @@ TEST_F(EmulatedCudaBackendTest, ReleasesAllDeviceMemoryWhenDestroyed) {
     std::unique_ptr<CudaBackend> backend = Create();
     ASSERT_NE(backend, nullptr);
     std::vector<float> out;
-    ASSERT_TRUE(Sdpa(100, 130).Run(*backend, out).ok());
+    ASSERT_TRUE(Sdpa(40, 50).Run(*backend, out).ok());
     EXPECT_GT(emulation::DeviceMemoryInUse(), before);
   }
   EXPECT_EQ(emulation::DeviceMemoryInUse(), before);

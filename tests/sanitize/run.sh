@@ -44,11 +44,11 @@ emulated_cuda_targets() {  # emulated_cuda_targets <dir>
   fi
 }
 
-# Under ASan the emulation runs about 10 times slower: the emulated conformance cases that take longest (large fp32
-# calls, the demo-sized layers, the bf16 cases at Tk = 600, two contract tests that repeat calls) and the emulated
-# server's end-to-end rehearsal (its warm-up alone took minutes) run in the plain build only; every kernel variant
-# and the backend's host paths still run here.
-slow_emulated='^emulated_cuda:.*(many_blocks|many_key_blocks|demo_sized|bf16_core_dk32|bf16_core_sdpa|ScratchFromALargeCall|ConcurrentCalls)|^cuda_server_emulated$'
+# Under ASan the emulation runs about 10 times slower: its slowest conformance cases (the demo-sized layers, the
+# bf16 cases at Tk = 600, the head_dim 128 layer, the fp32 cases at Tk = 301, one dtype of the head_dim 128 core,
+# two contract tests that repeat calls) and the emulated server's rehearsal (its warm-up alone took minutes) run in
+# the plain build only; every kernel variant and the backend's host paths still run here.
+slow_emulated='^emulated_cuda:.*(demo_sized|bf16_core|dk16_causal_mask_lengths|sdpa_dk128_partial_tiles_masks_fp16|ScratchFromALargeCall|ConcurrentCalls)|^cuda_server_emulated$'
 
 run_asan() {
   configure build-asan address,undefined
