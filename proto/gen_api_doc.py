@@ -12,7 +12,7 @@ Reads the subset of proto3 the file uses: top-level messages (with nested oneofs
 import re
 import sys
 
-FIELD = re.compile(r"^(repeated\s+)?([\w.]+)\s+(\w+)\s*=\s*(\d+);")
+FIELD = re.compile(r"^((?:repeated|optional)\s+)?([\w.]+)\s+(\w+)\s*=\s*(\d+);")
 ENUM_VALUE = re.compile(r"^(\w+)\s*=\s*(-?\d+);")
 RPC = re.compile(r"^rpc\s+(\w+)\((\w+)\)\s+returns\s+\((\w+)\);")
 
@@ -66,7 +66,7 @@ def parse(text):
         member = None
         if (m := FIELD.match(code)) and target is not None and target["kind"] == "message":
             repeated, ftype, name, number = m.groups()
-            member = {"name": name, "type": ("repeated " if repeated else "") + ftype, "number": number, "oneof": oneof}
+            member = {"name": name, "type": (repeated.strip() + " " if repeated else "") + ftype, "number": number, "oneof": oneof}
         elif (m := ENUM_VALUE.match(code)) and target is not None and target["kind"] == "enum":
             member = {"name": m.group(1), "number": m.group(2)}
         elif (m := RPC.match(code)) and target is not None and target["kind"] == "service":

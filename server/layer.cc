@@ -169,12 +169,7 @@ int64_t Layer::SizeBytes() const {
 v1::LayerInfo Layer::Info() const {
   v1::LayerInfo info;
   info.set_name(name);
-  v1::HeadConfig* h = info.mutable_heads();
-  h->set_num_heads(static_cast<int32_t>(shape.heads.num_heads));
-  h->set_num_kv_heads(static_cast<int32_t>(shape.heads.num_kv_heads));
-  h->set_head_dim(static_cast<int32_t>(shape.heads.head_dim));
-  h->set_causal(shape.heads.causal);
-  h->set_scale(shape.heads.scale);
+  *info.mutable_heads() = HeadConfigOf(shape.heads);
   info.set_d_model(shape.d_model);
   info.set_d_kv_in(shape.d_kv_in);
   info.set_d_v_in(shape.d_v_in);

@@ -18,6 +18,7 @@
 #include "proto/mha/v1/tensor_codec.h"
 #include "server/backends/registry.h"
 #include "server/layer.h"
+#include "server/sessions/block_pool.h"
 #include "tests/test_util.h"
 
 namespace mha {
@@ -46,6 +47,9 @@ struct Case {
   bool weights = false;      // return attention weights
   bool value_is_key = false; // cross-attention without a value tensor (value = key)
   float scale = 0.0f;        // 0: 1/sqrt(d_k)
+  double rope_theta = 0;     // RoPE's base; 0: none
+  int64_t rope_dim = 0;      // with rope_theta: 0 = head_dim
+  bool rope_interleaved = false;
   float input_bound = 1.0f;  // inputs uniform in +-input_bound
   v1::DataType input_dtype = v1::FP32;
   v1::DataType output_dtype = v1::FP32;
@@ -80,6 +84,9 @@ class Problem {
     s.heads.head_dim = c.head_dim;
     s.heads.causal = c.causal;
     s.heads.scale = c.scale != 0.0f ? c.scale : 1.0f / std::sqrt(static_cast<float>(c.head_dim));
+    s.heads.rope_theta = c.rope_theta;
+    s.heads.rope_dim = c.rope_theta != 0 && c.rope_dim == 0 ? c.head_dim : c.rope_dim;
+    s.heads.rope_interleaved = c.rope_interleaved;
     const int64_t qw = s.heads.q_width(), kvw = s.heads.kv_width();
     if (c.sdpa) {
       query_ = Encoded(c.batch * c.q_len * qw, 1, c.input_bound, c.input_dtype);
@@ -98,6 +105,7 @@ class Problem {
   }
 
   const AttentionShape& shape() const { return shape_; }
+  const std::shared_ptr<const Layer>& layer() const { return layer_; }
 
   // Sets element `index` of the query (fp32 cases) to NaN, as only a caller that bypassed validation could.
   void PoisonQuery(int64_t index) {
@@ -368,6 +376,29 @@ std::vector<Case> Cases() {
   c.scale = 3e38f;
   c.input_bound = 1e-19f;
   cases.push_back(c);
+  // RoPE: both conventions, partial rotary, queries bottom-right aligned (Tq < Tk, and Tq > Tk: negative positions),
+  // on layers (fused and cross) and on the attention core.
+  c = Make("rope_half_causal_gqa_self", 2, 13, 13, 64, 0, 4, 2, 16);
+  c.causal = true;
+  c.rope_theta = 10000;
+  c.bias = true;
+  cases.push_back(c);
+  c = Make("rope_interleaved_partial_cross_tq_lt_tk", 2, 5, 17, 32, 24, 4, 2, 16);
+  c.rope_theta = 500000;
+  c.rope_dim = 8;
+  c.rope_interleaved = true;
+  c.weights = true;
+  cases.push_back(c);
+  c = Make("rope_half_partial_tq_gt_tk", 2, 9, 4, 32, 32, 2, 1, 12);
+  c.causal = true;
+  c.rope_theta = 100;
+  c.rope_dim = 6;
+  cases.push_back(c);
+  c = Make("sdpa_rope_interleaved_long_positions", 1, 3, 700, 0, 0, 4, 4, 32);
+  c.sdpa = true;
+  c.rope_theta = 10000;
+  c.rope_interleaved = true;
+  cases.push_back(c);
   // 16-bit wire dtypes: decoded by the backend, outputs encoded in the requested dtype.
   for (v1::DataType in : {v1::FP16, v1::BF16}) {
     Case gqa = Make("gqa_causal_mask", 2, 9, 9, 32, 0, 4, 2, 8);
@@ -399,6 +430,15 @@ std::vector<Case> Cases() {
     sdpa.sdpa = true;
     sdpa.weights = true;
     cases.push_back(WithDtypes(sdpa, in, in));
+    Case rope = Make("rope_half_causal_gqa_self", 2, 13, 13, 64, 0, 4, 2, 32);
+    rope.causal = true;
+    rope.rope_theta = 10000;
+    cases.push_back(WithDtypes(rope, in, in));
+    Case sdpa_rope = Make("sdpa_rope_interleaved", 2, 5, 40, 0, 0, 4, 2, 64);
+    sdpa_rope.sdpa = true;
+    sdpa_rope.rope_theta = 10000;
+    sdpa_rope.rope_interleaved = true;
+    cases.push_back(WithDtypes(sdpa_rope, in, in));
     // PyTorch's finite mask extremes (kExtremes) through the 16-bit attention core at head_dim 64 (the CUDA
     // backend's tensor-core kernel), weights returned: a row of the lowest float has uniform weights, the largest
     // float takes all of its row's weight, as in the fp32 cases above.
@@ -509,6 +549,468 @@ std::string TestName(const ::testing::TestParamInfo<ConformanceTest::ParamType>&
 
 INSTANTIATE_TEST_SUITE_P(Backends, ConformanceTest,
                          ::testing::Combine(::testing::ValuesIn(Cases()), ::testing::ValuesIn(Labels())), TestName);
+
+// ---------------------------------------------------------------------------------------------------------------
+// Sessions: Extend calls over paged caches (Backend::PagedAttention), every backend against the reference, and the
+// reference against the stateless causal computation over each whole sequence.
+
+// What happens to the sessions between and after the steps.
+enum class SessionPlot {
+  kSteps,           // only the steps
+  kForkDiverge,     // after the steps, session 0 is forked and both get different tokens in one call
+  kTruncateExtend,  // after the steps, session 0 is cut back into a block and extended with new tokens
+};
+
+struct SessionCase {
+  std::string name;
+  bool layer = true;  // a layer session (x in, W_O out) or a head session (q, k, v in, the heads out)
+  int64_t d_model = 0, heads = 4, kv_heads = 2, head_dim = 16;
+  // steps[j][s]: the new tokens of session s in Extend call j (0: not in that call).
+  std::vector<std::vector<int64_t>> steps;
+  SessionPlot plot = SessionPlot::kSteps;
+  int64_t block_tokens = 16;
+  v1::DataType cache_dtype = v1::FP32;
+  v1::DataType input_dtype = v1::FP32, output_dtype = v1::FP32;
+  double rope_theta = 0;
+  int64_t rope_dim = 0;
+  bool rope_interleaved = false;
+  bool bias = false;
+  bool weights = false;
+};
+
+std::ostream& operator<<(std::ostream& os, const SessionCase& c) {
+  return os << c.name << (c.layer ? " layer" : " heads") << " H=" << c.heads << " Hkv=" << c.kv_heads
+            << " dk=" << c.head_dim << " block=" << c.block_tokens << " cache " << DTypeName(c.cache_dtype);
+}
+
+// The session caches of one case over a block pool, managed as the store does it: copy-on-write of a shared block
+// before new tokens land in it, forks that share every block, truncation that drops blocks.
+class TestCaches {
+ public:
+  explicit TestCaches(const KvCacheLayout& layout) : layout_(layout), pool_(int64_t{64} << 20) {}
+  ~TestCaches() {
+    for (auto& [id, cache] : caches_) {
+      for (char* block : cache.blocks) pool_.Unref(block);
+    }
+  }
+  struct Cache {
+    std::vector<char*> blocks;
+    int64_t length = 0;
+  };
+  Cache& operator[](int64_t id) { return caches_[id]; }
+  // The blocks session `id` writes its next n tokens into (its last block copied first when shared).
+  void Reserve(int64_t id, int64_t n) {
+    Cache& c = caches_[id];
+    const int64_t tb = layout_.block_tokens;
+    if (c.length % tb != 0 && pool_.RefCount(c.blocks.back()) > 1) {
+      char* copy = pool_.Allocate(layout_.BlockBytes());
+      std::memcpy(copy, c.blocks.back(), layout_.BlockBytes());
+      pool_.Unref(c.blocks.back());
+      c.blocks.back() = copy;
+    }
+    while (static_cast<int64_t>(c.blocks.size()) * tb < c.length + n) {
+      char* block = pool_.Allocate(layout_.BlockBytes());
+      std::memset(block, 0xff, layout_.BlockBytes());  // NaN-filled (in every dtype): unwritten slots must not count
+      c.blocks.push_back(block);
+    }
+  }
+  void Fork(int64_t from, int64_t to) {
+    caches_[to] = caches_[from];
+    for (char* block : caches_[to].blocks) pool_.Ref(block);
+  }
+  void Truncate(int64_t id, int64_t length) {
+    Cache& c = caches_[id];
+    c.length = length;
+    const size_t keep = (length + layout_.block_tokens - 1) / layout_.block_tokens;
+    for (size_t b = keep; b < c.blocks.size(); ++b) pool_.Unref(c.blocks[b]);
+    c.blocks.resize(keep);
+  }
+
+ private:
+  const KvCacheLayout layout_;
+  BlockPool pool_;
+  std::map<int64_t, Cache> caches_;
+};
+
+// One case's sessions on one backend: each session's tokens so far (its inputs), its caches, and every Extend
+// output, row by row as the stateless call over the whole sequence would give them.
+class SessionRun {
+ public:
+  SessionRun(const SessionCase& c, Backend& backend, const Layer* layer)
+      : c_(c), backend_(backend), layer_(layer), caches_(Layout()) {
+    problem_.heads.num_heads = c.heads;
+    problem_.heads.num_kv_heads = c.kv_heads;
+    problem_.heads.head_dim = c.head_dim;
+    problem_.heads.causal = true;
+    problem_.heads.scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
+    problem_.heads.rope_theta = c.rope_theta;
+    problem_.heads.rope_dim = c.rope_theta != 0 && c.rope_dim == 0 ? c.head_dim : c.rope_dim;
+    problem_.heads.rope_interleaved = c.rope_interleaved;
+    problem_.d_model = c.layer ? c.d_model : 0;
+    problem_.cache = Layout();
+    problem_.input_dtype = c.input_dtype;
+    problem_.output_dtype = c.output_dtype;
+    problem_.return_weights = c.weights;
+  }
+
+  KvCacheLayout Layout() const { return {c_.kv_heads, c_.head_dim, c_.block_tokens, c_.cache_dtype}; }
+  const PagedProblem& problem() const { return problem_; }
+  int64_t InputWidth() const { return c_.layer ? c_.d_model : (c_.heads + 2 * c_.kv_heads) * c_.head_dim; }
+  int64_t OutputWidth() const { return c_.layer ? c_.d_model : c_.heads * c_.head_dim; }
+
+  // One Extend call: session ids with their new tokens' inputs (n rows of InputWidth fp32 values each, exact in
+  // the input dtype); appends each session's outputs (and weights) to its record.
+  absl::Status Extend(const std::vector<std::pair<int64_t, std::vector<float>>>& items) {
+    std::vector<PagedSequence> sequences(items.size());
+    std::vector<std::string> inputs[3], outputs(items.size()), weights(items.size());
+    std::vector<std::vector<char*>> tables(items.size());
+    const int64_t qw = c_.heads * c_.head_dim, kvw = c_.kv_heads * c_.head_dim;
+    const size_t in_size = DTypeSize(c_.input_dtype), out_size = DTypeSize(c_.output_dtype);
+    for (int k = 0; k < 3; ++k) inputs[k].resize(items.size());
+    for (size_t i = 0; i < items.size(); ++i) {
+      const auto& [id, rows] = items[i];
+      const int64_t n = static_cast<int64_t>(rows.size()) / InputWidth();
+      caches_.Reserve(id, n);
+      PagedSequence& seq = sequences[i];
+      tables[i] = caches_[id].blocks;
+      seq.blocks = tables[i];
+      seq.length = caches_[id].length;
+      seq.new_tokens = n;
+      // The inputs in their wire dtype: x, or q | k | v split out of each row.
+      const int64_t widths[3] = {c_.layer ? c_.d_model : qw, kvw, kvw};
+      for (int k = 0; k < (c_.layer ? 1 : 3); ++k) {
+        std::vector<float> part;
+        const int64_t offset = k == 0 ? 0 : k == 1 ? qw : qw + kvw;
+        for (int64_t r = 0; r < n; ++r) {
+          part.insert(part.end(), rows.begin() + r * InputWidth() + offset,
+                      rows.begin() + r * InputWidth() + offset + widths[k]);
+        }
+        inputs[k][i].resize(part.size() * in_size);
+        EncodeFromFloat(c_.input_dtype, part.data(), part.size(), inputs[k][i].data());
+      }
+      if (c_.layer) {
+        seq.x = {inputs[0][i].data(), c_.input_dtype};
+      } else {
+        seq.q = {inputs[0][i].data(), c_.input_dtype};
+        seq.k = {inputs[1][i].data(), c_.input_dtype};
+        seq.v = {inputs[2][i].data(), c_.input_dtype};
+      }
+      outputs[i] = NanBytes(n * OutputWidth(), c_.output_dtype);
+      seq.out = {outputs[i].data(), c_.output_dtype};
+      if (c_.weights) {
+        weights[i] = NanBytes(c_.heads * n * (seq.length + n), c_.output_dtype);
+        seq.weights = {weights[i].data(), c_.output_dtype};
+      }
+    }
+    PagedArgs args;
+    args.problem = problem_;
+    args.problem.sequences = static_cast<int64_t>(items.size());
+    for (const PagedSequence& seq : sequences) {
+      args.problem.new_tokens += seq.new_tokens;
+      args.problem.max_new_tokens = std::max(args.problem.max_new_tokens, seq.new_tokens);
+      args.problem.max_length = std::max(args.problem.max_length, seq.length + seq.new_tokens);
+    }
+    if (layer_ != nullptr) args.weights = layer_->Weights();
+    args.sequences = sequences;
+    if (absl::Status status = backend_.PagedAttention(args); !status.ok()) return status;
+    for (size_t i = 0; i < items.size(); ++i) {
+      const int64_t id = items[i].first, n = sequences[i].new_tokens;
+      caches_[id].length += n;
+      tokens_[id].insert(tokens_[id].end(), items[i].second.begin(), items[i].second.end());
+      std::vector<float> out(n * OutputWidth());
+      DecodeToFloat(c_.output_dtype, outputs[i].data(), out.size(), out.data());
+      out_[id].insert(out_[id].end(), out.begin(), out.end());
+      if (c_.weights) {
+        std::vector<float> w(weights[i].size() / out_size);
+        DecodeToFloat(c_.output_dtype, weights[i].data(), w.size(), w.data());
+        weights_[id].push_back(std::move(w));
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  void Fork(int64_t from, int64_t to) {
+    caches_.Fork(from, to);
+    tokens_[to] = tokens_[from];
+    out_[to] = out_[from];
+  }
+  void Truncate(int64_t id, int64_t length) {
+    caches_.Truncate(id, length);
+    tokens_[id].resize(length * InputWidth());
+    out_[id].resize(length * OutputWidth());
+  }
+
+  const std::vector<float>& tokens(int64_t id) { return tokens_[id]; }
+  const std::vector<float>& outputs(int64_t id) { return out_[id]; }
+  const std::vector<std::vector<float>>& weights(int64_t id) { return weights_[id]; }
+
+ private:
+  static std::string NanBytes(int64_t n, v1::DataType dtype) {
+    const std::vector<float> nan(n, std::nanf(""));
+    std::string bytes(n * DTypeSize(dtype), '\0');
+    EncodeFromFloat(dtype, nan.data(), n, bytes.data());
+    return bytes;
+  }
+
+  const SessionCase c_;
+  Backend& backend_;
+  const Layer* const layer_;
+  PagedProblem problem_;
+  TestCaches caches_;
+  std::map<int64_t, std::vector<float>> tokens_, out_;
+  std::map<int64_t, std::vector<std::vector<float>>> weights_;
+};
+
+// Runs the case's steps and plot on `backend`, with token inputs from fixed seeds (so every backend sees the same).
+absl::Status Drive(const SessionCase& c, SessionRun& run) {
+  const auto tokens = [&](int64_t n, uint32_t seed) {
+    std::vector<float> rows = RandomVector(n * run.InputWidth(), seed, 1.0f);
+    // Exact in the input dtype, so that every backend starts from the same values.
+    std::string bytes(rows.size() * DTypeSize(c.input_dtype), '\0');
+    EncodeFromFloat(c.input_dtype, rows.data(), rows.size(), bytes.data());
+    DecodeToFloat(c.input_dtype, bytes.data(), rows.size(), rows.data());
+    return rows;
+  };
+  uint32_t seed = 100;
+  for (const std::vector<int64_t>& step : c.steps) {
+    std::vector<std::pair<int64_t, std::vector<float>>> items;
+    for (size_t s = 0; s < step.size(); ++s) {
+      if (step[s] > 0) items.emplace_back(static_cast<int64_t>(s), tokens(step[s], ++seed));
+    }
+    if (absl::Status status = run.Extend(items); !status.ok()) return status;
+  }
+  if (c.plot == SessionPlot::kForkDiverge) {
+    run.Fork(0, 99);
+    if (absl::Status status = run.Extend({{0, tokens(3, 901)}, {99, tokens(17, 902)}}); !status.ok()) return status;
+    return run.Extend({{99, tokens(1, 903)}, {0, tokens(1, 904)}});
+  }
+  if (c.plot == SessionPlot::kTruncateExtend) {
+    const int64_t length = static_cast<int64_t>(run.tokens(0).size()) / run.InputWidth();
+    run.Truncate(0, length - c.block_tokens / 2 - 1);
+    if (absl::Status status = run.Extend({{0, tokens(5, 905)}}); !status.ok()) return status;
+    return run.Extend({{0, tokens(1, 906)}});
+  }
+  return absl::OkStatus();
+}
+
+// The stateless causal computation over session `id`'s whole sequence on the reference backend (the session's
+// RoPE on the MultiHeadAttention or ScaledDotProductAttention call): its rows are what the Extends must return.
+std::vector<float> StatelessRows(const SessionCase& c, const PagedProblem& p, const Layer* layer,
+                                 const std::vector<float>& tokens, Backend& reference) {
+  const int64_t width = c.layer ? c.d_model : (c.heads + 2 * c.kv_heads) * c.head_dim;
+  const int64_t T = static_cast<int64_t>(tokens.size()) / width;
+  AttentionShape s;
+  s.batch = 1;
+  s.q_len = s.kv_len = T;
+  s.heads = p.heads;
+  std::vector<float> out(T * (c.layer ? c.d_model : c.heads * c.head_dim));
+  if (c.layer) {
+    s.d_model = s.d_kv_in = s.d_v_in = c.d_model;
+    MhaArgs a;
+    a.shape = s;
+    a.weights = layer->Weights();
+    a.kv_source = KvSource::kQuery;
+    a.query = a.key = a.value = {tokens.data(), v1::FP32};
+    a.out = {out.data(), v1::FP32};
+    EXPECT_OK(reference.MultiHeadAttention(a));
+    return out;
+  }
+  const int64_t qw = c.heads * c.head_dim, kvw = c.kv_heads * c.head_dim;
+  std::vector<float> q, k, v;
+  for (int64_t t = 0; t < T; ++t) {
+    const float* row = tokens.data() + t * width;
+    q.insert(q.end(), row, row + qw);
+    k.insert(k.end(), row + qw, row + qw + kvw);
+    v.insert(v.end(), row + qw + kvw, row + width);
+  }
+  SdpaArgs a;
+  a.shape = s;
+  a.q = {q.data(), v1::FP32};
+  a.k = {k.data(), v1::FP32};
+  a.v = {v.data(), v1::FP32};
+  a.out = {out.data(), v1::FP32};
+  EXPECT_OK(reference.ScaledDotProductAttention(a));
+  return out;
+}
+
+// The layer of a layer-session case (fused Q|K|V, as the server holds a self-attention layer).
+std::shared_ptr<const Layer> SessionLayer(const SessionCase& c) {
+  if (!c.layer) return nullptr;
+  Case mha = Make(c.name, 1, 1, 1, c.d_model, 0, c.heads, c.kv_heads, c.head_dim);
+  mha.bias = c.bias;
+  return Problem(mha).layer();
+}
+
+std::vector<SessionCase> SessionCases() {
+  std::vector<SessionCase> cases;
+  SessionCase c;
+  c.name = "session_layer_chunks_gqa_rope";
+  c.d_model = 64;
+  c.steps = {{5}, {1}, {1}, {20}, {1}, {1}};
+  c.rope_theta = 10000;
+  c.bias = true;
+  cases.push_back(c);
+  c.name = "session_layer_ragged_mha_interleaved_partial_rope";
+  c.heads = c.kv_heads = 4;
+  c.rope_interleaved = true;
+  c.rope_dim = 8;
+  c.steps = {{7, 1, 33}, {1, 1, 0}, {1, 20, 1}, {0, 1, 1}};
+  cases.push_back(c);
+  c = SessionCase();
+  c.name = "session_layer_mqa_weights";
+  c.d_model = 48;
+  c.heads = 6;
+  c.kv_heads = 1;
+  c.head_dim = 8;
+  c.weights = true;
+  c.steps = {{9, 2}, {1, 1}, {8, 1}};
+  cases.push_back(c);
+  c = SessionCase();
+  c.name = "session_layer_fork_diverge";
+  c.d_model = 64;
+  c.rope_theta = 500000;
+  c.steps = {{21}};
+  c.plot = SessionPlot::kForkDiverge;
+  cases.push_back(c);
+  c.name = "session_layer_truncate_extend";
+  c.steps = {{30}, {10}};
+  c.plot = SessionPlot::kTruncateExtend;
+  cases.push_back(c);
+  // Head sessions: the decode path (query rows per KV head up to 16) and the gather path, blocks cut at odd places.
+  c = SessionCase();
+  c.name = "session_heads_decode_gqa4";
+  c.layer = false;
+  c.heads = 8;
+  c.kv_heads = 2;
+  c.head_dim = 32;
+  c.rope_theta = 10000;
+  c.steps = {{40, 1}, {1, 15}, {1, 1}, {4, 1}, {5, 1}};  // 4 x 4 = 16 rows decode, 4 x 5 = 20 gather
+  cases.push_back(c);
+  // A cache long enough to be split across work units (flash-decoding), merged by its log-sum-exp.
+  c.name = "session_heads_long_cache_split_kv";
+  c.steps = {{1100}, {1}, {2}, {1}};
+  cases.push_back(c);
+  c.name = "session_heads_block32_odd_head_dim";
+  c.heads = 4;
+  c.kv_heads = 4;
+  c.head_dim = 20;
+  c.rope_dim = 12;
+  c.block_tokens = 32;
+  c.steps = {{33, 2}, {1, 1}, {31, 1}, {1, 1}};
+  cases.push_back(c);
+  c.name = "session_heads_block5_gathers";  // blocks no decode kernel takes: every call gathers
+  c.block_tokens = 5;
+  cases.push_back(c);
+  c = SessionCase();
+  c.name = "session_heads_fork_diverge_weights";
+  c.layer = false;
+  c.heads = 4;
+  c.kv_heads = 2;
+  c.head_dim = 16;
+  c.weights = true;
+  c.steps = {{19}};
+  c.plot = SessionPlot::kForkDiverge;
+  cases.push_back(c);
+  // 16-bit caches, with fp32 and 16-bit wires.
+  for (v1::DataType cache : {v1::FP16, v1::BF16}) {
+    SessionCase heads = SessionCase();
+    heads.name = "session_heads_decode_cache_" + DTypeName(cache);
+    heads.layer = false;
+    heads.heads = 8;
+    heads.kv_heads = 2;
+    heads.head_dim = 64;
+    heads.cache_dtype = cache;
+    heads.rope_theta = 10000;
+    heads.steps = {{600, 1}, {1, 1}, {1, 30}, {1, 1}};
+    cases.push_back(heads);
+    heads.name += "_wire";
+    heads.input_dtype = heads.output_dtype = cache;
+    cases.push_back(heads);
+    SessionCase layer = SessionCase();
+    layer.name = "session_layer_truncate_cache_" + DTypeName(cache);
+    layer.d_model = 64;
+    layer.cache_dtype = cache;
+    layer.bias = true;
+    layer.steps = {{40}, {1}};
+    layer.plot = SessionPlot::kTruncateExtend;
+    cases.push_back(layer);
+  }
+  return cases;
+}
+
+// Tolerances: the backend against the reference on the same cache (both round K and V to the cache's dtype, from
+// fp32 and from double: a value on a rounding boundary may land one ulp apart), and the reference's session against
+// the stateless call, whose K and V are never rounded.
+double BackendTolerance(const SessionCase& c) {
+  double tolerance = c.cache_dtype == v1::BF16 ? 1e-2 : c.cache_dtype == v1::FP16 ? 2e-3 : 2e-5;
+  if (c.output_dtype == v1::BF16) tolerance = std::max(tolerance, 8e-3);
+  if (c.output_dtype == v1::FP16) tolerance = std::max(tolerance, 1e-3);
+  return tolerance;
+}
+double StatelessTolerance(const SessionCase& c) {
+  return std::max(BackendTolerance(c), c.cache_dtype == v1::BF16 ? 3e-2 : c.cache_dtype == v1::FP16 ? 4e-3 : 2e-5);
+}
+
+class SessionConformanceTest : public ::testing::TestWithParam<std::tuple<SessionCase, std::string>> {};
+
+TEST_P(SessionConformanceTest, ExtendsMatchTheReference) {
+  const SessionCase& c = std::get<0>(GetParam());
+  const std::string& label = std::get<1>(GetParam());
+  absl::StatusOr<std::unique_ptr<Backend>> backend = Create(label);
+  if (absl::IsUnavailable(backend.status())) GTEST_SKIP() << label << ": " << backend.status().message();
+  ASSERT_TRUE(backend.ok()) << backend.status();
+  std::unique_ptr<Backend> reference = *Create(std::string(kReferenceBackend));
+  const std::shared_ptr<const Layer> layer = SessionLayer(c);
+  SessionRun want(c, *reference, layer.get()), got(c, **backend, layer.get());
+  if (absl::Status supported = (*backend)->SupportsPaged(got.problem()); !supported.ok()) {
+    EXPECT_EQ(supported.code(), absl::StatusCode::kUnimplemented) << supported;
+    EXPECT_EQ(Drive(c, got).code(), absl::StatusCode::kUnimplemented);
+    GTEST_SKIP() << label << " does not support sessions: " << supported.message();
+  }
+  ASSERT_OK(Drive(c, want));
+  ASSERT_OK(Drive(c, got));
+  for (int64_t id : {int64_t{0}, int64_t{1}, int64_t{2}, int64_t{99}}) {
+    if (want.tokens(id).empty()) continue;
+    EXPECT_TRUE(AllClose(got.outputs(id), want.outputs(id), BackendTolerance(c), BackendTolerance(c)))
+        << "session " << id << " against the reference";
+    for (size_t step = 0; step < want.weights(id).size(); ++step) {
+      EXPECT_TRUE(AllClose(got.weights(id)[step], want.weights(id)[step], BackendTolerance(c), BackendTolerance(c)))
+          << "session " << id << " weights of its call " << step;
+    }
+  }
+}
+
+// The ground truth's sessions against its own stateless path: chunked Extends (forks, truncations) return what one
+// causal call over each whole sequence returns for those rows.
+class SessionReferenceTest : public ::testing::TestWithParam<SessionCase> {};
+
+TEST_P(SessionReferenceTest, ExtendsEqualOneStatelessCausalCall) {
+  const SessionCase& c = GetParam();
+  std::unique_ptr<Backend> reference = *Create(std::string(kReferenceBackend));
+  const std::shared_ptr<const Layer> layer = SessionLayer(c);
+  SessionRun run(c, *reference, layer.get());
+  ASSERT_OK(Drive(c, run));
+  for (int64_t id : {int64_t{0}, int64_t{1}, int64_t{2}, int64_t{99}}) {
+    if (run.tokens(id).empty()) continue;
+    const std::vector<float> stateless = StatelessRows(c, run.problem(), layer.get(), run.tokens(id), *reference);
+    EXPECT_TRUE(AllClose(run.outputs(id), stateless, StatelessTolerance(c), StatelessTolerance(c))) << "session " << id;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Reference, SessionReferenceTest, ::testing::ValuesIn(SessionCases()),
+                         [](const auto& info) { return info.param.name; });
+
+std::string SessionTestName(const ::testing::TestParamInfo<SessionConformanceTest::ParamType>& info) {
+  std::string label = std::get<1>(info.param);
+  for (char& ch : label) {
+    if (ch == '/') ch = '_';
+  }
+  return std::get<0>(info.param).name + "_" + label;
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, SessionConformanceTest,
+                         ::testing::Combine(::testing::ValuesIn(SessionCases()), ::testing::ValuesIn(Labels())),
+                         SessionTestName);
 
 // Properties of the interface rather than of one case, for every backend.
 class BackendContractTest : public ::testing::TestWithParam<std::string> {

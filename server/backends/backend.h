@@ -131,6 +131,62 @@ struct MhaArgs {
   MutableTensor attention_weights;    // [B, H, Tq, Tk], when requested
 };
 
+// A session's KV cache as the kernels read it (the session store owns the blocks and lends them for one call): the
+// tokens in blocks of block_tokens, token t in block t / block_tokens at slot t % block_tokens. A block holds, in
+// dtype, for each KV head g: K transposed [head_dim][block_tokens], then V [block_tokens][head_dim]; so that the
+// scores of a block vectorise across its keys, its values across head_dim, and each KV head's part is one run of
+// memory streamed once for every query head of its group.
+struct KvCacheLayout {
+  int64_t num_kv_heads = 0;
+  int64_t head_dim = 0;
+  int64_t block_tokens = 0;
+  v1::DataType dtype = v1::FP32;  // FP32, FP16 or BF16
+
+  int64_t HeadElements() const { return 2 * head_dim * block_tokens; }  // one KV head's K^T and V
+  int64_t BlockElements() const { return num_kv_heads * HeadElements(); }
+  int64_t BlockBytes() const;  // BlockElements() * sizeof(dtype)
+  // Element offsets in a block of KV head g's K^T and V.
+  int64_t KeyOffset(int64_t g) const { return g * HeadElements(); }
+  int64_t ValueOffset(int64_t g) const { return g * HeadElements() + head_dim * block_tokens; }
+};
+
+// One session's part of a paged call: n new tokens appended at positions length..length+n-1, each attending to
+// positions 0..length+i of its cache (causal within the new tokens, bottom-right aligned).
+struct PagedSequence {
+  // blocks[b] holds tokens [b block_tokens, (b + 1) block_tokens), for every token below length + n. The backend
+  // writes the new tokens' keys and values (after RoPE, rounded to the cache's dtype) into their slots, which
+  // belong to this call alone, and reads positions 0..length-1 as they are.
+  absl::Span<char* const> blocks;
+  int64_t length = 0;  // tokens cached before this call
+  int64_t new_tokens = 0;
+  ConstTensor x;                 // a layer's input [n, d_model]
+  ConstTensor q, k, v;           // or projected q [n, H, d_k], k and v [n, Hkv, d_k]
+  MutableTensor out;             // [n, d_model] with a layer, else [n, H, d_k]
+  MutableTensor weights;         // [H, n, length + n], when requested
+};
+
+// What a paged call is, as far as choosing and sizing the work goes.
+struct PagedProblem {
+  HeadSpec heads;          // causal is implied; rope applies at the cache positions
+  int64_t d_model = 0;     // with a layer; 0 for projected q, k, v
+  KvCacheLayout cache;
+  v1::DataType input_dtype = v1::FP32;
+  v1::DataType output_dtype = v1::FP32;
+  bool return_weights = false;
+  int64_t sequences = 0;
+  int64_t new_tokens = 0;      // over all sequences
+  int64_t max_new_tokens = 0;  // of one sequence
+  int64_t max_length = 0;      // of one sequence after the call (length + n)
+};
+
+// A paged call: every sequence shares the heads, the cache layout and, with a layer, its weights.
+struct PagedArgs {
+  PagedProblem problem;
+  const StopSignal* stop = nullptr;  // null: runs to the end
+  LayerWeights weights;              // with a layer (problem.d_model > 0)
+  absl::Span<const PagedSequence> sequences;
+};
+
 // A way to compute attention. Implementations are thread-safe (the server runs a backend's large computations one
 // at a time unless concurrent_calls() says more, and tiny requests run concurrently on gRPC's threads). Errors from third-party libraries are converted to Status
 // inside; nothing throws across this interface. A call that args.stop stopped returns the signal's status, and
@@ -170,6 +226,14 @@ class Backend {
 
   virtual absl::Status ScaledDotProductAttention(const SdpaArgs& args) = 0;
   virtual absl::Status MultiHeadAttention(const MhaArgs& args) = 0;
+
+  // Sessions (PagedArgs): appends each sequence's new tokens to its cache and attends. The same contract as the
+  // calls above: ask before computing, say how much working memory; a backend without it answers UNIMPLEMENTED
+  // saying why (BACKEND_AUTO then uses the CPU). On error the new tokens' slots hold unspecified values, which the
+  // store never reads (it commits the new length only after success).
+  virtual absl::Status SupportsPaged(const PagedProblem& problem) const;
+  virtual int64_t PagedWorkspaceBytes(const PagedProblem& problem) const { return 0; }
+  virtual absl::Status PagedAttention(const PagedArgs& args);
 };
 
 // Number of leading keys that causal (bottom-right aligned: key j is hidden from query i when

@@ -20,6 +20,33 @@ absl::Status Agree(absl::string_view field, absl::string_view name, T given, T k
                                            "); leave it 0 to use that value"));
 }
 
+// The rope fields of `c` over what `known` fixes, into *h (whose head_dim is resolved).
+absl::Status ResolveRope(const v1::HeadConfig& c, const HeadSpec& known, absl::string_view known_from,
+                         absl::string_view field, HeadSpec* h) {
+  if (!std::isfinite(c.rope_theta()) || c.rope_theta() < 0) {
+    return Invalid(field, "rope_theta", absl::StrCat(" must be finite and >= 0 (0 = no RoPE), got ", c.rope_theta()));
+  }
+  if (c.rope_dim() < 0) return Invalid(field, "rope_dim", absl::StrCat(" must be >= 0, got ", c.rope_dim()));
+  if (auto s = Agree<double>(field, "rope_theta", c.rope_theta(), known.rope_theta, known_from); !s.ok()) return s;
+  if (auto s = Agree<int64_t>(field, "rope_dim", c.rope_dim(), known.rope_dim, known_from); !s.ok()) return s;
+  h->rope_theta = known.rope_theta != 0 ? known.rope_theta : c.rope_theta();
+  h->rope_interleaved = known.rope_interleaved || c.rope_interleaved();
+  if (!h->has_rope()) {
+    if (c.rope_dim() != 0 || c.rope_interleaved()) {
+      return Invalid(field, c.rope_dim() != 0 ? "rope_dim" : "rope_interleaved",
+                     " is set but rope_theta is 0 (no RoPE); set rope_theta to rotate");
+    }
+    return absl::OkStatus();
+  }
+  h->rope_dim = known.rope_dim != 0 ? known.rope_dim : c.rope_dim() != 0 ? c.rope_dim() : h->head_dim;
+  if (h->rope_dim % 2 != 0 || h->rope_dim > h->head_dim) {
+    return Invalid(field, "rope_dim",
+                   absl::StrCat(" (", h->rope_dim, c.rope_dim() == 0 && known.rope_dim == 0 ? ", from head_dim" : "",
+                                ") must be even and at most head_dim (", h->head_dim, ")"));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<HeadSpec> ResolveHeads(const v1::HeadConfig& c, const HeadSpec& known, absl::string_view known_from,
@@ -66,7 +93,21 @@ absl::StatusOr<HeadSpec> ResolveHeads(const v1::HeadConfig& c, const HeadSpec& k
   const float scale = known.scale != 0.0f ? known.scale : c.scale();
   h.scale = scale != 0.0f ? scale : static_cast<float>(1.0 / std::sqrt(static_cast<double>(h.head_dim)));
   h.causal = known.causal || c.causal();
+  if (auto s = ResolveRope(c, known, known_from, field, &h); !s.ok()) return s;
   return h;
+}
+
+v1::HeadConfig HeadConfigOf(const HeadSpec& heads) {
+  v1::HeadConfig c;
+  c.set_num_heads(static_cast<int32_t>(heads.num_heads));
+  c.set_num_kv_heads(static_cast<int32_t>(heads.num_kv_heads));
+  c.set_head_dim(static_cast<int32_t>(heads.head_dim));
+  c.set_causal(heads.causal);
+  c.set_scale(heads.scale);
+  c.set_rope_theta(heads.rope_theta);
+  c.set_rope_dim(static_cast<int32_t>(heads.rope_dim));
+  c.set_rope_interleaved(heads.rope_interleaved);
+  return c;
 }
 
 double VisiblePairs(const AttentionShape& s) {
@@ -99,6 +140,9 @@ std::string AttentionShapeString(const AttentionShape& s) {
   }
   absl::StrAppend(&text, " H=", h.num_heads, " Hkv=", h.num_kv_heads, " d_k=", h.head_dim,
                   h.causal ? " causal" : "");
+  if (h.has_rope()) {
+    absl::StrAppend(&text, " rope=", h.rope_theta, "/", h.rope_dim, h.rope_interleaved ? "/interleaved" : "");
+  }
   return text;
 }
 

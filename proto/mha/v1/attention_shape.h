@@ -21,7 +21,14 @@ struct HeadSpec {
   int64_t head_dim = 0;      // d_k
   bool causal = false;       // bottom-right aligned: query i sees key j iff j <= i + (Tk - Tq)
   float scale = 0.0f;        // multiplies q.k
+  // Rotary position embeddings (HeadConfig's rope fields): rope_theta 0 means none; otherwise rope_dim is even, in
+  // [2, head_dim], the first rope_dim dims of each head turning by position * rope_theta^(-2i / rope_dim) in pairs
+  // (i, i + rope_dim / 2), or (2i, 2i + 1) when rope_interleaved.
+  double rope_theta = 0.0;
+  int64_t rope_dim = 0;
+  bool rope_interleaved = false;
 
+  bool has_rope() const { return rope_theta > 0.0; }
   int64_t group_size() const { return num_heads / num_kv_heads; }  // query heads per KV head
   int64_t q_width() const { return num_heads * head_dim; }          // H d_k
   int64_t kv_width() const { return num_kv_heads * head_dim; }      // Hkv d_k
@@ -44,9 +51,13 @@ struct AttentionShape {
 // fixed): a non-zero field of `config` must equal a non-zero field of `known`, else INVALID_ARGUMENT naming
 // `field`.<name> and `known_from` (e.g. "layer 'demo'", "the q and k shapes"). Unfixed zero fields take the
 // defaults: num_kv_heads = num_heads, head_dim = d_model / num_heads (which must divide), scale =
-// 1/sqrt(head_dim). causal = config.causal OR known.causal. Every error is INVALID_ARGUMENT naming the field.
+// 1/sqrt(head_dim), rope_dim = head_dim when rope_theta is set. causal = config.causal OR known.causal, and
+// rope_interleaved likewise. Every error is INVALID_ARGUMENT naming the field.
 absl::StatusOr<HeadSpec> ResolveHeads(const v1::HeadConfig& config, const HeadSpec& known,
                                       absl::string_view known_from, int64_t d_model, absl::string_view field);
+
+// The wire form of a resolved configuration: every field filled in.
+v1::HeadConfig HeadConfigOf(const HeadSpec& heads);
 
 // (query, key) pairs that causal masking leaves visible: Tq Tk without causal, sum over i of
 // clamp(i + Tk - Tq + 1, 0, Tk) with it (T (T + 1) / 2 for Tq = Tk = T). key_lengths and additive masks are not

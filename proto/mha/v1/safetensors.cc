@@ -73,6 +73,59 @@ absl::StatusOr<int32_t> MetadataInt(const nlohmann::json& meta, const char* key,
   return n;
 }
 
+// A "true" / "false" string of the metadata into *value (unchanged when absent).
+absl::Status MetadataBool(const nlohmann::json& meta, const char* key, absl::string_view origin, bool* value) {
+  if (!meta.contains(key)) return absl::OkStatus();
+  const auto& text = meta[key];
+  if (!text.is_string() || (text.get<std::string>() != "true" && text.get<std::string>() != "false")) {
+    return Bad(origin, absl::StrCat("__metadata__.", key, " must be \"true\" or \"false\""));
+  }
+  *value = text.get<std::string>() == "true";
+  return absl::OkStatus();
+}
+
+// A string holding a finite number into *value (unchanged when absent).
+template <typename T>
+absl::Status MetadataNumber(const nlohmann::json& meta, const char* key, absl::string_view origin, T* value) {
+  if (!meta.contains(key)) return absl::OkStatus();
+  const auto& text = meta[key];
+  if (!text.is_string() || !absl::SimpleAtod(text.get<std::string>(), value) || !std::isfinite(*value)) {
+    return Bad(origin, absl::StrCat("__metadata__.", key, " must be a string holding a finite number"));
+  }
+  return absl::OkStatus();
+}
+
+// The head configuration of "__metadata__": num_heads (required), num_kv_heads, head_dim, causal, scale,
+// rope_theta, rope_dim, rope_interleaved.
+absl::StatusOr<v1::HeadConfig> MetadataHeads(const nlohmann::json& meta, absl::string_view origin) {
+  v1::HeadConfig heads;
+  for (const auto& [key, set] : {std::pair{"num_heads", &v1::HeadConfig::set_num_heads},
+                                 std::pair{"num_kv_heads", &v1::HeadConfig::set_num_kv_heads},
+                                 std::pair{"head_dim", &v1::HeadConfig::set_head_dim},
+                                 std::pair{"rope_dim", &v1::HeadConfig::set_rope_dim}}) {
+    absl::StatusOr<int32_t> n = MetadataInt(meta, key, origin);
+    if (!n.ok()) return n.status();
+    (heads.*set)(*n);
+  }
+  if (heads.num_heads() <= 0) return Bad(origin, "__metadata__.num_heads is required and must be >= 1");
+  bool causal = false, interleaved = false;
+  double scale = 0, rope_theta = 0;
+  for (absl::Status status : {MetadataBool(meta, "causal", origin, &causal),
+                              MetadataBool(meta, "rope_interleaved", origin, &interleaved),
+                              MetadataNumber(meta, "scale", origin, &scale),
+                              MetadataNumber(meta, "rope_theta", origin, &rope_theta)}) {
+    if (!status.ok()) return status;
+  }
+  if (!std::isfinite(static_cast<float>(scale))) {
+    return Bad(origin, "__metadata__.scale must be a string holding a finite number");
+  }
+  heads.set_causal(causal);
+  heads.set_scale(static_cast<float>(scale));
+  heads.set_rope_theta(rope_theta);
+  heads.set_rope_interleaved(interleaved);
+  return heads;
+}
+
 // The format's layout rule, over every tensor in the header (those a layer does not use too): data_offsets lie in
 // the data section, no two ranges overlap, and together they cover it without holes. The safetensors library
 // refuses other files (InvalidOffset); a reader that accepted them would read one byte as two weights.
@@ -204,32 +257,9 @@ absl::StatusOr<SafetensorsLayer> ParseSafetensorsLayer(absl::string_view bytes, 
   if (!header.contains("__metadata__") || !header["__metadata__"].is_object()) {
     return Bad(origin, "missing __metadata__ with num_heads");
   }
-  const nlohmann::json& meta = header["__metadata__"];
-  absl::StatusOr<int32_t> num_heads = MetadataInt(meta, "num_heads", origin);
-  if (!num_heads.ok()) return num_heads.status();
-  if (*num_heads <= 0) return Bad(origin, "__metadata__.num_heads is required and must be >= 1");
-  absl::StatusOr<int32_t> num_kv_heads = MetadataInt(meta, "num_kv_heads", origin);
-  if (!num_kv_heads.ok()) return num_kv_heads.status();
-  absl::StatusOr<int32_t> head_dim = MetadataInt(meta, "head_dim", origin);
-  if (!head_dim.ok()) return head_dim.status();
-  layer.heads.set_num_heads(*num_heads);
-  layer.heads.set_num_kv_heads(*num_kv_heads);
-  layer.heads.set_head_dim(*head_dim);
-  if (meta.contains("causal")) {
-    if (!meta["causal"].is_string() ||
-        (meta["causal"].get<std::string>() != "true" && meta["causal"].get<std::string>() != "false")) {
-      return Bad(origin, "__metadata__.causal must be \"true\" or \"false\"");
-    }
-    layer.heads.set_causal(meta["causal"].get<std::string>() == "true");
-  }
-  if (meta.contains("scale")) {
-    float scale = 0;
-    if (!meta["scale"].is_string() || !absl::SimpleAtof(meta["scale"].get<std::string>(), &scale) ||
-        !std::isfinite(scale)) {
-      return Bad(origin, "__metadata__.scale must be a string holding a finite number");
-    }
-    layer.heads.set_scale(scale);
-  }
+  absl::StatusOr<v1::HeadConfig> heads = MetadataHeads(header["__metadata__"], origin);
+  if (!heads.ok()) return heads.status();
+  layer.heads = *std::move(heads);
   return layer;
 }
 

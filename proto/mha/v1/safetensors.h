@@ -3,7 +3,8 @@
 //
 // Tensors: w_q, w_k, w_v, w_o (required) and b_q, b_k, b_v, b_o (optional), dtype F32, F16 or BF16, shapes as in
 // AttentionWeights (Y = X W). The head configuration comes from "__metadata__" (string values, as the format
-// requires): num_heads (required), num_kv_heads, head_dim, causal ("true"/"false"), scale.
+// requires): num_heads (required), num_kv_heads, head_dim, causal ("true"/"false"), scale, and RoPE's rope_theta,
+// rope_dim and rope_interleaved ("true"/"false"), as in HeadConfig.
 //
 // Shared by the server (--layers_dir) and the clients (mha_client call --weights_file), like tensor_codec.h.
 #ifndef MHA_PROTO_SAFETENSORS_H_

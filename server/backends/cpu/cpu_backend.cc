@@ -13,9 +13,12 @@
 #include "server/backends/cpu/attention_core.h"
 #include "server/backends/cpu/bf16_matmul.h"
 #include "server/backends/cpu/cpu_info.h"
+#include "server/backends/cpu/paged_attention.h"
 #include "server/backends/cpu/scratch.h"
 #include "server/backends/float_io.h"
+#include "server/backends/rope.h"
 #include "server/backends/synthetic.h"
+#include "server/status_macros.h"
 
 namespace mha {
 namespace {
@@ -69,6 +72,7 @@ struct CallScratch {
   cpu::ScratchVector<uint16_t> heads16;  // the same in bf16, for the bf16 output projection
   // fp32 copies of 16-bit (or unaligned) inputs and fp32 room for 16-bit outputs.
   KeptBuffer inputs[3], output, weights;
+  cpu::ScratchVector<float> rotated_q, rotated_k;  // RoPE'd copies of an attention-core call's q and k
 };
 
 CallScratch& ThreadScratch() {
@@ -88,6 +92,8 @@ class ScratchTrim {
     cpu::ReleaseIfLarge(scratch_.projected16, cpu::kKeptCallScratchBytes);
     cpu::ReleaseIfLarge(scratch_.heads, cpu::kKeptCallScratchBytes);
     cpu::ReleaseIfLarge(scratch_.heads16, cpu::kKeptCallScratchBytes);
+    cpu::ReleaseIfLarge(scratch_.rotated_q, cpu::kKeptCallScratchBytes);
+    cpu::ReleaseIfLarge(scratch_.rotated_k, cpu::kKeptCallScratchBytes);
     for (KeptBuffer& buffer : scratch_.inputs) buffer.ReleaseIfLarge(kKeptConversionBytes);
     scratch_.output.ReleaseIfLarge(kKeptConversionBytes);
     scratch_.weights.ReleaseIfLarge(kKeptConversionBytes);
@@ -131,6 +137,86 @@ absl::Status Linear(const float* x, int64_t m, int64_t k, int64_t ldx, const flo
     }
   }
   return absl::OkStatus();
+}
+
+// RoPE on a stateless call's projected q [B, Tq, H, d_k] and k [B, Tk, Hkv, d_k] (fp32 or bf16, in place): keys at
+// 0..Tk-1, queries bottom-right aligned at Tk-Tq..Tk-1.
+void RotateStateless(const AttentionShape& s, cpu::Packed q, cpu::Packed k) {
+  const HeadSpec& h = s.heads;
+  if (!h.has_rope()) return;
+  const int64_t first = std::min<int64_t>(0, s.kv_len - s.q_len);
+  const RopeAngles angles(h, first, s.kv_len - first);
+  for (int64_t b = 0; b < s.batch; ++b) {
+    const int64_t q0 = b * s.q_len * q.row_stride, k0 = b * s.kv_len * k.row_stride;
+    if (q.bf16 != nullptr) {
+      angles.RotateRows(s.q_len, s.kv_len - s.q_len, h.num_heads, const_cast<uint16_t*>(q.bf16) + q0, q.row_stride);
+      angles.RotateRows(s.kv_len, 0, h.num_kv_heads, const_cast<uint16_t*>(k.bf16) + k0, k.row_stride);
+    } else {
+      angles.RotateRows(s.q_len, s.kv_len - s.q_len, h.num_heads, const_cast<float*>(q.data) + q0, q.row_stride);
+      angles.RotateRows(s.kv_len, 0, h.num_kv_heads, const_cast<float*>(k.data) + k0, k.row_stride);
+    }
+  }
+}
+
+// The new tokens' q, k and v of a paged call, rows one sequence after another (PagedRows): projected from their x
+// with the layer's weights, or decoded from the projected tensors. Q|K|V as one product for a fused layer.
+struct PagedProjections {
+  float* q;
+  float* k;
+  float* v;
+  int64_t ldq, ldk, ldv;
+};
+
+absl::StatusOr<PagedProjections> ProjectPaged(const PagedArgs& a, const cpu::PagedRows& rows, CallScratch& scratch,
+                                              const StopSignal* stop) {
+  const PagedProblem& p = a.problem;
+  const HeadSpec& h = p.heads;
+  const int64_t qw = h.q_width(), kvw = h.kv_width(), n = rows.total;
+  float* projected = cpu::Grown(scratch.projected, n * (qw + 2 * kvw));
+  if (p.d_model == 0) {
+    const PagedProjections out{projected, projected + n * qw, projected + n * (qw + kvw), qw, kvw, kvw};
+    for (size_t s = 0; s < a.sequences.size(); ++s) {
+      const PagedSequence& seq = a.sequences[s];
+      const int64_t r0 = rows.first_row[s], count = seq.new_tokens;
+      DecodeToFloat(seq.q.dtype, seq.q.data, count * qw, out.q + r0 * qw);
+      DecodeToFloat(seq.k.dtype, seq.k.data, count * kvw, out.k + r0 * kvw);
+      DecodeToFloat(seq.v.dtype, seq.v.data, count * kvw, out.v + r0 * kvw);
+    }
+    return out;
+  }
+  const LayerWeights& w = a.weights;
+  float* x = scratch.inputs[0].Room(n * p.d_model);
+  for (size_t s = 0; s < a.sequences.size(); ++s) {
+    const PagedSequence& seq = a.sequences[s];
+    DecodeToFloat(seq.x.dtype, seq.x.data, seq.new_tokens * p.d_model, x + rows.first_row[s] * p.d_model);
+  }
+  if (w.fused_qkv) {
+    const int64_t width = qw + 2 * kvw;
+    if (absl::Status status = Linear(x, n, p.d_model, p.d_model, w.w_q, w.ld_q, w.b_q, width, projected, width, stop);
+        !status.ok()) {
+      return status;
+    }
+    return PagedProjections{projected, projected + qw, projected + qw + kvw, width, width, width};
+  }
+  const PagedProjections out{projected, projected + n * qw, projected + n * (qw + kvw), qw, kvw, kvw};
+  absl::Status status = Linear(x, n, p.d_model, p.d_model, w.w_q, w.ld_q, w.b_q, qw, out.q, qw, stop);
+  if (status.ok()) status = Linear(x, n, p.d_model, p.d_model, w.w_k, w.ld_k, w.b_k, kvw, out.k, kvw, stop);
+  if (status.ok()) status = Linear(x, n, p.d_model, p.d_model, w.w_v, w.ld_v, w.b_v, kvw, out.v, kvw, stop);
+  if (!status.ok()) return status;
+  return out;
+}
+
+// RoPE on each sequence's new q and k rows at their cache positions.
+void RotatePaged(const PagedArgs& a, const cpu::PagedRows& rows, const PagedProjections& qkv) {
+  const HeadSpec& h = a.problem.heads;
+  if (!h.has_rope()) return;
+  for (size_t s = 0; s < a.sequences.size(); ++s) {
+    const PagedSequence& seq = a.sequences[s];
+    const RopeAngles angles(h, seq.length, seq.new_tokens);
+    const int64_t r0 = rows.first_row[s];
+    angles.RotateRows(seq.new_tokens, seq.length, h.num_heads, qkv.q + r0 * qkv.ldq, qkv.ldq);
+    angles.RotateRows(seq.new_tokens, seq.length, h.num_kv_heads, qkv.k + r0 * qkv.ldk, qkv.ldk);
+  }
 }
 
 }  // namespace
@@ -251,8 +337,9 @@ absl::Status CpuBackend::ScaledDotProductAttention(const SdpaArgs& a) {
   const bool bf16 = ComputeDtype(problem) == v1::BF16 && a.k.dtype == v1::BF16 && a.v.dtype == v1::BF16;
   const kernels::TileKernels& tiles = KernelsFor(h.head_dim, bf16);
   const auto aligned16 = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % alignof(uint16_t) == 0; };
+  // RoPE rotates private fp32 copies of q and k.
   const bool in_place = bf16 && tiles.elements_per_float == 2 && aligned16(a.q.data) && aligned16(a.k.data) &&
-                        aligned16(a.v.data);
+                        aligned16(a.v.data) && !h.has_rope();
   const FloatInput q(in_place ? ConstTensor{} : a.q, q_count, &scratch.inputs[0]);
   const FloatInput k(in_place ? ConstTensor{} : a.k, kv_count, &scratch.inputs[1]);
   const FloatInput v(in_place ? ConstTensor{} : a.v, kv_count, &scratch.inputs[2]);
@@ -267,8 +354,18 @@ absl::Status CpuBackend::ScaledDotProductAttention(const SdpaArgs& a) {
   const cpu::PackedOut packed_out = out_in_place
                                         ? cpu::PackedOut{nullptr, h.q_width(), static_cast<uint16_t*>(a.out.data)}
                                         : cpu::PackedOut{out.data(), h.q_width()};
-  absl::Status status = cpu::Attend(tiles, s, a.mask, packed(q, a.q, h.q_width()), packed(k, a.k, h.kv_width()),
-                                    packed(v, a.v, h.kv_width()), packed_out, weights.data(), stop);
+  cpu::Packed q_in = packed(q, a.q, h.q_width()), k_in = packed(k, a.k, h.kv_width());
+  if (h.has_rope()) {
+    float* rotated_q = cpu::Grown(scratch.rotated_q, q_count);
+    float* rotated_k = cpu::Grown(scratch.rotated_k, kv_count);
+    std::copy_n(q.data(), q_count, rotated_q);
+    std::copy_n(k.data(), kv_count, rotated_k);
+    q_in = {rotated_q, h.q_width()};
+    k_in = {rotated_k, h.kv_width()};
+    RotateStateless(s, q_in, k_in);
+  }
+  absl::Status status =
+      cpu::Attend(tiles, s, a.mask, q_in, k_in, packed(v, a.v, h.kv_width()), packed_out, weights.data(), stop);
   if (!status.ok()) return status;
   out.Finish();
   weights.Finish();
@@ -361,6 +458,7 @@ absl::Status CpuBackend::MultiHeadAttention(const MhaArgs& a) {
     k = packed(k_offset, kv_width);
     v = packed(v_offset, kv_width);
   }
+  RotateStateless(s, q, k);
 
   FloatOutput weights(a.attention_weights, s.batch * h.num_heads * s.q_len * s.kv_len, &scratch.weights);
   // The heads in fp32, or straight in bf16 for the bf16 output product where the core runs on a bf16 set and no
@@ -419,6 +517,65 @@ absl::Status CpuBackend::MultiHeadAttention(const MhaArgs& a) {
                                s.d_model, stop);
   if (!status.ok()) return status;
   out.Finish();
+  return absl::OkStatus();
+}
+
+int64_t CpuBackend::PagedWorkspaceBytes(const PagedProblem& p) const {
+  const HeadSpec& h = p.heads;
+  // The new tokens' inputs in fp32, their q, k, v and heads, the layer's fp32 output; the attention's own.
+  const int64_t floats = p.new_tokens * (p.d_model + 2 * h.q_width() + 2 * h.kv_width() + p.d_model);
+  return floats * static_cast<int64_t>(sizeof(float)) +
+         cpu::PagedAttendBytes(KernelsFor(h.head_dim), p, omp_get_num_procs());
+}
+
+absl::Status CpuBackend::PagedAttention(const PagedArgs& a) {
+  const PagedProblem& p = a.problem;
+  const HeadSpec& h = p.heads;
+  std::vector<int64_t> first_row;
+  cpu::PagedRows rows;
+  double flops = 0, cache_bytes = 0;
+  for (const PagedSequence& seq : a.sequences) {
+    first_row.push_back(rows.total);
+    rows.total += seq.new_tokens;
+    const double n = static_cast<double>(seq.new_tokens), visible = n * seq.length + n * (n + 1) / 2;
+    flops += 4.0 * h.num_heads * h.head_dim * visible;
+    cache_bytes += static_cast<double>(seq.length + seq.new_tokens) * p.cache.BlockBytes() / p.cache.block_tokens;
+  }
+  rows.first_row = first_row;
+  if (p.d_model > 0) flops += 2.0 * rows.total * p.d_model * (2 * h.q_width() + 2 * h.kv_width());
+  // A decode step reads its caches from memory: more than a few MiB of them deserve every core's share of the
+  // bandwidth, whatever their FLOPs.
+  const bool serial = flops <= kSerialFlops && cache_bytes <= (4 << 20);
+  ScopedOmpThreads threads(serial ? 1 : omp_get_max_threads());
+  const StopSignal* stop = flops > kStopCheckFlops || cache_bytes > (64 << 20) ? a.stop : nullptr;
+  CallScratch& scratch = ThreadScratch();
+  const ScratchTrim trim(scratch);
+
+  ASSIGN_OR_RETURN(const PagedProjections qkv, ProjectPaged(a, rows, scratch, stop));
+  RotatePaged(a, rows, qkv);
+  cpu::WriteTokens(p.cache, a.sequences, rows, qkv.k, qkv.ldk, qkv.v, qkv.ldv);
+  float* heads = cpu::Grown(scratch.heads, rows.total * h.q_width());
+  if (absl::Status status = cpu::PagedAttend(KernelsFor(h.head_dim), p, a.sequences, rows, qkv.q, qkv.ldq, heads,
+                                             h.q_width(), stop);
+      !status.ok()) {
+    return status;
+  }
+  const int64_t width = p.d_model > 0 ? p.d_model : h.q_width();
+  const float* out = heads;
+  if (p.d_model > 0) {
+    float* projected = scratch.output.Room(rows.total * p.d_model);
+    const LayerWeights& w = a.weights;
+    if (absl::Status status = Linear(heads, rows.total, h.q_width(), h.q_width(), w.w_o, p.d_model, w.b_o,
+                                     p.d_model, projected, p.d_model, stop);
+        !status.ok()) {
+      return status;
+    }
+    out = projected;
+  }
+  for (size_t s = 0; s < a.sequences.size(); ++s) {
+    const PagedSequence& seq = a.sequences[s];
+    EncodeFromFloat(seq.out.dtype, out + first_row[s] * width, seq.new_tokens * width, seq.out.data);
+  }
   return absl::OkStatus();
 }
 

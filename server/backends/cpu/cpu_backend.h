@@ -57,6 +57,11 @@ class CpuBackend final : public Backend {
   absl::StatusOr<double> WarmUp() override;
   absl::Status ScaledDotProductAttention(const SdpaArgs& args) override;
   absl::Status MultiHeadAttention(const MhaArgs& args) override;
+  // Sessions: every sequence's new tokens projected together (fp32, oneDNN's sgemm), rotated, written into their
+  // caches, then the decode path or the gather path of paged_attention.h, and W_O for all of them at once.
+  absl::Status SupportsPaged(const PagedProblem& problem) const override { return absl::OkStatus(); }
+  int64_t PagedWorkspaceBytes(const PagedProblem& problem) const override;
+  absl::Status PagedAttention(const PagedArgs& args) override;
 
  private:
   CpuBackend(std::vector<const kernels::TileKernels*> tile_kernels, const kernels::TileKernels* bf16_tiles, bool bf16)

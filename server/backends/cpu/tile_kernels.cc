@@ -52,6 +52,12 @@ bool CpuHasAvx512Bf16(bool tiles) {
   return (xcr0_lo & kZmmState) == kZmmState && (!tiles || (xcr0_lo & kTileState) == kTileState);
 }
 
+// F16C (CPUID leaf 1, ECX bit 29): fp16 conversions, which the avx2 set's decode kernels use.
+bool CpuHasF16c() {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  return __get_cpuid(1, &a, &b, &c, &d) && ((c >> 29) & 1);
+}
+
 // A bf16 set (its packing and products over the AVX-512 set's kernels) with the online softmax whose exps keep
 // bf16's precision only: its products round the weights to bf16.
 TileKernels WithBf16Softmax(TileKernels k) {
@@ -72,7 +78,8 @@ const TileKernels* TileKernelsFor(const char* isa) {
     return &kAvx512Bf16;
   }
   if (std::strcmp(isa, "avx512") == 0 && __builtin_cpu_supports("avx512f")) return &avx512::kKernels;
-  if (std::strcmp(isa, "avx2") == 0 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+  if (std::strcmp(isa, "avx2") == 0 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+      CpuHasF16c()) {
     return &avx2::kKernels;
   }
   if (std::strcmp(isa, "portable") == 0) return &portable::kKernels;

@@ -22,6 +22,20 @@ namespace mha::kernels {
 // log2(e): natural-log scores times this are scores in log2 units.
 inline constexpr float kLog2e = 1.44269504088896341f;
 
+// The sessions' decode kernels (paged_attention.h), over one KV head's part of a cache block in its layout
+// (backend.h's KvCacheLayout) with elements of one cache dtype, into fp32. Register-blocked like the tile kernels,
+// with the cache's fp16 or bf16 elements widened to fp32 as they are loaded, so a block is read once from memory.
+struct PagedKernels {
+  // s[r, j] (row stride lds) = sum over c < depth of q[r, c] (fp32, row stride ldq) * kt[c, j] for r < rows and
+  // j < keys, kt a block's K^T (depth rows of ldk elements); keys a multiple of 16.
+  void (*scores)(int64_t rows, int64_t keys, int64_t depth, const float* q, int64_t ldq, const void* kt,
+                 int64_t ldk, float* s, int64_t lds);
+  // o[r, c] (row stride ldo) = o_scale[r] * o[r, c] + sum over j < keys of p[r, j] (row stride ldp) * v[j, c] for
+  // r < rows and c < width, v a block's V (keys rows of width elements).
+  void (*values)(int64_t rows, int64_t keys, int64_t width, const float* p, int64_t ldp, const void* v,
+                 const float* o_scale, float* o, int64_t ldo);
+};
+
 struct TileKernels {
   const char* isa;    // "amx", "avx512bf16", "avx512", "avx2" or "portable"
   int lanes;          // floats per vector register
@@ -93,6 +107,9 @@ struct TileKernels {
   // fp32 sets.
   void (*copy_scaled_to_bf16)(int64_t rows, int64_t cols, float scale, const float* src, int64_t lds, uint16_t* dst,
                               int64_t ldd);
+
+  // The decode kernels for caches of fp32, fp16 and bf16 (index DataType - 1); the bf16 sets use their fp32 set's.
+  const PagedKernels* paged;
 };
 
 // The kernels for `isa` ("amx", "avx512bf16", "avx512", "avx2", "portable") if this CPU runs them, else nullptr.

@@ -1,4 +1,4 @@
-// The tile kernels for AVX2 with FMA (compiled with -mavx2 -mfma; called only where the CPU has both).
+// The tile kernels for AVX2 with FMA and F16C (compiled with -mavx2 -mfma -mf16c; called only where the CPU has all three).
 #include <immintrin.h>
 
 #include "server/backends/cpu/tile_kernels.h"
@@ -12,7 +12,17 @@ struct Isa {
   // 16 ymm registers: 12 accumulators, two loaded vectors and a broadcast.
   static constexpr int kScoreRows = 6, kScoreVectors = 2;
   static constexpr int kValueRows = 6, kValueVectors = 2;
+  // The sessions' decode kernels (paged_kernels_impl.h): 8 accumulators of scores (4 rows of 16 keys), 8 of values
+  // (4 rows of 16 columns).
+  static constexpr int kPagedRows = 4, kPagedVectors = 2, kPagedValueRows = 4, kPagedValueVectors = 2;
+  static constexpr bool kPagedSplit = false;
   static V Zero() { return _mm256_setzero_ps(); }
+  // F16C's conversion: every AVX2 CPU has it (TileKernelsFor checks).
+  static V LoadHalf(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static V LoadBf16(const uint16_t* p) {
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+  }
   static V Splat(float x) { return _mm256_set1_ps(x); }
   static V Load(const float* p) { return _mm256_loadu_ps(p); }
   static __m256i FirstLanes(int n) {

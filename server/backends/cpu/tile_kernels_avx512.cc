@@ -13,7 +13,16 @@ struct Isa {
   // each K^T or V row streamed from L2 then feeds twice as many FMAs.
   static constexpr int kScoreRows = 12, kScoreVectors = 2;
   static constexpr int kValueRows = 12, kValueVectors = 2;
+  // The sessions' decode kernels (paged_kernels_impl.h): 16 accumulators of scores (8 rows of 16 keys, even and
+  // odd depths apart), 16 of values (4 rows of 64 columns).
+  static constexpr int kPagedRows = 8, kPagedVectors = 1, kPagedValueRows = 4, kPagedValueVectors = 4;
+  static constexpr bool kPagedSplit = true;
   static V Zero() { return _mm512_setzero_ps(); }
+  static V LoadHalf(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  static V LoadBf16(const uint16_t* p) {
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+  }
   static V Splat(float x) { return _mm512_set1_ps(x); }
   static V Load(const float* p) { return _mm512_loadu_ps(p); }
   // The first n < kLanes floats at p, the other lanes `fill`.

@@ -464,6 +464,8 @@ inline void AddRow(int64_t n, const float* y, float* x) {
 }
 
 // This instruction set's entry of the table tile_kernels.cc hands out.
+#include "server/backends/cpu/paged_kernels_impl.h"  // defines kPagedKernels
+
 extern const TileKernels kKernels = {Isa::kName,
                                      Isa::kLanes,
                                      Isa::kScoreVectors * Isa::kLanes,
@@ -484,7 +486,8 @@ extern const TileKernels kKernels = {Isa::kName,
                                      /*pack_keys_bf16=*/nullptr,
                                      /*pack_values_bf16=*/nullptr,
                                      /*copy_scaled_bf16=*/nullptr,
-                                     /*copy_scaled_to_bf16=*/nullptr};
+                                     /*copy_scaled_to_bf16=*/nullptr,
+                                     kPagedKernels};
 
 // The online softmax of the bf16 sets built on this set's kernels (tile_kernels.cc).
 extern const decltype(TileKernels::online_softmax) kBf16OnlineSoftmax = &OnlineSoftmax</*kBf16=*/true>;

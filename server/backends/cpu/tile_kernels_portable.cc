@@ -3,6 +3,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "proto/mha/v1/tensor_codec.h"
 #include "server/backends/cpu/tile_kernels.h"
 
 namespace mha::kernels::portable {
@@ -15,7 +16,20 @@ struct Isa {
   // 16 xmm registers, two per vector: 6 accumulators, a loaded vector and a broadcast.
   static constexpr int kScoreRows = 6, kScoreVectors = 1;
   static constexpr int kValueRows = 6, kValueVectors = 1;
+  // The sessions' decode kernels (paged_kernels_impl.h): 4 accumulators of scores (2 rows of 16 keys), 3 of values.
+  static constexpr int kPagedRows = 2, kPagedVectors = 2, kPagedValueRows = 3, kPagedValueVectors = 1;
+  static constexpr bool kPagedSplit = false;
   static V Zero() { return V{}; }
+  static V LoadHalf(const uint16_t* p) {
+    V v;
+    for (int i = 0; i < kLanes; ++i) v[i] = HalfToFloat(p[i]);
+    return v;
+  }
+  static V LoadBf16(const uint16_t* p) {
+    I bits;
+    for (int i = 0; i < kLanes; ++i) bits[i] = static_cast<int32_t>(static_cast<uint32_t>(p[i]) << 16);
+    return __builtin_bit_cast(V, bits);
+  }
   static V Splat(float x) { return V{} + x; }
   static V Load(const float* p) {
     V v;

@@ -6,7 +6,9 @@
 
 #include "absl/status/statusor.h"
 
+#include "proto/mha/v1/tensor_codec.h"
 #include "server/backends/float_io.h"
+#include "server/status_macros.h"
 #include "server/backends/synthetic.h"
 
 namespace mha {
@@ -42,6 +44,36 @@ void Store(const std::vector<double>& values, const MutableTensor& tensor) {
   FloatOutput output(tensor, static_cast<int64_t>(values.size()));
   for (size_t i = 0; i < values.size(); ++i) output.data()[i] = static_cast<float>(values[i]);
   output.Finish();
+}
+
+// RoPE on head-packed rows x [rows, heads, d_k] in double, row r at position first + r: pair i of the first rope_dim
+// dims, (i, i + rope_dim / 2) or (2i, 2i + 1) when interleaved, turns by position * theta^(-2i / rope_dim).
+void Rotate(const HeadSpec& h, int64_t rows, int64_t heads, int64_t first, double* x) {
+  if (!h.has_rope()) return;
+  const int64_t half = h.rope_dim / 2;
+  for (int64_t r = 0; r < rows; ++r) {
+    const double position = static_cast<double>(first + r);
+    for (int64_t head = 0; head < heads; ++head) {
+      double* v = x + (r * heads + head) * h.head_dim;
+      for (int64_t i = 0; i < half; ++i) {
+        const double angle = position * std::pow(h.rope_theta, -2.0 * static_cast<double>(i) / h.rope_dim);
+        const int64_t a = h.rope_interleaved ? 2 * i : i, b = h.rope_interleaved ? 2 * i + 1 : i + half;
+        const double x0 = v[a], x1 = v[b];
+        v[a] = x0 * std::cos(angle) - x1 * std::sin(angle);
+        v[b] = x1 * std::cos(angle) + x0 * std::sin(angle);
+      }
+    }
+  }
+}
+
+// RoPE on a stateless call's q [B, Tq, H, d_k] and k [B, Tk, Hkv, d_k]: keys at 0..Tk-1, queries bottom-right
+// aligned at Tk-Tq..Tk-1.
+void RotateStateless(const AttentionShape& s, double* q, double* k) {
+  const HeadSpec& h = s.heads;
+  for (int64_t b = 0; b < s.batch; ++b) {
+    Rotate(h, s.q_len, h.num_heads, s.kv_len - s.q_len, q + b * s.q_len * h.q_width());
+    Rotate(h, s.kv_len, h.num_kv_heads, 0, k + b * s.kv_len * h.kv_width());
+  }
 }
 
 // The attention core on head-packed double tensors: q [B,Tq,H,dk], k/v [B,Tk,Hkv,dk] -> out [B,Tq,H,dk].
@@ -117,7 +149,9 @@ absl::StatusOr<double> ReferenceBackend::WarmUp() { return RunSyntheticLayer(*th
 absl::Status ReferenceBackend::ScaledDotProductAttention(const SdpaArgs& a) {
   const AttentionShape& s = a.shape;
   const int64_t q_n = s.batch * s.q_len * s.heads.q_width(), kv_n = s.batch * s.kv_len * s.heads.kv_width();
-  const std::vector<double> q = ToDouble(a.q, q_n), k = ToDouble(a.k, kv_n), v = ToDouble(a.v, kv_n);
+  std::vector<double> q = ToDouble(a.q, q_n), k = ToDouble(a.k, kv_n);
+  const std::vector<double> v = ToDouble(a.v, kv_n);
+  RotateStateless(s, q.data(), k.data());
   std::vector<double> out(q_n), weights;
   if (a.weights.requested()) weights.resize(s.batch * s.heads.num_heads * s.q_len * s.kv_len);
   absl::Status status =
@@ -147,6 +181,7 @@ absl::Status ReferenceBackend::MultiHeadAttention(const MhaArgs& a) {
   absl::StatusOr<std::vector<double>> v =
       Linear(value_in.data(), kv_rows, s.d_v_in, w.w_v, w.ld_v, w.b_v, kv_width, a.stop);
   if (!v.ok()) return v.status();
+  RotateStateless(s, q->data(), k->data());
 
   // Attend with all heads.
   std::vector<double> head_out(q_rows * q_width), weights;
@@ -168,6 +203,118 @@ absl::Status ReferenceBackend::MultiHeadAttention(const MhaArgs& a) {
   if (!y.ok()) return y.status();
   Store(*y, a.out);
   if (a.attention_weights.requested()) Store(weights, a.attention_weights);
+  return absl::OkStatus();
+}
+
+namespace {
+
+// Element `index` of a cache block, as double.
+double CacheElement(const KvCacheLayout& c, const char* block, int64_t index) {
+  float value = 0;
+  DecodeToFloat(c.dtype, block + index * DTypeSize(c.dtype), 1, &value);
+  return value;
+}
+
+void SetCacheElement(const KvCacheLayout& c, char* block, int64_t index, double value) {
+  const float narrowed = static_cast<float>(value);
+  EncodeFromFloat(c.dtype, &narrowed, 1, block + index * DTypeSize(c.dtype));
+}
+
+// Writes the new tokens' k and v [n, Hkv, d_k] into their slots, positions length.., rounded to the cache's dtype.
+void WriteTokens(const KvCacheLayout& c, const PagedSequence& seq, const double* k, const double* v) {
+  const int64_t dk = c.head_dim, tb = c.block_tokens;
+  for (int64_t i = 0; i < seq.new_tokens; ++i) {
+    const int64_t t = seq.length + i;
+    char* block = seq.blocks[t / tb];
+    for (int64_t g = 0; g < c.num_kv_heads; ++g) {
+      for (int64_t d = 0; d < dk; ++d) {
+        SetCacheElement(c, block, c.KeyOffset(g) + d * tb + t % tb, k[(i * c.num_kv_heads + g) * dk + d]);
+        SetCacheElement(c, block, c.ValueOffset(g) + (t % tb) * dk + d, v[(i * c.num_kv_heads + g) * dk + d]);
+      }
+    }
+  }
+}
+
+// The whole cache of `seq` (tokens 0..length+n-1) as head-packed double k and v [T, Hkv, d_k].
+void ReadCache(const KvCacheLayout& c, const PagedSequence& seq, std::vector<double>* k, std::vector<double>* v) {
+  const int64_t dk = c.head_dim, tb = c.block_tokens, tokens = seq.length + seq.new_tokens;
+  k->resize(tokens * c.num_kv_heads * dk);
+  v->resize(k->size());
+  for (int64_t t = 0; t < tokens; ++t) {
+    const char* block = seq.blocks[t / tb];
+    for (int64_t g = 0; g < c.num_kv_heads; ++g) {
+      for (int64_t d = 0; d < dk; ++d) {
+        (*k)[(t * c.num_kv_heads + g) * dk + d] = CacheElement(c, block, c.KeyOffset(g) + d * tb + t % tb);
+        (*v)[(t * c.num_kv_heads + g) * dk + d] = CacheElement(c, block, c.ValueOffset(g) + (t % tb) * dk + d);
+      }
+    }
+  }
+}
+
+// One sequence of a paged call: q, k, v of the new tokens (projected from x with a layer), RoPE at their cache
+// positions, k and v into the cache, then the stateless causal attention over the whole cache and W_O.
+absl::Status PagedSequenceAttention(const PagedArgs& a, const PagedSequence& seq) {
+  const PagedProblem& p = a.problem;
+  const HeadSpec& h = p.heads;
+  const LayerWeights& w = a.weights;
+  const int64_t n = seq.new_tokens;
+  std::vector<double> q, k, v;
+  if (p.d_model > 0) {
+    const std::vector<double> x = ToDouble(seq.x, n * p.d_model);
+    absl::StatusOr<std::vector<double>> projected[3] = {
+        Linear(x.data(), n, p.d_model, w.w_q, w.ld_q, w.b_q, h.q_width(), a.stop),
+        Linear(x.data(), n, p.d_model, w.w_k, w.ld_k, w.b_k, h.kv_width(), a.stop),
+        Linear(x.data(), n, p.d_model, w.w_v, w.ld_v, w.b_v, h.kv_width(), a.stop)};
+    for (const auto& y : projected) {
+      if (!y.ok()) return y.status();
+    }
+    q = *std::move(projected[0]);
+    k = *std::move(projected[1]);
+    v = *std::move(projected[2]);
+  } else {
+    q = ToDouble(seq.q, n * h.q_width());
+    k = ToDouble(seq.k, n * h.kv_width());
+    v = ToDouble(seq.v, n * h.kv_width());
+  }
+  Rotate(h, n, h.num_heads, seq.length, q.data());
+  Rotate(h, n, h.num_kv_heads, seq.length, k.data());
+  WriteTokens(p.cache, seq, k.data(), v.data());
+
+  AttentionShape s;
+  s.batch = 1;
+  s.q_len = n;
+  s.kv_len = seq.length + n;
+  s.heads = h;
+  s.heads.causal = true;
+  ReadCache(p.cache, seq, &k, &v);
+  std::vector<double> heads(n * h.q_width()), weights;
+  if (seq.weights.requested()) weights.resize(h.num_heads * n * s.kv_len);
+  RETURN_IF_ERROR(Attend(s, AttentionMask(), q.data(), k.data(), v.data(), heads.data(),
+                                weights.empty() ? nullptr : weights.data(), a.stop));
+  if (seq.weights.requested()) Store(weights, seq.weights);
+  if (p.d_model == 0) {
+    Store(heads, seq.out);
+    return absl::OkStatus();
+  }
+  absl::StatusOr<std::vector<double>> y = Linear(heads.data(), n, h.q_width(), w.w_o, p.d_model, w.b_o, p.d_model, a.stop);
+  if (!y.ok()) return y.status();
+  Store(*y, seq.out);
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+int64_t ReferenceBackend::PagedWorkspaceBytes(const PagedProblem& p) const {
+  const HeadSpec& h = p.heads;
+  // One sequence at a time: its new tokens' projections and heads, its whole cache in double, its weights.
+  const int64_t n = p.max_new_tokens, tokens = p.max_length;
+  const int64_t doubles = n * (p.d_model + 2 * h.q_width() + 2 * h.kv_width() + p.d_model) +
+                          2 * tokens * h.kv_width() + (p.return_weights ? h.num_heads * n * tokens : 0);
+  return doubles * static_cast<int64_t>(sizeof(double));
+}
+
+absl::Status ReferenceBackend::PagedAttention(const PagedArgs& a) {
+  for (const PagedSequence& seq : a.sequences) RETURN_IF_ERROR(PagedSequenceAttention(a, seq));
   return absl::OkStatus();
 }
 

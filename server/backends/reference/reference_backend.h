@@ -21,6 +21,10 @@ class ReferenceBackend final : public Backend {
   absl::StatusOr<double> WarmUp() override;
   absl::Status ScaledDotProductAttention(const SdpaArgs& args) override;
   absl::Status MultiHeadAttention(const MhaArgs& args) override;
+  // Sessions: each sequence's whole cache decoded to double, then the stateless causal computation above.
+  absl::Status SupportsPaged(const PagedProblem& problem) const override { return absl::OkStatus(); }
+  int64_t PagedWorkspaceBytes(const PagedProblem& problem) const override;
+  absl::Status PagedAttention(const PagedArgs& args) override;
 };
 
 }  // namespace mha

@@ -1,0 +1,196 @@
+// The body of the sessions' decode kernels (tile_kernels.h's PagedKernels), included by tile_kernels_impl.h inside
+// namespace mha::kernels::<isa> after `struct Isa`, which adds to the tile kernels' operations:
+//   LoadHalf(p) / LoadBf16(p): kLanes fp16 / bf16 elements at p widened to fp32;
+//   kPagedRows x kPagedVectors: the scores' register block, kPagedVectors * kLanes = 16 keys; kPagedSplit: two sets
+//   of accumulators over even and odd depths, for FMA chains enough to hide the latency with few rows;
+//   kPagedValueRows x kPagedValueVectors: the values' register block.
+// Free of standard-library templates, like the tile kernels (compiled with this TU's -m flags).
+
+// Cache element types: fp32, and the 16-bit ones as tags over their bits.
+struct Half {
+  uint16_t bits;
+};
+struct Bf16 {
+  uint16_t bits;
+};
+
+inline Isa::V LoadElements(const float* p) { return Isa::Load(p); }
+inline Isa::V LoadElements(const Half* p) { return Isa::LoadHalf(&p->bits); }
+inline Isa::V LoadElements(const Bf16* p) { return Isa::LoadBf16(&p->bits); }
+
+inline float Widen(float x) { return x; }
+inline float Widen(Half x) {
+  // IEEE binary16 to binary32, exactly (subnormals, infinities and NaN included).
+  const uint32_t sign = static_cast<uint32_t>(x.bits & 0x8000u) << 16, exponent = (x.bits >> 10) & 0x1f,
+                 mantissa = x.bits & 0x3ffu;
+  uint32_t bits;
+  if (exponent == 0x1f) {
+    bits = sign | 0x7f800000u | (mantissa << 13);
+  } else if (exponent != 0) {
+    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+  } else if (mantissa == 0) {
+    bits = sign;
+  } else {
+    float value = static_cast<float>(mantissa) * (1.0f / 16777216.0f);  // mantissa * 2^-24
+    __builtin_memcpy(&bits, &value, sizeof(bits));
+    bits |= sign;
+  }
+  float f;
+  __builtin_memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+inline float Widen(Bf16 x) {
+  const uint32_t bits = static_cast<uint32_t>(x.bits) << 16;
+  float f;
+  __builtin_memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+// n (1..kLanes) elements at p, the other lanes zero.
+template <typename E>
+inline Isa::V LoadElementsPartial(const E* p, int n) {
+  float widened[Isa::kLanes];
+  for (int i = 0; i < n; ++i) widened[i] = Widen(p[i]);
+  return Isa::LoadPartial(widened, n, 0.0f);
+}
+
+// Calls f(BlockRows<n>{}) with the register block height n = rows (1..kMax).
+template <int kMax, typename F>
+inline void WithRows(int64_t rows, F&& f) {
+  if constexpr (kMax > 1) {
+    if (rows < kMax) {
+      WithRows<kMax - 1>(rows, f);
+      return;
+    }
+  }
+  f(BlockRows<kMax>{});
+}
+
+// kRows rows of scores for 16 keys (kPagedVectors vectors), the whole depth in registers.
+template <typename E, int kRows>
+inline void PagedScoreBlock(int64_t depth, const float* q, int64_t ldq, const E* kt, int64_t ldk, float* s,
+                            int64_t lds) {
+  using V = Isa::V;
+  constexpr int kVectors = Isa::kPagedVectors;
+  constexpr int kSets = Isa::kPagedSplit ? 2 : 1;
+  V acc[kSets][kRows][kVectors];
+  MHA_UNROLL for (int h = 0; h < kSets; ++h) {
+    MHA_UNROLL for (int r = 0; r < kRows; ++r) {
+      MHA_UNROLL for (int v = 0; v < kVectors; ++v) acc[h][r][v] = Isa::Zero();
+    }
+  }
+  int64_t c = 0;
+  for (; c + kSets <= depth; c += kSets) {
+    MHA_UNROLL for (int h = 0; h < kSets; ++h) {
+      V b[kVectors];
+      MHA_UNROLL for (int v = 0; v < kVectors; ++v) b[v] = LoadElements(kt + (c + h) * ldk + v * Isa::kLanes);
+      MHA_UNROLL for (int r = 0; r < kRows; ++r) {
+        const V a = Isa::Broadcast(q + r * ldq + c + h);
+        MHA_UNROLL for (int v = 0; v < kVectors; ++v) acc[h][r][v] = Isa::Fma(a, b[v], acc[h][r][v]);
+      }
+    }
+  }
+  for (; c < depth; ++c) {  // an odd depth's last row
+    V b[kVectors];
+    MHA_UNROLL for (int v = 0; v < kVectors; ++v) b[v] = LoadElements(kt + c * ldk + v * Isa::kLanes);
+    MHA_UNROLL for (int r = 0; r < kRows; ++r) {
+      const V a = Isa::Broadcast(q + r * ldq + c);
+      MHA_UNROLL for (int v = 0; v < kVectors; ++v) acc[0][r][v] = Isa::Fma(a, b[v], acc[0][r][v]);
+    }
+  }
+  MHA_UNROLL for (int r = 0; r < kRows; ++r) {
+    MHA_UNROLL for (int v = 0; v < kVectors; ++v) {
+      V sum = acc[0][r][v];
+      if constexpr (kSets == 2) sum = Isa::Add(sum, acc[1][r][v]);
+      Isa::Store(s + r * lds + v * Isa::kLanes, sum);
+    }
+  }
+}
+
+template <typename E>
+void PagedScores(int64_t rows, int64_t keys, int64_t depth, const float* q, int64_t ldq, const void* kt_bytes,
+                 int64_t ldk, float* s, int64_t lds) {
+  const E* kt = static_cast<const E*>(kt_bytes);
+  constexpr int64_t kRows = Isa::kPagedRows;
+  for (int64_t j = 0; j < keys; j += 16) {
+    for (int64_t i = 0; i < rows; i += kRows) {
+      WithRows<kRows>(rows - i < kRows ? rows - i : kRows, [&](auto height) {
+        PagedScoreBlock<E, decltype(height)::kValue>(depth, q + i * ldq, ldq, kt + j, ldk, s + i * lds + j, lds);
+      });
+    }
+  }
+}
+
+// kRows rows of kVectors vectors of o (the last holding last_lanes columns), rescaled by o_scale, plus p V.
+template <typename E, int kRows, int kVectors>
+inline void PagedValueBlock(int64_t keys, int64_t width, const float* p, int64_t ldp, const E* v,
+                            const float* o_scale, float* o, int64_t ldo, int last_lanes) {
+  using V = Isa::V;
+  V acc[kRows][kVectors];
+  MHA_UNROLL for (int r = 0; r < kRows; ++r) {
+    const V factor = Isa::Broadcast(o_scale + r);
+    MHA_UNROLL for (int x = 0; x < kVectors; ++x) {
+      const float* old = o + r * ldo + x * Isa::kLanes;
+      const bool partial = x == kVectors - 1 && last_lanes < Isa::kLanes;
+      acc[r][x] = Isa::Mul(factor, partial ? Isa::LoadPartial(old, last_lanes, 0.0f) : Isa::Load(old));
+    }
+  }
+  for (int64_t j = 0; j < keys; ++j) {
+    V b[kVectors];
+    MHA_UNROLL for (int x = 0; x < kVectors; ++x) {
+      const E* row = v + j * width + x * Isa::kLanes;
+      b[x] = x == kVectors - 1 && last_lanes < Isa::kLanes ? LoadElementsPartial(row, last_lanes)
+                                                            : LoadElements(row);
+    }
+    MHA_UNROLL for (int r = 0; r < kRows; ++r) {
+      const V a = Isa::Broadcast(p + r * ldp + j);
+      MHA_UNROLL for (int x = 0; x < kVectors; ++x) acc[r][x] = Isa::Fma(a, b[x], acc[r][x]);
+    }
+  }
+  MHA_UNROLL for (int r = 0; r < kRows; ++r) {
+    MHA_UNROLL for (int x = 0; x < kVectors; ++x) {
+      if (x == kVectors - 1 && last_lanes < Isa::kLanes) {
+        Isa::StorePartial(o + r * ldo + x * Isa::kLanes, acc[r][x], last_lanes);
+      } else {
+        Isa::Store(o + r * ldo + x * Isa::kLanes, acc[r][x]);
+      }
+    }
+  }
+}
+
+// Every row block of one column panel of up to kVectors vectors (`vectors` of them).
+template <typename E, int kVectors>
+inline void PagedValuePanel(int64_t vectors, int64_t rows, int64_t keys, int64_t width, const float* p, int64_t ldp,
+                            const E* v, const float* o_scale, float* o, int64_t ldo, int last_lanes) {
+  if constexpr (kVectors > 1) {
+    if (vectors < kVectors) {
+      PagedValuePanel<E, kVectors - 1>(vectors, rows, keys, width, p, ldp, v, o_scale, o, ldo, last_lanes);
+      return;
+    }
+  }
+  constexpr int64_t kRows = Isa::kPagedValueRows;
+  for (int64_t i = 0; i < rows; i += kRows) {
+    WithRows<kRows>(rows - i < kRows ? rows - i : kRows, [&](auto height) {
+      PagedValueBlock<E, decltype(height)::kValue, kVectors>(keys, width, p + i * ldp, ldp, v, o_scale + i,
+                                                             o + i * ldo, ldo, last_lanes);
+    });
+  }
+}
+
+template <typename E>
+void PagedValues(int64_t rows, int64_t keys, int64_t width, const float* p, int64_t ldp, const void* v_bytes,
+                 const float* o_scale, float* o, int64_t ldo) {
+  const E* v = static_cast<const E*>(v_bytes);
+  constexpr int64_t kPanel = Isa::kPagedValueVectors * Isa::kLanes;
+  for (int64_t c = 0; c < width; c += kPanel) {
+    const int64_t left = width - c;
+    const int64_t vectors = left >= kPanel ? Isa::kPagedValueVectors : (left + Isa::kLanes - 1) / Isa::kLanes;
+    const int64_t last = left - (vectors - 1) * Isa::kLanes;
+    PagedValuePanel<E, Isa::kPagedValueVectors>(vectors, rows, keys, width, p, ldp, v + c, o_scale, o + c, ldo,
+                                                static_cast<int>(last < Isa::kLanes ? last : Isa::kLanes));
+  }
+}
+
+extern const PagedKernels kPagedKernels[3] = {{&PagedScores<float>, &PagedValues<float>},
+                                              {&PagedScores<Half>, &PagedValues<Half>},
+                                              {&PagedScores<Bf16>, &PagedValues<Bf16>}};
