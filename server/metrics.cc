@@ -51,7 +51,41 @@ ServerMetrics::ServerMetrics()
                       .Name("mha_batch_size")
                       .Help("Calls computed together in one backend call (1 when not batched), per backend call")
                       .Register(*registry_)
-                      .Add({}, prometheus::Histogram::BucketBoundaries{1, 2, 4, 8, 16, 32, 64, 128})) {}
+                      .Add({}, prometheus::Histogram::BucketBoundaries{1, 2, 4, 8, 16, 32, 64, 128})),
+      sessions_open_(
+          prometheus::BuildGauge().Name("mha_sessions_open").Help("KV-cache sessions open").Register(*registry_).Add({})),
+      cache_used_(prometheus::BuildGauge()
+                      .Name("mha_kv_cache_used_bytes")
+                      .Help("Bytes of the sessions' block pool in blocks in use")
+                      .Register(*registry_)
+                      .Add({})),
+      cache_capacity_(prometheus::BuildGauge()
+                          .Name("mha_kv_cache_capacity_bytes")
+                          .Help("Bytes of the sessions' block pool (--kv_cache_mb)")
+                          .Register(*registry_)
+                          .Add({})),
+      cache_shared_(prometheus::BuildGauge()
+                        .Name("mha_kv_cache_shared_blocks")
+                        .Help("Cache blocks referenced by more than one session (forks share them copy-on-write)")
+                        .Register(*registry_)
+                        .Add({})),
+      tokens_appended_(prometheus::BuildCounter()
+                           .Name("mha_session_tokens_appended_total")
+                           .Help("Tokens Extend calls appended to session caches")
+                           .Register(*registry_)
+                           .Add({})),
+      evictions_(prometheus::BuildCounter()
+                     .Name("mha_session_evictions_total")
+                     .Help("Sessions the server ended, by reason: idle_timeout, or cache_full (least recently used "
+                           "idle sessions evicted to make room)")
+                     .Register(*registry_)),
+      extend_items_(prometheus::BuildHistogram()
+                        .Name("mha_extend_items")
+                        .Help("Items (sessions) per Extend call")
+                        .Register(*registry_)
+                        .Add({}, prometheus::Histogram::BucketBoundaries{1, 2, 4, 8, 16, 32, 64, 128, 256})) {
+  for (const char* reason : {"idle_timeout", "cache_full"}) evictions_.Add({{"reason", reason}});
+}
 
 absl::Status ServerMetrics::Serve(const std::string& address) {
   try {
@@ -80,6 +114,19 @@ void ServerMetrics::RecordCall(absl::string_view rpc, absl::StatusCode code, abs
 void ServerMetrics::SetQueueDepth(int depth) { queue_depth_.Set(depth); }
 
 void ServerMetrics::RecordBatch(int calls) { batch_size_.Observe(calls); }
+
+void ServerMetrics::SetSessions(int open, int64_t used_bytes, int64_t capacity_bytes, int64_t shared_blocks) {
+  sessions_open_.Set(open);
+  cache_used_.Set(static_cast<double>(used_bytes));
+  cache_capacity_.Set(static_cast<double>(capacity_bytes));
+  cache_shared_.Set(static_cast<double>(shared_blocks));
+}
+
+void ServerMetrics::RecordTokensAppended(int64_t tokens) { tokens_appended_.Increment(static_cast<double>(tokens)); }
+
+void ServerMetrics::RecordEviction(absl::string_view reason) { evictions_.Add({{"reason", Str(reason)}}).Increment(); }
+
+void ServerMetrics::RecordExtendItems(int items) { extend_items_.Observe(items); }
 
 std::string ServerMetrics::Text() const {
   std::ostringstream out;

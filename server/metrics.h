@@ -7,6 +7,12 @@
 //   mha_flops_total{backend}                        AttentionFlops of OK calls (rate = FLOP/s)
 //   mha_queue_depth                                 requests waiting for the compute thread
 //   mha_batch_size                                  calls computed together per backend call (request batching)
+//   mha_sessions_open                               KV-cache sessions open
+//   mha_kv_cache_used_bytes, mha_kv_cache_capacity_bytes  the sessions' block pool: bytes of blocks in use, of all
+//   mha_kv_cache_shared_blocks                      blocks referenced by more than one session (forks)
+//   mha_session_tokens_appended_total               tokens Extend calls appended to caches
+//   mha_session_evictions_total{reason}             sessions ended by the server: idle_timeout, cache_full
+//   mha_extend_items                                items (sessions) per Extend call
 #ifndef MHA_SERVER_METRICS_H_
 #define MHA_SERVER_METRICS_H_
 
@@ -41,6 +47,12 @@ class ServerMetrics {
   void SetQueueDepth(int depth);
   // One backend call that computed `calls` calls together.
   void RecordBatch(int calls);
+  // The session store's state after a change.
+  void SetSessions(int open, int64_t used_bytes, int64_t capacity_bytes, int64_t shared_blocks);
+  void RecordTokensAppended(int64_t tokens);
+  // A session the server ended: `reason` is "idle_timeout" or "cache_full".
+  void RecordEviction(absl::string_view reason);
+  void RecordExtendItems(int items);
 
   // The current metrics in Prometheus' text format (what /metrics serves).
   std::string Text() const;
@@ -53,6 +65,13 @@ class ServerMetrics {
   prometheus::Family<prometheus::Counter>& flops_;
   prometheus::Gauge& queue_depth_;
   prometheus::Histogram& batch_size_;
+  prometheus::Gauge& sessions_open_;
+  prometheus::Gauge& cache_used_;
+  prometheus::Gauge& cache_capacity_;
+  prometheus::Gauge& cache_shared_;
+  prometheus::Counter& tokens_appended_;
+  prometheus::Family<prometheus::Counter>& evictions_;
+  prometheus::Histogram& extend_items_;
   std::unique_ptr<prometheus::Exposer> exposer_;
   int port_ = 0;
 };

@@ -1,0 +1,93 @@
+#include "server/sessions/block_pool.h"
+
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+
+namespace mha {
+
+BlockPool::BlockPool(int64_t capacity_bytes) {
+  const int64_t chunks = std::max<int64_t>(1, capacity_bytes / kChunkBytes);
+  // Address space only: MAP_NORESERVE commits nothing, pages are backed when first written.
+  void* base = mmap(nullptr, chunks * kChunkBytes, PROT_READ | PROT_WRITE,
+                    MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (base == MAP_FAILED) {
+    std::fprintf(stderr, "BlockPool: cannot reserve %lld bytes of address space\n",
+                 static_cast<long long>(chunks * kChunkBytes));
+    std::abort();
+  }
+  base_ = static_cast<char*>(base);
+  chunks_.resize(chunks);
+  // Lowest chunks first, so that a lightly used pool touches few of them.
+  for (int64_t c = chunks - 1; c >= 0; --c) free_chunks_.push_back(c);
+}
+
+BlockPool::~BlockPool() { munmap(base_, capacity_bytes()); }
+
+bool BlockPool::HasRoom(int64_t bytes) const {
+  if (bytes < 1 || bytes > kChunkBytes) return false;
+  const auto partial = partial_chunks_.find(Rounded(bytes));
+  return !free_chunks_.empty() || (partial != partial_chunks_.end() && !partial->second.empty());
+}
+
+char* BlockPool::Allocate(int64_t bytes) {
+  if (bytes < 1 || bytes > kChunkBytes) return nullptr;
+  const int64_t size = Rounded(bytes);
+  std::set<int64_t>& partial = partial_chunks_[size];
+  if (partial.empty()) {
+    if (free_chunks_.empty()) return nullptr;
+    const int64_t c = free_chunks_.back();
+    free_chunks_.pop_back();
+    Chunk& chunk = chunks_[c];
+    const int32_t blocks = static_cast<int32_t>(kChunkBytes / size);
+    chunk.block_bytes = size;
+    chunk.refs.assign(blocks, 0);
+    chunk.free.clear();
+    for (int32_t b = blocks - 1; b >= 0; --b) chunk.free.push_back(b);
+    partial.insert(c);
+    ++chunks_in_use_;
+  }
+  const int64_t c = *partial.begin();
+  Chunk& chunk = chunks_[c];
+  const int32_t index = chunk.free.back();
+  chunk.free.pop_back();
+  chunk.refs[index] = 1;
+  ++chunk.used;
+  if (chunk.free.empty()) partial.erase(c);
+  used_bytes_ += size;
+  return base_ + c * kChunkBytes + index * size;
+}
+
+void BlockPool::Ref(char* block) {
+  Chunk& chunk = chunks_[ChunkOf(block)];
+  int32_t& refs = chunk.refs[IndexOf(block, chunk)];
+  if (++refs == 2) ++shared_blocks_;
+}
+
+void BlockPool::Unref(char* block) {
+  const int64_t c = ChunkOf(block);
+  Chunk& chunk = chunks_[c];
+  const int32_t index = IndexOf(block, chunk);
+  int32_t& refs = chunk.refs[index];
+  if (--refs == 1) --shared_blocks_;
+  if (refs > 0) return;
+  used_bytes_ -= chunk.block_bytes;
+  if (chunk.free.empty()) partial_chunks_[chunk.block_bytes].insert(c);
+  chunk.free.push_back(index);
+  if (--chunk.used > 0) return;
+  // The chunk is empty: its pages go back to the system, and it may serve another block size.
+  partial_chunks_[chunk.block_bytes].erase(c);
+  madvise(base_ + c * kChunkBytes, kChunkBytes, MADV_DONTNEED);
+  chunk = Chunk();
+  free_chunks_.push_back(c);
+  --chunks_in_use_;
+}
+
+int BlockPool::RefCount(const char* block) const {
+  const Chunk& chunk = chunks_[ChunkOf(block)];
+  return chunk.refs[IndexOf(block, chunk)];
+}
+
+}  // namespace mha

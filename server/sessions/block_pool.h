@@ -1,0 +1,74 @@
+// The memory of the sessions' KV caches: fixed-size blocks carved from one arena of capacity_bytes, reserved at start
+// as address space only. A page is backed by memory when a block on it is first written, and a chunk whose blocks
+// are all free goes back to the system (madvise), so the process holds at most the capacity, and about what the
+// blocks in use need. Each chunk of kChunkBytes holds blocks of one size (a slab), so caches of different head
+// configurations and dtypes share the pool. Blocks are reference counted: forks share them copy-on-write.
+//
+// Not thread-safe: the SessionStore serialises every call. A block's bytes may be read and written without the
+// store's lock by the one call that holds it (see SessionStore).
+#ifndef MHA_SERVER_SESSIONS_BLOCK_POOL_H_
+#define MHA_SERVER_SESSIONS_BLOCK_POOL_H_
+
+#include <cstdint>
+#include <map>
+#include <set>
+#include <vector>
+
+namespace mha {
+
+class BlockPool {
+ public:
+  // Chunks are huge-page sized, so that the kernel may back a chunk full of blocks with one page.
+  static constexpr int64_t kChunkBytes = int64_t{2} << 20;
+  // Block sizes are rounded up to a multiple of this, so that every block starts on a cache line.
+  static constexpr int64_t kAlignment = 64;
+
+  // An arena of capacity_bytes rounded down to whole chunks (at least one). Aborts if the address space cannot be
+  // reserved (the server checks --kv_cache_mb before).
+  explicit BlockPool(int64_t capacity_bytes);
+  ~BlockPool();
+  BlockPool(const BlockPool&) = delete;
+  BlockPool& operator=(const BlockPool&) = delete;
+
+  // A block of `bytes` (1..kChunkBytes) with one reference, its contents unspecified; nullptr when no chunk has a
+  // free block of that size and no chunk is free.
+  char* Allocate(int64_t bytes);
+  // Adds a reference to a block that has one.
+  void Ref(char* block);
+  // Drops a reference; the last one frees the block, and the last block of a chunk frees the chunk.
+  void Unref(char* block);
+  int RefCount(const char* block) const;
+
+  int64_t capacity_bytes() const { return static_cast<int64_t>(chunks_.size()) * kChunkBytes; }
+  int64_t used_bytes() const { return used_bytes_; }        // allocated blocks' (rounded) sizes
+  int64_t chunks_in_use() const { return chunks_in_use_; }  // chunks holding at least one block
+  int64_t shared_blocks() const { return shared_blocks_; }  // blocks with more than one reference
+  // Whether Allocate(bytes) would succeed now.
+  bool HasRoom(int64_t bytes) const;
+
+ private:
+  struct Chunk {
+    int64_t block_bytes = 0;      // 0 while the chunk is free
+    int32_t used = 0;             // blocks allocated
+    std::vector<int32_t> free;    // indices of free blocks
+    std::vector<int32_t> refs;    // per block; 0 when free
+  };
+  static int64_t Rounded(int64_t bytes) { return (bytes + kAlignment - 1) / kAlignment * kAlignment; }
+  // The chunk holding `block` and the block's index in it.
+  int64_t ChunkOf(const char* block) const { return (block - base_) / kChunkBytes; }
+  int32_t IndexOf(const char* block, const Chunk& chunk) const {
+    return static_cast<int32_t>((block - base_) % kChunkBytes / chunk.block_bytes);
+  }
+
+  char* base_ = nullptr;
+  std::vector<Chunk> chunks_;
+  std::vector<int64_t> free_chunks_;                       // chunks holding no block
+  std::map<int64_t, std::set<int64_t>> partial_chunks_;  // by block size: chunks in use with a free block
+  int64_t used_bytes_ = 0;
+  int64_t chunks_in_use_ = 0;
+  int64_t shared_blocks_ = 0;
+};
+
+}  // namespace mha
+
+#endif  // MHA_SERVER_SESSIONS_BLOCK_POOL_H_

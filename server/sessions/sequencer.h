@@ -1,0 +1,113 @@
+// Orders the calls on each session: a call starts once no call that arrived before it and has not ended names one of
+// its sessions, so that the calls on one session run one at a time in the order they arrived, and calls on other
+// sessions go on meanwhile. A started call holds its sessions until it releases them (an Extend through its wait in
+// the compute queue and its compute), which is what makes a session's state safe to change without the store's
+// lock and lets the store never evict or expire a session in use.
+//
+// Bounded: at most max_waiting calls, holding max_waiting_bytes of requests together, wait for their turn; one more
+// is abandoned with RESOURCE_EXHAUSTED. Thread-safe.
+#ifndef MHA_SERVER_SESSIONS_SEQUENCER_H_
+#define MHA_SERVER_SESSIONS_SEQUENCER_H_
+
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+
+namespace mha {
+
+class SessionSequencer {
+ public:
+  // A call waiting for its sessions. Owned by the sequencer until its Start or Abandon returns, then destroyed.
+  class Call {
+   public:
+    virtual ~Call() = default;
+    // The call's turn: its sessions are held for it until Release(ids). Runs on the thread that submitted the call
+    // or on one that released a session it waited for, never under the sequencer's lock.
+    virtual void Start() = 0;
+    // The call will never start (too many wait, or shutdown): finish it with `status`. Its sessions are not held.
+    virtual void Abandon(const absl::Status& status) = 0;
+  };
+
+  SessionSequencer(int max_waiting, int64_t max_waiting_bytes)
+      : max_waiting_(max_waiting), max_waiting_bytes_(max_waiting_bytes) {}
+  SessionSequencer(const SessionSequencer&) = delete;
+  SessionSequencer& operator=(const SessionSequencer&) = delete;
+
+  // Takes `call`, which names the distinct session ids `ids` and holds `bytes` of request while it waits: starts
+  // it now on this thread if it may, else keeps it until its turn.
+  void Submit(std::vector<std::string> ids, int64_t bytes, std::unique_ptr<Call> call);
+  // The calls holding `ids` ended: frees them and starts the waiting calls whose turn it is now.
+  void Release(const std::vector<std::string>& ids);
+  // Whether a started call holds `id` or a waiting call names it.
+  bool InUse(const std::string& id) const;
+  // Abandons every waiting call, and every later one, with UNAVAILABLE. Started calls are left to end.
+  void Shutdown();
+  int waiting() const;
+
+ private:
+  struct Waiting {
+    std::vector<std::string> ids;
+    int64_t bytes = 0;
+    std::unique_ptr<Call> call;
+  };
+  // Moves the waiting calls that may start now, in order, to ready_, holding their sessions.
+  void TakeStartable() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Starts the calls in ready_ until none is left; on a thread that is already doing so, leaves them to it (a
+  // call whose Start releases sessions would otherwise start the next one inside itself, without bound).
+  void Drain();
+
+  const int max_waiting_;
+  const int64_t max_waiting_bytes_;
+  mutable absl::Mutex mu_;
+  std::deque<Waiting> waiting_ ABSL_GUARDED_BY(mu_);
+  int64_t waiting_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  std::set<std::string> held_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, int> wanted_ ABSL_GUARDED_BY(mu_);  // by waiting calls: how many name each id
+  std::deque<std::unique_ptr<Call>> ready_ ABSL_GUARDED_BY(mu_);
+  bool shut_down_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+// The sessions a started call holds, released when this goes (or by Release, once). Movable, not copyable.
+class SessionHold {
+ public:
+  SessionHold() = default;
+  SessionHold(SessionSequencer* sequencer, std::vector<std::string> ids)
+      : sequencer_(sequencer), ids_(std::move(ids)) {}
+  SessionHold(SessionHold&& other) noexcept : sequencer_(other.sequencer_), ids_(std::move(other.ids_)) {
+    other.sequencer_ = nullptr;
+  }
+  SessionHold& operator=(SessionHold&& other) noexcept {
+    if (this != &other) {
+      Release();
+      sequencer_ = other.sequencer_;
+      ids_ = std::move(other.ids_);
+      other.sequencer_ = nullptr;
+    }
+    return *this;
+  }
+  ~SessionHold() { Release(); }
+
+  void Release() {
+    if (sequencer_ == nullptr) return;
+    SessionSequencer* sequencer = sequencer_;
+    sequencer_ = nullptr;
+    sequencer->Release(ids_);
+  }
+  const std::vector<std::string>& ids() const { return ids_; }
+
+ private:
+  SessionSequencer* sequencer_ = nullptr;
+  std::vector<std::string> ids_;
+};
+
+}  // namespace mha
+
+#endif  // MHA_SERVER_SESSIONS_SEQUENCER_H_

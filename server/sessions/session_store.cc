@@ -1,0 +1,397 @@
+#include "server/sessions/session_store.h"
+
+#include <sys/random.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "absl/strings/escaping.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "proto/mha/v1/tensor_codec.h"
+#include "server/layer_store.h"
+#include "server/status_macros.h"
+#include "spdlog/spdlog.h"
+
+namespace mha {
+namespace {
+
+int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// 128 random bits from the kernel's generator, as 32 hex digits.
+std::string RandomId() {
+  unsigned char bytes[16];
+  size_t got = 0;
+  while (got < sizeof(bytes)) {
+    const ssize_t n = getrandom(bytes + got, sizeof(bytes) - got, 0);
+    if (n > 0) got += static_cast<size_t>(n);
+  }
+  return absl::BytesToHexString(absl::string_view(reinterpret_cast<const char*>(bytes), sizeof(bytes)));
+}
+
+// "12 s" for a duration, to the second.
+std::string Seconds(absl::Duration d) { return absl::StrCat(absl::ToInt64Seconds(d), " s"); }
+
+}  // namespace
+
+ExtendReservation::ExtendReservation(ExtendReservation&& other) noexcept
+    : store_(other.store_), items_(std::move(other.items_)) {
+  other.items_.clear();
+}
+
+ExtendReservation& ExtendReservation::operator=(ExtendReservation&& other) noexcept {
+  if (this != &other) {
+    if (store_ != nullptr && !items_.empty()) store_->Abort(this);
+    store_ = other.store_;
+    items_ = std::move(other.items_);
+    other.items_.clear();
+  }
+  return *this;
+}
+
+ExtendReservation::~ExtendReservation() {
+  if (store_ != nullptr && !items_.empty()) store_->Abort(this);
+}
+
+void ExtendReservation::Commit() {
+  if (store_ != nullptr && !items_.empty()) store_->Commit(this);
+}
+
+SessionStore::SessionStore(const SessionStoreOptions& options, ServerMetrics* metrics)
+    : options_(options),
+      metrics_(metrics),
+      sequencer_(options.max_waiting, options.max_waiting_bytes),
+      pool_(options.capacity_bytes),
+      pool_capacity_(pool_.capacity_bytes()) {
+  absl::MutexLock lock(&mu_);
+  Publish();
+}
+
+absl::StatusOr<SessionStore::Session*> SessionStore::Find(const std::string& id, const SessionCaller& caller,
+                                                          absl::string_view field, bool admin_may) const {
+  const auto it = sessions_.find(id);
+  if (it != sessions_.end() && (it->second.owner == caller.owner || (admin_may && caller.admin))) {
+    return const_cast<Session*>(&it->second);
+  }
+  const auto end = ended_.find(id);
+  if (it == sessions_.end() && end != ended_.end() && (end->second.owner == caller.owner || caller.admin)) {
+    const absl::Duration ago = absl::Now() - end->second.when;
+    switch (end->second.reason) {
+      case EndReason::kClosed:
+        return absl::NotFoundError(absl::StrCat(field, ": session '", id, "' was closed ", Seconds(ago), " ago"));
+      case EndReason::kExpired:
+        return absl::NotFoundError(absl::StrCat(field, ": session '", id, "' expired ", Seconds(ago),
+                                                " ago, idle longer than its idle timeout (",
+                                                Seconds(end->second.idle_timeout), ")"));
+      case EndReason::kEvicted:
+        return absl::NotFoundError(absl::StrCat(
+            field, ": session '", id, "' was evicted ", Seconds(ago),
+            " ago: the KV cache was full and it was the least recently used idle session (--kv_cache_mb)"));
+    }
+  }
+  return absl::NotFoundError(absl::StrCat(field, ": no session '", id,
+                                          "' here (sessions live in one server's memory: this one never had it, it "
+                                          "ended long ago, or the server restarted)"));
+}
+
+absl::StatusOr<std::string> SessionStore::NewId(const std::string& wanted, absl::string_view field) const {
+  if (wanted.empty()) {
+    for (;;) {
+      std::string id = RandomId();
+      if (sessions_.count(id) == 0) return id;
+    }
+  }
+  RETURN_IF_ERROR(LayerStore::CheckName(wanted, field));
+  if (sessions_.count(wanted) != 0) {
+    return absl::AlreadyExistsError(absl::StrCat(field, ": session '", wanted, "' is open already"));
+  }
+  return wanted;
+}
+
+v1::SessionInfo SessionStore::Info(const Session& s) const {
+  v1::SessionInfo info;
+  info.set_session_id(s.id);
+  int64_t bytes = 0, shared = 0;
+  for (const Cache& cache : s.caches) {
+    info.add_lengths(cache.length);
+    const int64_t block_bytes = cache.layout.BlockBytes();
+    bytes += static_cast<int64_t>(cache.blocks.size()) * block_bytes;
+    for (const char* block : cache.blocks) shared += pool_.RefCount(block) > 1 ? block_bytes : 0;
+  }
+  info.set_max_tokens(s.config.max_tokens);
+  info.set_cache_dtype(s.config.cache_dtype);
+  info.set_cache_bytes(bytes);
+  info.set_shared_bytes(shared);
+  if (s.config.is_layer_session()) {
+    for (const SessionLayer& layer : s.config.layers) info.add_layers(layer.name);
+  } else {
+    *info.mutable_heads() = HeadConfigOf(s.config.heads);
+  }
+  info.set_idle_timeout_s(static_cast<int32_t>(absl::ToInt64Seconds(s.config.idle_timeout)));
+  info.set_idle_s(absl::ToDoubleSeconds(absl::Now() - s.last_used));
+  return info;
+}
+
+absl::StatusOr<v1::SessionInfo> SessionStore::Create(const SessionConfig& given, const std::string& id,
+                                                     const SessionCaller& caller) {
+  SessionConfig config = given;
+  if (config.max_tokens < 0 || config.max_tokens > options_.max_tokens) {
+    return absl::InvalidArgumentError(absl::StrCat("max_tokens must be in [0, ", options_.max_tokens,
+                                                   "] (0 = the server's --max_session_tokens), got ",
+                                                   config.max_tokens));
+  }
+  if (config.max_tokens == 0) config.max_tokens = options_.max_tokens;
+  if (config.idle_timeout <= absl::ZeroDuration()) config.idle_timeout = options_.idle_timeout;
+  config.idle_timeout = std::min(config.idle_timeout, options_.max_idle_timeout);
+  std::vector<Cache> caches(config.num_caches);
+  for (int64_t c = 0; c < config.num_caches; ++c) {
+    const HeadSpec& heads = config.is_layer_session() ? config.layers[c].heads : config.heads;
+    caches[c].layout = {heads.num_kv_heads, heads.head_dim, options_.block_tokens, config.cache_dtype};
+    if (caches[c].layout.BlockBytes() > BlockPool::kChunkBytes) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "a cache block of ", config.is_layer_session() ? "layer '" + config.layers[c].name + "'" : "these heads",
+          " would take ", caches[c].layout.BlockBytes(), " bytes (2 Hkv d_k --kv_block_tokens sizeof(cache_dtype)), "
+          "more than the pool's ", BlockPool::kChunkBytes, "-byte chunks; the server needs a smaller --kv_block_tokens"));
+    }
+  }
+  absl::MutexLock lock(&mu_);
+  ASSIGN_OR_RETURN(std::string session_id, NewId(id, "session_id"));
+  if (static_cast<int>(sessions_.size()) >= options_.max_sessions) {
+    return absl::ResourceExhaustedError(absl::StrCat(sessions_.size(), " sessions are open, the server's limit "
+                                                     "(--max_sessions); close one, or let idle ones expire"));
+  }
+  Session& s = sessions_[session_id];
+  s.id = session_id;
+  s.owner = caller.owner;
+  s.config = std::move(config);
+  s.caches = std::move(caches);
+  s.last_used = absl::Now();
+  ended_.erase(session_id);  // a new session of that id: the old one's end no longer explains anything
+  Publish();
+  return Info(s);
+}
+
+absl::StatusOr<v1::SessionInfo> SessionStore::Fork(const std::string& id, const std::string& new_id,
+                                                   const SessionCaller& caller) {
+  absl::MutexLock lock(&mu_);
+  ASSIGN_OR_RETURN(Session* source, Find(id, caller, "session_id"));
+  ASSIGN_OR_RETURN(std::string fork_id, NewId(new_id, "new_session_id"));
+  if (static_cast<int>(sessions_.size()) >= options_.max_sessions) {
+    return absl::ResourceExhaustedError(absl::StrCat(sessions_.size(), " sessions are open, the server's limit "
+                                                     "(--max_sessions); close one, or let idle ones expire"));
+  }
+  source->last_used = absl::Now();
+  Session copy = *source;  // before the insertion below, which may move nothing but is clearer so
+  copy.id = fork_id;
+  for (Cache& cache : copy.caches) {
+    for (char* block : cache.blocks) pool_.Ref(block);
+  }
+  ended_.erase(fork_id);
+  Session& fork = sessions_[fork_id] = std::move(copy);
+  Publish();
+  return Info(fork);
+}
+
+absl::StatusOr<v1::SessionInfo> SessionStore::Truncate(const std::string& id, int64_t length,
+                                                       const SessionCaller& caller) {
+  if (length < 0) return absl::InvalidArgumentError(absl::StrCat("length must be >= 0, got ", length));
+  absl::MutexLock lock(&mu_);
+  ASSIGN_OR_RETURN(Session* s, Find(id, caller, "session_id"));
+  for (Cache& cache : s->caches) {
+    if (length >= cache.length) continue;
+    cache.length = length;
+    const size_t keep = static_cast<size_t>(CeilDiv(length, cache.layout.block_tokens));
+    for (size_t b = keep; b < cache.blocks.size(); ++b) pool_.Unref(cache.blocks[b]);
+    cache.blocks.resize(keep);
+  }
+  s->last_used = absl::Now();
+  Publish();
+  return Info(*s);
+}
+
+absl::Status SessionStore::Close(const std::string& id, const SessionCaller& caller) {
+  absl::MutexLock lock(&mu_);
+  ASSIGN_OR_RETURN(Session* s, Find(id, caller, "session_id", /*admin_may=*/true));
+  EndSession(sessions_.find(s->id), EndReason::kClosed);
+  Publish();
+  return absl::OkStatus();
+}
+
+std::vector<v1::SessionInfo> SessionStore::List(const SessionCaller& caller) const {
+  absl::MutexLock lock(&mu_);
+  std::vector<v1::SessionInfo> list;
+  for (const auto& [id, s] : sessions_) {
+    if (caller.admin || s.owner == caller.owner) list.push_back(Info(s));
+  }
+  return list;
+}
+
+absl::StatusOr<CacheView> SessionStore::View(const std::string& id, int64_t cache, const SessionCaller& caller,
+                                             absl::string_view field) const {
+  absl::MutexLock lock(&mu_);
+  ASSIGN_OR_RETURN(const Session* s, Find(id, caller, field));
+  const int64_t caches = static_cast<int64_t>(s->caches.size());
+  if (cache < 0 || cache >= caches) {
+    return absl::InvalidArgumentError(absl::StrCat("layer_index must be in [0, ", caches, ") for session '", id,
+                                                   "' (", caches, s->config.is_layer_session() ? " layers" : " caches",
+                                                   "), got ", cache));
+  }
+  CacheView view;
+  view.layer_session = s->config.is_layer_session();
+  if (view.layer_session) view.layer = s->config.layers[cache];
+  view.heads = view.layer_session ? view.layer.heads : s->config.heads;
+  view.layout = s->caches[cache].layout;
+  view.length = s->caches[cache].length;
+  view.max_tokens = s->config.max_tokens;
+  view.num_caches = caches;
+  return view;
+}
+
+char* SessionStore::AllocateEvicting(int64_t bytes) {
+  for (;;) {
+    if (char* block = pool_.Allocate(bytes); block != nullptr) return block;
+    if (!EvictOne()) return nullptr;
+  }
+}
+
+absl::StatusOr<ExtendReservation> SessionStore::Reserve(absl::Span<const ReserveItem> items) {
+  absl::MutexLock lock(&mu_);
+  ExtendReservation reservation;
+  reservation.store_ = this;
+  int64_t needed = 0;  // blocks still wanted when the pool ran out
+  for (const ReserveItem& want : items) {
+    const auto found = sessions_.find(want.id);
+    if (found == sessions_.end()) return absl::InternalError("a held session vanished");
+    const Cache& cache = found->second.caches[want.cache];
+    const int64_t tb = cache.layout.block_tokens, bytes = cache.layout.BlockBytes();
+    ExtendReservation::Item item{want.id, want.cache, cache.length, want.new_tokens, cache.blocks, {}, nullptr};
+    // The new tokens' first slots lie in the last block when it is partly filled: a shared one is copied first.
+    if (cache.length % tb != 0 && pool_.RefCount(cache.blocks.back()) > 1) {
+      char* copy = AllocateEvicting(bytes);
+      if (copy == nullptr) {
+        needed = 1 + CeilDiv(cache.length + want.new_tokens, tb) - static_cast<int64_t>(cache.blocks.size());
+        reservation.items_.push_back(std::move(item));
+        break;
+      }
+      std::memcpy(copy, cache.blocks.back(), bytes);
+      item.replaced = cache.blocks.back();
+      item.blocks.back() = copy;
+      item.fresh.push_back(copy);
+    }
+    while (static_cast<int64_t>(item.blocks.size()) * tb < cache.length + want.new_tokens) {
+      char* block = AllocateEvicting(bytes);
+      if (block == nullptr) {
+        needed = CeilDiv(cache.length + want.new_tokens, tb) - static_cast<int64_t>(item.blocks.size());
+        break;
+      }
+      item.blocks.push_back(block);
+      item.fresh.push_back(block);
+    }
+    reservation.items_.push_back(std::move(item));
+    if (needed > 0) break;
+  }
+  if (needed == 0) return reservation;
+  int in_use = 0;
+  for (const auto& [id, s] : sessions_) in_use += sequencer_.InUse(id) ? 1 : 0;
+  const std::string message = absl::StrCat(
+      "the KV cache is full: ", pool_.used_bytes(), " of ", pool_capacity_, " bytes (--kv_cache_mb) in blocks of ",
+      sessions_.size(), " sessions, all ", in_use, " left in use by calls; this call needs at least ", needed,
+      " more block(s)");
+  for (ExtendReservation::Item& item : reservation.items_) {
+    for (char* block : item.fresh) pool_.Unref(block);
+  }
+  reservation.items_.clear();
+  Publish();
+  return absl::ResourceExhaustedError(message);
+}
+
+void SessionStore::Commit(ExtendReservation* reservation) {
+  absl::MutexLock lock(&mu_);
+  int64_t tokens = 0;
+  for (ExtendReservation::Item& item : reservation->items_) {
+    Session& s = sessions_.at(item.id);  // held by the call: still there
+    Cache& cache = s.caches[item.cache];
+    cache.blocks = std::move(item.blocks);
+    cache.length = item.length + item.new_tokens;
+    if (item.replaced != nullptr) pool_.Unref(item.replaced);
+    s.last_used = absl::Now();
+    tokens += item.new_tokens;
+  }
+  reservation->items_.clear();
+  if (metrics_ != nullptr) metrics_->RecordTokensAppended(tokens);
+  Publish();
+}
+
+void SessionStore::Abort(ExtendReservation* reservation) {
+  absl::MutexLock lock(&mu_);
+  for (ExtendReservation::Item& item : reservation->items_) {
+    for (char* block : item.fresh) pool_.Unref(block);
+  }
+  reservation->items_.clear();
+  Publish();
+}
+
+void SessionStore::EndSession(std::map<std::string, Session>::iterator it, EndReason reason) {
+  Session& s = it->second;
+  for (Cache& cache : s.caches) {
+    for (char* block : cache.blocks) pool_.Unref(block);
+  }
+  if (ended_.size() >= kRecentEnds) {
+    ended_.erase(end_order_.front());
+    end_order_.pop_front();
+  }
+  if (ended_.count(s.id) == 0) end_order_.push_back(s.id);
+  ended_[s.id] = {reason, s.owner, absl::Now(), s.config.idle_timeout};
+  if (reason != EndReason::kClosed && metrics_ != nullptr) {
+    metrics_->RecordEviction(reason == EndReason::kExpired ? "idle_timeout" : "cache_full");
+  }
+  if (reason == EndReason::kExpired) {
+    spdlog::info("session {} expired: idle for more than {}", s.id, Seconds(s.config.idle_timeout));
+  } else if (reason == EndReason::kEvicted) {
+    spdlog::warn("session {} evicted to make room in the KV cache (least recently used, idle {}; {} of {} bytes "
+                 "in use)", s.id, Seconds(absl::Now() - s.last_used), pool_.used_bytes(), pool_capacity_);
+  }
+  sessions_.erase(it);
+}
+
+bool SessionStore::EvictOne() {
+  auto victim = sessions_.end();
+  for (auto it = sessions_.begin(); it != sessions_.end(); ++it) {
+    if (sequencer_.InUse(it->first)) continue;
+    if (victim == sessions_.end() || it->second.last_used < victim->second.last_used) victim = it;
+  }
+  if (victim == sessions_.end()) return false;
+  EndSession(victim, EndReason::kEvicted);
+  return true;
+}
+
+int SessionStore::ExpireIdle(absl::Time now) {
+  absl::MutexLock lock(&mu_);
+  int expired = 0;
+  for (auto it = sessions_.begin(); it != sessions_.end();) {
+    const auto next = std::next(it);
+    if (now - it->second.last_used > it->second.config.idle_timeout && !sequencer_.InUse(it->first)) {
+      EndSession(it, EndReason::kExpired);
+      ++expired;
+    }
+    it = next;
+  }
+  if (expired > 0) Publish();
+  return expired;
+}
+
+void SessionStore::Touch(absl::Span<const std::string> ids) {
+  absl::MutexLock lock(&mu_);
+  const absl::Time now = absl::Now();
+  for (const std::string& id : ids) {
+    if (auto it = sessions_.find(id); it != sessions_.end()) it->second.last_used = now;
+  }
+}
+
+void SessionStore::Publish() const {
+  if (metrics_ == nullptr) return;
+  metrics_->SetSessions(static_cast<int>(sessions_.size()), pool_.used_bytes(), pool_capacity_,
+                        pool_.shared_blocks());
+}
+
+}  // namespace mha

@@ -1,0 +1,218 @@
+// The KV-cache sessions (mha.v1 CreateSession and the calls after it): each session's caches (block tables and
+// lengths in the BlockPool), its configuration, owner and lifetime. The service validates requests and the backends
+// compute; the store decides what a session holds and when it ends.
+//
+// Who may end what: a session ends by its owner's Close (or an admin's), by expiry after idle_timeout without a
+// call, or by eviction, least recently used first among idle sessions, when an Extend needs blocks the pool does not
+// have. A block is freed by its last reference (forks share blocks). A session in use (SessionSequencer::InUse: held
+// by a call, or waited for) is never evicted or expired, and only the call holding it changes it, so the blocks an
+// Extend writes stay its own until it commits.
+//
+// Extend is reserve, compute, commit: Reserve gives each item the blocks covering its cache and new tokens (fresh
+// blocks for new slots; a copy of the last block when it is shared and the new tokens land in it), the backend
+// writes the new tokens' keys and values beyond each cache's length, and only Commit moves the lengths. An aborted
+// reservation frees what it took, so a failed call changes no session.
+//
+// Thread-safe. Session ids in messages are ones that passed CheckName, safe to echo and log.
+#ifndef MHA_SERVER_SESSIONS_SESSION_STORE_H_
+#define MHA_SERVER_SESSIONS_SESSION_STORE_H_
+
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "proto/mha/v1/attention.pb.h"
+#include "server/backends/backend.h"
+#include "server/metrics.h"
+#include "server/sessions/block_pool.h"
+#include "server/sessions/sequencer.h"
+
+namespace mha {
+
+struct SessionStoreOptions {
+  int64_t capacity_bytes = int64_t{1} << 30;  // the block pool (--kv_cache_mb)
+  int64_t block_tokens = 16;                  // tokens per block (--kv_block_tokens)
+  int max_sessions = 1024;                    // open at once (--max_sessions)
+  int64_t max_tokens = 32768;                 // per cache, default and limit (--max_session_tokens)
+  absl::Duration idle_timeout = absl::Seconds(300);      // when a session asks for none (--session_idle_s)
+  absl::Duration max_idle_timeout = absl::Seconds(3600);  // the cap (--max_session_idle_s)
+  int max_waiting = 64;                      // session calls waiting for their sessions at most (--max_queue_size)
+  int64_t max_waiting_bytes = int64_t{1} << 30;  // their requests' bytes (--max_queued_mb)
+};
+
+// Who calls: the identity of the caller's token (empty without tokens, when every caller is the same one) and
+// whether its role is admin, which may list and close every session.
+struct SessionCaller {
+  std::string owner;
+  bool admin = false;
+};
+
+// One cache's layer in a layer session: the registered layer's name and process-unique id (a layer unloaded or
+// replaced since is no longer the cache's), and what the cache needs of it.
+struct SessionLayer {
+  std::string name;
+  uint64_t id = 0;
+  HeadSpec heads;
+  int64_t d_model = 0;
+};
+
+// What CreateSession asks for, validated.
+struct SessionConfig {
+  std::vector<SessionLayer> layers;  // a layer session: one cache per layer
+  HeadSpec heads;                    // a head session's (num_caches caches); unused with layers
+  int64_t num_caches = 1;
+  v1::DataType cache_dtype = v1::FP32;
+  int64_t max_tokens = 0;  // 0: the store's
+  absl::Duration idle_timeout = absl::ZeroDuration();  // zero: the store's; capped by the store's maximum
+
+  bool is_layer_session() const { return !layers.empty(); }
+};
+
+// What an Extend needs to know of one held session's cache to validate its item.
+struct CacheView {
+  bool layer_session = false;
+  SessionLayer layer;  // a layer session's layer of this cache
+  HeadSpec heads;      // the cache's head configuration (the layer's, or the head session's)
+  KvCacheLayout layout;
+  int64_t length = 0;
+  int64_t max_tokens = 0;
+  int64_t num_caches = 0;
+};
+
+// What one Extend item reserves: `new_tokens` slots after the cache's length in cache `cache` of session `id`.
+struct ReserveItem {
+  std::string id;
+  int64_t cache = 0;
+  int64_t new_tokens = 0;
+};
+
+class SessionStore;
+
+// The blocks an Extend writes into, held until Commit; destroying an uncommitted one gives them back. Movable.
+class ExtendReservation {
+ public:
+  struct Item {
+    std::string id;
+    int64_t cache = 0;
+    int64_t length = 0;  // before the call
+    int64_t new_tokens = 0;
+    std::vector<char*> blocks;    // covering [0, length + new_tokens)
+    std::vector<char*> fresh;     // of blocks, those this reservation allocated (a copy included)
+    char* replaced = nullptr;     // the shared block the copy stands for, dropped by the cache at commit
+  };
+
+  ExtendReservation() = default;
+  ExtendReservation(ExtendReservation&& other) noexcept;
+  ExtendReservation& operator=(ExtendReservation&& other) noexcept;
+  ~ExtendReservation();
+
+  absl::Span<const Item> items() const { return items_; }
+  // Moves each item's cache to length + new_tokens over its reserved blocks. Once; the reservation is then empty.
+  void Commit();
+
+ private:
+  friend class SessionStore;
+  SessionStore* store_ = nullptr;
+  std::vector<Item> items_;
+};
+
+class SessionStore {
+ public:
+  // `metrics` (may be null) receives the gauges and counters; borrowed.
+  SessionStore(const SessionStoreOptions& options, ServerMetrics* metrics);
+  SessionStore(const SessionStore&) = delete;
+  SessionStore& operator=(const SessionStore&) = delete;
+
+  const SessionStoreOptions& options() const { return options_; }
+  // Orders the calls on each session (every session RPC goes through it).
+  SessionSequencer& sequencer() { return sequencer_; }
+
+  // A new session `id` (empty: an unguessable one) owned by caller.owner. ALREADY_EXISTS if open,
+  // RESOURCE_EXHAUSTED at max_sessions, INVALID_ARGUMENT naming `field`.max_tokens past the limit or for a cache
+  // whose block would not fit a pool chunk.
+  absl::StatusOr<v1::SessionInfo> Create(const SessionConfig& config, const std::string& id,
+                                         const SessionCaller& caller);
+  // A copy of `id` sharing its blocks, as `new_id` (empty: the store picks one).
+  absl::StatusOr<v1::SessionInfo> Fork(const std::string& id, const std::string& new_id, const SessionCaller& caller);
+  // Every cache of `id` cut to at most `length` tokens.
+  absl::StatusOr<v1::SessionInfo> Truncate(const std::string& id, int64_t length, const SessionCaller& caller);
+  absl::Status Close(const std::string& id, const SessionCaller& caller);
+  // The caller's sessions (every one for an admin), ordered by id.
+  std::vector<v1::SessionInfo> List(const SessionCaller& caller) const;
+  // Cache `cache` of session `id`; NOT_FOUND naming `field` (saying whether it was closed, expired or evicted), or
+  // OUT_OF_RANGE naming "layer_index" for a cache it does not have.
+  absl::StatusOr<CacheView> View(const std::string& id, int64_t cache, const SessionCaller& caller,
+                                 absl::string_view field) const;
+  // Blocks for `items` (held sessions, distinct), evicting least recently used idle sessions while the pool has no
+  // room; RESOURCE_EXHAUSTED saying how full it is when even that does not make room.
+  absl::StatusOr<ExtendReservation> Reserve(absl::Span<const ReserveItem> items);
+  // Ends the idle sessions whose idle timeout has passed at `now`; returns how many.
+  int ExpireIdle(absl::Time now);
+  // Marks `ids` used now (a call on them ended), which restarts their idle timeouts.
+  void Touch(absl::Span<const std::string> ids);
+
+  int64_t capacity_bytes() const { return pool_capacity_; }
+
+ private:
+  friend class ExtendReservation;
+  struct Cache {
+    KvCacheLayout layout;
+    std::vector<char*> blocks;  // ceil(length / block_tokens) of them
+    int64_t length = 0;
+  };
+  struct Session {
+    std::string id;
+    std::string owner;
+    SessionConfig config;  // max_tokens and idle_timeout resolved
+    std::vector<Cache> caches;
+    absl::Time last_used;
+  };
+  enum class EndReason { kClosed, kExpired, kEvicted };
+  struct End {
+    EndReason reason;
+    std::string owner;
+    absl::Time when;
+    absl::Duration idle_timeout;
+  };
+
+  // The caller's session `id`, or NOT_FOUND naming `field` (why, when the caller's session ended recently).
+  absl::StatusOr<Session*> Find(const std::string& id, const SessionCaller& caller, absl::string_view field,
+                                bool admin_may = false) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A free id for a new session: `wanted` (checked, ALREADY_EXISTS if open) or a random one.
+  absl::StatusOr<std::string> NewId(const std::string& wanted, absl::string_view field) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  v1::SessionInfo Info(const Session& session) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Drops the session's blocks and records why it ended.
+  void EndSession(std::map<std::string, Session>::iterator it, EndReason reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Evicts the least recently used session not in use; false when there is none.
+  bool EvictOne() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A block of `bytes`, evicting while the pool has none; nullptr when nothing more can be evicted.
+  char* AllocateEvicting(int64_t bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Commit(ExtendReservation* reservation);
+  void Abort(ExtendReservation* reservation);
+  void Publish() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const SessionStoreOptions options_;
+  ServerMetrics* const metrics_;
+  SessionSequencer sequencer_;
+  mutable absl::Mutex mu_;
+  BlockPool pool_ ABSL_GUARDED_BY(mu_);
+  const int64_t pool_capacity_;
+  std::map<std::string, Session> sessions_ ABSL_GUARDED_BY(mu_);
+  // The recent ends, for NOT_FOUND's message: at most kRecentEnds, oldest first out.
+  static constexpr size_t kRecentEnds = 4096;
+  std::map<std::string, End> ended_ ABSL_GUARDED_BY(mu_);
+  std::deque<std::string> end_order_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace mha
+
+#endif  // MHA_SERVER_SESSIONS_SESSION_STORE_H_

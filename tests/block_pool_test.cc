@@ -1,0 +1,113 @@
+// The sessions' block pool: blocks from one arena, never past it; reference counts; chunks of one block size that
+// go back to the system when empty and then serve another size.
+#include "server/sessions/block_pool.h"
+
+#include <cstdint>
+#include <cstring>
+#include <set>
+#include <vector>
+
+#include "gtest/gtest.h"
+
+namespace mha {
+namespace {
+
+constexpr int64_t kChunk = BlockPool::kChunkBytes;
+
+TEST(BlockPool, CapacityIsWholeChunksAndAtLeastOne) {
+  EXPECT_EQ(BlockPool(3 * kChunk + 5).capacity_bytes(), 3 * kChunk);
+  EXPECT_EQ(BlockPool(1).capacity_bytes(), kChunk);
+}
+
+TEST(BlockPool, AllocatesUpToItsCapacityThenRefuses) {
+  BlockPool pool(2 * kChunk);
+  std::vector<char*> blocks;
+  for (int i = 0; i < 8; ++i) {
+    char* block = pool.Allocate(kChunk / 4);
+    ASSERT_NE(block, nullptr) << i;
+    blocks.push_back(block);
+  }
+  EXPECT_FALSE(pool.HasRoom(kChunk / 4));
+  EXPECT_EQ(pool.Allocate(kChunk / 4), nullptr);
+  EXPECT_EQ(pool.Allocate(64), nullptr);  // no chunk is free for another size either
+  EXPECT_EQ(pool.used_bytes(), 2 * kChunk);
+  EXPECT_EQ(std::set<char*>(blocks.begin(), blocks.end()).size(), blocks.size());
+}
+
+TEST(BlockPool, BlocksStartOnCacheLinesAndDoNotOverlap) {
+  BlockPool pool(kChunk);
+  std::vector<char*> blocks;
+  for (int i = 0; i < 10; ++i) blocks.push_back(pool.Allocate(100));  // rounded up to 128
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(blocks[i]) % BlockPool::kAlignment, 0u);
+    std::memset(blocks[i], static_cast<int>(i), 100);
+  }
+  for (size_t i = 0; i < blocks.size(); ++i) EXPECT_EQ(blocks[i][99], static_cast<char>(i));
+  EXPECT_EQ(pool.used_bytes(), 10 * 128);
+}
+
+TEST(BlockPool, RejectsSizesNoChunkHolds) {
+  BlockPool pool(kChunk);
+  EXPECT_EQ(pool.Allocate(0), nullptr);
+  EXPECT_EQ(pool.Allocate(kChunk + 1), nullptr);
+  EXPECT_FALSE(pool.HasRoom(kChunk + 1));
+  EXPECT_NE(pool.Allocate(kChunk), nullptr);
+}
+
+TEST(BlockPool, TheLastReferenceFreesABlock) {
+  BlockPool pool(kChunk);
+  char* block = pool.Allocate(4096);
+  EXPECT_EQ(pool.RefCount(block), 1);
+  pool.Ref(block);
+  pool.Ref(block);
+  EXPECT_EQ(pool.RefCount(block), 3);
+  EXPECT_EQ(pool.shared_blocks(), 1);
+  pool.Unref(block);
+  pool.Unref(block);
+  EXPECT_EQ(pool.RefCount(block), 1);
+  EXPECT_EQ(pool.shared_blocks(), 0);
+  EXPECT_EQ(pool.used_bytes(), 4096);
+  pool.Unref(block);
+  EXPECT_EQ(pool.used_bytes(), 0);
+  EXPECT_EQ(pool.chunks_in_use(), 0);
+}
+
+TEST(BlockPool, AFreedBlockIsReusedBeforeAFreshChunk) {
+  BlockPool pool(2 * kChunk);
+  char* a = pool.Allocate(4096);
+  char* b = pool.Allocate(4096);
+  pool.Unref(a);
+  EXPECT_EQ(pool.Allocate(4096), a);
+  EXPECT_EQ(pool.chunks_in_use(), 1);
+  pool.Unref(b);
+}
+
+TEST(BlockPool, SizesTakeChunksOfTheirOwnAndAnEmptyChunkServesAnyOfThem) {
+  BlockPool pool(2 * kChunk);
+  char* small = pool.Allocate(1024);
+  char* large = pool.Allocate(kChunk);  // the second chunk
+  ASSERT_NE(small, nullptr);
+  ASSERT_NE(large, nullptr);
+  EXPECT_EQ(pool.chunks_in_use(), 2);
+  EXPECT_EQ(pool.Allocate(kChunk), nullptr);  // the small block's chunk is taken by its size
+  pool.Unref(small);
+  EXPECT_EQ(pool.chunks_in_use(), 1);
+  EXPECT_NE(pool.Allocate(kChunk), nullptr);
+}
+
+TEST(BlockPool, AnEmptiedChunkGoesBackToTheSystem) {
+  // MADV_DONTNEED on private anonymous memory: the next touch reads zeros, the sign that the pages were dropped.
+  BlockPool pool(kChunk);
+  std::vector<char*> blocks;
+  for (int i = 0; i < 16; ++i) {
+    blocks.push_back(pool.Allocate(kChunk / 16));
+    std::memset(blocks.back(), 0x5a, kChunk / 16);
+  }
+  for (char* block : blocks) pool.Unref(block);
+  char* again = pool.Allocate(kChunk);
+  ASSERT_NE(again, nullptr);
+  for (int64_t i = 0; i < kChunk; i += 4096) ASSERT_EQ(again[i], 0) << i;
+}
+
+}  // namespace
+}  // namespace mha

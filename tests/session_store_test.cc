@@ -1,0 +1,334 @@
+// The session store: ids, limits, reserve-commit-abort, copy-on-write forks, truncation, eviction order, expiry,
+// ownership, and the NOT_FOUND messages that say how a session ended.
+#include "server/sessions/session_store.h"
+
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/time/clock.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/test_util.h"
+
+namespace mha {
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr int64_t kTokens = 16;  // per block
+// H=2, Hkv=1, d_k=8, fp32: 2 * 1 * 8 * 16 * 4 = 1 KiB per block.
+constexpr int64_t kBlockBytes = 1024;
+
+SessionConfig HeadSession(int64_t caches = 1) {
+  SessionConfig config;
+  config.heads.num_heads = 2;
+  config.heads.num_kv_heads = 1;
+  config.heads.head_dim = 8;
+  config.heads.causal = true;
+  config.heads.scale = 0.35f;
+  config.num_caches = caches;
+  return config;
+}
+
+// A call that holds its sessions from its start until the test lets them go.
+class Holder final : public SessionSequencer::Call {
+ public:
+  void Start() override {}
+  void Abandon(const absl::Status&) override {}
+};
+
+// Holds `ids` in the store's sequencer for as long as it lives, as a call in progress does.
+SessionHold HoldSessions(SessionStore& store, std::vector<std::string> ids) {
+  store.sequencer().Submit(ids, 0, std::make_unique<Holder>());
+  return SessionHold(&store.sequencer(), std::move(ids));
+}
+
+class SessionStoreTest : public ::testing::Test {
+ protected:
+  explicit SessionStoreTest(int64_t capacity = 4 << 20) : store_(Options(capacity), nullptr) {}
+
+  static SessionStoreOptions Options(int64_t capacity) {
+    SessionStoreOptions options;
+    options.capacity_bytes = capacity;
+    options.block_tokens = kTokens;
+    options.max_sessions = 8;
+    options.max_tokens = 1000;
+    options.idle_timeout = absl::Seconds(10);
+    options.max_idle_timeout = absl::Seconds(60);
+    return options;
+  }
+
+  std::string Create(const std::string& id = "", SessionCaller caller = {}) {
+    absl::StatusOr<v1::SessionInfo> info = store_.Create(HeadSession(), id, caller);
+    EXPECT_TRUE(info.ok()) << info.status();
+    return info.ok() ? info->session_id() : "";
+  }
+
+  // Appends n tokens to cache 0 of `id`, writing `fill` into every new slot's bytes, the way a backend would.
+  absl::Status Extend(const std::string& id, int64_t n, char fill = 1) {
+    const ReserveItem item{id, 0, n};
+    absl::StatusOr<ExtendReservation> r = store_.Reserve({&item, 1});
+    if (!r.ok()) return r.status();
+    WriteSlots(r->items()[0], fill);
+    r->Commit();
+    return absl::OkStatus();
+  }
+
+  // Sets the first byte of every new token's slots (its K^T column's first element, its V row) to `fill`.
+  static void WriteSlots(const ExtendReservation::Item& item, char fill) {
+    for (int64_t t = item.length; t < item.length + item.new_tokens; ++t) {
+      char* block = item.blocks[t / kTokens];
+      block[(t % kTokens) * 4] = fill;                       // K^T row 0
+      block[(8 * kTokens + (t % kTokens) * 8) * 4] = fill;   // V row t
+    }
+  }
+
+  int64_t Length(const std::string& id) {
+    absl::StatusOr<CacheView> view = store_.View(id, 0, {}, "session_id");
+    EXPECT_TRUE(view.ok()) << view.status();
+    return view.ok() ? view->length : -1;
+  }
+
+  v1::SessionInfo InfoOf(const std::string& id) {
+    for (const v1::SessionInfo& info : store_.List({"", true})) {
+      if (info.session_id() == id) return info;
+    }
+    ADD_FAILURE() << "no session " << id;
+    return {};
+  }
+
+  SessionStore store_;
+};
+
+TEST_F(SessionStoreTest, ServerChosenIdsAreLongAndRandom) {
+  const std::string a = Create(), b = Create();
+  EXPECT_EQ(a.size(), 32u);
+  EXPECT_NE(a, b);
+}
+
+TEST_F(SessionStoreTest, AClientChosenIdMustBeFreeAndWellFormed) {
+  Create("mine");
+  EXPECT_EQ(store_.Create(HeadSession(), "mine", {}).status().code(), absl::StatusCode::kAlreadyExists);
+  const absl::Status bad = store_.Create(HeadSession(), "no spaces", {}).status();
+  EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(bad.message(), HasSubstr("session_id"));
+}
+
+TEST_F(SessionStoreTest, MaxSessionsIsALimit) {
+  for (int i = 0; i < 8; ++i) Create();
+  EXPECT_EQ(store_.Create(HeadSession(), "", {}).status().code(), absl::StatusCode::kResourceExhausted);
+}
+
+TEST_F(SessionStoreTest, MaxTokensDefaultsToTheServersAndCannotPassIt) {
+  SessionConfig config = HeadSession();
+  EXPECT_EQ(store_.Create(config, "", {})->max_tokens(), 1000);
+  config.max_tokens = 1001;
+  EXPECT_EQ(store_.Create(config, "", {}).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST_F(SessionStoreTest, IdleTimeoutsAreCappedByTheServersMaximum) {
+  SessionConfig config = HeadSession();
+  config.idle_timeout = absl::Hours(5);
+  EXPECT_EQ(store_.Create(config, "", {})->idle_timeout_s(), 60);
+  config.idle_timeout = absl::ZeroDuration();
+  EXPECT_EQ(store_.Create(config, "", {})->idle_timeout_s(), 10);
+}
+
+TEST_F(SessionStoreTest, CommittedTokensCountAndBlocksCoverThem) {
+  const std::string id = Create();
+  ASSERT_OK(Extend(id, 20));
+  EXPECT_EQ(Length(id), 20);
+  ASSERT_OK(Extend(id, 1));
+  EXPECT_EQ(Length(id), 21);
+  EXPECT_EQ(InfoOf(id).cache_bytes(), 2 * kBlockBytes);
+}
+
+TEST_F(SessionStoreTest, AReservationDroppedUncommittedChangesNothing) {
+  const std::string id = Create();
+  ASSERT_OK(Extend(id, 5));
+  {
+    const ReserveItem item{id, 0, 40};
+    absl::StatusOr<ExtendReservation> r = store_.Reserve({&item, 1});
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->items()[0].blocks.size(), 3u);
+  }
+  EXPECT_EQ(Length(id), 5);
+  EXPECT_EQ(InfoOf(id).cache_bytes(), kBlockBytes);
+}
+
+TEST_F(SessionStoreTest, AForkSharesEveryBlockUntilItWrites) {
+  const std::string source = Create();
+  ASSERT_OK(Extend(source, 20, /*fill=*/7));
+  absl::StatusOr<v1::SessionInfo> fork = store_.Fork(source, "fork", {});
+  ASSERT_TRUE(fork.ok()) << fork.status();
+  EXPECT_EQ(fork->lengths(0), 20);
+  EXPECT_EQ(fork->shared_bytes(), 2 * kBlockBytes);
+  // The fork's next token lands in the shared, partly filled second block: it gets a copy of its own.
+  const ReserveItem item{"fork", 0, 1};
+  absl::StatusOr<ExtendReservation> r = store_.Reserve({&item, 1});
+  ASSERT_TRUE(r.ok()) << r.status();
+  const ExtendReservation::Item& reserved = r->items()[0];
+  ASSERT_EQ(reserved.fresh.size(), 1u);
+  EXPECT_NE(reserved.blocks[1], reserved.replaced);
+  EXPECT_EQ(reserved.blocks[1][3 * 4], 7);  // the copy holds the source's tokens 16..19 (slots 0..3)
+  WriteSlots(reserved, 9);
+  r->Commit();
+  EXPECT_EQ(InfoOf("fork").shared_bytes(), kBlockBytes);
+  EXPECT_EQ(InfoOf(source).shared_bytes(), kBlockBytes);
+  // The source's block is as it was: its slot 20 was never written.
+  absl::StatusOr<ExtendReservation> again = store_.Reserve({ReserveItem{source, 0, 1}});
+  ASSERT_TRUE(again.ok());
+  EXPECT_TRUE(again->items()[0].fresh.empty());  // no longer shared: written in place
+  EXPECT_EQ(again->items()[0].blocks[1][(20 % kTokens) * 4], 0);
+}
+
+TEST_F(SessionStoreTest, FullSharedBlocksAreNeverCopied) {
+  const std::string source = Create();
+  ASSERT_OK(Extend(source, 32));
+  ASSERT_TRUE(store_.Fork(source, "fork", {}).ok());
+  absl::StatusOr<ExtendReservation> r = store_.Reserve({ReserveItem{"fork", 0, 1}});
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r->items()[0].fresh.size(), 1u);  // a new third block only
+  EXPECT_EQ(r->items()[0].replaced, nullptr);
+}
+
+TEST_F(SessionStoreTest, TruncateDropsTokensAndTheBlocksPastThem) {
+  const std::string id = Create();
+  ASSERT_OK(Extend(id, 40));
+  absl::StatusOr<v1::SessionInfo> info = store_.Truncate(id, 17, {});
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->lengths(0), 17);
+  EXPECT_EQ(info->cache_bytes(), 2 * kBlockBytes);
+  EXPECT_EQ(store_.Truncate(id, 100, {})->lengths(0), 17);  // longer than the cache: nothing to drop
+  ASSERT_OK(Extend(id, 3));
+  EXPECT_EQ(Length(id), 20);
+  EXPECT_EQ(store_.Truncate(id, -1, {}).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST_F(SessionStoreTest, TruncatingAForkLeavesTheSourceWhole) {
+  const std::string source = Create();
+  ASSERT_OK(Extend(source, 40));
+  ASSERT_TRUE(store_.Fork(source, "fork", {}).ok());
+  ASSERT_TRUE(store_.Truncate("fork", 5, {}).ok());
+  EXPECT_EQ(Length(source), 40);
+  EXPECT_EQ(InfoOf(source).cache_bytes(), 3 * kBlockBytes);
+  EXPECT_EQ(InfoOf(source).shared_bytes(), kBlockBytes);
+  ASSERT_OK(Extend("fork", 1));  // into the shared first block: copied
+  EXPECT_EQ(InfoOf(source).shared_bytes(), 0);
+}
+
+TEST_F(SessionStoreTest, ClosedSessionsAreNotFoundAndSaySo) {
+  const std::string id = Create();
+  ASSERT_OK(store_.Close(id, {}));
+  const absl::Status status = store_.View(id, 0, {}, "items[0].session_id").status();
+  EXPECT_EQ(status.code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(status.message(), HasSubstr("was closed"));
+  EXPECT_THAT(status.message(), HasSubstr("items[0].session_id"));
+  EXPECT_EQ(store_.Close(id, {}).code(), absl::StatusCode::kNotFound);
+  const absl::Status unknown = store_.View("never", 0, {}, "session_id").status();
+  EXPECT_EQ(unknown.code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(unknown.message(), HasSubstr("no session 'never'"));
+}
+
+TEST_F(SessionStoreTest, IdleSessionsExpireAndSaySo) {
+  const std::string id = Create();
+  EXPECT_EQ(store_.ExpireIdle(absl::Now() + absl::Seconds(5)), 0);
+  EXPECT_EQ(store_.ExpireIdle(absl::Now() + absl::Seconds(11)), 1);
+  const absl::Status status = store_.View(id, 0, {}, "session_id").status();
+  EXPECT_EQ(status.code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(status.message(), HasSubstr("expired"));
+}
+
+TEST_F(SessionStoreTest, SessionsInUseNeverExpire) {
+  const std::string id = Create();
+  const SessionHold hold = HoldSessions(store_, {id});
+  EXPECT_EQ(store_.ExpireIdle(absl::Now() + absl::Hours(1)), 0);
+}
+
+TEST_F(SessionStoreTest, LayerIndexOutsideTheCachesIsInvalid) {
+  const std::string id = store_.Create(HeadSession(2), "", {})->session_id();
+  EXPECT_TRUE(store_.View(id, 1, {}, "session_id").ok());
+  const absl::Status status = store_.View(id, 2, {}, "session_id").status();
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(status.message(), HasSubstr("layer_index"));
+}
+
+TEST_F(SessionStoreTest, ASessionBelongsToItsCreator) {
+  const SessionCaller alice{"alice", false}, bob{"bob", false}, admin{"root", true};
+  const std::string id = Create("", alice);
+  EXPECT_EQ(store_.View(id, 0, bob, "session_id").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(store_.Fork(id, "", bob).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(store_.Truncate(id, 0, bob).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(store_.Close(id, bob).code(), absl::StatusCode::kNotFound);
+  EXPECT_TRUE(store_.List(bob).empty());
+  EXPECT_EQ(store_.List(alice).size(), 1u);
+  EXPECT_EQ(store_.List(admin).size(), 1u);
+  EXPECT_EQ(store_.View(id, 0, admin, "session_id").status().code(), absl::StatusCode::kNotFound);
+  ASSERT_OK(store_.Close(id, admin));
+  // How it ended is the owner's (and an admin's) to know; to anyone else it is just not there.
+  EXPECT_THAT(store_.View(id, 0, alice, "session_id").status().message(), HasSubstr("closed"));
+  EXPECT_THAT(store_.View(id, 0, bob, "session_id").status().message(), HasSubstr("no session"));
+}
+
+TEST_F(SessionStoreTest, AForkBelongsToItsSourcesOwner) {
+  const SessionCaller alice{"alice", false};
+  const std::string id = Create("", alice);
+  ASSERT_TRUE(store_.Fork(id, "f", alice).ok());
+  EXPECT_TRUE(store_.View("f", 0, alice, "session_id").ok());
+  EXPECT_FALSE(store_.View("f", 0, SessionCaller{"bob", false}, "session_id").ok());
+}
+
+// A pool of one 2 MiB chunk: 2048 blocks of 1 KiB.
+class TightStoreTest : public SessionStoreTest {
+ protected:
+  TightStoreTest() : SessionStoreTest(BlockPool::kChunkBytes) {}
+};
+
+TEST_F(TightStoreTest, TheLeastRecentlyUsedIdleSessionIsEvictedFirst) {
+  const std::string old_one = Create(), newer = Create(), current = Create();
+  ASSERT_OK(Extend(old_one, 600 * kTokens));
+  ASSERT_OK(Extend(newer, 600 * kTokens));
+  ASSERT_OK(Extend(current, 600 * kTokens));
+  store_.Touch({&newer, 1});
+  // 1800 of 2048 blocks are taken; 300 more evict the least recently used idle one.
+  ASSERT_OK(Extend(current, 300 * kTokens));
+  const absl::Status evicted = store_.View(old_one, 0, {}, "session_id").status();
+  EXPECT_EQ(evicted.code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(evicted.message(), HasSubstr("evicted"));
+  EXPECT_TRUE(store_.View(newer, 0, {}, "session_id").ok());
+  EXPECT_EQ(Length(current), 900 * kTokens);
+}
+
+TEST_F(TightStoreTest, SessionsInUseAreNotEvictedAndTheCallIsRefusedSayingHowFull) {
+  const std::string a = Create(), b = Create();
+  ASSERT_OK(Extend(a, 1000 * kTokens));
+  ASSERT_OK(Extend(b, 1000 * kTokens));
+  const SessionHold hold = HoldSessions(store_, {a, b});
+  const ReserveItem item{b, 0, 100 * kTokens};
+  const absl::Status status = store_.Reserve({&item, 1}).status();
+  EXPECT_EQ(status.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(status.message(), HasSubstr("KV cache is full"));
+  EXPECT_TRUE(store_.View(a, 0, {}, "session_id").ok());
+  EXPECT_EQ(Length(b), 1000 * kTokens);
+  EXPECT_EQ(InfoOf(b).cache_bytes(), 1000 * kBlockBytes);  // the refused call gave back what it took
+}
+
+TEST_F(TightStoreTest, NeverPastThePool) {
+  std::vector<std::string> ids;
+  for (int i = 0; i < 8; ++i) ids.push_back(Create());
+  for (int round = 0; round < 20; ++round) {
+    for (const std::string& id : ids) {
+      absl::StatusOr<CacheView> view = store_.View(id, 0, {}, "session_id");
+      if (!view.ok()) continue;  // evicted
+      Extend(id, 97).IgnoreError();
+    }
+  }
+  int64_t bytes = 0;
+  for (const v1::SessionInfo& info : store_.List({"", true})) bytes += info.cache_bytes();
+  EXPECT_LE(bytes, BlockPool::kChunkBytes);
+}
+
+}  // namespace
+}  // namespace mha
