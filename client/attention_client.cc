@@ -75,14 +75,15 @@ AttentionClient::AttentionClient(const ClientOptions& options)
 
 namespace {
 
-// One unary call through a stub method, with the client's deadline.
+// One unary call through a stub method, with the client's deadline, and for a session call its id as metadata.
 template <typename Request, typename Response>
 absl::StatusOr<Response> Unary(
     v1::Attention::Stub* stub,
     grpc::Status (v1::Attention::Stub::*method)(grpc::ClientContext*, const Request&, Response*),
-    const Request& request, absl::Duration timeout) {
+    const Request& request, absl::Duration timeout, const std::string& session_id = "") {
   grpc::ClientContext context;
   context.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
+  if (!session_id.empty()) context.AddMetadata("mha-session-id", session_id);
   Response response;
   const grpc::Status status = (stub->*method)(&context, request, &response);
   if (!status.ok()) return FromGrpcStatus(status);
@@ -242,6 +243,34 @@ absl::StatusOr<bool> AttentionClient::Serving() {
   const grpc::Status status = health->Check(&context, grpc::health::v1::HealthCheckRequest(), &response);
   if (!status.ok()) return FromGrpcStatus(status);
   return response.status() == grpc::health::v1::HealthCheckResponse::SERVING;
+}
+
+absl::StatusOr<v1::CreateSessionResponse> AttentionClient::CreateSession(const v1::CreateSessionRequest& request) {
+  return Unary(stub_.get(), &v1::Attention::Stub::CreateSession, request, options_.timeout, request.session_id());
+}
+
+absl::StatusOr<v1::ExtendResponse> AttentionClient::Extend(const v1::ExtendRequest& request) {
+  const std::string id = request.items_size() > 0 ? request.items(0).session_id() : "";
+  return Unary(stub_.get(), &v1::Attention::Stub::Extend, request, options_.timeout, id);
+}
+
+absl::StatusOr<v1::ForkSessionResponse> AttentionClient::ForkSession(const v1::ForkSessionRequest& request) {
+  return Unary(stub_.get(), &v1::Attention::Stub::ForkSession, request, options_.timeout, request.session_id());
+}
+
+absl::StatusOr<v1::TruncateSessionResponse> AttentionClient::TruncateSession(
+    const v1::TruncateSessionRequest& request) {
+  return Unary(stub_.get(), &v1::Attention::Stub::TruncateSession, request, options_.timeout, request.session_id());
+}
+
+absl::Status AttentionClient::CloseSession(const std::string& session_id) {
+  v1::CloseSessionRequest request;
+  request.set_session_id(session_id);
+  return Unary(stub_.get(), &v1::Attention::Stub::CloseSession, request, options_.timeout, session_id).status();
+}
+
+absl::StatusOr<v1::ListSessionsResponse> AttentionClient::ListSessions() {
+  return Unary(stub_.get(), &v1::Attention::Stub::ListSessions, v1::ListSessionsRequest(), options_.timeout);
 }
 
 }  // namespace mha

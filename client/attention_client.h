@@ -100,6 +100,16 @@ class AttentionClient {
   // grpc.health.v1 Check for the whole server (service ""): true when SERVING.
   absl::StatusOr<bool> Serving();
 
+  // The session RPCs. Each sends its session's id as "mha-session-id" metadata (CreateSession's when the client
+  // chose one, the source's for ForkSession, the first item's for Extend), so that a proxy can route every call of
+  // a session to the replica that holds it. client/session.h wraps them in a handle.
+  absl::StatusOr<v1::CreateSessionResponse> CreateSession(const v1::CreateSessionRequest& request);
+  absl::StatusOr<v1::ExtendResponse> Extend(const v1::ExtendRequest& request);
+  absl::StatusOr<v1::ForkSessionResponse> ForkSession(const v1::ForkSessionRequest& request);
+  absl::StatusOr<v1::TruncateSessionResponse> TruncateSession(const v1::TruncateSessionRequest& request);
+  absl::Status CloseSession(const std::string& session_id);
+  absl::StatusOr<v1::ListSessionsResponse> ListSessions();
+
   const std::shared_ptr<grpc::Channel>& channel() const { return channel_; }
 
  private:

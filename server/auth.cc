@@ -7,6 +7,7 @@
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 
@@ -85,7 +86,8 @@ size_t TokenAuth::size() const {
   return entries_->size();
 }
 
-absl::Status TokenAuth::Check(absl::string_view authorization, Role needed, absl::string_view rpc) const {
+absl::StatusOr<TokenAuth::Principal> TokenAuth::Authenticate(absl::string_view authorization, Role needed,
+                                                             absl::string_view rpc) const {
   std::shared_ptr<const std::vector<Entry>> entries;
   {
     absl::MutexLock lock(&mu_);
@@ -109,7 +111,9 @@ absl::Status TokenAuth::Check(absl::string_view authorization, Role needed, absl
   if (matched_role < static_cast<int>(needed)) {
     return absl::PermissionDeniedError(absl::StrCat(rpc, " needs a token with the admin role"));
   }
-  return absl::OkStatus();
+  return Principal{absl::BytesToHexString(absl::string_view(reinterpret_cast<const char*>(digest.data()),
+                                                            digest.size())),
+                   static_cast<Role>(matched_role)};
 }
 
 }  // namespace mha

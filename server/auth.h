@@ -34,7 +34,16 @@ class TokenAuth {
   // includes `needed`. UNAUTHENTICATED with one message for a missing, malformed or unknown token;
   // PERMISSION_DENIED naming `rpc` when the token's role is too small. Compares in time independent of where a
   // presented token differs from the known ones (digests compared in full against every entry). Thread-safe.
-  absl::Status Check(absl::string_view authorization, Role needed, absl::string_view rpc) const;
+  absl::Status Check(absl::string_view authorization, Role needed, absl::string_view rpc) const {
+    return Authenticate(authorization, needed, rpc).status();
+  }
+  // Check, and on success who the caller is: the same token (whatever its line or role) always gives the same
+  // `id` (hex of its SHA-256), different tokens different ones; what owns a caller's sessions.
+  struct Principal {
+    std::string id;
+    Role role = Role::kCompute;
+  };
+  absl::StatusOr<Principal> Authenticate(absl::string_view authorization, Role needed, absl::string_view rpc) const;
 
   size_t size() const;  // tokens held
 

@@ -65,6 +65,16 @@ ABSL_FLAG(bool, cuda_allow_tf32, kDefaults.cuda_allow_tf32,
           "fp32 projections on the cuda backend may use TF32 tensor cores (about 10 bits of mantissa)");
 ABSL_FLAG(int, cuda_layer_cache_mb, kDefaults.cuda_layer_cache_mb,
           "GPU MiB for stored layers kept resident on the cuda backend; 0 = a quarter of the GPU's memory");
+ABSL_FLAG(int, kv_cache_mb, kDefaults.kv_cache_mb,
+          "MiB of the pool KV-cache sessions' blocks come from (taken as blocks fill); at least 2");
+ABSL_FLAG(int, kv_block_tokens, kDefaults.kv_block_tokens,
+          "tokens per KV-cache block (multiples of 16 take the decode kernels)");
+ABSL_FLAG(int, max_sessions, kDefaults.max_sessions, "KV-cache sessions open at once at most");
+ABSL_FLAG(int, max_session_tokens, kDefaults.max_session_tokens,
+          "tokens per session cache at most (a session's max_tokens default and limit)");
+ABSL_FLAG(int, session_idle_s, kDefaults.session_idle_s,
+          "a session's idle timeout when it asks for none, s; idle sessions expire");
+ABSL_FLAG(int, max_session_idle_s, kDefaults.max_session_idle_s, "the longest idle timeout a session may ask for, s");
 ABSL_FLAG(std::string, log_level, kDefaults.log_level, "trace, debug, info, warn, error, critical or off");
 
 namespace mha {
@@ -106,6 +116,12 @@ ServerOptions ServerOptionsFromFlags() {
   options.cuda_streams = absl::GetFlag(FLAGS_cuda_streams);
   options.cuda_allow_tf32 = absl::GetFlag(FLAGS_cuda_allow_tf32);
   options.cuda_layer_cache_mb = absl::GetFlag(FLAGS_cuda_layer_cache_mb);
+  options.kv_cache_mb = absl::GetFlag(FLAGS_kv_cache_mb);
+  options.kv_block_tokens = absl::GetFlag(FLAGS_kv_block_tokens);
+  options.max_sessions = absl::GetFlag(FLAGS_max_sessions);
+  options.max_session_tokens = absl::GetFlag(FLAGS_max_session_tokens);
+  options.session_idle_s = absl::GetFlag(FLAGS_session_idle_s);
+  options.max_session_idle_s = absl::GetFlag(FLAGS_max_session_idle_s);
   options.log_level = absl::GetFlag(FLAGS_log_level);
   return options;
 }

@@ -30,6 +30,34 @@ bool IsLoopback(absl::string_view listen) {
   return host == "localhost" || host == "::1" || absl::StartsWith(host, "127.");
 }
 
+// The session flags' ranges.
+absl::Status CheckSessionOptions(const ServerOptions& o) {
+  const auto in = [](absl::string_view flag, int64_t value, int64_t lo, int64_t hi) {
+    return value >= lo && value <= hi
+               ? absl::OkStatus()
+               : absl::InvalidArgumentError(absl::StrCat("--", flag, " must be in [", lo, ", ", hi, "], got ", value));
+  };
+  RETURN_IF_ERROR(in("kv_cache_mb", o.kv_cache_mb, 2, int64_t{1} << 24));
+  RETURN_IF_ERROR(in("kv_block_tokens", o.kv_block_tokens, 1, 1024));
+  RETURN_IF_ERROR(in("max_sessions", o.max_sessions, 1, 1 << 20));
+  RETURN_IF_ERROR(in("max_session_tokens", o.max_session_tokens, 1, 1 << 24));
+  RETURN_IF_ERROR(in("session_idle_s", o.session_idle_s, 1, 30 * 86400));
+  return in("max_session_idle_s", o.max_session_idle_s, o.session_idle_s, 30 * 86400);
+}
+
+SessionStoreOptions SessionOptions(const ServerOptions& o) {
+  SessionStoreOptions s;
+  s.capacity_bytes = static_cast<int64_t>(o.kv_cache_mb) << 20;
+  s.block_tokens = o.kv_block_tokens;
+  s.max_sessions = o.max_sessions;
+  s.max_tokens = o.max_session_tokens;
+  s.idle_timeout = absl::Seconds(o.session_idle_s);
+  s.max_idle_timeout = absl::Seconds(o.max_session_idle_s);
+  s.max_waiting = o.max_queue_size;
+  s.max_waiting_bytes = static_cast<int64_t>(o.max_queued_mb) << 20;
+  return s;
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<MhaServer>> MhaServer::Start(ServerOptions options) {
@@ -57,6 +85,7 @@ absl::StatusOr<std::unique_ptr<MhaServer>> MhaServer::Start(ServerOptions option
     return absl::InvalidArgumentError(absl::StrCat("--cuda_streams must be in [1, 16], got ", options.cuda_streams));
   }
   if (options.cuda_layer_cache_mb < 0) return absl::InvalidArgumentError("--cuda_layer_cache_mb must be >= 0");
+  RETURN_IF_ERROR(CheckSessionOptions(options));
 
   std::unique_ptr<MhaServer> server(new MhaServer());
   if (!options.auth_tokens_file.empty()) {
@@ -122,9 +151,10 @@ absl::StatusOr<std::unique_ptr<MhaServer>> MhaServer::Start(ServerOptions option
   scheduling.max_queue_delay = absl::Microseconds(options.max_queue_delay_us);
   server->scheduler_ = std::make_unique<Scheduler>(scheduling, server->metrics_.get());
   server->WarmUp();
+  server->sessions_ = std::make_unique<SessionStore>(SessionOptions(options), server->metrics_.get());
   server->service_ = std::make_unique<AttentionService>(options, server->layers_.get(), server->backends_.get(),
                                                         server->scheduler_.get(), server->metrics_.get(),
-                                                        server->auth_.get());
+                                                        server->auth_.get(), server->sessions_.get());
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -184,6 +214,7 @@ void MhaServer::Watch() {
   for (int tick = 1; !stop_watch_.WaitForNotificationWithTimeout(absl::Milliseconds(250)); ++tick) {
     // Free pages of the allocator's arenas go back to the system every few seconds (it keeps them otherwise).
     if (tick % 12 == 0) malloc_trim(0);
+    sessions_->ExpireIdle(absl::Now());
     const absl::Duration stuck = scheduler_->StuckFor();
     const bool now_live = options_.stuck_after_s <= 0 || stuck <= limit;
     const int depth = scheduler_->QueueDepth();
@@ -323,7 +354,10 @@ void MhaServer::Shutdown(absl::Duration grace) {
   const absl::Time deadline = absl::Now() + grace;
   absl::Notification drained;
   std::thread stopper([&] {
-    if (!drained.WaitForNotificationWithDeadline(deadline) && scheduler_ != nullptr) scheduler_->Abort();
+    if (drained.WaitForNotificationWithDeadline(deadline)) return;
+    // Past the grace period: session calls still waiting for their sessions end too.
+    if (sessions_ != nullptr) sessions_->sequencer().Shutdown();
+    if (scheduler_ != nullptr) scheduler_->Abort();
   });
   server_->Shutdown(absl::ToChronoTime(deadline));
   drained.Notify();

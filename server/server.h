@@ -1,5 +1,5 @@
-// Assembles a running server from ServerOptions: layer store (demo + --layers_dir), backends, scheduler,
-// the Attention service, health checking and reflection. Used by main() and by the in-process tests.
+// Assembles a running server from ServerOptions: layer store (demo + --layers_dir), backends, scheduler, session
+// store, the Attention service, health checking and reflection. Used by main() and by the in-process tests.
 #ifndef MHA_SERVER_SERVER_H_
 #define MHA_SERVER_SERVER_H_
 
@@ -16,6 +16,7 @@
 #include "server/scheduler.h"
 #include "server/server_options.h"
 #include "server/service.h"
+#include "server/sessions/session_store.h"
 #include "server/tls.h"
 
 namespace mha {
@@ -33,6 +34,7 @@ class MhaServer {
   int metrics_port() const { return metrics_->port(); }  // 0 unless options.metrics_listen was set
   const ServerMetrics& metrics() const { return *metrics_; }
   const Scheduler& scheduler() const { return *scheduler_; }
+  SessionStore& sessions() { return *sessions_; }
   std::shared_ptr<grpc::Channel> InProcessChannel();
   // Health answers NOT_SERVING and new calls UNAVAILABLE at once; in-flight calls may finish until `grace` has
   // passed, when those still computing or waiting are stopped; then the compute thread ends. Idempotent.
@@ -50,7 +52,8 @@ class MhaServer {
   void WarmUp();
   // Until Shutdown, four times a second: liveness (health service "") NOT_SERVING while the scheduler has been
   // stuck past --stuck_after_s; readiness (service "mha.v1.Attention") NOT_SERVING then too, and while
-  // --ready_max_queue calls or more wait; and every few seconds, the allocator's free pages returned to the system.
+  // --ready_max_queue calls or more wait; idle sessions past their timeout ended; and every few seconds, the
+  // allocator's free pages returned to the system.
   void Watch();
   // Sets health service `service` of both servers (the main one and --health_listen's).
   void SetServing(const std::string& service, bool serving);
@@ -62,6 +65,7 @@ class MhaServer {
   std::unique_ptr<BackendRegistry> backends_;
   std::unique_ptr<Scheduler> scheduler_;
   std::unique_ptr<ServerMetrics> metrics_;
+  std::unique_ptr<SessionStore> sessions_;  // after metrics_, which it feeds; before service_, which uses it
   std::unique_ptr<AttentionService> service_;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<grpc::Server> health_server_;  // --health_listen: the health service alone, plaintext

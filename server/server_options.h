@@ -90,6 +90,16 @@ struct ServerOptions {
   int cuda_streams = 2;
   bool cuda_allow_tf32 = false;
   int cuda_layer_cache_mb = 0;
+  // KV-cache sessions (CreateSession): the MiB of the pool their cache blocks come from (address space reserved at
+  // start, memory taken as blocks fill; at least 2, one chunk), tokens per block (multiples of 16 take the decode
+  // kernels; others gather), sessions open at once, tokens per cache (a session's max_tokens default and limit),
+  // and the idle timeout a session gets when it asks for none and the longest it may ask for, in seconds.
+  int kv_cache_mb = 1024;
+  int kv_block_tokens = 16;
+  int max_sessions = 1024;
+  int max_session_tokens = 32768;
+  int session_idle_s = 300;
+  int max_session_idle_s = 3600;
   // spdlog level: trace, debug, info, warn, error, critical or off.
   std::string log_level = "info";
 };

@@ -23,23 +23,13 @@
 namespace mha {
 namespace {
 
-// What a client controls, fit for one log line: at most `max` bytes of it, with control characters, quotes and
-// non-ASCII bytes escaped, so that it can neither forge a line nor grow every line without bound.
-std::string LogSafe(absl::string_view text, size_t max = 128) {
+
+}  // namespace
+
+std::string LogSafe(absl::string_view text, size_t max) {
   if (text.size() <= max) return absl::CHexEscape(text);
   return absl::StrCat(absl::CHexEscape(text.substr(0, max)), "...(", text.size(), " bytes)");
 }
-
-// The serialized response for a call that ended OK; INTERNAL should serialization fail.
-template <typename Response>
-absl::Status Serialize(const Response& response, grpc::ByteBuffer* out) {
-  bool own_buffer = false;
-  const grpc::Status status = grpc::SerializationTraits<Response>::Serialize(response, out, &own_buffer);
-  if (status.ok()) return absl::OkStatus();
-  return absl::InternalError(absl::StrCat("cannot serialize the response: ", status.error_message()));
-}
-
-}  // namespace
 
 void AttentionService::CallDone(const std::string& ids, const char* rpc, absl::string_view shapes,
                                 absl::string_view backend, const absl::Status& status, absl::Time start, double compute_seconds,
@@ -67,13 +57,15 @@ grpc::Status ToGrpcStatus(const absl::Status& status) {
 }
 
 AttentionService::AttentionService(const ServerOptions& options, LayerStore* layers, BackendRegistry* backends,
-                                   Scheduler* scheduler, ServerMetrics* metrics, const TokenAuth* auth)
+                                   Scheduler* scheduler, ServerMetrics* metrics, const TokenAuth* auth,
+                                   SessionStore* sessions)
     : options_(options),
       layers_(layers),
       backends_(backends),
       scheduler_(scheduler),
       metrics_(metrics),
       auth_(auth),
+      sessions_(sessions),
       shared_memory_(options.max_shared_memory_regions, static_cast<int64_t>(options.max_shared_memory_mb) << 20),
       id_prefix_(absl::StrFormat("%08x", absl::Uniform<uint32_t>(absl::BitGen()))) {
   validation_.layers = layers_;
@@ -137,9 +129,11 @@ constexpr absl::Duration kDeadlineSlack = absl::Milliseconds(100);
 template <typename Request>
 absl::Status AttentionService::Admit(const char* rpc, Role role, const grpc::CallbackServerContext& context,
                                      const grpc::ByteBuffer* bytes, Request* request,
-                                     std::vector<FiniteScan>* scans) const {
+                                     std::vector<FiniteScan>* scans, SessionCaller* caller) const {
   if (auth_ != nullptr) {
-    if (absl::Status status = auth_->Check(Metadata(context, "authorization"), role, rpc); !status.ok()) return status;
+    absl::StatusOr<TokenAuth::Principal> principal = auth_->Authenticate(Metadata(context, "authorization"), role, rpc);
+    if (!principal.ok()) return principal.status();
+    if (caller != nullptr) *caller = {principal->id, principal->role == Role::kAdmin};
   }
   // gRPC starts a unary handler without a payload when the call ended before its request message arrived: every
   // gRPC client sends the message with the call, so that is a client that gave up while sending. Over TCP that
@@ -306,14 +300,37 @@ grpc::ServerUnaryReactor* AttentionService::Compute(
     reactor->Finish(ToGrpcStatus(plan.status()));
     return reactor;
   }
-  // A client without a deadline gets the server's default (gRPC reports "none" as the clock's far end).
-  absl::Time deadline = absl::FromChrono(context->deadline());
-  if (deadline - received > absl::Hours(24 * 365)) deadline = received + default_deadline_;
   scheduler_->Submit(std::make_unique<ComputeCall<Request, Response, Plan>>(
       this, std::move(id), rpc, context, reactor, std::move(request), out, *std::move(plan), execute, execute_batch,
-      request_bytes, received, deadline));
+      request_bytes, received, DeadlineOf(*context, received)));
   return reactor;
 }
+
+absl::Time AttentionService::DeadlineOf(const grpc::CallbackServerContext& context, absl::Time received) const {
+  // gRPC reports "none" as the clock's far end.
+  const absl::Time deadline = absl::FromChrono(context.deadline());
+  return deadline - received > absl::Hours(24 * 365) ? received + default_deadline_ : deadline;
+}
+
+// The session RPCs' requests (session_service.cc admits them through this file's template).
+template absl::Status AttentionService::Admit(const char*, Role, const grpc::CallbackServerContext&,
+                                              const grpc::ByteBuffer*, v1::CreateSessionRequest*,
+                                              std::vector<FiniteScan>*, SessionCaller*) const;
+template absl::Status AttentionService::Admit(const char*, Role, const grpc::CallbackServerContext&,
+                                              const grpc::ByteBuffer*, v1::ExtendRequest*, std::vector<FiniteScan>*,
+                                              SessionCaller*) const;
+template absl::Status AttentionService::Admit(const char*, Role, const grpc::CallbackServerContext&,
+                                              const grpc::ByteBuffer*, v1::ForkSessionRequest*,
+                                              std::vector<FiniteScan>*, SessionCaller*) const;
+template absl::Status AttentionService::Admit(const char*, Role, const grpc::CallbackServerContext&,
+                                              const grpc::ByteBuffer*, v1::TruncateSessionRequest*,
+                                              std::vector<FiniteScan>*, SessionCaller*) const;
+template absl::Status AttentionService::Admit(const char*, Role, const grpc::CallbackServerContext&,
+                                              const grpc::ByteBuffer*, v1::CloseSessionRequest*,
+                                              std::vector<FiniteScan>*, SessionCaller*) const;
+template absl::Status AttentionService::Admit(const char*, Role, const grpc::CallbackServerContext&,
+                                              const grpc::ByteBuffer*, v1::ListSessionsRequest*,
+                                              std::vector<FiniteScan>*, SessionCaller*) const;
 
 template <typename Request, typename Response, typename Handle>
 grpc::ServerUnaryReactor* AttentionService::Answer(const char* rpc, Role role, grpc::CallbackServerContext* context,
@@ -408,6 +425,13 @@ grpc::ServerUnaryReactor* AttentionService::GetServerInfo(grpc::CallbackServerCo
         limits->set_max_request_gflop(options_.max_request_gflop);
         limits->set_max_shared_memory_regions(shared_memory_.max_regions());
         limits->set_max_shared_memory_bytes(shared_memory_.max_regions() > 0 ? shared_memory_.max_bytes() : 0);
+        const SessionStoreOptions& sessions = sessions_->options();
+        limits->set_kv_cache_bytes(sessions_->capacity_bytes());
+        limits->set_kv_block_tokens(static_cast<int32_t>(sessions.block_tokens));
+        limits->set_max_sessions(sessions.max_sessions);
+        limits->set_max_session_tokens(sessions.max_tokens);
+        limits->set_session_idle_s(static_cast<int32_t>(absl::ToInt64Seconds(sessions.idle_timeout)));
+        limits->set_max_session_idle_s(static_cast<int32_t>(absl::ToInt64Seconds(sessions.max_idle_timeout)));
         return absl::OkStatus();
       });
 }

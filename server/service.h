@@ -1,13 +1,16 @@
 // The gRPC edge: the Attention service on gRPC's callback API. Validation runs on the gRPC thread; compute is
-// handed to the Scheduler, whose thread finishes the call. This is the only place absl::Status becomes
-// grpc::Status.
+// handed to the Scheduler, whose thread finishes the call; session calls wait their turn at the sessions' sequencer
+// first (session_service.cc). This is the only place absl::Status becomes grpc::Status (with session_service.cc,
+// its other half).
 #ifndef MHA_SERVER_SERVICE_H_
 #define MHA_SERVER_SERVICE_H_
 
 #include <atomic>
 #include <memory>
+#include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "proto/mha/v1/attention.grpc.pb.h"
 #include "server/auth.h"
 #include "server/backends/registry.h"
@@ -16,6 +19,7 @@
 #include "server/metrics.h"
 #include "server/scheduler.h"
 #include "server/server_options.h"
+#include "server/sessions/session_store.h"
 #include "server/shared_memory.h"
 #include "server/validate.h"
 
@@ -26,20 +30,37 @@ grpc::Status ToGrpcStatus(const absl::Status& status);
 // The generated service with every method taking its raw bytes, so that a request that does not parse gets
 // INVALID_ARGUMENT and a log line (gRPC's own parsing answers UNIMPLEMENTED with no message), and so that the token
 // check comes before any parsing.
+using RawSessionService = v1::Attention::WithRawCallbackMethod_CreateSession<
+    v1::Attention::WithRawCallbackMethod_Extend<v1::Attention::WithRawCallbackMethod_ForkSession<
+        v1::Attention::WithRawCallbackMethod_TruncateSession<v1::Attention::WithRawCallbackMethod_CloseSession<
+            v1::Attention::WithRawCallbackMethod_ListSessions<v1::Attention::Service>>>>>>;
 using RawAttentionService = v1::Attention::WithRawCallbackMethod_MultiHeadAttention<
     v1::Attention::WithRawCallbackMethod_ScaledDotProductAttention<v1::Attention::WithRawCallbackMethod_LoadLayer<
         v1::Attention::WithRawCallbackMethod_UnloadLayer<v1::Attention::WithRawCallbackMethod_ListLayers<
             v1::Attention::WithRawCallbackMethod_GetServerInfo<
                 v1::Attention::WithRawCallbackMethod_RegisterSharedMemory<
                     v1::Attention::WithRawCallbackMethod_UnregisterSharedMemory<
-                        v1::Attention::WithRawCallbackMethod_GetSharedMemoryStatus<v1::Attention::Service>>>>>>>>>;
+                        v1::Attention::WithRawCallbackMethod_GetSharedMemoryStatus<RawSessionService>>>>>>>>>;
+
+// What a client controls, fit for one log line: at most `max` bytes of it, with control characters, quotes and
+// non-ASCII bytes escaped, so that it can neither forge a line nor grow every line without bound.
+std::string LogSafe(absl::string_view text, size_t max = 128);
+
+// The serialized response for a call that ended OK; INTERNAL should serialization fail.
+template <typename Response>
+absl::Status Serialize(const Response& response, grpc::ByteBuffer* out) {
+  bool own_buffer = false;
+  const grpc::Status status = grpc::SerializationTraits<Response>::Serialize(response, out, &own_buffer);
+  if (status.ok()) return absl::OkStatus();
+  return absl::InternalError(absl::StrCat("cannot serialize the response: ", status.error_message()));
+}
 
 class AttentionService final : public RawAttentionService {
  public:
   // All pointers are borrowed and must outlive the service; options.backend must already be checked. `auth` may
   // be null: no token is needed then.
   AttentionService(const ServerOptions& options, LayerStore* layers, BackendRegistry* backends,
-                   Scheduler* scheduler, ServerMetrics* metrics, const TokenAuth* auth);
+                   Scheduler* scheduler, ServerMetrics* metrics, const TokenAuth* auth, SessionStore* sessions);
 
   // Each takes a serialized request and fills `response` with the serialized response.
   grpc::ServerUnaryReactor* MultiHeadAttention(grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
@@ -63,6 +84,19 @@ class AttentionService final : public RawAttentionService {
   grpc::ServerUnaryReactor* GetSharedMemoryStatus(grpc::CallbackServerContext* context,
                                                   const grpc::ByteBuffer* request,
                                                   grpc::ByteBuffer* response) override;
+  // The session RPCs (session_service.cc).
+  grpc::ServerUnaryReactor* CreateSession(grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+                                          grpc::ByteBuffer* response) override;
+  grpc::ServerUnaryReactor* Extend(grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+                                   grpc::ByteBuffer* response) override;
+  grpc::ServerUnaryReactor* ForkSession(grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+                                        grpc::ByteBuffer* response) override;
+  grpc::ServerUnaryReactor* TruncateSession(grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+                                            grpc::ByteBuffer* response) override;
+  grpc::ServerUnaryReactor* CloseSession(grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+                                         grpc::ByteBuffer* response) override;
+  grpc::ServerUnaryReactor* ListSessions(grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+                                         grpc::ByteBuffer* response) override;
 
  private:
   // Logs one finished call (`ids` from Identify, rpc, shapes, backend, status, latency) and records it in the
@@ -72,6 +106,10 @@ class AttentionService final : public RawAttentionService {
 
   template <typename Request, typename Response, typename Plan>
   friend class ComputeCall;
+  template <typename Request, typename Response, typename Handle>
+  friend class SequencedCall;
+  friend class ExtendCall;
+  friend class ExtendWork;
 
   // The call's identity for logs: "rid=<id>", plus " trace=<trace id>" when the client sent a W3C traceparent. The
   // request id is the client's x-request-id metadata when it is 1..128 characters of [A-Za-z0-9._:/-], else a new
@@ -79,10 +117,20 @@ class AttentionService final : public RawAttentionService {
   std::string Identify(grpc::CallbackServerContext* context);
 
   // The token check (when tokens are configured) and the parse of `bytes` into `request`; the first error. With
-  // `scans`, `request` is a compute request read by ReadComputeRequest, which fills them.
+  // `scans`, `request` is a compute request read by ReadComputeRequest, which fills them. With `caller`, who calls
+  // (the token's identity and whether it is an admin's), for the sessions it owns.
   template <typename Request>
   absl::Status Admit(const char* rpc, Role role, const grpc::CallbackServerContext& context,
-                     const grpc::ByteBuffer* bytes, Request* request, std::vector<FiniteScan>* scans) const;
+                     const grpc::ByteBuffer* bytes, Request* request, std::vector<FiniteScan>* scans,
+                     SessionCaller* caller = nullptr) const;
+
+  // A session RPC that runs when its sessions are free (SessionSequencer): admits, asks `ids` for the session ids
+  // the request names (their errors answer at once), then at its turn answers with what `handle` returns.
+  template <typename Request, typename Response, typename Ids, typename Handle>
+  grpc::ServerUnaryReactor* Sequenced(const char* rpc, grpc::CallbackServerContext* context,
+                                      const grpc::ByteBuffer* bytes, grpc::ByteBuffer* out, Ids ids, Handle handle);
+  // The call's deadline: the client's, or the server's default for a client that set none.
+  absl::Time DeadlineOf(const grpc::CallbackServerContext& context, absl::Time received) const;
 
   // Admits, validates with `validate`, then hands the call to the scheduler as a WorkItem that runs `execute`.
   template <typename Request, typename Response, typename Plan>
@@ -105,6 +153,7 @@ class AttentionService final : public RawAttentionService {
   Scheduler* scheduler_;
   ServerMetrics* metrics_;
   const TokenAuth* auth_;
+  SessionStore* sessions_;
   SharedMemoryRegistry shared_memory_;
   ValidationContext validation_;
   absl::Duration default_deadline_;

@@ -140,25 +140,9 @@ absl::Status ValidateCommon(const Request& request, const ValidationContext& con
       request.output_dtype() == v1::DATA_TYPE_UNSPECIFIED ? query_dtype : request.output_dtype();
   plan->problem.return_weights = request.return_attention_weights();
 
-  if (!v1::Backend_IsValid(request.backend())) {
-    return Invalid("backend must be BACKEND_AUTO, BACKEND_CPU, BACKEND_CUDA or BACKEND_REFERENCE, got ",
-                   absl::StrCat(request.backend()));
-  }
-  std::string backend_name = context.backends->NameFor(request.backend());
-  ASSIGN_OR_RETURN(plan->backend, context.backends->Find(backend_name, "backend"));
-  absl::Status supported = plan->backend->Supports(plan->problem);
-  if (!supported.ok() && request.backend() == v1::BACKEND_AUTO && backend_name != kCpuBackend) {
-    // BACKEND_AUTO routes what the default backend cannot compute to the CPU.
-    absl::StatusOr<Backend*> cpu = context.backends->Find(kCpuBackend, "backend");
-    if (cpu.ok() && (*cpu)->Supports(plan->problem).ok()) {
-      plan->backend = *cpu;
-      backend_name = std::string(kCpuBackend);
-      supported = absl::OkStatus();
-    }
-  }
-  if (!supported.ok()) {
-    return absl::UnimplementedError(absl::StrCat("backend ", backend_name, ": ", supported.message()));
-  }
+  ASSIGN_OR_RETURN(plan->backend,
+                   ChooseBackend(request.backend(), context,
+                                 [plan](const Backend& backend) { return backend.Supports(plan->problem); }));
 
   // The response must fit the message limit; say so before computing anything.
   const double out_size = static_cast<double>(DTypeSize(plan->problem.output_dtype));
@@ -190,23 +174,50 @@ absl::Status ValidateCommon(const Request& request, const ValidationContext& con
         plan->problem.return_weights ? ", return_attention_weights=false" : "", " or fewer tokens"));
   }
   plan->flops = AttentionFlops(s);
+  plan->workspace_bytes = plan->backend->WorkspaceBytes(plan->problem);
+  return CheckWorkLimits(*plan, context);
+}
+
+}  // namespace
+
+absl::StatusOr<Backend*> ChooseBackend(int requested, const ValidationContext& context,
+                                       absl::FunctionRef<absl::Status(const Backend&)> supports) {
+  if (!v1::Backend_IsValid(requested)) {
+    return Invalid("backend must be BACKEND_AUTO, BACKEND_CPU, BACKEND_CUDA or BACKEND_REFERENCE, got ",
+                   absl::StrCat(requested));
+  }
+  const v1::Backend wanted = static_cast<v1::Backend>(requested);
+  const std::string name = context.backends->NameFor(wanted);
+  ASSIGN_OR_RETURN(Backend * backend, context.backends->Find(name, "backend"));
+  absl::Status supported = supports(*backend);
+  if (supported.ok()) return backend;
+  if (wanted == v1::BACKEND_AUTO && name != kCpuBackend) {
+    // BACKEND_AUTO routes what the default backend cannot compute to the CPU.
+    absl::StatusOr<Backend*> cpu = context.backends->Find(kCpuBackend, "backend");
+    if (cpu.ok() && supports(**cpu).ok()) return *cpu;
+  }
+  return absl::UnimplementedError(absl::StrCat("backend ", name, ": ", supported.message()));
+}
+
+absl::Status CheckWorkLimits(const AttentionPlan& plan, const ValidationContext& context) {
+  const std::string backend_name(plan.backend->name());
   const bool reference = backend_name == kReferenceBackend;
   const double max_flops = reference ? context.max_reference_flops : context.max_request_flops;
-  if (plan->flops > max_flops) {
+  if (plan.flops > max_flops) {
     return absl::ResourceExhaustedError(absl::StrCat(
-        "the request needs about ", plan->flops / 1e9, " GFLOP, over the server's per-request limit of ",
+        "the request needs about ", plan.flops / 1e9, " GFLOP, over the server's per-request limit of ",
         max_flops / 1e9, " GFLOP on the ", backend_name, " backend (",
         reference ? "--max_reference_gflop" : "--max_request_gflop", "); send fewer tokens or a smaller batch"));
   }
-  const int64_t workspace = plan->backend->WorkspaceBytes(plan->problem);
-  plan->workspace_bytes = workspace;
-  if (workspace > context.max_scratch_bytes) {
+  if (plan.workspace_bytes > context.max_scratch_bytes) {
     return absl::ResourceExhaustedError(absl::StrCat(
-        "the ", backend_name, " backend would need about ", workspace, " bytes of working memory, over the ",
+        "the ", backend_name, " backend would need about ", plan.workspace_bytes, " bytes of working memory, over the ",
         context.max_scratch_bytes, "-byte limit (--max_scratch_mb); send fewer tokens or a smaller batch"));
   }
   return absl::OkStatus();
 }
+
+namespace {
 
 absl::Status ValidateHeadMask(const v1::MultiHeadAttentionRequest& request, MhaPlan* plan) {
   if (request.head_mask_size() == 0) return absl::OkStatus();

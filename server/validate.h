@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "proto/mha/v1/attention.pb.h"
@@ -97,6 +98,14 @@ struct ValidationContext {
   // Where SharedMemoryRef names resolve; null: shared memory is off.
   const SharedMemoryRegistry* shared_memory = nullptr;
 };
+
+// The backend a request's `backend` field (a v1::Backend value) names, if `supports` accepts it; BACKEND_AUTO falls
+// back to the CPU for what the default backend does not support. INVALID_ARGUMENT for a value outside the enum,
+// UNIMPLEMENTED (with the backend's reason) for what it cannot compute, Find's errors otherwise.
+absl::StatusOr<Backend*> ChooseBackend(int requested, const ValidationContext& context,
+                                       absl::FunctionRef<absl::Status(const Backend&)> supports);
+// RESOURCE_EXHAUSTED when plan.flops or plan.workspace_bytes pass the server's limits for plan.backend.
+absl::Status CheckWorkLimits(const AttentionPlan& plan, const ValidationContext& context);
 
 absl::StatusOr<MhaPlan> ValidateMultiHeadAttention(const v1::MultiHeadAttentionRequest& request,
                                                    const ValidationContext& context);

@@ -11,6 +11,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "client/bench.h"
+#include "client/session.h"
+#include "absl/synchronization/mutex.h"
+#include "grpcpp/generic/async_generic_service.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "proto/mha/v1/tensor_codec.h"
@@ -176,6 +179,109 @@ TEST_F(AttentionClientTest, LoadRunsEveryCallInBothLoops) {
   ASSERT_TRUE(result.ok()) << result.status();
   EXPECT_EQ(result->samples.size(), 40u);
   for (const CallSample& sample : result->samples) EXPECT_EQ(sample.code, 0) << sample.message;
+}
+
+
+// A session's life through the handle: arrays in and out, lengths kept, a fork that diverges, truncation, close.
+TEST_F(AttentionClientTest, ASessionHandleCreatesExtendsForksTruncatesAndCloses) {
+  v1::CreateSessionRequest create;
+  create.mutable_heads()->set_num_heads(4);
+  create.mutable_heads()->set_num_kv_heads(2);
+  create.mutable_heads()->set_head_dim(16);
+  create.mutable_heads()->set_rope_theta(10000);
+  absl::StatusOr<Session> session = Session::Create(client_.get(), create);
+  ASSERT_TRUE(session.ok()) << session.status();
+  const auto qkv = [](int64_t n, uint32_t seed) {
+    return std::vector<Array>{{{n, 4, 16}, RandomVector(n * 64, seed)},
+                              {{n, 2, 16}, RandomVector(n * 32, seed + 1)},
+                              {{n, 2, 16}, RandomVector(n * 32, seed + 2)}};
+  };
+  std::vector<Array> prompt = qkv(9, 1);
+  absl::StatusOr<ExtendOutputs> prefill = session->Extend(0, prompt[0], prompt[1], prompt[2]);
+  ASSERT_TRUE(prefill.ok()) << prefill.status();
+  EXPECT_THAT(prefill->output.shape, ::testing::ElementsAre(9, 4, 16));
+  EXPECT_EQ(session->info().lengths(0), 9);
+  absl::StatusOr<Session> fork = session->Fork("fork-of-it");
+  ASSERT_TRUE(fork.ok()) << fork.status();
+  std::vector<Array> step = qkv(1, 7);
+  ExtendOptions options;
+  options.expected_length = 9;
+  options.return_attention_weights = true;
+  absl::StatusOr<ExtendOutputs> a = session->Extend(0, step[0], step[1], step[2], options);
+  absl::StatusOr<ExtendOutputs> b = fork->Extend(0, step[0], step[1], step[2], options);
+  ASSERT_TRUE(a.ok() && b.ok()) << a.status() << " " << b.status();
+  EXPECT_EQ(a->output.values, b->output.values);  // the same history and token: the same answer
+  EXPECT_THAT(a->attention_weights.shape, ::testing::ElementsAre(4, 1, 10));
+  EXPECT_EQ(a->length, 10);
+  ASSERT_TRUE(session->Truncate(4).ok());
+  EXPECT_EQ(session->info().lengths(0), 4);
+  ASSERT_TRUE(session->Close().ok());
+  EXPECT_EQ(session->Extend(0, step[0], step[1], step[2]).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_TRUE(fork->Close().ok());
+}
+
+// Records the mha-session-id metadata of every call and answers UNIMPLEMENTED: what a routing proxy would see.
+class MetadataRecorder final : public grpc::CallbackGenericService {
+ public:
+  grpc::ServerGenericBidiReactor* CreateReactor(grpc::GenericCallbackServerContext* context) override {
+    const auto it = context->client_metadata().find("mha-session-id");
+    {
+      absl::MutexLock lock(&mu_);
+      seen_.emplace_back(context->method(),
+                         it == context->client_metadata().end() ? "" : std::string(it->second.data(), it->second.size()));
+    }
+    class Refuse final : public grpc::ServerGenericBidiReactor {
+     public:
+      Refuse() { Finish(grpc::Status(grpc::StatusCode::UNIMPLEMENTED, "recorded")); }
+      void OnDone() override { delete this; }
+    };
+    return new Refuse();
+  }
+  std::vector<std::pair<std::string, std::string>> seen() {
+    absl::MutexLock lock(&mu_);
+    return seen_;
+  }
+
+ private:
+  absl::Mutex mu_;
+  std::vector<std::pair<std::string, std::string>> seen_;
+};
+
+TEST(SessionMetadata, EverySessionCallCarriesItsSessionId) {
+  MetadataRecorder recorder;
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  builder.RegisterCallbackGenericService(&recorder);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  ASSERT_NE(port, 0);
+  ClientOptions options;
+  options.target = absl::StrCat("127.0.0.1:", port);
+  options.timeout = absl::Seconds(10);
+  AttentionClient client(options);
+  v1::CreateSessionRequest create;
+  create.set_session_id("s-1");
+  create.add_layers("demo");
+  EXPECT_FALSE(client.CreateSession(create).ok());
+  v1::ExtendRequest extend;
+  extend.add_items()->set_session_id("s-1");
+  extend.add_items()->set_session_id("s-2");
+  EXPECT_FALSE(client.Extend(extend).ok());
+  v1::ForkSessionRequest fork;
+  fork.set_session_id("s-1");
+  fork.set_new_session_id("s-3");
+  EXPECT_FALSE(client.ForkSession(fork).ok());
+  v1::TruncateSessionRequest truncate;
+  truncate.set_session_id("s-1");
+  EXPECT_FALSE(client.TruncateSession(truncate).ok());
+  EXPECT_FALSE(client.CloseSession("s-1").ok());
+  EXPECT_THAT(recorder.seen(),
+              ::testing::ElementsAre(::testing::Pair("/mha.v1.Attention/CreateSession", "s-1"),
+                                     ::testing::Pair("/mha.v1.Attention/Extend", "s-1"),
+                                     ::testing::Pair("/mha.v1.Attention/ForkSession", "s-1"),
+                                     ::testing::Pair("/mha.v1.Attention/TruncateSession", "s-1"),
+                                     ::testing::Pair("/mha.v1.Attention/CloseSession", "s-1")));
+  server->Shutdown();
 }
 
 }  // namespace

@@ -42,11 +42,21 @@ object and registers it; ``region.put(array, offset)`` writes an array there and
 the output there; the result's output is then read back from the region. ``client.shared_memory_status()`` lists
 the server's regions.
 
+Sessions
+--------
+A decoder keeps each sequence's KV cache on the server: ``client.create_session(layers=["demo"])`` (or a head
+session with ``num_heads``, ``num_kv_heads``, ``head_dim``) returns a ``Session``; ``session.extend(layer_index,
+x=...)`` appends the new tokens and returns their attention over the whole cache; ``fork()``, ``truncate(n)`` and
+``close()`` do what they say. ``client.extend([...])`` runs several sessions' tokens in one call. Every session call
+sends the session id as ``mha-session-id`` metadata. ``decode_example.py`` is a tiny decoder built this way.
+
 Example::
 
     with MhaClient("127.0.0.1:50051") as c:
         r = c.multi_head_attention(np.random.randn(2, 16, 512).astype(np.float32), layer="demo")
         print(r.output.shape, r.backend, r.compute_us)
+        s = c.create_session(layers=["demo"])
+        print(s.extend(0, x=np.random.randn(5, 512)).length)  # 5
 """
 
 import collections
@@ -56,6 +66,8 @@ import numpy as np
 
 __all__ = [
     "MhaClient",
+    "Session",
+    "ExtendResult",
     "SharedMemoryRegion",
     "AttentionResult",
     "LayerInfo",
@@ -296,9 +308,12 @@ class MhaClient:
 
     # ---- helpers -------------------------------------------------------------------------------------------
 
-    def _heads(self, num_heads, num_kv_heads, head_dim, causal, scale):
+    def _heads(self, num_heads, num_kv_heads, head_dim, causal, scale, rope_theta=0.0, rope_dim=0,
+               rope_interleaved=False):
         return self._pb.HeadConfig(num_heads=int(num_heads), num_kv_heads=int(num_kv_heads),
-                                   head_dim=int(head_dim), causal=bool(causal), scale=float(scale))
+                                   head_dim=int(head_dim), causal=bool(causal), scale=float(scale),
+                                   rope_theta=float(rope_theta), rope_dim=int(rope_dim),
+                                   rope_interleaved=bool(rope_interleaved))
 
     def _weights(self, weights, wire_dtype):
         if isinstance(weights, self._pb.AttentionWeights):
@@ -317,7 +332,8 @@ class MhaClient:
     def multi_head_attention(self, query, key=None, value=None, layer=None, weights=None, num_heads=0,
                              num_kv_heads=0, head_dim=0, causal=False, scale=0.0, key_lengths=None,
                              attn_mask=None, head_mask=None, return_weights=False, output_dtype=None,
-                             backend="auto", wire_dtype=None, output_shared_memory=None):
+                             backend="auto", wire_dtype=None, output_shared_memory=None, rope_theta=0.0,
+                             rope_dim=0, rope_interleaved=False):
         """Full attention layer: project, attend, concatenate heads, project out.
 
         query [B, Tq, d_model]; key [B, Tk, d_kv_in] (None: self-attention); value [B, Tk, d_v_in] (None: key).
@@ -329,8 +345,10 @@ class MhaClient:
         output_dtype: None (query's), 'fp32', 'fp16' or 'bf16'. backend: 'auto', 'cpu', 'cuda' or 'reference'.
         wire_dtype: send every float tensor as this dtype instead of the arrays' own (see to_tensor).
         output_shared_memory: SharedMemoryRegion.output_at(offset) to have the output written there.
+        rope_theta, rope_dim, rope_interleaved: rotary position embeddings (HeadConfig; a layer's own apply anyway).
         Returns AttentionResult.
         """
+        rope = (rope_theta, rope_dim, rope_interleaved)
         if (layer is None) == (weights is None):
             raise ValueError("give exactly one of layer or weights")
         req = self._pb.MultiHeadAttentionRequest(
@@ -345,11 +363,11 @@ class MhaClient:
             req.value.CopyFrom(to_tensor(value, wire_dtype))
         if layer is not None:
             req.layer = layer
-            if num_heads or num_kv_heads or head_dim or causal or scale:
-                req.heads.CopyFrom(self._heads(num_heads, num_kv_heads, head_dim, causal, scale))
+            if num_heads or num_kv_heads or head_dim or causal or scale or any(rope):
+                req.heads.CopyFrom(self._heads(num_heads, num_kv_heads, head_dim, causal, scale, *rope))
         else:
             req.inline_weights.CopyFrom(self._weights(weights, wire_dtype))
-            req.heads.CopyFrom(self._heads(num_heads, num_kv_heads, head_dim, causal, scale))
+            req.heads.CopyFrom(self._heads(num_heads, num_kv_heads, head_dim, causal, scale, *rope))
         if key_lengths is not None:
             req.key_lengths.extend(int(x) for x in key_lengths)
         if attn_mask is not None:
@@ -360,9 +378,11 @@ class MhaClient:
             req.output_shared_memory.CopyFrom(output_shared_memory)
         return _result(self._call(self._stub.MultiHeadAttention, req), self._regions)
 
-    def _call(self, rpc, req):
-        """One unary call with the client's deadline and token."""
-        return rpc(req, timeout=self.timeout, metadata=self._metadata)
+    def _call(self, rpc, req, session_id=None):
+        """One unary call with the client's deadline and token; a session call also sends its session's id as
+        mha-session-id metadata, for proxies that route a session's calls to the replica holding it."""
+        metadata = self._metadata + ((("mha-session-id", session_id),) if session_id else ())
+        return rpc(req, timeout=self.timeout, metadata=metadata)
 
     def _set_mask(self, req, attn_mask, wire_dtype):
         """A numpy bool mask goes as MASK_KEEP (1 attends, 0 masked); anything else as an additive mask."""
@@ -375,16 +395,17 @@ class MhaClient:
 
     def scaled_dot_product_attention(self, q, k, v, causal=False, scale=0.0, key_lengths=None, attn_mask=None,
                                      return_weights=False, output_dtype=None, backend="auto", wire_dtype=None,
-                                     output_shared_memory=None):
+                                     output_shared_memory=None, rope_theta=0.0, rope_dim=0, rope_interleaved=False):
         """Attention core on head-packed tensors: q [B, Tq, H, d_k], k and v [B, Tk, Hkv, d_k] (Hkv divides H).
 
+        rope_theta, rope_dim, rope_interleaved rotate q and k first (HeadConfig's RoPE).
         Returns AttentionResult with output [B, Tq, H, d_k] and, if asked, weights [B, H, Tq, Tk].
         """
         req = self._pb.ScaledDotProductAttentionRequest(
             q=to_tensor(q, wire_dtype),
             k=to_tensor(k, wire_dtype),
             v=to_tensor(v, wire_dtype),
-            heads=self._pb.HeadConfig(causal=bool(causal), scale=float(scale)),
+            heads=self._heads(0, 0, 0, causal, scale, rope_theta, rope_dim, rope_interleaved),
             return_attention_weights=bool(return_weights),
             output_dtype=_dtype_enum(output_dtype),
             backend=_backend_enum(backend),
@@ -400,10 +421,12 @@ class MhaClient:
     # ---- layers -------------------------------------------------------------------------------------------
 
     def load_layer(self, name, weights, num_heads, num_kv_heads=0, head_dim=0, causal=False, scale=0.0,
-                   wire_dtype=None):
-        """Registers weights (dict as in multi_head_attention) under name. Returns the server's LayerInfo."""
+                   wire_dtype=None, rope_theta=0.0, rope_dim=0, rope_interleaved=False):
+        """Registers weights (dict as in multi_head_attention) under name, with the layer's RoPE if any. Returns the
+        server's LayerInfo."""
         req = self._pb.LoadLayerRequest(name=name, weights=self._weights(weights, wire_dtype),
-                                        heads=self._heads(num_heads, num_kv_heads, head_dim, causal, scale))
+                                        heads=self._heads(num_heads, num_kv_heads, head_dim, causal, scale,
+                                                          rope_theta, rope_dim, rope_interleaved))
         return _layer_info(self._call(self._stub.LoadLayer, req).layer)
 
     def unload_layer(self, name):
@@ -432,6 +455,63 @@ class MhaClient:
         resp = self._call(self._stub.GetSharedMemoryStatus, self._pb.GetSharedMemoryStatusRequest(name=name))
         return [_to_dict(region) for region in resp.regions]
 
+    # ---- sessions -----------------------------------------------------------------------------------------
+
+    def create_session(self, layers=None, num_heads=0, num_kv_heads=0, head_dim=0, scale=0.0, rope_theta=0.0,
+                       rope_dim=0, rope_interleaved=False, num_layers=0, cache_dtype=None, max_tokens=0,
+                       idle_timeout_s=0, session_id=""):
+        """CreateSession: a KV cache the server keeps. layers: names of registered layers (a layer session: x in,
+        the layer's output out, one cache per layer); otherwise a head session of num_heads / num_kv_heads /
+        head_dim (q, k, v in, the heads out) with num_layers caches (0 = 1). cache_dtype: None ('fp32'), 'fp16' or
+        'bf16'. max_tokens 0 / idle_timeout_s 0: the server's defaults. session_id "": the server picks one.
+        Returns a Session."""
+        req = self._pb.CreateSessionRequest(session_id=session_id, num_layers=int(num_layers),
+                                            cache_dtype=_dtype_enum(cache_dtype), max_tokens=int(max_tokens),
+                                            idle_timeout_s=int(idle_timeout_s))
+        if layers:
+            req.layers.extend(list(layers))
+        else:
+            req.heads.CopyFrom(self._heads(num_heads, num_kv_heads, head_dim, False, scale, rope_theta, rope_dim,
+                                           rope_interleaved))
+        return Session(self, self._call(self._stub.CreateSession, req, session_id or None).session)
+
+    def extend(self, items, layer_index=0, return_weights=False, output_dtype="fp32", backend="auto",
+               wire_dtype=None):
+        """Extend: appends tokens to several sessions' caches of one layer in one call and attends.
+
+        items: a list of dicts, each {"session": Session or id, "x": [n, d_model]} for a layer session or
+        {"session": ..., "q": [n, H, d_k], "k": [n, Hkv, d_k], "v": [n, Hkv, d_k]} for a head session, optionally
+        "expected_length" (the cache's length before the call, checked). Returns a list of ExtendResult in order.
+        """
+        req = self._pb.ExtendRequest(layer_index=int(layer_index), return_attention_weights=bool(return_weights),
+                                     output_dtype=_dtype_enum(output_dtype), backend=_backend_enum(backend))
+        sessions = []
+        for entry in items:
+            session = entry["session"]
+            session_id = session.id if isinstance(session, Session) else str(session)
+            item = req.items.add(session_id=session_id)
+            for name in ("x", "q", "k", "v"):
+                if entry.get(name) is not None:
+                    getattr(item, name).CopyFrom(to_tensor(entry[name], wire_dtype))
+            if entry.get("expected_length") is not None:
+                item.expected_length = int(entry["expected_length"])
+            sessions.append(session if isinstance(session, Session) else None)
+        resp = self._call(self._stub.Extend, req, req.items[0].session_id if req.items else None)
+        results = []
+        for session, result in zip(sessions, resp.results):
+            if session is not None:
+                session._lengths[int(layer_index)] = int(result.length)
+            results.append(ExtendResult(
+                output=from_tensor(result.output),
+                attention_weights=from_tensor(result.attention_weights) if result.HasField("attention_weights")
+                else None,
+                length=int(result.length), backend=resp.backend))
+        return results
+
+    def list_sessions(self):
+        """ListSessions: this caller's sessions (every one for an admin token) as dicts of SessionInfo."""
+        return [_to_dict(info) for info in self._call(self._stub.ListSessions, self._pb.ListSessionsRequest()).sessions]
+
     # ---- server -------------------------------------------------------------------------------------------
 
     def server_info(self):
@@ -442,6 +522,61 @@ class MhaClient:
         """grpc.health.v1 Check: the status name, e.g. "SERVING" (service "" = the whole server)."""
         resp = self._call(self._health.Check, self._health_pb.HealthCheckRequest(service=service))
         return self._health_pb.HealthCheckResponse.ServingStatus.Name(resp.status)
+
+
+ExtendResult = collections.namedtuple("ExtendResult", ["output", "attention_weights", "length", "backend"])
+ExtendResult.__doc__ = """One session's part of an Extend: output ([n, d_model] for a layer session, [n, H, d_k] for a
+head session), attention_weights [H, n, length] or None, the cache's length after the call, the backend that ran."""
+
+
+class Session:
+    """A KV-cache session on the server (MhaClient.create_session): its id and the calls on it, each sending the id
+    as mha-session-id metadata. Destroying the object does not close the session (idle sessions expire)."""
+
+    def __init__(self, client, info):
+        self._client = client
+        self.id = info.session_id
+        self.info = _to_dict(info)
+        self._lengths = [int(n) for n in info.lengths]
+
+    def lengths(self):
+        """Tokens held per cache (layer), as of this client's last call on the session."""
+        return list(self._lengths)
+
+    def extend(self, layer_index=0, x=None, q=None, k=None, v=None, expected_length=None, return_weights=False,
+               output_dtype="fp32", backend="auto", wire_dtype=None):
+        """Appends tokens to cache `layer_index` and attends: x [n, d_model] for a layer session, q, k, v for a head
+        session. Returns ExtendResult."""
+        item = {"session": self, "x": x, "q": q, "k": k, "v": v, "expected_length": expected_length}
+        return self._client.extend([item], layer_index, return_weights, output_dtype, backend, wire_dtype)[0]
+
+    def fork(self, new_id=""):
+        """A copy sharing every cached token (copy-on-write on the server). Returns the new Session."""
+        pb = self._client._pb
+        resp = self._client._call(self._client._stub.ForkSession,
+                                  pb.ForkSessionRequest(session_id=self.id, new_session_id=new_id), self.id)
+        return Session(self._client, resp.session)
+
+    def truncate(self, length):
+        """Keeps at most `length` tokens of every cache."""
+        pb = self._client._pb
+        resp = self._client._call(self._client._stub.TruncateSession,
+                                  pb.TruncateSessionRequest(session_id=self.id, length=int(length)), self.id)
+        self.info = _to_dict(resp.session)
+        self._lengths = [int(n) for n in resp.session.lengths]
+
+    def close(self):
+        self._client._call(self._client._stub.CloseSession, self._client._pb.CloseSessionRequest(session_id=self.id),
+                           self.id)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        try:
+            self.close()
+        except grpc.RpcError:
+            pass
 
 
 class SharedMemoryRegion:

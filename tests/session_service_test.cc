@@ -1,0 +1,525 @@
+// The session RPCs through an in-process channel: what each returns, every error with its exact status code and the
+// field it names, atomicity, ordering, expiry, the limits in GetServerInfo, the metrics, and calls on one session
+// from many threads at once.
+#include <atomic>
+#include <chrono>
+#include <set>
+#include <thread>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "proto/mha/v1/tensor_codec.h"
+#include "tests/service_fixture.h"
+
+namespace mha::testing {
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr int64_t kDemo = 512;  // the demo layer's d_model (8 heads of 64)
+
+class SessionServiceTest : public ServiceTest {
+ protected:
+  void SetUp() override {
+    spdlog::set_level(spdlog::level::warn);
+    ServerOptions options;
+    options.kv_cache_mb = 16;
+    options.max_sessions = 16;
+    options.max_session_tokens = 4096;
+    StartServer(options);
+  }
+
+  static v1::CreateSessionRequest LayerSession(const std::string& id = "", v1::DataType cache = v1::FP32) {
+    v1::CreateSessionRequest r;
+    r.set_session_id(id);
+    r.add_layers("demo");
+    r.set_cache_dtype(cache);
+    return r;
+  }
+  static v1::CreateSessionRequest HeadSession(const std::string& id = "", int layers = 1) {
+    v1::CreateSessionRequest r;
+    r.set_session_id(id);
+    r.mutable_heads()->set_num_heads(4);
+    r.mutable_heads()->set_num_kv_heads(2);
+    r.mutable_heads()->set_head_dim(8);
+    r.set_num_layers(layers);
+    return r;
+  }
+  static v1::ExtendItem XItem(const std::string& id, int64_t n, uint32_t seed = 1) {
+    v1::ExtendItem item;
+    item.set_session_id(id);
+    SetTensor(item.mutable_x(), {n, kDemo}, seed);
+    return item;
+  }
+  static v1::ExtendItem QkvItem(const std::string& id, int64_t n, uint32_t seed = 1) {
+    v1::ExtendItem item;
+    item.set_session_id(id);
+    SetTensor(item.mutable_q(), {n, 4, 8}, seed);
+    SetTensor(item.mutable_k(), {n, 2, 8}, seed + 1);
+    SetTensor(item.mutable_v(), {n, 2, 8}, seed + 2);
+    return item;
+  }
+  static v1::ExtendRequest ExtendOf(std::vector<v1::ExtendItem> items, int layer_index = 0) {
+    v1::ExtendRequest r;
+    r.set_layer_index(layer_index);
+    for (v1::ExtendItem& item : items) *r.add_items() = std::move(item);
+    return r;
+  }
+
+  grpc::Status Create(const v1::CreateSessionRequest& r, v1::SessionInfo* info = nullptr) {
+    grpc::ClientContext context;
+    v1::CreateSessionResponse response;
+    grpc::Status status = stub_->CreateSession(&context, r, &response);
+    if (info != nullptr) *info = response.session();
+    return status;
+  }
+  std::string Created(const v1::CreateSessionRequest& r) {
+    v1::SessionInfo info;
+    const grpc::Status status = Create(r, &info);
+    EXPECT_TRUE(status.ok()) << status.error_message();
+    return info.session_id();
+  }
+  grpc::Status Extend(const v1::ExtendRequest& r, v1::ExtendResponse* response = nullptr) {
+    grpc::ClientContext context;
+    v1::ExtendResponse unused;
+    return stub_->Extend(&context, r, response != nullptr ? response : &unused);
+  }
+  grpc::Status Fork(const std::string& id, const std::string& new_id, v1::SessionInfo* info = nullptr) {
+    grpc::ClientContext context;
+    v1::ForkSessionRequest r;
+    r.set_session_id(id);
+    r.set_new_session_id(new_id);
+    v1::ForkSessionResponse response;
+    grpc::Status status = stub_->ForkSession(&context, r, &response);
+    if (info != nullptr) *info = response.session();
+    return status;
+  }
+  grpc::Status Truncate(const std::string& id, int64_t length, v1::SessionInfo* info = nullptr) {
+    grpc::ClientContext context;
+    v1::TruncateSessionRequest r;
+    r.set_session_id(id);
+    r.set_length(length);
+    v1::TruncateSessionResponse response;
+    grpc::Status status = stub_->TruncateSession(&context, r, &response);
+    if (info != nullptr) *info = response.session();
+    return status;
+  }
+  grpc::Status Close(const std::string& id) {
+    grpc::ClientContext context;
+    v1::CloseSessionRequest r;
+    r.set_session_id(id);
+    v1::CloseSessionResponse response;
+    return stub_->CloseSession(&context, r, &response);
+  }
+  std::vector<v1::SessionInfo> List() {
+    grpc::ClientContext context;
+    v1::ListSessionsResponse response;
+    EXPECT_TRUE(stub_->ListSessions(&context, v1::ListSessionsRequest(), &response).ok());
+    return {response.sessions().begin(), response.sessions().end()};
+  }
+  int64_t Length(const std::string& id) {
+    for (const v1::SessionInfo& info : List()) {
+      if (info.session_id() == id) return info.lengths(0);
+    }
+    return -1;
+  }
+};
+
+// The code and a piece of the message of a failed call.
+void ExpectError(const grpc::Status& status, grpc::StatusCode code, const std::string& piece) {
+  EXPECT_EQ(status.error_code(), code) << status.error_message();
+  EXPECT_THAT(status.error_message(), HasSubstr(piece));
+}
+
+TEST_F(SessionServiceTest, ALayerSessionStartsEmptyWithTheServersDefaults) {
+  v1::SessionInfo info;
+  ASSERT_TRUE(Create(LayerSession("chat-1"), &info).ok());
+  EXPECT_EQ(info.session_id(), "chat-1");
+  EXPECT_THAT(info.lengths(), ::testing::ElementsAre(0));
+  EXPECT_EQ(info.max_tokens(), 4096);
+  EXPECT_EQ(info.cache_dtype(), v1::FP32);
+  EXPECT_EQ(info.cache_bytes(), 0);
+  EXPECT_THAT(info.layers(), ::testing::ElementsAre("demo"));
+  EXPECT_EQ(info.idle_timeout_s(), 300);
+}
+
+TEST_F(SessionServiceTest, AHeadSessionHasNumLayersCachesAndItsResolvedHeads) {
+  v1::SessionInfo info;
+  ASSERT_TRUE(Create(HeadSession("", 3), &info).ok());
+  EXPECT_EQ(info.session_id().size(), 32u);
+  EXPECT_EQ(info.lengths_size(), 3);
+  EXPECT_EQ(info.heads().num_kv_heads(), 2);
+  EXPECT_FLOAT_EQ(info.heads().scale(), 1.0f / std::sqrt(8.0f));
+}
+
+TEST_F(SessionServiceTest, ADecodeStepReturnsOneRowAndTheNewLength) {
+  const std::string id = Created(LayerSession());
+  v1::ExtendResponse response;
+  ASSERT_TRUE(Extend(ExtendOf({XItem(id, 5)}), &response).ok());
+  ASSERT_TRUE(Extend(ExtendOf({XItem(id, 1, 2)}), &response).ok());
+  ASSERT_EQ(response.results_size(), 1);
+  EXPECT_THAT(response.results(0).output().shape(), ::testing::ElementsAre(1, kDemo));
+  EXPECT_EQ(response.results(0).length(), 6);
+  EXPECT_EQ(response.backend(), "cpu");
+  EXPECT_EQ(Length(id), 6);
+}
+
+TEST_F(SessionServiceTest, ChunkedExtendsReturnTheStatelessCausalCallsRows) {
+  const std::string id = Created(LayerSession());
+  v1::MultiHeadAttentionRequest whole;
+  SetTensor(whole.mutable_query(), {1, 9, kDemo}, 7);
+  whole.set_layer("demo");
+  whole.mutable_heads()->set_causal(true);
+  v1::MultiHeadAttentionResponse stateless;
+  ASSERT_TRUE(Call(whole, &stateless).ok());
+  const std::vector<float> x = TensorToFloats(whole.query()), want = TensorToFloats(stateless.output());
+  std::vector<float> got;
+  for (const auto [t0, n] : {std::pair{0, 4}, std::pair{4, 1}, std::pair{5, 3}, std::pair{8, 1}}) {
+    v1::ExtendItem item;
+    item.set_session_id(id);
+    FloatsToTensor(absl::MakeConstSpan(x).subspan(t0 * kDemo, n * kDemo), {n, kDemo}, v1::FP32, item.mutable_x());
+    v1::ExtendResponse response;
+    ASSERT_TRUE(Extend(ExtendOf({item}), &response).ok());
+    const std::vector<float> rows = TensorToFloats(response.results(0).output());
+    got.insert(got.end(), rows.begin(), rows.end());
+  }
+  EXPECT_TRUE(AllClose(got, want, 2e-5, 1e-4));
+}
+
+TEST_F(SessionServiceTest, ItemsOfOneCallMayBeRagged) {
+  const std::string a = Created(HeadSession()), b = Created(HeadSession());
+  ASSERT_TRUE(Extend(ExtendOf({QkvItem(a, 7)})).ok());
+  v1::ExtendResponse response;
+  ASSERT_TRUE(Extend(ExtendOf({QkvItem(a, 1), QkvItem(b, 3)}), &response).ok());
+  EXPECT_EQ(response.results(0).length(), 8);
+  EXPECT_THAT(response.results(1).output().shape(), ::testing::ElementsAre(3, 4, 8));
+  EXPECT_EQ(response.results(1).length(), 3);
+}
+
+TEST_F(SessionServiceTest, WeightsCoverTheWholeCache) {
+  const std::string id = Created(HeadSession());
+  ASSERT_TRUE(Extend(ExtendOf({QkvItem(id, 6)})).ok());
+  v1::ExtendRequest r = ExtendOf({QkvItem(id, 2)});
+  r.set_return_attention_weights(true);
+  v1::ExtendResponse response;
+  ASSERT_TRUE(Extend(r, &response).ok());
+  EXPECT_THAT(response.results(0).attention_weights().shape(), ::testing::ElementsAre(4, 2, 8));
+  const std::vector<float> w = TensorToFloats(response.results(0).attention_weights());
+  EXPECT_FLOAT_EQ(w[7], 0.0f);  // token 6 does not see token 7
+}
+
+TEST_F(SessionServiceTest, CreateErrorsNameTheField) {
+  v1::CreateSessionRequest neither;
+  ExpectError(Create(neither), grpc::StatusCode::INVALID_ARGUMENT, "layers or heads is required");
+  v1::CreateSessionRequest both = LayerSession();
+  *both.mutable_heads() = HeadSession().heads();
+  ExpectError(Create(both), grpc::StatusCode::INVALID_ARGUMENT, "not both");
+  v1::CreateSessionRequest unknown = LayerSession();
+  unknown.set_layers(0, "nope");
+  ExpectError(Create(unknown), grpc::StatusCode::NOT_FOUND, "layers[0]");
+  ExpectError(Create(LayerSession("bad id")), grpc::StatusCode::INVALID_ARGUMENT, "session_id");
+  v1::CreateSessionRequest no_dim = HeadSession();
+  no_dim.mutable_heads()->set_head_dim(0);
+  ExpectError(Create(no_dim), grpc::StatusCode::INVALID_ARGUMENT, "heads.head_dim");
+  ExpectError(Create(HeadSession("", -1)), grpc::StatusCode::INVALID_ARGUMENT, "num_layers");
+  v1::CreateSessionRequest dtype = LayerSession();
+  dtype.set_cache_dtype(static_cast<v1::DataType>(9));
+  ExpectError(Create(dtype), grpc::StatusCode::INVALID_ARGUMENT, "cache_dtype");
+  v1::CreateSessionRequest long_one = LayerSession();
+  long_one.set_max_tokens(4097);
+  ExpectError(Create(long_one), grpc::StatusCode::INVALID_ARGUMENT, "max_tokens");
+  v1::CreateSessionRequest rope = HeadSession();
+  rope.mutable_heads()->set_rope_dim(4);
+  ExpectError(Create(rope), grpc::StatusCode::INVALID_ARGUMENT, "heads.rope_dim");
+}
+
+TEST_F(SessionServiceTest, ATakenIdIsAlreadyExistsAndTheLimitIsResourceExhausted) {
+  Created(LayerSession("taken"));
+  ExpectError(Create(LayerSession("taken")), grpc::StatusCode::ALREADY_EXISTS, "taken");
+  for (int i = 1; i < 16; ++i) Created(HeadSession());
+  ExpectError(Create(HeadSession()), grpc::StatusCode::RESOURCE_EXHAUSTED, "--max_sessions");
+}
+
+TEST_F(SessionServiceTest, ExtendRequestErrorsNameTheField) {
+  const std::string layer = Created(LayerSession("L")), heads = Created(HeadSession("H"));
+  ExpectError(Extend(ExtendOf({})), grpc::StatusCode::INVALID_ARGUMENT, "items");
+  ExpectError(Extend(ExtendOf({XItem(layer, 1), XItem(layer, 1)})), grpc::StatusCode::INVALID_ARGUMENT,
+              "items[1].session_id repeats items[0]'s");
+  ExpectError(Extend(ExtendOf({XItem("no such", 1)})), grpc::StatusCode::INVALID_ARGUMENT, "items[0].session_id");
+  v1::ExtendItem both = XItem(layer, 1);
+  *both.mutable_q() = QkvItem(heads, 1).q();
+  ExpectError(Extend(ExtendOf({both})), grpc::StatusCode::INVALID_ARGUMENT, "exclude each other");
+  ExpectError(Extend(ExtendOf({XItem(layer, 1), QkvItem(heads, 1)})), grpc::StatusCode::INVALID_ARGUMENT,
+              "items[1]");
+  v1::ExtendItem no_v = QkvItem(heads, 1);
+  no_v.clear_v();
+  ExpectError(Extend(ExtendOf({no_v})), grpc::StatusCode::INVALID_ARGUMENT, "items[0].v is required");
+  v1::ExtendItem nan = XItem(layer, 2);
+  const float not_a_number = std::nanf("");
+  std::memcpy(nan.mutable_x()->mutable_data()->data() + 4 * (kDemo + 3), &not_a_number, 4);
+  ExpectError(Extend(ExtendOf({nan})), grpc::StatusCode::INVALID_ARGUMENT, "items[0].x[1, 3] is NaN");
+  v1::ExtendRequest index = ExtendOf({XItem(layer, 1)});
+  index.set_layer_index(-1);
+  ExpectError(Extend(index), grpc::StatusCode::INVALID_ARGUMENT, "layer_index");
+  v1::ExtendRequest dtype = ExtendOf({XItem(layer, 1)});
+  dtype.set_output_dtype(static_cast<v1::DataType>(5));
+  ExpectError(Extend(dtype), grpc::StatusCode::INVALID_ARGUMENT, "output_dtype");
+}
+
+TEST_F(SessionServiceTest, ExtendErrorsThatDependOnTheSession) {
+  const std::string layer = Created(LayerSession("L")), heads = Created(HeadSession("H"));
+  ExpectError(Extend(ExtendOf({XItem("missing", 1)})), grpc::StatusCode::NOT_FOUND, "no session 'missing'");
+  ExpectError(Extend(ExtendOf({QkvItem(layer, 1)})), grpc::StatusCode::INVALID_ARGUMENT, "is a layer session");
+  ExpectError(Extend(ExtendOf({XItem(heads, 1)})), grpc::StatusCode::INVALID_ARGUMENT, "is a head session");
+  v1::ExtendItem narrow = XItem(layer, 1);
+  SetTensor(narrow.mutable_x(), {1, 64}, 3);
+  ExpectError(Extend(ExtendOf({narrow})), grpc::StatusCode::INVALID_ARGUMENT, "items[0].x.shape must be [n, 512]");
+  v1::ExtendItem short_k = QkvItem(heads, 2);
+  SetTensor(short_k.mutable_k(), {1, 2, 8}, 3);
+  ExpectError(Extend(ExtendOf({short_k})), grpc::StatusCode::INVALID_ARGUMENT, "items[0].k.shape[0]");
+  ExpectError(Extend(ExtendOf({XItem(layer, 1)}, 1)), grpc::StatusCode::INVALID_ARGUMENT,
+              "layer_index must be in [0, 1)");
+  v1::ExtendItem expected = XItem(layer, 1);
+  expected.set_expected_length(3);
+  ExpectError(Extend(ExtendOf({expected})), grpc::StatusCode::FAILED_PRECONDITION, "expected_length is 3");
+  v1::CreateSessionRequest small = HeadSession("small");
+  small.set_max_tokens(5);
+  Created(small);
+  ASSERT_TRUE(Extend(ExtendOf({QkvItem("small", 5)})).ok());
+  ExpectError(Extend(ExtendOf({QkvItem("small", 1)})), grpc::StatusCode::OUT_OF_RANGE, "max_tokens (5)");
+  Created(LayerSession("half", v1::FP16));
+  ExpectError(Extend(ExtendOf({XItem(layer, 1), XItem("half", 1)})), grpc::StatusCode::INVALID_ARGUMENT,
+              "caches fp16");
+}
+
+TEST_F(SessionServiceTest, AFailedCallChangesNoSession) {
+  const std::string a = Created(HeadSession()), b = Created(HeadSession());
+  ASSERT_TRUE(Extend(ExtendOf({QkvItem(a, 3)})).ok());
+  v1::ExtendItem bad = QkvItem(b, 2);
+  bad.set_expected_length(1);
+  ExpectError(Extend(ExtendOf({QkvItem(a, 1), bad})), grpc::StatusCode::FAILED_PRECONDITION, "items[1]");
+  EXPECT_EQ(Length(a), 3);
+  EXPECT_EQ(Length(b), 0);
+}
+
+TEST_F(SessionServiceTest, ExpectedLengthLetsARetryKnowWhetherItsAppendHappened) {
+  const std::string id = Created(HeadSession());
+  v1::ExtendItem step = QkvItem(id, 1);
+  step.set_expected_length(0);
+  ASSERT_TRUE(Extend(ExtendOf({step})).ok());
+  ExpectError(Extend(ExtendOf({step})), grpc::StatusCode::FAILED_PRECONDITION, "holds 1 tokens");
+  EXPECT_EQ(Length(id), 1);
+}
+
+TEST_F(SessionServiceTest, ClosedSessionsAreNotFoundSayingSo) {
+  const std::string id = Created(HeadSession());
+  ASSERT_TRUE(Close(id).ok());
+  ExpectError(Extend(ExtendOf({QkvItem(id, 1)})), grpc::StatusCode::NOT_FOUND, "was closed");
+  ExpectError(Close(id), grpc::StatusCode::NOT_FOUND, "was closed");
+  ExpectError(Close("never"), grpc::StatusCode::NOT_FOUND, "no session 'never'");
+  ExpectError(Close(""), grpc::StatusCode::INVALID_ARGUMENT, "session_id");
+}
+
+TEST_F(SessionServiceTest, AForkSharesItsSourcesBlocksAndDivergesOnItsOwn) {
+  const std::string id = Created(HeadSession());
+  ASSERT_TRUE(Extend(ExtendOf({QkvItem(id, 20)})).ok());
+  v1::SessionInfo fork;
+  ASSERT_TRUE(Fork(id, "beam-2", &fork).ok());
+  EXPECT_EQ(fork.lengths(0), 20);
+  EXPECT_EQ(fork.shared_bytes(), fork.cache_bytes());
+  v1::ExtendResponse a, b;
+  ASSERT_TRUE(Extend(ExtendOf({QkvItem(id, 1, 5), QkvItem("beam-2", 1, 9)}), &a).ok());
+  EXPECT_EQ(Length(id), 21);
+  EXPECT_EQ(Length("beam-2"), 21);
+  ExpectError(Fork(id, "beam-2"), grpc::StatusCode::ALREADY_EXISTS, "beam-2");
+  ExpectError(Fork(id, id), grpc::StatusCode::INVALID_ARGUMENT, "new_session_id must differ");
+  ExpectError(Fork("gone", ""), grpc::StatusCode::NOT_FOUND, "no session 'gone'");
+}
+
+TEST_F(SessionServiceTest, TruncateDropsTokensFromTheEnd) {
+  const std::string id = Created(HeadSession("", 2));
+  ASSERT_TRUE(Extend(ExtendOf({QkvItem(id, 10)})).ok());
+  ASSERT_TRUE(Extend(ExtendOf({QkvItem(id, 4)}, 1)).ok());
+  v1::SessionInfo info;
+  ASSERT_TRUE(Truncate(id, 6, &info).ok());
+  EXPECT_THAT(info.lengths(), ::testing::ElementsAre(6, 4));
+  ExpectError(Truncate(id, -1), grpc::StatusCode::INVALID_ARGUMENT, "length");
+  ExpectError(Truncate("gone", 0), grpc::StatusCode::NOT_FOUND, "gone");
+}
+
+TEST_F(SessionServiceTest, ALayerUnloadedAfterTheSessionIsAFailedPrecondition) {
+  v1::LoadLayerRequest load;
+  load.set_name("tmp");
+  *load.mutable_weights() = ValidRequest().inline_weights();
+  load.mutable_heads()->set_num_heads(kHeads);
+  {
+    grpc::ClientContext context;
+    v1::LoadLayerResponse response;
+    ASSERT_TRUE(stub_->LoadLayer(&context, load, &response).ok());
+  }
+  v1::CreateSessionRequest r;
+  r.add_layers("tmp");
+  const std::string id = Created(r);
+  {
+    grpc::ClientContext context;
+    v1::UnloadLayerRequest unload;
+    unload.set_name("tmp");
+    v1::UnloadLayerResponse response;
+    ASSERT_TRUE(stub_->UnloadLayer(&context, unload, &response).ok());
+  }
+  v1::ExtendItem item;
+  item.set_session_id(id);
+  SetTensor(item.mutable_x(), {1, kDModel}, 1);
+  ExpectError(Extend(ExtendOf({item})), grpc::StatusCode::FAILED_PRECONDITION, "was unloaded");
+}
+
+TEST_F(SessionServiceTest, ALayerThatProjectsKeysFromOtherFeaturesCannotServeASession) {
+  v1::LoadLayerRequest load;
+  load.set_name("cross");
+  v1::AttentionWeights* w = load.mutable_weights();
+  SetTensor(w->mutable_w_q(), {8, 8}, 1);
+  SetTensor(w->mutable_w_k(), {4, 8}, 2);
+  SetTensor(w->mutable_w_v(), {4, 8}, 3);
+  SetTensor(w->mutable_w_o(), {8, 8}, 4);
+  load.mutable_heads()->set_num_heads(2);
+  grpc::ClientContext context;
+  v1::LoadLayerResponse response;
+  ASSERT_TRUE(stub_->LoadLayer(&context, load, &response).ok());
+  v1::CreateSessionRequest r;
+  r.add_layers("cross");
+  ExpectError(Create(r), grpc::StatusCode::INVALID_ARGUMENT, "d_kv_in = d_v_in = d_model");
+}
+
+TEST_F(SessionServiceTest, AFullCacheEvictsTheLeastRecentlyUsedIdleSession) {
+  // 16 MiB pool; the demo layer's cache is 2 * 8 * 64 * 4 = 4 KiB per token: about 4096 tokens in all.
+  const std::string old_one = Created(LayerSession()), newer = Created(LayerSession());
+  ASSERT_TRUE(Extend(ExtendOf({XItem(old_one, 2000)})).ok());
+  ASSERT_TRUE(Extend(ExtendOf({XItem(newer, 1500)})).ok());
+  ASSERT_TRUE(Extend(ExtendOf({XItem(newer, 1000)})).ok());  // needs old_one's blocks
+  ExpectError(Extend(ExtendOf({XItem(old_one, 1)})), grpc::StatusCode::NOT_FOUND, "was evicted");
+  EXPECT_EQ(Length(newer), 2500);
+  EXPECT_THAT(server_->metrics().Text(), HasSubstr("mha_session_evictions_total{reason=\"cache_full\"} 1"));
+}
+
+TEST_F(SessionServiceTest, ACallLargerThanThePoolIsResourceExhaustedSayingHowFull) {
+  const std::string a = Created(LayerSession()), b = Created(LayerSession());
+  ExpectError(Extend(ExtendOf({XItem(a, 2100), XItem(b, 2100)})), grpc::StatusCode::RESOURCE_EXHAUSTED,
+              "the KV cache is full");
+  EXPECT_EQ(Length(a), 0);
+  EXPECT_EQ(Length(b), 0);
+}
+
+TEST_F(SessionServiceTest, ServerInfoListsTheSessionLimits) {
+  grpc::ClientContext context;
+  v1::GetServerInfoResponse info;
+  ASSERT_TRUE(stub_->GetServerInfo(&context, v1::GetServerInfoRequest(), &info).ok());
+  EXPECT_EQ(info.limits().kv_cache_bytes(), 16 << 20);
+  EXPECT_EQ(info.limits().kv_block_tokens(), 16);
+  EXPECT_EQ(info.limits().max_sessions(), 16);
+  EXPECT_EQ(info.limits().max_session_tokens(), 4096);
+  EXPECT_EQ(info.limits().session_idle_s(), 300);
+  EXPECT_EQ(info.limits().max_session_idle_s(), 3600);
+}
+
+TEST_F(SessionServiceTest, MetricsCountSessionsBytesAndTokens) {
+  const std::string id = Created(HeadSession());
+  ASSERT_TRUE(Extend(ExtendOf({QkvItem(id, 17)})).ok());
+  ASSERT_TRUE(Fork(id, "f").ok());
+  const std::string text = server_->metrics().Text();
+  EXPECT_THAT(text, HasSubstr("mha_sessions_open 2"));
+  EXPECT_THAT(text, HasSubstr("mha_session_tokens_appended_total 17"));
+  EXPECT_THAT(text, HasSubstr("mha_kv_cache_shared_blocks 2"));
+  EXPECT_THAT(text, HasSubstr("mha_kv_cache_capacity_bytes 16777216"));
+  EXPECT_THAT(text, HasSubstr("mha_extend_items_count 1"));
+}
+
+TEST_F(SessionServiceTest, CudaAnswersWithItsReasonAndAutoUsesTheCpu) {
+  const std::string id = Created(HeadSession());
+  v1::ExtendRequest r = ExtendOf({QkvItem(id, 1)});
+  r.set_backend(v1::BACKEND_CUDA);
+  const grpc::Status status = Extend(r);
+  EXPECT_TRUE(status.error_code() == grpc::StatusCode::UNAVAILABLE ||
+              status.error_code() == grpc::StatusCode::UNIMPLEMENTED)
+      << status.error_message();
+  EXPECT_EQ(Length(id), 0);
+}
+
+class ShortIdleTest : public SessionServiceTest {
+ protected:
+  void SetUp() override {
+    spdlog::set_level(spdlog::level::warn);
+    ServerOptions options;
+    options.session_idle_s = 1;
+    options.max_session_idle_s = 2;
+    StartServer(options);
+  }
+};
+
+TEST_F(ShortIdleTest, IdleSessionsExpireAndSaySo) {
+  const std::string idle = Created(HeadSession()), busy = Created(HeadSession());
+  for (int i = 0; i < 8; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(250));
+    ASSERT_TRUE(Extend(ExtendOf({QkvItem(busy, 1)})).ok());
+  }
+  ExpectError(Extend(ExtendOf({QkvItem(idle, 1)})), grpc::StatusCode::NOT_FOUND, "expired");
+  EXPECT_EQ(Length(busy), 8);
+}
+
+// Many threads on one session: every call ends with a status the contract allows, none crashes the server, and
+// the session's length is what its successful calls made it.
+TEST_F(SessionServiceTest, ConcurrentExtendForkTruncateCloseOfOneSession) {
+  Created(HeadSession("shared"));
+  std::atomic<int> unexpected{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&, t] {
+      for (int i = 0; i < 30; ++i) {
+        grpc::Status status;
+        switch ((t + i) % 5) {
+          case 0:
+          case 1:
+            status = Extend(ExtendOf({QkvItem("shared", 1 + i % 3, t * 100 + i)}));
+            break;
+          case 2:
+            status = Fork("shared", "");
+            break;
+          case 3:
+            status = Truncate("shared", i % 4);
+            break;
+          case 4:
+            status = i % 10 == 4 ? Close("shared") : Create(HeadSession("shared"));
+            break;
+        }
+        const auto code = status.error_code();
+        if (!(status.ok() || code == grpc::StatusCode::NOT_FOUND || code == grpc::StatusCode::ALREADY_EXISTS ||
+              code == grpc::StatusCode::RESOURCE_EXHAUSTED)) {
+          ++unexpected;
+          ADD_FAILURE() << status.error_code() << ": " << status.error_message();
+        }
+      }
+    });
+  }
+  for (std::thread& thread : threads) thread.join();
+  EXPECT_EQ(unexpected, 0);
+  for (const v1::SessionInfo& info : List()) {
+    EXPECT_LE(info.cache_bytes(), (info.lengths(0) + 15) / 16 * 16 * 2 * 2 * 8 * 4) << info.session_id();
+  }
+}
+
+TEST_F(SessionServiceTest, CallsOnOneSessionFromManyClientsAllLand) {
+  const std::string id = Created(HeadSession());
+  std::vector<std::thread> threads;
+  std::atomic<int> ok{0};
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&, t] {
+      for (int i = 0; i < 10; ++i) ok += Extend(ExtendOf({QkvItem(id, 1, t * 10 + i)})).ok() ? 1 : 0;
+    });
+  }
+  for (std::thread& thread : threads) thread.join();
+  EXPECT_EQ(ok, 40);
+  EXPECT_EQ(Length(id), 40);
+}
+
+}  // namespace
+}  // namespace mha::testing
