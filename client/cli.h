@@ -35,6 +35,7 @@ int RunInfo(const ClientOptions& options);
 int RunCall(const ClientOptions& options);
 int RunBench(const ClientOptions& options);
 int RunPlot(const ClientOptions& options);
+int RunDecode(const ClientOptions& options);
 
 }  // namespace mha::cli
 

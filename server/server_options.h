@@ -95,7 +95,7 @@ struct ServerOptions {
   // kernels; others gather), sessions open at once, tokens per cache (a session's max_tokens default and limit),
   // and the idle timeout a session gets when it asks for none and the longest it may ask for, in seconds.
   int kv_cache_mb = 1024;
-  int kv_block_tokens = 16;
+  int kv_block_tokens = 32;
   int max_sessions = 1024;
   int max_session_tokens = 32768;
   int session_idle_s = 300;

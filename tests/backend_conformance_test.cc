@@ -1091,6 +1091,30 @@ TEST_P(BackendContractTest, ANaNScoreMakesItsRowNaNNotZero) {
   }
 }
 
+TEST_P(BackendContractTest, APagedCallWhoseBlocksDoNotCoverItsTokensIsRefused) {
+  PagedArgs args;
+  args.problem.heads.num_heads = 2;
+  args.problem.heads.num_kv_heads = 1;
+  args.problem.heads.head_dim = 8;
+  args.problem.heads.scale = 0.35f;
+  args.problem.cache = {1, 8, 16, v1::FP32};
+  args.problem.sequences = args.problem.new_tokens = args.problem.max_new_tokens = 1;
+  args.problem.max_length = 17;
+  if (!backend_->SupportsPaged(args.problem).ok()) GTEST_SKIP() << "no paged attention here";
+  std::vector<char> block(args.problem.cache.BlockBytes());
+  std::vector<float> q(16), kv(8), out(16);
+  char* const blocks[] = {block.data()};  // one block of 16 tokens for 17
+  PagedSequence seq;
+  seq.blocks = blocks;
+  seq.length = 16;
+  seq.new_tokens = 1;
+  seq.q = {q.data(), v1::FP32};
+  seq.k = seq.v = {kv.data(), v1::FP32};
+  seq.out = {out.data(), v1::FP32};
+  args.sequences = {&seq, 1};
+  EXPECT_EQ(backend_->PagedAttention(args).code(), absl::StatusCode::kInternal);
+}
+
 TEST_P(BackendContractTest, WorkspaceGrowsWithTheProblem) {
   AttentionProblem small, large;
   small.shape = Problem(Make("small", 1, 16, 16, 64, 0, 4, 4, 16)).shape();

@@ -95,9 +95,9 @@ TEST(BlockPool, SizesTakeChunksOfTheirOwnAndAnEmptyChunkServesAnyOfThem) {
   EXPECT_NE(pool.Allocate(kChunk), nullptr);
 }
 
-TEST(BlockPool, AnEmptiedChunkGoesBackToTheSystem) {
+TEST(BlockPool, AnEmptiedChunkBeyondWhatItKeepsGoesBackToTheSystem) {
   // MADV_DONTNEED on private anonymous memory: the next touch reads zeros, the sign that the pages were dropped.
-  BlockPool pool(kChunk);
+  BlockPool pool(kChunk, /*keep_resident_bytes=*/0);
   std::vector<char*> blocks;
   for (int i = 0; i < 16; ++i) {
     blocks.push_back(pool.Allocate(kChunk / 16));
@@ -107,6 +107,19 @@ TEST(BlockPool, AnEmptiedChunkGoesBackToTheSystem) {
   char* again = pool.Allocate(kChunk);
   ASSERT_NE(again, nullptr);
   for (int64_t i = 0; i < kChunk; i += 4096) ASSERT_EQ(again[i], 0) << i;
+}
+
+TEST(BlockPool, EmptiedChunksItKeepsServeTheNextBlocksFirst) {
+  BlockPool pool(4 * kChunk, /*keep_resident_bytes=*/kChunk);
+  char* a = pool.Allocate(kChunk);
+  char* b = pool.Allocate(kChunk);
+  std::memset(a, 0x5a, kChunk);
+  pool.Unref(a);  // kept resident
+  pool.Unref(b);  // beyond what is kept: given back
+  char* again = pool.Allocate(kChunk);
+  EXPECT_EQ(again, a);
+  EXPECT_EQ(again[kChunk - 1], 0x5a);  // its pages were kept
+  EXPECT_TRUE(pool.HasRoom(kChunk));
 }
 
 }  // namespace

@@ -14,6 +14,7 @@
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "proto/mha/v1/attention.grpc.pb.h"
+#include "proto/mha/v1/tensor_codec.h"
 #include "server/auth.h"
 #include "server/server.h"
 #include "spdlog/spdlog.h"
@@ -239,11 +240,13 @@ class TokenTest : public ::testing::Test {
  protected:
   static constexpr const char* kComputeToken = "compute-token-0123456789";
   static constexpr const char* kAdminToken = "admin-token-0123456789ab";
+  static constexpr const char* kOtherToken = "other-compute-token-987654";
 
   void SetUp() override {
     spdlog::set_level(spdlog::level::warn);
     tokens_ = (std::filesystem::temp_directory_path() / ("mha-tokens-" + std::to_string(getpid()))).string();
-    WriteText(tokens_, std::string("# test tokens\n") + kComputeToken + "\n" + kAdminToken + " admin\n");
+    WriteText(tokens_, std::string("# test tokens\n") + kComputeToken + "\n" + kAdminToken + " admin\n" +
+                           kOtherToken + "\n");
     ServerOptions options;
     options.listen = "";
     options.threads = 2;
@@ -299,6 +302,73 @@ TEST_F(TokenTest, ComputeTokenComputesButCannotLoad) {
 TEST_F(TokenTest, AdminTokenLoadsAndComputes) {
   EXPECT_TRUE(Load(kAdminToken, "by_admin").ok());
   EXPECT_TRUE(Compute(std::string("bearer ") + kAdminToken).ok());  // the scheme is case-insensitive
+}
+
+// A session belongs to the token that created it: another compute token gets NOT_FOUND for it, as if it did not
+// exist; an admin token lists and closes it but cannot use it.
+TEST_F(TokenTest, ASessionBelongsToTheTokenThatCreatedIt) {
+  const auto with = [](grpc::ClientContext* context, const char* token) {
+    context->AddMetadata("authorization", std::string("Bearer ") + token);
+  };
+  auto stub = v1::Attention::NewStub(channel_);
+  v1::CreateSessionRequest create;
+  create.set_session_id("mine");
+  create.mutable_heads()->set_num_heads(2);
+  create.mutable_heads()->set_head_dim(4);
+  {
+    grpc::ClientContext context;
+    with(&context, kComputeToken);
+    v1::CreateSessionResponse response;
+    ASSERT_TRUE(stub->CreateSession(&context, create, &response).ok());
+  }
+  v1::ExtendRequest extend;
+  v1::ExtendItem* item = extend.add_items();
+  item->set_session_id("mine");
+  FloatsToTensor(std::vector<float>(8, 0.5f), {1, 2, 4}, v1::FP32, item->mutable_q());
+  FloatsToTensor(std::vector<float>(8, 0.5f), {1, 2, 4}, v1::FP32, item->mutable_k());
+  FloatsToTensor(std::vector<float>(8, 0.5f), {1, 2, 4}, v1::FP32, item->mutable_v());
+  const auto call_extend = [&](const char* token) {
+    grpc::ClientContext context;
+    with(&context, token);
+    v1::ExtendResponse response;
+    return stub->Extend(&context, extend, &response);
+  };
+  const auto list = [&](const char* token) {
+    grpc::ClientContext context;
+    with(&context, token);
+    v1::ListSessionsResponse response;
+    EXPECT_TRUE(stub->ListSessions(&context, v1::ListSessionsRequest(), &response).ok());
+    return response.sessions_size();
+  };
+  EXPECT_TRUE(call_extend(kComputeToken).ok());
+  const grpc::Status other = call_extend(kOtherToken);
+  EXPECT_EQ(other.error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_THAT(other.error_message(), HasSubstr("no session 'mine'"));
+  EXPECT_EQ(call_extend(kAdminToken).error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_EQ(list(kComputeToken), 1);
+  EXPECT_EQ(list(kOtherToken), 0);
+  EXPECT_EQ(list(kAdminToken), 1);
+  {
+    grpc::ClientContext context;
+    with(&context, kOtherToken);
+    v1::CloseSessionRequest close;
+    close.set_session_id("mine");
+    v1::CloseSessionResponse response;
+    EXPECT_EQ(stub->CloseSession(&context, close, &response).error_code(), grpc::StatusCode::NOT_FOUND);
+  }
+  {
+    grpc::ClientContext context;
+    with(&context, kAdminToken);
+    v1::CloseSessionRequest close;
+    close.set_session_id("mine");
+    v1::CloseSessionResponse response;
+    EXPECT_TRUE(stub->CloseSession(&context, close, &response).ok());
+  }
+  EXPECT_EQ(list(kComputeToken), 0);
+  grpc::ClientContext context;  // without a token: refused before anything is looked up
+  v1::ListSessionsResponse response;
+  EXPECT_EQ(stub->ListSessions(&context, v1::ListSessionsRequest(), &response).error_code(),
+            grpc::StatusCode::UNAUTHENTICATED);
 }
 
 TEST_F(TokenTest, HealthNeedsNoToken) {

@@ -392,7 +392,7 @@ TEST_F(SessionServiceTest, ALayerThatProjectsKeysFromOtherFeaturesCannotServeASe
 }
 
 TEST_F(SessionServiceTest, AFullCacheEvictsTheLeastRecentlyUsedIdleSession) {
-  // 16 MiB pool; the demo layer's cache is 2 * 8 * 64 * 4 = 4 KiB per token: about 4096 tokens in all.
+  // 16 MiB pool; the demo layer's cache is 2 * 8 * 64 * 4 = 4 KiB per token: 4096 tokens in all.
   const std::string old_one = Created(LayerSession()), newer = Created(LayerSession());
   ASSERT_TRUE(Extend(ExtendOf({XItem(old_one, 2000)})).ok());
   ASSERT_TRUE(Extend(ExtendOf({XItem(newer, 1500)})).ok());
@@ -415,7 +415,7 @@ TEST_F(SessionServiceTest, ServerInfoListsTheSessionLimits) {
   v1::GetServerInfoResponse info;
   ASSERT_TRUE(stub_->GetServerInfo(&context, v1::GetServerInfoRequest(), &info).ok());
   EXPECT_EQ(info.limits().kv_cache_bytes(), 16 << 20);
-  EXPECT_EQ(info.limits().kv_block_tokens(), 16);
+  EXPECT_EQ(info.limits().kv_block_tokens(), 32);
   EXPECT_EQ(info.limits().max_sessions(), 16);
   EXPECT_EQ(info.limits().max_session_tokens(), 4096);
   EXPECT_EQ(info.limits().session_idle_s(), 300);
@@ -424,11 +424,11 @@ TEST_F(SessionServiceTest, ServerInfoListsTheSessionLimits) {
 
 TEST_F(SessionServiceTest, MetricsCountSessionsBytesAndTokens) {
   const std::string id = Created(HeadSession());
-  ASSERT_TRUE(Extend(ExtendOf({QkvItem(id, 17)})).ok());
+  ASSERT_TRUE(Extend(ExtendOf({QkvItem(id, 33)})).ok());  // two blocks of 32
   ASSERT_TRUE(Fork(id, "f").ok());
   const std::string text = server_->metrics().Text();
   EXPECT_THAT(text, HasSubstr("mha_sessions_open 2"));
-  EXPECT_THAT(text, HasSubstr("mha_session_tokens_appended_total 17"));
+  EXPECT_THAT(text, HasSubstr("mha_session_tokens_appended_total 33"));
   EXPECT_THAT(text, HasSubstr("mha_kv_cache_shared_blocks 2"));
   EXPECT_THAT(text, HasSubstr("mha_kv_cache_capacity_bytes 16777216"));
   EXPECT_THAT(text, HasSubstr("mha_extend_items_count 1"));
@@ -503,7 +503,8 @@ TEST_F(SessionServiceTest, ConcurrentExtendForkTruncateCloseOfOneSession) {
   for (std::thread& thread : threads) thread.join();
   EXPECT_EQ(unexpected, 0);
   for (const v1::SessionInfo& info : List()) {
-    EXPECT_LE(info.cache_bytes(), (info.lengths(0) + 15) / 16 * 16 * 2 * 2 * 8 * 4) << info.session_id();
+    // Whole blocks of 32 tokens, each 2 (K, V) x 2 KV heads x d_k 8 x 4 bytes per token.
+    EXPECT_LE(info.cache_bytes(), (info.lengths(0) + 31) / 32 * 32 * 2 * 2 * 8 * 4) << info.session_id();
   }
 }
 

@@ -571,7 +571,8 @@ TEST(TileKernels, Avx512Bf16IsOfferedExactlyWhenTheCpuHasIt) {
 
 TEST(TileKernels, Avx512IsOfferedExactlyWhenTheCpuHasIt) {
   __builtin_cpu_init();
-  EXPECT_EQ(TileKernelsFor("avx512") != nullptr, __builtin_cpu_supports("avx512f") != 0);
+  EXPECT_EQ(TileKernelsFor("avx512") != nullptr,
+            __builtin_cpu_supports("avx512f") != 0 && __builtin_cpu_supports("avx512bw") != 0);
 }
 
 }  // namespace

@@ -14,4 +14,25 @@ absl::Status Backend::SupportsPaged(const PagedProblem&) const {
 
 absl::Status Backend::PagedAttention(const PagedArgs& args) { return SupportsPaged(args.problem); }
 
+absl::Status CheckPagedArgs(const PagedArgs& args) {
+  const PagedProblem& p = args.problem;
+  const KvCacheLayout& c = p.cache;
+  if (c.num_kv_heads != p.heads.num_kv_heads || c.head_dim != p.heads.head_dim || c.block_tokens < 1) {
+    return absl::InternalError("paged call: the cache layout does not match the heads");
+  }
+  for (size_t i = 0; i < args.sequences.size(); ++i) {
+    const PagedSequence& seq = args.sequences[i];
+    const int64_t tokens = seq.length + seq.new_tokens;
+    const bool inputs = p.d_model > 0 ? seq.x.data != nullptr
+                                      : seq.q.data != nullptr && seq.k.data != nullptr && seq.v.data != nullptr;
+    if (seq.new_tokens < 1 || seq.length < 0 || !inputs || !seq.out.requested() ||
+        static_cast<int64_t>(seq.blocks.size()) * c.block_tokens < tokens ||
+        (p.return_weights != seq.weights.requested())) {
+      return absl::InternalError(absl::StrCat("paged call: sequence ", i, " is malformed (", seq.blocks.size(),
+                                              " blocks for ", tokens, " tokens)"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace mha

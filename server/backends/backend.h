@@ -187,6 +187,11 @@ struct PagedArgs {
   absl::Span<const PagedSequence> sequences;
 };
 
+// INTERNAL unless every sequence of `args` is what a backend may compute on: at least one new token, blocks covering
+// its length and new tokens, its inputs and output present, the cache layout's sizes the heads'. The store and the
+// service always pass such arguments; backends check anyway, since a short block table would send them past it.
+absl::Status CheckPagedArgs(const PagedArgs& args);
+
 // A way to compute attention. Implementations are thread-safe (the server runs a backend's large computations one
 // at a time unless concurrent_calls() says more, and tiny requests run concurrently on gRPC's threads). Errors from third-party libraries are converted to Status
 // inside; nothing throws across this interface. A call that args.stop stopped returns the signal's status, and

@@ -8,7 +8,8 @@
 
 namespace mha {
 
-BlockPool::BlockPool(int64_t capacity_bytes) {
+BlockPool::BlockPool(int64_t capacity_bytes, int64_t keep_resident_bytes)
+    : keep_resident_(keep_resident_bytes / kChunkBytes) {
   const int64_t chunks = std::max<int64_t>(1, capacity_bytes / kChunkBytes);
   // Address space only: MAP_NORESERVE commits nothing, pages are backed when first written.
   void* base = mmap(nullptr, chunks * kChunkBytes, PROT_READ | PROT_WRITE,
@@ -29,7 +30,8 @@ BlockPool::~BlockPool() { munmap(base_, capacity_bytes()); }
 bool BlockPool::HasRoom(int64_t bytes) const {
   if (bytes < 1 || bytes > kChunkBytes) return false;
   const auto partial = partial_chunks_.find(Rounded(bytes));
-  return !free_chunks_.empty() || (partial != partial_chunks_.end() && !partial->second.empty());
+  return !free_chunks_.empty() || !resident_chunks_.empty() ||
+         (partial != partial_chunks_.end() && !partial->second.empty());
 }
 
 char* BlockPool::Allocate(int64_t bytes) {
@@ -37,9 +39,10 @@ char* BlockPool::Allocate(int64_t bytes) {
   const int64_t size = Rounded(bytes);
   std::set<int64_t>& partial = partial_chunks_[size];
   if (partial.empty()) {
-    if (free_chunks_.empty()) return nullptr;
-    const int64_t c = free_chunks_.back();
-    free_chunks_.pop_back();
+    std::vector<int64_t>& source = !resident_chunks_.empty() ? resident_chunks_ : free_chunks_;
+    if (source.empty()) return nullptr;
+    const int64_t c = source.back();
+    source.pop_back();
     Chunk& chunk = chunks_[c];
     const int32_t blocks = static_cast<int32_t>(kChunkBytes / size);
     chunk.block_bytes = size;
@@ -77,12 +80,17 @@ void BlockPool::Unref(char* block) {
   if (chunk.free.empty()) partial_chunks_[chunk.block_bytes].insert(c);
   chunk.free.push_back(index);
   if (--chunk.used > 0) return;
-  // The chunk is empty: its pages go back to the system, and it may serve another block size.
+  // The chunk is empty: it may serve another block size; its pages stay for the next blocks, or go back to the
+  // system beyond what the pool keeps.
   partial_chunks_[chunk.block_bytes].erase(c);
-  madvise(base_ + c * kChunkBytes, kChunkBytes, MADV_DONTNEED);
   chunk = Chunk();
-  free_chunks_.push_back(c);
   --chunks_in_use_;
+  if (static_cast<int64_t>(resident_chunks_.size()) < keep_resident_) {
+    resident_chunks_.push_back(c);
+    return;
+  }
+  madvise(base_ + c * kChunkBytes, kChunkBytes, MADV_DONTNEED);
+  free_chunks_.push_back(c);
 }
 
 int BlockPool::RefCount(const char* block) const {

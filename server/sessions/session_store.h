@@ -39,7 +39,7 @@ namespace mha {
 
 struct SessionStoreOptions {
   int64_t capacity_bytes = int64_t{1} << 30;  // the block pool (--kv_cache_mb)
-  int64_t block_tokens = 16;                  // tokens per block (--kv_block_tokens)
+  int64_t block_tokens = 32;                  // tokens per block (--kv_block_tokens)
   int max_sessions = 1024;                    // open at once (--max_sessions)
   int64_t max_tokens = 32768;                 // per cache, default and limit (--max_session_tokens)
   absl::Duration idle_timeout = absl::Seconds(300);      // when a session asks for none (--session_idle_s)

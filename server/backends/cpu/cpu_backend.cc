@@ -159,28 +159,38 @@ void RotateStateless(const AttentionShape& s, cpu::Packed q, cpu::Packed k) {
 }
 
 // The new tokens' q, k and v of a paged call, rows one sequence after another (PagedRows): projected from their x
-// with the layer's weights, or decoded from the projected tensors. Q|K|V as one product for a fused layer.
-struct PagedProjections {
-  float* q;
-  float* k;
-  float* v;
-  int64_t ldq, ldk, ldv;
-};
-
-absl::StatusOr<PagedProjections> ProjectPaged(const PagedArgs& a, const cpu::PagedRows& rows, CallScratch& scratch,
+// with the layer's weights, or decoded from the projected tensors. Q|K|V as one product for a fused layer. The rows
+// are the call's scratch: RoPE rotates them in place.
+absl::StatusOr<cpu::PagedQkv> ProjectPaged(const PagedArgs& a, const cpu::PagedRows& rows, CallScratch& scratch,
                                               const StopSignal* stop) {
   const PagedProblem& p = a.problem;
   const HeadSpec& h = p.heads;
   const int64_t qw = h.q_width(), kvw = h.kv_width(), n = rows.total;
   float* projected = cpu::Grown(scratch.projected, n * (qw + 2 * kvw));
   if (p.d_model == 0) {
-    const PagedProjections out{projected, projected + n * qw, projected + n * (qw + kvw), qw, kvw, kvw};
+    const cpu::PagedQkv out{projected, projected + n * qw, projected + n * (qw + kvw), qw, kvw, kvw};
     for (size_t s = 0; s < a.sequences.size(); ++s) {
       const PagedSequence& seq = a.sequences[s];
-      const int64_t r0 = rows.first_row[s], count = seq.new_tokens;
-      DecodeToFloat(seq.q.dtype, seq.q.data, count * qw, out.q + r0 * qw);
-      DecodeToFloat(seq.k.dtype, seq.k.data, count * kvw, out.k + r0 * kvw);
-      DecodeToFloat(seq.v.dtype, seq.v.data, count * kvw, out.v + r0 * kvw);
+      const int64_t r0 = rows.first_row[s];
+      const struct {
+        const ConstTensor& from;
+        float* to;
+        int64_t width;
+      } parts[] = {{seq.q, out.q + r0 * qw, qw}, {seq.k, out.k + r0 * kvw, kvw}, {seq.v, out.v + r0 * kvw, kvw}};
+      // A prefill's rows are megabytes: decoded on the call's threads, a piece each.
+      constexpr int64_t kPieceRows = 64;
+      const int64_t pieces = (seq.new_tokens + kPieceRows - 1) / kPieceRows;
+#pragma omp parallel for schedule(static) collapse(2) if (pieces > 1)
+      for (int part = 0; part < 3; ++part) {
+        for (int64_t piece = 0; piece < pieces; ++piece) {
+          const int64_t first = piece * kPieceRows, count = std::min(kPieceRows, seq.new_tokens - first);
+          const int64_t width = parts[part].width;
+          DecodeToFloat(parts[part].from.dtype,
+                        static_cast<const char*>(parts[part].from.data) +
+                            first * width * static_cast<int64_t>(DTypeSize(parts[part].from.dtype)),
+                        count * width, parts[part].to + first * width);
+        }
+      }
     }
     return out;
   }
@@ -196,9 +206,9 @@ absl::StatusOr<PagedProjections> ProjectPaged(const PagedArgs& a, const cpu::Pag
         !status.ok()) {
       return status;
     }
-    return PagedProjections{projected, projected + qw, projected + qw + kvw, width, width, width};
+    return cpu::PagedQkv{projected, projected + qw, projected + qw + kvw, width, width, width};
   }
-  const PagedProjections out{projected, projected + n * qw, projected + n * (qw + kvw), qw, kvw, kvw};
+  const cpu::PagedQkv out{projected, projected + n * qw, projected + n * (qw + kvw), qw, kvw, kvw};
   absl::Status status = Linear(x, n, p.d_model, p.d_model, w.w_q, w.ld_q, w.b_q, qw, out.q, qw, stop);
   if (status.ok()) status = Linear(x, n, p.d_model, p.d_model, w.w_k, w.ld_k, w.b_k, kvw, out.k, kvw, stop);
   if (status.ok()) status = Linear(x, n, p.d_model, p.d_model, w.w_v, w.ld_v, w.b_v, kvw, out.v, kvw, stop);
@@ -207,7 +217,7 @@ absl::StatusOr<PagedProjections> ProjectPaged(const PagedArgs& a, const cpu::Pag
 }
 
 // RoPE on each sequence's new q and k rows at their cache positions.
-void RotatePaged(const PagedArgs& a, const cpu::PagedRows& rows, const PagedProjections& qkv) {
+void RotatePaged(const PagedArgs& a, const cpu::PagedRows& rows, const cpu::PagedQkv& qkv) {
   const HeadSpec& h = a.problem.heads;
   if (!h.has_rope()) return;
   for (size_t s = 0; s < a.sequences.size(); ++s) {
@@ -529,6 +539,7 @@ int64_t CpuBackend::PagedWorkspaceBytes(const PagedProblem& p) const {
 }
 
 absl::Status CpuBackend::PagedAttention(const PagedArgs& a) {
+  RETURN_IF_ERROR(CheckPagedArgs(a));
   const PagedProblem& p = a.problem;
   const HeadSpec& h = p.heads;
   std::vector<int64_t> first_row;
@@ -551,12 +562,12 @@ absl::Status CpuBackend::PagedAttention(const PagedArgs& a) {
   CallScratch& scratch = ThreadScratch();
   const ScratchTrim trim(scratch);
 
-  ASSIGN_OR_RETURN(const PagedProjections qkv, ProjectPaged(a, rows, scratch, stop));
+  ASSIGN_OR_RETURN(const cpu::PagedQkv qkv, ProjectPaged(a, rows, scratch, stop));
   RotatePaged(a, rows, qkv);
   cpu::WriteTokens(p.cache, a.sequences, rows, qkv.k, qkv.ldk, qkv.v, qkv.ldv);
   float* heads = cpu::Grown(scratch.heads, rows.total * h.q_width());
-  if (absl::Status status = cpu::PagedAttend(KernelsFor(h.head_dim), p, a.sequences, rows, qkv.q, qkv.ldq, heads,
-                                             h.q_width(), stop);
+  if (absl::Status status = cpu::PagedAttend(KernelsFor(h.head_dim), p, a.sequences, rows, qkv, heads, h.q_width(),
+                                             stop);
       !status.ok()) {
     return status;
   }

@@ -23,16 +23,18 @@ constexpr int64_t kMinSplitKeys = 512;
 // Work units per thread the decode path aims for, so that an uneven unit or a slow thread evens out.
 constexpr int64_t kUnitsPerThread = 4;
 
-// Blocks [b0, b1) of KV head g of sequence `seq`; its partial result at `partial` floats into the call's buffer:
-// rows x d_k accumulators (relative to the rows' maxima), then rows maxima, then rows sums.
+// Blocks [b0, b1) of sequence `seq`, every KV head: a thread streams its blocks whole, one after another, the way
+// the memory prefetchers follow best. Its partial result lies at `partial` floats into the call's buffer: for each
+// KV head g, its G n rows of d_k accumulators (relative to the rows' maxima), then the rows' maxima and sums.
 struct Unit {
-  int64_t seq, g, b0, b1, partial;
+  int64_t seq, b0, b1, partial;
 };
 
-// The decode path's plan: units in (sequence, KV head) order, each pair's splits next to each other.
+// The decode path's plan: units in sequence order, a sequence's splits next to each other.
 struct DecodePlan {
   std::vector<Unit> units;
-  std::vector<int64_t> pair_begin;  // per (decode sequence, KV head) pair: its first unit; one more at the end
+  std::vector<int64_t> seq_units;  // per decode sequence: its first unit; one more at the end
+  std::vector<int64_t> seq_index;  // per decode sequence: its index among the call's sequences
   int64_t partial_floats = 0;
   bool log2_units = true;
   float q_scale = 0.0f;
@@ -42,34 +44,37 @@ int64_t Blocks(const KvCacheLayout& cache, const PagedSequence& seq) {
   return (seq.length + seq.new_tokens + cache.block_tokens - 1) / cache.block_tokens;
 }
 
+// Floats of one KV head's part of a unit's partial result.
+int64_t HeadPartial(const HeadSpec& h, int64_t rows) { return rows * (h.head_dim + 2); }
+
 DecodePlan PlanDecode(const PagedProblem& p, absl::Span<const PagedSequence> sequences, int threads) {
   const HeadSpec& h = p.heads;
   DecodePlan plan;
   plan.log2_units = std::isfinite(h.scale * kernels::kLog2e);
   plan.q_scale = plan.log2_units ? h.scale * kernels::kLog2e : h.scale;
-  int64_t pairs = 0;
-  for (const PagedSequence& seq : sequences) pairs += TakesDecodePath(p, seq) ? h.num_kv_heads : 0;
-  const int64_t wanted = std::max<int64_t>(1, (kUnitsPerThread * threads + pairs - 1) / std::max<int64_t>(pairs, 1));
+  int64_t decoding = 0;
+  for (const PagedSequence& seq : sequences) decoding += TakesDecodePath(p, seq) ? 1 : 0;
+  // Few sequences split their caches so that every thread has units to take.
+  const int64_t wanted = (kUnitsPerThread * threads + decoding - 1) / std::max<int64_t>(decoding, 1);
   const int64_t min_blocks = std::max<int64_t>(1, kMinSplitKeys / p.cache.block_tokens);
   for (size_t s = 0; s < sequences.size(); ++s) {
     const PagedSequence& seq = sequences[s];
     if (!TakesDecodePath(p, seq)) continue;
     const int64_t blocks = Blocks(p.cache, seq), rows = h.group_size() * seq.new_tokens;
-    const int64_t splits = std::clamp<int64_t>(blocks / min_blocks, 1, wanted);
-    for (int64_t g = 0; g < h.num_kv_heads; ++g) {
-      plan.pair_begin.push_back(static_cast<int64_t>(plan.units.size()));
-      for (int64_t k = 0; k < splits; ++k) {
-        plan.units.push_back({static_cast<int64_t>(s), g, blocks * k / splits, blocks * (k + 1) / splits,
-                              plan.partial_floats});
-        plan.partial_floats += rows * (h.head_dim + 2);
-      }
+    const int64_t splits = std::clamp<int64_t>(blocks / min_blocks, 1, std::max<int64_t>(wanted, 1));
+    plan.seq_units.push_back(static_cast<int64_t>(plan.units.size()));
+    plan.seq_index.push_back(static_cast<int64_t>(s));
+    for (int64_t k = 0; k < splits; ++k) {
+      plan.units.push_back({static_cast<int64_t>(s), blocks * k / splits, blocks * (k + 1) / splits,
+                            plan.partial_floats});
+      plan.partial_floats += h.num_kv_heads * HeadPartial(h, rows);
     }
   }
-  plan.pair_begin.push_back(static_cast<int64_t>(plan.units.size()));
+  plan.seq_units.push_back(static_cast<int64_t>(plan.units.size()));
   return plan;
 }
 
-// Per-thread buffers of the decode path, sized for kDecodeRows rows.
+// Per-thread buffers of the decode path: every KV head's queries (scaled), and one block's scores.
 struct DecodeScratch {
   ScratchVector<float> queries, scores;
   ScratchVector<float> factor;
@@ -81,69 +86,73 @@ DecodeScratch& ThreadDecodeScratch() {
   return scratch;
 }
 
-// Issues prefetches for every cache line of `bytes` bytes at p, so that the next block's part streams in while
-// this one computes: blocks lie apart in the pool, where the hardware prefetchers do not follow.
-void PrefetchRange(const char* p, int64_t bytes) {
-  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i, 0, 3);
-}
-
-// One unit of the decode path into its partial result.
+// One unit of the decode path into its partial result: block after block, KV head after KV head, each head's part
+// streamed once for its G n query rows, the next part prefetched while this one computes.
 void RunUnit(const kernels::TileKernels& tiles, const PagedProblem& p, const DecodePlan& plan,
              const PagedSequence& seq, int64_t first_row, const float* q, int64_t ldq, const Unit& unit,
              float* partials) {
   const HeadSpec& h = p.heads;
   const KvCacheLayout& c = p.cache;
   const int64_t dk = h.head_dim, tb = c.block_tokens, G = h.group_size(), n = seq.new_tokens, rows = G * n;
-  const int64_t element = static_cast<int64_t>(DTypeSize(c.dtype)), part_bytes = c.HeadElements() * element;
+  const int64_t Hkv = h.num_kv_heads, element = static_cast<int64_t>(DTypeSize(c.dtype));
+  const int64_t half = c.HeadElements() / 2 * element;  // bytes of a head's K^T, and of its V
   const kernels::PagedKernels& kernels = tiles.paged[c.dtype - 1];
   DecodeScratch& t = ThreadDecodeScratch();
-  float* queries = Grown(t.queries, kDecodeRows * dk);
-  float* scores = Grown(t.scores, kDecodeRows * tb);
-  float* factor = Grown(t.factor, kDecodeRows);
-  int64_t* visible = Grown(t.visible, kDecodeRows);
-  int64_t* block_visible = Grown(t.block_visible, kDecodeRows);
-  float* acc = partials + unit.partial;
-  float* row_max = acc + rows * dk;
-  float* row_sum = row_max + rows;
-  std::fill_n(acc, rows * dk, 0.0f);
-  std::fill_n(row_max, rows, kNegInf);
-  std::fill_n(row_sum, rows, 0.0f);
-  // Row i G + j is new token i of query head g G + j, which sees cache positions 0..length + i.
-  for (int64_t i = 0; i < n; ++i) {
-    tiles.copy_scaled(G, dk, plan.q_scale, q + (first_row + i) * ldq + unit.g * G * dk, dk, queries + i * G * dk,
-                      dk);
-    for (int64_t j = 0; j < G; ++j) visible[i * G + j] = seq.length + i + 1;
+  float* queries = Grown(t.queries, Hkv * rows * dk);
+  float* scores = Grown(t.scores, rows * tb);
+  float* factor = Grown(t.factor, rows);
+  int64_t* visible = Grown(t.visible, rows);
+  int64_t* block_visible = Grown(t.block_visible, rows);
+  float* part_of_unit = partials + unit.partial;
+  // Row i G + j of KV head g is new token i of query head g G + j, which sees cache positions 0..length + i.
+  for (int64_t g = 0; g < Hkv; ++g) {
+    float* acc = part_of_unit + g * HeadPartial(h, rows);
+    std::fill_n(acc, rows * dk, 0.0f);
+    std::fill_n(acc + rows * dk, rows, kNegInf);
+    std::fill_n(acc + rows * dk + rows, rows, 0.0f);
+    for (int64_t i = 0; i < n; ++i) {
+      tiles.copy_scaled(G, dk, plan.q_scale, q + (first_row + i) * ldq + g * G * dk, dk,
+                        queries + (g * rows + i * G) * dk, dk);
+    }
   }
+  for (int64_t i = 0; i < n; ++i) std::fill_n(visible + i * G, G, seq.length + i + 1);
   const int64_t tokens = seq.length + n;
   for (int64_t b = unit.b0; b < unit.b1; ++b) {
-    const char* part = seq.blocks[b] + c.KeyOffset(unit.g) * element;
-    if (b + 1 < unit.b1) PrefetchRange(seq.blocks[b + 1] + c.KeyOffset(unit.g) * element, part_bytes);
     const int64_t keys = std::min(tb, tokens - b * tb);  // slots past the cache's end hold no token
     int64_t seen = 0;
     for (int64_t r = 0; r < rows; ++r) {
       block_visible[r] = std::clamp<int64_t>(visible[r] - b * tb, 0, keys);
       seen = std::max(seen, block_visible[r]);
     }
-    kernels.scores(rows, tb, dk, queries, dk, part, tb, scores, tb);
-    tiles.online_softmax(rows, keys, block_visible, scores, tb, row_max, row_sum, factor, plan.log2_units);
-    kernels.values(rows, seen, dk, scores, tb, part + dk * tb * element, factor, acc, dk);
+    for (int64_t g = 0; g < Hkv; ++g) {
+      const char* part = seq.blocks[b] + c.KeyOffset(g) * element;
+      // The next part: this block's next head, or the next block's first; its K^T streams in during these
+      // scores, its V during these values.
+      const char* next = g + 1 < Hkv ? part + 2 * half : b + 1 < unit.b1 ? seq.blocks[b + 1] : nullptr;
+      float* acc = part_of_unit + g * HeadPartial(h, rows);
+      kernels.scores(rows, tb, dk, queries + g * rows * dk, dk, part, tb, scores, tb, next, half);
+      tiles.online_softmax(rows, keys, block_visible, scores, tb, acc + rows * dk, acc + rows * dk + rows, factor,
+                           plan.log2_units);
+      kernels.values(rows, seen, dk, scores, tb, part + half, factor, acc, dk,
+                     next == nullptr ? nullptr : next + half, half);
+    }
   }
 }
 
-// The partial results of one (sequence, KV head) pair's units, merged by their log-sum-exp into its heads' rows.
-void MergePair(const PagedProblem& p, const DecodePlan& plan, int64_t begin, int64_t end, const PagedSequence& seq,
-               int64_t first_row, const float* partials, float* heads, int64_t ldh) {
+// Sequence s's units' partial results for KV head g, merged by their log-sum-exp into its heads' rows.
+void MergeHead(const PagedProblem& p, const DecodePlan& plan, int64_t begin, int64_t end, int64_t g,
+               const PagedSequence& seq, int64_t first_row, const float* partials, float* heads, int64_t ldh) {
   const HeadSpec& h = p.heads;
-  const int64_t dk = h.head_dim, G = h.group_size(), rows = G * seq.new_tokens, g = plan.units[begin].g;
+  const int64_t dk = h.head_dim, G = h.group_size(), rows = G * seq.new_tokens;
   const auto weight = [&](float x) { return plan.log2_units ? std::exp2(x) : std::exp(x); };
+  const auto head_of = [&](int64_t u) { return partials + plan.units[u].partial + g * HeadPartial(h, rows); };
   for (int64_t r = 0; r < rows; ++r) {
     float* out = heads + (first_row + r / G) * ldh + (g * G + r % G) * dk;
     float max = kNegInf, sum = 0.0f;
     bool nan = false;
     for (int64_t u = begin; u < end; ++u) {
-      const float* part = partials + plan.units[u].partial + rows * dk;
-      max = std::max(max, part[r]);
-      nan |= std::isnan(part[rows + r]);
+      max = std::max(max, head_of(u)[rows * dk + r]);
+      nan |= std::isnan(head_of(u)[rows * dk + rows + r]);
     }
     if (max == kNegInf || nan) {  // nothing visible: zeros; a NaN score: NaN, as the stateless paths give
       std::fill_n(out, dk, nan ? std::numeric_limits<float>::quiet_NaN() : 0.0f);
@@ -151,7 +160,7 @@ void MergePair(const PagedProblem& p, const DecodePlan& plan, int64_t begin, int
     }
     std::fill_n(out, dk, 0.0f);
     for (int64_t u = begin; u < end; ++u) {
-      const float* acc = partials + plan.units[u].partial;
+      const float* acc = head_of(u);
       const float m = acc[rows * dk + r];
       if (m == kNegInf) continue;
       const float w = weight(m - max);
@@ -182,21 +191,20 @@ absl::Status DecodeSequences(const kernels::TileKernels& tiles, const PagedProbl
     RunUnit(tiles, p, plan, sequences[unit.seq], rows.first_row[unit.seq], q, ldq, unit, partials.data());
   }
   if (stopped) return stop->Check();
-  const int64_t pairs = static_cast<int64_t>(plan.pair_begin.size()) - 1;
-#pragma omp parallel for schedule(static) if (pairs > 1)
-  for (int64_t pair = 0; pair < pairs; ++pair) {
-    const int64_t begin = plan.pair_begin[pair];
-    const int64_t s = plan.units[begin].seq;
-    MergePair(p, plan, begin, plan.pair_begin[pair + 1], sequences[s], rows.first_row[s], partials.data(), heads,
-              ldh);
+  const int64_t Hkv = p.heads.num_kv_heads, decoding = static_cast<int64_t>(plan.seq_index.size());
+#pragma omp parallel for schedule(static) if (decoding * Hkv > 1)
+  for (int64_t pair = 0; pair < decoding * Hkv; ++pair) {
+    const int64_t d = pair / Hkv, s = plan.seq_index[d];
+    MergeHead(p, plan, plan.seq_units[d], plan.seq_units[d + 1], pair % Hkv, sequences[s], rows.first_row[s],
+              partials.data(), heads, ldh);
   }
   return absl::OkStatus();
 }
 
-// The gather path's copy of one sequence's cache: fp32 head-packed k and v [tokens, Hkv d_k].
-void GatherCache(const KvCacheLayout& c, const PagedSequence& seq, float* k, float* v) {
+// The gather path's copy of one sequence's history: fp32 head-packed k and v [length, Hkv d_k] of its cache.
+void GatherHistory(const KvCacheLayout& c, const PagedSequence& seq, float* k, float* v) {
   const int64_t dk = c.head_dim, tb = c.block_tokens, width = c.num_kv_heads * dk;
-  const int64_t tokens = seq.length + seq.new_tokens, blocks = (tokens + tb - 1) / tb;
+  const int64_t tokens = seq.length, blocks = (tokens + tb - 1) / tb;
   const size_t element = DTypeSize(c.dtype);
 #pragma omp parallel for schedule(static) if (tokens * width > (1 << 16))
   for (int64_t b = 0; b < blocks; ++b) {
@@ -215,13 +223,30 @@ void GatherCache(const KvCacheLayout& c, const PagedSequence& seq, float* k, flo
   }
 }
 
+// n rows of `width` fp32 values (row stride ld) as the cache holds them: rounded to its dtype, into dst (dense).
+void AsCached(v1::DataType dtype, const float* src, int64_t n, int64_t width, int64_t ld, float* dst) {
+#pragma omp parallel for schedule(static) if (n * width > (1 << 16))
+  for (int64_t r = 0; r < n; ++r) {
+    thread_local std::vector<char> encoded;
+    if (dtype != v1::FP32) encoded.resize(width * DTypeSize(dtype));
+    if (dtype == v1::FP32) {
+      std::memcpy(dst + r * width, src + r * ld, width * sizeof(float));
+      continue;
+    }
+    EncodeFromFloat(dtype, src + r * ld, width, encoded.data());
+    DecodeToFloat(dtype, encoded.data(), width, dst + r * width);
+  }
+}
+
 // Buffers of the gather path, kept by the calling thread like the backend's call scratch.
 struct GatherScratch {
   ScratchVector<float> keys, values;
 };
 
+// The history from the cache, the new tokens' k and v from their projections as the cache now holds them (the
+// same values, without reading back what WriteTokens just wrote in its transposed layout).
 absl::Status GatherSequence(const kernels::TileKernels& tiles, const PagedProblem& p, const PagedSequence& seq,
-                            int64_t first_row, const float* q, int64_t ldq, float* heads, int64_t ldh,
+                            int64_t first_row, const PagedQkv& qkv, float* heads, int64_t ldh,
                             const StopSignal* stop) {
   thread_local GatherScratch scratch;
   const HeadSpec& h = p.heads;
@@ -234,9 +259,12 @@ absl::Status GatherSequence(const kernels::TileKernels& tiles, const PagedProble
   const int64_t width = h.kv_width();
   float* k = Grown(scratch.keys, s.kv_len * width);
   float* v = Grown(scratch.values, s.kv_len * width);
-  GatherCache(p.cache, seq, k, v);
+  GatherHistory(p.cache, seq, k, v);
+  AsCached(p.cache.dtype, qkv.k + first_row * qkv.ldk, seq.new_tokens, width, qkv.ldk, k + seq.length * width);
+  AsCached(p.cache.dtype, qkv.v + first_row * qkv.ldv, seq.new_tokens, width, qkv.ldv, v + seq.length * width);
   FloatOutput weights(seq.weights, h.num_heads * s.q_len * s.kv_len);
-  const absl::Status status = Attend(tiles, s, AttentionMask(), Packed{q + first_row * ldq, ldq}, Packed{k, width},
+  const absl::Status status = Attend(tiles, s, AttentionMask(), Packed{qkv.q + first_row * qkv.ldq, qkv.ldq},
+                                     Packed{k, width},
                                      Packed{v, width}, PackedOut{heads + first_row * ldh, ldh}, weights.data(), stop);
   ReleaseIfLarge(scratch.keys, kKeptCallScratchBytes);
   ReleaseIfLarge(scratch.values, kKeptCallScratchBytes);
@@ -244,9 +272,6 @@ absl::Status GatherSequence(const kernels::TileKernels& tiles, const PagedProble
   weights.Finish();
   return absl::OkStatus();
 }
-
-// One element of the cache at `to`, from fp32.
-void StoreElement(v1::DataType dtype, float value, char* to) { EncodeFromFloat(dtype, &value, 1, to); }
 
 }  // namespace
 
@@ -257,35 +282,45 @@ bool TakesDecodePath(const PagedProblem& problem, const PagedSequence& seq) {
 
 void WriteTokens(const KvCacheLayout& c, absl::Span<const PagedSequence> sequences, const PagedRows& rows,
                  const float* k, int64_t ldk, const float* v, int64_t ldv) {
-  const int64_t dk = c.head_dim, tb = c.block_tokens;
+  const int64_t dk = c.head_dim, tb = c.block_tokens, Hkv = c.num_kv_heads;
   const size_t element = DTypeSize(c.dtype);
   for (size_t s = 0; s < sequences.size(); ++s) {
     const PagedSequence& seq = sequences[s];
-#pragma omp parallel for schedule(static) if (seq.new_tokens * c.num_kv_heads * dk > (1 << 16))
-    for (int64_t i = 0; i < seq.new_tokens; ++i) {
-      const int64_t t = seq.length + i, row = rows.first_row[s] + i;
-      char* block = seq.blocks[t / tb];
-      for (int64_t g = 0; g < c.num_kv_heads; ++g) {
-        const float* key = k + row * ldk + g * dk;
+    // Block by block: a block's new slots of a K^T row are contiguous, so each row's run is encoded in one call.
+    const int64_t first_block = seq.length / tb, last_block = (seq.length + seq.new_tokens - 1) / tb;
+#pragma omp parallel for schedule(static) if (seq.new_tokens * Hkv * dk > (1 << 16))
+    for (int64_t b = first_block; b <= last_block; ++b) {
+      const int64_t t0 = std::max(seq.length, b * tb), t1 = std::min(seq.length + seq.new_tokens, (b + 1) * tb);
+      const int64_t row0 = rows.first_row[s] + t0 - seq.length, slot0 = t0 - b * tb, n = t1 - t0;
+      char* block = seq.blocks[b];
+      // A head's rows copied together first, then transposed from there: read column by column from the projections,
+      // each element would lie a page away from the last.
+      std::vector<float> rows_of_head(n * dk), run(n);
+      for (int64_t g = 0; g < Hkv; ++g) {
+        for (int64_t i = 0; i < n; ++i) std::memcpy(&rows_of_head[i * dk], k + (row0 + i) * ldk + g * dk, dk * 4);
         for (int64_t d = 0; d < dk; ++d) {
-          StoreElement(c.dtype, key[d], block + (c.KeyOffset(g) + d * tb + t % tb) * element);
+          for (int64_t i = 0; i < n; ++i) run[i] = rows_of_head[i * dk + d];
+          EncodeFromFloat(c.dtype, run.data(), n, block + (c.KeyOffset(g) + d * tb + slot0) * element);
         }
-        EncodeFromFloat(c.dtype, v + row * ldv + g * dk, dk, block + (c.ValueOffset(g) + (t % tb) * dk) * element);
+        for (int64_t i = 0; i < n; ++i) {
+          EncodeFromFloat(c.dtype, v + (row0 + i) * ldv + g * dk, dk,
+                          block + (c.ValueOffset(g) + (slot0 + i) * dk) * element);
+        }
       }
     }
   }
 }
 
 absl::Status PagedAttend(const kernels::TileKernels& fp32_tiles, const PagedProblem& p,
-                         absl::Span<const PagedSequence> sequences, const PagedRows& rows, const float* q,
-                         int64_t ldq, float* heads, int64_t ldh, const StopSignal* stop) {
-  if (absl::Status status = DecodeSequences(fp32_tiles, p, sequences, rows, q, ldq, heads, ldh, stop);
+                         absl::Span<const PagedSequence> sequences, const PagedRows& rows, const PagedQkv& qkv,
+                         float* heads, int64_t ldh, const StopSignal* stop) {
+  if (absl::Status status = DecodeSequences(fp32_tiles, p, sequences, rows, qkv.q, qkv.ldq, heads, ldh, stop);
       !status.ok()) {
     return status;
   }
   for (size_t s = 0; s < sequences.size(); ++s) {
     if (TakesDecodePath(p, sequences[s])) continue;
-    absl::Status status = GatherSequence(fp32_tiles, p, sequences[s], rows.first_row[s], q, ldq, heads, ldh, stop);
+    absl::Status status = GatherSequence(fp32_tiles, p, sequences[s], rows.first_row[s], qkv, heads, ldh, stop);
     if (!status.ok()) return status;
   }
   return absl::OkStatus();
@@ -297,7 +332,7 @@ int64_t PagedAttendBytes(const kernels::TileKernels& fp32_tiles, const PagedProb
   // Decode: partial results of up to kUnitsPerThread * threads splits per pair, and each thread's scratch.
   const int64_t splits = std::max<int64_t>(1, kUnitsPerThread * threads);
   const int64_t decode = p.sequences * h.num_kv_heads * splits * kDecodeRows * (dk + 2) +
-                         threads * kDecodeRows * (dk + p.cache.block_tokens + 1);
+                         threads * kDecodeRows * (h.num_kv_heads * dk + p.cache.block_tokens + 1);
   // Gather: one sequence's cache in fp32, its weights before encoding, the tile kernels' scratch.
   AttentionShape s;
   s.batch = 1;

@@ -35,18 +35,27 @@ struct PagedRows {
   int64_t total = 0;
 };
 
+// The new tokens' q, k and v, fp32 rows (PagedRows' order) with their strides in elements: the caller's scratch,
+// which it projects and rotates in place; PagedAttend only reads them.
+struct PagedQkv {
+  float* q;
+  float* k;
+  float* v;
+  int64_t ldq, ldk, ldv;
+};
+
 // Writes the new tokens' k and v (fp32 rows of Hkv d_k values, row stride ldk / ldv) into their slots of every
 // sequence's cache, rounded to the cache's dtype.
 void WriteTokens(const KvCacheLayout& cache, absl::Span<const PagedSequence> sequences, const PagedRows& rows,
                  const float* k, int64_t ldk, const float* v, int64_t ldv);
 
-// heads (row stride ldh, H d_k values per row) = each new token's attention over its cache, for the queries q (row
-// stride ldq, rotated, unscaled). Writes each sequence's weights (fp32 computed, encoded into seq.weights) when
-// requested. `fp32_tiles` is the fp32 tile set for head_dim (the gather path). `stop` (may be null) is polled
-// between work units; its status is returned once it says stop.
+// heads (row stride ldh, H d_k values per row) = each new token's attention over its cache, for the queries qkv.q
+// (rotated, unscaled), after WriteTokens put qkv.k and qkv.v into the caches. Writes each sequence's weights (fp32
+// computed, encoded into seq.weights) when requested. `fp32_tiles` is the fp32 tile set for head_dim (the gather
+// path). `stop` (may be null) is polled between work units; its status is returned once it says stop.
 absl::Status PagedAttend(const kernels::TileKernels& fp32_tiles, const PagedProblem& problem,
-                         absl::Span<const PagedSequence> sequences, const PagedRows& rows, const float* q,
-                         int64_t ldq, float* heads, int64_t ldh, const StopSignal* stop);
+                         absl::Span<const PagedSequence> sequences, const PagedRows& rows, const PagedQkv& qkv,
+                         float* heads, int64_t ldh, const StopSignal* stop);
 
 // Bytes of working memory PagedAttend needs beyond its inputs and outputs.
 int64_t PagedAttendBytes(const kernels::TileKernels& fp32_tiles, const PagedProblem& problem, int threads);

@@ -1,8 +1,8 @@
 // The body of the sessions' decode kernels (tile_kernels.h's PagedKernels), included by tile_kernels_impl.h inside
 // namespace mha::kernels::<isa> after `struct Isa`, which adds to the tile kernels' operations:
 //   LoadHalf(p) / LoadBf16(p): kLanes fp16 / bf16 elements at p widened to fp32;
-//   kPagedRows x kPagedVectors: the scores' register block, kPagedVectors * kLanes = 16 keys; kPagedSplit: two sets
-//   of accumulators over even and odd depths, for FMA chains enough to hide the latency with few rows;
+//   kPagedVectors: vectors of 16 keys; kPagedMaxVectors: the widest group of key vectors a scores block takes (a
+//   power of two times kPagedVectors); kPagedAccumulators: the vectors of accumulators a scores block may hold;
 //   kPagedValueRows x kPagedValueVectors: the values' register block.
 // Free of standard-library templates, like the tile kernels (compiled with this TU's -m flags).
 
@@ -54,6 +54,22 @@ inline Isa::V LoadElementsPartial(const E* p, int n) {
   return Isa::LoadPartial(widened, n, 0.0f);
 }
 
+// Spreads prefetches of [next, end) over a loop's steps: Step() issues the next `per_step` cache lines.
+struct Ahead {
+  const char* next;
+  const char* end;
+  int64_t per_step;
+
+  Ahead(const void* p, int64_t bytes, int64_t steps)
+      : next(static_cast<const char*>(p)), end(next + (p == nullptr ? 0 : bytes)),
+        per_step(steps > 0 ? (bytes / 64 + steps - 1) / steps : 1) {}
+  void Step() {
+    // Into L2 (prefetcht1): its queue holds more misses in flight than the L1's fill buffers, which a prefetch to
+    // L1 occupies until its line arrives (the fp32 decode read at about 78% of the memory probe so, 90% into L2).
+    for (int64_t i = 0; i < per_step && next < end; ++i, next += 64) __builtin_prefetch(next, 0, 2);
+  }
+};
+
 // Calls f(BlockRows<n>{}) with the register block height n = rows (1..kMax).
 template <int kMax, typename F>
 inline void WithRows(int64_t rows, F&& f) {
@@ -66,13 +82,13 @@ inline void WithRows(int64_t rows, F&& f) {
   f(BlockRows<kMax>{});
 }
 
-// kRows rows of scores for 16 keys (kPagedVectors vectors), the whole depth in registers.
-template <typename E, int kRows>
+// kRows rows of scores for kVectors vectors of keys, the whole depth in registers; depths c with c % kSets apart in
+// kSets sets of accumulators (more independent FMA chains when the block is small: 16 on AVX-512 cover the FMA
+// latency of both ports).
+template <typename E, int kRows, int kVectors, int kSets>
 inline void PagedScoreBlock(int64_t depth, const float* q, int64_t ldq, const E* kt, int64_t ldk, float* s,
-                            int64_t lds) {
+                            int64_t lds, Ahead& ahead) {
   using V = Isa::V;
-  constexpr int kVectors = Isa::kPagedVectors;
-  constexpr int kSets = Isa::kPagedSplit ? 2 : 1;
   V acc[kSets][kRows][kVectors];
   MHA_UNROLL for (int h = 0; h < kSets; ++h) {
     MHA_UNROLL for (int r = 0; r < kRows; ++r) {
@@ -81,6 +97,7 @@ inline void PagedScoreBlock(int64_t depth, const float* q, int64_t ldq, const E*
   }
   int64_t c = 0;
   for (; c + kSets <= depth; c += kSets) {
+    ahead.Step();
     MHA_UNROLL for (int h = 0; h < kSets; ++h) {
       V b[kVectors];
       MHA_UNROLL for (int v = 0; v < kVectors; ++v) b[v] = LoadElements(kt + (c + h) * ldk + v * Isa::kLanes);
@@ -101,30 +118,56 @@ inline void PagedScoreBlock(int64_t depth, const float* q, int64_t ldq, const E*
   MHA_UNROLL for (int r = 0; r < kRows; ++r) {
     MHA_UNROLL for (int v = 0; v < kVectors; ++v) {
       V sum = acc[0][r][v];
-      if constexpr (kSets == 2) sum = Isa::Add(sum, acc[1][r][v]);
+      MHA_UNROLL for (int h = 1; h < kSets; ++h) sum = Isa::Add(sum, acc[h][r][v]);
       Isa::Store(s + r * lds + v * Isa::kLanes, sum);
+    }
+  }
+}
+
+// Every row block of `keys` keys (a multiple of kVectors vectors) in groups of kVectors vectors.
+template <typename E, int kVectors>
+inline void PagedScoreGroups(int64_t rows, int64_t keys, int64_t depth, const float* q, int64_t ldq, const E* kt,
+                             int64_t ldk, float* s, int64_t lds, Ahead& ahead) {
+  // As many rows as fill the register budget: kPagedAccumulators vectors of accumulators.
+  constexpr int kRows = Isa::kPagedAccumulators / kVectors;
+  for (int64_t j = 0; j < keys; j += kVectors * Isa::kLanes) {
+    for (int64_t i = 0; i < rows; i += kRows) {
+      WithRows<kRows>(rows - i < kRows ? rows - i : kRows, [&](auto height) {
+        constexpr int kHeight = decltype(height)::kValue;
+        // A short block splits its depths to keep the budget's FMA chains in flight (up to 4 sets).
+        constexpr int kFree = Isa::kPagedAccumulators / (kHeight * kVectors);
+        constexpr int kSets = kFree >= 4 ? 4 : kFree >= 2 ? 2 : 1;
+        PagedScoreBlock<E, kHeight, kVectors, kSets>(depth, q + i * ldq, ldq, kt + j, ldk, s + i * lds + j, lds,
+                                                     ahead);
+      });
     }
   }
 }
 
 template <typename E>
 void PagedScores(int64_t rows, int64_t keys, int64_t depth, const float* q, int64_t ldq, const void* kt_bytes,
-                 int64_t ldk, float* s, int64_t lds) {
+                 int64_t ldk, float* s, int64_t lds, const void* ahead_bytes, int64_t ahead_size) {
   const E* kt = static_cast<const E*>(kt_bytes);
-  constexpr int64_t kRows = Isa::kPagedRows;
-  for (int64_t j = 0; j < keys; j += 16) {
-    for (int64_t i = 0; i < rows; i += kRows) {
-      WithRows<kRows>(rows - i < kRows ? rows - i : kRows, [&](auto height) {
-        PagedScoreBlock<E, decltype(height)::kValue>(depth, q + i * ldq, ldq, kt + j, ldk, s + i * lds + j, lds);
-      });
-    }
+  // The widest group of keys that divides the block: each q value loaded then feeds that many vectors.
+  constexpr int kGroup = Isa::kPagedMaxVectors, kMid = kGroup > 1 ? kGroup / 2 : 1;
+  const int vectors = keys % (kGroup * Isa::kLanes) == 0 ? kGroup
+                      : keys % (kMid * Isa::kLanes) == 0 ? kMid
+                                                         : Isa::kPagedVectors;
+  const int64_t row_blocks = (rows + Isa::kPagedAccumulators / vectors - 1) / (Isa::kPagedAccumulators / vectors);
+  Ahead ahead(ahead_bytes, ahead_size, keys / (vectors * Isa::kLanes) * row_blocks * depth / 2);
+  if (vectors == kGroup) {
+    PagedScoreGroups<E, kGroup>(rows, keys, depth, q, ldq, kt, ldk, s, lds, ahead);
+  } else if (vectors == kMid) {
+    PagedScoreGroups<E, kMid>(rows, keys, depth, q, ldq, kt, ldk, s, lds, ahead);
+  } else {
+    PagedScoreGroups<E, Isa::kPagedVectors>(rows, keys, depth, q, ldq, kt, ldk, s, lds, ahead);
   }
 }
 
 // kRows rows of kVectors vectors of o (the last holding last_lanes columns), rescaled by o_scale, plus p V.
 template <typename E, int kRows, int kVectors>
 inline void PagedValueBlock(int64_t keys, int64_t width, const float* p, int64_t ldp, const E* v,
-                            const float* o_scale, float* o, int64_t ldo, int last_lanes) {
+                            const float* o_scale, float* o, int64_t ldo, int last_lanes, Ahead& ahead) {
   using V = Isa::V;
   V acc[kRows][kVectors];
   MHA_UNROLL for (int r = 0; r < kRows; ++r) {
@@ -136,6 +179,7 @@ inline void PagedValueBlock(int64_t keys, int64_t width, const float* p, int64_t
     }
   }
   for (int64_t j = 0; j < keys; ++j) {
+    ahead.Step();
     V b[kVectors];
     MHA_UNROLL for (int x = 0; x < kVectors; ++x) {
       const E* row = v + j * width + x * Isa::kLanes;
@@ -161,10 +205,10 @@ inline void PagedValueBlock(int64_t keys, int64_t width, const float* p, int64_t
 // Every row block of one column panel of up to kVectors vectors (`vectors` of them).
 template <typename E, int kVectors>
 inline void PagedValuePanel(int64_t vectors, int64_t rows, int64_t keys, int64_t width, const float* p, int64_t ldp,
-                            const E* v, const float* o_scale, float* o, int64_t ldo, int last_lanes) {
+                            const E* v, const float* o_scale, float* o, int64_t ldo, int last_lanes, Ahead& ahead) {
   if constexpr (kVectors > 1) {
     if (vectors < kVectors) {
-      PagedValuePanel<E, kVectors - 1>(vectors, rows, keys, width, p, ldp, v, o_scale, o, ldo, last_lanes);
+      PagedValuePanel<E, kVectors - 1>(vectors, rows, keys, width, p, ldp, v, o_scale, o, ldo, last_lanes, ahead);
       return;
     }
   }
@@ -172,22 +216,24 @@ inline void PagedValuePanel(int64_t vectors, int64_t rows, int64_t keys, int64_t
   for (int64_t i = 0; i < rows; i += kRows) {
     WithRows<kRows>(rows - i < kRows ? rows - i : kRows, [&](auto height) {
       PagedValueBlock<E, decltype(height)::kValue, kVectors>(keys, width, p + i * ldp, ldp, v, o_scale + i,
-                                                             o + i * ldo, ldo, last_lanes);
+                                                             o + i * ldo, ldo, last_lanes, ahead);
     });
   }
 }
 
 template <typename E>
 void PagedValues(int64_t rows, int64_t keys, int64_t width, const float* p, int64_t ldp, const void* v_bytes,
-                 const float* o_scale, float* o, int64_t ldo) {
+                 const float* o_scale, float* o, int64_t ldo, const void* ahead_bytes, int64_t ahead_size) {
   const E* v = static_cast<const E*>(v_bytes);
   constexpr int64_t kPanel = Isa::kPagedValueVectors * Isa::kLanes;
+  const int64_t row_blocks = (rows + Isa::kPagedValueRows - 1) / Isa::kPagedValueRows;
+  Ahead ahead(ahead_bytes, ahead_size, keys * ((width + kPanel - 1) / kPanel) * row_blocks);
   for (int64_t c = 0; c < width; c += kPanel) {
     const int64_t left = width - c;
     const int64_t vectors = left >= kPanel ? Isa::kPagedValueVectors : (left + Isa::kLanes - 1) / Isa::kLanes;
     const int64_t last = left - (vectors - 1) * Isa::kLanes;
     PagedValuePanel<E, Isa::kPagedValueVectors>(vectors, rows, keys, width, p, ldp, v + c, o_scale, o + c, ldo,
-                                                static_cast<int>(last < Isa::kLanes ? last : Isa::kLanes));
+                                                static_cast<int>(last < Isa::kLanes ? last : Isa::kLanes), ahead);
   }
 }
 

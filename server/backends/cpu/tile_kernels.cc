@@ -77,7 +77,9 @@ const TileKernels* TileKernelsFor(const char* isa) {
     static const TileKernels kAvx512Bf16 = WithBf16Softmax(avx512bf16::MakeKernels(avx512::kKernels));
     return &kAvx512Bf16;
   }
-  if (std::strcmp(isa, "avx512") == 0 && __builtin_cpu_supports("avx512f")) return &avx512::kKernels;
+  if (std::strcmp(isa, "avx512") == 0 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")) {
+    return &avx512::kKernels;
+  }
   if (std::strcmp(isa, "avx2") == 0 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
       CpuHasF16c()) {
     return &avx2::kKernels;

@@ -25,15 +25,19 @@ inline constexpr float kLog2e = 1.44269504088896341f;
 // The sessions' decode kernels (paged_attention.h), over one KV head's part of a cache block in its layout
 // (backend.h's KvCacheLayout) with elements of one cache dtype, into fp32. Register-blocked like the tile kernels,
 // with the cache's fp16 or bf16 elements widened to fp32 as they are loaded, so a block is read once from memory.
+//
+// Each also prefetches `ahead` (the next block's part it will read, `ahead_bytes` of it; null for none) a cache line
+// or two per step of its loop, so that the next block streams in from memory while this one computes: a burst of
+// prefetches at once fills the line-fill buffers and stalls the core instead.
 struct PagedKernels {
   // s[r, j] (row stride lds) = sum over c < depth of q[r, c] (fp32, row stride ldq) * kt[c, j] for r < rows and
   // j < keys, kt a block's K^T (depth rows of ldk elements); keys a multiple of 16.
   void (*scores)(int64_t rows, int64_t keys, int64_t depth, const float* q, int64_t ldq, const void* kt,
-                 int64_t ldk, float* s, int64_t lds);
+                 int64_t ldk, float* s, int64_t lds, const void* ahead, int64_t ahead_bytes);
   // o[r, c] (row stride ldo) = o_scale[r] * o[r, c] + sum over j < keys of p[r, j] (row stride ldp) * v[j, c] for
   // r < rows and c < width, v a block's V (keys rows of width elements).
   void (*values)(int64_t rows, int64_t keys, int64_t width, const float* p, int64_t ldp, const void* v,
-                 const float* o_scale, float* o, int64_t ldo);
+                 const float* o_scale, float* o, int64_t ldo, const void* ahead, int64_t ahead_bytes);
 };
 
 struct TileKernels {

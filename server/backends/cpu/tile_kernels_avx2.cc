@@ -14,8 +14,8 @@ struct Isa {
   static constexpr int kValueRows = 6, kValueVectors = 2;
   // The sessions' decode kernels (paged_kernels_impl.h): 8 accumulators of scores (4 rows of 16 keys), 8 of values
   // (4 rows of 16 columns).
-  static constexpr int kPagedRows = 4, kPagedVectors = 2, kPagedValueRows = 4, kPagedValueVectors = 2;
-  static constexpr bool kPagedSplit = false;
+  static constexpr int kPagedVectors = 2, kPagedMaxVectors = 4, kPagedAccumulators = 8;
+  static constexpr int kPagedValueRows = 4, kPagedValueVectors = 2;
   static V Zero() { return _mm256_setzero_ps(); }
   // F16C's conversion: every AVX2 CPU has it (TileKernelsFor checks).
   static V LoadHalf(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }

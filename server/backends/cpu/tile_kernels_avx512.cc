@@ -1,4 +1,5 @@
-// The tile kernels for AVX-512 (compiled with -mavx512f -mfma; called only where the CPU has AVX-512F).
+// The tile kernels for AVX-512 (compiled with -mavx512f -mavx512bw -mfma; called only where the CPU has AVX-512F and
+// -BW, which every AVX-512 server CPU since Skylake-SP has).
 #include <immintrin.h>
 
 #include "server/backends/cpu/tile_kernels.h"
@@ -15,13 +16,17 @@ struct Isa {
   static constexpr int kValueRows = 12, kValueVectors = 2;
   // The sessions' decode kernels (paged_kernels_impl.h): 16 accumulators of scores (8 rows of 16 keys, even and
   // odd depths apart), 16 of values (4 rows of 64 columns).
-  static constexpr int kPagedRows = 8, kPagedVectors = 1, kPagedValueRows = 4, kPagedValueVectors = 4;
-  static constexpr bool kPagedSplit = true;
+  static constexpr int kPagedVectors = 1, kPagedMaxVectors = 4, kPagedAccumulators = 16;
+  static constexpr int kPagedValueRows = 4, kPagedValueVectors = 4;
   static V Zero() { return _mm512_setzero_ps(); }
   static V LoadHalf(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  // 16 bf16 -> fp32 in one shuffle (vpermw placing word i at word 2i + 1, the even words zeroed) where widening
+  // and shifting took two: the decode kernels convert every cache element they read, on the FMAs' ports.
   static V LoadBf16(const uint16_t* p) {
-    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+    const __m512i words = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    const __m512i spread = _mm512_set_epi16(15, 0, 14, 0, 13, 0, 12, 0, 11, 0, 10, 0, 9, 0, 8, 0, 7, 0, 6, 0, 5, 0,
+                                            4, 0, 3, 0, 2, 0, 1, 0, 0, 0);
+    return _mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(0xAAAAAAAAu, spread, words));
   }
   static V Splat(float x) { return _mm512_set1_ps(x); }
   static V Load(const float* p) { return _mm512_loadu_ps(p); }

@@ -17,8 +17,8 @@ struct Isa {
   static constexpr int kScoreRows = 6, kScoreVectors = 1;
   static constexpr int kValueRows = 6, kValueVectors = 1;
   // The sessions' decode kernels (paged_kernels_impl.h): 4 accumulators of scores (2 rows of 16 keys), 3 of values.
-  static constexpr int kPagedRows = 2, kPagedVectors = 2, kPagedValueRows = 3, kPagedValueVectors = 1;
-  static constexpr bool kPagedSplit = false;
+  static constexpr int kPagedVectors = 2, kPagedMaxVectors = 2, kPagedAccumulators = 4;
+  static constexpr int kPagedValueRows = 3, kPagedValueVectors = 1;
   static V Zero() { return V{}; }
   static V LoadHalf(const uint16_t* p) {
     V v;

@@ -314,6 +314,7 @@ int64_t ReferenceBackend::PagedWorkspaceBytes(const PagedProblem& p) const {
 }
 
 absl::Status ReferenceBackend::PagedAttention(const PagedArgs& a) {
+  RETURN_IF_ERROR(CheckPagedArgs(a));
   for (const PagedSequence& seq : a.sequences) RETURN_IF_ERROR(PagedSequenceAttention(a, seq));
   return absl::OkStatus();
 }

@@ -1,0 +1,92 @@
+// mha_client decode: a decoding workload on KV-cache sessions (client/decode.h): S sessions prefilled with T random
+// tokens, then N decode steps, batched or one call per session; tokens/s, per-step latency, KV bytes read per second;
+// --check compares session 0 with a reference; --stateless resends the history instead, for comparison.
+#include <cstdio>
+#include <string>
+
+#include "absl/flags/declare.h"
+#include "absl/flags/flag.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "client/cli.h"
+#include "client/cli_request.h"
+#include "client/decode.h"
+
+ABSL_FLAG(int, sessions, 1, "decode: sessions decoding at once");
+ABSL_FLAG(int64_t, context, 1024, "decode: tokens prefilled per session (and layer) before the steps");
+ABSL_FLAG(int, steps, 32, "decode: decode steps, one new token per session and layer each");
+ABSL_FLAG(std::string, session_layers, "",
+          "decode: registered layers of layer sessions, comma-separated (x in); empty = head sessions (q, k, v in)");
+ABSL_FLAG(int, num_layers, 1, "decode: caches per head session (layers of the model)");
+ABSL_FLAG(std::string, cache_dtype, "bf16", "decode: what the caches store: fp32, fp16 or bf16");
+ABSL_FLAG(double, rope_theta, 500000, "decode: head sessions' RoPE base; 0 = none");
+ABSL_FLAG(bool, per_session, false, "decode: one call per session and layer, -c calls in flight (default: batched)");
+ABSL_FLAG(int64_t, prefill_chunk, 1024, "decode: tokens per prefill call");
+ABSL_FLAG(bool, stateless, false,
+          "decode: no sessions: every step resends each session's whole history (ScaledDotProductAttention, or "
+          "MultiHeadAttention for --session_layers), to compare");
+
+ABSL_DECLARE_FLAG(int, c);
+ABSL_DECLARE_FLAG(std::string, O);
+ABSL_DECLARE_FLAG(bool, check);
+ABSL_DECLARE_FLAG(int, heads);
+ABSL_DECLARE_FLAG(int, kv_heads);
+ABSL_DECLARE_FLAG(int, head_dim);
+ABSL_DECLARE_FLAG(std::string, dtype);
+ABSL_DECLARE_FLAG(std::string, backend);
+ABSL_DECLARE_FLAG(int, seed);
+
+namespace mha::cli {
+
+int RunDecode(const ClientOptions& options) {
+  DecodeOptions o;
+  o.sessions = absl::GetFlag(FLAGS_sessions);
+  o.context = absl::GetFlag(FLAGS_context);
+  o.steps = absl::GetFlag(FLAGS_steps);
+  const std::string layers = absl::GetFlag(FLAGS_session_layers);
+  if (!layers.empty()) o.layers = absl::StrSplit(layers, ',');
+  // LLaMA-3-8B's attention by default: H=32, Hkv=8, d_k=128.
+  o.heads = absl::GetFlag(FLAGS_heads) > 0 ? absl::GetFlag(FLAGS_heads) : 32;
+  o.kv_heads = absl::GetFlag(FLAGS_kv_heads) > 0 ? absl::GetFlag(FLAGS_kv_heads)
+               : absl::GetFlag(FLAGS_heads) > 0  ? o.heads
+                                                 : 8;
+  o.head_dim = absl::GetFlag(FLAGS_head_dim) > 0 ? absl::GetFlag(FLAGS_head_dim) : 128;
+  o.num_layers = absl::GetFlag(FLAGS_num_layers);
+  o.rope_theta = absl::GetFlag(FLAGS_rope_theta);
+  o.per_session = absl::GetFlag(FLAGS_per_session);
+  o.concurrency = absl::GetFlag(FLAGS_c);
+  o.prefill_chunk = absl::GetFlag(FLAGS_prefill_chunk);
+  o.stateless = absl::GetFlag(FLAGS_stateless);
+  o.check = absl::GetFlag(FLAGS_check);
+  o.seed = static_cast<uint32_t>(absl::GetFlag(FLAGS_seed));
+  absl::StatusOr<v1::DataType> cache = ParseDtype(absl::GetFlag(FLAGS_cache_dtype), "cache_dtype");
+  if (!cache.ok()) return UsageError(cache.status());
+  o.cache_dtype = *cache;
+  const std::string wire = absl::GetFlag(FLAGS_dtype);
+  absl::StatusOr<v1::DataType> wire_dtype = ParseDtype(wire.empty() ? "fp32" : wire, "dtype");
+  if (!wire_dtype.ok()) return UsageError(wire_dtype.status());
+  o.wire_dtype = *wire_dtype;
+  absl::StatusOr<v1::Backend> backend = ParseBackend(absl::GetFlag(FLAGS_backend));
+  if (!backend.ok()) return UsageError(backend.status());
+  o.backend = *backend;
+  const std::string format = absl::GetFlag(FLAGS_O);
+  if (format != "pretty" && format != "json") {
+    return UsageError(absl::InvalidArgumentError(absl::StrCat("decode: -O must be pretty or json; got '", format, "'")));
+  }
+  if (absl::Status valid = ValidateDecodeOptions(o); !valid.ok()) return UsageError(valid);
+
+  AttentionClient client(options);
+  absl::StatusOr<DecodeReport> report = mha::RunDecode(client, o);
+  if (!report.ok()) return Fail(report.status());
+  report->target = options.target;
+  const std::string text = format == "json" ? FormatDecodeJson(*report) : FormatDecodePretty(*report);
+  std::fwrite(text.data(), 1, text.size(), stdout);
+  if (report->checked && report->check_max_error > report->check_tolerance) {
+    std::fprintf(stderr, "error: session 0's last step differs from its reference by %.3g (tolerance %.3g)\n",
+                 report->check_max_error, report->check_tolerance);
+    return kExitFailure;
+  }
+  return report->errors > 0 && o.check ? kExitFailure : kExitOk;
+}
+
+}  // namespace mha::cli

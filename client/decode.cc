@@ -1,0 +1,487 @@
+#include "client/decode.h"
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <mutex>
+#include <random>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "nlohmann/json.hpp"
+#include "proto/mha/v1/tensor_codec.h"
+
+namespace mha {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double Since(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
+
+// The shape a run works with: the options' heads (head sessions) or the first layer's (layer sessions).
+struct Shape {
+  int64_t d_model = 0;  // layer sessions only
+  int64_t heads = 0, kv_heads = 0, head_dim = 0;
+  double rope_theta = 0;
+  int64_t caches = 1;
+  bool layer() const { return d_model > 0; }
+  // One token's inputs: x, or q | k | v.
+  int64_t width() const { return layer() ? d_model : (heads + 2 * kv_heads) * head_dim; }
+};
+
+absl::StatusOr<Shape> ShapeOf(AttentionClient& client, const DecodeOptions& o) {
+  Shape s;
+  s.caches = o.layers.empty() ? o.num_layers : static_cast<int64_t>(o.layers.size());
+  if (o.layers.empty()) {
+    s.heads = o.heads;
+    s.kv_heads = o.kv_heads;
+    s.head_dim = o.head_dim;
+    s.rope_theta = o.rope_theta;
+    return s;
+  }
+  absl::StatusOr<v1::ListLayersResponse> layers = client.ListLayers();
+  if (!layers.ok()) return layers.status();
+  for (const v1::LayerInfo& info : layers->layers()) {
+    if (info.name() != o.layers.front()) continue;
+    s.d_model = info.d_model();
+    s.heads = info.heads().num_heads();
+    s.kv_heads = info.heads().num_kv_heads();
+    s.head_dim = info.heads().head_dim();
+    s.rope_theta = info.heads().rope_theta();
+    return s;
+  }
+  return absl::NotFoundError(absl::StrCat("layer '", o.layers.front(), "' is not registered on the server"));
+}
+
+// n tokens' inputs uniform in [-1, 1], rounded to the wire dtype so that a local reference sees what the server does.
+std::vector<float> Random(std::mt19937& rng, int64_t n, v1::DataType wire) {
+  std::uniform_real_distribution<float> uniform(-1.0f, 1.0f);
+  std::vector<float> values(n);
+  for (float& x : values) x = uniform(rng);
+  std::string bytes(n * DTypeSize(wire), '\0');
+  EncodeFromFloat(wire, values.data(), n, bytes.data());
+  DecodeToFloat(wire, bytes.data(), n, values.data());
+  return values;
+}
+
+// Columns [begin, end) of every row of rows [n, width].
+std::vector<float> Columns(const float* rows, int64_t n, int64_t width, int64_t begin, int64_t end) {
+  std::vector<float> out;
+  out.reserve(n * (end - begin));
+  for (int64_t t = 0; t < n; ++t) out.insert(out.end(), rows + t * width + begin, rows + t * width + end);
+  return out;
+}
+
+// One session's item for n tokens of `rows`.
+v1::ExtendItem Item(const Shape& s, const std::string& id, const float* rows, int64_t n, v1::DataType wire) {
+  v1::ExtendItem item;
+  item.set_session_id(id);
+  if (s.layer()) {
+    FloatsToTensor(absl::MakeConstSpan(rows, n * s.d_model), {n, s.d_model}, wire, item.mutable_x());
+    return item;
+  }
+  const int64_t qw = s.heads * s.head_dim, kvw = s.kv_heads * s.head_dim;
+  FloatsToTensor(Columns(rows, n, s.width(), 0, qw), {n, s.heads, s.head_dim}, wire, item.mutable_q());
+  FloatsToTensor(Columns(rows, n, s.width(), qw, qw + kvw), {n, s.kv_heads, s.head_dim}, wire, item.mutable_k());
+  FloatsToTensor(Columns(rows, n, s.width(), qw + kvw, qw + 2 * kvw), {n, s.kv_heads, s.head_dim}, wire,
+                 item.mutable_v());
+  return item;
+}
+
+// The last token's heads [H, d_k] of a head session whose inputs so far are `rows` (q | k | v, unrotated), in
+// double: RoPE (rotate-half) at the cache positions, then GQA attention over every token.
+std::vector<double> ReferenceLastRow(const Shape& s, const std::vector<float>& rows) {
+  const int64_t T = static_cast<int64_t>(rows.size()) / s.width(), dk = s.head_dim;
+  const int64_t qw = s.heads * dk, kvw = s.kv_heads * dk, G = s.heads / s.kv_heads;
+  const auto rotated = [&](const float* v, int64_t position) {
+    std::vector<double> out(v, v + dk);
+    if (s.rope_theta <= 0) return out;
+    for (int64_t i = 0; i < dk / 2; ++i) {
+      const double angle = position * std::pow(s.rope_theta, -2.0 * i / dk);
+      out[i] = v[i] * std::cos(angle) - v[i + dk / 2] * std::sin(angle);
+      out[i + dk / 2] = v[i + dk / 2] * std::cos(angle) + v[i] * std::sin(angle);
+    }
+    return out;
+  };
+  std::vector<double> result(qw, 0.0), scores(T);
+  for (int64_t h = 0; h < s.heads; ++h) {
+    const std::vector<double> q = rotated(rows.data() + (T - 1) * s.width() + h * dk, T - 1);
+    double max = -INFINITY, sum = 0;
+    for (int64_t t = 0; t < T; ++t) {
+      const std::vector<double> k = rotated(rows.data() + t * s.width() + qw + (h / G) * dk, t);
+      double dot = 0;
+      for (int64_t d = 0; d < dk; ++d) dot += q[d] * k[d];
+      scores[t] = dot / std::sqrt(static_cast<double>(dk));
+      max = std::max(max, scores[t]);
+    }
+    for (double& x : scores) sum += (x = std::exp(x - max));
+    for (int64_t t = 0; t < T; ++t) {
+      const float* v = rows.data() + t * s.width() + qw + kvw + (h / G) * dk;
+      for (int64_t d = 0; d < dk; ++d) result[h * dk + d] += scores[t] / sum * v[d];
+    }
+  }
+  return result;
+}
+
+// The workload's sessions and what it keeps of their inputs: session 0's for --check, every session's in the
+// stateless mode (it resends them). Sessions [first, last) of a step belong to one thread.
+class DecodeRun {
+ public:
+  DecodeRun(AttentionClient& client, const DecodeOptions& o, const Shape& s)
+      : client_(client), o_(o), s_(s), rows_(o.sessions) {}
+
+  // Creates the sessions and prefills their caches, every layer.
+  absl::Status Prefill(DecodeReport* report) {
+    std::mt19937 rng(o_.seed);
+    const auto start = Clock::now();
+    for (int i = 0; i < o_.sessions; ++i) {
+      if (!o_.stateless) {
+        absl::StatusOr<v1::CreateSessionResponse> created = client_.CreateSession(CreateRequest());
+        if (!created.ok()) return created.status();
+        ids_.push_back(created->session().session_id());
+      }
+      for (int64_t t0 = 0; t0 < o_.context; t0 += o_.prefill_chunk) {
+        const int64_t n = std::min(o_.prefill_chunk, o_.context - t0);
+        const std::vector<float> rows = Random(rng, n * s_.width(), o_.wire_dtype);
+        Keep(i, rows);
+        for (int64_t layer = 0; !o_.stateless && layer < s_.caches; ++layer) {
+          v1::ExtendRequest request = Request(layer);
+          *request.add_items() = Item(s_, ids_[i], rows.data(), n, o_.wire_dtype);
+          absl::StatusOr<v1::ExtendResponse> response = client_.Extend(request);
+          if (!response.ok()) return response.status();
+          report->prefill_tokens += n;
+        }
+      }
+    }
+    report->prefill_seconds = Since(start);
+    return absl::OkStatus();
+  }
+
+  // One decode step of sessions [first, last), every layer: one token each. Adds the bytes it sent to *bytes and,
+  // when first is 0, puts session 0's layer-0 output into *session0.
+  absl::Status Step(int first, int last, std::mt19937& rng, int64_t* bytes, std::vector<float>* session0) {
+    std::vector<std::vector<float>> rows;
+    for (int i = first; i < last; ++i) {
+      rows.push_back(Random(rng, s_.width(), o_.wire_dtype));
+      Keep(i, rows.back());
+    }
+    for (int64_t layer = 0; layer < s_.caches; ++layer) {
+      std::vector<float>* out = layer == 0 && first == 0 ? session0 : nullptr;
+      absl::Status status = o_.stateless ? Resend(first, last, bytes, out) : Extend(layer, first, rows, bytes, out);
+      if (!status.ok()) return status;
+    }
+    return absl::OkStatus();
+  }
+
+  const std::vector<float>& Session0Rows() const { return rows_[0]; }
+
+  void Close() {
+    for (const std::string& id : ids_) client_.CloseSession(id).IgnoreError();
+  }
+
+ private:
+  v1::CreateSessionRequest CreateRequest() const {
+    v1::CreateSessionRequest create;
+    for (const std::string& layer : o_.layers) create.add_layers(layer);
+    if (o_.layers.empty()) {
+      create.mutable_heads()->set_num_heads(o_.heads);
+      create.mutable_heads()->set_num_kv_heads(o_.kv_heads);
+      create.mutable_heads()->set_head_dim(o_.head_dim);
+      create.mutable_heads()->set_rope_theta(o_.rope_theta);
+      create.set_num_layers(o_.num_layers);
+    }
+    create.set_cache_dtype(o_.cache_dtype);
+    create.set_max_tokens(o_.context + o_.steps);
+    return create;
+  }
+
+  v1::ExtendRequest Request(int64_t layer) const {
+    v1::ExtendRequest request;
+    request.set_layer_index(static_cast<int32_t>(layer));
+    request.set_output_dtype(v1::FP32);
+    request.set_backend(o_.backend);
+    return request;
+  }
+
+  void Keep(int i, const std::vector<float>& rows) {
+    if (o_.stateless || (i == 0 && o_.check)) rows_[i].insert(rows_[i].end(), rows.begin(), rows.end());
+  }
+
+  absl::Status Extend(int64_t layer, int first, const std::vector<std::vector<float>>& rows, int64_t* bytes,
+                      std::vector<float>* session0) {
+    v1::ExtendRequest request = Request(layer);
+    for (int i = first; i < first + static_cast<int>(rows.size()); ++i) {
+      *request.add_items() = Item(s_, ids_[i], rows[i - first].data(), 1, o_.wire_dtype);
+    }
+    *bytes += static_cast<int64_t>(request.ByteSizeLong());
+    absl::StatusOr<v1::ExtendResponse> response = client_.Extend(request);
+    if (!response.ok()) return response.status();
+    if (session0 != nullptr) *session0 = TensorToFloats(response->results(0).output());
+    return absl::OkStatus();
+  }
+
+  // The stateless way: every session's whole history sent again, its last token as the query, causal.
+  absl::Status Resend(int first, int last, int64_t* bytes, std::vector<float>* session0) {
+    const int64_t B = last - first, T = static_cast<int64_t>(rows_[first].size()) / s_.width();
+    std::vector<float> query, key, value;
+    const int64_t qw = s_.heads * s_.head_dim, kvw = s_.kv_heads * s_.head_dim;
+    for (int i = first; i < last; ++i) {
+      const float* r = rows_[i].data();
+      const std::vector<float> q = s_.layer() ? Columns(r + (T - 1) * s_.width(), 1, s_.width(), 0, s_.d_model)
+                                              : Columns(r + (T - 1) * s_.width(), 1, s_.width(), 0, qw);
+      query.insert(query.end(), q.begin(), q.end());
+      const std::vector<float> k = s_.layer() ? Columns(r, T, s_.width(), 0, s_.d_model)
+                                              : Columns(r, T, s_.width(), qw, qw + kvw);
+      key.insert(key.end(), k.begin(), k.end());
+      if (s_.layer()) continue;
+      const std::vector<float> v = Columns(r, T, s_.width(), qw + kvw, qw + 2 * kvw);
+      value.insert(value.end(), v.begin(), v.end());
+    }
+    if (s_.layer()) {
+      v1::MultiHeadAttentionRequest request;
+      FloatsToTensor(query, {B, 1, s_.d_model}, o_.wire_dtype, request.mutable_query());
+      FloatsToTensor(key, {B, T, s_.d_model}, o_.wire_dtype, request.mutable_key());
+      request.set_layer(o_.layers.front());
+      request.mutable_heads()->set_causal(true);
+      request.set_output_dtype(v1::FP32);
+      request.set_backend(o_.backend);
+      *bytes += static_cast<int64_t>(request.ByteSizeLong());
+      absl::StatusOr<v1::MultiHeadAttentionResponse> response = client_.MultiHeadAttention(request);
+      if (!response.ok()) return response.status();
+      if (session0 != nullptr) *session0 = TensorToFloats(response->output());
+      return absl::OkStatus();
+    }
+    v1::ScaledDotProductAttentionRequest request;
+    FloatsToTensor(query, {B, 1, s_.heads, s_.head_dim}, o_.wire_dtype, request.mutable_q());
+    FloatsToTensor(key, {B, T, s_.kv_heads, s_.head_dim}, o_.wire_dtype, request.mutable_k());
+    FloatsToTensor(value, {B, T, s_.kv_heads, s_.head_dim}, o_.wire_dtype, request.mutable_v());
+    request.mutable_heads()->set_causal(true);
+    request.mutable_heads()->set_rope_theta(s_.rope_theta);
+    request.set_output_dtype(v1::FP32);
+    request.set_backend(o_.backend);
+    *bytes += static_cast<int64_t>(request.ByteSizeLong());
+    absl::StatusOr<v1::ScaledDotProductAttentionResponse> response = client_.ScaledDotProductAttention(request);
+    if (!response.ok()) return response.status();
+    if (session0 != nullptr) {
+      const std::vector<float> all = TensorToFloats(response->output());
+      *session0 = std::vector<float>(all.begin(), all.begin() + qw);
+    }
+    return absl::OkStatus();
+  }
+
+  AttentionClient& client_;
+  const DecodeOptions o_;
+  const Shape s_;
+  std::vector<std::string> ids_;
+  std::vector<std::vector<float>> rows_;
+};
+
+// Decode steps timed: batched (one thread, every session per call) or per session (C threads, each its sessions).
+struct Timed {
+  std::vector<double> step_seconds;
+  double seconds = 0;
+  int64_t bytes = 0;
+  int64_t errors = 0;
+  std::string first_error;
+  std::vector<float> session0;
+};
+
+Timed RunSteps(DecodeRun& run, const DecodeOptions& o) {
+  Timed timed;
+  std::mutex mu;
+  const int threads = o.per_session ? std::min(o.concurrency, o.sessions) : 1;
+  const auto start = Clock::now();
+  std::vector<std::thread> workers;
+  for (int w = 0; w < threads; ++w) {
+    workers.emplace_back([&, w] {
+      std::mt19937 rng(o.seed * 7919 + w + 1);
+      std::vector<double> steps;
+      std::vector<float> session0;
+      int64_t bytes = 0, errors = 0;
+      std::string first_error;
+      for (int step = 0; step < o.steps; ++step) {
+        for (int i = w; i < (o.per_session ? o.sessions : 1); i += threads) {
+          const int first = o.per_session ? i : 0, last = o.per_session ? i + 1 : o.sessions;
+          const auto at = Clock::now();
+          const absl::Status status = run.Step(first, last, rng, &bytes, first == 0 ? &session0 : nullptr);
+          steps.push_back(Since(at));
+          if (!status.ok() && errors++ == 0) first_error = status.ToString();
+        }
+      }
+      std::lock_guard<std::mutex> lock(mu);
+      timed.step_seconds.insert(timed.step_seconds.end(), steps.begin(), steps.end());
+      timed.bytes += bytes;
+      timed.errors += errors;
+      if (timed.first_error.empty()) timed.first_error = first_error;
+      if (!session0.empty()) timed.session0 = std::move(session0);
+    });
+  }
+  for (std::thread& worker : workers) worker.join();
+  timed.seconds = Since(start);
+  return timed;
+}
+
+// |got - want| / (1 + |want|) at its largest: session 0's last step against its reference.
+absl::StatusOr<double> CheckSession0(AttentionClient& client, const DecodeOptions& o, const Shape& s,
+                                     const DecodeRun& run, const std::vector<float>& got) {
+  std::vector<double> want;
+  const std::vector<float>& rows = run.Session0Rows();
+  if (!s.layer()) {
+    want = ReferenceLastRow(s, rows);
+  } else {
+    // A layer session: one stateless causal call over the whole sequence, on the reference backend.
+    const int64_t T = static_cast<int64_t>(rows.size()) / s.d_model;
+    v1::MultiHeadAttentionRequest request;
+    FloatsToTensor(rows, {1, T, s.d_model}, v1::FP32, request.mutable_query());
+    request.set_layer(o.layers.front());
+    request.mutable_heads()->set_causal(true);
+    request.set_backend(v1::BACKEND_REFERENCE);
+    absl::StatusOr<v1::MultiHeadAttentionResponse> response = client.MultiHeadAttention(request);
+    if (!response.ok()) return response.status();
+    const std::vector<float> all = TensorToFloats(response->output());
+    want.assign(all.end() - s.d_model, all.end());
+  }
+  if (got.size() != want.size()) {
+    return absl::InternalError(absl::StrCat("session 0's output has ", got.size(), " values, its reference ",
+                                            want.size()));
+  }
+  double worst = 0;
+  for (size_t i = 0; i < got.size(); ++i) worst = std::max(worst, std::abs(got[i] - want[i]) / (1 + std::abs(want[i])));
+  return worst;
+}
+
+// What session 0's last step may differ from its reference by: one rounding of K and V to a 16-bit cache (or of
+// the inputs to a 16-bit wire, which the reference sees too, then the output's), as the proto's tolerances.
+double Tolerance(const DecodeOptions& o) {
+  const bool stored_bf16 = o.wire_dtype == v1::BF16 || (!o.stateless && o.cache_dtype == v1::BF16);
+  const bool stored_fp16 = o.wire_dtype == v1::FP16 || (!o.stateless && o.cache_dtype == v1::FP16);
+  return stored_bf16 ? 3e-2 : stored_fp16 ? 4e-3 : 1e-4;
+}
+
+}  // namespace
+
+absl::Status ValidateDecodeOptions(const DecodeOptions& o) {
+  const auto in = [](const char* name, int64_t value, int64_t lo, int64_t hi) {
+    return value >= lo && value <= hi ? absl::OkStatus()
+                                      : absl::InvalidArgumentError(
+                                            absl::StrCat("--", name, " must be in [", lo, ", ", hi, "], got ", value));
+  };
+  for (const absl::Status& status :
+       {in("sessions", o.sessions, 1, 4096), in("context", o.context, 1, int64_t{1} << 22),
+        in("steps", o.steps, 1, 1 << 20), in("num_layers", o.num_layers, 1, 1024), in("c", o.concurrency, 1, 1024),
+        in("prefill_chunk", o.prefill_chunk, 1, int64_t{1} << 20), in("heads", o.heads, 1, 4096),
+        in("kv_heads", o.kv_heads, 1, o.heads), in("head_dim", o.head_dim, 1, 4096)}) {
+    if (!status.ok()) return status;
+  }
+  if (o.heads % o.kv_heads != 0) return absl::InvalidArgumentError("--kv_heads must divide --heads");
+  if (!(o.rope_theta >= 0) || !std::isfinite(o.rope_theta)) {
+    return absl::InvalidArgumentError("--rope_theta must be finite and >= 0");
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<DecodeReport> RunDecode(AttentionClient& client, const DecodeOptions& o) {
+  if (absl::Status valid = ValidateDecodeOptions(o); !valid.ok()) return valid;
+  absl::StatusOr<Shape> shape = ShapeOf(client, o);
+  if (!shape.ok()) return shape.status();
+  DecodeReport report;
+  report.options = o;
+  report.d_model = shape->d_model;
+  report.heads = shape->heads;
+  report.kv_heads = shape->kv_heads;
+  report.head_dim = shape->head_dim;
+  report.caches = shape->caches;
+  DecodeRun run(client, o, *shape);
+  if (absl::Status status = run.Prefill(&report); !status.ok()) {
+    run.Close();
+    return status;
+  }
+  Timed timed = RunSteps(run, o);
+  report.decode_seconds = timed.seconds;
+  report.decode_tokens = static_cast<int64_t>(o.sessions) * o.steps;
+  report.tokens_per_second = report.decode_tokens / std::max(timed.seconds, 1e-9);
+  report.errors = timed.errors;
+  report.first_error = timed.first_error;
+  report.step = SummarizeLatencies(timed.step_seconds);
+  report.request_bytes_per_step = timed.bytes / o.steps;
+  // Each step's attention reads every cached token of every session and layer once, K and V of each KV head.
+  const double token_bytes = 2.0 * shape->kv_heads * shape->head_dim *
+                             DTypeSize(o.stateless ? o.wire_dtype : o.cache_dtype);
+  for (int step = 0; step < o.steps; ++step) {
+    report.kv_bytes_read += o.sessions * shape->caches * (o.context + step + 1) * token_bytes;
+  }
+  report.kv_bytes_per_second = report.kv_bytes_read / std::max(timed.seconds, 1e-9);
+  if (o.check && timed.errors == 0) {
+    absl::StatusOr<double> error = CheckSession0(client, o, *shape, run, timed.session0);
+    if (!error.ok()) {
+      run.Close();
+      return error.status();
+    }
+    report.checked = true;
+    report.check_max_error = *error;
+    report.check_tolerance = Tolerance(o);
+  }
+  run.Close();
+  return report;
+}
+
+std::string FormatDecodePretty(const DecodeReport& r) {
+  const DecodeOptions& o = r.options;
+  std::string text = absl::StrFormat(
+      "decode: %d session(s), context %d, %d steps, %s, cache %s, wire %s, %s\n", o.sessions, o.context, o.steps,
+      absl::StrFormat("%s H=%d Hkv=%d d_k=%d x %d layer(s)",
+                      o.layers.empty() ? "heads" : absl::StrCat("layer ", o.layers.front(), " d_model=", r.d_model),
+                      r.heads, r.kv_heads, r.head_dim, r.caches),
+      DTypeName(o.cache_dtype), DTypeName(o.wire_dtype),
+      o.stateless ? "stateless (history resent every step)"
+      : o.per_session ? absl::StrFormat("one call per session, %d in flight", o.concurrency)
+                      : std::string("every session in one call per layer"));
+  absl::StrAppendFormat(&text, "  prefill   %d tokens in %.3f s\n", r.prefill_tokens, r.prefill_seconds);
+  absl::StrAppendFormat(&text, "  decode    %.1f tokens/s (%d tokens in %.3f s), %d errors\n", r.tokens_per_second,
+                        r.decode_tokens, r.decode_seconds, r.errors);
+  absl::StrAppendFormat(&text, "  per step  p50 %.2f ms, p90 %.2f ms, p99 %.2f ms, max %.2f ms\n", r.step.p50 * 1e3,
+                        r.step.p90 * 1e3, r.step.p99 * 1e3, r.step.slowest * 1e3);
+  absl::StrAppendFormat(&text, "  KV read   %.2f GB/s (%.3f GB); sent %.1f KiB per step\n", r.kv_bytes_per_second / 1e9,
+                        r.kv_bytes_read / 1e9, r.request_bytes_per_step / 1024.0);
+  if (!r.first_error.empty()) absl::StrAppend(&text, "  first error: ", r.first_error, "\n");
+  if (r.checked) {
+    absl::StrAppendFormat(&text, "  check     session 0's last step: max error %.3g (tolerance %.3g) %s\n",
+                          r.check_max_error, r.check_tolerance, r.check_max_error <= r.check_tolerance ? "OK" : "FAIL");
+  }
+  return text;
+}
+
+std::string FormatDecodeJson(const DecodeReport& r) {
+  const DecodeOptions& o = r.options;
+  nlohmann::json j;
+  j["sessions"] = o.sessions;
+  j["context"] = o.context;
+  j["steps"] = o.steps;
+  j["layers"] = o.layers;
+  j["heads"] = {{"num_heads", r.heads}, {"num_kv_heads", r.kv_heads}, {"head_dim", r.head_dim},
+                {"caches", r.caches}};
+  if (r.d_model > 0) j["d_model"] = r.d_model;
+  if (o.layers.empty()) j["rope_theta"] = o.rope_theta;
+  j["cache_dtype"] = DTypeName(o.cache_dtype);
+  j["wire_dtype"] = DTypeName(o.wire_dtype);
+  j["mode"] = o.stateless ? "stateless" : o.per_session ? "per_session" : "batched";
+  j["concurrency"] = o.per_session ? o.concurrency : 1;
+  j["prefill_tokens"] = r.prefill_tokens;
+  j["prefill_seconds"] = r.prefill_seconds;
+  j["decode_tokens"] = r.decode_tokens;
+  j["decode_seconds"] = r.decode_seconds;
+  j["tokens_per_second"] = r.tokens_per_second;
+  j["step_ms"] = {{"p50", r.step.p50 * 1e3}, {"p90", r.step.p90 * 1e3}, {"p99", r.step.p99 * 1e3},
+                  {"mean", r.step.mean * 1e3}, {"max", r.step.slowest * 1e3}};
+  j["kv_bytes_read"] = r.kv_bytes_read;
+  j["kv_bytes_per_second"] = r.kv_bytes_per_second;
+  j["request_bytes_per_step"] = r.request_bytes_per_step;
+  j["errors"] = r.errors;
+  if (!r.first_error.empty()) j["first_error"] = r.first_error;
+  if (r.checked) j["check"] = {{"max_error", r.check_max_error}, {"tolerance", r.check_tolerance}};
+  return j.dump(2) + "\n";
+}
+
+}  // namespace mha

@@ -1,0 +1,74 @@
+// A decoding workload against the session RPCs: what `mha_client decode` runs and reports. S sessions get a random
+// context of T tokens (prefilled in chunks), then N decode steps of one token per session and layer: either every
+// session in one Extend per layer (batched, as a decoder batching its sequences sends them), or one call per session
+// and layer from C threads at once (per_session, as independent clients). With `stateless`, the same steps resend
+// each session's whole history through ScaledDotProductAttention instead (what the API offered before sessions), to
+// show the difference. Tokens/s, per-step latency and the KV bytes the server read per second are measured over the
+// decode steps; `check` compares session 0's steps with a local double-precision reference (head sessions) or a
+// stateless causal call over its whole sequence (layer sessions).
+#ifndef MHA_CLIENT_DECODE_H_
+#define MHA_CLIENT_DECODE_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "client/attention_client.h"
+#include "client/bench_report.h"
+
+namespace mha {
+
+struct DecodeOptions {
+  int sessions = 1;
+  int64_t context = 1024;  // T: tokens prefilled per session and layer
+  int steps = 32;          // N: decode steps
+  // Layer sessions over these registered layers (x in), else head sessions of this configuration (q, k, v in).
+  std::vector<std::string> layers;
+  int heads = 32, kv_heads = 8, head_dim = 128, num_layers = 1;
+  double rope_theta = 500000;  // head sessions; 0 = none
+  v1::DataType cache_dtype = v1::BF16;
+  v1::DataType wire_dtype = v1::FP32;
+  bool per_session = false;  // one call per session and layer, `concurrency` in flight
+  int concurrency = 1;
+  int64_t prefill_chunk = 1024;  // tokens per prefill call
+  bool stateless = false;
+  bool check = false;
+  v1::Backend backend = v1::BACKEND_AUTO;
+  uint32_t seed = 1;
+};
+
+// INVALID_ARGUMENT naming the option when out of range.
+absl::Status ValidateDecodeOptions(const DecodeOptions& options);
+
+struct DecodeReport {
+  DecodeOptions options;
+  std::string target;
+  int64_t d_model = 0;            // layer sessions
+  int64_t heads = 0, kv_heads = 0, head_dim = 0, caches = 0;  // as run (a layer session's are its layer's)
+  int64_t prefill_tokens = 0;     // over sessions and layers
+  double prefill_seconds = 0;
+  int64_t decode_tokens = 0;      // sessions x steps (per layer, one token each)
+  double decode_seconds = 0;
+  double tokens_per_second = 0;   // decode_tokens / decode_seconds
+  LatencySummary step;            // one session's step over every layer (per_session), or every session's (batched)
+  double kv_bytes_read = 0;       // cache bytes the steps' attention read (2 Hkv d_k sizeof(cache) per token)
+  double kv_bytes_per_second = 0;
+  int64_t request_bytes_per_step = 0;  // what one step sent (all sessions, all layers)
+  int64_t errors = 0;
+  std::string first_error;
+  bool checked = false;
+  double check_max_error = 0;  // max |got - want| / (1 + |want|) over the checked rows
+  double check_tolerance = 0;
+};
+
+// Runs the workload (creating and closing its sessions). Errors of the set-up (CreateSession, a prefill call) are
+// returned; errors of decode steps are counted in the report.
+absl::StatusOr<DecodeReport> RunDecode(AttentionClient& client, const DecodeOptions& options);
+
+std::string FormatDecodePretty(const DecodeReport& report);
+std::string FormatDecodeJson(const DecodeReport& report);
+
+}  // namespace mha
+
+#endif  // MHA_CLIENT_DECODE_H_

@@ -1,0 +1,350 @@
+// The KV-cache sessions on the CPU backend, in process (no gRPC), as ratios measured in one run:
+//  - decode steps (one new token per session) against the memory-read probe: K/V bytes the attention read per
+//    second, each call on sessions whose caches no other call touched since (the working set rotates over several
+//    copies, 2x the last-level cache, as a server with many sessions sees it);
+//  - prefill chunks through Extend (paged attention) against the same stateless causal call.
+// Rounds interleave the probe and every case (this VM's neighbours move its bandwidth); best and median are printed.
+//   build/bin/decode_bench [--rounds 3] [--seconds 0.5] [--filter decode_1x8192] [--warm]
+#include <omp.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "proto/mha/v1/tensor_codec.h"
+#include "server/backends/cpu/cpu_backend.h"
+#include "server/sessions/session_store.h"
+#include "tests/bench/fma_probe.h"
+#include "tests/bench/memory_probe.h"
+
+namespace mha::bench {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+std::vector<float> Random(int64_t n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> uniform(-1.0f, 1.0f);
+  std::vector<float> v(n);
+  for (float& x : v) x = uniform(rng);
+  return v;
+}
+
+HeadSpec Heads(int64_t h, int64_t hkv, int64_t dk) {
+  HeadSpec heads;
+  heads.num_heads = h;
+  heads.num_kv_heads = hkv;
+  heads.head_dim = dk;
+  heads.causal = true;
+  heads.scale = 1.0f / std::sqrt(static_cast<float>(dk));
+  heads.rope_theta = 500000;
+  heads.rope_dim = dk;
+  return heads;
+}
+
+// Best and median of a series.
+struct Stats {
+  double best = 0, median = 0;
+};
+Stats Of(std::vector<double> v, bool higher_is_better) {
+  std::sort(v.begin(), v.end());
+  if (v.empty()) return {};
+  return {higher_is_better ? v.back() : v.front(), v[v.size() / 2]};
+}
+
+// Decode steps of `sessions` head sessions whose caches hold `length` tokens, H/Hkv/d_k, cache dtype.
+class DecodeCase {
+ public:
+  DecodeCase(std::string name, int sessions, int64_t length, HeadSpec heads, v1::DataType dtype,
+             int64_t block_tokens = 32)
+      : name_(std::move(name)), sessions_(sessions), length_(length), heads_(heads), dtype_(dtype),
+        block_tokens_(block_tokens) {}
+
+  const std::string& name() const { return name_; }
+  int64_t BytesPerCall() const {
+    return sessions_ * (length_ + 1) * 2 * heads_.num_kv_heads * heads_.head_dim * DTypeSize(dtype_);
+  }
+
+  // Sessions in `copies` groups, caches filled with `length` tokens of random keys and values (written, not
+  // computed: what decode reads is the same either way).
+  void Prepare(CpuBackend* backend, bool warm) {
+    backend_ = backend;
+    copies_ = static_cast<int>(std::max<int64_t>(1, (2 * LastLevelCacheBytes() + BytesPerCall() - 1) / BytesPerCall()));
+    if (warm) copies_ = 1;
+    SessionStoreOptions options;
+    options.capacity_bytes = (copies_ * BytesPerCall() * 11 / 10) + (int64_t{64} << 20);
+    options.max_sessions = copies_ * sessions_;
+    options.max_tokens = length_ + (1 << 20);
+    options.block_tokens = block_tokens_;
+    store_ = std::make_unique<SessionStore>(options, nullptr);
+    SessionConfig config;
+    config.heads = heads_;
+    config.cache_dtype = dtype_;
+    const KvCacheLayout layout{heads_.num_kv_heads, heads_.head_dim, options.block_tokens, dtype_};
+    const std::vector<float> values = Random(layout.BlockElements(), 7);
+    std::string block_bytes(layout.BlockBytes(), '\0');
+    EncodeFromFloat(dtype_, values.data(), values.size(), block_bytes.data());
+    for (int i = 0; i < copies_ * sessions_; ++i) {
+      ids_.push_back(store_->Create(config, "", {})->session_id());
+      ExtendReservation r = *store_->Reserve({ReserveItem{ids_.back(), 0, length_}});
+      for (char* block : r.items()[0].blocks) std::memcpy(block, block_bytes.data(), block_bytes.size());
+      r.Commit();
+    }
+    q_ = Random(heads_.q_width(), 1);
+    kv_ = Random(heads_.kv_width(), 2);
+    out_.resize(sessions_ * heads_.q_width());
+  }
+
+  // One call on the next copy's sessions; its seconds.
+  double Call() {
+    const int copy = next_++ % copies_;
+    std::vector<ReserveItem> items;
+    for (int s = 0; s < sessions_; ++s) items.push_back({ids_[copy * sessions_ + s], 0, 1});
+    ExtendReservation r = *store_->Reserve(items);
+    std::vector<PagedSequence> sequences(sessions_);
+    PagedArgs args;
+    args.problem.heads = heads_;
+    args.problem.cache = {heads_.num_kv_heads, heads_.head_dim, block_tokens_, dtype_};
+    args.problem.sequences = sessions_;
+    args.problem.new_tokens = sessions_;
+    args.problem.max_new_tokens = 1;
+    for (int s = 0; s < sessions_; ++s) {
+      PagedSequence& seq = sequences[s];
+      seq.blocks = r.items()[s].blocks;
+      seq.length = r.items()[s].length;
+      seq.new_tokens = 1;
+      seq.q = {q_.data(), v1::FP32};
+      seq.k = seq.v = {kv_.data(), v1::FP32};
+      seq.out = {out_.data() + s * heads_.q_width(), v1::FP32};
+      args.problem.max_length = std::max(args.problem.max_length, seq.length + 1);
+    }
+    args.sequences = sequences;
+    const auto start = Clock::now();
+    const absl::Status status = backend_->PagedAttention(args);
+    const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+    if (!status.ok()) std::fprintf(stderr, "%s: %s\n", name_.c_str(), status.ToString().c_str());
+    // The caches stay at their length: the next call on this copy reads as many tokens again.
+    return seconds;
+  }
+
+  int copies() const { return copies_; }
+
+ private:
+  const std::string name_;
+  const int sessions_;
+  const int64_t length_;
+  const HeadSpec heads_;
+  const v1::DataType dtype_;
+  const int64_t block_tokens_;
+  CpuBackend* backend_ = nullptr;
+  int copies_ = 1;
+  int next_ = 0;
+  std::unique_ptr<SessionStore> store_;
+  std::vector<std::string> ids_;
+  std::vector<float> q_, kv_, out_;
+};
+
+// A prefill chunk of n tokens through Extend onto a cache of `cached` tokens, and the stateless causal
+// ScaledDotProductAttention over the same n queries and cached + n keys.
+class PrefillCase {
+ public:
+  PrefillCase(std::string name, int64_t n, int64_t cached, HeadSpec heads)
+      : name_(std::move(name)), n_(n), cached_(cached), heads_(heads) {}
+  const std::string& name() const { return name_; }
+
+  void Prepare(CpuBackend* backend) {
+    backend_ = backend;
+    SessionStoreOptions options;
+    options.capacity_bytes = (cached_ + n_) * 2 * heads_.kv_width() * 4 * 3 + (int64_t{64} << 20);
+    options.max_tokens = 1 << 20;
+    store_ = std::make_unique<SessionStore>(options, nullptr);
+    const int64_t T = cached_ + n_;
+    q_ = Random(T * heads_.q_width(), 3);
+    k_ = Random(T * heads_.kv_width(), 4);
+    v_ = Random(T * heads_.kv_width(), 5);
+    out_.resize(T * heads_.q_width());
+  }
+
+  // A fresh session holding `cached` tokens, then the timed Extend of n more.
+  double Extend() {
+    SessionConfig config;
+    config.heads = heads_;
+    const std::string id = store_->Create(config, "", {})->session_id();
+    if (cached_ > 0) Run(id, 0, cached_);
+    const double seconds = Run(id, cached_, n_);
+    store_->Close(id, {}).IgnoreError();
+    return seconds;
+  }
+
+  double Stateless() {
+    SdpaArgs a;
+    a.shape.batch = 1;
+    a.shape.q_len = n_;
+    a.shape.kv_len = cached_ + n_;
+    a.shape.heads = heads_;
+    a.q = {q_.data() + cached_ * heads_.q_width(), v1::FP32};
+    a.k = {k_.data(), v1::FP32};
+    a.v = {v_.data(), v1::FP32};
+    a.out = {out_.data(), v1::FP32};
+    const auto start = Clock::now();
+    const absl::Status status = backend_->ScaledDotProductAttention(a);
+    if (!status.ok()) std::fprintf(stderr, "%s: %s\n", name_.c_str(), status.ToString().c_str());
+    return std::chrono::duration<double>(Clock::now() - start).count();
+  }
+
+  double Flops() const {
+    const double n = n_, c = cached_;
+    return 4.0 * heads_.num_heads * heads_.head_dim * (n * c + n * (n + 1) / 2);
+  }
+
+ private:
+  double Run(const std::string& id, int64_t first, int64_t n) {
+    ExtendReservation r = *store_->Reserve({ReserveItem{id, 0, n}});
+    PagedSequence seq;
+    seq.blocks = r.items()[0].blocks;
+    seq.length = first;
+    seq.new_tokens = n;
+    seq.q = {q_.data() + first * heads_.q_width(), v1::FP32};
+    seq.k = {k_.data() + first * heads_.kv_width(), v1::FP32};
+    seq.v = {v_.data() + first * heads_.kv_width(), v1::FP32};
+    seq.out = {out_.data(), v1::FP32};
+    PagedArgs args;
+    args.problem.heads = heads_;
+    args.problem.cache = {heads_.num_kv_heads, heads_.head_dim, store_->options().block_tokens, v1::FP32};
+    args.problem.sequences = 1;
+    args.problem.new_tokens = args.problem.max_new_tokens = n;
+    args.problem.max_length = first + n;
+    args.sequences = {&seq, 1};
+    const auto start = Clock::now();
+    const absl::Status status = backend_->PagedAttention(args);
+    const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+    if (!status.ok()) std::fprintf(stderr, "%s: %s\n", name_.c_str(), status.ToString().c_str());
+    r.Commit();
+    return seconds;
+  }
+
+  const std::string name_;
+  const int64_t n_, cached_;
+  const HeadSpec heads_;
+  CpuBackend* backend_ = nullptr;
+  std::unique_ptr<SessionStore> store_;
+  std::vector<float> q_, k_, v_, out_;
+};
+
+struct Flags {
+  int rounds = 3;
+  double seconds = 0.5;  // per case and round
+  std::string filter;
+  // Every decode call on the same sessions, whose caches then stay in the CPU's caches: the kernels' compute
+  // ceiling rather than the memory's.
+  bool warm = false;
+};
+
+Flags Parse(int argc, char** argv) {
+  Flags flags;
+  for (int i = 1; i < argc; ++i) {
+    if (std::string(argv[i]) == "--warm") flags.warm = true;
+  }
+  for (int i = 1; i + 1 < argc; ++i) {
+    const std::string name = argv[i];
+    if (name == "--rounds") flags.rounds = std::atoi(argv[i + 1]);
+    if (name == "--seconds") flags.seconds = std::atof(argv[i + 1]);
+    if (name == "--filter") flags.filter = argv[i + 1];
+  }
+  return flags;
+}
+
+int Main(int argc, char** argv) {
+  const Flags flags = Parse(argc, argv);
+  auto backend = CpuBackend::Create();
+  if (!backend.ok()) {
+    std::fprintf(stderr, "%s\n", backend.status().ToString().c_str());
+    return 1;
+  }
+  const int threads = omp_get_max_threads();
+  std::vector<DecodeCase> decodes;
+  decodes.reserve(16);
+  decodes.emplace_back("decode_1x8192_bf16", 1, 8191, Heads(32, 8, 128), v1::BF16);
+  decodes.emplace_back("decode_1x8192_fp32", 1, 8191, Heads(32, 8, 128), v1::FP32);
+  decodes.emplace_back("decode_32x1024_bf16", 32, 1023, Heads(32, 8, 128), v1::BF16);
+  decodes.emplace_back("decode_32x1024_fp32", 32, 1023, Heads(32, 8, 128), v1::FP32);
+  decodes.emplace_back("decode_32x2048_bf16", 32, 2047, Heads(32, 8, 128), v1::BF16);
+  // The block size (--kv_block_tokens): the layout's one free parameter.
+  for (int64_t tb : {16, 64, 128}) {
+    decodes.emplace_back(absl::StrCat("decode_1x8192_bf16_block", tb), 1, 8191, Heads(32, 8, 128), v1::BF16, tb);
+    decodes.emplace_back(absl::StrCat("decode_1x8192_fp32_block", tb), 1, 8191, Heads(32, 8, 128), v1::FP32, tb);
+  }
+  std::vector<PrefillCase> prefills;
+  prefills.reserve(4);
+  prefills.emplace_back("prefill_512_empty", 512, 0, Heads(32, 8, 128));
+  prefills.emplace_back("prefill_512_after_3584", 512, 3584, Heads(32, 8, 128));
+  const auto wanted = [&](const std::string& name) {
+    return flags.filter.empty() || name.find(flags.filter) != std::string::npos;
+  };
+  std::printf("threads %d, last-level cache %lld MiB; preparing caches...\n", threads,
+              static_cast<long long>(LastLevelCacheBytes() >> 20));
+  for (DecodeCase& c : decodes) {
+    if (wanted(c.name())) c.Prepare(backend->get(), flags.warm);
+  }
+  for (PrefillCase& c : prefills) {
+    if (wanted(c.name())) c.Prepare(backend->get());
+  }
+  std::vector<double> probe;
+  std::vector<std::vector<double>> decode_rates(decodes.size()), extend_s(prefills.size()),
+      stateless_s(prefills.size());
+  for (int round = 0; round < flags.rounds; ++round) {
+    const BandwidthResult bw = MeasureReadBandwidth(threads, 4);
+    probe.push_back(bw.gb_per_s);
+    for (size_t i = 0; i < decodes.size(); ++i) {
+      if (!wanted(decodes[i].name())) continue;
+      decodes[i].Call();  // warm: scratch, thread pool
+      for (const auto until = Clock::now() + std::chrono::duration<double>(flags.seconds); Clock::now() < until;) {
+        decode_rates[i].push_back(decodes[i].BytesPerCall() / decodes[i].Call() / 1e9);
+      }
+    }
+    for (size_t i = 0; i < prefills.size(); ++i) {
+      if (!wanted(prefills[i].name())) continue;
+      prefills[i].Stateless();
+      prefills[i].Extend();
+      for (int k = 0; k < 3; ++k) {  // interleaved, so that both see the same neighbours
+        stateless_s[i].push_back(prefills[i].Stateless());
+        extend_s[i].push_back(prefills[i].Extend());
+      }
+    }
+  }
+  const Stats p = Of(probe, true);
+  const PeakResult peak = MeasurePeak(threads, 0.3);
+  std::printf("memory-read probe: %.1f GB/s best, %.1f median (%d rounds); fp32 FMA peak %.0f GFLOP/s\n", p.best,
+              p.median, flags.rounds, peak.gflops);
+  std::printf("%-24s %10s %7s %10s %10s %9s %9s\n", "decode (H=32 Hkv=8 dk=128)", "KV MiB", "copies", "GB/s best",
+              "GB/s med", "%probe", "%probe md");
+  for (size_t i = 0; i < decodes.size(); ++i) {
+    if (decode_rates[i].empty()) continue;
+    const Stats s = Of(decode_rates[i], true);
+    std::printf("%-24s %10.1f %7d %10.1f %10.1f %8.0f%% %8.0f%%\n", decodes[i].name().c_str(),
+                decodes[i].BytesPerCall() / 1048576.0, decodes[i].copies(), s.best, s.median, 100 * s.best / p.best,
+                100 * s.median / p.median);
+  }
+  std::printf("%-24s %10s %10s %10s %10s %9s %9s\n", "prefill (fp32 cache)", "Extend ms", "med", "SDPA ms", "med",
+              "ratio", "ratio md");
+  for (size_t i = 0; i < prefills.size(); ++i) {
+    if (extend_s[i].empty()) continue;
+    const Stats e = Of(extend_s[i], false), st = Of(stateless_s[i], false);
+    std::printf("%-24s %10.2f %10.2f %10.2f %10.2f %9.2f %9.2f   (%.0f GFLOP/s Extend best)\n",
+                prefills[i].name().c_str(), e.best * 1e3, e.median * 1e3, st.best * 1e3, st.median * 1e3,
+                st.best / e.best, st.median / e.median, prefills[i].Flops() / e.best / 1e9);
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace mha::bench
+
+int main(int argc, char** argv) { return mha::bench::Main(argc, argv); }

@@ -1,0 +1,27 @@
+// Measures this machine's memory-read bandwidth in the running process: every OpenMP thread streaming its share of
+// a buffer several times the last-level cache, summing it with AVX where the CPU has it. Decode attention reads a
+// KV cache larger than the caches once per step, so this is its ceiling; benchmarks print KV bytes read per second
+// as a share of it.
+#ifndef MHA_TESTS_BENCH_MEMORY_PROBE_H_
+#define MHA_TESTS_BENCH_MEMORY_PROBE_H_
+
+#include <cstdint>
+
+namespace mha::bench {
+
+// The last-level cache's bytes (sysconf), at least 32 MiB when the system does not say.
+int64_t LastLevelCacheBytes();
+
+struct BandwidthResult {
+  double gb_per_s = 0;  // best pass, 1e9 bytes per second, all threads together
+  double median_gb_per_s = 0;
+  int64_t buffer_bytes = 0;
+  int threads = 0;
+};
+
+// Reads a buffer of max(4 x the last-level cache, 1 GiB) bytes `passes` times on `threads` threads.
+BandwidthResult MeasureReadBandwidth(int threads, int passes = 6);
+
+}  // namespace mha::bench
+
+#endif  // MHA_TESTS_BENCH_MEMORY_PROBE_H_
