@@ -87,10 +87,11 @@ DecodeScratch& ThreadDecodeScratch() {
 }
 
 // One unit of the decode path into its partial result: block after block, KV head after KV head, each head's part
-// streamed once for its G n query rows, the next part prefetched while this one computes.
+// streamed once for its G n query rows, the next part prefetched while this one computes; during its last part,
+// `after` (the next unit's first block, which this thread takes next if no other one does; may be null).
 void RunUnit(const kernels::TileKernels& tiles, const PagedProblem& p, const DecodePlan& plan,
              const PagedSequence& seq, int64_t first_row, const float* q, int64_t ldq, const Unit& unit,
-             float* partials) {
+             const char* after, float* partials) {
   const HeadSpec& h = p.heads;
   const KvCacheLayout& c = p.cache;
   const int64_t dk = h.head_dim, tb = c.block_tokens, G = h.group_size(), n = seq.new_tokens, rows = G * n;
@@ -128,7 +129,7 @@ void RunUnit(const kernels::TileKernels& tiles, const PagedProblem& p, const Dec
       const char* part = seq.blocks[b] + c.KeyOffset(g) * element;
       // The next part: this block's next head, or the next block's first; its K^T streams in during these
       // scores, its V during these values.
-      const char* next = g + 1 < Hkv ? part + 2 * half : b + 1 < unit.b1 ? seq.blocks[b + 1] : nullptr;
+      const char* next = g + 1 < Hkv ? part + 2 * half : b + 1 < unit.b1 ? seq.blocks[b + 1] : after;
       float* acc = part_of_unit + g * HeadPartial(h, rows);
       kernels.scores(rows, tb, dk, queries + g * rows * dk, dk, part, tb, scores, tb, next, half);
       tiles.online_softmax(rows, keys, block_visible, scores, tb, acc + rows * dk, acc + rows * dk + rows, factor,
@@ -180,7 +181,10 @@ absl::Status DecodeSequences(const kernels::TileKernels& tiles, const PagedProbl
   std::vector<float> partials(plan.partial_floats);
   std::atomic<bool> stopped{false};
   const int64_t units = static_cast<int64_t>(plan.units.size());
-#pragma omp parallel for schedule(dynamic, 1)
+  // Round robin, so that a thread knows its next unit and streams its first block in while it ends this one. The
+  // units are about equal (whole sequences of a batch, or equal splits of a long one).
+  const int64_t threads = omp_get_max_threads();
+#pragma omp parallel for schedule(static, 1)
   for (int64_t u = 0; u < units; ++u) {
     if (stopped.load(std::memory_order_relaxed)) continue;
     if (stop != nullptr && !stop->Check().ok()) {
@@ -188,7 +192,9 @@ absl::Status DecodeSequences(const kernels::TileKernels& tiles, const PagedProbl
       continue;
     }
     const Unit& unit = plan.units[u];
-    RunUnit(tiles, p, plan, sequences[unit.seq], rows.first_row[unit.seq], q, ldq, unit, partials.data());
+    const char* after = nullptr;
+    if (u + threads < units) after = sequences[plan.units[u + threads].seq].blocks[plan.units[u + threads].b0];
+    RunUnit(tiles, p, plan, sequences[unit.seq], rows.first_row[unit.seq], q, ldq, unit, after, partials.data());
   }
   if (stopped) return stop->Check();
   const int64_t Hkv = p.heads.num_kv_heads, decoding = static_cast<int64_t>(plan.seq_index.size());
