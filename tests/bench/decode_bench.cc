@@ -4,7 +4,7 @@
 //    copies, 2x the last-level cache, as a server with many sessions sees it);
 //  - prefill chunks through Extend (paged attention) against the same stateless causal call.
 // Rounds interleave the probe and every case (this VM's neighbours move its bandwidth); best and median are printed.
-//   build/bin/decode_bench [--rounds 3] [--seconds 0.5] [--filter decode_1x8192] [--warm]
+//   build/bin/decode_bench [--rounds 3] [--seconds 0.5] [--filter decode_1x8192] [--warm] [--json results.jsonl]
 #include <omp.h>
 
 #include <algorithm>
@@ -245,6 +245,7 @@ struct Flags {
   // Every decode call on the same sessions, whose caches then stay in the CPU's caches: the kernels' compute
   // ceiling rather than the memory's.
   bool warm = false;
+  std::string json_out;  // also write the results here as JSON lines
 };
 
 Flags Parse(int argc, char** argv) {
@@ -257,8 +258,32 @@ Flags Parse(int argc, char** argv) {
     if (name == "--rounds") flags.rounds = std::atoi(argv[i + 1]);
     if (name == "--seconds") flags.seconds = std::atof(argv[i + 1]);
     if (name == "--filter") flags.filter = argv[i + 1];
+    if (name == "--json") flags.json_out = argv[i + 1];
   }
   return flags;
+}
+
+// The results as JSON lines (tests/bench/decode_compare.py reads them).
+void WriteJson(const std::string& path, const Stats& probe, const std::vector<DecodeCase>& decodes,
+               const std::vector<std::vector<double>>& rates, const std::vector<PrefillCase>& prefills,
+               const std::vector<std::vector<double>>& extend_s, const std::vector<std::vector<double>>& stateless_s) {
+  FILE* f = std::fopen(path.c_str(), "w");
+  if (f == nullptr) return;
+  std::fprintf(f, "{\"probe_gbps\": %.3f, \"probe_gbps_median\": %.3f}\n", probe.best, probe.median);
+  for (size_t i = 0; i < decodes.size(); ++i) {
+    if (rates[i].empty()) continue;
+    const Stats s = Of(rates[i], true);
+    std::fprintf(f, "{\"case\": \"%s\", \"gbps\": %.3f, \"gbps_median\": %.3f}\n", decodes[i].name().c_str(),
+                 s.best, s.median);
+  }
+  for (size_t i = 0; i < prefills.size(); ++i) {
+    if (extend_s[i].empty()) continue;
+    const Stats e = Of(extend_s[i], false), st = Of(stateless_s[i], false);
+    std::fprintf(f, "{\"case\": \"%s\", \"extend_ms\": %.3f, \"extend_ms_median\": %.3f, \"stateless_ms\": %.3f, "
+                 "\"stateless_ms_median\": %.3f}\n", prefills[i].name().c_str(), e.best * 1e3, e.median * 1e3,
+                 st.best * 1e3, st.median * 1e3);
+  }
+  std::fclose(f);
 }
 
 int Main(int argc, char** argv) {
@@ -332,6 +357,7 @@ int Main(int argc, char** argv) {
                 decodes[i].BytesPerCall() / 1048576.0, decodes[i].copies(), s.best, s.median, 100 * s.best / p.best,
                 100 * s.median / p.median);
   }
+  if (!flags.json_out.empty()) WriteJson(flags.json_out, p, decodes, decode_rates, prefills, extend_s, stateless_s);
   std::printf("%-24s %10s %10s %10s %10s %9s %9s\n", "prefill (fp32 cache)", "Extend ms", "med", "SDPA ms", "med",
               "ratio", "ratio md");
   for (size_t i = 0; i < prefills.size(); ++i) {
