@@ -441,6 +441,58 @@ void CodecSeeds(Corpus& c) {
   c.Add("raw_floats", std::string(reinterpret_cast<const char*>(specials), sizeof(specials)));
 }
 
+// Extend requests against fuzz_extend_request's sessions (its first-letter rule): decode steps and prefills of head
+// sessions (fp32 with RoPE, bf16, fp16 caches), a layer session over "tiny", a ragged call of three, weights, and
+// near-misses (a repeated id, mixed kinds, a short k, a wrong width, an expected_length that is off).
+void ExtendSeeds(Corpus& c) {
+  const auto heads = [](v1::ExtendItem* item, const std::string& id, int64_t n, v1::DataType dtype, float phase) {
+    item->set_session_id(id);
+    Tensor({n, 2, 4}, dtype, item->mutable_q(), phase);
+    Tensor({n, 1, 4}, dtype, item->mutable_k(), phase + 1);
+    Tensor({n, 1, 4}, dtype, item->mutable_v(), phase + 2);
+  };
+  v1::ExtendRequest decode;
+  heads(decode.add_items(), "h1", 1, v1::FP32, 0);
+  c.Add("head_decode", decode);
+  v1::ExtendRequest prefill;
+  heads(prefill.add_items(), "h2", 20, v1::FP32, 1);
+  prefill.set_layer_index(1);
+  c.Add("head_prefill_layer1", prefill);
+  v1::ExtendRequest ragged;
+  heads(ragged.add_items(), "h1", 3, v1::FP32, 2);
+  heads(ragged.add_items(), "h3", 17, v1::FP32, 3);
+  heads(ragged.add_items(), "h4", 1, v1::BF16, 4);
+  ragged.set_return_attention_weights(true);
+  c.Add("ragged_weights", ragged);
+  v1::ExtendRequest bf16;
+  heads(bf16.add_items(), "b1", 5, v1::BF16, 5);
+  bf16.set_output_dtype(v1::BF16);
+  c.Add("bf16_cache", bf16);
+  v1::ExtendRequest fp16;
+  heads(fp16.add_items(), "f1", 33, v1::FP16, 6);
+  c.Add("fp16_cache", fp16);
+  v1::ExtendRequest layer;
+  v1::ExtendItem* x = layer.add_items();
+  x->set_session_id("L1");
+  Tensor({4, 8}, v1::FP32, x->mutable_x(), 7);
+  c.Add("layer_session", layer);
+  v1::ExtendRequest repeated = decode;
+  *repeated.add_items() = decode.items(0);
+  c.Add("repeated_id", repeated);
+  v1::ExtendRequest mixed = layer;
+  *mixed.add_items() = decode.items(0);
+  c.Add("mixed_kinds", mixed);
+  v1::ExtendRequest short_k = prefill;
+  Tensor({2, 1, 4}, v1::FP32, short_k.mutable_items(0)->mutable_k());
+  c.Add("short_k", short_k);
+  v1::ExtendRequest width = layer;
+  Tensor({4, 6}, v1::FP32, width.mutable_items(0)->mutable_x());
+  c.Add("wrong_width", width);
+  v1::ExtendRequest expected = decode;
+  expected.mutable_items(0)->set_expected_length(7);
+  c.Add("expected_length", expected);
+}
+
 // fuzz_request_reader's first byte picks the message (high bit: SDPA) and the slicing; the rest are the requests'
 // seeds.
 void RequestReaderSeeds(Corpus& c) {
@@ -461,6 +513,7 @@ int main(int argc, char** argv) {
   const std::filesystem::path root = argv[1];
   const std::pair<const char*, std::function<void(mha::Corpus&)>> targets[] = {
       {"fuzz_mha_request", mha::MhaSeeds},     {"fuzz_sdpa_request", mha::SdpaSeeds},
+      {"fuzz_extend_request", mha::ExtendSeeds},
       {"fuzz_load_layer_request", mha::LoadLayerSeeds}, {"fuzz_safetensors", mha::SafetensorsSeeds},
       {"fuzz_npy", mha::NpySeeds},             {"fuzz_tensor_codec", mha::CodecSeeds},
       {"fuzz_request_reader", mha::RequestReaderSeeds}};

@@ -31,7 +31,7 @@ while [[ $# -gt 0 ]]; do
 done
 
 targets=(${MHA_FUZZ_TARGETS:-fuzz_tensor_codec fuzz_request_reader fuzz_npy fuzz_safetensors fuzz_load_layer_request
-  fuzz_sdpa_request fuzz_mha_request})
+  fuzz_sdpa_request fuzz_extend_request fuzz_mha_request})
 
 if [[ ! -f $build/build.ninja ]]; then
   cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_COMPILER=clang++ -DMHA_FUZZ=ON \
