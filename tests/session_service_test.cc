@@ -3,6 +3,7 @@
 // from many threads at once.
 #include <atomic>
 #include <chrono>
+#include <future>
 #include <set>
 #include <thread>
 #include <vector>
@@ -443,6 +444,29 @@ TEST_F(SessionServiceTest, CudaAnswersWithItsReasonAndAutoUsesTheCpu) {
               status.error_code() == grpc::StatusCode::UNIMPLEMENTED)
       << status.error_message();
   EXPECT_EQ(Length(id), 0);
+}
+
+// A call cancelled while it computes, and one whose deadline passes while it waits behind it for the session:
+// neither changes the session.
+TEST_F(SessionServiceTest, CancelledAndTimedOutCallsChangeNoSession) {
+  const std::string id = Created(LayerSession());
+  ASSERT_TRUE(Extend(ExtendOf({XItem(id, 3)})).ok());
+  v1::ExtendRequest slow = ExtendOf({XItem(id, 2000)});
+  slow.set_backend(v1::BACKEND_REFERENCE);  // seconds of plain loops
+  grpc::ClientContext slow_context;
+  v1::ExtendResponse slow_response;
+  auto slow_call = std::async(std::launch::async, [&] { return stub_->Extend(&slow_context, slow, &slow_response); });
+  ASSERT_TRUE(server_->scheduler().AwaitRunning(absl::Seconds(30)));
+  grpc::ClientContext hurried;
+  hurried.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(300));
+  v1::ExtendResponse unused;
+  const grpc::Status waited = stub_->Extend(&hurried, ExtendOf({XItem(id, 1)}), &unused);
+  EXPECT_EQ(waited.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << waited.error_message();
+  slow_context.TryCancel();
+  EXPECT_EQ(slow_call.get().error_code(), grpc::StatusCode::CANCELLED);
+  EXPECT_EQ(Length(id), 3);
+  ASSERT_TRUE(Extend(ExtendOf({XItem(id, 1)})).ok());
+  EXPECT_EQ(Length(id), 4);
 }
 
 class ShortIdleTest : public SessionServiceTest {
