@@ -233,14 +233,16 @@ def check_stack(kustomization, resources, dockerfile):
               f"Deployment {name}: terminationGracePeriodSeconds {grace} < preStop {pre_stop_s} s + "
               f"--shutdown_grace_s {drain_s:g} s + {EXIT_MARGIN_S} s to exit")
 
-    # Memory: the limit covers what the server's own limits let it hold.
-    if check("max_layer_mb" in flags and "max_inflight_mb" in flags,
-             f"Deployment {name}: set --max_layer_mb and --max_inflight_mb to fit the memory limit"):
-        need_mib = BASE_MEMORY_MIB + int(flags["max_layer_mb"]) + int(flags["max_inflight_mb"])
+    # Memory: the limit covers what the server's own limits let it hold, the sessions' KV cache pool included.
+    if check("max_layer_mb" in flags and "max_inflight_mb" in flags and "kv_cache_mb" in flags,
+             f"Deployment {name}: set --max_layer_mb, --max_inflight_mb and --kv_cache_mb to fit the memory limit"):
+        need_mib = (BASE_MEMORY_MIB + int(flags["max_layer_mb"]) + int(flags["max_inflight_mb"]) +
+                    int(flags["kv_cache_mb"]))
         if "memory" in limits:
             check(memory_bytes(limits["memory"]) >= need_mib << 20,
                   f"Deployment {name}: memory limit {limits['memory']} < {BASE_MEMORY_MIB} MiB base + "
-                  f"--max_layer_mb {flags['max_layer_mb']} + --max_inflight_mb {flags['max_inflight_mb']}")
+                  f"--max_layer_mb {flags['max_layer_mb']} + --max_inflight_mb {flags['max_inflight_mb']} + "
+                  f"--kv_cache_mb {flags['kv_cache_mb']}")
 
     # Identity: mutual TLS and tokens from Secrets, the TLS copies on a writable in-memory /tmp, health on its own
     # plaintext port for the probes (which cannot speak TLS).
