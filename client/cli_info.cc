@@ -1,4 +1,4 @@
-// mha_client health and info: the server's health status, and its version, backends, limits, layers and
+// mha_client health and info: the server's health status, and its version, backends, limits, sessions, layers and
 // shared-memory regions.
 #include <cstdio>
 
@@ -29,6 +29,13 @@ int RunInfo(const ClientOptions& options) {
               static_cast<long long>(l.max_message_bytes() >> 20), l.max_queue_size(), l.compute_threads(),
               static_cast<long long>(l.max_layer_bytes() >> 20), static_cast<long long>(l.max_scratch_bytes() >> 20),
               l.max_request_gflop());
+  absl::StatusOr<v1::ListSessionsResponse> sessions = client.ListSessions();
+  if (!sessions.ok()) return Fail(sessions.status());
+  std::printf("sessions: %d open (at most %d), KV cache pool %lld MiB in blocks of %d tokens, up to %lld tokens per "
+              "cache, idle timeout %d s (at most %d s)\n",
+              sessions->sessions_size(), l.max_sessions(), static_cast<long long>(l.kv_cache_bytes() >> 20),
+              l.kv_block_tokens(), static_cast<long long>(l.max_session_tokens()), l.session_idle_s(),
+              l.max_session_idle_s());
   absl::StatusOr<v1::ListLayersResponse> layers = client.ListLayers();
   if (!layers.ok()) return Fail(layers.status());
   for (const auto& layer : layers->layers()) {
