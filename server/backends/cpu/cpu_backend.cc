@@ -565,7 +565,11 @@ absl::Status CpuBackend::PagedAttention(const PagedArgs& a) {
   ASSIGN_OR_RETURN(const cpu::PagedQkv qkv, ProjectPaged(a, rows, scratch, stop));
   RotatePaged(a, rows, qkv);
   cpu::WriteTokens(p.cache, a.sequences, rows, qkv.k, qkv.ldk, qkv.v, qkv.ldv);
-  float* heads = cpu::Grown(scratch.heads, rows.total * h.q_width());
+  // One head session's fp32 output is the heads themselves: written in place, not copied after (a prefill's
+  // output is megabytes).
+  const bool in_place = p.d_model == 0 && a.sequences.size() == 1 && a.sequences[0].out.dtype == v1::FP32;
+  float* heads = in_place ? static_cast<float*>(a.sequences[0].out.data)
+                          : cpu::Grown(scratch.heads, rows.total * h.q_width());
   if (absl::Status status = cpu::PagedAttend(KernelsFor(h.head_dim), p, a.sequences, rows, qkv, heads, h.q_width(),
                                              stop);
       !status.ok()) {
@@ -583,6 +587,7 @@ absl::Status CpuBackend::PagedAttention(const PagedArgs& a) {
     }
     out = projected;
   }
+  if (in_place) return absl::OkStatus();
   for (size_t s = 0; s < a.sequences.size(); ++s) {
     const PagedSequence& seq = a.sequences[s];
     EncodeFromFloat(seq.out.dtype, out + first_row[s] * width, seq.new_tokens * width, seq.out.data);

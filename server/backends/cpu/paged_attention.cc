@@ -86,6 +86,22 @@ DecodeScratch& ThreadDecodeScratch() {
   return scratch;
 }
 
+// How many parts (one KV head's K^T and V in one block) ahead of the one computing the prefetches run: at least
+// kLookaheadBytes of K^T ahead, so that a bf16 or fp16 cache, whose parts are half as long for the same compute,
+// keeps as many bytes in flight as an fp32 one.
+constexpr int64_t kLookaheadBytes = 16 << 10;
+int64_t LookaheadParts(int64_t half) { return std::max<int64_t>(1, kLookaheadBytes / std::max<int64_t>(half, 1)); }
+
+// The address of part k of a unit (k = (block - b0) Hkv + KV head), or past its end, of the next unit's first
+// block (`after`, may be null); null past that.
+const char* PartAhead(const KvCacheLayout& c, const PagedSequence& seq, const Unit& unit, const char* after,
+                      int64_t element, int64_t k) {
+  const int64_t Hkv = c.num_kv_heads, parts = (unit.b1 - unit.b0) * Hkv;
+  if (k < parts) return seq.blocks[unit.b0 + k / Hkv] + c.KeyOffset(k % Hkv) * element;
+  if (after != nullptr && k - parts < Hkv) return after + c.KeyOffset(k - parts) * element;
+  return nullptr;
+}
+
 // One unit of the decode path into its partial result: block after block, KV head after KV head, each head's part
 // streamed once for its G n query rows, the next part prefetched while this one computes; during its last part,
 // `after` (the next unit's first block, which this thread takes next if no other one does; may be null).
@@ -98,6 +114,7 @@ void RunUnit(const kernels::TileKernels& tiles, const PagedProblem& p, const Dec
   const int64_t Hkv = h.num_kv_heads, element = static_cast<int64_t>(DTypeSize(c.dtype));
   const int64_t half = c.HeadElements() / 2 * element;  // bytes of a head's K^T, and of its V
   const kernels::PagedKernels& kernels = tiles.paged[c.dtype - 1];
+  const int64_t distance = LookaheadParts(half);
   DecodeScratch& t = ThreadDecodeScratch();
   float* queries = Grown(t.queries, Hkv * rows * dk);
   float* scores = Grown(t.scores, rows * tb);
@@ -129,7 +146,7 @@ void RunUnit(const kernels::TileKernels& tiles, const PagedProblem& p, const Dec
       const char* part = seq.blocks[b] + c.KeyOffset(g) * element;
       // The next part: this block's next head, or the next block's first; its K^T streams in during these
       // scores, its V during these values.
-      const char* next = g + 1 < Hkv ? part + 2 * half : b + 1 < unit.b1 ? seq.blocks[b + 1] : after;
+      const char* next = PartAhead(c, seq, unit, after, element, (b - unit.b0) * Hkv + g + distance);
       float* acc = part_of_unit + g * HeadPartial(h, rows);
       kernels.scores(rows, tb, dk, queries + g * rows * dk, dk, part, tb, scores, tb, next, half);
       tiles.online_softmax(rows, keys, block_visible, scores, tb, acc + rows * dk, acc + rows * dk + rows, factor,
@@ -263,15 +280,21 @@ absl::Status GatherSequence(const kernels::TileKernels& tiles, const PagedProble
   s.heads = h;
   s.heads.causal = true;
   const int64_t width = h.kv_width();
-  float* k = Grown(scratch.keys, s.kv_len * width);
-  float* v = Grown(scratch.values, s.kv_len * width);
-  GatherHistory(p.cache, seq, k, v);
-  AsCached(p.cache.dtype, qkv.k + first_row * qkv.ldk, seq.new_tokens, width, qkv.ldk, k + seq.length * width);
-  AsCached(p.cache.dtype, qkv.v + first_row * qkv.ldv, seq.new_tokens, width, qkv.ldv, v + seq.length * width);
+  Packed keys{qkv.k + first_row * qkv.ldk, qkv.ldk}, values{qkv.v + first_row * qkv.ldv, qkv.ldv};
+  // An empty fp32 cache holds exactly the projections: attended where they are. Otherwise history and new tokens
+  // together, as the cache holds them.
+  if (seq.length > 0 || p.cache.dtype != v1::FP32) {
+    float* k = Grown(scratch.keys, s.kv_len * width);
+    float* v = Grown(scratch.values, s.kv_len * width);
+    GatherHistory(p.cache, seq, k, v);
+    AsCached(p.cache.dtype, keys.data, seq.new_tokens, width, keys.row_stride, k + seq.length * width);
+    AsCached(p.cache.dtype, values.data, seq.new_tokens, width, values.row_stride, v + seq.length * width);
+    keys = Packed{k, width};
+    values = Packed{v, width};
+  }
   FloatOutput weights(seq.weights, h.num_heads * s.q_len * s.kv_len);
-  const absl::Status status = Attend(tiles, s, AttentionMask(), Packed{qkv.q + first_row * qkv.ldq, qkv.ldq},
-                                     Packed{k, width},
-                                     Packed{v, width}, PackedOut{heads + first_row * ldh, ldh}, weights.data(), stop);
+  const absl::Status status = Attend(tiles, s, AttentionMask(), Packed{qkv.q + first_row * qkv.ldq, qkv.ldq}, keys,
+                                     values, PackedOut{heads + first_row * ldh, ldh}, weights.data(), stop);
   ReleaseIfLarge(scratch.keys, kKeptCallScratchBytes);
   ReleaseIfLarge(scratch.values, kKeptCallScratchBytes);
   if (!status.ok()) return status;
