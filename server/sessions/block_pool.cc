@@ -19,6 +19,9 @@ BlockPool::BlockPool(int64_t capacity_bytes, int64_t keep_resident_bytes)
                  static_cast<long long>(chunks * kChunkBytes));
     std::abort();
   }
+  // Transparent huge pages where the system allows them (THP "madvise"): decode streams whole blocks, and 2 MiB
+  // pages spare it a TLB miss every 4 KiB. Advice only; without it the pool works the same.
+  madvise(base, chunks * kChunkBytes, MADV_HUGEPAGE);
   base_ = static_cast<char*>(base);
   chunks_.resize(chunks);
   // Lowest chunks first, so that a lightly used pool touches few of them.
