@@ -151,12 +151,14 @@ class DecodeCase {
   std::vector<float> q_, kv_, out_;
 };
 
-// A prefill chunk of n tokens through Extend onto a cache of `cached` tokens, and the stateless causal
-// ScaledDotProductAttention over the same n queries and cached + n keys.
+// A prefill chunk of n tokens through Extend onto a cache of `cached` tokens, and the stateless causal call over the
+// same n queries and cached + n keys: ScaledDotProductAttention for a head session; for a layer session (`layer`,
+// d_model = H d_k, random weights), MultiHeadAttention, which projects every key again where Extend projects only the
+// new ones.
 class PrefillCase {
  public:
-  PrefillCase(std::string name, int64_t n, int64_t cached, HeadSpec heads)
-      : name_(std::move(name)), n_(n), cached_(cached), heads_(heads) {}
+  PrefillCase(std::string name, int64_t n, int64_t cached, HeadSpec heads, bool layer = false)
+      : name_(std::move(name)), n_(n), cached_(cached), heads_(heads), layer_(layer) {}
   const std::string& name() const { return name_; }
 
   void Prepare(CpuBackend* backend) {
@@ -170,6 +172,17 @@ class PrefillCase {
     k_ = Random(T * heads_.kv_width(), 4);
     v_ = Random(T * heads_.kv_width(), 5);
     out_.resize(T * heads_.q_width());
+    if (layer_) {
+      const int64_t d = heads_.q_width();
+      x_ = Random(T * d, 6);
+      w_q_ = Random(d * d, 8);
+      w_k_ = Random(d * heads_.kv_width(), 9);
+      w_v_ = Random(d * heads_.kv_width(), 10);
+      w_o_ = Random(d * d, 11);
+      for (std::vector<float>* w : {&w_q_, &w_k_, &w_v_, &w_o_}) {
+        for (float& value : *w) value *= 1.0f / std::sqrt(static_cast<float>(d));
+      }
+    }
   }
 
   // A fresh session holding `cached` tokens, then the timed Extend of n more.
@@ -183,7 +196,47 @@ class PrefillCase {
     return seconds;
   }
 
-  double Stateless() {
+  double Stateless() { return layer_ ? StatelessLayer() : StatelessHeads(); }
+
+  double Flops() const {
+    const double n = n_, c = cached_;
+    const double attention = 4.0 * heads_.num_heads * heads_.head_dim * (n * c + n * (n + 1) / 2);
+    if (!layer_) return attention;
+    const double d = heads_.q_width(), kv = heads_.kv_width();
+    return attention + 2 * n * d * (2 * d + 2 * kv);  // Extend's projections: the new tokens only
+  }
+
+ private:
+  LayerWeights Weights() const {
+    LayerWeights w;
+    w.w_q = w_q_.data();
+    w.w_k = w_k_.data();
+    w.w_v = w_v_.data();
+    w.w_o = w_o_.data();
+    w.ld_q = heads_.q_width();
+    w.ld_k = w.ld_v = heads_.kv_width();
+    return w;
+  }
+
+  double StatelessLayer() {
+    MhaArgs a;
+    a.shape.batch = 1;
+    a.shape.q_len = n_;
+    a.shape.kv_len = cached_ + n_;
+    a.shape.d_model = a.shape.d_kv_in = a.shape.d_v_in = heads_.q_width();
+    a.shape.heads = heads_;
+    a.weights = Weights();
+    a.kv_source = cached_ == 0 ? KvSource::kQuery : KvSource::kKey;
+    a.query = {x_.data() + cached_ * heads_.q_width(), v1::FP32};
+    a.key = a.value = {x_.data(), v1::FP32};
+    a.out = {out_.data(), v1::FP32};
+    const auto start = Clock::now();
+    const absl::Status status = backend_->MultiHeadAttention(a);
+    if (!status.ok()) std::fprintf(stderr, "%s: %s\n", name_.c_str(), status.ToString().c_str());
+    return std::chrono::duration<double>(Clock::now() - start).count();
+  }
+
+  double StatelessHeads() {
     SdpaArgs a;
     a.shape.batch = 1;
     a.shape.q_len = n_;
@@ -199,24 +252,26 @@ class PrefillCase {
     return std::chrono::duration<double>(Clock::now() - start).count();
   }
 
-  double Flops() const {
-    const double n = n_, c = cached_;
-    return 4.0 * heads_.num_heads * heads_.head_dim * (n * c + n * (n + 1) / 2);
-  }
-
- private:
   double Run(const std::string& id, int64_t first, int64_t n) {
     ExtendReservation r = *store_->Reserve({ReserveItem{id, 0, n}});
     PagedSequence seq;
     seq.blocks = r.items()[0].blocks;
     seq.length = first;
     seq.new_tokens = n;
-    seq.q = {q_.data() + first * heads_.q_width(), v1::FP32};
-    seq.k = {k_.data() + first * heads_.kv_width(), v1::FP32};
-    seq.v = {v_.data() + first * heads_.kv_width(), v1::FP32};
+    if (layer_) {
+      seq.x = {x_.data() + first * heads_.q_width(), v1::FP32};
+    } else {
+      seq.q = {q_.data() + first * heads_.q_width(), v1::FP32};
+      seq.k = {k_.data() + first * heads_.kv_width(), v1::FP32};
+      seq.v = {v_.data() + first * heads_.kv_width(), v1::FP32};
+    }
     seq.out = {out_.data(), v1::FP32};
     PagedArgs args;
     args.problem.heads = heads_;
+    if (layer_) {
+      args.problem.d_model = heads_.q_width();
+      args.weights = Weights();
+    }
     args.problem.cache = {heads_.num_kv_heads, heads_.head_dim, store_->options().block_tokens, v1::FP32};
     args.problem.sequences = 1;
     args.problem.new_tokens = args.problem.max_new_tokens = n;
@@ -233,9 +288,11 @@ class PrefillCase {
   const std::string name_;
   const int64_t n_, cached_;
   const HeadSpec heads_;
+  const bool layer_;
   CpuBackend* backend_ = nullptr;
   std::unique_ptr<SessionStore> store_;
   std::vector<float> q_, k_, v_, out_;
+  std::vector<float> x_, w_q_, w_k_, w_v_, w_o_;  // a layer's input and weights
 };
 
 struct Flags {
@@ -301,6 +358,9 @@ int Main(int argc, char** argv) {
   decodes.emplace_back("decode_32x1024_bf16", 32, 1023, Heads(32, 8, 128), v1::BF16);
   decodes.emplace_back("decode_32x1024_fp32", 32, 1023, Heads(32, 8, 128), v1::FP32);
   decodes.emplace_back("decode_32x2048_bf16", 32, 2047, Heads(32, 8, 128), v1::BF16);
+  // fp16 caches, as llama.cpp's CPU flash attention decodes by default.
+  decodes.emplace_back("decode_1x8192_fp16", 1, 8191, Heads(32, 8, 128), v1::FP16);
+  decodes.emplace_back("decode_32x1024_fp16", 32, 1023, Heads(32, 8, 128), v1::FP16);
   // The block size (--kv_block_tokens): the layout's one free parameter.
   for (int64_t tb : {16, 64, 128}) {
     decodes.emplace_back(absl::StrCat("decode_1x8192_bf16_block", tb), 1, 8191, Heads(32, 8, 128), v1::BF16, tb);
@@ -310,6 +370,7 @@ int Main(int argc, char** argv) {
   prefills.reserve(4);
   prefills.emplace_back("prefill_512_empty", 512, 0, Heads(32, 8, 128));
   prefills.emplace_back("prefill_512_after_3584", 512, 3584, Heads(32, 8, 128));
+  prefills.emplace_back("prefill_512_layer_empty", 512, 0, Heads(32, 8, 128), true);
   const auto wanted = [&](const std::string& name) {
     return flags.filter.empty() || name.find(flags.filter) != std::string::npos;
   };
