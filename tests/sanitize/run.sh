@@ -15,7 +15,9 @@ jobs=${JOBS:-2}
 
 # The GoogleTest executables (the mha_test(...) lines of tests/CMakeLists.txt).
 all_tests=$(sed -n 's/^mha_test(\([a-z_0-9]*\).*/\1/p' tests/CMakeLists.txt)
-concurrency_tests=$(sed -n 's/^set(MHA_CONCURRENCY_TESTS \(.*\))$/\1/p' tests/CMakeLists.txt)
+# The set(MHA_CONCURRENCY_TESTS ...) list, which may span lines.
+concurrency_tests=$(sed -n '/^set(MHA_CONCURRENCY_TESTS/,/)/p' tests/CMakeLists.txt | tr '\n' ' ' |
+  sed 's/^set(MHA_CONCURRENCY_TESTS\(.*\)).*/\1/')
 # Excluded everywhere: it measures the process's RSS after glibc's malloc_trim, but both sanitizers replace the
 # allocator (ASan also holds freed memory in quarantine), so the number says nothing about our code.
 not_sanitizable='^ServingTest\.MemoryReturnsNearItsWarmLevelAfterALargeCall$'
