@@ -283,6 +283,7 @@ struct Timed {
   std::vector<double> step_seconds;
   double seconds = 0;
   int64_t bytes = 0;
+  int64_t tokens = 0;  // of the calls that succeeded: the failed ones' are neither counted nor timed
   int64_t errors = 0;
   std::string first_error;
   std::vector<float> session0;
@@ -299,20 +300,25 @@ Timed RunSteps(DecodeRun& run, const DecodeOptions& o) {
       std::mt19937 rng(o.seed * 7919 + w + 1);
       std::vector<double> steps;
       std::vector<float> session0;
-      int64_t bytes = 0, errors = 0;
+      int64_t bytes = 0, errors = 0, tokens = 0;
       std::string first_error;
       for (int step = 0; step < o.steps; ++step) {
         for (int i = w; i < (o.per_session ? o.sessions : 1); i += threads) {
           const int first = o.per_session ? i : 0, last = o.per_session ? i + 1 : o.sessions;
           const auto at = Clock::now();
           const absl::Status status = run.Step(first, last, rng, &bytes, first == 0 ? &session0 : nullptr);
-          steps.push_back(Since(at));
-          if (!status.ok() && errors++ == 0) first_error = status.ToString();
+          if (status.ok()) {
+            steps.push_back(Since(at));
+            tokens += last - first;
+          } else if (errors++ == 0) {
+            first_error = status.ToString();
+          }
         }
       }
       std::lock_guard<std::mutex> lock(mu);
       timed.step_seconds.insert(timed.step_seconds.end(), steps.begin(), steps.end());
       timed.bytes += bytes;
+      timed.tokens += tokens;
       timed.errors += errors;
       if (timed.first_error.empty()) timed.first_error = first_error;
       if (!session0.empty()) timed.session0 = std::move(session0);
@@ -400,7 +406,7 @@ absl::StatusOr<DecodeReport> RunDecode(AttentionClient& client, const DecodeOpti
   }
   Timed timed = RunSteps(run, o);
   report.decode_seconds = timed.seconds;
-  report.decode_tokens = static_cast<int64_t>(o.sessions) * o.steps;
+  report.decode_tokens = timed.tokens;
   report.tokens_per_second = report.decode_tokens / std::max(timed.seconds, 1e-9);
   report.errors = timed.errors;
   report.first_error = timed.first_error;
@@ -412,6 +418,8 @@ absl::StatusOr<DecodeReport> RunDecode(AttentionClient& client, const DecodeOpti
   for (int step = 0; step < o.steps; ++step) {
     report.kv_bytes_read += o.sessions * shape->caches * (o.context + step + 1) * token_bytes;
   }
+  // Of the calls that succeeded (the steps are alike but for their length: in proportion to the tokens).
+  report.kv_bytes_read *= static_cast<double>(timed.tokens) / std::max<int64_t>(int64_t{o.sessions} * o.steps, 1);
   report.kv_bytes_per_second = report.kv_bytes_read / std::max(timed.seconds, 1e-9);
   if (o.check && timed.errors == 0) {
     absl::StatusOr<double> error = CheckSession0(client, o, *shape, run, timed.session0);
