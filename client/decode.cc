@@ -130,7 +130,11 @@ std::vector<double> ReferenceLastRow(const Shape& s, const std::vector<float>& r
 class DecodeRun {
  public:
   DecodeRun(AttentionClient& client, const DecodeOptions& o, const Shape& s)
-      : client_(client), o_(o), s_(s), rows_(o.sessions) {}
+      : client_(client), o_(o), s_(s), rows_(o.sessions) {
+    // The steps' tokens come from a pool drawn once, so that the steps time the calls, not a random generator.
+    std::mt19937 rng(o.seed + 1);
+    for (int i = 0; i < kPoolTokens; ++i) pool_.push_back(Random(rng, s_.width(), o_.wire_dtype));
+  }
 
   // Creates the sessions and prefills their caches, every layer.
   absl::Status Prefill(DecodeReport* report) {
@@ -162,10 +166,10 @@ class DecodeRun {
   // One decode step of sessions [first, last), every layer: one token each. Adds the bytes it sent to *bytes and,
   // when first is 0, puts session 0's layer-0 output into *session0.
   absl::Status Step(int first, int last, std::mt19937& rng, int64_t* bytes, std::vector<float>* session0) {
-    std::vector<std::vector<float>> rows;
+    std::vector<const std::vector<float>*> rows;
     for (int i = first; i < last; ++i) {
-      rows.push_back(Random(rng, s_.width(), o_.wire_dtype));
-      Keep(i, rows.back());
+      rows.push_back(&pool_[rng() % pool_.size()]);
+      Keep(i, *rows.back());
     }
     for (int64_t layer = 0; layer < s_.caches; ++layer) {
       std::vector<float>* out = layer == 0 && first == 0 ? session0 : nullptr;
@@ -209,11 +213,11 @@ class DecodeRun {
     if (o_.stateless || (i == 0 && o_.check)) rows_[i].insert(rows_[i].end(), rows.begin(), rows.end());
   }
 
-  absl::Status Extend(int64_t layer, int first, const std::vector<std::vector<float>>& rows, int64_t* bytes,
+  absl::Status Extend(int64_t layer, int first, const std::vector<const std::vector<float>*>& rows, int64_t* bytes,
                       std::vector<float>* session0) {
     v1::ExtendRequest request = Request(layer);
     for (int i = first; i < first + static_cast<int>(rows.size()); ++i) {
-      *request.add_items() = Item(s_, ids_[i], rows[i - first].data(), 1, o_.wire_dtype);
+      *request.add_items() = Item(s_, ids_[i], rows[i - first]->data(), 1, o_.wire_dtype);
     }
     *bytes += static_cast<int64_t>(request.ByteSizeLong());
     absl::StatusOr<v1::ExtendResponse> response = client_.Extend(request);
@@ -274,8 +278,10 @@ class DecodeRun {
   AttentionClient& client_;
   const DecodeOptions o_;
   const Shape s_;
+  static constexpr int kPoolTokens = 256;
   std::vector<std::string> ids_;
   std::vector<std::vector<float>> rows_;
+  std::vector<std::vector<float>> pool_;  // [kPoolTokens][width]: the decode steps' inputs
 };
 
 // Decode steps timed: batched (one thread, every session per call) or per session (C threads, each its sessions).
