@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import mhaclient
 from test_server_e2e import assert_close, f32, make_weights, rng_for, t64
 
 HAS_SDPA = hasattr(F, "scaled_dot_product_attention")
@@ -273,3 +274,43 @@ def test_session_errors_keep_their_codes(client):
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
     assert "closed" in err.value.details()
     assert client.health() == "SERVING"
+
+
+def rss_bytes(pid):
+    with open("/proc/%d/status" % pid) as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS for %d" % pid)
+
+
+def test_rss_stays_within_the_pool_whatever_the_sessions(stubs_dir, tmp_path):
+    """A 32 MiB pool and sessions that want five times that: evictions, refusals, forks, and the server's resident
+    memory grows by at most the pool plus a margin for allocator slack over the warm level."""
+    from conftest import run_server
+    pool = 32 << 20
+    with run_server(tmp_path, "--kv_cache_mb", "32") as server:
+        with mhaclient.MhaClient(server.target, timeout=60.0) as c:
+            c.wait_ready(timeout=20.0)
+            rng = np.random.default_rng(5)
+            chunk = lambda n: [rng.standard_normal((n, 8, 64)).astype(np.float32) for _ in range(3)]  # noqa: E731
+            warm = c.create_session(num_heads=8, head_dim=64)
+            q, k, v = chunk(1024)
+            warm.extend(q=q, k=k, v=v)
+            warm.close()
+            baseline = rss_bytes(server.proc.pid)
+            codes = set()
+            for _ in range(40):  # 4 MiB of fp32 cache each: the pool holds 8
+                s = c.create_session(num_heads=8, head_dim=64)
+                try:
+                    q, k, v = chunk(1024)
+                    s.extend(q=q, k=k, v=v)
+                    s.fork().extend(q=q[:40], k=k[:40], v=v[:40])  # diverges: copies one block, then more
+                except grpc.RpcError as err:
+                    codes.add(err.code())
+            grown = rss_bytes(server.proc.pid) - baseline
+            assert grown <= pool + (48 << 20), "RSS grew by %.1f MiB over a %d MiB pool" % (grown / 2**20, pool >> 20)
+            assert codes <= {grpc.StatusCode.RESOURCE_EXHAUSTED}
+            assert c.health() == "SERVING"
+            sessions = c.list_sessions()
+            assert 0 < len(sessions) <= 16
