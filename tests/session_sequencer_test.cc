@@ -89,33 +89,38 @@ TEST_F(SequencerTest, ACallOnSeveralSessionsWaitsForAllAndKeepsItsPlace) {
   EXPECT_THAT(started_, ElementsAre("a", "fork", "b"));
 }
 
-// Releases its session as it starts, and notes how deep in the stack it started.
-class StackProbe final : public SessionSequencer::Call {
+// Releases its session as it starts, and notes how many calls were starting at once (nested in each other's
+// Release) when it did.
+class NestingProbe final : public SessionSequencer::Call {
  public:
-  StackProbe(SessionSequencer* sequencer, std::vector<uintptr_t>* depths) : sequencer_(sequencer), depths_(depths) {}
+  NestingProbe(SessionSequencer* sequencer, int* active, std::vector<int>* nesting)
+      : sequencer_(sequencer), active_(active), nesting_(nesting) {}
   void Start() override {
-    const char here = 0;
-    depths_->push_back(reinterpret_cast<uintptr_t>(&here));
+    nesting_->push_back(++*active_);
     sequencer_->Release({"s"});
+    --*active_;
   }
   void Abandon(const absl::Status&) override {}
 
  private:
   SessionSequencer* const sequencer_;
-  std::vector<uintptr_t>* const depths_;
+  int* const active_;
+  std::vector<int>* const nesting_;
 };
 
 TEST_F(SequencerTest, CallsThatReleaseAsTheyStartRunOneAfterAnotherWithoutRecursing) {
   SessionSequencer sequencer(1000, int64_t{1} << 40);
   std::vector<std::string> started;
   std::vector<absl::Status> abandoned;
-  std::vector<uintptr_t> depths;
+  int active = 0;
+  std::vector<int> nesting;
   sequencer.Submit({"s"}, 1, std::make_unique<Recorder>("hold", &started, &abandoned));
-  for (int i = 0; i < 1000; ++i) sequencer.Submit({"s"}, 1, std::make_unique<StackProbe>(&sequencer, &depths));
+  for (int i = 0; i < 1000; ++i) {
+    sequencer.Submit({"s"}, 1, std::make_unique<NestingProbe>(&sequencer, &active, &nesting));
+  }
   sequencer.Release({"s"});
-  ASSERT_EQ(depths.size(), 1000u);
-  // Each started from the same loop, not from inside the one before (which would put it deeper every time).
-  EXPECT_EQ(*std::min_element(depths.begin(), depths.end()), *std::max_element(depths.begin(), depths.end()));
+  // Each started from the same loop, not from inside the one before (which would nest them 1000 deep).
+  EXPECT_EQ(nesting, std::vector<int>(1000, 1));
   EXPECT_FALSE(sequencer.InUse("s"));
 }
 
