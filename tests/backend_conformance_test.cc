@@ -935,6 +935,21 @@ std::vector<SessionCase> SessionCases() {
     layer.plot = SessionPlot::kTruncateExtend;
     cases.push_back(layer);
   }
+  // bf16 caches in 32-token blocks, the decode kernels' 32-lane steps: on AVX512-BF16 ("cpu", "cpu/avx512bf16")
+  // dot products over interleaved pairs of rows, whose lanes are put back in order; head_dim 80 ends in a partial
+  // step of 16 columns, and the odd key counts of the steps leave a key without its pair.
+  for (int64_t head_dim : {128, 80}) {
+    SessionCase pairs = SessionCase();
+    pairs.name = "session_heads_decode_cache_bf16_block32_dk" + std::to_string(head_dim);
+    pairs.layer = false;
+    pairs.heads = 8;
+    pairs.kv_heads = 2;
+    pairs.head_dim = head_dim;
+    pairs.block_tokens = 32;
+    pairs.cache_dtype = v1::BF16;
+    pairs.steps = {{70, 1}, {1, 1}, {1, 3}, {1, 1}};
+    cases.push_back(pairs);
+  }
   return cases;
 }
 

@@ -361,6 +361,10 @@ int Main(int argc, char** argv) {
   // fp16 caches, as llama.cpp's CPU flash attention decodes by default.
   decodes.emplace_back("decode_1x8192_fp16", 1, 8191, Heads(32, 8, 128), v1::FP16);
   decodes.emplace_back("decode_32x1024_fp16", 32, 1023, Heads(32, 8, 128), v1::FP16);
+  // Caches that stay in a 32 MiB L3 under --warm (8 and 16 MiB): the kernels' ceiling on CPUs whose last level is
+  // that small (one Zen 4 or 5 CCD).
+  decodes.emplace_back("decode_1x2048_bf16", 1, 2047, Heads(32, 8, 128), v1::BF16);
+  decodes.emplace_back("decode_1x2048_fp32", 1, 2047, Heads(32, 8, 128), v1::FP32);
   // The block size (--kv_block_tokens): the layout's one free parameter.
   for (int64_t tb : {16, 64, 128}) {
     decodes.emplace_back(absl::StrCat("decode_1x8192_bf16_block", tb), 1, 8191, Heads(32, 8, 128), v1::BF16, tb);

@@ -270,8 +270,9 @@ absl::StatusOr<std::unique_ptr<CpuBackend>> CpuBackend::Create(absl::string_view
                                                    "\"; expected auto, amx, avx512bf16, avx512, avx2 or portable"));
   }
   const bool bf16_projections = bf16 && !cpu::NativeBf16Matmul().empty();
-  return std::unique_ptr<CpuBackend>(
-      new CpuBackend(std::move(tiles), bf16_projections ? bf16_tiles : nullptr, bf16_projections));
+  const kernels::PagedKernels* bf16_cache_decode = bf16_tiles != nullptr ? &bf16_tiles->paged[v1::BF16 - 1] : nullptr;
+  return std::unique_ptr<CpuBackend>(new CpuBackend(std::move(tiles), bf16_projections ? bf16_tiles : nullptr,
+                                                    bf16_projections, bf16_cache_decode));
 }
 
 std::string CpuBackend::device() const {
@@ -294,6 +295,12 @@ const kernels::TileKernels& CpuBackend::KernelsFor(int64_t head_dim) const {
 const kernels::TileKernels& CpuBackend::KernelsFor(int64_t head_dim, bool bf16_operands) const {
   if (bf16_operands && bf16_tiles_ != nullptr && head_dim % bf16_tiles_->lanes == 0) return *bf16_tiles_;
   return KernelsFor(head_dim);
+}
+
+const kernels::PagedKernels& CpuBackend::DecodeKernelsFor(const kernels::TileKernels& tiles,
+                                                          v1::DataType dtype) const {
+  if (dtype == v1::BF16 && bf16_cache_decode_ != nullptr) return *bf16_cache_decode_;
+  return tiles.paged[dtype - 1];
 }
 
 v1::DataType CpuBackend::ComputeDtype(const AttentionProblem& problem) const {
@@ -570,8 +577,9 @@ absl::Status CpuBackend::PagedAttention(const PagedArgs& a) {
   const bool in_place = p.d_model == 0 && a.sequences.size() == 1 && a.sequences[0].out.dtype == v1::FP32;
   float* heads = in_place ? static_cast<float*>(a.sequences[0].out.data)
                           : cpu::Grown(scratch.heads, rows.total * h.q_width());
-  if (absl::Status status = cpu::PagedAttend(KernelsFor(h.head_dim), p, a.sequences, rows, qkv, heads, h.q_width(),
-                                             stop);
+  const kernels::TileKernels& tiles = KernelsFor(h.head_dim);
+  if (absl::Status status = cpu::PagedAttend(tiles, DecodeKernelsFor(tiles, p.cache.dtype), p, a.sequences, rows, qkv,
+                                             heads, h.q_width(), stop);
       !status.ok()) {
     return status;
   }

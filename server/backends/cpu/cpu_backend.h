@@ -64,18 +64,25 @@ class CpuBackend final : public Backend {
   absl::Status PagedAttention(const PagedArgs& args) override;
 
  private:
-  CpuBackend(std::vector<const kernels::TileKernels*> tile_kernels, const kernels::TileKernels* bf16_tiles, bool bf16)
-      : tile_kernels_(std::move(tile_kernels)), bf16_tiles_(bf16_tiles), bf16_(bf16) {}
+  CpuBackend(std::vector<const kernels::TileKernels*> tile_kernels, const kernels::TileKernels* bf16_tiles, bool bf16,
+             const kernels::PagedKernels* bf16_cache_decode)
+      : tile_kernels_(std::move(tile_kernels)), bf16_tiles_(bf16_tiles), bf16_(bf16),
+        bf16_cache_decode_(bf16_cache_decode) {}
 
   // The fp32 kernels a call with this head_dim runs on.
   const kernels::TileKernels& KernelsFor(int64_t head_dim) const;
   // The same, or the bf16 set when the attention operands are bf16 (from bf16 projections or the wire) and head_dim
   // suits it.
   const kernels::TileKernels& KernelsFor(int64_t head_dim, bool bf16_operands) const;
+  // The decode kernels for a cache of `dtype` beside the fp32 set `tiles`.
+  const kernels::PagedKernels& DecodeKernelsFor(const kernels::TileKernels& tiles, v1::DataType dtype) const;
 
   const std::vector<const kernels::TileKernels*> tile_kernels_;  // in order of preference; never empty
   const kernels::TileKernels* const bf16_tiles_;  // amx or avx512bf16, for bf16 calls; null when off or not here
   const bool bf16_;  // bf16 requests project in bf16
+  // A bf16 set's decode kernels for bf16 caches (dot products on bf16 pairs: q and the weights rounded to bf16);
+  // null where no bf16 set runs or an fp32 set was named, and bf16 caches are widened to fp32.
+  const kernels::PagedKernels* const bf16_cache_decode_;
 };
 
 }  // namespace mha

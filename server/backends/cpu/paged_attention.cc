@@ -105,15 +105,14 @@ const char* PartAhead(const KvCacheLayout& c, const PagedSequence& seq, const Un
 // One unit of the decode path into its partial result: block after block, KV head after KV head, each head's part
 // streamed once for its G n query rows, the next part prefetched while this one computes; during its last part,
 // `after` (the next unit's first block, which this thread takes next if no other one does; may be null).
-void RunUnit(const kernels::TileKernels& tiles, const PagedProblem& p, const DecodePlan& plan,
-             const PagedSequence& seq, int64_t first_row, const float* q, int64_t ldq, const Unit& unit,
-             const char* after, float* partials) {
+void RunUnit(const kernels::TileKernels& tiles, const kernels::PagedKernels& decode, const PagedProblem& p,
+             const DecodePlan& plan, const PagedSequence& seq, int64_t first_row, const float* q, int64_t ldq,
+             const Unit& unit, const char* after, float* partials) {
   const HeadSpec& h = p.heads;
   const KvCacheLayout& c = p.cache;
   const int64_t dk = h.head_dim, tb = c.block_tokens, G = h.group_size(), n = seq.new_tokens, rows = G * n;
   const int64_t Hkv = h.num_kv_heads, element = static_cast<int64_t>(DTypeSize(c.dtype));
   const int64_t half = c.HeadElements() / 2 * element;  // bytes of a head's K^T, and of its V
-  const kernels::PagedKernels& kernels = tiles.paged[c.dtype - 1];
   const int64_t distance = LookaheadParts(half);
   DecodeScratch& t = ThreadDecodeScratch();
   float* queries = Grown(t.queries, Hkv * rows * dk);
@@ -148,10 +147,10 @@ void RunUnit(const kernels::TileKernels& tiles, const PagedProblem& p, const Dec
       // scores, its V during these values.
       const char* next = PartAhead(c, seq, unit, after, element, (b - unit.b0) * Hkv + g + distance);
       float* acc = part_of_unit + g * HeadPartial(h, rows);
-      kernels.scores(rows, tb, dk, queries + g * rows * dk, dk, part, tb, scores, tb, next, half);
+      decode.scores(rows, tb, dk, queries + g * rows * dk, dk, part, tb, scores, tb, next, half);
       tiles.online_softmax(rows, keys, block_visible, scores, tb, acc + rows * dk, acc + rows * dk + rows, factor,
                            plan.log2_units);
-      kernels.values(rows, seen, dk, scores, tb, part + half, factor, acc, dk,
+      decode.values(rows, seen, dk, scores, tb, part + half, factor, acc, dk,
                      next == nullptr ? nullptr : next + half, half);
     }
   }
@@ -190,9 +189,9 @@ void MergeHead(const PagedProblem& p, const DecodePlan& plan, int64_t begin, int
   }
 }
 
-absl::Status DecodeSequences(const kernels::TileKernels& tiles, const PagedProblem& p,
-                             absl::Span<const PagedSequence> sequences, const PagedRows& rows, const float* q,
-                             int64_t ldq, float* heads, int64_t ldh, const StopSignal* stop) {
+absl::Status DecodeSequences(const kernels::TileKernels& tiles, const kernels::PagedKernels& decode,
+                             const PagedProblem& p, absl::Span<const PagedSequence> sequences, const PagedRows& rows,
+                             const float* q, int64_t ldq, float* heads, int64_t ldh, const StopSignal* stop) {
   const DecodePlan plan = PlanDecode(p, sequences, omp_get_max_threads());
   if (plan.units.empty()) return absl::OkStatus();
   std::vector<float> partials(plan.partial_floats);
@@ -211,7 +210,7 @@ absl::Status DecodeSequences(const kernels::TileKernels& tiles, const PagedProbl
     const Unit& unit = plan.units[u];
     const char* after = nullptr;
     if (u + threads < units) after = sequences[plan.units[u + threads].seq].blocks[plan.units[u + threads].b0];
-    RunUnit(tiles, p, plan, sequences[unit.seq], rows.first_row[unit.seq], q, ldq, unit, after, partials.data());
+    RunUnit(tiles, decode, p, plan, sequences[unit.seq], rows.first_row[unit.seq], q, ldq, unit, after, partials.data());
   }
   if (stopped) return stop->Check();
   const int64_t Hkv = p.heads.num_kv_heads, decoding = static_cast<int64_t>(plan.seq_index.size());
@@ -340,10 +339,10 @@ void WriteTokens(const KvCacheLayout& c, absl::Span<const PagedSequence> sequenc
   }
 }
 
-absl::Status PagedAttend(const kernels::TileKernels& fp32_tiles, const PagedProblem& p,
-                         absl::Span<const PagedSequence> sequences, const PagedRows& rows, const PagedQkv& qkv,
-                         float* heads, int64_t ldh, const StopSignal* stop) {
-  if (absl::Status status = DecodeSequences(fp32_tiles, p, sequences, rows, qkv.q, qkv.ldq, heads, ldh, stop);
+absl::Status PagedAttend(const kernels::TileKernels& fp32_tiles, const kernels::PagedKernels& decode,
+                         const PagedProblem& p, absl::Span<const PagedSequence> sequences, const PagedRows& rows,
+                         const PagedQkv& qkv, float* heads, int64_t ldh, const StopSignal* stop) {
+  if (absl::Status status = DecodeSequences(fp32_tiles, decode, p, sequences, rows, qkv.q, qkv.ldq, heads, ldh, stop);
       !status.ok()) {
     return status;
   }

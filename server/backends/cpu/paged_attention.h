@@ -53,7 +53,9 @@ void WriteTokens(const KvCacheLayout& cache, absl::Span<const PagedSequence> seq
 // (rotated, unscaled), after WriteTokens put qkv.k and qkv.v into the caches. Writes each sequence's weights (fp32
 // computed, encoded into seq.weights) when requested. `fp32_tiles` is the fp32 tile set for head_dim (the gather
 // path). `stop` (may be null) is polled between work units; its status is returned once it says stop.
-absl::Status PagedAttend(const kernels::TileKernels& fp32_tiles, const PagedProblem& problem,
+// The decode path runs `decode` (the kernels for problem.cache.dtype), the gather path fp32_tiles.
+absl::Status PagedAttend(const kernels::TileKernels& fp32_tiles, const kernels::PagedKernels& decode,
+                         const PagedProblem& problem,
                          absl::Span<const PagedSequence> sequences, const PagedRows& rows, const PagedQkv& qkv,
                          float* heads, int64_t ldh, const StopSignal* stop);
 

@@ -54,33 +54,7 @@ inline Isa::V LoadElementsPartial(const E* p, int n) {
   return Isa::LoadPartial(widened, n, 0.0f);
 }
 
-// Spreads prefetches of [next, end) over a loop's steps: Step() issues the next `per_step` cache lines.
-struct Ahead {
-  const char* next;
-  const char* end;
-  int64_t per_step;
-
-  Ahead(const void* p, int64_t bytes, int64_t steps)
-      : next(static_cast<const char*>(p)), end(next + (p == nullptr ? 0 : bytes)),
-        per_step(steps > 0 ? (bytes / 64 + steps - 1) / steps : 1) {}
-  void Step() {
-    // Into L2 (prefetcht1): its queue holds more misses in flight than the L1's fill buffers, which a prefetch to
-    // L1 occupies until its line arrives (the fp32 decode read at about 78% of the memory probe so, 90% into L2).
-    for (int64_t i = 0; i < per_step && next < end; ++i, next += 64) __builtin_prefetch(next, 0, 2);
-  }
-};
-
-// Calls f(BlockRows<n>{}) with the register block height n = rows (1..kMax).
-template <int kMax, typename F>
-inline void WithRows(int64_t rows, F&& f) {
-  if constexpr (kMax > 1) {
-    if (rows < kMax) {
-      WithRows<kMax - 1>(rows, f);
-      return;
-    }
-  }
-  f(BlockRows<kMax>{});
-}
+#include "server/backends/cpu/paged_kernels_common.h"  // Ahead, WithRows
 
 // kRows rows of scores for kVectors vectors of keys, the whole depth in registers; depths c with c % kSets apart in
 // kSets sets of accumulators (more independent FMA chains when the block is small: 16 on AVX-512 cover the FMA

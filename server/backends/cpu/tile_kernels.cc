@@ -22,6 +22,7 @@ TileKernels MakeKernels(const TileKernels& avx512);
 }
 namespace avx512bf16 {
 TileKernels MakeKernels(const TileKernels& avx512);
+extern const PagedKernels kBf16PagedKernels;
 }
 
 namespace {
@@ -59,9 +60,12 @@ bool CpuHasF16c() {
 }
 
 // A bf16 set (its packing and products over the AVX-512 set's kernels) with the online softmax whose exps keep
-// bf16's precision only: its products round the weights to bf16.
+// bf16's precision only: its products round the weights to bf16. Its decode kernels: the AVX-512 set's for fp32
+// and fp16 caches, AVX512-BF16's dot products for bf16 caches.
 TileKernels WithBf16Softmax(TileKernels k) {
+  static const PagedKernels kPaged[3] = {k.paged[0], k.paged[1], avx512bf16::kBf16PagedKernels};
   k.online_softmax = avx512::kBf16OnlineSoftmax;
+  k.paged = kPaged;
   return k;
 }
 

@@ -112,7 +112,8 @@ struct TileKernels {
   void (*copy_scaled_to_bf16)(int64_t rows, int64_t cols, float scale, const float* src, int64_t lds, uint16_t* dst,
                               int64_t ldd);
 
-  // The decode kernels for caches of fp32, fp16 and bf16 (index DataType - 1); the bf16 sets use their fp32 set's.
+  // The decode kernels for caches of fp32, fp16 and bf16 (index DataType - 1); the bf16 sets use their fp32 set's
+  // for fp32 and fp16, and AVX512-BF16's dot products for bf16 (paged_kernels_avx512bf16.cc).
   const PagedKernels* paged;
 };
 

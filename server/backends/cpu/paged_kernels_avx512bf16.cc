@@ -1,0 +1,221 @@
+// The decode kernels for bf16 caches on AVX512-BF16's dot products (compiled with -mavx512f -mavx512bw
+// -mavx512bf16; used by the avx512bf16 and amx sets, whose CPUs have the instruction).
+//
+// Why: a bf16 cache carries twice the elements per byte of an fp32 one, and widening each to fp32 for an FMA made
+// the decode compute-bound before it was memory-bound (G = 4 query rows per KV head: four FMA lanes per element).
+// vdpbf16ps adds two products to each fp32 lane, so one instruction covers two elements per lane, read as they are
+// stored. The operands it pairs must lie in one 32-bit lane: two adjacent rows of a block's K^T (two depths of one
+// key) or of its V (two keys of one column) are interleaved word by word (vpunpck{l,h}wd), which orders the lanes
+// [0-3 8-11 16-19 24-27] and [4-7 12-15 20-23 28-31] of the 32 keys or columns; the accumulators are put back in
+// order once per register block. The cache's layout is the fp32 kernels' (backend.h's KvCacheLayout).
+//
+// Precision: q (already scaled) and the weights p are rounded to bf16 (to nearest even), as the avx512bf16 set's
+// stateless bf16 products round theirs; the sums stay fp32. Depths or keys beyond kMaxPairs pairs take the
+// avx512 set's kernels, which widen to fp32 exactly.
+#include <immintrin.h>
+
+#include <cstdint>
+
+#include "server/backends/cpu/tile_kernels.h"
+
+namespace mha::kernels {
+namespace avx512 {
+extern const PagedKernels kPagedKernels[3];
+}
+
+namespace avx512bf16 {
+namespace {
+
+#include "server/backends/cpu/paged_kernels_common.h"  // Ahead, WithRows
+
+#define MHA_UNROLL _Pragma("GCC unroll 16")
+
+// Pairs of q's depths or of p's keys held in a stack buffer per row: 512 pairs, head_dim or block keys up to 1024.
+constexpr int64_t kMaxPairs = 512;
+// Register blocks: up to 8 rows of 32 keys (16 accumulators) for scores; up to 4 rows of 64 columns for values.
+constexpr int kScoreRows = 8, kValueRows = 4, kValueChunks = 2;
+
+__m512bh AsPairs(__m512i x) { return reinterpret_cast<__m512bh>(x); }
+
+// n fp32 at src rounded to bf16 into dst, zero-padded to a whole number of 16-pair vectors (dst holds
+// (n + 31) / 32 * 16 pairs): pair m holds elements 2m (low half) and 2m + 1.
+void ToPairs(const float* src, int64_t n, uint32_t* dst) {
+  for (int64_t i = 0; i < n; i += 32) {
+    const int64_t left = n - i;
+    const __mmask16 lo = left >= 16 ? 0xffff : static_cast<__mmask16>((1u << left) - 1);
+    const __mmask16 hi = left >= 32 ? 0xffff : left <= 16 ? 0 : static_cast<__mmask16>((1u << (left - 16)) - 1);
+    const __m512 first = _mm512_maskz_loadu_ps(lo, src + i), second = _mm512_maskz_loadu_ps(hi, src + i + 16);
+    _mm512_storeu_si512(dst + i / 2, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(second, first)));
+  }
+}
+
+// Two rows of 32 bf16 (the first `mask` words of each; `b` null: zero) interleaved into 16 pairs each.
+inline void LoadPairs(const uint16_t* a, const uint16_t* b, __mmask32 mask, __m512i* lo, __m512i* hi) {
+  const __m512i x = _mm512_maskz_loadu_epi16(mask, a);
+  const __m512i y = b == nullptr ? _mm512_setzero_si512() : _mm512_maskz_loadu_epi16(mask, b);
+  *lo = _mm512_unpacklo_epi16(x, y);
+  *hi = _mm512_unpackhi_epi16(x, y);
+}
+
+// The unpacked order back to the memory's: 32 fp32 sums, lanes of `lo` and `hi` as LoadPairs leaves them, into
+// elements 0..15 (*first) and 16..31 (*second).
+inline void InOrder(__m512 lo, __m512 hi, __m512* first, __m512* second) {
+  // Element e of 0..31 sits in 128-bit lane e / 8 of lo (e % 8 < 4) or hi, at position e % 4 of that lane.
+  const __m512i to_first = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
+  const __m512i to_second = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
+  *first = _mm512_permutex2var_ps(lo, to_first, hi);
+  *second = _mm512_permutex2var_ps(lo, to_second, hi);
+}
+
+inline __mmask32 Words(int64_t n) {
+  return n >= 32 ? 0xffffffffu : n <= 0 ? 0 : static_cast<__mmask32>((1ull << n) - 1);
+}
+inline __mmask16 Floats(int64_t n) {
+  return n >= 16 ? 0xffff : n <= 0 ? 0 : static_cast<__mmask16>((1u << n) - 1);
+}
+
+// Depth pairs apart in this many sets of accumulators: independent chains, 16 accumulators in all.
+constexpr int SetsFor(int64_t rows) { return rows <= 2 ? 4 : rows <= 4 ? 2 : 1; }
+
+// kRows rows of scores for the (up to) 32 keys at kt, from the rows' q pairs (qp, kMaxPairs apart).
+template <int kRows>
+void ScoreBlock(int64_t depth, const uint32_t* qp, const uint16_t* kt, int64_t ldk, int64_t keys, float* s,
+                int64_t lds, Ahead& ahead) {
+  constexpr int kSets = SetsFor(kRows);
+  __m512 acc[kSets][kRows][2];
+  MHA_UNROLL for (int h = 0; h < kSets; ++h) {
+    MHA_UNROLL for (int r = 0; r < kRows; ++r) acc[h][r][0] = acc[h][r][1] = _mm512_setzero_ps();
+  }
+  const __mmask32 mask = Words(keys);
+  const int64_t pairs = (depth + 1) / 2;
+  int64_t m = 0;
+  for (; m + kSets <= pairs; m += kSets) {
+    ahead.Step();
+    MHA_UNROLL for (int h = 0; h < kSets; ++h) {
+      const int64_t c = 2 * (m + h);
+      __m512i lo, hi;
+      LoadPairs(kt + c * ldk, c + 1 < depth ? kt + (c + 1) * ldk : nullptr, mask, &lo, &hi);
+      MHA_UNROLL for (int r = 0; r < kRows; ++r) {
+        const __m512bh q = AsPairs(_mm512_set1_epi32(static_cast<int>(qp[r * kMaxPairs + m + h])));
+        acc[h][r][0] = _mm512_dpbf16_ps(acc[h][r][0], q, AsPairs(lo));
+        acc[h][r][1] = _mm512_dpbf16_ps(acc[h][r][1], q, AsPairs(hi));
+      }
+    }
+  }
+  for (; m < pairs; ++m) {
+    const int64_t c = 2 * m;
+    __m512i lo, hi;
+    LoadPairs(kt + c * ldk, c + 1 < depth ? kt + (c + 1) * ldk : nullptr, mask, &lo, &hi);
+    MHA_UNROLL for (int r = 0; r < kRows; ++r) {
+      const __m512bh q = AsPairs(_mm512_set1_epi32(static_cast<int>(qp[r * kMaxPairs + m])));
+      acc[0][r][0] = _mm512_dpbf16_ps(acc[0][r][0], q, AsPairs(lo));
+      acc[0][r][1] = _mm512_dpbf16_ps(acc[0][r][1], q, AsPairs(hi));
+    }
+  }
+  MHA_UNROLL for (int r = 0; r < kRows; ++r) {
+    __m512 lo = acc[0][r][0], hi = acc[0][r][1];
+    MHA_UNROLL for (int h = 1; h < kSets; ++h) {
+      lo = _mm512_add_ps(lo, acc[h][r][0]);
+      hi = _mm512_add_ps(hi, acc[h][r][1]);
+    }
+    __m512 first, second;
+    InOrder(lo, hi, &first, &second);
+    _mm512_mask_storeu_ps(s + r * lds, Floats(keys), first);
+    _mm512_mask_storeu_ps(s + r * lds + 16, Floats(keys - 16), second);
+  }
+}
+
+// PagedKernels::scores for a bf16 K^T.
+void Scores(int64_t rows, int64_t keys, int64_t depth, const float* q, int64_t ldq, const void* kt_bytes,
+            int64_t ldk, float* s, int64_t lds, const void* ahead_bytes, int64_t ahead_size) {
+  if (depth > 2 * kMaxPairs) {
+    avx512::kPagedKernels[2].scores(rows, keys, depth, q, ldq, kt_bytes, ldk, s, lds, ahead_bytes, ahead_size);
+    return;
+  }
+  const uint16_t* kt = static_cast<const uint16_t*>(kt_bytes);
+  alignas(64) uint32_t qp[kScoreRows * kMaxPairs];
+  const int64_t row_blocks = (rows + kScoreRows - 1) / kScoreRows;
+  const int64_t sets = SetsFor(rows < kScoreRows ? rows : kScoreRows);
+  Ahead ahead(ahead_bytes, ahead_size, (keys + 31) / 32 * row_blocks * ((depth + 1) / 2) / sets);
+  for (int64_t i = 0; i < rows; i += kScoreRows) {
+    const int64_t height = rows - i < kScoreRows ? rows - i : kScoreRows;
+    for (int64_t r = 0; r < height; ++r) ToPairs(q + (i + r) * ldq, depth, qp + r * kMaxPairs);
+    for (int64_t j = 0; j < keys; j += 32) {
+      WithRows<kScoreRows>(height, [&](auto block) {
+        ScoreBlock<decltype(block)::kValue>(depth, qp, kt + j, ldk, keys - j, s + i * lds + j, lds, ahead);
+      });
+    }
+  }
+}
+
+// kRows rows of (up to) 64 columns of o (`width` left from v's column 0): o_scale o + p V, from the rows' p pairs
+// (pp, kMaxPairs apart) over `keys` rows of v (row stride ldv).
+template <int kRows>
+void ValueBlock(int64_t keys, const uint32_t* pp, const uint16_t* v, int64_t ldv, int64_t width,
+                const float* o_scale, float* o, int64_t ldo, Ahead& ahead) {
+  __m512 acc[kRows][kValueChunks][2];
+  MHA_UNROLL for (int r = 0; r < kRows; ++r) {
+    MHA_UNROLL for (int x = 0; x < kValueChunks; ++x) acc[r][x][0] = acc[r][x][1] = _mm512_setzero_ps();
+  }
+  const __mmask32 masks[kValueChunks] = {Words(width), Words(width - 32)};
+  for (int64_t m = 0; m < (keys + 1) / 2; ++m) {
+    ahead.Step();
+    const int64_t j = 2 * m;
+    __m512i lo[kValueChunks], hi[kValueChunks];
+    MHA_UNROLL for (int x = 0; x < kValueChunks; ++x) {
+      LoadPairs(v + j * ldv + 32 * x, j + 1 < keys ? v + (j + 1) * ldv + 32 * x : nullptr, masks[x], &lo[x], &hi[x]);
+    }
+    MHA_UNROLL for (int r = 0; r < kRows; ++r) {
+      const __m512bh p = AsPairs(_mm512_set1_epi32(static_cast<int>(pp[r * kMaxPairs + m])));
+      MHA_UNROLL for (int x = 0; x < kValueChunks; ++x) {
+        acc[r][x][0] = _mm512_dpbf16_ps(acc[r][x][0], p, AsPairs(lo[x]));
+        acc[r][x][1] = _mm512_dpbf16_ps(acc[r][x][1], p, AsPairs(hi[x]));
+      }
+    }
+  }
+  MHA_UNROLL for (int r = 0; r < kRows; ++r) {
+    const __m512 factor = _mm512_set1_ps(o_scale[r]);
+    MHA_UNROLL for (int x = 0; x < kValueChunks; ++x) {
+      __m512 sums[2];
+      InOrder(acc[r][x][0], acc[r][x][1], &sums[0], &sums[1]);
+      MHA_UNROLL for (int half = 0; half < 2; ++half) {
+        const int64_t column = 32 * x + 16 * half;
+        const __mmask16 live = Floats(width - column);
+        float* out = o + r * ldo + column;
+        _mm512_mask_storeu_ps(out, live, _mm512_fmadd_ps(factor, _mm512_maskz_loadu_ps(live, out), sums[half]));
+      }
+    }
+  }
+}
+
+// PagedKernels::values for a bf16 V.
+void Values(int64_t rows, int64_t keys, int64_t width, const float* p, int64_t ldp, const void* v_bytes,
+            const float* o_scale, float* o, int64_t ldo, const void* ahead_bytes, int64_t ahead_size) {
+  if (keys > 2 * kMaxPairs) {
+    avx512::kPagedKernels[2].values(rows, keys, width, p, ldp, v_bytes, o_scale, o, ldo, ahead_bytes, ahead_size);
+    return;
+  }
+  const uint16_t* v = static_cast<const uint16_t*>(v_bytes);
+  alignas(64) uint32_t pp[kValueRows * kMaxPairs];
+  constexpr int64_t kPanel = 32 * kValueChunks;
+  const int64_t row_blocks = (rows + kValueRows - 1) / kValueRows;
+  Ahead ahead(ahead_bytes, ahead_size, (keys + 1) / 2 * ((width + kPanel - 1) / kPanel) * row_blocks);
+  for (int64_t i = 0; i < rows; i += kValueRows) {
+    const int64_t height = rows - i < kValueRows ? rows - i : kValueRows;
+    for (int64_t r = 0; r < height; ++r) ToPairs(p + (i + r) * ldp, keys, pp + r * kMaxPairs);
+    for (int64_t c = 0; c < width; c += kPanel) {
+      WithRows<kValueRows>(height, [&](auto block) {
+        ValueBlock<decltype(block)::kValue>(keys, pp, v + c, width, width - c, o_scale + i, o + i * ldo + c, ldo,
+                                           ahead);
+      });
+    }
+  }
+}
+
+}  // namespace
+
+// The fp32 and fp16 caches' kernels are the avx512 set's; tile_kernels.cc puts this one beside them.
+extern const PagedKernels kBf16PagedKernels = {&Scores, &Values};
+
+}  // namespace avx512bf16
+}  // namespace mha::kernels
