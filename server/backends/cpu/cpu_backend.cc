@@ -270,9 +270,12 @@ absl::StatusOr<std::unique_ptr<CpuBackend>> CpuBackend::Create(absl::string_view
                                                    "\"; expected auto, amx, avx512bf16, avx512, avx2 or portable"));
   }
   const bool bf16_projections = bf16 && !cpu::NativeBf16Matmul().empty();
+  // bf16 caches decode on the bf16 set's dot products where its attention core serves bf16 requests (the device
+  // string says "bf16 attention on ..." then).
+  if (!bf16_projections) bf16_tiles = nullptr;
   const kernels::PagedKernels* bf16_cache_decode = bf16_tiles != nullptr ? &bf16_tiles->paged[v1::BF16 - 1] : nullptr;
-  return std::unique_ptr<CpuBackend>(new CpuBackend(std::move(tiles), bf16_projections ? bf16_tiles : nullptr,
-                                                    bf16_projections, bf16_cache_decode));
+  return std::unique_ptr<CpuBackend>(
+      new CpuBackend(std::move(tiles), bf16_tiles, bf16_projections, bf16_cache_decode));
 }
 
 std::string CpuBackend::device() const {
