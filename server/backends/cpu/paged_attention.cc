@@ -151,7 +151,7 @@ void RunUnit(const kernels::TileKernels& tiles, const kernels::PagedKernels& dec
       tiles.online_softmax(rows, keys, block_visible, scores, tb, acc + rows * dk, acc + rows * dk + rows, factor,
                            plan.log2_units);
       decode.values(rows, seen, dk, scores, tb, part + half, factor, acc, dk,
-                     next == nullptr ? nullptr : next + half, half);
+                    next == nullptr ? nullptr : next + half, half);
     }
   }
 }
@@ -210,7 +210,8 @@ absl::Status DecodeSequences(const kernels::TileKernels& tiles, const kernels::P
     const Unit& unit = plan.units[u];
     const char* after = nullptr;
     if (u + threads < units) after = sequences[plan.units[u + threads].seq].blocks[plan.units[u + threads].b0];
-    RunUnit(tiles, decode, p, plan, sequences[unit.seq], rows.first_row[unit.seq], q, ldq, unit, after, partials.data());
+    RunUnit(tiles, decode, p, plan, sequences[unit.seq], rows.first_row[unit.seq], q, ldq, unit, after,
+            partials.data());
   }
   if (stopped) return stop->Check();
   const int64_t Hkv = p.heads.num_kv_heads, decoding = static_cast<int64_t>(plan.seq_index.size());

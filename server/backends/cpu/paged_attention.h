@@ -55,9 +55,8 @@ void WriteTokens(const KvCacheLayout& cache, absl::Span<const PagedSequence> seq
 // path). `stop` (may be null) is polled between work units; its status is returned once it says stop.
 // The decode path runs `decode` (the kernels for problem.cache.dtype), the gather path fp32_tiles.
 absl::Status PagedAttend(const kernels::TileKernels& fp32_tiles, const kernels::PagedKernels& decode,
-                         const PagedProblem& problem,
-                         absl::Span<const PagedSequence> sequences, const PagedRows& rows, const PagedQkv& qkv,
-                         float* heads, int64_t ldh, const StopSignal* stop);
+                         const PagedProblem& problem, absl::Span<const PagedSequence> sequences, const PagedRows& rows,
+                         const PagedQkv& qkv, float* heads, int64_t ldh, const StopSignal* stop);
 
 // Bytes of working memory PagedAttend needs beyond its inputs and outputs.
 int64_t PagedAttendBytes(const kernels::TileKernels& fp32_tiles, const PagedProblem& problem, int threads);

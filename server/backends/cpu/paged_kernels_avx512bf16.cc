@@ -10,7 +10,7 @@
 // order once per register block. The cache's layout is the fp32 kernels' (backend.h's KvCacheLayout).
 //
 // Precision: q (already scaled) and the weights p are rounded to bf16 (to nearest even), as the avx512bf16 set's
-// stateless bf16 products round theirs; the sums stay fp32. Depths or keys beyond kMaxPairs pairs take the
+// stateless bf16 products round theirs; the sums stay fp32. Depths or keys beyond kMaxElements take the
 // avx512 set's kernels, which widen to fp32 exactly.
 #include <immintrin.h>
 
@@ -26,28 +26,17 @@ extern const PagedKernels kPagedKernels[3];
 namespace avx512bf16 {
 namespace {
 
+#include "server/backends/cpu/bf16_convert.h"          // Mask, ToBf16
 #include "server/backends/cpu/paged_kernels_common.h"  // Ahead, WithRows
 
 #define MHA_UNROLL _Pragma("GCC unroll 16")
 
-// Pairs of q's depths or of p's keys held in a stack buffer per row: 512 pairs, head_dim or block keys up to 1024.
-constexpr int64_t kMaxPairs = 512;
+// q's depths or p's keys in bf16, held in a stack buffer per row: head_dim or block keys up to 1024.
+constexpr int64_t kMaxElements = 1024;
 // Register blocks: up to 8 rows of 32 keys (16 accumulators) for scores; up to 4 rows of 64 columns for values.
 constexpr int kScoreRows = 8, kValueRows = 4, kValueChunks = 2;
 
 __m512bh AsPairs(__m512i x) { return reinterpret_cast<__m512bh>(x); }
-
-// n fp32 at src rounded to bf16 into dst, zero-padded to a whole number of 16-pair vectors (dst holds
-// (n + 31) / 32 * 16 pairs): pair m holds elements 2m (low half) and 2m + 1.
-void ToPairs(const float* src, int64_t n, uint32_t* dst) {
-  for (int64_t i = 0; i < n; i += 32) {
-    const int64_t left = n - i;
-    const __mmask16 lo = left >= 16 ? 0xffff : static_cast<__mmask16>((1u << left) - 1);
-    const __mmask16 hi = left >= 32 ? 0xffff : left <= 16 ? 0 : static_cast<__mmask16>((1u << (left - 16)) - 1);
-    const __m512 first = _mm512_maskz_loadu_ps(lo, src + i), second = _mm512_maskz_loadu_ps(hi, src + i + 16);
-    _mm512_storeu_si512(dst + i / 2, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(second, first)));
-  }
-}
 
 // Two rows of 32 bf16 (the first `mask` words of each; `b` null: zero) interleaved into 16 pairs each.
 inline void LoadPairs(const uint16_t* a, const uint16_t* b, __mmask32 mask, __m512i* lo, __m512i* hi) {
@@ -70,16 +59,20 @@ inline void InOrder(__m512 lo, __m512 hi, __m512* first, __m512* second) {
 inline __mmask32 Words(int64_t n) {
   return n >= 32 ? 0xffffffffu : n <= 0 ? 0 : static_cast<__mmask32>((1ull << n) - 1);
 }
-inline __mmask16 Floats(int64_t n) {
-  return n >= 16 ? 0xffff : n <= 0 ? 0 : static_cast<__mmask16>((1u << n) - 1);
+
+// Pair m of a row ToBf16 wrote: its elements 2m (low half) and 2m + 1, broadcast to every lane.
+inline __m512bh PairAt(const uint16_t* row, int64_t m) {
+  int32_t pair;
+  __builtin_memcpy(&pair, row + 2 * m, sizeof(pair));
+  return AsPairs(_mm512_set1_epi32(pair));
 }
 
 // Depth pairs apart in this many sets of accumulators: independent chains, 16 accumulators in all.
 constexpr int SetsFor(int64_t rows) { return rows <= 2 ? 4 : rows <= 4 ? 2 : 1; }
 
-// kRows rows of scores for the (up to) 32 keys at kt, from the rows' q pairs (qp, kMaxPairs apart).
+// kRows rows of scores for the (up to) 32 keys at kt, from the rows' q in bf16 (qb, kMaxElements apart).
 template <int kRows>
-void ScoreBlock(int64_t depth, const uint32_t* qp, const uint16_t* kt, int64_t ldk, int64_t keys, float* s,
+void ScoreBlock(int64_t depth, const uint16_t* qb, const uint16_t* kt, int64_t ldk, int64_t keys, float* s,
                 int64_t lds, Ahead& ahead) {
   constexpr int kSets = SetsFor(kRows);
   __m512 acc[kSets][kRows][2];
@@ -96,7 +89,7 @@ void ScoreBlock(int64_t depth, const uint32_t* qp, const uint16_t* kt, int64_t l
       __m512i lo, hi;
       LoadPairs(kt + c * ldk, c + 1 < depth ? kt + (c + 1) * ldk : nullptr, mask, &lo, &hi);
       MHA_UNROLL for (int r = 0; r < kRows; ++r) {
-        const __m512bh q = AsPairs(_mm512_set1_epi32(static_cast<int>(qp[r * kMaxPairs + m + h])));
+        const __m512bh q = PairAt(qb + r * kMaxElements, m + h);
         acc[h][r][0] = _mm512_dpbf16_ps(acc[h][r][0], q, AsPairs(lo));
         acc[h][r][1] = _mm512_dpbf16_ps(acc[h][r][1], q, AsPairs(hi));
       }
@@ -107,7 +100,7 @@ void ScoreBlock(int64_t depth, const uint32_t* qp, const uint16_t* kt, int64_t l
     __m512i lo, hi;
     LoadPairs(kt + c * ldk, c + 1 < depth ? kt + (c + 1) * ldk : nullptr, mask, &lo, &hi);
     MHA_UNROLL for (int r = 0; r < kRows; ++r) {
-      const __m512bh q = AsPairs(_mm512_set1_epi32(static_cast<int>(qp[r * kMaxPairs + m])));
+      const __m512bh q = PairAt(qb + r * kMaxElements, m);
       acc[0][r][0] = _mm512_dpbf16_ps(acc[0][r][0], q, AsPairs(lo));
       acc[0][r][1] = _mm512_dpbf16_ps(acc[0][r][1], q, AsPairs(hi));
     }
@@ -120,38 +113,40 @@ void ScoreBlock(int64_t depth, const uint32_t* qp, const uint16_t* kt, int64_t l
     }
     __m512 first, second;
     InOrder(lo, hi, &first, &second);
-    _mm512_mask_storeu_ps(s + r * lds, Floats(keys), first);
-    _mm512_mask_storeu_ps(s + r * lds + 16, Floats(keys - 16), second);
+    _mm512_mask_storeu_ps(s + r * lds, Mask(keys), first);
+    _mm512_mask_storeu_ps(s + r * lds + 16, Mask(keys - 16), second);
   }
 }
 
 // PagedKernels::scores for a bf16 K^T.
 void Scores(int64_t rows, int64_t keys, int64_t depth, const float* q, int64_t ldq, const void* kt_bytes,
             int64_t ldk, float* s, int64_t lds, const void* ahead_bytes, int64_t ahead_size) {
-  if (depth > 2 * kMaxPairs) {
+  if (depth > kMaxElements) {
     avx512::kPagedKernels[2].scores(rows, keys, depth, q, ldq, kt_bytes, ldk, s, lds, ahead_bytes, ahead_size);
     return;
   }
   const uint16_t* kt = static_cast<const uint16_t*>(kt_bytes);
-  alignas(64) uint32_t qp[kScoreRows * kMaxPairs];
+  alignas(64) uint16_t qb[kScoreRows * kMaxElements];
   const int64_t row_blocks = (rows + kScoreRows - 1) / kScoreRows;
   const int64_t sets = SetsFor(rows < kScoreRows ? rows : kScoreRows);
   Ahead ahead(ahead_bytes, ahead_size, (keys + 31) / 32 * row_blocks * ((depth + 1) / 2) / sets);
   for (int64_t i = 0; i < rows; i += kScoreRows) {
     const int64_t height = rows - i < kScoreRows ? rows - i : kScoreRows;
-    for (int64_t r = 0; r < height; ++r) ToPairs(q + (i + r) * ldq, depth, qp + r * kMaxPairs);
+    for (int64_t r = 0; r < height; ++r) {
+      ToBf16(q + (i + r) * ldq, depth, (depth + 31) / 32 * 32, 1.0f, qb + r * kMaxElements);
+    }
     for (int64_t j = 0; j < keys; j += 32) {
       WithRows<kScoreRows>(height, [&](auto block) {
-        ScoreBlock<decltype(block)::kValue>(depth, qp, kt + j, ldk, keys - j, s + i * lds + j, lds, ahead);
+        ScoreBlock<decltype(block)::kValue>(depth, qb, kt + j, ldk, keys - j, s + i * lds + j, lds, ahead);
       });
     }
   }
 }
 
-// kRows rows of (up to) 64 columns of o (`width` left from v's column 0): o_scale o + p V, from the rows' p pairs
-// (pp, kMaxPairs apart) over `keys` rows of v (row stride ldv).
+// kRows rows of (up to) 64 columns of o (`width` left from v's column 0): o_scale o + p V, from the rows' p in bf16
+// (pb, kMaxElements apart) over `keys` rows of v (row stride ldv).
 template <int kRows>
-void ValueBlock(int64_t keys, const uint32_t* pp, const uint16_t* v, int64_t ldv, int64_t width,
+void ValueBlock(int64_t keys, const uint16_t* pb, const uint16_t* v, int64_t ldv, int64_t width,
                 const float* o_scale, float* o, int64_t ldo, Ahead& ahead) {
   __m512 acc[kRows][kValueChunks][2];
   MHA_UNROLL for (int r = 0; r < kRows; ++r) {
@@ -166,7 +161,7 @@ void ValueBlock(int64_t keys, const uint32_t* pp, const uint16_t* v, int64_t ldv
       LoadPairs(v + j * ldv + 32 * x, j + 1 < keys ? v + (j + 1) * ldv + 32 * x : nullptr, masks[x], &lo[x], &hi[x]);
     }
     MHA_UNROLL for (int r = 0; r < kRows; ++r) {
-      const __m512bh p = AsPairs(_mm512_set1_epi32(static_cast<int>(pp[r * kMaxPairs + m])));
+      const __m512bh p = PairAt(pb + r * kMaxElements, m);
       MHA_UNROLL for (int x = 0; x < kValueChunks; ++x) {
         acc[r][x][0] = _mm512_dpbf16_ps(acc[r][x][0], p, AsPairs(lo[x]));
         acc[r][x][1] = _mm512_dpbf16_ps(acc[r][x][1], p, AsPairs(hi[x]));
@@ -180,7 +175,7 @@ void ValueBlock(int64_t keys, const uint32_t* pp, const uint16_t* v, int64_t ldv
       InOrder(acc[r][x][0], acc[r][x][1], &sums[0], &sums[1]);
       MHA_UNROLL for (int half = 0; half < 2; ++half) {
         const int64_t column = 32 * x + 16 * half;
-        const __mmask16 live = Floats(width - column);
+        const __mmask16 live = Mask(width - column);
         float* out = o + r * ldo + column;
         _mm512_mask_storeu_ps(out, live, _mm512_fmadd_ps(factor, _mm512_maskz_loadu_ps(live, out), sums[half]));
       }
@@ -191,21 +186,23 @@ void ValueBlock(int64_t keys, const uint32_t* pp, const uint16_t* v, int64_t ldv
 // PagedKernels::values for a bf16 V.
 void Values(int64_t rows, int64_t keys, int64_t width, const float* p, int64_t ldp, const void* v_bytes,
             const float* o_scale, float* o, int64_t ldo, const void* ahead_bytes, int64_t ahead_size) {
-  if (keys > 2 * kMaxPairs) {
+  if (keys > kMaxElements) {
     avx512::kPagedKernels[2].values(rows, keys, width, p, ldp, v_bytes, o_scale, o, ldo, ahead_bytes, ahead_size);
     return;
   }
   const uint16_t* v = static_cast<const uint16_t*>(v_bytes);
-  alignas(64) uint32_t pp[kValueRows * kMaxPairs];
+  alignas(64) uint16_t pb[kValueRows * kMaxElements];
   constexpr int64_t kPanel = 32 * kValueChunks;
   const int64_t row_blocks = (rows + kValueRows - 1) / kValueRows;
   Ahead ahead(ahead_bytes, ahead_size, (keys + 1) / 2 * ((width + kPanel - 1) / kPanel) * row_blocks);
   for (int64_t i = 0; i < rows; i += kValueRows) {
     const int64_t height = rows - i < kValueRows ? rows - i : kValueRows;
-    for (int64_t r = 0; r < height; ++r) ToPairs(p + (i + r) * ldp, keys, pp + r * kMaxPairs);
+    for (int64_t r = 0; r < height; ++r) {
+      ToBf16(p + (i + r) * ldp, keys, (keys + 31) / 32 * 32, 1.0f, pb + r * kMaxElements);
+    }
     for (int64_t c = 0; c < width; c += kPanel) {
       WithRows<kValueRows>(height, [&](auto block) {
-        ValueBlock<decltype(block)::kValue>(keys, pp, v + c, width, width - c, o_scale + i, o + i * ldo + c, ldo,
+        ValueBlock<decltype(block)::kValue>(keys, pb, v + c, width, width - c, o_scale + i, o + i * ldo + c, ldo,
                                            ahead);
       });
     }

@@ -1,7 +1,7 @@
 // What the two bf16 tile-kernel sets share (the amx set, tile_kernels_amx.cc, and the avx512bf16 set,
-// tile_kernels_avx512bf16.cc): the packed K^T and V layouts and their packing, the bf16 conversions and a per-thread
-// scratch. Included by each inside its own anonymous namespace, in a TU compiled with AVX512-F, AVX512-BW and
-// AVX512-BF16. Deliberately free of standard-library templates (see AlignedBuffer).
+// tile_kernels_avx512bf16.cc): the packed K^T and V layouts and their packing, the bf16 conversions
+// (bf16_convert.h) and a per-thread scratch. Included by each inside its own anonymous namespace, in a TU compiled
+// with AVX512-F, AVX512-BW and AVX512-BF16. Deliberately free of standard-library templates (see AlignedBuffer).
 //
 // Packed layouts, in bf16 (two per float of the caller's buffers; TileKernels::elements_per_float = 2):
 //  - K^T: panels of 32 keys, one after another, each [depth / 32] chunks of two 16-key halves: half h of chunk c,
@@ -54,21 +54,7 @@ Scratch& ThreadScratch() {
 
 int64_t Min(int64_t a, int64_t b) { return a < b ? a : b; }
 
-// The first n lanes of 16 (none for n <= 0, all for n >= 16).
-__mmask16 Mask(int64_t n) {
-  if (n <= 0) return 0;
-  return n >= 16 ? __mmask16{0xffff} : static_cast<__mmask16>((1u << n) - 1);
-}
-
-// dst[0, n) = bf16(scale * src[0, n)), zero from n up to `padded` (a multiple of 32).
-void ToBf16(const float* src, int64_t n, int64_t padded, float scale, uint16_t* dst) {
-  const __m512 s = _mm512_set1_ps(scale);
-  for (int64_t c = 0; c < padded; c += 32) {
-    const __m512 lo = _mm512_mul_ps(s, _mm512_maskz_loadu_ps(Mask(n - c), src + c));
-    const __m512 hi = _mm512_mul_ps(s, _mm512_maskz_loadu_ps(Mask(n - c - 16), src + c + 16));
-    _mm512_storeu_si512(dst + c, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
-  }
-}
+#include "server/backends/cpu/bf16_convert.h"  // Mask, ToBf16
 
 // GCC 12 reports the self-initialised placeholder of the unpack and shuffle intrinsics (_mm512_undefined_epi32) as
 // an uninitialised read here since PackKeys became a template over its source type; every result lane is defined.
