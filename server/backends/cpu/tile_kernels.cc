@@ -62,7 +62,7 @@ bool CpuHasF16c() {
 // A bf16 set (its packing and products over the AVX-512 set's kernels) with the online softmax whose exps keep
 // bf16's precision only: its products round the weights to bf16. Its decode kernels: the AVX-512 set's for fp32
 // and fp16 caches, AVX512-BF16's dot products for bf16 caches.
-TileKernels WithBf16Softmax(TileKernels k) {
+TileKernels Bf16Set(TileKernels k) {
   static const PagedKernels kPaged[3] = {k.paged[0], k.paged[1], avx512bf16::kBf16PagedKernels};
   k.online_softmax = avx512::kBf16OnlineSoftmax;
   k.paged = kPaged;
@@ -74,11 +74,11 @@ TileKernels WithBf16Softmax(TileKernels k) {
 const TileKernels* TileKernelsFor(const char* isa) {
   __builtin_cpu_init();
   if (std::strcmp(isa, "amx") == 0 && CpuHasAvx512Bf16(/*tiles=*/true) && AmxPermitted()) {
-    static const TileKernels kAmx = WithBf16Softmax(amx::MakeKernels(avx512::kKernels));
+    static const TileKernels kAmx = Bf16Set(amx::MakeKernels(avx512::kKernels));
     return &kAmx;
   }
   if (std::strcmp(isa, "avx512bf16") == 0 && CpuHasAvx512Bf16(/*tiles=*/false)) {
-    static const TileKernels kAvx512Bf16 = WithBf16Softmax(avx512bf16::MakeKernels(avx512::kKernels));
+    static const TileKernels kAvx512Bf16 = Bf16Set(avx512bf16::MakeKernels(avx512::kKernels));
     return &kAvx512Bf16;
   }
   if (std::strcmp(isa, "avx512") == 0 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")) {
