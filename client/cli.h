@@ -27,6 +27,15 @@ int Fail(const absl::Status& status);
 // Prints "usage error: <message>" and a hint to stderr; returns kExitUsage.
 int UsageError(const absl::Status& status);
 
+// Whether the command line asks for --help (-h, --helpshort): then HelpText() is the answer, exit 0.
+bool WantsHelp(int argc, char** argv);
+// The usage message and every mha_client flag grouped by the subcommands that read it.
+std::string HelpText();
+// Between these two calls, a flag absl cannot parse (unknown, or a bad value) ends the process with kExitUsage
+// after absl's message, instead of absl's exit code 1.
+void BeginFlagParsing();
+void EndFlagParsing();
+
 // --target, --lb, --timeout_s, --max_message_mb as ClientOptions; INVALID_ARGUMENT (a usage error) if out of range.
 absl::StatusOr<ClientOptions> ClientOptionsFromFlags();
 

@@ -12,6 +12,7 @@
 #include "client/cli.h"
 #include "client/cli_request.h"
 #include "client/npy.h"
+#include "proto/mha/v1/attention_shape.h"
 #include "proto/mha/v1/tensor_codec.h"
 
 ABSL_FLAG(bool, check, false, "call: repeat on the reference backend and fail unless the outputs agree");
@@ -23,6 +24,23 @@ absl::Status WriteTensor(const std::string& path, const v1::Tensor& tensor, cons
   absl::Status written = WriteNpy(path, NpyFromTensor(tensor));
   if (written.ok()) std::printf("wrote %s %s to %s\n", what, ShapeString(tensor.shape()).c_str(), path.c_str());
   return written;
+}
+
+// The reference backend computes in plain loops, tens of times slower than the others: says so on stderr before it
+// runs, with the time the server's rate for it predicts when it knows one.
+void AnnounceReferenceRun(AttentionClient& client, const AttentionShape& shape) {
+  double gflops = 0;
+  if (absl::StatusOr<v1::GetServerInfoResponse> info = client.GetServerInfo(); info.ok()) {
+    for (const v1::BackendInfo& backend : info->backends()) {
+      if (backend.name() == "reference") gflops = backend.gflops();
+    }
+  }
+  const double seconds = gflops > 0 ? AttentionFlops(shape) / (gflops * 1e9) : 0;
+  if (seconds >= 1) {
+    std::fprintf(stderr, "checking against the reference backend, about %.0f s\n", seconds);
+  } else {
+    std::fprintf(stderr, "checking against the reference backend\n");
+  }
 }
 
 }  // namespace
@@ -66,6 +84,7 @@ int RunCall(const ClientOptions& options) {
     }
   }
   if (absl::GetFlag(FLAGS_check)) {
+    AnnounceReferenceRun(client, prepared->shape);
     request.set_backend(v1::BACKEND_REFERENCE);
     absl::StatusOr<v1::MultiHeadAttentionResponse> want = client.MultiHeadAttention(request);
     if (!want.ok()) return Fail(want.status());

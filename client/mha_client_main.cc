@@ -18,6 +18,7 @@
 #include "absl/flags/internal/usage.h"
 #include "absl/strings/match.h"
 #include "client/cli.h"
+#include "proto/build_info.h"
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
@@ -27,16 +28,25 @@ int main(int argc, char** argv) {
       "       mha_client bench --rps 50 -n 500 -O json\n"
       "       mha_client plot --tokens the,cat,sat,on,the,mat --output heads.svg\n"
       "       mha_client decode --sessions 32 --context 2048 --steps 64 --check");
-  // --help lists the flags of the subcommands (client/cli_*.cc), not only those of this file.
   absl::FlagsUsageConfig usage;
   usage.contains_help_flags = [](absl::string_view path) { return absl::StrContains(path, "client/cli"); };
   usage.contains_helpshort_flags = usage.contains_help_flags;
+  usage.normalize_filename = [](absl::string_view path) { return mha::RepositoryPath(std::string(path)); };
+  usage.version_string = [] { return mha::VersionText("mha_client"); };
   absl::SetFlagsUsageConfig(usage);
-  // absl::ParseCommandLine exits 1 after --help (abseil 20220623); help that was asked for is a success, so the
-  // usage flags are handled here (through abseil's internal entry points, pinned by Debian's version).
+  // --help groups the flags by subcommand (client/cli_help.cc); --helpfull and --version are abseil's.
+  if (mha::cli::WantsHelp(argc, argv)) {
+    std::cout << mha::cli::HelpText();
+    return mha::cli::kExitOk;
+  }
+  // absl::ParseCommandLine exits 1 after --helpfull or --version (abseil 20220623); help that was asked for is a
+  // success, so the usage flags are handled here (through abseil's internal entry points, pinned by Debian's
+  // version).
+  mha::cli::BeginFlagParsing();
   std::vector<char*> args = absl::flags_internal::ParseCommandLineImpl(
       argc, argv, absl::flags_internal::ArgvListAction::kRemoveParsedArgs,
       absl::flags_internal::UsageFlagsAction::kIgnoreUsage, absl::flags_internal::OnUndefinedFlag::kAbortIfUndefined);
+  mha::cli::EndFlagParsing();
   if (absl::flags_internal::HandleUsageFlags(std::cout, absl::ProgramUsageMessage()) != -1) return mha::cli::kExitOk;
   if (args.size() != 2) {
     std::fprintf(stderr, "usage: mha_client health|info|call|bench|plot|decode [--flags]  (--help for flags)\n");

@@ -8,12 +8,12 @@ namespace {
 const mha::ServerOptions kDefaults;
 }  // namespace
 
-// The help texts are what `mha_server --helpfull` prints and README's flag table repeats (tests/flags_doc_test.py
+// The help texts are what `mha_server --helpfull` prints and docs/SERVER.md's flag table repeats (tests/flags_doc_test.py
 // keeps the two in step).
 ABSL_FLAG(std::string, listen, kDefaults.listen, "host:port to serve on; port 0 picks a free one");
 ABSL_FLAG(std::string, port_file, kDefaults.port_file, "write the bound port to this file once serving");
 ABSL_FLAG(std::string, metrics_listen, kDefaults.metrics_listen,
-          "serve Prometheus metrics at http://HOST:PORT/metrics; empty = off");
+          "serve Prometheus metrics at http://HOST:PORT/metrics; :PORT = on --listen's host; empty = off");
 ABSL_FLAG(std::string, layers_dir, kDefaults.layers_dir,
           "register every *.safetensors file in this folder as a layer");
 ABSL_FLAG(std::string, backend, kDefaults.backend, "what BACKEND_AUTO means: auto, cpu, reference or cuda");

@@ -7,11 +7,16 @@
 #include <cstdlib>
 #include <iostream>
 
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/lsan_interface.h>
+#endif
+
 #include "absl/flags/internal/parse.h"
 #include "absl/flags/internal/usage.h"
 #include "absl/flags/usage_config.h"
 #include "absl/strings/match.h"
 #include "absl/flags/usage.h"
+#include "proto/build_info.h"
 #include "server/flags.h"
 #include "server/server.h"
 #include "spdlog/spdlog.h"
@@ -41,6 +46,22 @@ void UseShortOpenMpSpins(char** argv) {
 // watchdog returns free pages every few seconds (MhaServer::Watch).
 void BoundAllocatorMemory() { mallopt(M_ARENA_MAX, 2); }
 
+// Ends the process once the server has drained and stopped, without the teardown of gRPC's globals: there,
+// grpc_shutdown (from ~grpc::Server) joins gRPC 1.51's executor threads, and one that is polling (epoll_wait with a
+// timeout of up to 10 s) is joined only when its wait ends. Measured here with a call in flight at SIGTERM and a
+// 1 s grace: 1 exit in 5 took 10.8 s instead of under 1 s. Nothing is left to tear down that the kernel does not
+// release: every call has finished or been cancelled, and the log is flushed first.
+// Under ASan the leak check that exit would run runs here (what is still reachable, the server included, is not
+// a leak).
+[[noreturn]] void ExitNow(int code) {
+#if defined(__SANITIZE_ADDRESS__)
+  __lsan_do_leak_check();
+#endif
+  spdlog::shutdown();
+  std::fflush(nullptr);
+  std::_Exit(code);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -52,6 +73,8 @@ int main(int argc, char** argv) {
   absl::FlagsUsageConfig usage;
   usage.contains_help_flags = [](absl::string_view path) { return absl::StrContains(path, "server/flags.cc"); };
   usage.contains_helpshort_flags = usage.contains_help_flags;
+  usage.normalize_filename = [](absl::string_view path) { return mha::RepositoryPath(std::string(path)); };
+  usage.version_string = [] { return mha::VersionText("mha_server"); };
   absl::SetFlagsUsageConfig(usage);
   absl::flags_internal::ParseCommandLineImpl(argc, argv, absl::flags_internal::ArgvListAction::kRemoveParsedArgs,
                                              absl::flags_internal::UsageFlagsAction::kIgnoreUsage,
@@ -101,5 +124,5 @@ int main(int argc, char** argv) {
   spdlog::info("received {}, draining in-flight calls", signal_number == SIGTERM ? "SIGTERM" : "SIGINT");
   (*server)->Shutdown();
   spdlog::info("stopped");
-  return 0;
+  ExitNow(0);
 }

@@ -173,6 +173,12 @@ void Scheduler::ObserveRate(const Backend* backend, double flops, double seconds
   if (!inserted) it->second = (1 - kRateWeight) * it->second + kRateWeight * rate;
 }
 
+double Scheduler::Rate(const Backend* backend) const {
+  absl::MutexLock lock(&mu_);
+  const auto rate = rates_.find(backend);
+  return rate == rates_.end() ? 0 : rate->second;
+}
+
 void Scheduler::TakeBatchable(const WorkItem& first, int64_t* rows, std::vector<Queued>* batch) {
   const std::string& key = first.plan().batch_key;
   for (auto it = queue_.begin(); it != queue_.end() && *rows < options_.max_batch_rows;) {

@@ -85,6 +85,8 @@ class Scheduler {
   // Learns that `backend` did `flops` in `seconds` (the compute thread does this after every call of 50 MFLOP or
   // more; warm-up seeds it).
   void ObserveRate(const Backend* backend, double flops, double seconds);
+  // What ObserveRate has learned of `backend`, FLOP/s; 0 before anything. Thread-safe.
+  double Rate(const Backend* backend) const;
 
  private:
   bool RunsInline(const WorkItem& item) const;

@@ -14,6 +14,7 @@
 #include "absl/time/clock.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
+#include "server/listen_address.h"
 #include "server/status_macros.h"
 #include "server/work_item.h"
 #include "spdlog/spdlog.h"
@@ -86,6 +87,15 @@ absl::StatusOr<std::unique_ptr<MhaServer>> MhaServer::Start(ServerOptions option
   }
   if (options.cuda_layer_cache_mb < 0) return absl::InvalidArgumentError("--cuda_layer_cache_mb must be >= 0");
   RETURN_IF_ERROR(CheckSessionOptions(options));
+  options.metrics_listen = OnListenHost(options.metrics_listen, options.listen);
+  // Before anything slow starts: an address that cannot be served fails at once, in one line naming the flag.
+  for (const auto& [flag, text] : {std::pair<const char*, const std::string&>{"--listen", options.listen},
+                                   {"--health_listen", options.health_listen},
+                                   {"--metrics_listen", options.metrics_listen}}) {
+    if (text.empty()) continue;
+    ASSIGN_OR_RETURN(const ListenAddress address, ParseListenAddress(flag, text));
+    RETURN_IF_ERROR(CheckCanBind(flag, address));
+  }
 
   std::unique_ptr<MhaServer> server(new MhaServer());
   if (!options.auth_tokens_file.empty()) {
@@ -183,8 +193,8 @@ absl::StatusOr<std::unique_ptr<MhaServer>> MhaServer::Start(ServerOptions option
   builder.RegisterService(server->service_.get());
   server->server_ = builder.BuildAndStart();
   if (server->server_ == nullptr || (!options.listen.empty() && server->port_ == 0)) {
-    return absl::UnavailableError(absl::StrCat("cannot listen on ", options.listen,
-                                               " (in use by another process, or not an address of this machine)"));
+    // CheckCanBind above passed: another process took the port since, or gRPC refused the address (it logs why).
+    return absl::UnavailableError(absl::StrCat("--listen ", options.listen, ": gRPC could not serve there"));
   }
   if (!options.health_listen.empty()) {
     grpc::ServerBuilder health_builder;

@@ -412,6 +412,7 @@ grpc::ServerUnaryReactor* AttentionService::GetServerInfo(grpc::CallbackServerCo
           info->set_device(entry.device);
           info->set_available(entry.available());
           info->set_detail(entry.detail);
+          if (entry.available()) info->set_gflops(scheduler_->Rate(entry.backend.get()) / 1e9);
         }
         response->set_default_backend(backends_->NameFor(v1::BACKEND_AUTO));
         v1::ServerLimits* limits = response->mutable_limits();

@@ -2,6 +2,8 @@
 // memory, the keys each query tile visits), Supports per dtype and head_dim, the row-major to column-major
 // mapping of the cuBLAS products, the error mapping, and the backend's refusal to start without a usable GPU.
 // Correctness on a GPU is the conformance suite's (tests/gpu/device-check.sh runs it there).
+#include <dlfcn.h>
+
 #include <climits>
 #include <cstdint>
 #include <string>
@@ -258,12 +260,24 @@ TEST(CudaStatus, MapsCublasErrorsToCodesAndNamesThem) {
   EXPECT_EQ(failed.message(), "cublasGemmEx 4x5x6: CUBLAS_STATUS_EXECUTION_FAILED");
 }
 
-// The driver's answer on this machine: empty when a GPU is usable.
+// Why this machine has no usable GPU: empty when it has one.
 std::string NoGpuReason() {
   int count = 0;
   const cudaError_t error = cudaGetDeviceCount(&count);
-  if (error != cudaSuccess) return cudaGetErrorString(error);
+  if (error != cudaSuccess) return cuda::NoDeviceReason(error);
   return count == 0 ? "no device" : "";
+}
+
+// Without libcuda.so.1 at all, the reason says there is no driver, not that the driver is too old.
+TEST(CudaStatus, WithoutTheDriversLibraryTheReasonSaysNoDriver) {
+  if (void* driver = dlopen("libcuda.so.1", RTLD_LAZY); driver != nullptr) {
+    dlclose(driver);
+    GTEST_SKIP() << "libcuda.so.1 is installed here";
+  }
+  EXPECT_EQ(cuda::NoDeviceReason(cudaErrorInsufficientDriver), "no NVIDIA driver found (libcuda.so.1 not loaded)");
+  absl::StatusOr<std::unique_ptr<CudaBackend>> backend = CudaBackend::Create();
+  EXPECT_EQ(backend.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(backend.status().message(), "no usable CUDA device: no NVIDIA driver found (libcuda.so.1 not loaded)");
 }
 
 TEST(CudaBackend, WithoutAGpuCreateIsUnavailableWithTheDriversReason) {

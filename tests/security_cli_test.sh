@@ -37,13 +37,13 @@ expect_start_error "--layers_dir" --layers_dir=/nonexistent
 expect_start_error "--tls_key" --tls_cert=server.pem --tls_key=client.key
 expect_start_error "--tls_cert" --tls_cert=/nonexistent.pem --tls_key=server.key
 expect_start_error "--auth_tokens_file" --auth_tokens_file=/nonexistent
-expect_start_error "cannot listen on 1.2.3.4:1" --listen=1.2.3.4:1
+expect_start_error "--listen 1.2.3.4:1: 1.2.3.4 is not an address of this machine" --listen=1.2.3.4:1
 
 start_server "$server" --tls_cert server.pem --tls_key server.key --tls_client_ca ca.pem --auth_tokens_file tokens
 tls=(--target "$target" --tls_ca ca.pem --tls_cert client.pem --tls_key client.key)
 
 # A second server on the same port fails to start instead of sharing it.
-expect_start_error "cannot listen on $target" --listen="$target"
+expect_start_error "--listen $target: port ${target##*:} is in use by another process" --listen="$target"
 
 "$client" health "${tls[@]}" --timeout_s 5 || fail "health over mutual TLS"
 "$client" call "${tls[@]}" --token_file compute.token --batch 2 --seq 8 --check >/dev/null || fail "call with a token"

@@ -658,10 +658,9 @@ absl::Status CudaBackend::Impl::Mha(const MhaArgs& a) {
 
 absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(const Options& options) {
   int count = 0;
-  // Without a GPU the runtime says why (e.g. "CUDA driver version is insufficient for CUDA runtime version"):
-  // any error here means unavailable, with that reason.
+  // Any error here means unavailable, with the reason: no driver, or the driver's words.
   if (const cudaError_t error = cudaGetDeviceCount(&count); error != cudaSuccess) {
-    return absl::UnavailableError(absl::StrCat("no usable CUDA device: ", cudaGetErrorString(error)));
+    return absl::UnavailableError(absl::StrCat("no usable CUDA device: ", cuda::NoDeviceReason(error)));
   }
   if (options.device < 0 || options.device >= count) {
     return absl::UnavailableError(absl::StrCat("no CUDA device ", options.device, " (", count, " present)"));

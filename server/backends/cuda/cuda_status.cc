@@ -1,9 +1,20 @@
 #include "server/backends/cuda/cuda_status.h"
 
+#include <dlfcn.h>
+
 #include "absl/strings/str_cat.h"
 
 namespace mha {
 namespace cuda {
+
+std::string NoDeviceReason(cudaError_t error) {
+  // The runtime loads the driver's library by this name; where loading it fails, no driver is installed (or it is
+  // not visible in this container).
+  void* driver = dlopen("libcuda.so.1", RTLD_LAZY | RTLD_LOCAL);
+  if (driver == nullptr) return "no NVIDIA driver found (libcuda.so.1 not loaded)";
+  dlclose(driver);
+  return cudaGetErrorString(error);
+}
 
 absl::Status CudaStatus(cudaError_t error, absl::string_view what) {
   if (error == cudaSuccess) return absl::OkStatus();
