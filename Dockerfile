@@ -2,7 +2,7 @@
 # the runtime libraries only. deploy/container-test.sh builds and runs both variants in CI with podman;
 # docs/DEPLOY.md has the commands and the measured numbers.
 #
-#   README's "Containers" lines (no registry needed), or where a registry is reachable:
+#   README's container lines (under Deploy) (no registry needed), or where a registry is reachable:
 #   podman build --format docker -t localhost/mhaserve:0.1.0 .      (docker build -t mhaserve:0.1.0 .)
 #   podman run --rm --init --network host localhost/mhaserve:0.1.0 --listen 127.0.0.1:50051 [--threads N ...]
 #
@@ -55,10 +55,14 @@ COPY . .
 # CMAKE_CUDA_ARCHITECTURES for VARIANT=cuda, e.g. "80-real;90" to add A100 machine code; empty: the project's
 # default (sm_90 machine code and compute_90 PTX: H100/H200, and later GPUs through the driver's PTX compiler).
 ARG CUDA_ARCHITECTURES=
+# The git revision mha_server --version reports (the build context has no .git), e.g.
+# --build-arg GIT_REVISION=$(git rev-parse --short=12 HEAD); empty: "unknown".
+ARG GIT_REVISION=
 # Only the two stripped binaries leave this step (in /out/bin): the build tree would make every cached layer large.
 RUN cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DBUILD_TESTING=OFF \
       -DMHA_WITH_CUDA=$([ "$VARIANT" = cuda ] && echo ON || echo OFF) \
       ${CUDA_ARCHITECTURES:+"-DCMAKE_CUDA_ARCHITECTURES=$CUDA_ARCHITECTURES"} \
+      ${GIT_REVISION:+"-DMHA_GIT_REVISION=$GIT_REVISION"} \
  && cmake --build build --target mha_server mha_client \
  && strip -o /out/bin/mha_server build/bin/mha_server && strip -o /out/bin/mha_client build/bin/mha_client \
  && rm -rf build
@@ -86,14 +90,17 @@ LABEL mhaserve.variant=$VARIANT
 USER 10001:10001
 # gRPC: mha.v1.Attention, grpc.health.v1.Health and reflection; Prometheus metrics at :9464/metrics.
 EXPOSE 50051 9464 8081
-# The server drains in-flight calls for up to 30 s on SIGTERM and exits 0; as PID 1 it handles the signal itself.
+# On SIGTERM the server drains in-flight calls for up to --shutdown_grace_s (25 s) and exits 0; as PID 1 it handles
+# the signal itself.
 STOPSIGNAL SIGTERM
 # The health check asks the server it belongs to: the port it bound, from the port file the ENTRYPOINT names (in
 # /tmp, a tmpfs under --read-only), whatever --listen says. Plaintext: with --tls_cert, give --health_listen and
 # --health-cmd.
+# Docker runs it on its own; podman schedules it with a systemd timer, so without systemd `podman run` logs systemd
+# errors and the status stays "starting": run `podman healthcheck run NAME` yourself, or pass --no-healthcheck.
 HEALTHCHECK --interval=10s --timeout=3s --start-period=10s --retries=3 \
   CMD ["/bin/sh", "-c", "exec /usr/local/bin/mha_client health --target 127.0.0.1:$(cat /tmp/mha_server.port) --timeout_s 2"]
 # Arguments after the image name are appended, and a repeated flag takes its last value, so
-# `--listen 127.0.0.1:6000` or `--threads 4` override these defaults.
-ENTRYPOINT ["/usr/local/bin/mha_server", "--listen", "0.0.0.0:50051", "--metrics_listen", "0.0.0.0:9464", \
+# `--listen 127.0.0.1:6000` or `--threads 4` override these defaults. Metrics follow --listen's host (":9464").
+ENTRYPOINT ["/usr/local/bin/mha_server", "--listen", "0.0.0.0:50051", "--metrics_listen", ":9464", \
             "--layers_dir", "/layers", "--port_file", "/tmp/mha_server.port"]

@@ -6,6 +6,9 @@
 #   deploy/install-deps.sh --deploy     also nginx, yamllint, python3-yaml (deploy/scale-out-test.sh,
 #                                       deploy/check-k8s.sh)
 # --container and --deploy add to the default set (or to --build-only's), and combine with each other.
+#   --log FILE: apt's output goes to FILE instead of the terminal, which gets one line per step.
+# Packages already installed are not upgraded (apt-get --no-upgrade), except where a new package needs a newer
+# version of one: then the script names them before it installs.
 set -euo pipefail
 
 build_packages=(
@@ -26,14 +29,17 @@ container_packages=(podman buildah debootstrap runc catatonit)
 # nginx-light has the grpc and http2 modules; python3-yaml reads the manifests in deploy/check-k8s.sh.
 deploy_packages=(nginx-light yamllint python3 python3-yaml)
 
-build_only=0 container=0 deploy=0
-for arg in "$@"; do
-  case "$arg" in
+build_only=0 container=0 deploy=0 log=/dev/stdout
+while [[ $# -gt 0 ]]; do
+  case "$1" in
     --build-only) build_only=1 ;;
     --container) container=1 ;;
     --deploy) deploy=1 ;;
-    *) echo "install-deps: unknown option $arg (expected --build-only, --container or --deploy)" >&2; exit 2 ;;
+    --log) log=$2; shift ;;
+    *) echo "install-deps: unknown option $1 (expected --build-only, --container, --deploy or --log FILE)" >&2
+       exit 2 ;;
   esac
+  shift
 done
 
 packages=("${build_packages[@]}")
@@ -54,8 +60,17 @@ fi
 
 SUDO=""
 if [[ $(id -u) -ne 0 ]]; then SUDO="sudo"; fi
-echo "install-deps: installing ${missing[*]}"
 export DEBIAN_FRONTEND=noninteractive
+# run WHAT COMMAND...: the command's output to the log; on failure the log's end, and exit 1.
+run() {
+  local what=$1
+  shift
+  if ! "$@" >>"$log" 2>&1; then
+    echo "install-deps: $what failed" >&2
+    [[ $log != /dev/stdout ]] && { echo "the last lines of $log:" >&2; tail -n 30 "$log" >&2; }
+    exit 1
+  fi
+}
 # The test tools (nginx above all) must not start as system services on install: a policy-rc.d that denies every
 # start, only for this install and only where the machine has none of its own.
 if [[ $((container + deploy)) -gt 0 && ! -e /usr/sbin/policy-rc.d ]]; then
@@ -63,5 +78,16 @@ if [[ $((container + deploy)) -gt 0 && ! -e /usr/sbin/policy-rc.d ]]; then
   $SUDO chmod 755 /usr/sbin/policy-rc.d
   trap '$SUDO rm -f /usr/sbin/policy-rc.d' EXIT
 fi
-$SUDO apt-get update -qq
-$SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+echo "install-deps: ${#missing[@]} of ${#packages[@]} packages missing; updating the package lists"
+run "apt-get update" $SUDO apt-get update -qq
+install=(apt-get install -y -qq --no-install-recommends --no-upgrade "${missing[@]}")
+# A dry run says what apt will do: "Inst NAME [OLD] (NEW ...)" is an upgrade of an installed package.
+plan=$(apt-get -s "${install[@]:1}" 2>>"$log" || true)
+total=$(grep -c '^Inst ' <<<"$plan" || true)
+upgrades=$(awk '/^Inst [^ ]+ \[/ {print $2}' <<<"$plan" | tr '\n' ' ')
+echo "install-deps: installing ${missing[*]} ($total packages with their dependencies)"
+if [[ -n $upgrades ]]; then
+  echo "install-deps: apt must also upgrade installed packages that these need in newer versions: $upgrades"
+fi
+run "apt-get install" $SUDO "${install[@]}"
+echo "install-deps: installed"
