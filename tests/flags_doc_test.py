@@ -1,7 +1,7 @@
-"""README's server flag table matches the flags mha_server defines (server/flags.cc): the same names, the same
-defaults, nothing missing and nothing extra.
+"""docs/SERVER.md's server flag table matches the flags mha_server defines (server/flags.cc): the same names, the
+same defaults, nothing missing and nothing extra.
 
-Usage: python3 tests/flags_doc_test.py MHA_SERVER_BIN README.md
+Usage: python3 tests/flags_doc_test.py MHA_SERVER_BIN docs/SERVER.md
 """
 
 import re
@@ -21,12 +21,12 @@ def server_flags(binary):
     return flags
 
 
-def readme_flags(path):
-    """{name: default} from the rows of README's '### Server flags' table: | `--name` | `default` or empty | ... |"""
+def documented_flags(path):
+    """{name: default} from the rows of the '### Server flags' table: | `--name` | `default` or empty | ... |"""
     text = open(path, encoding="utf-8").read()
     table = re.search(r"### Server flags\n(.*?)\n\n", text, re.S)
     if table is None:
-        sys.exit("README has no '### Server flags' table")
+        sys.exit(f"{path} has no '### Server flags' table")
     flags = {}
     for row in table.group(1).splitlines():
         m = re.match(r"\| `--(\w+)` \|\s*`?([^`|]*?)`?\s*\|", row)
@@ -36,16 +36,18 @@ def readme_flags(path):
 
 
 def main():
-    binary, readme = sys.argv[1], sys.argv[2]
-    have, documented = server_flags(binary), readme_flags(readme)
+    if len(sys.argv) != 3:
+        sys.exit("usage: python3 tests/flags_doc_test.py MHA_SERVER_BIN docs/SERVER.md")
+    binary, doc = sys.argv[1], sys.argv[2]
+    have, documented = server_flags(binary), documented_flags(doc)
     failures = []
     for name in sorted(set(have) - set(documented)):
-        failures.append(f"--{name} (default {have[name]!r}) is missing from README's flag table")
+        failures.append(f"--{name} (default {have[name]!r}) is missing from {doc}'s flag table")
     for name in sorted(set(documented) - set(have)):
-        failures.append(f"README documents --{name}, which mha_server does not define")
+        failures.append(f"{doc} documents --{name}, which mha_server does not define")
     for name in sorted(set(have) & set(documented)):
         if have[name] != documented[name]:
-            failures.append(f"--{name}: README says default {documented[name]!r}, mha_server {have[name]!r}")
+            failures.append(f"--{name}: {doc} says default {documented[name]!r}, mha_server {have[name]!r}")
     for f in failures:
         print("FAIL:", f)
     print(f"flags: {len(have)} defined, {len(failures)} mismatched")
