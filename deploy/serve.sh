@@ -9,7 +9,8 @@ mkdir -p build
 log=$PWD/build/serve.log
 : >"$log"
 if [[ ! -x build/bin/mha_server ]]; then
-  echo "serve: a first run takes about 4 minutes on 2 cores (packages, then building); details in $log"
+  echo "serve: a first run builds for about 2.5 minutes on 2 cores, after installing any missing packages;" \
+    "details in $log"
 fi
 deploy/install-deps.sh --log "$log"
 deploy/build.sh --log "$log" --target mha_server --target mha_client

@@ -146,3 +146,10 @@ def test_sigterm_with_a_call_in_flight_ends_the_server_within_its_grace_every_ti
         times.append(stop_and_time(proc, 30))
         call.wait(timeout=60)
     assert max(times) < grace_s + 1.5, times
+
+
+def test_check_says_it_runs_the_reference_before_it_does(run_cli, server):
+    r = run_cli("call", "--target", server.target, "--batch", "2", "--seq", "64", "--check")
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.startswith("checking against the reference backend (plain loops)"), r.stderr
+    assert "check against reference:" in r.stdout
