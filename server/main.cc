@@ -18,6 +18,7 @@
 #include "absl/flags/usage.h"
 #include "proto/build_info.h"
 #include "server/flags.h"
+#include "server/listen_address.h"
 #include "server/server.h"
 #include "spdlog/spdlog.h"
 
@@ -112,7 +113,8 @@ int main(int argc, char** argv) {
   }
   spdlog::info("mha_server listening on {} (port {})", options.listen, (*server)->port());
   if ((*server)->metrics_port() != 0) {
-    spdlog::info("metrics at http://{}/metrics (port {})", options.metrics_listen, (*server)->metrics_port());
+    spdlog::info("metrics at http://{}/metrics (port {})", mha::OnListenHost(options.metrics_listen, options.listen),
+                 (*server)->metrics_port());
   }
 
   int signal_number = 0;

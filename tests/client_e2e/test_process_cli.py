@@ -153,3 +153,10 @@ def test_check_says_it_runs_the_reference_before_it_does(run_cli, server):
     assert r.returncode == 0, r.stderr
     assert r.stderr.startswith("checking against the reference backend (plain loops)"), r.stderr
     assert "check against reference:" in r.stdout
+
+
+def test_metrics_on_colon_port_follow_the_listen_host(tmp_path):
+    proc, _ = start_server(tmp_path, "--metrics_listen", ":0")
+    stop_and_time(proc, 30)
+    log = (tmp_path / "server.log").read_text()
+    assert re.search(r"metrics at http://127\.0\.0\.1:0/metrics \(port [1-9]\d*\)", log), log
