@@ -18,6 +18,9 @@ ABSL_FLAG(std::string, layers_dir, kDefaults.layers_dir,
           "register every *.safetensors file in this folder as a layer");
 ABSL_FLAG(std::string, backend, kDefaults.backend, "what BACKEND_AUTO means: auto, cpu, reference or cuda");
 ABSL_FLAG(int, max_message_mb, kDefaults.max_message_mb, "largest request or response, MiB");
+ABSL_FLAG(bool, accept_compressed, kDefaults.accept_compressed,
+          "accept gzip/deflate-compressed requests (inflated up to --max_message_mb before any check); off: "
+          "UNIMPLEMENTED");
 ABSL_FLAG(int, threads, kDefaults.threads, "compute threads per request; 0 = all cores");
 ABSL_FLAG(int, max_queue_size, kDefaults.max_queue_size, "requests waiting to compute before RESOURCE_EXHAUSTED");
 ABSL_FLAG(int, max_queued_mb, kDefaults.max_queued_mb, "MiB of request data the waiting requests may hold");
@@ -87,6 +90,7 @@ ServerOptions ServerOptionsFromFlags() {
   options.layers_dir = absl::GetFlag(FLAGS_layers_dir);
   options.backend = absl::GetFlag(FLAGS_backend);
   options.max_message_mb = absl::GetFlag(FLAGS_max_message_mb);
+  options.accept_compressed = absl::GetFlag(FLAGS_accept_compressed);
   options.threads = absl::GetFlag(FLAGS_threads);
   options.max_queue_size = absl::GetFlag(FLAGS_max_queue_size);
   options.max_queued_mb = absl::GetFlag(FLAGS_max_queued_mb);

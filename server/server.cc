@@ -31,6 +31,38 @@ bool IsLoopback(absl::string_view listen) {
   return host == "localhost" || host == "::1" || absl::StartsWith(host, "127.");
 }
 
+// Leaves gRPC's server reflection (registered for every builder by InitProtoReflectionServerBuilderPlugin) out of
+// one server: the health-only port serves health alone, and where tokens are required reflection is not served,
+// since gRPC 1.51 offers no hook that checks a token before the reflection service answers.
+class WithoutReflection final : public grpc::ServerBuilderOption {
+ public:
+  void UpdateArguments(grpc::ChannelArguments*) override {}
+  void UpdatePlugins(std::vector<std::unique_ptr<grpc::ServerBuilderPlugin>>* plugins) override {
+    plugins->erase(std::remove_if(plugins->begin(), plugins->end(),
+                                  [](const std::unique_ptr<grpc::ServerBuilderPlugin>& plugin) {
+                                    return dynamic_cast<grpc::reflection::ProtoServerReflectionPlugin*>(
+                                               plugin.get()) != nullptr;
+                                  }),
+                   plugins->end());
+  }
+};
+
+// Every method it is asked for: UNIMPLEMENTED. The health-only port registers it beside the health service, which
+// gRPC does not count as a polled service of its own.
+class UnimplementedService final : public grpc::CallbackGenericService {
+ public:
+  grpc::ServerGenericBidiReactor* CreateReactor(grpc::GenericCallbackServerContext* context) override {
+    class Refusal final : public grpc::ServerGenericBidiReactor {
+     public:
+      explicit Refusal(const std::string& method) {
+        Finish(grpc::Status(grpc::StatusCode::UNIMPLEMENTED, method + " is not served on the health-only port"));
+      }
+      void OnDone() override { delete this; }
+    };
+    return new Refusal(context->method());
+  }
+};
+
 // The session flags' ranges.
 absl::Status CheckSessionOptions(const ServerOptions& o) {
   const auto in = [](absl::string_view flag, int64_t value, int64_t lo, int64_t hi) {
@@ -185,6 +217,12 @@ absl::StatusOr<std::unique_ptr<MhaServer>> MhaServer::Start(ServerOptions option
   }
   // A port another process holds is an error, not a port to share (gRPC's default is SO_REUSEPORT).
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  if (server->auth_ != nullptr) builder.SetOption(std::make_unique<WithoutReflection>());
+  if (!options.accept_compressed) {
+    // gRPC checks a message's algorithm against these before inflating it, and fails the call (UNIMPLEMENTED).
+    builder.SetCompressionAlgorithmSupportStatus(GRPC_COMPRESS_DEFLATE, false);
+    builder.SetCompressionAlgorithmSupportStatus(GRPC_COMPRESS_GZIP, false);
+  }
   if (!options.listen.empty()) {
     builder.AddListeningPort(options.listen,
                              server->tls_ != nullptr ? server->tls_->credentials() : grpc::InsecureServerCredentials(),
@@ -199,6 +237,11 @@ absl::StatusOr<std::unique_ptr<MhaServer>> MhaServer::Start(ServerOptions option
   if (!options.health_listen.empty()) {
     grpc::ServerBuilder health_builder;
     health_builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+    health_builder.SetOption(std::make_unique<WithoutReflection>());
+    server->unimplemented_ = std::make_unique<UnimplementedService>();
+    health_builder.RegisterCallbackGenericService(server->unimplemented_.get());
+    health_builder.SetCompressionAlgorithmSupportStatus(GRPC_COMPRESS_DEFLATE, false);
+    health_builder.SetCompressionAlgorithmSupportStatus(GRPC_COMPRESS_GZIP, false);
     health_builder.AddListeningPort(options.health_listen, grpc::InsecureServerCredentials(), &server->health_port_);
     server->health_server_ = health_builder.BuildAndStart();
     if (server->health_server_ == nullptr || server->health_port_ == 0) {

@@ -68,6 +68,8 @@ class MhaServer {
   std::unique_ptr<SessionStore> sessions_;  // after metrics_, which it feeds; before service_, which uses it
   std::unique_ptr<AttentionService> service_;
   std::unique_ptr<grpc::Server> server_;
+  // Answers UNIMPLEMENTED for every method on the health-only port (which needs a polled service beside health).
+  std::unique_ptr<grpc::CallbackGenericService> unimplemented_;
   std::unique_ptr<grpc::Server> health_server_;  // --health_listen: the health service alone, plaintext
   int port_ = 0;
   int health_port_ = 0;

@@ -22,6 +22,10 @@ struct ServerOptions {
   std::string backend = "auto";
   // Largest request or response message, in MiB. Also bounds what a request can make the server allocate.
   int max_message_mb = 256;
+  // Compressed requests (gzip, deflate) are refused with UNIMPLEMENTED unless this is set: gRPC inflates a message
+  // before any handler or limit of ours sees it, so 254 KiB of gzip became a 255 MiB request. When set, the inflated
+  // size is bounded by max_message_mb like any message.
+  bool accept_compressed = false;
   // OpenMP threads per computation; 0 means all cores.
   int threads = 0;
   // Requests waiting for the compute thread beyond which calls get RESOURCE_EXHAUSTED, and the MiB of request

@@ -235,6 +235,20 @@ TEST_F(TlsTest, ReloadOfABrokenFileKeepsTheOldOne) {
   EXPECT_TRUE(Info(TlsChannel(server->port(), "ca")).ok());
 }
 
+TEST_F(TlsTest, ReloadReadsAtMostOneMiBOfAFile) {
+  // An endless file in the certificate's place: reading it whole would never end (a 1 GiB one took RSS to 1 GB).
+  const std::string cert = pki_->Path("endless.pem"), key = pki_->Path("endless.key");
+  WriteText(cert, pki_->Pem("server"));
+  WriteText(key, pki_->Key("server"));
+  std::unique_ptr<MhaServer> server = Start(cert, key, "");
+  ASSERT_NE(server, nullptr);
+  std::filesystem::remove(cert);
+  std::filesystem::create_symlink("/dev/zero", cert);
+  const absl::Status reload = server->Reload();
+  EXPECT_EQ(reload.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(reload.message(), HasSubstr("--tls_cert " + cert + ": over 1 MiB, not a PEM file"));
+}
+
 // Bearer tokens, through the in-process channel (metadata travels the same way).
 class TokenTest : public ::testing::Test {
  protected:
