@@ -52,8 +52,19 @@ void AttentionService::CallDone(const std::string& ids, const char* rpc, absl::s
 
 grpc::Status ToGrpcStatus(const absl::Status& status) {
   if (status.ok()) return grpc::Status::OK;
+  // The message travels as a trailer, and clients refuse trailers over 8 KiB ("metadata size exceeds limit")
+  // instead of showing the status: a message that echoes a client's input (a rank-1,000,000 shape made 3-15 MB)
+  // is cut, at a UTF-8 character boundary.
+  std::string message(status.message());
+  if (message.size() > kMaxStatusMessageBytes) {
+    size_t cut = kMaxStatusMessageBytes;
+    while (cut > 0 && (static_cast<unsigned char>(message[cut]) & 0xC0) == 0x80) --cut;
+    const size_t dropped = message.size() - cut;
+    message.resize(cut);
+    absl::StrAppend(&message, " ... (", dropped, " more bytes)");
+  }
   // absl::StatusCode and grpc::StatusCode share their numbering (both follow google.rpc.Code).
-  return grpc::Status(static_cast<grpc::StatusCode>(status.code()), std::string(status.message()));
+  return grpc::Status(static_cast<grpc::StatusCode>(status.code()), message);
 }
 
 AttentionService::AttentionService(const ServerOptions& options, LayerStore* layers, BackendRegistry* backends,

@@ -25,6 +25,9 @@
 
 namespace mha {
 
+// The one conversion to grpc::Status, at the service edge. A message over kMaxStatusMessageBytes is cut there (it
+// travels as a trailer, which clients refuse over 8 KiB), ending "... (N more bytes)".
+inline constexpr size_t kMaxStatusMessageBytes = 2048;
 grpc::Status ToGrpcStatus(const absl::Status& status);
 
 // The generated service with every method taking its raw bytes, so that a request that does not parse gets

@@ -3,6 +3,7 @@ finding per test, bounded to loopback and seconds.
 - Compressed requests: gRPC inflates a message before any handler sees it, so the server refuses compression
   unless --accept_compressed, and then --max_message_mb bounds the inflated size.
 - Reflection: never on the health-only port, and not served where tokens are required.
+- Error messages: cut at 2 KiB, however much of a request they would echo.
 """
 
 import socket
@@ -100,3 +101,18 @@ def test_with_tokens_required_reflection_is_not_served(tmp_path):
         assert reflection_code(s.target) == grpc.StatusCode.UNIMPLEMENTED
         assert reflection_code(s.target, [("authorization", "Bearer compute-token-0123456789")]) == \
             grpc.StatusCode.UNIMPLEMENTED
+
+
+def test_an_error_about_a_huge_shape_is_a_short_invalid_argument(server, stubs_dir):
+    # A rank-1,000,000 query: the message naming its shape made 3-15 MB, over the client's 8 KiB trailer limit.
+    from mha.v1 import attention_pb2 as pb, attention_pb2_grpc as pbg
+    request = pb.MultiHeadAttentionRequest(layer="demo")
+    request.query.shape.extend([1] * 1000000)
+    request.query.dtype = pb.FP32
+    request.query.data = bytes(4)
+    with grpc.insecure_channel(server.target) as channel:
+        with pytest.raises(grpc.RpcError) as error:
+            pbg.AttentionStub(channel).MultiHeadAttention(request, timeout=30)
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT, error.value.details()
+    assert error.value.details().startswith("query")
+    assert len(error.value.details()) <= 2100
