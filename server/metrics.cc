@@ -89,8 +89,11 @@ ServerMetrics::ServerMetrics()
 
 absl::Status ServerMetrics::Serve(const std::string& address) {
   try {
-    // Several threads: one idle or slow connection holds a thread until it times out, and must not block scrapes.
-    exposer_ = std::make_unique<prometheus::Exposer>(address, /*num_threads=*/4);
+    // An idle or slow connection holds one of civetweb's threads until its request times out (30 s by default:
+    // four idle TCP connections blocked every scrape for 30 s). Eight threads, and 2 s to send a request; a scrape
+    // waits at most that long behind any number of idle connections.
+    exposer_ = std::make_unique<prometheus::Exposer>(std::vector<std::string>{
+        "listening_ports", address, "num_threads", "8", "request_timeout_ms", "2000"});
   } catch (const std::exception& e) {
     return absl::UnavailableError(absl::StrCat("--metrics_listen ", address, ": ", e.what()));
   }

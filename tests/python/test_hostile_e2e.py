@@ -4,9 +4,12 @@ finding per test, bounded to loopback and seconds.
   unless --accept_compressed, and then --max_message_mb bounds the inflated size.
 - Reflection: never on the health-only port, and not served where tokens are required.
 - Error messages: cut at 2 KiB, however much of a request they would echo.
+- Metrics: idle TCP connections hold a scrape for at most civetweb's 2 s request timeout.
 """
 
 import socket
+import time
+import urllib.request
 
 import grpc
 import numpy as np
@@ -116,3 +119,23 @@ def test_an_error_about_a_huge_shape_is_a_short_invalid_argument(server, stubs_d
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT, error.value.details()
     assert error.value.details().startswith("query")
     assert len(error.value.details()) <= 2100
+
+
+def scrape_seconds(port):
+    start = time.monotonic()
+    text = urllib.request.urlopen("http://127.0.0.1:%d/metrics" % port, timeout=40).read().decode()
+    assert "mha_requests_total" in text or "mha_queue_depth" in text
+    return time.monotonic() - start
+
+
+@pytest.mark.parametrize("idle", [4, 12])
+def test_idle_connections_hold_a_metrics_scrape_for_at_most_two_seconds(tmp_path, idle):
+    port = free_port()
+    with run_server(tmp_path, "--metrics_listen", "127.0.0.1:%d" % port):
+        sockets = [socket.create_connection(("127.0.0.1", port)) for _ in range(idle)]
+        try:
+            time.sleep(0.2)
+            assert scrape_seconds(port) < 4.0
+        finally:
+            for s in sockets:
+                s.close()
