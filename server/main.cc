@@ -1,11 +1,13 @@
 // mha_server: flags -> ServerOptions, start, reload on SIGHUP, wait for SIGINT/SIGTERM, drain, exit 0.
 #include <malloc.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <iostream>
+#include <string>
 
 #if defined(__SANITIZE_ADDRESS__)
 #include <sanitizer/lsan_interface.h>
@@ -46,6 +48,20 @@ void UseShortOpenMpSpins(char** argv) {
 // test (tests/soak/soak.py) the server's RSS kept growing by 10-35% per 10-20 s. Two arenas here, and the server's
 // watchdog returns free pages every few seconds (MhaServer::Watch).
 void BoundAllocatorMemory() { mallopt(M_ARENA_MAX, 2); }
+
+// Every connection costs a file descriptor, and gRPC 1.51 stops accepting on a port for good after an accept fails
+// for lack of one (1,100 idle connections at a soft limit of 1024 did it): the soft limit is raised to the hard
+// one, which is the most an unprivileged process may take. Returns the limit now in force.
+rlim_t RaiseOpenFileLimit() {
+  rlimit limit{};
+  if (getrlimit(RLIMIT_NOFILE, &limit) != 0) return 0;
+  if (limit.rlim_cur < limit.rlim_max) {
+    rlimit raised = limit;
+    raised.rlim_cur = limit.rlim_max;
+    if (setrlimit(RLIMIT_NOFILE, &raised) == 0) return raised.rlim_cur;
+  }
+  return limit.rlim_cur;
+}
 
 // Ends the process once the server has drained and stopped, without the teardown of gRPC's globals: there,
 // grpc_shutdown (from ~grpc::Server) joins gRPC 1.51's executor threads, and one that is polling (epoll_wait with a
@@ -92,6 +108,10 @@ int main(int argc, char** argv) {
   }
   spdlog::set_level(level);
   spdlog::set_pattern("%Y-%m-%dT%H:%M:%S.%e %^%l%$ %v");
+
+  const rlim_t open_files = RaiseOpenFileLimit();
+  spdlog::info("open files: at most {}", open_files == RLIM_INFINITY ? std::string("unlimited")
+                                                                       : std::to_string(open_files));
 
   // Block the shutdown and reload signals in every thread (gRPC's included) so that only sigwait below sees them.
   sigset_t signals;

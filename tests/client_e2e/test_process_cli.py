@@ -160,3 +160,25 @@ def test_metrics_on_colon_port_follow_the_listen_host(tmp_path):
     stop_and_time(proc, 30)
     log = (tmp_path / "server.log").read_text()
     assert re.search(r"metrics at http://127\.0\.0\.1:0/metrics \(port [1-9]\d*\)", log), log
+
+
+def test_the_open_file_limit_is_raised_to_the_hard_limit(tmp_path):
+    # Each connection takes a descriptor; gRPC 1.51 stops accepting for good after one accept fails for want of one.
+    import resource
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard <= 256:
+        pytest.skip("hard limit %d leaves nothing to raise" % hard)
+    log = open(tmp_path / "server.log", "wb")
+    proc = subprocess.Popen([_e2e._server_binary(), "--listen", "127.0.0.1:0", "--threads", "1"],
+                            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                            preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard)))
+    log.close()
+    try:
+        deadline = time.monotonic() + _e2e.STARTUP_TIMEOUT_S
+        while "listening" not in (tmp_path / "server.log").read_text() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        limits = open("/proc/%d/limits" % proc.pid).read()
+        row = re.search(r"Max open files\s+(\S+)\s+(\S+)", limits)
+        assert row.group(1) == row.group(2), limits
+    finally:
+        stop_and_time(proc, 30)
