@@ -110,8 +110,6 @@ int main(int argc, char** argv) {
   spdlog::set_pattern("%Y-%m-%dT%H:%M:%S.%e %^%l%$ %v");
 
   const rlim_t open_files = RaiseOpenFileLimit();
-  spdlog::info("open files: at most {}", open_files == RLIM_INFINITY ? std::string("unlimited")
-                                                                       : std::to_string(open_files));
 
   // Block the shutdown and reload signals in every thread (gRPC's included) so that only sigwait below sees them.
   sigset_t signals;
@@ -132,6 +130,8 @@ int main(int argc, char** argv) {
     return 1;
   }
   spdlog::info("mha_server listening on {} (port {})", options.listen, (*server)->port());
+  spdlog::info("open files: at most {}", open_files == RLIM_INFINITY ? std::string("unlimited")
+                                                                       : std::to_string(open_files));
   if ((*server)->metrics_port() != 0) {
     spdlog::info("metrics at http://{}/metrics (port {})", mha::OnListenHost(options.metrics_listen, options.listen),
                  (*server)->metrics_port());
