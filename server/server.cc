@@ -416,6 +416,8 @@ void MhaServer::Shutdown(absl::Duration grace) {
   drained.Notify();
   stopper.join();
   if (health_server_ != nullptr) health_server_->Shutdown(absl::ToChronoTime(absl::Now()));
+  // No connection is left to need them, and mha_server ends without destructors.
+  if (tls_ != nullptr) tls_->RemoveCopies();
   scheduler_.reset();
 }
 

@@ -5,7 +5,12 @@
 #include <openssl/pem.h>
 #include <openssl/x509.h>
 
-#include <cstdio>  // std::rename
+#include <signal.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>  // std::rename, std::sscanf
 #include <cstdlib>  // mkdtemp, getenv
 #include <filesystem>
 #include <fstream>
@@ -109,6 +114,22 @@ absl::Status WriteCopies(const std::string& dir, const TlsFiles& pem) {
   return absl::OkStatus();
 }
 
+// Private copies left by servers that were killed (SIGKILL, a crash): mha-tls-PID-* folders of this user whose
+// process no longer exists. A folder whose PID is alive (ours, or reused by another process) is left alone.
+void RemoveStaleCopies(const std::string& parent) {
+  std::error_code error;
+  for (const auto& entry : std::filesystem::directory_iterator(parent, error)) {
+    const std::string name = entry.path().filename().string();
+    int pid = 0;
+    if (std::sscanf(name.c_str(), "mha-tls-%d-", &pid) != 1 || pid <= 0) continue;
+    struct stat info {};
+    if (lstat(entry.path().c_str(), &info) != 0 || !S_ISDIR(info.st_mode) || info.st_uid != getuid()) continue;
+    if (kill(pid, 0) == 0 || errno != ESRCH) continue;
+    std::error_code ignored;
+    std::filesystem::remove_all(entry.path(), ignored);
+  }
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<TlsServer>> TlsServer::Create(const TlsFiles& files) {
@@ -121,7 +142,9 @@ absl::StatusOr<std::unique_ptr<TlsServer>> TlsServer::Create(const TlsFiles& fil
 
   std::unique_ptr<TlsServer> server(new TlsServer(files));
   const char* tmpdir = std::getenv("TMPDIR");
-  std::string pattern = absl::StrCat(tmpdir != nullptr && *tmpdir != '\0' ? tmpdir : "/tmp", "/mha-tls-XXXXXX");
+  const std::string parent = tmpdir != nullptr && *tmpdir != '\0' ? tmpdir : "/tmp";
+  RemoveStaleCopies(parent);
+  std::string pattern = absl::StrCat(parent, "/mha-tls-", getpid(), "-XXXXXX");
   if (mkdtemp(pattern.data()) == nullptr) {
     return absl::InternalError(absl::StrCat("cannot make a private directory for the TLS files: ", pattern));
   }
@@ -150,16 +173,21 @@ absl::StatusOr<std::unique_ptr<TlsServer>> TlsServer::Create(const TlsFiles& fil
   return server;
 }
 
-TlsServer::~TlsServer() {
+TlsServer::~TlsServer() { RemoveCopies(); }
+
+void TlsServer::RemoveCopies() {
+  absl::MutexLock lock(&reload_mu_);
   if (dir_.empty()) return;
   std::error_code ignored;
   std::filesystem::remove_all(dir_, ignored);
+  dir_.clear();
 }
 
 absl::Status TlsServer::Reload() {
   absl::StatusOr<TlsFiles> pem = ReadChecked(files_);
   if (!pem.ok()) return pem.status();
   absl::MutexLock lock(&reload_mu_);
+  if (dir_.empty()) return absl::FailedPreconditionError("the server has stopped serving TLS");
   return WriteCopies(dir_, *pem);
 }
 

@@ -28,7 +28,11 @@ class TlsServer {
   // Checks the files and makes the private copies. INVALID_ARGUMENT naming the flag and the file for an unreadable
   // or unparsable file, or a key that does not match the certificate.
   static absl::StatusOr<std::unique_ptr<TlsServer>> Create(const TlsFiles& files);
-  ~TlsServer();  // removes the private copies
+  ~TlsServer();  // removes the private copies (RemoveCopies)
+
+  // Removes the private copies now, for a process that ends without destructors (mha_server after draining): no
+  // copy of the key outlives the server. Reload then fails. Thread-safe.
+  void RemoveCopies();
 
   std::shared_ptr<grpc::ServerCredentials> credentials() const { return credentials_; }
   bool mutual() const { return !files_.client_ca.empty(); }

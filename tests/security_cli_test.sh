@@ -9,8 +9,11 @@ client=$(realpath "$2")
 source "$(dirname "$0")/server_lib.sh"
 fail() { echo "FAIL: $*"; [[ -f $work/server.log ]] && tail -20 "$work/server.log"; exit 1; }
 
-# A CA, a server certificate for 127.0.0.1, and a client certificate.
+# A CA, a server certificate for 127.0.0.1, and a client certificate. The servers keep their private copies of the
+# TLS files in a TMPDIR of this test's own.
 cd "$work"
+export TMPDIR=$work/tmp
+mkdir -p "$TMPDIR"
 echo "subjectAltName=DNS:localhost,IP:127.0.0.1" >san.ext
 openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -days 2 -subj /CN=ca \
   -keyout ca.key -out ca.pem 2>/dev/null
@@ -60,4 +63,17 @@ if "$client" call "${tls[@]}" --token_file compute.token --seq 8 2>/dev/null; th
 ! grep -q "compute-token-0123456789\|fresh-token-0123456789ab" server.log || fail "a token appears in the log"
 
 stop_server
+
+# The private copies of the key: gone after a stop (the server ends without destructors), and what a killed server
+# left is removed by the next start.
+[[ -z "$(ls -d "$TMPDIR"/mha-tls-* 2>/dev/null)" ]] || fail "key copies left after SIGTERM: $(ls -d "$TMPDIR"/mha-tls-*)"
+start_server "$server" --tls_cert server.pem --tls_key server.key
+kill -KILL "$server_pid"
+wait "$server_pid" 2>/dev/null || true
+server_pid=""
+[[ -n "$(ls -d "$TMPDIR"/mha-tls-* 2>/dev/null)" ]] || fail "a killed server left no copies: the check tests nothing"
+start_server "$server" --tls_cert server.pem --tls_key server.key
+[[ $(ls -d "$TMPDIR"/mha-tls-* | wc -l) -eq 1 ]] || fail "a killed server's copies survived the next start"
+stop_server
+[[ -z "$(ls -d "$TMPDIR"/mha-tls-* 2>/dev/null)" ]] || fail "key copies left after SIGTERM"
 echo "security cli: passed"
