@@ -91,43 +91,77 @@ SessionStoreOptions SessionOptions(const ServerOptions& o) {
   return s;
 }
 
-}  // namespace
-
-absl::StatusOr<std::unique_ptr<MhaServer>> MhaServer::Start(ServerOptions options) {
-  if (options.max_message_mb < 1 || options.max_message_mb > 2047) {
+// The flags' ranges, and the listen addresses parsed and bound once, so that a mistake fails the start at once, in one
+// line naming the flag. Resolves --threads 0 and --metrics_listen :PORT.
+absl::Status CheckOptions(ServerOptions* options) {
+  if (options->max_message_mb < 1 || options->max_message_mb > 2047) {
     return absl::InvalidArgumentError(
         absl::StrCat("--max_message_mb must be in [1, 2047] (gRPC's limit is below 2 GiB), got ",
-                     options.max_message_mb));
+                     options->max_message_mb));
   }
-  if (options.threads < 0) return absl::InvalidArgumentError("--threads must be >= 0");
-  if (options.threads == 0) options.threads = std::max(1u, std::thread::hardware_concurrency());
-  if (options.max_queue_size < 1) return absl::InvalidArgumentError("--max_queue_size must be >= 1");
-  if (options.max_queued_mb < 1) return absl::InvalidArgumentError("--max_queued_mb must be >= 1");
-  if (options.max_inflight_mb < 1) return absl::InvalidArgumentError("--max_inflight_mb must be >= 1");
-  if (options.max_batch_rows < 0) return absl::InvalidArgumentError("--max_batch_rows must be >= 0");
-  if (options.max_queue_delay_us < 0) return absl::InvalidArgumentError("--max_queue_delay_us must be >= 0");
-  if (!(options.default_deadline_s > 0)) return absl::InvalidArgumentError("--default_deadline_s must be > 0");
-  if (!(options.shutdown_grace_s >= 0)) return absl::InvalidArgumentError("--shutdown_grace_s must be >= 0");
-  if (options.max_shared_memory_regions < 0 || options.max_shared_memory_regions > kMaxMappedRegions) {
+  if (options->threads < 0) return absl::InvalidArgumentError("--threads must be >= 0");
+  if (options->threads == 0) options->threads = std::max(1u, std::thread::hardware_concurrency());
+  if (options->max_queue_size < 1) return absl::InvalidArgumentError("--max_queue_size must be >= 1");
+  if (options->max_queued_mb < 1) return absl::InvalidArgumentError("--max_queued_mb must be >= 1");
+  if (options->max_inflight_mb < 1) return absl::InvalidArgumentError("--max_inflight_mb must be >= 1");
+  if (options->max_batch_rows < 0) return absl::InvalidArgumentError("--max_batch_rows must be >= 0");
+  if (options->max_queue_delay_us < 0) return absl::InvalidArgumentError("--max_queue_delay_us must be >= 0");
+  if (!(options->default_deadline_s > 0)) return absl::InvalidArgumentError("--default_deadline_s must be > 0");
+  if (!(options->shutdown_grace_s >= 0)) return absl::InvalidArgumentError("--shutdown_grace_s must be >= 0");
+  if (options->max_shared_memory_regions < 0 || options->max_shared_memory_regions > kMaxMappedRegions) {
     return absl::InvalidArgumentError(absl::StrCat("--max_shared_memory_regions must be in [0, ", kMaxMappedRegions,
-                                                   "], got ", options.max_shared_memory_regions));
+                                                   "], got ", options->max_shared_memory_regions));
   }
-  if (options.max_shared_memory_mb < 1) return absl::InvalidArgumentError("--max_shared_memory_mb must be >= 1");
-  if (options.cuda_device < 0) return absl::InvalidArgumentError("--cuda_device must be >= 0");
-  if (options.cuda_streams < 1 || options.cuda_streams > 16) {
-    return absl::InvalidArgumentError(absl::StrCat("--cuda_streams must be in [1, 16], got ", options.cuda_streams));
+  if (options->max_shared_memory_mb < 1) return absl::InvalidArgumentError("--max_shared_memory_mb must be >= 1");
+  if (options->cuda_device < 0) return absl::InvalidArgumentError("--cuda_device must be >= 0");
+  if (options->cuda_streams < 1 || options->cuda_streams > 16) {
+    return absl::InvalidArgumentError(absl::StrCat("--cuda_streams must be in [1, 16], got ", options->cuda_streams));
   }
-  if (options.cuda_layer_cache_mb < 0) return absl::InvalidArgumentError("--cuda_layer_cache_mb must be >= 0");
-  RETURN_IF_ERROR(CheckSessionOptions(options));
-  options.metrics_listen = OnListenHost(options.metrics_listen, options.listen);
+  if (options->cuda_layer_cache_mb < 0) return absl::InvalidArgumentError("--cuda_layer_cache_mb must be >= 0");
+  RETURN_IF_ERROR(CheckSessionOptions(*options));
+  options->metrics_listen = OnListenHost(options->metrics_listen, options->listen);
   // Before anything slow starts: an address that cannot be served fails at once, in one line naming the flag.
-  for (const auto& [flag, text] : {std::pair<const char*, const std::string&>{"--listen", options.listen},
-                                   {"--health_listen", options.health_listen},
-                                   {"--metrics_listen", options.metrics_listen}}) {
+  for (const auto& [flag, text] : {std::pair<const char*, const std::string&>{"--listen", options->listen},
+                                   {"--health_listen", options->health_listen},
+                                   {"--metrics_listen", options->metrics_listen}}) {
     if (text.empty()) continue;
     ASSIGN_OR_RETURN(const ListenAddress address, ParseListenAddress(flag, text));
     RETURN_IF_ERROR(CheckCanBind(flag, address));
   }
+  return absl::OkStatus();
+}
+
+// The main port's channel arguments and options: message sizes, keepalive, connection age, no port sharing, no
+// reflection where tokens are required, no compressed requests unless accepted.
+void ConfigureMainPort(const ServerOptions& options, bool tokens_required, grpc::ServerBuilder* builder) {
+  const int max_bytes = options.max_message_mb << 20;
+  builder->SetMaxReceiveMessageSize(max_bytes);
+  builder->SetMaxSendMessageSize(max_bytes);
+  if (options.keepalive_s > 0) {
+    builder->AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, static_cast<int>(options.keepalive_s * 1000));
+    builder->AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 20000);
+  }
+  if (options.max_connection_age_s > 0) {
+    // Connections close gracefully (GOAWAY, then in-flight calls get this long) so that clients reconnect and
+    // spread over the replicas that exist now (gRFC A9).
+    builder->AddChannelArgument(GRPC_ARG_MAX_CONNECTION_AGE_MS, static_cast<int>(options.max_connection_age_s * 1000));
+    builder->AddChannelArgument(GRPC_ARG_MAX_CONNECTION_AGE_GRACE_MS,
+                                static_cast<int>(std::max(options.shutdown_grace_s, 1.0) * 1000));
+  }
+  // A port another process holds is an error, not a port to share (gRPC's default is SO_REUSEPORT).
+  builder->AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  if (tokens_required) builder->SetOption(std::make_unique<WithoutReflection>());
+  if (!options.accept_compressed) {
+    // gRPC checks a message's algorithm against these before inflating it, and fails the call (UNIMPLEMENTED).
+    builder->SetCompressionAlgorithmSupportStatus(GRPC_COMPRESS_DEFLATE, false);
+    builder->SetCompressionAlgorithmSupportStatus(GRPC_COMPRESS_GZIP, false);
+  }
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<MhaServer>> MhaServer::Start(ServerOptions options) {
+  RETURN_IF_ERROR(CheckOptions(&options));
 
   std::unique_ptr<MhaServer> server(new MhaServer());
   if (!options.auth_tokens_file.empty()) {
@@ -201,28 +235,7 @@ absl::StatusOr<std::unique_ptr<MhaServer>> MhaServer::Start(ServerOptions option
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
-  const int max_bytes = options.max_message_mb << 20;
-  builder.SetMaxReceiveMessageSize(max_bytes);
-  builder.SetMaxSendMessageSize(max_bytes);
-  if (options.keepalive_s > 0) {
-    builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, static_cast<int>(options.keepalive_s * 1000));
-    builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 20000);
-  }
-  if (options.max_connection_age_s > 0) {
-    // Connections close gracefully (GOAWAY, then in-flight calls get this long) so that clients reconnect and
-    // spread over the replicas that exist now (gRFC A9).
-    builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_AGE_MS, static_cast<int>(options.max_connection_age_s * 1000));
-    builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_AGE_GRACE_MS,
-                               static_cast<int>(std::max(options.shutdown_grace_s, 1.0) * 1000));
-  }
-  // A port another process holds is an error, not a port to share (gRPC's default is SO_REUSEPORT).
-  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
-  if (server->auth_ != nullptr) builder.SetOption(std::make_unique<WithoutReflection>());
-  if (!options.accept_compressed) {
-    // gRPC checks a message's algorithm against these before inflating it, and fails the call (UNIMPLEMENTED).
-    builder.SetCompressionAlgorithmSupportStatus(GRPC_COMPRESS_DEFLATE, false);
-    builder.SetCompressionAlgorithmSupportStatus(GRPC_COMPRESS_GZIP, false);
-  }
+  ConfigureMainPort(options, server->auth_ != nullptr, &builder);
   if (!options.listen.empty()) {
     builder.AddListeningPort(options.listen,
                              server->tls_ != nullptr ? server->tls_->credentials() : grpc::InsecureServerCredentials(),
@@ -234,20 +247,7 @@ absl::StatusOr<std::unique_ptr<MhaServer>> MhaServer::Start(ServerOptions option
     // CheckCanBind above passed: another process took the port since, or gRPC refused the address (it logs why).
     return absl::UnavailableError(absl::StrCat("--listen ", options.listen, ": gRPC could not serve there"));
   }
-  if (!options.health_listen.empty()) {
-    grpc::ServerBuilder health_builder;
-    health_builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
-    health_builder.SetOption(std::make_unique<WithoutReflection>());
-    server->unimplemented_ = std::make_unique<UnimplementedService>();
-    health_builder.RegisterCallbackGenericService(server->unimplemented_.get());
-    health_builder.SetCompressionAlgorithmSupportStatus(GRPC_COMPRESS_DEFLATE, false);
-    health_builder.SetCompressionAlgorithmSupportStatus(GRPC_COMPRESS_GZIP, false);
-    health_builder.AddListeningPort(options.health_listen, grpc::InsecureServerCredentials(), &server->health_port_);
-    server->health_server_ = health_builder.BuildAndStart();
-    if (server->health_server_ == nullptr || server->health_port_ == 0) {
-      return absl::UnavailableError(absl::StrCat("--health_listen: cannot listen on ", options.health_listen));
-    }
-  }
+  if (!options.health_listen.empty()) RETURN_IF_ERROR(server->StartHealthServer(options.health_listen));
   if (!options.port_file.empty()) {
     const std::string tmp = options.port_file + ".tmp";
     std::ofstream(tmp) << server->port_ << "\n";
@@ -288,6 +288,22 @@ void MhaServer::Watch() {
       if (live) spdlog::info("readiness: {} ({} calls waiting)", ready ? "SERVING" : "NOT_SERVING", depth);
     }
   }
+}
+
+absl::Status MhaServer::StartHealthServer(const std::string& address) {
+  grpc::ServerBuilder builder;
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  builder.SetOption(std::make_unique<WithoutReflection>());
+  unimplemented_ = std::make_unique<UnimplementedService>();
+  builder.RegisterCallbackGenericService(unimplemented_.get());
+  builder.SetCompressionAlgorithmSupportStatus(GRPC_COMPRESS_DEFLATE, false);
+  builder.SetCompressionAlgorithmSupportStatus(GRPC_COMPRESS_GZIP, false);
+  builder.AddListeningPort(address, grpc::InsecureServerCredentials(), &health_port_);
+  health_server_ = builder.BuildAndStart();
+  if (health_server_ == nullptr || health_port_ == 0) {
+    return absl::UnavailableError(absl::StrCat("--health_listen: cannot listen on ", address));
+  }
+  return absl::OkStatus();
 }
 
 void MhaServer::SetServing(const std::string& service, bool serving) {

@@ -47,6 +47,8 @@ class MhaServer {
 
  private:
   MhaServer() = default;
+  // Serves health alone on `address` (--health_listen), plaintext: every other method there is UNIMPLEMENTED.
+  absl::Status StartHealthServer(const std::string& address);
   // Runs every available backend's WarmUp on the compute thread, so that the first call is not slow and the
   // scheduler knows each backend's speed.
   void WarmUp();
