@@ -74,11 +74,9 @@ absl::Status Scheduler::Admit(const WorkItem& item) const {
     return absl::ResourceExhaustedError(absl::StrCat(
         "compute queue is full (", queued_bytes_, " bytes of requests waiting, --max_queued_mb); retry later"));
   }
-  const int64_t inflight_bytes = inflight_->bytes();
-  const int inflight_calls = inflight_->calls();
-  if (inflight_calls > 0 && inflight_bytes + item.memory_bytes() > options_.max_inflight_bytes) {
+  if (inflight_ > 0 && inflight_bytes_ + item.memory_bytes() > options_.max_inflight_bytes) {
     return absl::ResourceExhaustedError(absl::StrCat(
-        "the server's in-flight memory is taken (", inflight_bytes, " bytes held by ", inflight_calls,
+        "the server's in-flight memory is taken (", inflight_bytes_, " bytes held by ", inflight_,
         " calls, this one needs ", item.memory_bytes(), "; --max_inflight_mb); retry later"));
   }
   const double compute_s = EstimateSeconds(item);
@@ -112,7 +110,8 @@ void Scheduler::Submit(std::unique_ptr<WorkItem> item) {
     if (refused.ok()) {
       const double estimate = EstimateSeconds(*item);
       queued_bytes_ += item->request_bytes();
-      item->hold_ = std::make_unique<InflightHold>(inflight_, item->memory_bytes());
+      inflight_bytes_ += item->memory_bytes();
+      ++inflight_;
       queued_seconds_ += estimate;
       queue_.push_back({std::move(item), absl::Now(), estimate});
       SetDepth();
@@ -200,6 +199,8 @@ void Scheduler::Compute(Queued first, std::vector<Queued> batch, std::list<Runni
   std::vector<Queued> calls;
   calls.push_back(std::move(first));
   for (Queued& q : batch) calls.push_back(std::move(q));
+  int64_t held = 0;  // what these calls hold of the in-flight memory, released when they end
+  for (const Queued& q : calls) held += q.item->memory_bytes();
   // Calls whose clients gave up while they waited end here, uncomputed.
   std::vector<Queued> live;
   for (Queued& q : calls) {
@@ -235,7 +236,8 @@ void Scheduler::Compute(Queued first, std::vector<Queued> batch, std::list<Runni
   }
   absl::MutexLock lock(&mu_);
   running_.erase(running);
-  // The items' holds go back to the ledger as they are destroyed, after this lock (or later, from a reactor).
+  inflight_bytes_ -= held;
+  inflight_ -= static_cast<int>(calls.size());
 }
 
 void Scheduler::Run(bool compute_thread) {

@@ -44,7 +44,7 @@ struct SchedulerOptions {
   int concurrent_threads = 0;
   int max_queue = 64;               // items waiting (not running) at most
   int64_t max_queued_bytes = 0;     // request bytes the waiting items may hold together
-  int64_t max_inflight_bytes = 0;   // memory_bytes the admitted items (waiting, running, sending) may hold together
+  int64_t max_inflight_bytes = 0;   // memory_bytes the admitted (waiting and running) items may hold together
   double inline_max_flops = 0;      // the inline policy's limit; 0 = never inline
   int64_t max_batch_rows = 0;       // rows (B Tq) one batch of calls may hold; 0 = no batching
   absl::Duration max_queue_delay;   // how long a batch waits for more calls; zero: takes only what waits already
@@ -128,8 +128,8 @@ class Scheduler {
   };
   std::deque<Queued> queue_ ABSL_GUARDED_BY(mu_);
   int64_t queued_bytes_ ABSL_GUARDED_BY(mu_) = 0;
-  // Admitted calls (queued, running, or sending their responses) and the memory they hold.
-  const std::shared_ptr<InflightLedger> inflight_ = std::make_shared<InflightLedger>();
+  int64_t inflight_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  int inflight_ ABSL_GUARDED_BY(mu_) = 0;       // queued + running
   double queued_seconds_ ABSL_GUARDED_BY(mu_) = 0;  // sum of the queued items' estimates
   std::list<Running> running_ ABSL_GUARDED_BY(mu_);  // the computations under way
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;

@@ -192,7 +192,7 @@ class ComputeCall final : public WorkItem {
                                         absl::Span<Reply<Response>* const>);
 
   ComputeCall(AttentionService* service, std::string id, const char* rpc, grpc::CallbackServerContext* context,
-              HoldingReactor* reactor, std::unique_ptr<Request> request, grpc::ByteBuffer* out,
+              grpc::ServerUnaryReactor* reactor, std::unique_ptr<Request> request, grpc::ByteBuffer* out,
               Plan plan, Execute execute, ExecuteBatch execute_batch, int64_t request_bytes, absl::Time received,
               absl::Time deadline)
       : WorkItem(request_bytes, received, deadline),
@@ -273,7 +273,6 @@ class ComputeCall final : public WorkItem {
     if (status.ok()) status = reply_.Encode(out_);
     service_->CallDone(id_, rpc_, plan_.shapes, plan_.backend->name(), status, received(), compute_seconds,
                        status.ok() ? plan_.flops : 0);
-    reactor_->Keep(TakeHold());
     reactor_->Finish(ToGrpcStatus(status));
   }
 
@@ -281,7 +280,7 @@ class ComputeCall final : public WorkItem {
   const std::string id_;
   const char* const rpc_;
   grpc::CallbackServerContext* const context_;
-  HoldingReactor* const reactor_;
+  grpc::ServerUnaryReactor* const reactor_;
   const std::unique_ptr<Request> request_;
   grpc::ByteBuffer* const out_;
   Reply<Response> reply_;
@@ -297,7 +296,7 @@ grpc::ServerUnaryReactor* AttentionService::Compute(
     absl::Status (*execute)(const Plan&, const StopSignal*, Reply<Response>*),
     absl::Status (*execute_batch)(absl::Span<const Plan* const>, const StopSignal*,
                                   absl::Span<Reply<Response>* const>)) {
-  HoldingReactor* reactor = new HoldingReactor();  // deletes itself when gRPC is done with the call
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   const absl::Time received = absl::Now();
   const std::string id = Identify(context);
   const int64_t request_bytes = static_cast<int64_t>(bytes->Length());

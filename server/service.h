@@ -22,22 +22,8 @@
 #include "server/sessions/session_store.h"
 #include "server/shared_memory.h"
 #include "server/validate.h"
-#include "server/work_item.h"
 
 namespace mha {
-
-// The reactor of a call that the scheduler admits: it keeps the call's share of the in-flight memory until gRPC is
-// done with the response (OnDone), so that a client that never reads its responses keeps them counted against
-// --max_inflight_mb. Deletes itself.
-class HoldingReactor final : public grpc::ServerUnaryReactor {
- public:
-  // Before Finish, on the thread that finishes the call.
-  void Keep(std::unique_ptr<InflightHold> hold) { hold_ = std::move(hold); }
-  void OnDone() override { delete this; }
-
- private:
-  std::unique_ptr<InflightHold> hold_;
-};
 
 // The one conversion to grpc::Status, at the service edge. A message over kMaxStatusMessageBytes is cut there (it
 // travels as a trailer, which clients refuse over 8 KiB), ending "... (N more bytes)".

@@ -107,7 +107,7 @@ grpc::ServerUnaryReactor* AttentionService::Sequenced(const char* rpc, grpc::Cal
 class ExtendWork final : public WorkItem {
  public:
   ExtendWork(AttentionService* service, std::string rid, grpc::CallbackServerContext* context,
-             HoldingReactor* reactor, grpc::ByteBuffer* out, std::unique_ptr<v1::ExtendRequest> request,
+             grpc::ServerUnaryReactor* reactor, grpc::ByteBuffer* out, std::unique_ptr<v1::ExtendRequest> request,
              ExtendPlan plan, ExtendReservation reservation, SessionHold hold, int64_t request_bytes,
              absl::Time received, absl::Time deadline)
       : WorkItem(request_bytes, received, deadline), service_(service), rid_(std::move(rid)), context_(context),
@@ -142,14 +142,13 @@ class ExtendWork final : public WorkItem {
     if (status.ok()) status = Serialize(response_, out_);
     service_->CallDone(rid_, "Extend", plan_.shapes, plan_.backend->name(), status, received(), compute_seconds,
                        status.ok() ? plan_.flops : 0);
-    reactor_->Keep(TakeHold());
     reactor_->Finish(ToGrpcStatus(status));
   }
 
   AttentionService* const service_;
   const std::string rid_;
   grpc::CallbackServerContext* const context_;
-  HoldingReactor* const reactor_;
+  grpc::ServerUnaryReactor* const reactor_;
   grpc::ByteBuffer* const out_;
   const std::unique_ptr<v1::ExtendRequest> request_;  // the plan borrows its tensors
   const ExtendPlan plan_;
@@ -163,7 +162,7 @@ class ExtendWork final : public WorkItem {
 class ExtendCall final : public SessionSequencer::Call {
  public:
   ExtendCall(AttentionService* service, std::string rid, grpc::CallbackServerContext* context,
-             HoldingReactor* reactor, grpc::ByteBuffer* out, std::unique_ptr<v1::ExtendRequest> request,
+             grpc::ServerUnaryReactor* reactor, grpc::ByteBuffer* out, std::unique_ptr<v1::ExtendRequest> request,
              SessionCaller caller, std::vector<std::string> ids, int64_t request_bytes, absl::Time received)
       : service_(service), rid_(std::move(rid)), context_(context), reactor_(reactor), out_(out),
         request_(std::move(request)), caller_(std::move(caller)), ids_(std::move(ids)), request_bytes_(request_bytes),
@@ -196,7 +195,7 @@ class ExtendCall final : public SessionSequencer::Call {
   AttentionService* const service_;
   std::string rid_;
   grpc::CallbackServerContext* const context_;
-  HoldingReactor* const reactor_;
+  grpc::ServerUnaryReactor* const reactor_;
   grpc::ByteBuffer* const out_;
   std::unique_ptr<v1::ExtendRequest> request_;
   const SessionCaller caller_;
@@ -207,7 +206,7 @@ class ExtendCall final : public SessionSequencer::Call {
 
 grpc::ServerUnaryReactor* AttentionService::Extend(grpc::CallbackServerContext* context,
                                                    const grpc::ByteBuffer* bytes, grpc::ByteBuffer* out) {
-  HoldingReactor* reactor = new HoldingReactor();  // deletes itself when gRPC is done with the call
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   const absl::Time received = absl::Now();
   std::string rid = Identify(context);
   const int64_t request_bytes = static_cast<int64_t>(bytes->Length());

@@ -6,64 +6,14 @@
 
 #include <atomic>
 #include <cstdint>
-#include <memory>
-#include <utility>
 
-#include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "server/backends/backend.h"
 #include "server/validate.h"
 
 namespace mha {
-
-// What the admitted calls hold of the server's in-flight memory (--max_inflight_mb), counted until gRPC is done
-// with each response, which can be after the scheduler is gone. Thread-safe.
-class InflightLedger {
- public:
-  void Add(int64_t bytes) {
-    absl::MutexLock lock(&mu_);
-    bytes_ += bytes;
-    ++calls_;
-  }
-  void Release(int64_t bytes) {
-    absl::MutexLock lock(&mu_);
-    bytes_ -= bytes;
-    --calls_;
-  }
-  int64_t bytes() const {
-    absl::MutexLock lock(&mu_);
-    return bytes_;
-  }
-  int calls() const {
-    absl::MutexLock lock(&mu_);
-    return calls_;
-  }
-
- private:
-  mutable absl::Mutex mu_;
-  int64_t bytes_ ABSL_GUARDED_BY(mu_) = 0;
-  int calls_ ABSL_GUARDED_BY(mu_) = 0;
-};
-
-// One admitted call's share of an InflightLedger, given back when this is destroyed: with its WorkItem by default,
-// or, moved into the call's reactor, when gRPC has sent the response (a client that never reads its responses
-// would otherwise pin them outside the count: 16 of 1.1 MiB held 3.1 GB, 3x --max_inflight_mb).
-class InflightHold {
- public:
-  InflightHold(std::shared_ptr<InflightLedger> ledger, int64_t bytes) : ledger_(std::move(ledger)), bytes_(bytes) {
-    ledger_->Add(bytes_);
-  }
-  ~InflightHold() { ledger_->Release(bytes_); }
-  InflightHold(const InflightHold&) = delete;
-  InflightHold& operator=(const InflightHold&) = delete;
-
- private:
-  const std::shared_ptr<InflightLedger> ledger_;
-  const int64_t bytes_;
-};
 
 class WorkItem : public StopSignal {
  public:
@@ -99,15 +49,8 @@ class WorkItem : public StopSignal {
   // Finishes the call with `status` (not OK) without computing: refused, cancelled before it started, or shutdown.
   virtual void Reject(const absl::Status& status) = 0;
 
- protected:
-  // The item's share of the in-flight memory (null for an item run inline), for a subclass to keep until its
-  // response has been sent; otherwise it is given back when the item is destroyed, after Run or Reject.
-  std::unique_ptr<InflightHold> TakeHold() { return std::move(hold_); }
-
  private:
   friend class Scheduler;
-
-  std::unique_ptr<InflightHold> hold_;  // set by the scheduler when it admits the item
 
   const int64_t request_bytes_;
   const absl::Time received_;
