@@ -91,25 +91,6 @@ def test_a_port_in_use_is_reported_by_the_server_alone():
     assert "--listen 127.0.0.1:%d: port %d is in use by another process" % (port, port) in lines[0]
 
 
-def start_server(tmp_path, *flags):
-    port_file = tmp_path / "port"
-    port_file.unlink(missing_ok=True)
-    log = open(tmp_path / "server.log", "wb")
-    proc = subprocess.Popen([_e2e._server_binary(), "--listen", "127.0.0.1:0", "--port_file", str(port_file),
-                             "--threads", "2", *flags], stdin=subprocess.DEVNULL, stdout=log,
-                            stderr=subprocess.STDOUT)
-    log.close()
-    deadline = time.monotonic() + _e2e.STARTUP_TIMEOUT_S
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, _e2e._log_tail(tmp_path / "server.log")
-        text = port_file.read_text().strip() if port_file.exists() else ""
-        if text:
-            return proc, int(text)
-        time.sleep(0.05)
-    proc.kill()
-    pytest.fail("no port file:\n" + _e2e._log_tail(tmp_path / "server.log"))
-
-
 def stop_and_time(proc, limit_s):
     """SIGTERM to our own server; seconds until it exited (it must exit 0 within limit_s)."""
     start = time.monotonic()
@@ -126,10 +107,11 @@ def stop_and_time(proc, limit_s):
 
 def test_sigterm_ends_an_idle_server_within_a_second_every_time(tmp_path, run_cli):
     times = []
-    for _ in range(5):
-        proc, port = start_server(tmp_path)
-        assert run_cli("health", "--target", "127.0.0.1:%d" % port).returncode == 0
-        times.append(stop_and_time(proc, 30))
+    for i in range(5):
+        (tmp_path / str(i)).mkdir()
+        with _e2e.run_server(tmp_path / str(i)) as server:
+            assert run_cli("health", "--target", server.target).returncode == 0
+            times.append(stop_and_time(server.proc, 30))
     assert max(times) < 1.0, times
 
 
@@ -138,13 +120,14 @@ def test_sigterm_with_a_call_in_flight_ends_the_server_within_its_grace_every_ti
     # exit in five here took about 11 s (this test failed 1 run in 2 with 8 stops).
     grace_s = 1.0
     times = []
-    for _ in range(12):
-        proc, port = start_server(tmp_path, "--shutdown_grace_s", str(grace_s))
-        call = subprocess.Popen([cli_bin, "call", "--target", "127.0.0.1:%d" % port, "--batch", "4", "--seq", "4096"],
-                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        time.sleep(0.8)
-        times.append(stop_and_time(proc, 30))
-        call.wait(timeout=60)
+    for i in range(12):
+        (tmp_path / str(i)).mkdir()
+        with _e2e.run_server(tmp_path / str(i), "--shutdown_grace_s", str(grace_s)) as server:
+            call = subprocess.Popen([cli_bin, "call", "--target", server.target, "--batch", "4", "--seq", "4096"],
+                                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            time.sleep(0.8)
+            times.append(stop_and_time(server.proc, 30))
+            call.wait(timeout=60)
     assert max(times) < grace_s + 1.5, times
 
 
@@ -156,8 +139,8 @@ def test_check_says_it_runs_the_reference_before_it_does(run_cli, server):
 
 
 def test_metrics_on_colon_port_follow_the_listen_host(tmp_path):
-    proc, _ = start_server(tmp_path, "--metrics_listen", ":0")
-    stop_and_time(proc, 30)
+    with _e2e.run_server(tmp_path, "--metrics_listen", ":0") as server:
+        stop_and_time(server.proc, 30)
     log = (tmp_path / "server.log").read_text()
     assert re.search(r"metrics at http://127\.0\.0\.1:0/metrics \(port [1-9]\d*\)", log), log
 
