@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "proto/mha/v1/tensor_codec.h"
+#include "server/shared_memory.h"
 
 namespace mha {
 namespace {
@@ -97,6 +98,7 @@ absl::Status ExecuteMultiHeadAttention(const MhaPlan& plan, const StopSignal* st
                                       p.output_dtype, &reply->attention_weights);
   }
   reply->message.set_backend(std::string(plan.backend->name()));
+  if (!plan.regions.empty()) PrepareThreadsForRegions();
   if (absl::Status status = plan.backend->MultiHeadAttention(args); !status.ok()) return status;
   return plan.RegionsIntact();
 }
@@ -180,6 +182,7 @@ absl::Status ExecuteScaledDotProductAttention(const SdpaPlan& plan, const StopSi
                             &reply->attention_weights);
   }
   reply->message.set_backend(std::string(plan.backend->name()));
+  if (!plan.regions.empty()) PrepareThreadsForRegions();
   if (absl::Status status = plan.backend->ScaledDotProductAttention(args); !status.ok()) return status;
   return plan.RegionsIntact();
 }

@@ -1,12 +1,14 @@
 #include "server/shared_memory.h"
 
 #include <fcntl.h>
+#include <omp.h>
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstring>
@@ -81,13 +83,50 @@ absl::Status InstallGuardOnce() {
     struct sigaction action;
     std::memset(&action, 0, sizeof(action));
     action.sa_sigaction = &OnSigbus;
-    action.sa_flags = SA_SIGINFO;
+    action.sa_flags = SA_SIGINFO | SA_ONSTACK;
     sigemptyset(&action.sa_mask);
     if (sigaction(SIGBUS, &action, &g_previous) != 0) error = errno;
   });
   if (error != 0) return absl::InternalError(absl::StrCat("installing the SIGBUS guard: ", std::strerror(error)));
   return absl::OkStatus();
 }
+
+// The calling thread's alternate signal stack, when this file gave it one: unhooked and unmapped as the thread ends.
+class SignalStack {
+ public:
+  SignalStack() {
+    stack_t current;
+    if (sigaltstack(nullptr, &current) == 0 && !(current.ss_flags & SS_DISABLE)) return;  // keep the thread's own
+    // The handler's frame plus the kernel's (the register state: a few KiB with AVX-512, 11 KiB with AMX tiles).
+    const long minimum = sysconf(_SC_MINSIGSTKSZ);
+    bytes_ = std::max<size_t>(64 << 10, 4 * static_cast<size_t>(minimum > 0 ? minimum : 0));
+    void* memory = mmap(nullptr, bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_STACK, -1, 0);
+    if (memory == MAP_FAILED) return;  // the handler then runs on the thread's stack, as without this
+    stack_t stack;
+    stack.ss_sp = memory;
+    stack.ss_size = bytes_;
+    stack.ss_flags = 0;
+    if (sigaltstack(&stack, nullptr) != 0) {
+      munmap(memory, bytes_);
+      return;
+    }
+    memory_ = memory;
+  }
+  ~SignalStack() {
+    if (memory_ == nullptr) return;
+    stack_t off;
+    std::memset(&off, 0, sizeof(off));
+    off.ss_flags = SS_DISABLE;
+    sigaltstack(&off, nullptr);
+    munmap(memory_, bytes_);
+  }
+  SignalStack(const SignalStack&) = delete;
+  SignalStack& operator=(const SignalStack&) = delete;
+
+ private:
+  void* memory_ = nullptr;
+  size_t bytes_ = 0;
+};
 
 int TakeSlot() {
   for (int i = 0; i < kMaxMappedRegions; ++i) {
@@ -132,6 +171,7 @@ absl::StatusOr<std::shared_ptr<SharedMemoryRegion>> SharedMemoryRegion::Map(cons
     close(fd);
     return absl::InvalidArgumentError(absl::StrCat("'", key, "' is not a shared-memory object"));
   }
+  const std::pair<uint64_t, uint64_t> object{static_cast<uint64_t>(st.st_dev), static_cast<uint64_t>(st.st_ino)};
   if (static_cast<uint64_t>(st.st_size) < byte_size) {
     close(fd);
     return absl::InvalidArgumentError(absl::StrCat("byte_size is ", byte_size, " but the object '", key, "' has ",
@@ -156,7 +196,7 @@ absl::StatusOr<std::shared_ptr<SharedMemoryRegion>> SharedMemoryRegion::Map(cons
   guard.end.store(reinterpret_cast<uintptr_t>(data) + byte_size, std::memory_order_relaxed);
   guard.begin.store(reinterpret_cast<uintptr_t>(data), std::memory_order_release);
   return std::shared_ptr<SharedMemoryRegion>(
-      new SharedMemoryRegion(name, key, static_cast<char*>(data), byte_size, fd, slot));
+      new SharedMemoryRegion(name, key, static_cast<char*>(data), byte_size, object, fd, slot));
 }
 
 SharedMemoryRegion::~SharedMemoryRegion() {
@@ -173,6 +213,16 @@ absl::Status SharedMemoryRegion::Intact() const {
   return absl::FailedPreconditionError(absl::StrCat(
       "shared-memory region '", name_, "' lost pages while the server used it (its object shrank below the "
       "registered ", size_, " bytes, or /dev/shm had no room for a page); register it again"));
+}
+
+void EnsureSignalStack() { thread_local SignalStack stack; }
+
+void PrepareThreadsForRegions() {
+  EnsureSignalStack();
+  // The team size of the backend's next parallel region (the CPU backend runs small calls on this thread alone,
+  // which the line above covers). libgomp keeps a team's threads between regions, so this costs a few microseconds.
+#pragma omp parallel
+  EnsureSignalStack();
 }
 
 absl::Status SharedMemoryRegistry::Register(const std::string& name, const std::string& key, uint64_t byte_size) {

@@ -7,6 +7,11 @@
 // over the lost tail of the region (so the access completes, reading zeros or writing nowhere) and marks the region
 // shrunk; every call that touched it then fails with FAILED_PRECONDITION (Intact), and the region takes no more calls.
 // A SIGBUS anywhere else goes to the handler that was installed before, or kills the process as it would have.
+//
+// The handler runs on an alternate signal stack (SA_ONSTACK): every thread that touches a region must have one
+// (EnsureSignalStack, PrepareThreadsForRegions). On the faulting thread's own stack, the kernel's signal frame lands
+// below the stack pointer of the code that faulted; oneDNN's JIT kernels keep state there, and an AVX-512 host's
+// frame (several KiB of register state) overwrote it: the process died of a corrupted heap.
 #ifndef MHA_SERVER_SHARED_MEMORY_H_
 #define MHA_SERVER_SHARED_MEMORY_H_
 
@@ -14,6 +19,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -40,18 +46,23 @@ class SharedMemoryRegion {
   const std::string& key() const { return key_; }
   char* data() const { return data_; }
   uint64_t size() const { return size_; }
+  // The object's identity (device, inode): two regions with the same one map the same bytes, whatever their names.
+  std::pair<uint64_t, uint64_t> object() const { return object_; }
 
   // OK until an access found the object shrunk below size(); FAILED_PRECONDITION naming the region from then on.
   absl::Status Intact() const;
 
  private:
-  SharedMemoryRegion(std::string name, std::string key, char* data, uint64_t size, int fd, int slot)
-      : name_(std::move(name)), key_(std::move(key)), data_(data), size_(size), fd_(fd), slot_(slot) {}
+  SharedMemoryRegion(std::string name, std::string key, char* data, uint64_t size,
+                     std::pair<uint64_t, uint64_t> object, int fd, int slot)
+      : name_(std::move(name)), key_(std::move(key)), data_(data), size_(size), object_(object), fd_(fd),
+        slot_(slot) {}
 
   const std::string name_;
   const std::string key_;
   char* const data_;
   const uint64_t size_;
+  const std::pair<uint64_t, uint64_t> object_;
   const int fd_;    // kept open so that the SIGBUS handler can read the object's size (fstat)
   const int slot_;  // in the SIGBUS guard's table
 };
@@ -87,6 +98,13 @@ class SharedMemoryRegistry {
   std::map<std::string, std::shared_ptr<const SharedMemoryRegion>> regions_ ABSL_GUARDED_BY(mu_);
   int64_t bytes_ ABSL_GUARDED_BY(mu_) = 0;
 };
+
+// Gives the calling thread an alternate signal stack for the SIGBUS guard, once per thread (freed when the thread
+// ends); keeps one the thread already has (a sanitizer's). Cheap after the first call.
+void EnsureSignalStack();
+// EnsureSignalStack on the calling thread and on every thread of the OpenMP team it would start now (the team
+// oneDNN's and the CPU backend's parallel loops use): call it before a backend touches a region.
+void PrepareThreadsForRegions();
 
 // Every key begins with this, so that a caller cannot make the server map another program's shared memory (the
 // server may run with more rights than its callers).

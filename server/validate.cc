@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "proto/mha/v1/tensor_codec.h"
+#include "server/shared_memory.h"
 #include "server/status_macros.h"
 
 namespace mha {
@@ -35,6 +36,7 @@ absl::StatusOr<char*> ResolveShared(const v1::SharedMemoryRef& ref, size_t dtype
   }
   char* data = region->data() + ref.offset();
   plan->regions.push_back(std::move(region));
+  EnsureSignalStack();  // this thread reads the region next (the finiteness scan)
   return data;
 }
 
@@ -51,7 +53,7 @@ absl::Status CheckShared(const v1::Tensor& t, absl::string_view field, const Val
                    ResolveShared(t.shared_memory(), size, bytes, absl::StrCat(field, ".shared_memory"), context, plan));
   RETURN_IF_ERROR(NonFiniteError(t, field, FirstNonFinite(t.dtype(), data, count), data));
   RETURN_IF_ERROR(plan->RegionsIntact());
-  plan->shared_inputs.push_back({&t, data, bytes});
+  plan->shared_inputs.push_back({&t, data, bytes, plan->regions.back().get()});
   return absl::OkStatus();
 }
 
@@ -153,10 +155,12 @@ absl::Status ValidateCommon(const Request& request, const ValidationContext& con
                                                     DTypeSize(plan->problem.output_dtype), bytes,
                                                     "output_shared_memory", context, plan));
     plan->output_ref = &request.output_shared_memory();
-    const uintptr_t out = reinterpret_cast<uintptr_t>(plan->output_to);
+    // Compared as places in the objects, so that one object registered under two names is still one place.
+    const SharedMemoryRegion& out_region = *plan->regions.back();
+    const uint64_t out = request.output_shared_memory().offset();
     for (const AttentionPlan::SharedInput& input : plan->shared_inputs) {
-      const uintptr_t in = reinterpret_cast<uintptr_t>(input.data);
-      if (out < in + input.bytes && in < out + bytes) {
+      const uint64_t in = static_cast<uint64_t>(input.data - input.region->data());
+      if (input.region->object() == out_region.object() && out < in + input.bytes && in < out + bytes) {
         return Invalid("output_shared_memory must not overlap the shared memory of an input");
       }
     }

@@ -46,6 +46,7 @@ struct AttentionPlan {
     const v1::Tensor* tensor = nullptr;
     const char* data = nullptr;
     uint64_t bytes = 0;
+    const SharedMemoryRegion* region = nullptr;  // held in `regions`
   };
   std::vector<SharedInput> shared_inputs;
   char* output_to = nullptr;

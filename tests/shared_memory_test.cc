@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstring>
 #include <functional>
+#include <future>
 #include <string>
 #include <thread>
 #include <vector>
@@ -349,6 +350,24 @@ INSTANTIATE_TEST_SUITE_P(
                      grpc::StatusCode::NOT_FOUND, "output_shared_memory.region"}),
     [](const ::testing::TestParamInfo<BadReference>& info) { return info.param.label; });
 
+// One object registered under two names is one place: an output in the second name over the query in the first
+// overlaps it, whatever the two mappings' addresses; elsewhere in the object it does not.
+TEST_F(SharedMemoryServiceTest, AnObjectRegisteredTwiceIsStillCheckedForOverlap) {
+  ASSERT_TRUE(Register("alias", object_->key(), object_->size()).ok());
+  v1::MultiHeadAttentionRequest request = ValidRequest();
+  Share(request.mutable_query(), 0);
+  request.mutable_output_shared_memory()->set_region("alias");
+  request.mutable_output_shared_memory()->set_offset(16);
+  v1::MultiHeadAttentionResponse response;
+  const grpc::Status status = Call(request, &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << status.error_message();
+  EXPECT_THAT(status.error_message(), HasSubstr("must not overlap"));
+
+  request.mutable_output_shared_memory()->set_offset(65536);
+  const grpc::Status apart = Call(request, &response);
+  EXPECT_TRUE(apart.ok()) << apart.error_message();
+}
+
 TEST_F(SharedMemoryServiceTest, ANonFiniteValueThereIsNamedLikeOneInTheMessage) {
   v1::MultiHeadAttentionRequest request = ValidRequest();
   Share(request.mutable_query(), 0);
@@ -425,6 +444,95 @@ TEST_F(SharedMemoryServiceTest, AShrunkRegionFailsItsCallsAndTheServerServesOn) 
   EXPECT_FALSE(regions.regions(0).intact());
   // TearDown's inline call checks that the server still serves.
 }
+
+// The object shrinks while the CPU backend's JIT code (oneDNN's sgemm, AVX-512 where the host has it) reads an input
+// there or writes the output there. The SIGBUS that follows lands on a oneDNN thread (the caller's or an OpenMP
+// worker's); its frame must go on an alternate stack, not below the JIT code's stack pointer, or the process dies
+// with a corrupted heap. Each case runs a few times with a fresh object: the failure it guards against was seen in
+// most runs, not all.
+struct ShrinkCase {
+  std::string label;
+  bool sdpa;    // ScaledDotProductAttention, else MultiHeadAttention on the demo layer
+  bool output;  // the output lies in the region (shrunk before the call), else the query (shrunk during compute)
+};
+
+class SharedMemoryShrinkTest : public SharedMemoryServiceTest, public ::testing::WithParamInterface<ShrinkCase> {
+ protected:
+  static constexpr int64_t kItems = 4, kTokens = 1024, kModel = 512, kSdpaHeads = 8, kHeadDim = 64;
+
+  void Truncate(const SharedMemoryObject& object) {
+    const int fd = shm_open(object.key().c_str(), O_RDWR, 0);
+    ASSERT_GE(fd, 0);
+    ASSERT_EQ(ftruncate(fd, 0), 0);
+    close(fd);
+  }
+
+  // A call large enough that the backend computes for tens of milliseconds, with its query or output at offset 0 of
+  // region `name`.
+  template <typename Request>
+  void Place(Request* request, v1::Tensor* query, const std::string& name, SharedMemoryObject* object) {
+    if (GetParam().output) {
+      request->mutable_output_shared_memory()->set_region(name);
+      return;
+    }
+    std::memcpy(object->data(), query->data().data(), query->data().size());
+    query->clear_data();
+    query->mutable_shared_memory()->set_region(name);
+  }
+
+  grpc::Status CallShrinking(const std::string& name, SharedMemoryObject* object) {
+    std::function<grpc::Status()> call;
+    v1::MultiHeadAttentionRequest mha;
+    v1::ScaledDotProductAttentionRequest sdpa;
+    if (GetParam().sdpa) {
+      SetTensor(sdpa.mutable_q(), {kItems, kTokens, kSdpaHeads, kHeadDim}, 1);
+      SetTensor(sdpa.mutable_k(), {kItems, kTokens, kSdpaHeads, kHeadDim}, 2);
+      SetTensor(sdpa.mutable_v(), {kItems, kTokens, kSdpaHeads, kHeadDim}, 3);
+      sdpa.set_backend(v1::BACKEND_CPU);
+      Place(&sdpa, sdpa.mutable_q(), name, object);
+      call = [&] {
+        v1::ScaledDotProductAttentionResponse response;
+        return Call(sdpa, &response);
+      };
+    } else {
+      SetTensor(mha.mutable_query(), {kItems, kTokens, kModel}, 1);
+      mha.set_layer("demo");
+      mha.set_backend(v1::BACKEND_CPU);
+      Place(&mha, mha.mutable_query(), name, object);
+      call = [&] {
+        v1::MultiHeadAttentionResponse response;
+        return Call(mha, &response);
+      };
+    }
+    if (GetParam().output) {
+      Truncate(*object);
+      return call();
+    }
+    std::future<grpc::Status> status = std::async(std::launch::async, call);
+    EXPECT_TRUE(server_->scheduler().AwaitRunning(absl::Seconds(30)));
+    Truncate(*object);
+    return status.get();
+  }
+};
+
+TEST_P(SharedMemoryShrinkTest, FailsTheCallAndTheServerServesOn) {
+  for (int round = 0; round < 3; ++round) {
+    const std::string name = "shrinking" + std::to_string(round);
+    auto object = NewObject(kItems * kTokens * kModel * sizeof(float));
+    ASSERT_TRUE(Register(name, object->key(), object->size()).ok());
+    const grpc::Status status = CallShrinking(name, object.get());
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << status.error_message();
+    EXPECT_THAT(status.error_message(), HasSubstr("lost pages"));
+    v1::MultiHeadAttentionResponse response;
+    EXPECT_TRUE(Call(ValidRequest(), &response).ok());
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Calls, SharedMemoryShrinkTest,
+    ::testing::Values(ShrinkCase{"mha_input", false, false}, ShrinkCase{"mha_output", false, true},
+                      ShrinkCase{"sdpa_input", true, false}, ShrinkCase{"sdpa_output", true, true}),
+    [](const ::testing::TestParamInfo<ShrinkCase>& info) { return info.param.label; });
 
 // Calls through one region while another is registered and unregistered over and over: every call either computes
 // what the messages give or finds its region gone (NOT_FOUND); a region a call holds stays mapped until it is done.
