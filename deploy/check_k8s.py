@@ -234,15 +234,16 @@ def check_stack(kustomization, resources, dockerfile):
               f"--shutdown_grace_s {drain_s:g} s + {EXIT_MARGIN_S} s to exit")
 
     # Memory: the limit covers what the server's own limits let it hold, the sessions' KV cache pool included.
-    if check("max_layer_mb" in flags and "max_inflight_mb" in flags and "kv_cache_mb" in flags,
-             f"Deployment {name}: set --max_layer_mb, --max_inflight_mb and --kv_cache_mb to fit the memory limit"):
-        need_mib = (BASE_MEMORY_MIB + int(flags["max_layer_mb"]) + int(flags["max_inflight_mb"]) +
-                    int(flags["kv_cache_mb"]))
+    # --grpc_memory_mb bounds what gRPC buffers before any check (calls not yet admitted, from any client).
+    budget = ("max_layer_mb", "max_inflight_mb", "kv_cache_mb", "grpc_memory_mb")
+    if check(all(flag in flags for flag in budget),
+             f"Deployment {name}: set --max_layer_mb, --max_inflight_mb, --kv_cache_mb and --grpc_memory_mb to fit "
+             f"the memory limit"):
+        need_mib = BASE_MEMORY_MIB + sum(int(flags[flag]) for flag in budget)
         if "memory" in limits:
             check(memory_bytes(limits["memory"]) >= need_mib << 20,
-                  f"Deployment {name}: memory limit {limits['memory']} < {BASE_MEMORY_MIB} MiB base + "
-                  f"--max_layer_mb {flags['max_layer_mb']} + --max_inflight_mb {flags['max_inflight_mb']} + "
-                  f"--kv_cache_mb {flags['kv_cache_mb']}")
+                  f"Deployment {name}: memory limit {limits['memory']} < {BASE_MEMORY_MIB} MiB base + " +
+                  " + ".join(f"--{flag} {flags[flag]}" for flag in budget))
 
     # Identity: mutual TLS and tokens from Secrets, the TLS copies on a writable in-memory /tmp, health on its own
     # plaintext port for the probes (which cannot speak TLS).

@@ -19,7 +19,7 @@ build_packages=(
   libgtest-dev libgmock-dev libbenchmark-dev
 )
 test_packages=(
-  python3 python3-grpcio python3-protobuf python3-numpy python3-torch python3-pytest
+  python3 python3-grpcio python3-protobuf python3-numpy python3-torch python3-pytest python3-h2
   python3-venv python3-setuptools   # the Python client installed as a package (tests/python_package_test.sh)
   openssl   # throwaway certificates for the TLS tests
   clang libclang-rt-14-dev   # libFuzzer and its sanitizers (tests/fuzz/run.sh)

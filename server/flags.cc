@@ -21,6 +21,10 @@ ABSL_FLAG(int, max_message_mb, kDefaults.max_message_mb, "largest request or res
 ABSL_FLAG(bool, accept_compressed, kDefaults.accept_compressed,
           "accept gzip/deflate-compressed requests (inflated up to --max_message_mb before any check); off: "
           "UNIMPLEMENTED");
+ABSL_FLAG(int, max_streams_per_connection, kDefaults.max_streams_per_connection,
+          "concurrent calls one connection may open (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS); 0 = unlimited");
+ABSL_FLAG(int, grpc_memory_mb, kDefaults.grpc_memory_mb,
+          "MiB gRPC may buffer (its resource quota): past it, calls are cancelled to reclaim memory; 0 = unlimited");
 ABSL_FLAG(int, threads, kDefaults.threads, "compute threads per request; 0 = all cores");
 ABSL_FLAG(int, max_queue_size, kDefaults.max_queue_size, "requests waiting to compute before RESOURCE_EXHAUSTED");
 ABSL_FLAG(int, max_queued_mb, kDefaults.max_queued_mb, "MiB of request data the waiting requests may hold");
@@ -91,6 +95,8 @@ ServerOptions ServerOptionsFromFlags() {
   options.backend = absl::GetFlag(FLAGS_backend);
   options.max_message_mb = absl::GetFlag(FLAGS_max_message_mb);
   options.accept_compressed = absl::GetFlag(FLAGS_accept_compressed);
+  options.max_streams_per_connection = absl::GetFlag(FLAGS_max_streams_per_connection);
+  options.grpc_memory_mb = absl::GetFlag(FLAGS_grpc_memory_mb);
   options.threads = absl::GetFlag(FLAGS_threads);
   options.max_queue_size = absl::GetFlag(FLAGS_max_queue_size);
   options.max_queued_mb = absl::GetFlag(FLAGS_max_queued_mb);

@@ -19,6 +19,7 @@
 #include "absl/strings/match.h"
 #include "absl/flags/usage.h"
 #include "proto/build_info.h"
+#include "server/connection_gate.h"
 #include "server/flags.h"
 #include "server/listen_address.h"
 #include "server/server.h"
@@ -130,8 +131,13 @@ int main(int argc, char** argv) {
     return 1;
   }
   spdlog::info("mha_server listening on {} (port {})", options.listen, (*server)->port());
-  spdlog::info("open files: at most {}", open_files == RLIM_INFINITY ? std::string("unlimited")
-                                                                       : std::to_string(open_files));
+  const int gate = mha::ConnectionGateFor(open_files);
+  mha::SetConnectionGate(gate);
+  if (gate > 0) {
+    spdlog::info("open files: at most {}; connections are refused while {} are in use", open_files, gate);
+  } else {
+    spdlog::info("open files: unlimited");
+  }
   if ((*server)->metrics_port() != 0) {
     spdlog::info("metrics at http://{}/metrics (port {})", mha::OnListenHost(options.metrics_listen, options.listen),
                  (*server)->metrics_port());

@@ -14,6 +14,8 @@
 #include "absl/time/clock.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
+#include "grpcpp/resource_quota.h"
+#include "grpcpp/server_builder.h"
 #include "server/listen_address.h"
 #include "server/status_macros.h"
 #include "server/work_item.h"
@@ -94,6 +96,15 @@ SessionStoreOptions SessionOptions(const ServerOptions& o) {
 // The flags' ranges, and the listen addresses parsed and bound once, so that a mistake fails the start at once, in one
 // line naming the flag. Resolves --threads 0 and --metrics_listen :PORT.
 absl::Status CheckOptions(ServerOptions* options) {
+  if (options->grpc_memory_mb < 0 ||
+      (options->grpc_memory_mb > 0 && options->grpc_memory_mb < options->max_message_mb)) {
+    return absl::InvalidArgumentError(absl::StrCat("--grpc_memory_mb must be 0 (unlimited) or at least --max_message_mb (",
+                                                   options->max_message_mb, "), got ", options->grpc_memory_mb));
+  }
+  if (options->max_streams_per_connection < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("--max_streams_per_connection must be 0 (unlimited) or more, got ",
+                                                   options->max_streams_per_connection));
+  }
   if (options->max_message_mb < 1 || options->max_message_mb > 2047) {
     return absl::InvalidArgumentError(
         absl::StrCat("--max_message_mb must be in [1, 2047] (gRPC's limit is below 2 GiB), got ",
@@ -147,6 +158,14 @@ void ConfigureMainPort(const ServerOptions& options, bool tokens_required, grpc:
     builder->AddChannelArgument(GRPC_ARG_MAX_CONNECTION_AGE_MS, static_cast<int>(options.max_connection_age_s * 1000));
     builder->AddChannelArgument(GRPC_ARG_MAX_CONNECTION_AGE_GRACE_MS,
                                 static_cast<int>(std::max(options.shutdown_grace_s, 1.0) * 1000));
+  }
+  if (options.max_streams_per_connection > 0) {
+    builder->AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, options.max_streams_per_connection);
+  }
+  if (options.grpc_memory_mb > 0) {
+    grpc::ResourceQuota quota("mha_server");
+    quota.Resize(static_cast<size_t>(options.grpc_memory_mb) << 20);
+    builder->SetResourceQuota(quota);
   }
   // A port another process holds is an error, not a port to share (gRPC's default is SO_REUSEPORT).
   builder->AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
@@ -264,12 +283,16 @@ void MhaServer::Watch() {
   const absl::Duration limit = absl::Seconds(options_.stuck_after_s);
   const std::string readiness = v1::Attention::service_full_name();
   bool live = true, ready = true;
+  int stalled_listener = -1;
+  constexpr absl::Duration kListenerStall = absl::Seconds(10);
   for (int tick = 1; !stop_watch_.WaitForNotificationWithTimeout(absl::Milliseconds(250)); ++tick) {
     // Free pages of the allocator's arenas go back to the system every few seconds (it keeps them otherwise).
     if (tick % 12 == 0) malloc_trim(0);
     sessions_->ExpireIdle(absl::Now());
     const absl::Duration stuck = scheduler_->StuckFor();
-    const bool now_live = options_.stuck_after_s <= 0 || stuck <= limit;
+    // A listener that no longer accepts never recovers (gRPC 1.51): liveness fails for good, so that the pod restarts.
+    if (stalled_listener < 0) stalled_listener = listeners_.Stalled(absl::Now(), kListenerStall);
+    const bool now_live = (options_.stuck_after_s <= 0 || stuck <= limit) && stalled_listener < 0;
     const int depth = scheduler_->QueueDepth();
     const bool now_ready = now_live && (options_.ready_max_queue <= 0 || depth < options_.ready_max_queue);
     if (now_live != live) {
@@ -277,6 +300,10 @@ void MhaServer::Watch() {
       SetServing("", live);
       if (live) {
         spdlog::info("health: SERVING again, the compute thread moved on");
+      } else if (stalled_listener >= 0) {
+        spdlog::error("health: NOT_SERVING, a listening port (fd {}) has had connections waiting {} s without "
+                      "accepting one; restart the server",
+                      stalled_listener, absl::ToInt64Seconds(kListenerStall));
       } else {
         spdlog::error("health: NOT_SERVING, one call has computed for {} s with others waiting",
                       absl::ToInt64Seconds(stuck));

@@ -12,6 +12,7 @@
 #include "server/auth.h"
 #include "server/backends/registry.h"
 #include "server/layer_store.h"
+#include "server/listener_watch.h"
 #include "server/metrics.h"
 #include "server/scheduler.h"
 #include "server/server_options.h"
@@ -76,6 +77,7 @@ class MhaServer {
   int port_ = 0;
   int health_port_ = 0;
   bool shut_down_ = false;
+  ListenerWatch listeners_;  // the watchdog's alone
   absl::Notification stop_watch_;
   std::thread watchdog_;
 };

@@ -26,6 +26,12 @@ struct ServerOptions {
   // before any handler or limit of ours sees it, so 254 KiB of gzip became a 255 MiB request. When set, the inflated
   // size is bounded by max_message_mb like any message.
   bool accept_compressed = false;
+  // Bounds on what gRPC buffers before any handler or check of ours runs (each message is read whole first):
+  // concurrent calls per connection (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS), and gRPC's memory quota in MiB, past
+  // which it stops reading from connections until memory is freed (and may cancel calls to reclaim it); 0 = gRPC's
+  // defaults (unlimited). The quota must hold one message of max_message_mb.
+  int max_streams_per_connection = 100;
+  int grpc_memory_mb = 1024;
   // OpenMP threads per computation; 0 means all cores.
   int threads = 0;
   // Requests waiting for the compute thread beyond which calls get RESOURCE_EXHAUSTED, and the MiB of request

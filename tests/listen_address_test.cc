@@ -9,6 +9,7 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/test_util.h"
 
 namespace mha {
 namespace {
@@ -74,14 +75,9 @@ INSTANTIATE_TEST_SUITE_P(
                       Invalid{"a b:1", "not a host"}, Invalid{"unix:", "no socket path"}));
 
 TEST(ListenAddress, APortInUseIsNamed) {
-  const int holder = socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in any{};
-  any.sin_family = AF_INET;
-  any.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ASSERT_EQ(bind(holder, reinterpret_cast<sockaddr*>(&any), sizeof(any)), 0);
-  ASSERT_EQ(listen(holder, 1), 0);
-  socklen_t length = sizeof(any);
-  getsockname(holder, reinterpret_cast<sockaddr*>(&any), &length);
+  const int holder = testing::ListenOnLoopback(0, &any);
+  ASSERT_GE(holder, 0);
   const int port = ntohs(any.sin_port);
   const absl::Status status = CheckCanBind("--listen", ListenAddress{"", "127.0.0.1", port});
   close(holder);

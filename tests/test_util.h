@@ -2,6 +2,11 @@
 #ifndef MHA_TESTS_TEST_UTIL_H_
 #define MHA_TESTS_TEST_UTIL_H_
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <cmath>
 #include <cstdint>
 #include <random>
@@ -13,6 +18,23 @@
 #include "gtest/gtest.h"
 
 namespace mha::testing {
+
+// A TCP socket listening on 127.0.0.1 at a free port, of socket type SOCK_STREAM | `type_flags` (e.g.
+// SOCK_NONBLOCK), with its address in *address; -1 if it cannot be made. The caller closes it.
+inline int ListenOnLoopback(int type_flags, sockaddr_in* address) {
+  const int fd = socket(AF_INET, SOCK_STREAM | type_flags, 0);
+  if (fd < 0) return -1;
+  *address = sockaddr_in{};
+  address->sin_family = AF_INET;
+  address->sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t length = sizeof(*address);
+  if (bind(fd, reinterpret_cast<sockaddr*>(address), sizeof(*address)) != 0 || listen(fd, 16) != 0 ||
+      getsockname(fd, reinterpret_cast<sockaddr*>(address), &length) != 0) {
+    close(fd);
+    return -1;
+  }
+  return fd;
+}
 
 // n values uniform in [-bound, bound] from `seed`.
 inline std::vector<float> RandomVector(int64_t n, uint32_t seed, float bound = 1.0f) {

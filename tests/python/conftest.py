@@ -10,6 +10,7 @@ Environment:
 import collections
 import contextlib
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -60,16 +61,17 @@ def stubs_dir(tmp_path_factory):
 
 
 @contextlib.contextmanager
-def run_server(work, *args):
+def run_server(work, *args, nofile=None):
     """The real mha_server on a free loopback port with extra flags `args`, its log in `work`; yields a Server and
-    checks that SIGTERM ends it with exit code 0."""
+    checks that SIGTERM ends it with exit code 0. `nofile` sets its open-file limit (soft and hard)."""
     binary = _server_binary()
     port_file = work / "port"
     log_path = work / "server.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
             [binary, "--listen", "127.0.0.1:0", "--port_file", str(port_file), "--threads", "2", *args],
-            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+            preexec_fn=None if nofile is None else lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile)))
     try:
         port = None
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
