@@ -25,6 +25,8 @@ ABSL_FLAG(int, max_streams_per_connection, kDefaults.max_streams_per_connection,
           "concurrent calls one connection may open (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS); 0 = unlimited");
 ABSL_FLAG(int, grpc_memory_mb, kDefaults.grpc_memory_mb,
           "MiB gRPC may buffer (its resource quota): past it, calls are cancelled to reclaim memory; 0 = unlimited");
+ABSL_FLAG(int, log_max_calls_per_s, kDefaults.log_max_calls_per_s,
+          "call log lines per second at most; the next line says how many were left out; 0 = every call");
 ABSL_FLAG(int, threads, kDefaults.threads, "compute threads per request; 0 = all cores");
 ABSL_FLAG(int, max_queue_size, kDefaults.max_queue_size, "requests waiting to compute before RESOURCE_EXHAUSTED");
 ABSL_FLAG(int, max_queued_mb, kDefaults.max_queued_mb, "MiB of request data the waiting requests may hold");
@@ -97,6 +99,7 @@ ServerOptions ServerOptionsFromFlags() {
   options.accept_compressed = absl::GetFlag(FLAGS_accept_compressed);
   options.max_streams_per_connection = absl::GetFlag(FLAGS_max_streams_per_connection);
   options.grpc_memory_mb = absl::GetFlag(FLAGS_grpc_memory_mb);
+  options.log_max_calls_per_s = absl::GetFlag(FLAGS_log_max_calls_per_s);
   options.threads = absl::GetFlag(FLAGS_threads);
   options.max_queue_size = absl::GetFlag(FLAGS_max_queue_size);
   options.max_queued_mb = absl::GetFlag(FLAGS_max_queued_mb);

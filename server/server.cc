@@ -101,6 +101,7 @@ absl::Status CheckOptions(ServerOptions* options) {
     return absl::InvalidArgumentError(absl::StrCat("--grpc_memory_mb must be 0 (unlimited) or at least --max_message_mb (",
                                                    options->max_message_mb, "), got ", options->grpc_memory_mb));
   }
+  if (options->log_max_calls_per_s < 0) return absl::InvalidArgumentError("--log_max_calls_per_s must be >= 0");
   if (options->max_streams_per_connection < 0) {
     return absl::InvalidArgumentError(absl::StrCat("--max_streams_per_connection must be 0 (unlimited) or more, got ",
                                                    options->max_streams_per_connection));

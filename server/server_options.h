@@ -41,6 +41,8 @@ struct ServerOptions {
   // Total fp32 MiB of all registered layers, and how many layers at most.
   int max_layer_mb = 4096;
   int max_layers = 256;
+  // Call log lines per second at most (the rest are counted, and the next line says how many); 0 = every call.
+  int log_max_calls_per_s = 1000;
   // Working memory a request may need beyond its own tensors (Backend::WorkspaceBytes), in MiB.
   int max_scratch_mb = 2048;
   // Requests needing at most this many MFLOP run right on the gRPC thread that received them, skipping the hand-off

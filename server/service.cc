@@ -36,17 +36,21 @@ void AttentionService::CallDone(const std::string& ids, const char* rpc, absl::s
                                 double flops) {
   const absl::Duration latency = absl::Now() - start;
   metrics_->RecordCall(rpc, status.code(), backend, absl::ToDoubleSeconds(latency), compute_seconds, flops);
+  int64_t left_out = 0;
+  if (!log_budget_.Take(absl::Now(), &left_out)) return;
+  const std::string note =
+      left_out > 0 ? absl::StrCat(" (", left_out, " call lines before this one left out: --log_max_calls_per_s)") : "";
   const int64_t latency_us = absl::ToInt64Microseconds(latency);
   // abseil 20220623's string_view is not std's, so fmt needs std views.
   const std::string_view shapes_sv(shapes.data(), shapes.size());
   const std::string_view backend_sv = backend.empty() ? "-" : std::string_view(backend.data(), backend.size());
   if (status.ok()) {
-    spdlog::info("{} rpc={} {} backend={} status=OK latency_us={}", ids, rpc, shapes_sv, backend_sv,
-                 latency_us);
+    spdlog::info("{} rpc={} {} backend={} status=OK latency_us={}{}", ids, rpc, shapes_sv, backend_sv,
+                 latency_us, note);
   } else {
-    spdlog::warn("{} rpc={} {} backend={} status={} latency_us={} error=\"{}\"", ids, rpc, shapes_sv,
+    spdlog::warn("{} rpc={} {} backend={} status={} latency_us={} error=\"{}\"{}", ids, rpc, shapes_sv,
                  backend_sv, absl::StatusCodeToString(status.code()), latency_us,
-                 LogSafe(status.message(), 1024));
+                 LogSafe(status.message(), 1024), note);
   }
 }
 
@@ -78,7 +82,8 @@ AttentionService::AttentionService(const ServerOptions& options, LayerStore* lay
       auth_(auth),
       sessions_(sessions),
       shared_memory_(options.max_shared_memory_regions, static_cast<int64_t>(options.max_shared_memory_mb) << 20),
-      id_prefix_(absl::StrFormat("%08x", absl::Uniform<uint32_t>(absl::BitGen()))) {
+      id_prefix_(absl::StrFormat("%08x", absl::Uniform<uint32_t>(absl::BitGen()))),
+      log_budget_(options.log_max_calls_per_s) {
   validation_.layers = layers_;
   validation_.backends = backends_;
   validation_.max_message_bytes = static_cast<int64_t>(options.max_message_mb) << 20;

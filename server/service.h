@@ -16,6 +16,7 @@
 #include "server/backends/registry.h"
 #include "server/execute.h"
 #include "server/layer_store.h"
+#include "server/log_budget.h"
 #include "server/metrics.h"
 #include "server/scheduler.h"
 #include "server/server_options.h"
@@ -162,6 +163,7 @@ class AttentionService final : public RawAttentionService {
   absl::Duration default_deadline_;
   const std::string id_prefix_;  // random per process, so that ids of restarted replicas do not collide
   std::atomic<uint64_t> next_request_id_{1};
+  LogBudget log_budget_;  // call lines per second (--log_max_calls_per_s)
 };
 
 }  // namespace mha
