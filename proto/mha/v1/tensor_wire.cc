@@ -15,7 +15,8 @@ namespace mha {
 namespace {
 
 // Protobuf's wire types (https://protobuf.dev/programming-guides/encoding/).
-constexpr int kVarint = 0, kFixed64 = 1, kLengthDelimited = 2, kFixed32 = 5;
+constexpr int kVarint = 0, kFixed64 = 1, kLengthDelimited = 2, kStartGroup = 3, kEndGroup = 4, kFixed32 = 5;
+constexpr int kMaxGroupDepth = 100;  // protobuf's default recursion limit
 constexpr int kTensorDataField = 3;  // mha.v1.Tensor.data
 
 void AppendVarint(uint64_t value, std::string* out) {
@@ -194,9 +195,12 @@ absl::Status Malformed(absl::string_view what) {
   return absl::InvalidArgumentError(absl::StrCat("malformed message: ", what));
 }
 
+bool ReadTag(SliceReader* reader, size_t end_remaining, int* field, int* wire_type, absl::Status* status);
+
 // Copies one field, whose tag has been read, into `out` as protobuf would write it. The enclosing message ends
-// where `end` bytes of `reader` remain (0 at the top level).
-absl::Status CopyField(int field, int wire_type, size_t end, SliceReader* reader, Rest* rest) {
+// where `end` bytes of `reader` remain (0 at the top level). A group (no field of this API is one, but protobuf
+// keeps unknown ones) is copied through its end, within `depth` groups already open.
+absl::Status CopyField(int field, int wire_type, size_t end, SliceReader* reader, Rest* rest, int depth = 0) {
   std::string* out = rest->text();
   AppendTag(field, wire_type, out);
   const auto left = [&] { return reader->remaining() < end ? 0 : reader->remaining() - end; };
@@ -219,8 +223,24 @@ absl::Status CopyField(int field, int wire_type, size_t end, SliceReader* reader
       const bool read = size >= kShareBytes ? rest->Share(reader, size) : reader->Append(size, out);
       return read ? absl::OkStatus() : Malformed("truncated field");
     }
+    case kStartGroup: {
+      if (depth >= kMaxGroupDepth) return Malformed("groups nested too deep");
+      int inner, inner_type;
+      absl::Status status;
+      while (ReadTag(reader, end, &inner, &inner_type, &status)) {
+        if (inner_type == kEndGroup) {
+          if (inner != field) return Malformed("a group ends with another field's number");
+          AppendTag(field, kEndGroup, rest->text());  // the text after any bytes shared meanwhile
+          return absl::OkStatus();
+        }
+        if (absl::Status copied = CopyField(inner, inner_type, end, reader, rest, depth + 1); !copied.ok()) {
+          return copied;
+        }
+      }
+      return status.ok() ? Malformed("a group without its end") : status;
+    }
     default:
-      return Malformed(absl::StrCat("field ", field, " has wire type ", wire_type, ", which this API never uses"));
+      return Malformed(absl::StrCat("field ", field, " has wire type ", wire_type, ", which protobuf never writes"));
   }
 }
 
