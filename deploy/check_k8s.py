@@ -177,10 +177,11 @@ def check_stack(kustomization, resources, dockerfile):
     pod_labels = pod["metadata"]["labels"]
     check(selects(deployment["spec"]["selector"]["matchLabels"], pod_labels),
           f"Deployment {name}: selector does not match its pod template labels")
-    containers = pod["spec"]["containers"]
-    check(len(containers) == 1, f"Deployment {name}: expected one container")
-    container = containers[0]
-    ports = {p["containerPort"]: p.get("name") for p in container.get("ports", [])}
+    containers = {c["name"]: c for c in pod["spec"]["containers"]}
+    check(set(containers) == {"mha-server", "envoy"},
+          f"Deployment {name}: expected the containers mha-server and envoy (its front door), found {sorted(containers)}")
+    container = containers.get("mha-server", pod["spec"]["containers"][0])
+    ports = {p["containerPort"]: p.get("name") for c in containers.values() for p in c.get("ports", [])}
     port_names = {v: k for k, v in ports.items() if v}
 
     def resolve(port, where):
@@ -192,9 +193,8 @@ def check_stack(kustomization, resources, dockerfile):
     # Flags against ports, mounts and resources.
     flags = flag_values(container.get("args", []))
     listen_port = int(flags.get("listen", "0.0.0.0:50051").rsplit(":", 1)[1])
-    check(listen_port in ports, f"Deployment {name}: --listen port {listen_port} is not a containerPort")
-    check(flags.get("listen", "0.0.0.0:").startswith("0.0.0.0:"),
-          f"Deployment {name}: --listen must bind 0.0.0.0 in a pod")
+    check(flags.get("listen", "0.0.0.0:").startswith("127.0.0.1:"),
+          f"Deployment {name}: --listen must bind the pod's loopback (127.0.0.1): the envoy container is the front door")
     mounts = {m["mountPath"]: m["name"] for m in container.get("volumeMounts", [])}
     volumes = {v["name"]: v for v in pod["spec"].get("volumes", [])}
     for path, volume in mounts.items():
@@ -245,9 +245,12 @@ def check_stack(kustomization, resources, dockerfile):
                   f"Deployment {name}: memory limit {limits['memory']} < {BASE_MEMORY_MIB} MiB base + " +
                   " + ".join(f"--{flag} {flags[flag]}" for flag in budget))
 
-    # Identity: mutual TLS and tokens from Secrets, the TLS copies on a writable in-memory /tmp, health on its own
-    # plaintext port for the probes (which cannot speak TLS).
-    for flag in ("tls_cert", "tls_key", "tls_client_ca", "auth_tokens_file"):
+    # Identity: mutual TLS at the proxy (check_proxy) and tokens at the server, from Secrets; a writable in-memory
+    # /tmp; health on its own plaintext port for the probes (which cannot speak TLS).
+    if "envoy" in containers:
+        config_maps = {r["metadata"]["name"]: r for r in of_kind("ConfigMap")}
+        check_proxy(name, containers["envoy"], config_maps, volumes, listen_port, resolve)
+    for flag in ("auth_tokens_file",):
         if check(flag in flags, f"Deployment {name}: set --{flag} (docs/SECURITY.md)"):
             mount = max((m for m in mounts if flags[flag].startswith(m + "/")), key=len, default=None)
             check(mount is not None and "secret" in volumes.get(mounts[mount], {}),
@@ -313,6 +316,62 @@ def check_stack(kustomization, resources, dockerfile):
         exposed = {int(p.split("/")[0]) for line in f if line.startswith("EXPOSE") for p in line.split()[1:]}
     check(set(ports) <= exposed,
           f"container ports {sorted(ports)} are not all EXPOSEd by {dockerfile} {sorted(exposed)}")
+
+
+def check_proxy(name, proxy, config_maps, volumes, server_port, resolve):
+    """The envoy container in front of the server: its configuration (a ConfigMap of the kustomization, mounted
+    where its -c points) listens on the grpc container port, terminates mutual TLS with files from a Secret, forwards
+    to the server's loopback port, and holds what gRPC 1.51 cannot: rapid-reset detection, a connection limit, a
+    stream limit and a headers timeout (docs/SECURITY.md)."""
+    where = f"Deployment {name}: container envoy"
+    resources_spec = proxy.get("resources", {})
+    for kind in ("cpu", "memory"):
+        check(kind in resources_spec.get("requests", {}) and kind in resources_spec.get("limits", {}),
+              f"{where}: {kind} request and limit must be set")
+    mounts = {m["mountPath"]: m["name"] for m in proxy.get("volumeMounts", [])}
+
+    def mounted(path):
+        mount = max((m for m in mounts if path.startswith(m + "/")), key=len, default=None)
+        return volumes.get(mounts[mount], {}) if mount is not None else {}
+
+    args = proxy.get("args", [])
+    if not check("-c" in args[:-1], f"{where}: no -c CONFIG among its args"):
+        return
+    path = args[args.index("-c") + 1]
+    config_map = config_maps.get(mounted(path).get("configMap", {}).get("name"), {})
+    text = config_map.get("data", {}).get(os.path.basename(path))
+    if not check(text is not None, f"{where}: {path} is no key of a ConfigMap of the kustomization"):
+        return
+    config = yaml.safe_load(text)
+    listeners = config.get("static_resources", {}).get("listeners", [])
+    if not check(len(listeners) == 1, f"{where}: expected one listener"):
+        return
+    listener = listeners[0]
+    check(listener["address"]["socket_address"]["port_value"] == resolve("grpc", where),
+          f"{where}: the listener is not on the grpc container port")
+    chain = listener["filter_chains"][0]
+    tls = chain.get("transport_socket", {}).get("typed_config", {})
+    check(tls.get("require_client_certificate") is True, f"{where}: the listener must require client certificates")
+    context = tls.get("common_tls_context", {})
+    files = [c[key]["filename"] for c in context.get("tls_certificates", []) for key in ("certificate_chain", "private_key")]
+    files.append(context.get("validation_context", {}).get("trusted_ca", {}).get("filename", ""))
+    for file in files:
+        check("secret" in mounted(file), f"{where}: TLS file {file!r} is not in a Secret volume")
+    filters = {f["name"]: f.get("typed_config", {}) for f in chain.get("filters", [])}
+    check("envoy.filters.network.connection_limit" in filters, f"{where}: no connection_limit filter")
+    manager = filters.get("envoy.filters.network.http_connection_manager", {})
+    check(manager.get("http2_protocol_options", {}).get("max_concurrent_streams"),
+          f"{where}: set http2_protocol_options.max_concurrent_streams")
+    check(manager.get("request_headers_timeout"), f"{where}: set request_headers_timeout")
+    runtime = {k: v for layer in config.get("layered_runtime", {}).get("layers", [])
+               for k, v in layer.get("static_layer", {}).get("overload", {}).items()}
+    check("premature_reset_total_stream_count" in runtime,
+          f"{where}: set the runtime overload.premature_reset_total_stream_count (HTTP/2 rapid reset)")
+    upstreams = [e["endpoint"]["address"]["socket_address"]
+                 for c in config.get("static_resources", {}).get("clusters", [])
+                 for group in c.get("load_assignment", {}).get("endpoints", []) for e in group.get("lb_endpoints", [])]
+    check(upstreams == [{"address": "127.0.0.1", "port_value": server_port}],
+          f"{where}: must forward to the server's --listen, 127.0.0.1:{server_port}, alone (found {upstreams})")
 
 
 def load_overlay(overlay_dir, base_dir, base_kustomization, base_resources):
@@ -434,6 +493,8 @@ def check_gpu_overlay(overlay, base_kustomization, resources):
               f"Deployment {name}: a DoNotSchedule spread across nodes counts CPU nodes too and leaves replicas "
               f"Pending on a multi-GPU node")
     for container in pod["containers"]:
+        if container["name"] != "mha-server":
+            continue  # the envoy front door needs no GPU
         resources_spec = container.get("resources", {})
         limits, requests = resources_spec.get("limits", {}), resources_spec.get("requests", {})
         check(str(limits.get("nvidia.com/gpu")) == "1",

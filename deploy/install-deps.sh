@@ -27,7 +27,7 @@ test_packages=(
 # Rootful, daemonless podman; runc because crun fails on hybrid cgroups; debootstrap makes the base image locally.
 container_packages=(podman buildah debootstrap runc catatonit)
 # nginx-light has the grpc and http2 modules; python3-yaml reads the manifests in deploy/check-k8s.sh.
-deploy_packages=(nginx-light yamllint python3 python3-yaml)
+deploy_packages=(nginx-light yamllint python3 python3-yaml python3-venv python3-grpcio python3-h2)
 
 build_only=0 container=0 deploy=0 log=/dev/stdout
 while [[ $# -gt 0 ]]; do

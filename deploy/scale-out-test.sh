@@ -21,13 +21,8 @@ requests=${MHA_SCALE_REQUESTS:-150}
 concurrency=${MHA_SCALE_CONCURRENCY:-6}
 
 deploy/install-deps.sh --deploy
-if [[ $# -ge 2 ]]; then
-  server=$1 client=$2
-else
-  [[ -f build/build.ninja ]] || deploy/build.sh
-  cmake --build build --target mha_server mha_client
-  server=$root/build/bin/mha_server client=$root/build/bin/mha_client
-fi
+source deploy/binaries.sh
+deploy_binaries "$@"
 nginx=/usr/sbin/nginx
 
 work=$(mktemp -d)

@@ -7,6 +7,7 @@ set -euo pipefail
 server=$(realpath "$1")
 client=$(realpath "$2")
 source "$(dirname "$0")/server_lib.sh"
+source "$(dirname "$0")/test_certs.sh"
 fail() { echo "FAIL: $*"; [[ -f $work/server.log ]] && tail -20 "$work/server.log"; exit 1; }
 
 # A CA, a server certificate for 127.0.0.1, and a client certificate. The servers keep their private copies of the
@@ -14,15 +15,7 @@ fail() { echo "FAIL: $*"; [[ -f $work/server.log ]] && tail -20 "$work/server.lo
 cd "$work"
 export TMPDIR=$work/tmp
 mkdir -p "$TMPDIR"
-echo "subjectAltName=DNS:localhost,IP:127.0.0.1" >san.ext
-openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -days 2 -subj /CN=ca \
-  -keyout ca.key -out ca.pem 2>/dev/null
-for name in server client; do
-  openssl req -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -subj /CN=localhost \
-    -keyout $name.key -out $name.csr 2>/dev/null
-  openssl x509 -req -days 2 -in $name.csr -CA ca.pem -CAkey ca.key -CAcreateserial -extfile san.ext \
-    -out $name.pem 2>/dev/null
-done
+make_test_certs "$work" pem server client
 printf 'compute-token-0123456789\nadmin-token-0123456789ab admin\n' >tokens
 echo compute-token-0123456789 >compute.token
 echo fresh-token-0123456789ab >fresh.token
