@@ -74,10 +74,13 @@ absl::Status Scheduler::Admit(const WorkItem& item) const {
     return absl::ResourceExhaustedError(absl::StrCat(
         "compute queue is full (", queued_bytes_, " bytes of requests waiting, --max_queued_mb); retry later"));
   }
-  if (inflight_ > 0 && inflight_bytes_ + item.memory_bytes() > options_.max_inflight_bytes) {
+  // A call alone past the limit still runs when nothing else holds memory.
+  const int64_t held = ledger_->load(std::memory_order_relaxed);
+  if ((inflight_ > 0 || held > 0) && held + item.memory_bytes() > options_.max_inflight_bytes) {
     return absl::ResourceExhaustedError(absl::StrCat(
-        "the server's in-flight memory is taken (", inflight_bytes_, " bytes held by ", inflight_,
-        " calls, this one needs ", item.memory_bytes(), "; --max_inflight_mb); retry later"));
+        "the server's in-flight memory is taken (", held, " bytes held by ", inflight_,
+        " calls and responses not yet sent, this one needs ", item.memory_bytes(), "; --max_inflight_mb); retry "
+        "later"));
   }
   const double compute_s = EstimateSeconds(item);
   if (compute_s > 0) {
@@ -110,7 +113,7 @@ void Scheduler::Submit(std::unique_ptr<WorkItem> item) {
     if (refused.ok()) {
       const double estimate = EstimateSeconds(*item);
       queued_bytes_ += item->request_bytes();
-      inflight_bytes_ += item->memory_bytes();
+      item->hold_ = InflightHold(ledger_, item->memory_bytes());
       ++inflight_;
       queued_seconds_ += estimate;
       queue_.push_back({std::move(item), absl::Now(), estimate});
@@ -199,8 +202,6 @@ void Scheduler::Compute(Queued first, std::vector<Queued> batch, std::list<Runni
   std::vector<Queued> calls;
   calls.push_back(std::move(first));
   for (Queued& q : batch) calls.push_back(std::move(q));
-  int64_t held = 0;  // what these calls hold of the in-flight memory, released when they end
-  for (const Queued& q : calls) held += q.item->memory_bytes();
   // Calls whose clients gave up while they waited end here, uncomputed.
   std::vector<Queued> live;
   for (Queued& q : calls) {
@@ -234,9 +235,9 @@ void Scheduler::Compute(Queued first, std::vector<Queued> batch, std::list<Runni
       ObserveRate(live[0].item->plan().backend, flops, absl::ToDoubleSeconds(absl::Now() - start));
     }
   }
+  // The calls' holds go back as `calls` is destroyed, but for what their responses took along (TakeResponseHold).
   absl::MutexLock lock(&mu_);
   running_.erase(running);
-  inflight_bytes_ -= held;
   inflight_ -= static_cast<int>(calls.size());
 }
 

@@ -128,7 +128,9 @@ class Scheduler {
   };
   std::deque<Queued> queue_ ABSL_GUARDED_BY(mu_);
   int64_t queued_bytes_ ABSL_GUARDED_BY(mu_) = 0;
-  int64_t inflight_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  // Admitted calls' memory and their unsent responses' (InflightHold); read under mu_ at admission, added to there,
+  // given back from any thread.
+  const std::shared_ptr<InflightLedger> ledger_ = std::make_shared<InflightLedger>(0);
   int inflight_ ABSL_GUARDED_BY(mu_) = 0;       // queued + running
   double queued_seconds_ ABSL_GUARDED_BY(mu_) = 0;  // sum of the queued items' estimates
   std::list<Running> running_ ABSL_GUARDED_BY(mu_);  // the computations under way

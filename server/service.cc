@@ -275,7 +275,15 @@ class ComputeCall final : public WorkItem {
   };
 
   void Finish(absl::Status status, double compute_seconds) {
-    if (status.ok()) status = reply_.Encode(out_);
+    if (status.ok()) {
+      // The response's tensors keep their share of the in-flight memory until gRPC lets go of them, once sent (or
+      // once the call ends unsent): a client that never reads cannot make the server hold more than the limit.
+      auto hold = std::make_shared<const InflightHold>(TakeResponseHold());
+      for (TensorBytes* tensor : {&reply_.output, &reply_.attention_weights}) {
+        if (tensor->field != 0 && tensor->data.size() > 0) tensor->data = SliceKeeping(std::move(tensor->data), hold);
+      }
+      status = reply_.Encode(out_);
+    }
     service_->CallDone(id_, rpc_, plan_.shapes, plan_.backend->name(), status, received(), compute_seconds,
                        status.ok() ? plan_.flops : 0);
     reactor_->Finish(ToGrpcStatus(status));

@@ -11,6 +11,7 @@
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "server/backends/backend.h"
+#include "server/inflight_hold.h"
 #include "server/validate.h"
 
 namespace mha {
@@ -49,9 +50,15 @@ class WorkItem : public StopSignal {
   // Finishes the call with `status` (not OK) without computing: refused, cancelled before it started, or shutdown.
   virtual void Reject(const absl::Status& status) = 0;
 
+ protected:
+  // The response's share of the item's in-flight memory (plan().response_bytes, at most what it holds), for the
+  // response to keep until it has been sent; empty for an item the scheduler did not admit (run inline).
+  InflightHold TakeResponseHold() { return hold_.Split(plan().response_bytes); }
+
  private:
   friend class Scheduler;
 
+  InflightHold hold_;  // set by the scheduler at admission; the rest is given back when the item is destroyed
   const int64_t request_bytes_;
   const absl::Time received_;
   const absl::Time deadline_;

@@ -8,6 +8,7 @@ finding per test, bounded to loopback and seconds.
 - Connections up to the open-file limit: the excess are closed at accept, and the main port serves on.
 - Messages never finished: what gRPC buffers before any check is bounded by --grpc_memory_mb, calls per connection
   by --max_streams_per_connection.
+- Responses a client never reads stay counted against --max_inflight_mb until gRPC is done with them.
 """
 
 import select
@@ -269,3 +270,72 @@ def test_a_connection_opens_at_most_max_streams_per_connection_calls(tmp_path):
                     if isinstance(event, h2.events.RemoteSettingsChanged):
                         settings = event.changed_settings
             assert settings[h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS].new_value == 10
+
+
+def calls_never_read(port, path, messages):
+    """One HTTP/2 connection that sends a whole gRPC call per message and never lets the server send a byte of
+    data back (its SETTINGS_INITIAL_WINDOW_SIZE is 0): a client that never reads its responses. Each message must
+    fit the server's initial stream window (64 KiB). Returns the socket; closing it ends the calls."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding="utf-8"))
+    conn.local_settings = h2.settings.Settings(
+        client=True, initial_values={h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 0})
+    conn.initiate_connection()
+    for message in messages:
+        stream = conn.get_next_available_stream_id()
+        conn.send_headers(stream, [(":method", "POST"), (":scheme", "http"), (":authority", "127.0.0.1"),
+                                   (":path", path), ("content-type", "application/grpc"), ("te", "trailers"),
+                                   ("grpc-timeout", "60S")])
+        body = b"\x00" + len(message).to_bytes(4, "big") + message
+        for offset in range(0, len(body), 16384):
+            conn.send_data(stream, body[offset:offset + 16384], end_stream=offset + 16384 >= len(body))
+    sock.sendall(conn.data_to_send())
+    return sock
+
+
+def test_responses_never_read_stay_counted_against_the_inflight_memory(tmp_path, stubs_dir):
+    # Each call: 12 KiB of q, k, v in fp16 and a 264 KiB response (the [1, 1, 256, 256] weights): with its working
+    # memory, about 384 KiB of the 1 MiB allowance. Responses that cannot be sent keep their share, so only a few of
+    # 16 compute (2 here); with the share given back as compute ended, 8 of 16 did (and all 16 before the quota).
+    from mha.v1 import attention_pb2 as pb
+    rng = np.random.default_rng(0)
+    request = pb.ScaledDotProductAttentionRequest(return_attention_weights=True, output_dtype=pb.FP32)
+    request.heads.num_heads = 1
+    for name in ("q", "k", "v"):
+        tensor = getattr(request, name)
+        tensor.shape.extend([1, 256, 1, 8])
+        tensor.dtype = pb.FP16
+        tensor.data = rng.standard_normal((1, 256, 1, 8)).astype(np.float16).tobytes()
+    message = request.SerializeToString()
+    with run_server(tmp_path, "--max_inflight_mb", "1", "--inline_max_mflop", "0") as s:
+        sockets = [calls_never_read(s.port, "/mha.v1.Attention/ScaledDotProductAttention", [message] * 4)
+                   for _ in range(4)]
+        try:
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline:
+                log = open(s.log_path).read()
+                if log.count("rpc=ScaledDotProductAttention") >= 16:
+                    break
+                time.sleep(0.1)
+            computed = log.count("rpc=ScaledDotProductAttention") - log.count("status=RESOURCE_EXHAUSTED")
+            assert log.count("rpc=ScaledDotProductAttention") == 16, log[-3000:]
+            assert 1 <= computed <= 4, log[-3000:]
+            assert "calls and responses not yet sent" in log
+        finally:
+            for sock in sockets:
+                sock.close()
+        # Once the connections are gone, their responses' shares are given back: a call computes again.
+        deadline = time.monotonic() + 10
+        while "status=OK" not in call_sdpa_status(s.target, request) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert call_sdpa_status(s.target, request) == "status=OK"
+
+
+def call_sdpa_status(target, request):
+    from mha.v1 import attention_pb2_grpc as pbg
+    with grpc.insecure_channel(target) as channel:
+        try:
+            pbg.AttentionStub(channel).ScaledDotProductAttention(request, timeout=10)
+            return "status=OK"
+        except grpc.RpcError as error:
+            return "status=%s" % error.code().name

@@ -298,6 +298,18 @@ grpc::Slice BorrowedSlice(const void* data, size_t bytes) {
   return grpc::Slice(data, bytes, grpc::Slice::STATIC_SLICE);
 }
 
+grpc::Slice SliceKeeping(grpc::Slice slice, std::shared_ptr<const void> keep) {
+  struct Kept {
+    grpc::Slice slice;
+    std::shared_ptr<const void> keep;
+  };
+  auto* kept = new Kept{std::move(slice), std::move(keep)};
+  const grpc_slice raw = grpc_slice_new_with_user_data(
+      const_cast<uint8_t*>(kept->slice.begin()), kept->slice.size(),
+      [](void* user_data) { delete static_cast<Kept*>(user_data); }, kept);
+  return grpc::Slice(raw, grpc::Slice::STEAL_REF);
+}
+
 absl::Status EncodeWithTensors(absl::Span<const TensorBytes* const> tensors, const google::protobuf::MessageLite& rest,
                                grpc::ByteBuffer* out) {
   std::vector<grpc::Slice> slices;

@@ -13,6 +13,7 @@
 
 #include <cstddef>
 #include <functional>
+#include <memory>
 #include <utility>
 
 #include "absl/status/status.h"
@@ -39,6 +40,9 @@ grpc::Slice NewTensorSlice(size_t bytes, char** data);
 // A slice over `bytes` bytes at `data` that neither copies nor frees them: the caller keeps them alive and unchanged
 // until the call that sends them has finished.
 grpc::Slice BorrowedSlice(const void* data, size_t bytes);
+// The bytes of `slice`, in a slice that also keeps `keep` alive until gRPC (or whoever holds the last reference)
+// lets go of it: how a response's share of the in-flight memory lasts until the response has been sent.
+grpc::Slice SliceKeeping(grpc::Slice slice, std::shared_ptr<const void> keep);
 
 // `tensors` (those with field != 0, in the order given), then `rest`, which must not set those fields, into `out`.
 // INVALID_ARGUMENT if a header carries data or `rest` does not serialize.
