@@ -18,6 +18,7 @@
 #include "grpcpp/server_builder.h"
 #include "server/listen_address.h"
 #include "server/status_macros.h"
+#include "server/token_gate.h"
 #include "server/work_item.h"
 #include "spdlog/spdlog.h"
 
@@ -252,6 +253,10 @@ absl::StatusOr<std::unique_ptr<MhaServer>> MhaServer::Start(ServerOptions option
                                                         server->scheduler_.get(), server->metrics_.get(),
                                                         server->auth_.get(), server->sessions_.get());
 
+  if (server->tls_ != nullptr && server->auth_ != nullptr) {
+    // Calls without a valid token are refused on their metadata, before gRPC reads their messages.
+    server->tls_->credentials()->SetAuthMetadataProcessor(std::make_shared<TokenGate>(server->auth_.get()));
+  }
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;

@@ -1,8 +1,14 @@
 """The Python client against a server with mutual TLS and bearer tokens (certificates made here with openssl)."""
 
+import socket
+import ssl
 import subprocess
+import time
 
 import grpc
+import h2.config
+import h2.connection
+import h2.events
 import numpy as np
 import pytest
 
@@ -58,6 +64,8 @@ def test_no_token_is_unauthenticated(secure_server, pki):
         with pytest.raises(grpc.RpcError) as err:
             c.list_layers()
         assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert "bearer token" in err.value.details()
+        assert c.health() == "SERVING"  # health needs no token
         assert c.health() == "SERVING"  # health needs no token
 
 
@@ -73,3 +81,48 @@ def test_admin_token_reaches_layer_management(secure_server, pki):
         with pytest.raises(grpc.RpcError) as err:
             c.unload_layer("demo")
         assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION  # allowed in, refused for the built-in layer
+
+
+def unfinished_call_over_tls(server, pki, headers, mib):
+    """Opens one MultiHeadAttention call over mutual TLS with `headers` added, sends the first 64 KiB of a message
+    that says `mib` MiB and waits up to 5 s for the server's answer; its grpc-status, or None if none came."""
+    context = ssl.create_default_context(cafile=str(pki / "ca.pem"))
+    context.load_cert_chain(str(pki / "client.pem"), str(pki / "client.key"))
+    context.set_alpn_protocols(["h2"])
+    sock = context.wrap_socket(socket.create_connection(("127.0.0.1", server.port), timeout=5),
+                               server_hostname="localhost")
+    with sock:
+        conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding="utf-8"))
+        conn.initiate_connection()
+        conn.send_headers(1, [(":method", "POST"), (":scheme", "https"), (":authority", "localhost"),
+                              (":path", "/mha.v1.Attention/MultiHeadAttention"), ("content-type", "application/grpc"),
+                              ("te", "trailers"), *headers])
+        start = b"\x00" + (mib << 20).to_bytes(4, "big") + bytes(65530)
+        for offset in range(0, len(start), 16384):
+            conn.send_data(1, start[offset:offset + 16384])
+        sock.sendall(conn.data_to_send())
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            try:
+                received = sock.recv(1 << 16)
+            except socket.timeout:
+                return None
+            if not received:
+                return None
+            for event in conn.receive_data(received):
+                fields = dict(getattr(event, "headers", []) or [])
+                if "grpc-status" in fields:
+                    return int(fields["grpc-status"])
+                if isinstance(event, h2.events.StreamReset):
+                    return None
+            sock.sendall(conn.data_to_send())
+    return None
+
+
+def test_a_call_without_a_token_is_refused_before_its_message_arrives(secure_server, pki):
+    # TokenGate answers on the metadata: UNAUTHENTICATED (16) while 16 MiB of message are still to come. Without
+    # it the handler, and so the token check, waited for the whole message: no answer at all.
+    assert unfinished_call_over_tls(secure_server, pki, [], 16) == 16
+    assert unfinished_call_over_tls(secure_server, pki, [("authorization", "Bearer not-a-token-0123456789")], 16) == 16
+    # A valid token passes the gate: the server waits for the rest of the message.
+    assert unfinished_call_over_tls(secure_server, pki, [("authorization", "Bearer " + COMPUTE_TOKEN)], 16) is None
