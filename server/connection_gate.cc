@@ -9,13 +9,17 @@
 #include <atomic>
 #include <cerrno>
 
+#include "absl/time/clock.h"
 #include "server/listener_watch.h"
+#include "server/log_budget.h"
+#include "spdlog/spdlog.h"
 
 namespace mha {
 namespace {
 
 std::atomic<int> g_gate{0};
 std::atomic<int64_t> g_refused{0};
+LogBudget g_log_budget(1);  // a line a second at most, however many connections are refused
 
 using Accept4 = int (*)(int, sockaddr*, socklen_t*, int);
 
@@ -36,6 +40,17 @@ bool Transient(int error) {
   return error == EMFILE || error == ENFILE || error == ENOBUFS || error == ENOMEM || error == EPROTO ||
          error == EPERM || error == ENETDOWN || error == ENONET || error == EHOSTUNREACH || error == ENETUNREACH ||
          error == EHOSTDOWN || error == EOPNOTSUPP;
+}
+
+// Counts a refused connection and says so in the log, at most once a second.
+void Refused(int gate) {
+  const int64_t refused = g_refused.fetch_add(1, std::memory_order_relaxed) + 1;
+  int64_t left_out = 0;
+  if (g_log_budget.Take(absl::Now(), &left_out)) {
+    spdlog::warn("connections refused: {} since the start; {} file descriptors are in use, the most connections may "
+                 "take (the open-file limit less a reserve)",
+                 refused, gate);
+  }
 }
 
 // accept4 through the gate. A connection at or above it is closed; on a non-blocking listener (gRPC's) the loop
@@ -59,13 +74,13 @@ int GatedAccept(int fd, sockaddr* address, socklen_t* length, int flags) {
     if (connection < 0) {
       errno = error;
       if (!Transient(error)) return connection;
-      if (error == EMFILE || error == ENFILE) g_refused.fetch_add(1, std::memory_order_relaxed);
+      if (error == EMFILE || error == ENFILE) Refused(gate);
       errno = ECONNABORTED;  // what gRPC and civetweb retry; EMFILE and the like would end gRPC's listener
       return -1;
     }
     if (connection < gate) return connection;
     close(connection);
-    g_refused.fetch_add(1, std::memory_order_relaxed);
+    Refused(gate);
     if (!non_blocking) {
       errno = ECONNABORTED;
       return -1;
@@ -78,12 +93,10 @@ int GatedAccept(int fd, sockaddr* address, socklen_t* length, int flags) {
 int ConnectionGateFor(rlim_t open_file_limit) {
   if (open_file_limit == RLIM_INFINITY || open_file_limit > (1u << 30)) return 0;
   const int limit = static_cast<int>(open_file_limit);
-  return limit - std::max(64, limit / 16);
+  return std::max(limit - std::max(64, limit / 16), limit / 2);
 }
 
 void SetConnectionGate(int gate) { g_gate.store(std::max(gate, 0), std::memory_order_relaxed); }
-
-int64_t ConnectionsRefused() { return g_refused.load(std::memory_order_relaxed); }
 
 }  // namespace mha
 

@@ -13,19 +13,17 @@
 
 #include <sys/resource.h>
 
-#include <cstdint>
 
 namespace mha {
 
 // The gate for an open-file limit: the limit less a reserve kept for what is not a connection (layer files, TLS
-// reloads, the metrics and health ports' own work): max(64, limit / 16). 0 (no gate) for an unlimited limit.
+// reloads, the metrics and health ports' own work) of max(64, limit / 16), but at least half the limit. 0 (no gate)
+// for an unlimited limit.
 int ConnectionGateFor(rlim_t open_file_limit);
 
-// From now on connections get descriptors below `gate` only; 0 turns the gate off (the default). Thread-safe.
+// From now on connections get descriptors below `gate` only; 0 turns the gate off (the default). Refusals are
+// counted and logged, a line a second at most. Thread-safe.
 void SetConnectionGate(int gate);
-
-// Connections the gate closed, and accepts that failed for lack of descriptors, since the start. Thread-safe.
-int64_t ConnectionsRefused();
 
 }  // namespace mha
 

@@ -456,6 +456,8 @@ struct ShrinkCase {
   bool output;  // the output lies in the region (shrunk before the call), else the query (shrunk during compute)
 };
 
+void PrintTo(const ShrinkCase& c, std::ostream* os) { *os << c.label; }
+
 class SharedMemoryShrinkTest : public SharedMemoryServiceTest, public ::testing::WithParamInterface<ShrinkCase> {
  protected:
   static constexpr int64_t kItems = 4, kTokens = 1024, kModel = 512, kSdpaHeads = 8, kHeadDim = 64;
