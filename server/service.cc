@@ -280,7 +280,9 @@ class ComputeCall final : public WorkItem {
       // once the call ends unsent): a client that never reads cannot make the server hold more than the limit.
       auto hold = std::make_shared<const InflightHold>(TakeResponseHold());
       for (TensorBytes* tensor : {&reply_.output, &reply_.attention_weights}) {
-        if (tensor->field != 0 && tensor->data.size() > 0) tensor->data = SliceKeeping(std::move(tensor->data), hold);
+        if (hold->bytes() > 0 && tensor->field != 0 && tensor->data.size() > 0) {
+          tensor->data = SliceKeeping(std::move(tensor->data), hold);
+        }
       }
       status = reply_.Encode(out_);
     }

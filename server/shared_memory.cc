@@ -1,7 +1,6 @@
 #include "server/shared_memory.h"
 
 #include <fcntl.h>
-#include <omp.h>
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
