@@ -45,7 +45,8 @@ fail() { echo "scale-out: FAILED: $*"; for f in "$work"/*.log; do echo "--- $f";
 ports=()
 for i in $(seq "$replicas"); do
   # One compute thread each: three replicas share this machine's cores.
-  "$server" --listen 127.0.0.1:0 --port_file "$work/r$i.port" --threads 1 >"$work/r$i.log" 2>&1 &
+  # Every call logged (--log_max_calls_per_s 0): the checks count each replica's call lines.
+  "$server" --listen 127.0.0.1:0 --port_file "$work/r$i.port" --threads 1 --log_max_calls_per_s 0 >"$work/r$i.log" 2>&1 &
   server_pids+=($!)
 done
 for i in $(seq "$replicas"); do

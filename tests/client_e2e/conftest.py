@@ -60,7 +60,8 @@ def second_server(tmp_path):
     port_file = tmp_path / "port2"
     log_path = tmp_path / "server2.log"
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen([binary, "--listen", "127.0.0.1:0", "--port_file", str(port_file), "--threads", "1"],
+        proc = subprocess.Popen([binary, "--listen", "127.0.0.1:0", "--port_file", str(port_file), "--threads", "1",
+                                 "--log_max_calls_per_s", "0"],
                                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + _e2e.STARTUP_TIMEOUT_S

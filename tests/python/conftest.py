@@ -105,7 +105,9 @@ def run_server(work, *args, nofile=None):
 
 @pytest.fixture(scope="session")
 def server(tmp_path_factory):
-    with run_server(tmp_path_factory.mktemp("server"), "--max_shared_memory_regions", "4") as s:
+    # Every call logged (no --log_max_calls_per_s budget): tests count the call lines of this shared server.
+    with run_server(tmp_path_factory.mktemp("server"), "--max_shared_memory_regions", "4",
+                    "--log_max_calls_per_s", "0") as s:
         yield s
 
 
