@@ -144,8 +144,9 @@ absl::Status CheckOptions(ServerOptions* options) {
   return absl::OkStatus();
 }
 
-// The main port's channel arguments and options: message sizes, keepalive, connection age, no port sharing, no
-// reflection where tokens are required, no compressed requests unless accepted.
+// The main port's channel arguments and options: message sizes, keepalive, connection age, calls per connection,
+// gRPC's memory quota, no port sharing, no reflection where tokens are required, no compressed requests unless
+// accepted.
 void ConfigureMainPort(const ServerOptions& options, bool tokens_required, grpc::ServerBuilder* builder) {
   const int max_bytes = options.max_message_mb << 20;
   builder->SetMaxReceiveMessageSize(max_bytes);
