@@ -250,11 +250,11 @@ def check_stack(kustomization, resources, dockerfile):
     if "envoy" in containers:
         config_maps = {r["metadata"]["name"]: r for r in of_kind("ConfigMap")}
         check_proxy(name, containers["envoy"], config_maps, volumes, listen_port, resolve)
-    for flag in ("auth_tokens_file",):
-        if check(flag in flags, f"Deployment {name}: set --{flag} (docs/SECURITY.md)"):
-            mount = max((m for m in mounts if flags[flag].startswith(m + "/")), key=len, default=None)
-            check(mount is not None and "secret" in volumes.get(mounts[mount], {}),
-                  f"Deployment {name}: --{flag} {flags[flag]} is not in a Secret volume")
+    if check("auth_tokens_file" in flags, f"Deployment {name}: set --auth_tokens_file (docs/SECURITY.md)"):
+        tokens = flags["auth_tokens_file"]
+        mount = max((m for m in mounts if tokens.startswith(m + "/")), key=len, default=None)
+        check(mount is not None and "secret" in volumes.get(mounts[mount], {}),
+              f"Deployment {name}: --auth_tokens_file {tokens} is not in a Secret volume")
     if check("health_listen" in flags, f"Deployment {name}: set --health_listen for the kubelet's probes"):
         health_port = int(flags["health_listen"].rsplit(":", 1)[1])
         for probe in ("readinessProbe", "livenessProbe"):

@@ -38,6 +38,14 @@ std::unique_ptr<SharedMemoryObject> NewObject(size_t bytes) {
   return object.ok() ? *std::move(object) : nullptr;
 }
 
+// Shrinks `object` to `bytes` as its client could, behind the server's mapping.
+void Truncate(const SharedMemoryObject& object, off_t bytes) {
+  const int fd = shm_open(object.key().c_str(), O_RDWR, 0);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(ftruncate(fd, bytes), 0);
+  close(fd);
+}
+
 // ---- The registry ----
 
 TEST(SharedMemoryRegistryTest, IsOffWithoutRegions) {
@@ -170,10 +178,7 @@ TEST(SharedMemoryRegistryTest, AnObjectThatShrinksIsCaughtNotFatal) {
   std::memset(object->data(), 7, 4 * 4096);
   ASSERT_TRUE(registry.Register("r", object->key(), 4 * 4096).ok());
   std::shared_ptr<const SharedMemoryRegion> region = *registry.Find("r", "field");
-  const int fd = shm_open(object->key().c_str(), O_RDWR, 0);
-  ASSERT_GE(fd, 0);
-  ASSERT_EQ(ftruncate(fd, 4096), 0);
-  close(fd);
+  Truncate(*object, 4096);
 
   volatile char* bytes = region->data();
   EXPECT_EQ(bytes[100], 7);       // still backed
@@ -430,10 +435,7 @@ TEST_F(SharedMemoryServiceTest, AnUnregisteredRegionTakesNoMoreCalls) {
 TEST_F(SharedMemoryServiceTest, AShrunkRegionFailsItsCallsAndTheServerServesOn) {
   v1::MultiHeadAttentionRequest request = ValidRequest();
   Share(request.mutable_query(), 512 * 1024);
-  const int fd = shm_open(object_->key().c_str(), O_RDWR, 0);
-  ASSERT_GE(fd, 0);
-  ASSERT_EQ(ftruncate(fd, 4096), 0);
-  close(fd);
+  Truncate(*object_, 4096);
   v1::MultiHeadAttentionResponse response;
   const grpc::Status status = Call(request, &response);
   EXPECT_EQ(status.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << status.error_message();
@@ -461,13 +463,6 @@ void PrintTo(const ShrinkCase& c, std::ostream* os) { *os << c.label; }
 class SharedMemoryShrinkTest : public SharedMemoryServiceTest, public ::testing::WithParamInterface<ShrinkCase> {
  protected:
   static constexpr int64_t kItems = 4, kTokens = 1024, kModel = 512, kSdpaHeads = 8, kHeadDim = 64;
-
-  void Truncate(const SharedMemoryObject& object) {
-    const int fd = shm_open(object.key().c_str(), O_RDWR, 0);
-    ASSERT_GE(fd, 0);
-    ASSERT_EQ(ftruncate(fd, 0), 0);
-    close(fd);
-  }
 
   // A call large enough that the backend computes for tens of milliseconds, with its query or output at offset 0 of
   // region `name`.
@@ -507,12 +502,12 @@ class SharedMemoryShrinkTest : public SharedMemoryServiceTest, public ::testing:
       };
     }
     if (GetParam().output) {
-      Truncate(*object);
+      Truncate(*object, 0);
       return call();
     }
     std::future<grpc::Status> status = std::async(std::launch::async, call);
     EXPECT_TRUE(server_->scheduler().AwaitRunning(absl::Seconds(30)));
-    Truncate(*object);
+    Truncate(*object, 0);
     return status.get();
   }
 };
