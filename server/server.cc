@@ -253,6 +253,9 @@ absl::StatusOr<std::unique_ptr<MhaServer>> MhaServer::Start(ServerOptions option
   server->service_ = std::make_unique<AttentionService>(options, server->layers_.get(), server->backends_.get(),
                                                         server->scheduler_.get(), server->metrics_.get(),
                                                         server->auth_.get(), server->sessions_.get());
+  server->kserve_ = std::make_unique<KServeService>(
+      server->service_.get(), [s = server.get()] { return s->live_.load(); },
+      [s = server.get()] { return s->ready_.load(); });
 
   if (server->tls_ != nullptr && server->auth_ != nullptr) {
     // Calls without a valid token are refused on their metadata, before gRPC reads their messages.
@@ -268,6 +271,7 @@ absl::StatusOr<std::unique_ptr<MhaServer>> MhaServer::Start(ServerOptions option
                              &server->port_);
   }
   builder.RegisterService(server->service_.get());
+  builder.RegisterService(server->kserve_.get());
   server->server_ = builder.BuildAndStart();
   if (server->server_ == nullptr || (!options.listen.empty() && server->port_ == 0)) {
     // CheckCanBind above passed: another process took the port since, or gRPC refused the address (it logs why).
@@ -341,6 +345,8 @@ absl::Status MhaServer::StartHealthServer(const std::string& address) {
 }
 
 void MhaServer::SetServing(const std::string& service, bool serving) {
+  if (service.empty()) live_ = serving;
+  if (service == v1::Attention::service_full_name()) ready_ = serving;
   for (grpc::Server* server : {server_.get(), health_server_.get()}) {
     if (server == nullptr) continue;
     if (grpc::HealthCheckServiceInterface* health = server->GetHealthCheckService(); health != nullptr) {
@@ -447,6 +453,8 @@ void MhaServer::Shutdown(absl::Duration grace) {
   }
   // Load balancers see NOT_SERVING at once; gRPC refuses new calls (UNAVAILABLE) and waits for in-flight ones until
   // the grace deadline, when it cancels them and the scheduler stops what still computes or waits.
+  live_ = false;
+  ready_ = false;
   for (grpc::Server* server : {server_.get(), health_server_.get()}) {
     if (server == nullptr) continue;
     if (grpc::HealthCheckServiceInterface* health = server->GetHealthCheckService(); health != nullptr) {

@@ -3,6 +3,7 @@
 #ifndef MHA_SERVER_SERVER_H_
 #define MHA_SERVER_SERVER_H_
 
+#include <atomic>
 #include <memory>
 #include <thread>
 
@@ -16,6 +17,7 @@
 #include "server/metrics.h"
 #include "server/scheduler.h"
 #include "server/server_options.h"
+#include "server/kserve/kserve_service.h"
 #include "server/service.h"
 #include "server/sessions/session_store.h"
 #include "server/tls.h"
@@ -70,6 +72,7 @@ class MhaServer {
   std::unique_ptr<ServerMetrics> metrics_;
   std::unique_ptr<SessionStore> sessions_;  // after metrics_, which it feeds; before service_, which uses it
   std::unique_ptr<AttentionService> service_;
+  std::unique_ptr<KServeService> kserve_;  // the second front door, on the same port
   std::unique_ptr<grpc::Server> server_;
   // Answers UNIMPLEMENTED for every method on the health-only port (which needs a polled service beside health).
   std::unique_ptr<grpc::CallbackGenericService> unimplemented_;
@@ -77,6 +80,8 @@ class MhaServer {
   int port_ = 0;
   int health_port_ = 0;
   bool shut_down_ = false;
+  // What SetServing last set for "" and mha.v1.Attention, for KServe's ServerLive and ServerReady.
+  std::atomic<bool> live_{false}, ready_{false};
   ListenerWatch listeners_;  // the watchdog's alone
   absl::Notification stop_watch_;
   std::thread watchdog_;

@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "proto/inference/grpc_service.pb.h"
 #include "server/execute.h"
 #include "server/request_reader.h"
 #include "server/status_macros.h"
@@ -21,10 +22,6 @@
 #endif
 
 namespace mha {
-namespace {
-
-
-}  // namespace
 
 std::string LogSafe(absl::string_view text, size_t max) {
   if (text.size() <= max) return absl::CHexEscape(text);
@@ -181,7 +178,8 @@ absl::Status AttentionService::Admit(const char* rpc, Role role, const grpc::Cal
   if (!parsed) {
     return absl::InvalidArgumentError(absl::StrCat("the request (", size, " bytes) does not parse as ",
                                                    Request::descriptor()->full_name(),
-                                                   "; is the client's proto mha.v1's?"));
+                                                   "; is the client's proto ",
+                                                   Request::descriptor()->file()->package(), "'s?"));
   }
   return absl::OkStatus();
 }
@@ -198,8 +196,8 @@ class ComputeCall final : public WorkItem {
 
   ComputeCall(AttentionService* service, std::string id, const char* rpc, grpc::CallbackServerContext* context,
               grpc::ServerUnaryReactor* reactor, std::unique_ptr<Request> request, grpc::ByteBuffer* out,
-              Plan plan, Execute execute, ExecuteBatch execute_batch, int64_t request_bytes, absl::Time received,
-              absl::Time deadline)
+              Plan plan, Execute execute, ExecuteBatch execute_batch, ComputeAnswer<Response> answer,
+              int64_t request_bytes, absl::Time received, absl::Time deadline)
       : WorkItem(request_bytes, received, deadline),
         service_(service),
         id_(std::move(id)),
@@ -210,7 +208,8 @@ class ComputeCall final : public WorkItem {
         out_(out),
         plan_(std::move(plan)),
         execute_(execute),
-        execute_batch_(execute_batch) {}
+        execute_batch_(execute_batch),
+        answer_(std::move(answer)) {}
 
   const AttentionPlan& plan() const override { return plan_; }
   bool IsCancelled() const override { return context_->IsCancelled(); }
@@ -284,8 +283,8 @@ class ComputeCall final : public WorkItem {
           tensor->data = SliceKeeping(std::move(tensor->data), hold);
         }
       }
-      status = reply_.Encode(out_);
     }
+    status = answer_(std::move(status), &reply_, out_);
     service_->CallDone(id_, rpc_, plan_.shapes, plan_.backend->name(), status, received(), compute_seconds,
                        status.ok() ? plan_.flops : 0);
     reactor_->Finish(ToGrpcStatus(status));
@@ -302,6 +301,7 @@ class ComputeCall final : public WorkItem {
   const Plan plan_;
   const Execute execute_;
   const ExecuteBatch execute_batch_;  // null when calls of this rpc are never batched
+  const ComputeAnswer<Response> answer_;
 };
 
 template <typename Request, typename Response, typename Plan>
@@ -311,24 +311,49 @@ grpc::ServerUnaryReactor* AttentionService::Compute(
     absl::Status (*execute)(const Plan&, const StopSignal*, Reply<Response>*),
     absl::Status (*execute_batch)(absl::Span<const Plan* const>, const StopSignal*,
                                   absl::Span<Reply<Response>* const>)) {
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  const absl::Time received = absl::Now();
-  const std::string id = Identify(context);
-  const int64_t request_bytes = static_cast<int64_t>(bytes->Length());
+  CallStart start = Begin(context, bytes);
   auto request = std::make_unique<Request>();
   std::vector<FiniteScan> scans;
-  absl::Status status = Admit(rpc, Role::kCompute, *context, bytes, request.get(), &scans);
+  const absl::Status admitted = Admit(rpc, Role::kCompute, *context, bytes, request.get(), &scans);
+  ComputeAnswer<Response> answer = [](absl::Status status, Reply<Response>* reply, grpc::ByteBuffer* out) {
+    return status.ok() ? reply->Encode(out) : status;
+  };
+  return Submit(rpc, context, std::move(start), admitted, std::move(request), std::move(scans), out, validate,
+                execute, execute_batch, std::move(answer));
+}
+
+AttentionService::CallStart AttentionService::Begin(grpc::CallbackServerContext* context,
+                                                    const grpc::ByteBuffer* bytes) {
+  CallStart start;
+  start.received = absl::Now();
+  start.id = Identify(context);
+  start.request_bytes = static_cast<int64_t>(bytes->Length());
+  return start;
+}
+
+template <typename Request, typename Response, typename Plan>
+grpc::ServerUnaryReactor* AttentionService::Submit(
+    const char* rpc, grpc::CallbackServerContext* context, CallStart start, const absl::Status& admitted,
+    std::unique_ptr<Request> request, std::vector<FiniteScan> scans, grpc::ByteBuffer* out,
+    absl::StatusOr<Plan> (*validate)(const Request&, const ValidationContext&),
+    absl::Status (*execute)(const Plan&, const StopSignal*, Reply<Response>*),
+    absl::Status (*execute_batch)(absl::Span<const Plan* const>, const StopSignal*,
+                                  absl::Span<Reply<Response>* const>),
+    ComputeAnswer<Response> answer) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   ValidationContext validation = validation_;
   validation.finite_scans = scans;
-  absl::StatusOr<Plan> plan = status.ok() ? validate(*request, validation) : absl::StatusOr<Plan>(status);
+  absl::StatusOr<Plan> plan = admitted.ok() ? validate(*request, validation) : absl::StatusOr<Plan>(admitted);
   if (!plan.ok()) {
-    CallDone(id, rpc, "-", "", plan.status(), received);
-    reactor->Finish(ToGrpcStatus(plan.status()));
+    Reply<Response> none;
+    const absl::Status status = answer(plan.status(), &none, out);
+    CallDone(start.id, rpc, "-", "", status, start.received);
+    reactor->Finish(ToGrpcStatus(status));
     return reactor;
   }
   scheduler_->Submit(std::make_unique<ComputeCall<Request, Response, Plan>>(
-      this, std::move(id), rpc, context, reactor, std::move(request), out, *std::move(plan), execute, execute_batch,
-      request_bytes, received, DeadlineOf(*context, received)));
+      this, std::move(start.id), rpc, context, reactor, std::move(request), out, *std::move(plan), execute,
+      execute_batch, std::move(answer), start.request_bytes, start.received, DeadlineOf(*context, start.received)));
   return reactor;
 }
 
@@ -338,43 +363,47 @@ absl::Time AttentionService::DeadlineOf(const grpc::CallbackServerContext& conte
   return deadline - received > absl::Hours(24 * 365) ? received + default_deadline_ : deadline;
 }
 
-// The session RPCs' requests (session_service.cc admits them through this file's template).
-template absl::Status AttentionService::Admit(const char*, Role, const grpc::CallbackServerContext&,
-                                              const grpc::ByteBuffer*, v1::CreateSessionRequest*,
-                                              std::vector<FiniteScan>*, SessionCaller*) const;
-template absl::Status AttentionService::Admit(const char*, Role, const grpc::CallbackServerContext&,
-                                              const grpc::ByteBuffer*, v1::ExtendRequest*, std::vector<FiniteScan>*,
-                                              SessionCaller*) const;
-template absl::Status AttentionService::Admit(const char*, Role, const grpc::CallbackServerContext&,
-                                              const grpc::ByteBuffer*, v1::ForkSessionRequest*,
-                                              std::vector<FiniteScan>*, SessionCaller*) const;
-template absl::Status AttentionService::Admit(const char*, Role, const grpc::CallbackServerContext&,
-                                              const grpc::ByteBuffer*, v1::TruncateSessionRequest*,
-                                              std::vector<FiniteScan>*, SessionCaller*) const;
-template absl::Status AttentionService::Admit(const char*, Role, const grpc::CallbackServerContext&,
-                                              const grpc::ByteBuffer*, v1::CloseSessionRequest*,
-                                              std::vector<FiniteScan>*, SessionCaller*) const;
-template absl::Status AttentionService::Admit(const char*, Role, const grpc::CallbackServerContext&,
-                                              const grpc::ByteBuffer*, v1::ListSessionsRequest*,
-                                              std::vector<FiniteScan>*, SessionCaller*) const;
+// The requests other files admit through this file's template: the session RPCs' (session_service.cc) and the KServe
+// front door's (server/kserve).
+#define MHA_INSTANTIATE_ADMIT(Request)                                                                          \
+  template absl::Status AttentionService::Admit(const char*, Role, const grpc::CallbackServerContext&,         \
+                                                const grpc::ByteBuffer*, Request*, std::vector<FiniteScan>*,   \
+                                                SessionCaller*) const;
+MHA_INSTANTIATE_ADMIT(v1::CreateSessionRequest)
+MHA_INSTANTIATE_ADMIT(v1::ExtendRequest)
+MHA_INSTANTIATE_ADMIT(v1::ForkSessionRequest)
+MHA_INSTANTIATE_ADMIT(v1::TruncateSessionRequest)
+MHA_INSTANTIATE_ADMIT(v1::CloseSessionRequest)
+MHA_INSTANTIATE_ADMIT(v1::ListSessionsRequest)
+MHA_INSTANTIATE_ADMIT(inference::ServerLiveRequest)
+MHA_INSTANTIATE_ADMIT(inference::ServerReadyRequest)
+MHA_INSTANTIATE_ADMIT(inference::ModelReadyRequest)
+MHA_INSTANTIATE_ADMIT(inference::ServerMetadataRequest)
+MHA_INSTANTIATE_ADMIT(inference::ModelMetadataRequest)
+MHA_INSTANTIATE_ADMIT(inference::ModelConfigRequest)
+MHA_INSTANTIATE_ADMIT(inference::ModelInferRequest)
+MHA_INSTANTIATE_ADMIT(inference::ModelStatisticsRequest)
+MHA_INSTANTIATE_ADMIT(inference::RepositoryIndexRequest)
+MHA_INSTANTIATE_ADMIT(inference::SystemSharedMemoryStatusRequest)
+MHA_INSTANTIATE_ADMIT(inference::SystemSharedMemoryRegisterRequest)
+MHA_INSTANTIATE_ADMIT(inference::SystemSharedMemoryUnregisterRequest)
+#undef MHA_INSTANTIATE_ADMIT
 
-template <typename Request, typename Response, typename Handle>
-grpc::ServerUnaryReactor* AttentionService::Answer(const char* rpc, Role role, grpc::CallbackServerContext* context,
-                                                   const grpc::ByteBuffer* bytes, grpc::ByteBuffer* out,
-                                                   Handle handle) {
-  const absl::Time start = absl::Now();
-  const std::string id = Identify(context);
-  Request request;
-  Response response;
-  std::string detail = "-";
-  absl::Status status = Admit(rpc, role, *context, bytes, &request, nullptr);
-  if (status.ok()) status = handle(request, &response, &detail);
-  if (status.ok()) status = Serialize(response, out);
-  CallDone(id, rpc, detail, "", status, start);
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  reactor->Finish(ToGrpcStatus(status));
-  return reactor;
-}
+// The compute calls the KServe front door submits.
+template grpc::ServerUnaryReactor* AttentionService::Submit(
+    const char*, grpc::CallbackServerContext*, CallStart, const absl::Status&,
+    std::unique_ptr<v1::MultiHeadAttentionRequest>, std::vector<FiniteScan>, grpc::ByteBuffer*,
+    absl::StatusOr<MhaPlan> (*)(const v1::MultiHeadAttentionRequest&, const ValidationContext&),
+    absl::Status (*)(const MhaPlan&, const StopSignal*, MhaReply*),
+    absl::Status (*)(absl::Span<const MhaPlan* const>, const StopSignal*, absl::Span<MhaReply* const>),
+    ComputeAnswer<v1::MultiHeadAttentionResponse>);
+template grpc::ServerUnaryReactor* AttentionService::Submit(
+    const char*, grpc::CallbackServerContext*, CallStart, const absl::Status&,
+    std::unique_ptr<v1::ScaledDotProductAttentionRequest>, std::vector<FiniteScan>, grpc::ByteBuffer*,
+    absl::StatusOr<SdpaPlan> (*)(const v1::ScaledDotProductAttentionRequest&, const ValidationContext&),
+    absl::Status (*)(const SdpaPlan&, const StopSignal*, SdpaReply*),
+    absl::Status (*)(absl::Span<const SdpaPlan* const>, const StopSignal*, absl::Span<SdpaReply* const>),
+    ComputeAnswer<v1::ScaledDotProductAttentionResponse>);
 
 grpc::ServerUnaryReactor* AttentionService::MultiHeadAttention(grpc::CallbackServerContext* context,
                                                                const grpc::ByteBuffer* request,

@@ -6,6 +6,7 @@
 #define MHA_SERVER_SERVICE_H_
 
 #include <atomic>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -58,6 +59,12 @@ absl::Status Serialize(const Response& response, grpc::ByteBuffer* out) {
   if (status.ok()) return absl::OkStatus();
   return absl::InternalError(absl::StrCat("cannot serialize the response: ", status.error_message()));
 }
+
+// How a front door answers a finished compute call: given the status the call reached and its reply (empty when
+// the call never computed), writes the response into `out` when the status is OK and returns the status the call
+// ends with. The native RPCs encode the reply as is; server/kserve translates it.
+template <typename Response>
+using ComputeAnswer = std::function<absl::Status(absl::Status status, Reply<Response>* reply, grpc::ByteBuffer* out)>;
 
 class AttentionService final : public RawAttentionService {
  public:
@@ -114,6 +121,16 @@ class AttentionService final : public RawAttentionService {
   friend class SequencedCall;
   friend class ExtendCall;
   friend class ExtendWork;
+  // The KServe v2 front door (server/kserve): the same admission, validation, scheduling, logs and metrics.
+  friend class KServeService;
+
+  // What a call knows when it arrives.
+  struct CallStart {
+    std::string id;  // from Identify
+    absl::Time received;
+    int64_t request_bytes = 0;  // on the wire
+  };
+  CallStart Begin(grpc::CallbackServerContext* context, const grpc::ByteBuffer* bytes);
 
   // The call's identity for logs: "rid=<id>", plus " trace=<trace id>" when the client sent a W3C traceparent. The
   // request id is the client's x-request-id metadata when it is 1..128 characters of [A-Za-z0-9._:/-], else a new
@@ -144,6 +161,17 @@ class AttentionService final : public RawAttentionService {
                                     absl::Status (*execute)(const Plan&, const StopSignal*, Reply<Response>*),
                                     absl::Status (*execute_batch)(absl::Span<const Plan* const>, const StopSignal*,
                                                                   absl::Span<Reply<Response>* const>));
+  // Compute's second half, for a request already admitted with status `admitted` (its error ends the call at once,
+  // through `answer`): validates, then hands the call to the scheduler; `answer` writes its response.
+  template <typename Request, typename Response, typename Plan>
+  grpc::ServerUnaryReactor* Submit(const char* rpc, grpc::CallbackServerContext* context, CallStart start,
+                                   const absl::Status& admitted, std::unique_ptr<Request> request,
+                                   std::vector<FiniteScan> scans, grpc::ByteBuffer* out,
+                                   absl::StatusOr<Plan> (*validate)(const Request&, const ValidationContext&),
+                                   absl::Status (*execute)(const Plan&, const StopSignal*, Reply<Response>*),
+                                   absl::Status (*execute_batch)(absl::Span<const Plan* const>, const StopSignal*,
+                                                                 absl::Span<Reply<Response>* const>),
+                                   ComputeAnswer<Response> answer);
 
   // Admits, then answers at once with what `handle` returns (its log detail in `detail`): the RPCs that do not
   // compute.
@@ -165,6 +193,24 @@ class AttentionService final : public RawAttentionService {
   std::atomic<uint64_t> next_request_id_{1};
   LogBudget log_budget_;  // call lines per second (--log_max_calls_per_s)
 };
+
+template <typename Request, typename Response, typename Handle>
+grpc::ServerUnaryReactor* AttentionService::Answer(const char* rpc, Role role, grpc::CallbackServerContext* context,
+                                                   const grpc::ByteBuffer* bytes, grpc::ByteBuffer* out,
+                                                   Handle handle) {
+  const absl::Time start = absl::Now();
+  const std::string id = Identify(context);
+  Request request;
+  Response response;
+  std::string detail = "-";
+  absl::Status status = Admit(rpc, role, *context, bytes, &request, nullptr);
+  if (status.ok()) status = handle(request, &response, &detail);
+  if (status.ok()) status = Serialize(response, out);
+  CallDone(id, rpc, detail, "", status, start);
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(ToGrpcStatus(status));
+  return reactor;
+}
 
 }  // namespace mha
 
