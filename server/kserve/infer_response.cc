@@ -32,34 +32,36 @@ absl::Status EncodeInferResponse(const std::string& model, const std::string& id
     params["queue_us"].set_int64_param(computed.timing->queue_us());
     params["compute_us"].set_int64_param(computed.timing->compute_us());
   }
-  std::vector<const TensorBytes*> tensors;
+  // Each output's bytes; null for one written to shared memory, which keeps its place with an empty entry, so
+  // that entries and outputs pair up.
+  std::vector<const grpc::Slice*> contents;
   for (KServeOutput output : outputs) {
-    const TensorBytes* tensor =
-        output == KServeOutput::kOutput ? computed.output : computed.attention_weights;
-    if (tensor == nullptr || tensor->field == 0) {
+    const TensorBytes* tensor = output == KServeOutput::kOutput ? computed.output : computed.attention_weights;
+    const bool shared = output == KServeOutput::kOutput && computed.output_in_shared_memory != nullptr;
+    if (!shared && (tensor == nullptr || tensor->field == 0)) {
       return absl::InternalError(absl::StrCat("output '", OutputName(output), "' was not computed"));
     }
+    const v1::Tensor& from = shared ? *computed.output_in_shared_memory : tensor->header;
     inference::ModelInferResponse::InferOutputTensor* header = head.add_outputs();
     header->set_name(OutputName(output));
-    header->set_datatype(DatatypeName(tensor->header.dtype()));
-    header->mutable_shape()->Assign(tensor->header.shape().begin(), tensor->header.shape().end());
-    if (tensor->header.has_shared_memory()) {
-      (*header->mutable_parameters())["shared_memory_region"].set_string_param(
-          tensor->header.shared_memory().region());
+    header->set_datatype(DatatypeName(from.dtype()));
+    header->mutable_shape()->Assign(from.shape().begin(), from.shape().end());
+    if (shared) {
+      (*header->mutable_parameters())["shared_memory_region"].set_string_param(from.shared_memory().region());
     }
-    tensors.push_back(tensor);
+    contents.push_back(shared ? nullptr : &tensor->data);
   }
   std::string head_bytes;
   if (!head.SerializeToString(&head_bytes)) return absl::InternalError("the response does not serialize");
   std::vector<grpc::Slice> slices;
   slices.emplace_back(head_bytes);
-  for (const TensorBytes* tensor : tensors) {
-    // An output in shared memory keeps its place with an empty entry, so that entries and outputs pair up.
+  for (const grpc::Slice* data : contents) {
+    const size_t bytes = data == nullptr ? 0 : data->size();
     std::string prefix;
     prefix.push_back(static_cast<char>(kRawOutputContentsField << 3 | 2));
-    AppendVarint(tensor->data.size(), &prefix);
+    AppendVarint(bytes, &prefix);
     slices.emplace_back(prefix);
-    if (tensor->data.size() > 0) slices.push_back(tensor->data);
+    if (bytes > 0) slices.push_back(*data);
   }
   grpc::ByteBuffer encoded(slices.data(), slices.size());
   out->Swap(&encoded);

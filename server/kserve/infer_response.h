@@ -15,7 +15,8 @@ namespace mha {
 
 // What a call computed, as the native reply holds it.
 struct ComputedOutputs {
-  const TensorBytes* output = nullptr;             // its header's shape and dtype; data empty in shared memory
+  const TensorBytes* output = nullptr;             // field 0 when it went to shared memory: then
+  const v1::Tensor* output_in_shared_memory = nullptr;  // its shape, dtype and region (else null)
   const TensorBytes* attention_weights = nullptr;  // field 0 unless requested
   std::string backend;                             // which backend ran
   const v1::Timing* timing = nullptr;

@@ -205,7 +205,8 @@ ComputeAnswer<Response> KServeService::Answer(std::string model, std::string id,
     const v1::Timing& timing = reply->message.timing();
     if (status.ok()) {
       status = EncodeInferResponse(model, id, outputs,
-                                   {&reply->output, &reply->attention_weights, reply->message.backend(), &timing},
+                                   {&reply->output, reply->message.has_output() ? &reply->message.output() : nullptr,
+                                    &reply->attention_weights, reply->message.backend(), &timing},
                                    out);
     }
     ModelStats::Call call;
@@ -214,7 +215,8 @@ ComputeAnswer<Response> KServeService::Answer(std::string model, std::string id,
     call.total = call.finished - received;
     call.queue = absl::Microseconds(timing.queue_us());
     call.compute = absl::Microseconds(timing.compute_us());
-    call.batch_items = reply->output.header.shape_size() > 0 ? reply->output.header.shape(0) : 0;
+    const v1::Tensor& output = reply->message.has_output() ? reply->message.output() : reply->output.header;
+    call.batch_items = output.shape_size() > 0 ? output.shape(0) : 0;
     stats_.Record(model, call);
     return status;
   };
