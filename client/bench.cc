@@ -15,14 +15,11 @@
 #include "absl/synchronization/notification.h"
 #include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/impl/codegen/proto_utils.h"
-#include "proto/mha/v1/tensor_wire.h"
 
 namespace mha {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-constexpr char kMethod[] = "/mha.v1.Attention/MultiHeadAttention";
 
 double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
 
@@ -64,7 +61,6 @@ struct Call {
   grpc::ClientContext context;
   grpc::ByteBuffer request;
   grpc::ByteBuffer response;
-  std::vector<char> output, weights;  // the response's tensors, in buffers the runner lends
   Clock::time_point intended;
   Clock::time_point started;
   Clock::time_point sent;
@@ -73,26 +69,9 @@ struct Call {
 class LoadRunner {
  public:
   LoadRunner(const LoadOptions& options, absl::Span<const std::shared_ptr<grpc::Channel>> channels,
-             const v1::MultiHeadAttentionRequest& request)
-      : options_(options), request_(request), rest_(request), state_(std::make_shared<LoadState>()) {
+             std::unique_ptr<BenchWire> wire)
+      : options_(options), wire_(std::move(wire)), state_(std::make_shared<LoadState>()) {
     for (const auto& channel : channels) stubs_.push_back(std::make_unique<grpc::GenericStub>(channel));
-    // Every call sends the request's tensors from where they lie, as AttentionClient does with a caller's arrays
-    // (a tensor in shared memory stays in the rest: only its reference travels).
-    using Clear = void (v1::MultiHeadAttentionRequest::*)();
-    const auto borrow = [this](int field, bool present, const v1::Tensor& tensor, Clear clear) {
-      if (!present || tensor.has_shared_memory()) return;
-      TensorBytes& bytes = tensors_[tensor_count_++];
-      bytes.field = field;
-      bytes.header.set_dtype(tensor.dtype());
-      *bytes.header.mutable_shape() = tensor.shape();
-      bytes.data = BorrowedSlice(tensor.data().data(), tensor.data().size());
-      (rest_.*clear)();
-    };
-    borrow(1, request.has_query(), request.query(), &v1::MultiHeadAttentionRequest::clear_query);
-    borrow(2, request.has_key(), request.key(), &v1::MultiHeadAttentionRequest::clear_key);
-    borrow(3, request.has_value(), request.value(), &v1::MultiHeadAttentionRequest::clear_value);
-    borrow(8, request.has_attn_mask(), request.attn_mask(), &v1::MultiHeadAttentionRequest::clear_attn_mask);
-    for (int i = 0; i < tensor_count_; ++i) tensor_list_[i] = &tensors_[i];
   }
 
   ~LoadRunner() {
@@ -204,8 +183,7 @@ class LoadRunner {
     }
     call->intended = intended;
     call->started = Clock::now();
-    const absl::Status serialized =
-        EncodeWithTensors(absl::MakeConstSpan(tensor_list_, tensor_count_), rest_, &call->request);
+    const absl::Status serialized = wire_->Encode(&call->request);
     call->sent = Clock::now();
     if (!serialized.ok()) {
       Finish(*call, grpc::Status(grpc::StatusCode::INTERNAL, std::string(serialized.message())), Clock::now(),
@@ -214,7 +192,7 @@ class LoadRunner {
       return;
     }
     call->context.set_deadline(std::chrono::system_clock::now() + absl::ToChronoNanoseconds(options_.timeout));
-    stub->UnaryCall(&call->context, kMethod, grpc::StubOptions(), &call->request, &call->response,
+    stub->UnaryCall(&call->context, wire_->method(), grpc::StubOptions(), &call->request, &call->response,
                     [this, call, record, done = std::move(done)](grpc::Status status) {
                       Finish(*call, status, Clock::now(), record);
                       if (done) done();
@@ -226,24 +204,14 @@ class LoadRunner {
     CallSample sample;
     sample.code = status.error_code();
     if (status.ok()) {
-      v1::MultiHeadAttentionResponse response;
-      const int tensor_fields[] = {1, 2};
-      CopyingSink sink([this, &call](int field, size_t bytes) {
-        std::vector<char>& to = field == 1 ? call.output : call.weights;
-        if (to.empty()) to = Lend();
-        if (to.size() < bytes) to.resize(bytes);
-        return to.data();
-      });
-      const absl::Status decoded = DecodeWithTensors(call.response, tensor_fields, &sink, &response);
-      GiveBack(std::move(call.output));
-      GiveBack(std::move(call.weights));
-      if (decoded.ok()) {
-        sample.server_queue = static_cast<double>(response.timing().queue_us()) * 1e-6;
-        sample.server_compute = static_cast<double>(response.timing().compute_us()) * 1e-6;
-        sample.server_handler = static_cast<double>(response.timing().handler_us()) * 1e-6;
+      const absl::StatusOr<ServerTimes> times = wire_->Decode(call.response);
+      if (times.ok()) {
+        sample.server_queue = static_cast<double>(times->queue_us) * 1e-6;
+        sample.server_compute = static_cast<double>(times->compute_us) * 1e-6;
+        sample.server_handler = static_cast<double>(times->handler_us) * 1e-6;
       } else {
         sample.code = grpc::StatusCode::INTERNAL;
-        sample.message = absl::StrCat("cannot decode the response: ", decoded.message());
+        sample.message = std::string(times.status().message());
       }
     } else {
       sample.message = status.error_message();
@@ -262,30 +230,8 @@ class LoadRunner {
     state_->samples.push_back(std::move(sample));
   }
 
-  // Buffers for the responses' tensors, reused from call to call as a client that keeps its output arrays would
-  // (a fresh 8 MB buffer per call pays its page faults every time: about 1 ms here).
-  std::vector<char> Lend() {
-    absl::MutexLock lock(&pool_mu_);
-    if (pool_.empty()) return {};
-    std::vector<char> buffer = std::move(pool_.back());
-    pool_.pop_back();
-    return buffer;
-  }
-  void GiveBack(std::vector<char> buffer) {
-    if (buffer.empty()) return;
-    absl::MutexLock lock(&pool_mu_);
-    if (pool_.size() < kPoolBuffers) pool_.push_back(std::move(buffer));
-  }
-  static constexpr size_t kPoolBuffers = 16;
-
-  absl::Mutex pool_mu_;
-  std::vector<std::vector<char>> pool_ ABSL_GUARDED_BY(pool_mu_);
   const LoadOptions options_;
-  const v1::MultiHeadAttentionRequest& request_;  // outlives every call: its tensors' bytes are sent from it
-  v1::MultiHeadAttentionRequest rest_;            // request_ without the tensors in tensors_
-  TensorBytes tensors_[4];
-  const TensorBytes* tensor_list_[4] = {};
-  int tensor_count_ = 0;
+  const std::unique_ptr<BenchWire> wire_;
   std::vector<std::unique_ptr<grpc::GenericStub>> stubs_;
   std::shared_ptr<LoadState> state_;
   Clock::time_point start_;
@@ -347,7 +293,9 @@ absl::StatusOr<LoadResult> RunLoad(const LoadOptions& options,
                                    const std::function<void(const LoadProgress&)>& on_progress) {
   if (absl::Status valid = ValidateLoadOptions(options); !valid.ok()) return valid;
   if (channels.empty()) return absl::InvalidArgumentError("no channel to send calls through");
-  LoadRunner runner(options, channels, request);
+  absl::StatusOr<std::unique_ptr<BenchWire>> wire = MakeBenchWire(options.protocol, request);
+  if (!wire.ok()) return wire.status();
+  LoadRunner runner(options, channels, *std::move(wire));
   return runner.Run(on_progress);
 }
 

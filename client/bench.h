@@ -22,6 +22,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
+#include "client/bench_wire.h"
 #include "grpcpp/grpcpp.h"
 #include "proto/mha/v1/attention.pb.h"
 
@@ -45,6 +46,8 @@ struct LoadOptions {
   int64_t warmup = 0;
   // Deadline of every call.
   absl::Duration timeout = absl::Seconds(60);
+  // Which front door the calls go through (bench_wire.h).
+  BenchProtocol protocol = BenchProtocol::kNative;
 };
 
 inline constexpr int kMaxConcurrency = 1024;
@@ -89,7 +92,8 @@ absl::StatusOr<std::vector<int>> ParseConcurrencyRange(absl::string_view spec);
 
 // Runs the load: warmup calls, then the measured ones. Call i (and closed-loop stream i) goes through
 // channels[i % channels.size()]. `on_progress`, if set, is called about four times a second from a helper thread
-// while the measured calls run. INVALID_ARGUMENT if the options are invalid or no channel is given.
+// while the measured calls run. INVALID_ARGUMENT if the options are invalid, no channel is given, or the request
+// cannot go through options.protocol's front door.
 absl::StatusOr<LoadResult> RunLoad(const LoadOptions& options,
                                    absl::Span<const std::shared_ptr<grpc::Channel>> channels,
                                    const v1::MultiHeadAttentionRequest& request,

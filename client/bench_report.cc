@@ -36,6 +36,7 @@ nlohmann::ordered_json ToJson(const BenchReport& r) {
   j["warmup"] = c.warmup;
   j["target"] = c.target;
   j["weights"] = c.weights;
+  j["protocol"] = c.protocol;
   j["request"] = {{"batch", s.batch},
                   {"query_len", s.q_len},
                   {"key_len", s.kv_len},
@@ -203,8 +204,8 @@ std::string FormatPretty(const std::vector<BenchReport>& reports) {
   for (const BenchReport& r : reports) {
     const RunConfig& c = r.config;
     const LatencySummary& l = r.latency;
-    absl::StrAppendFormat(&out, "Summary: %s, %d connection%s, target %s\n", ModeString(c), c.connections,
-                          c.connections == 1 ? "" : "s", c.target);
+    absl::StrAppendFormat(&out, "Summary: %s, %d connection%s, target %s, %s protocol\n", ModeString(c),
+                          c.connections, c.connections == 1 ? "" : "s", c.target, c.protocol);
     absl::StrAppendFormat(&out, "  Request:      %s, %s, %.4g GFLOP, %d bytes\n", c.weights,
                           AttentionShapeString(c.shape), AttentionFlops(c.shape) / 1e9, c.request_bytes);
     absl::StrAppendFormat(&out, "  Count:        %d (ok %d, errors %d)%s\n", r.sent, r.ok, r.errors,

@@ -23,6 +23,7 @@ struct RunConfig {
   int64_t warmup = 0;
   std::string target;
   std::string weights;     // "layer demo" or "file w.safetensors"
+  std::string protocol = "native";  // the front door: "native" (mha.v1) or "kserve" (KServe v2 ModelInfer)
   AttentionShape shape;
   int64_t request_bytes = 0;  // serialized request size
 };

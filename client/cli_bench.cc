@@ -43,6 +43,9 @@ ABSL_FLAG(bool, shared_memory, false,
           "bench: tensors and output through a POSIX shared-memory region registered with the server instead of "
           "in the messages (same host; the server needs --max_shared_memory_regions > 0); every call writes the "
           "same output bytes to one output area");
+ABSL_FLAG(std::string, protocol, "native",
+          "bench: the front door, native (mha.v1.Attention) or kserve (KServe v2 ModelInfer on the layer's model, as "
+          "Triton's clients call it)");
 ABSL_FLAG(bool, progress, false, "bench: progress line on stderr even when stderr is not a terminal");
 
 namespace mha::cli {
@@ -171,6 +174,12 @@ int RunBench(const ClientOptions& options) {
   load.max_in_flight = absl::GetFlag(FLAGS_max_in_flight);
   load.warmup = absl::GetFlag(FLAGS_warmup);
   load.timeout = options.timeout;
+  const std::string protocol = absl::GetFlag(FLAGS_protocol);
+  if (protocol != "native" && protocol != "kserve") {
+    return UsageError(absl::InvalidArgumentError(
+        absl::StrCat("--protocol must be native or kserve; got '", protocol, "'")));
+  }
+  load.protocol = protocol == "kserve" ? BenchProtocol::kKServe : BenchProtocol::kNative;
   if (load.total == 0 && load.duration == absl::ZeroDuration()) load.total = kDefaultTotal;
   if (absl::Status valid = ValidateLoadOptions(load); !valid.ok()) {
     return UsageError(absl::InvalidArgumentError(absl::StrCat("bench: ", valid.message())));
@@ -238,6 +247,7 @@ int RunBench(const ClientOptions& options) {
     config.warmup = load.warmup;
     config.target = options.target;
     config.weights = prepared->weights;
+    config.protocol = protocol;
     config.shape = prepared->shape;
     config.request_bytes = static_cast<int64_t>(prepared->request.ByteSizeLong());
 

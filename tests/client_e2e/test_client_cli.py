@@ -269,6 +269,20 @@ def test_bench_counts_errors_with_their_messages(server, run_cli):
         {"message": "heads.num_heads is 3, which disagrees with layer 'demo' (8); leave it 0 to use that value", "count": 10}]}]
 
 
+def test_bench_through_the_kserve_front_door(server, run_cli):
+    """--protocol kserve sends the same call as KServe v2's ModelInfer on the layer's model: the server computes it
+    (its timings come back in the response's parameters), and the report says which door was measured."""
+    report = bench_json(run_cli, "--target", server.target, "--protocol", "kserve", "--seq", "8", "-n", "10")
+    assert_report_consistent(report)
+    assert report["protocol"] == "kserve" and report["count"]["ok"] == 10
+    assert report["split_ms"]["server_compute"] > 0
+    assert bench_json(run_cli, "--target", server.target, "-n", "2")["protocol"] == "native"
+    refused = run_cli("bench", "--target", server.target, "--protocol", "kserve", "--shared_memory", "-n", "1")
+    assert refused.returncode != 0 and "--protocol kserve sends its tensors in the message" in refused.stderr
+    wrong = run_cli("bench", "--target", server.target, "--protocol", "http", "-n", "1")
+    assert wrong.returncode != 0 and "--protocol must be native or kserve; got 'http'" in wrong.stderr
+
+
 def test_bench_pretty_report_and_progress_line(server, run_cli):
     r = run_cli("bench", "--target", server.target, "-z", "1s", "-c", "3", "--progress", "--seq", "8")
     assert r.returncode == 0, r.stderr
