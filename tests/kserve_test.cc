@@ -85,10 +85,7 @@ TEST(KServeTranslate, BoolMaskBecomesAKeepMaskOfOnesAndZeros) {
   const absl::StatusOr<KServeCall> call = TranslateInferRequest(&request);
   ASSERT_TRUE(call.ok()) << call.status();
   EXPECT_EQ(call->mha->attn_mask_type(), v1::MASK_KEEP);
-  std::vector<float> mask(9);
-  ASSERT_EQ(call->mha->attn_mask().data().size(), 9 * sizeof(float));
-  std::memcpy(mask.data(), call->mha->attn_mask().data().data(), 9 * sizeof(float));
-  EXPECT_EQ(mask, (std::vector<float>{1, 0, 0, 1, 1, 0, 1, 1, 1}));
+  EXPECT_EQ(TensorToFloats(call->mha->attn_mask()), (std::vector<float>{1, 0, 0, 1, 1, 0, 1, 1, 1}));
 }
 
 TEST(KServeTranslate, Int64KeyLengthsAndParametersReachTheRequest) {

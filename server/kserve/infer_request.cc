@@ -158,7 +158,8 @@ absl::Status ReadActivation(const Source& source, v1::Tensor* tensor) {
   return absl::OkStatus();
 }
 
-// attn_mask: a float tensor read as additive, or BOOL read as keep (1 attends), sent as fp32 0 and 1.
+// attn_mask: a float tensor read as additive, or BOOL read as keep (1 attends), sent as BF16 0 and 1 (exact; half
+// of fp32's bytes, so that a mask grows the request it came in at most twice over).
 absl::Status ReadMask(const Source& source, v1::Tensor* tensor, v1::MaskType* type) {
   const InferInput& input = *source.input;
   RETURN_IF_ERROR(CheckDatatype(input, {"FP32", "FP16", "BF16", "BOOL"}));
@@ -168,18 +169,19 @@ absl::Status ReadMask(const Source& source, v1::Tensor* tensor, v1::MaskType* ty
   }
   ASSIGN_OR_RETURN(const int64_t count, ElementCount(input));
   ASSIGN_OR_RETURN(const std::string bytes, TakeBytes(source, count));
-  std::string floats(bytes.size() * sizeof(float), '\0');
+  constexpr uint16_t kBf16One = 0x3F80;
+  std::string values(bytes.size() * sizeof(uint16_t), '\0');
   for (size_t i = 0; i < bytes.size(); ++i) {
     if (bytes[i] != 0 && bytes[i] != 1) {
       return absl::InvalidArgumentError(absl::StrCat(input.name(), "[", i, "] is ", static_cast<int>(bytes[i]),
                                                      ", not a BOOL (0 or 1)"));
     }
-    const float value = bytes[i];
-    std::memcpy(&floats[i * sizeof(float)], &value, sizeof(float));
+    const uint16_t value = bytes[i] == 1 ? kBf16One : 0;
+    std::memcpy(&values[i * sizeof(value)], &value, sizeof(value));
   }
   tensor->mutable_shape()->Assign(input.shape().begin(), input.shape().end());
-  tensor->set_dtype(v1::FP32);
-  tensor->set_data(std::move(floats));
+  tensor->set_dtype(v1::BF16);
+  tensor->set_data(std::move(values));
   *type = v1::MASK_KEEP;
   return absl::OkStatus();
 }

@@ -31,6 +31,7 @@ absl::Status EncodeInferResponse(const std::string& model, const std::string& id
   if (computed.timing != nullptr) {
     params["queue_us"].set_int64_param(computed.timing->queue_us());
     params["compute_us"].set_int64_param(computed.timing->compute_us());
+    params["handler_us"].set_int64_param(computed.timing->handler_us());
   }
   // Each output's bytes; null for one written to shared memory, which keeps its place with an empty entry, so
   // that entries and outputs pair up.

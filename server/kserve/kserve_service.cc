@@ -1,5 +1,6 @@
 #include "server/kserve/kserve_service.h"
 
+#include <algorithm>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -239,6 +240,13 @@ grpc::ServerUnaryReactor* KServeService::ModelInfer(grpc::CallbackServerContext*
     });
   }
   std::vector<KServeOutput> outputs = call.ok() ? call->outputs : std::vector<KServeOutput>{};
+  // What the call holds is the translated request (a BOOL mask grows to twice its bytes): the scheduler's
+  // in-flight and queued limits count that.
+  if (call.ok()) {
+    const int64_t held = static_cast<int64_t>(call->sdpa != nullptr ? call->sdpa->ByteSizeLong()
+                                                                     : call->mha->ByteSizeLong());
+    start.request_bytes = std::max(start.request_bytes, held);
+  }
   if (call.ok() && call->sdpa != nullptr) {
     return attention_->Submit<v1::ScaledDotProductAttentionRequest, v1::ScaledDotProductAttentionResponse, SdpaPlan>(
         kRpc, context, std::move(start), absl::OkStatus(), std::move(call->sdpa), {}, out,

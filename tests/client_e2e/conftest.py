@@ -11,9 +11,7 @@ Environment:
 import collections
 import importlib.util
 import os
-import signal
 import subprocess
-import time
 
 import pytest
 
@@ -55,33 +53,7 @@ def run_cli(cli_bin):
 
 @pytest.fixture
 def second_server(tmp_path):
-    """Another mha_server on a free loopback port, stopped (SIGTERM to its own PID) after the test."""
-    binary = _e2e._server_binary()
-    port_file = tmp_path / "port2"
-    log_path = tmp_path / "server2.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen([binary, "--listen", "127.0.0.1:0", "--port_file", str(port_file), "--threads", "1",
-                                 "--log_max_calls_per_s", "0"],
-                                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + _e2e.STARTUP_TIMEOUT_S
-        port = None
-        while time.monotonic() < deadline and not port:
-            if proc.poll() is not None:
-                pytest.fail("second mha_server exited during startup:\n" + _e2e._log_tail(log_path))
-            try:
-                port = int(port_file.read_text().strip() or 0)
-            except (OSError, ValueError):
-                port = None
-            time.sleep(0.05)
-        if not port:
-            pytest.fail("second mha_server wrote no port file:\n" + _e2e._log_tail(log_path))
-        yield _e2e.Server(proc, port, "127.0.0.1:%d" % port, str(log_path))
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=_e2e.SHUTDOWN_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+    """Another mha_server on a free loopback port (one compute thread, every call logged), stopped by SIGTERM to its
+    own PID after the test."""
+    with _e2e.run_server(tmp_path, "--threads", "1", "--log_max_calls_per_s", "0") as s:
+        yield s
