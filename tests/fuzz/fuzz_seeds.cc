@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "client/npy.h"
+#include "proto/inference/grpc_service.pb.h"
 #include "proto/mha/v1/attention.pb.h"
 #include "proto/mha/v1/tensor_codec.h"
 
@@ -493,6 +494,63 @@ void ExtendSeeds(Corpus& c) {
   c.Add("expected_length", expected);
 }
 
+// KServe v2 requests on the fuzz env's "tiny" layer (d_model 8) and the "sdpa" model: raw and typed contents,
+// a BOOL mask, INT64 key lengths, parameters, requested outputs, shared memory, and a misnamed input.
+void KServeSeeds(Corpus& c) {
+  using Req = inference::ModelInferRequest;
+  const auto input = [](Req* r, const char* name, const char* datatype, std::vector<int64_t> shape,
+                        const std::string& raw) {
+    auto* in = r->add_inputs();
+    in->set_name(name);
+    in->set_datatype(datatype);
+    in->mutable_shape()->Assign(shape.begin(), shape.end());
+    r->add_raw_input_contents(raw);
+  };
+  const auto floats = [](int64_t n, float phase) {
+    const std::vector<float> v = Values(n, phase);
+    return std::string(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(float));
+  };
+  Req base;
+  base.set_model_name("tiny");
+  input(&base, "query", "FP32", {1, 3, 8}, floats(24, 0.0f));
+  c.Add("query", base);
+  Req r = base;
+  input(&r, "attn_mask", "BOOL", {3, 3}, std::string("\1\0\0\1\1\0\1\1\1", 9));
+  const int64_t lengths[] = {2};
+  input(&r, "key_lengths", "INT64", {1}, std::string(reinterpret_cast<const char*>(lengths), sizeof(lengths)));
+  (*r.mutable_parameters())["causal"].set_bool_param(true);
+  (*r.mutable_parameters())["backend"].set_string_param("reference");
+  r.add_outputs()->set_name("output");
+  r.add_outputs()->set_name("attention_weights");
+  c.Add("mask_lengths_weights", r);
+  Req typed;
+  typed.set_model_name("tiny");
+  auto* query = typed.add_inputs();
+  query->set_name("query");
+  query->set_datatype("FP32");
+  for (int64_t d : {1, 1, 8}) query->add_shape(d);
+  const std::vector<float> values = Values(8);
+  query->mutable_contents()->mutable_fp32_contents()->Assign(values.begin(), values.end());
+  c.Add("typed", typed);
+  Req shared = typed;
+  shared.mutable_inputs(0)->clear_contents();
+  auto& params = *shared.mutable_inputs(0)->mutable_parameters();
+  params["shared_memory_region"].set_string_param("shm");
+  params["shared_memory_byte_size"].set_int64_param(32);
+  params["shared_memory_offset"].set_int64_param(1024);
+  c.Add("shared_memory", shared);
+  Req sdpa;
+  sdpa.set_model_name("sdpa");
+  input(&sdpa, "q", "FP32", {1, 3, 4, 8}, floats(96, 0.0f));
+  input(&sdpa, "k", "FP32", {1, 5, 2, 8}, floats(80, 1.0f));
+  input(&sdpa, "v", "FP32", {1, 5, 2, 8}, floats(80, 2.0f));
+  (*sdpa.mutable_parameters())["scale"].set_double_param(0.5);
+  c.Add("sdpa", sdpa);
+  Req misnamed = base;
+  misnamed.mutable_inputs(0)->set_name("Query");
+  c.Add("misnamed", misnamed);
+}
+
 // fuzz_request_reader's first byte picks the message (high bit: SDPA) and the slicing; the rest are the requests'
 // seeds.
 void RequestReaderSeeds(Corpus& c) {
@@ -516,7 +574,7 @@ int main(int argc, char** argv) {
       {"fuzz_extend_request", mha::ExtendSeeds},
       {"fuzz_load_layer_request", mha::LoadLayerSeeds}, {"fuzz_safetensors", mha::SafetensorsSeeds},
       {"fuzz_npy", mha::NpySeeds},             {"fuzz_tensor_codec", mha::CodecSeeds},
-      {"fuzz_request_reader", mha::RequestReaderSeeds}};
+      {"fuzz_request_reader", mha::RequestReaderSeeds}, {"fuzz_kserve_request", mha::KServeSeeds}};
   for (const auto& [name, seeds] : targets) {
     mha::Corpus corpus(root, name);
     seeds(corpus);
