@@ -323,7 +323,8 @@ absl::Status ReadParameters(const Parameters& params, bool sdpa, v1::HeadConfig*
     if (name == "num_heads") heads->set_num_heads(static_cast<int32_t>(value.int64_param()));
     if (name == "num_kv_heads") heads->set_num_kv_heads(static_cast<int32_t>(value.int64_param()));
     if (name == "head_dim") heads->set_head_dim(static_cast<int32_t>(value.int64_param()));
-    if (name == "backend" && !v1::Backend_Parse(absl::StrCat("BACKEND_", absl::AsciiStrToUpper(value.string_param())), backend)) {
+    if (name == "backend" &&
+        !v1::Backend_Parse(absl::StrCat("BACKEND_", absl::AsciiStrToUpper(value.string_param())), backend)) {
       return absl::InvalidArgumentError(absl::StrCat("parameters: backend '", value.string_param(),
                                                      "' is none of auto, cpu, cuda, reference"));
     }

@@ -23,7 +23,8 @@ struct ComputedOutputs {
 };
 
 // Writes the response for `outputs` (in that order) into `out`: model_name, model_version "1", the request's id,
-// parameters "backend", "queue_us", "compute_us" and "handler_us" (as the native Timing). INTERNAL if a requested output was not computed.
+// parameters "backend", "queue_us", "compute_us" and "handler_us" (as the native Timing). INTERNAL if a requested
+// output was not computed.
 absl::Status EncodeInferResponse(const std::string& model, const std::string& id,
                                  absl::Span<const KServeOutput> outputs, const ComputedOutputs& computed,
                                  grpc::ByteBuffer* out);

@@ -231,7 +231,8 @@ grpc::ServerUnaryReactor* KServeService::ModelInfer(grpc::CallbackServerContext*
   kv::ModelInferRequest request;
   absl::Status status = attention_->Admit(kRpc, Role::kCompute, *context, bytes, &request, nullptr);
   if (status.ok()) status = FindModel(request.model_name(), request.model_version()).status();
-  absl::StatusOr<KServeCall> call = status.ok() ? TranslateInferRequest(&request) : absl::StatusOr<KServeCall>(status);
+  absl::StatusOr<KServeCall> call =
+      status.ok() ? TranslateInferRequest(&request) : absl::StatusOr<KServeCall>(status);
   // Statistics are kept for served models only, so that a client naming ever new models cannot grow them.
   std::string model = status.ok() ? request.model_name() : "";
   if (!model.empty()) {
@@ -248,11 +249,11 @@ grpc::ServerUnaryReactor* KServeService::ModelInfer(grpc::CallbackServerContext*
     start.request_bytes = std::max(start.request_bytes, held);
   }
   if (call.ok() && call->sdpa != nullptr) {
-    return attention_->Submit<v1::ScaledDotProductAttentionRequest, v1::ScaledDotProductAttentionResponse, SdpaPlan>(
+    using SdpaResponse = v1::ScaledDotProductAttentionResponse;
+    return attention_->Submit<v1::ScaledDotProductAttentionRequest, SdpaResponse, SdpaPlan>(
         kRpc, context, std::move(start), absl::OkStatus(), std::move(call->sdpa), {}, out,
-                              &ValidateScaledDotProductAttention, &ExecuteScaledDotProductAttention, nullptr,
-                              Answer<v1::ScaledDotProductAttentionResponse>(std::move(model), request.id(),
-                                                                            std::move(outputs), received));
+        &ValidateScaledDotProductAttention, &ExecuteScaledDotProductAttention, nullptr,
+        Answer<SdpaResponse>(std::move(model), request.id(), std::move(outputs), received));
   }
   auto mha = call.ok() ? std::move(call->mha) : std::make_unique<v1::MultiHeadAttentionRequest>();
   ComputeAnswer<v1::MultiHeadAttentionResponse> answer =
