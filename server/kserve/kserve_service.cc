@@ -22,6 +22,9 @@ namespace kv = inference;
 // The protocol extensions served, as ServerMetadata lists them.
 constexpr const char* kExtensions[] = {"model_configuration", "system_shared_memory", "statistics", "parameters"};
 
+// The calls' rpc name in logs and metrics: static, since the call keeps the pointer until it finishes.
+constexpr char kInferRpc[] = "ModelInfer";
+
 // Statistics are kept for this many models at most beyond those served.
 constexpr size_t kMaxStatsModels = 1024;
 
@@ -225,11 +228,10 @@ ComputeAnswer<Response> KServeService::Answer(std::string model, std::string id,
 
 grpc::ServerUnaryReactor* KServeService::ModelInfer(grpc::CallbackServerContext* context,
                                                     const grpc::ByteBuffer* bytes, grpc::ByteBuffer* out) {
-  constexpr char kRpc[] = "ModelInfer";
   AttentionService::CallStart start = attention_->Begin(context, bytes);
   const absl::Time received = start.received;
   kv::ModelInferRequest request;
-  absl::Status status = attention_->Admit(kRpc, Role::kCompute, *context, bytes, &request, nullptr);
+  absl::Status status = attention_->Admit(kInferRpc, Role::kCompute, *context, bytes, &request, nullptr);
   if (status.ok()) status = FindModel(request.model_name(), request.model_version()).status();
   absl::StatusOr<KServeCall> call =
       status.ok() ? TranslateInferRequest(&request) : absl::StatusOr<KServeCall>(status);
@@ -251,7 +253,7 @@ grpc::ServerUnaryReactor* KServeService::ModelInfer(grpc::CallbackServerContext*
   if (call.ok() && call->sdpa != nullptr) {
     using SdpaResponse = v1::ScaledDotProductAttentionResponse;
     return attention_->Submit<v1::ScaledDotProductAttentionRequest, SdpaResponse, SdpaPlan>(
-        kRpc, context, std::move(start), absl::OkStatus(), std::move(call->sdpa), {}, out,
+        kInferRpc, context, std::move(start), absl::OkStatus(), std::move(call->sdpa), {}, out,
         &ValidateScaledDotProductAttention, &ExecuteScaledDotProductAttention, nullptr,
         Answer<SdpaResponse>(std::move(model), request.id(), std::move(outputs), received));
   }
@@ -261,7 +263,7 @@ grpc::ServerUnaryReactor* KServeService::ModelInfer(grpc::CallbackServerContext*
   if (model.empty()) {
     answer = [](absl::Status status, MhaReply*, grpc::ByteBuffer*) { return status; };
   }
-  return attention_->Submit(kRpc, context, std::move(start), call.status(), std::move(mha), {}, out,
+  return attention_->Submit(kInferRpc, context, std::move(start), call.status(), std::move(mha), {}, out,
                             &ValidateMultiHeadAttention, &ExecuteMultiHeadAttention,
                             &ExecuteMultiHeadAttentionBatch, std::move(answer));
 }
