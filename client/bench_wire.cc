@@ -123,15 +123,8 @@ class KServeWire final : public BenchWire {
 
   absl::Status Encode(grpc::ByteBuffer* out) const override {
     std::vector<grpc::Slice> slices = {grpc::Slice(rest_.SerializeAsString())};
-    for (const grpc::Slice& raw : raw_) {
-      std::string prefix(1, static_cast<char>(7 << 3 | 2));  // raw_input_contents, length-delimited
-      for (uint64_t n = raw.size(); ; n >>= 7) {
-        prefix.push_back(static_cast<char>(n >= 0x80 ? (n & 0x7F) | 0x80 : n));
-        if (n < 0x80) break;
-      }
-      slices.emplace_back(prefix);
-      if (raw.size() > 0) slices.push_back(raw);
-    }
+    constexpr int kRawInputContentsField = 7;
+    for (const grpc::Slice& raw : raw_) AppendBytesField(kRawInputContentsField, raw, &slices);
     grpc::ByteBuffer encoded(slices.data(), slices.size());
     out->Swap(&encoded);
     return absl::OkStatus();

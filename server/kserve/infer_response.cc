@@ -9,14 +9,6 @@ namespace {
 
 constexpr int kRawOutputContentsField = 6;
 
-void AppendVarint(uint64_t value, std::string* out) {
-  while (value >= 0x80) {
-    out->push_back(static_cast<char>((value & 0x7F) | 0x80));
-    value >>= 7;
-  }
-  out->push_back(static_cast<char>(value));
-}
-
 }  // namespace
 
 absl::Status EncodeInferResponse(const std::string& model, const std::string& id,
@@ -33,9 +25,9 @@ absl::Status EncodeInferResponse(const std::string& model, const std::string& id
     params["compute_us"].set_int64_param(computed.timing->compute_us());
     params["handler_us"].set_int64_param(computed.timing->handler_us());
   }
-  // Each output's bytes; null for one written to shared memory, which keeps its place with an empty entry, so
+  // Each output's bytes; empty for one written to shared memory, which keeps its place with an empty entry, so
   // that entries and outputs pair up.
-  std::vector<const grpc::Slice*> contents;
+  std::vector<grpc::Slice> contents;
   for (KServeOutput output : outputs) {
     const TensorBytes* tensor = output == KServeOutput::kOutput ? computed.output : computed.attention_weights;
     const bool shared = output == KServeOutput::kOutput && computed.output_in_shared_memory != nullptr;
@@ -50,20 +42,13 @@ absl::Status EncodeInferResponse(const std::string& model, const std::string& id
     if (shared) {
       (*header->mutable_parameters())["shared_memory_region"].set_string_param(from.shared_memory().region());
     }
-    contents.push_back(shared ? nullptr : &tensor->data);
+    contents.push_back(shared ? grpc::Slice() : tensor->data);  // a reference, not a copy of the bytes
   }
   std::string head_bytes;
   if (!head.SerializeToString(&head_bytes)) return absl::InternalError("the response does not serialize");
   std::vector<grpc::Slice> slices;
   slices.emplace_back(head_bytes);
-  for (const grpc::Slice* data : contents) {
-    const size_t bytes = data == nullptr ? 0 : data->size();
-    std::string prefix;
-    prefix.push_back(static_cast<char>(kRawOutputContentsField << 3 | 2));
-    AppendVarint(bytes, &prefix);
-    slices.emplace_back(prefix);
-    if (bytes > 0) slices.push_back(*data);
-  }
+  for (const grpc::Slice& data : contents) AppendBytesField(kRawOutputContentsField, data, &slices);
   grpc::ByteBuffer encoded(slices.data(), slices.size());
   out->Swap(&encoded);
   return absl::OkStatus();

@@ -337,6 +337,14 @@ absl::Status EncodeWithTensors(absl::Span<const TensorBytes* const> tensors, con
   return absl::OkStatus();
 }
 
+void AppendBytesField(int field, const grpc::Slice& data, std::vector<grpc::Slice>* slices) {
+  std::string prefix;
+  AppendTag(field, kLengthDelimited, &prefix);
+  AppendVarint(data.size(), &prefix);
+  slices->emplace_back(prefix);
+  if (data.size() > 0) slices->push_back(data);
+}
+
 bool CopyingSink::Begin(int field, const v1::Tensor&, size_t bytes) {
   at_ = room_(field, bytes);
   return at_ != nullptr || bytes == 0;

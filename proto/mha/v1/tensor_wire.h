@@ -15,6 +15,7 @@
 #include <functional>
 #include <memory>
 #include <utility>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/types/span.h"
@@ -48,6 +49,11 @@ grpc::Slice SliceKeeping(grpc::Slice slice, std::shared_ptr<const void> keep);
 // INVALID_ARGUMENT if a header carries data or `rest` does not serialize.
 absl::Status EncodeWithTensors(absl::Span<const TensorBytes* const> tensors, const google::protobuf::MessageLite& rest,
                                grpc::ByteBuffer* out);
+
+// Appends a length-delimited bytes field `field` holding `data` to `slices`: its tag and length, then `data`'s slice
+// itself (shared, not copied; nothing for empty data). How a message's large bytes fields (KServe v2's
+// raw_input_contents and raw_output_contents) are written after the rest of the message, which protobuf accepts.
+void AppendBytesField(int field, const grpc::Slice& data, std::vector<grpc::Slice>* slices);
 
 // Where DecodeWithTensors puts the data of the chosen Tensor fields, piece by piece as it lies in gRPC's slices.
 class TensorSink {
