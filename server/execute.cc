@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "proto/mha/v1/tensor_codec.h"
+#include "server/head_stats.h"
 #include "server/shared_memory.h"
 
 namespace mha {
@@ -73,6 +74,22 @@ absl::Status DecodeMask(const AttentionPlan& plan, std::vector<float>* values, A
   return absl::OkStatus();
 }
 
+// The response's lse, head_stats and row_stats from what the backend wrote into `stats`, with the keys each row
+// sees under `mask` (normalized entropy's denominator).
+template <typename Message>
+void FillStats(const AttentionShape& s, const AttentionMask& mask, const StatsBuffers& stats, Message* message) {
+  const int64_t Tq = s.q_len, Tk = s.kv_len;
+  const auto visible = [&](int64_t b, int64_t i) {
+    const int64_t n = VisibleKeyCount(s, mask, b, i);
+    if (mask.additive == nullptr) return n;
+    const float* row = mask.additive + (mask.additive_per_batch ? b * Tq * Tk : 0) + i * Tk;
+    int64_t count = 0;
+    for (int64_t j = 0; j < n; ++j) count += row[j] != -std::numeric_limits<float>::infinity() ? 1 : 0;
+    return count;
+  };
+  stats.FillInto(visible, /*batched=*/true, message);
+}
+
 }  // namespace
 
 absl::Status ExecuteMultiHeadAttention(const MhaPlan& plan, const StopSignal* stop, MhaReply* reply) {
@@ -97,9 +114,12 @@ absl::Status ExecuteMultiHeadAttention(const MhaPlan& plan, const StopSignal* st
     args.attention_weights = Allocate(kWeightsField, {s.batch, s.heads.num_heads, s.q_len, s.kv_len},
                                       p.output_dtype, &reply->attention_weights);
   }
+  StatsBuffers stats(plan.stats, s.batch, s.heads.num_heads, s.q_len, /*has_w_o=*/true);
+  args.stats = stats.View();
   reply->message.set_backend(std::string(plan.backend->name()));
   if (!plan.regions.empty()) PrepareThreadsForRegions();
   if (absl::Status status = plan.backend->MultiHeadAttention(args); !status.ok()) return status;
+  FillStats(s, args.mask, stats, &reply->message);
   return plan.RegionsIntact();
 }
 
@@ -181,9 +201,12 @@ absl::Status ExecuteScaledDotProductAttention(const SdpaPlan& plan, const StopSi
     args.weights = Allocate(kWeightsField, {s.batch, s.heads.num_heads, s.q_len, s.kv_len}, p.output_dtype,
                             &reply->attention_weights);
   }
+  StatsBuffers stats(plan.stats, s.batch, s.heads.num_heads, s.q_len, /*has_w_o=*/false);
+  args.stats = stats.View();
   reply->message.set_backend(std::string(plan.backend->name()));
   if (!plan.regions.empty()) PrepareThreadsForRegions();
   if (absl::Status status = plan.backend->ScaledDotProductAttention(args); !status.ok()) return status;
+  FillStats(s, args.mask, stats, &reply->message);
   return plan.RegionsIntact();
 }
 

@@ -3,6 +3,8 @@
 #include <vector>
 
 #include "proto/mha/v1/tensor_codec.h"
+#include "server/head_stats.h"
+#include "server/status_macros.h"
 
 namespace mha {
 namespace {
@@ -29,6 +31,8 @@ absl::Status ExecuteExtend(const ExtendPlan& plan, const ExtendReservation& rese
   const PagedProblem& p = plan.paged;
   const HeadSpec& h = p.heads;
   std::vector<PagedSequence> sequences(plan.items.size());
+  std::vector<StatsBuffers> stats;
+  stats.reserve(plan.items.size());
   for (size_t i = 0; i < plan.items.size(); ++i) {
     const ExtendPlan::Item& item = plan.items[i];
     const ExtendReservation::Item& reserved = reservation.items()[i];
@@ -37,20 +41,25 @@ absl::Status ExecuteExtend(const ExtendPlan& plan, const ExtendReservation& rese
     seq.blocks = reserved.blocks;
     seq.length = item.length;
     seq.new_tokens = item.new_tokens;
+    seq.append = item.append;
+    stats.emplace_back(plan.stats, 1, h.num_heads, item.new_tokens, /*has_w_o=*/p.d_model > 0);
+    seq.stats = stats.back().View();
     if (p.d_model > 0) {
       seq.x = View(request.x());
     } else {
       seq.q = View(request.q());
-      seq.k = View(request.k());
-      seq.v = View(request.v());
+      if (item.append) {
+        seq.k = View(request.k());
+        seq.v = View(request.v());
+      }
     }
     v1::ExtendResult* result = response->add_results();
-    result->set_length(item.length + item.new_tokens);
+    result->set_length(item.length + (item.append ? item.new_tokens : 0));
     seq.out = p.d_model > 0 ? Allocate({item.new_tokens, p.d_model}, p.output_dtype, result->mutable_output())
                             : Allocate({item.new_tokens, h.num_heads, h.head_dim}, p.output_dtype,
                                        result->mutable_output());
     if (p.return_weights) {
-      seq.weights = Allocate({h.num_heads, item.new_tokens, item.length + item.new_tokens}, p.output_dtype,
+      seq.weights = Allocate({h.num_heads, item.new_tokens, seq.Keys()}, p.output_dtype,
                              result->mutable_attention_weights());
     }
   }
@@ -60,7 +69,14 @@ absl::Status ExecuteExtend(const ExtendPlan& plan, const ExtendReservation& rese
   if (plan.layer != nullptr) args.weights = plan.layer->Weights();
   args.sequences = sequences;
   response->set_backend(std::string(plan.backend->name()));
-  return plan.backend->PagedAttention(args);
+  RETURN_IF_ERROR(plan.backend->PagedAttention(args));
+  for (size_t i = 0; i < sequences.size(); ++i) {
+    const PagedSequence& seq = sequences[i];
+    v1::ExtendResult* result = response->mutable_results(static_cast<int>(i));
+    stats[i].FillInto([&seq](int64_t, int64_t row) { return PagedVisibleKeys(seq, row); }, /*batched=*/false,
+                      result);
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace mha

@@ -141,6 +141,9 @@ absl::Status ValidateCommon(const Request& request, const ValidationContext& con
   plan->problem.output_dtype =
       request.output_dtype() == v1::DATA_TYPE_UNSPECIFIED ? query_dtype : request.output_dtype();
   plan->problem.return_weights = request.return_attention_weights();
+  ASSIGN_OR_RETURN(plan->stats, ValidateStats(request.return_lse(), request.return_head_stats(),
+                                              request.sink_tokens(), request.return_row_stats()));
+  plan->problem.return_stats = plan->stats.any();
 
   ASSIGN_OR_RETURN(plan->backend,
                    ChooseBackend(request.backend(), context,
@@ -169,6 +172,7 @@ absl::Status ValidateCommon(const Request& request, const ValidationContext& con
   if (plan->problem.return_weights) {
     response_bytes += out_size * Product({s.batch, s.heads.num_heads, s.q_len, s.kv_len});
   }
+  response_bytes += static_cast<double>(s.batch) * plan->stats.ResponseBytes(s.heads.num_heads, s.q_len);
   response_bytes += 4096;  // message framing, backend name, timing
   plan->response_bytes = static_cast<int64_t>(std::min(response_bytes, 9e18));
   if (response_bytes > static_cast<double>(context.max_message_bytes)) {
@@ -183,6 +187,26 @@ absl::Status ValidateCommon(const Request& request, const ValidationContext& con
 }
 
 }  // namespace
+
+double StatsRequest::ResponseBytes(int64_t heads, int64_t rows) const {
+  const double values = static_cast<double>(heads) * static_cast<double>(rows);
+  // lse as a tensor; six repeated floats of HeadStats per head, and per row with row_stats (5 bytes each at most).
+  return (lse ? 4 * values + 64 : 0) + (head_stats ? 6 * 5 * heads + 64 : 0) + (row_stats ? 6 * 5 * values : 0);
+}
+
+absl::StatusOr<StatsRequest> ValidateStats(bool lse, bool head_stats, int32_t sink_tokens, bool row_stats) {
+  constexpr int32_t kMaxSinkTokens = 1 << 20;
+  if (sink_tokens < 0 || sink_tokens > kMaxSinkTokens) {
+    return Invalid(absl::StrCat("sink_tokens must be in [0, ", kMaxSinkTokens, "] (0 means 4), got ", sink_tokens));
+  }
+  if (row_stats && !head_stats) return Invalid("return_row_stats needs return_head_stats");
+  StatsRequest stats;
+  stats.lse = lse;
+  stats.head_stats = head_stats;
+  stats.row_stats = row_stats;
+  stats.sink_tokens = sink_tokens == 0 ? 4 : sink_tokens;
+  return stats;
+}
 
 absl::StatusOr<Backend*> ChooseBackend(int requested, const ValidationContext& context,
                                        absl::FunctionRef<absl::Status(const Backend&)> supports) {
@@ -326,7 +350,7 @@ absl::StatusOr<MhaPlan> ValidateMultiHeadAttention(const v1::MultiHeadAttentionR
   plan.problem.input_dtype = InputDtype({&query, key, value});
   RETURN_IF_ERROR(ValidateHeadMask(request, &plan));
   RETURN_IF_ERROR(ValidateCommon(request, context, query.dtype(), batch * q_len * d_model, &plan));
-  if (plan.layer != nullptr && plan.kv_source == KvSource::kQuery && !request.has_attn_mask() &&
+  if (plan.layer != nullptr && plan.kv_source == KvSource::kQuery && !request.has_attn_mask() && !plan.stats.any() &&
       plan.head_mask.empty() && plan.shared_inputs.empty() && plan.output_to == nullptr) {
     plan.batch_key = absl::StrCat("mha|", reinterpret_cast<uintptr_t>(plan.backend), "|",
                                   reinterpret_cast<uintptr_t>(plan.layer.get()), "|", q_len, "|", query.dtype(), "|",

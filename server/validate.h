@@ -24,6 +24,23 @@
 namespace mha {
 
 // Everything the compute step needs. Tensor pointers borrow from the request, which must outlive the plan.
+// What a request asks of the softmax statistics (attention.proto's return_lse, return_head_stats, sink_tokens and
+// return_row_stats).
+struct StatsRequest {
+  bool lse = false;
+  bool head_stats = false;
+  bool row_stats = false;
+  int64_t sink_tokens = 4;
+
+  bool any() const { return lse || head_stats; }
+  // The response bytes they add for `heads` heads of `rows` query rows (one batch item).
+  double ResponseBytes(int64_t heads, int64_t rows) const;
+};
+
+// INVALID_ARGUMENT for a sink_tokens outside [0, 1048576] (0 means 4) or return_row_stats without
+// return_head_stats.
+absl::StatusOr<StatsRequest> ValidateStats(bool lse, bool head_stats, int32_t sink_tokens, bool row_stats);
+
 struct AttentionPlan {
   AttentionProblem problem;               // shape, wire and output dtypes, return_weights
   Backend* backend = nullptr;             // chosen, and asked whether it supports `problem`
@@ -39,6 +56,7 @@ struct AttentionPlan {
   // dtypes, causal flag and weights request; self-attention without an attention or head mask, nothing in shared
   // memory. Empty: never batched.
   std::string batch_key;
+  StatsRequest stats;
 
   // Tensors whose bytes lie in shared memory (mha.v1.SharedMemoryRef): the inputs, where the output goes instead of
   // the response (null: into the response), and the regions all of them lie in, held until the plan is gone.

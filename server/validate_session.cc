@@ -17,6 +17,9 @@ absl::Status Invalid(absl::string_view a, absl::string_view b = "", absl::string
 
 std::string Item(int i) { return absl::StrCat("items[", i, "]"); }
 
+// ExtendItem.append: unset means true.
+bool Appends(const v1::ExtendItem& item) { return !item.has_append() || item.append(); }
+
 bool SameHeads(const HeadSpec& a, const HeadSpec& b) {
   return a.num_heads == b.num_heads && a.num_kv_heads == b.num_kv_heads && a.head_dim == b.head_dim &&
          a.scale == b.scale && a.rope_theta == b.rope_theta && a.rope_dim == b.rope_dim &&
@@ -58,6 +61,7 @@ absl::StatusOr<int64_t> NewTokens(const v1::ExtendItem& item, int i, const Cache
   RETURN_IF_ERROR(CheckShape(item.q(), field + ".q", {h.num_heads, h.head_dim}, "(n, H, d_k)"));
   const int64_t n = item.q().shape(0);
   for (const auto& [t, name] : {std::pair{&item.k(), ".k"}, std::pair{&item.v(), ".v"}}) {
+    if (!Appends(item) && t->shape_size() == 0) continue;  // unused without append
     RETURN_IF_ERROR(CheckShape(*t, field + name, {h.num_kv_heads, h.head_dim}, "(n, Hkv, d_k)"));
     if (t->shape(0) != n) {
       return Invalid(field, name, absl::StrCat(".shape[0] (n) must be q's, ", n, ", got ", t->shape(0)));
@@ -94,6 +98,14 @@ absl::Status CheckLength(const v1::ExtendItem& item, int i, const CacheView& vie
         Item(i), ".expected_length is ", item.expected_length(), " but session '", item.session_id(), "' holds ",
         view.length, " tokens at layer_index ", layer_index, "; nothing was appended"));
   }
+  if (!Appends(item)) {
+    if (view.length == 0) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          Item(i), ": append=false attends to the cache alone, and session '", item.session_id(),
+          "' holds no tokens at layer_index ", layer_index));
+    }
+    return absl::OkStatus();
+  }
   if (view.length + n > view.max_tokens) {
     return absl::OutOfRangeError(absl::StrCat(Item(i), ": session '", item.session_id(), "' holds ", view.length,
                                               " tokens at layer_index ", layer_index, ", and ", n,
@@ -108,7 +120,7 @@ double ExtendFlops(const PagedProblem& p, absl::Span<const ExtendPlan::Item> ite
   double flops = 0;
   for (const ExtendPlan::Item& item : items) {
     const double n = static_cast<double>(item.new_tokens), length = static_cast<double>(item.length);
-    flops += 4.0 * h.num_heads * h.head_dim * (n * length + n * (n + 1) / 2);
+    flops += 4.0 * h.num_heads * h.head_dim * (n * length + (item.append ? n * (n + 1) / 2 : 0.0));
     if (p.d_model > 0) flops += 2.0 * n * p.d_model * (2 * h.q_width() + 2 * h.kv_width());
   }
   return flops;
@@ -208,6 +220,7 @@ absl::StatusOr<std::vector<std::string>> ValidateExtendRequest(const v1::ExtendR
     for (const auto& [has, t, name] : {std::tuple{item.has_q(), &item.q(), ".q"},
                                        std::tuple{item.has_k(), &item.k(), ".k"},
                                        std::tuple{item.has_v(), &item.v(), ".v"}}) {
+      if (!has && !Appends(item) && t != &item.q()) continue;  // k and v are unused without append
       if (!has) return Invalid(field, name, " is required: a head session takes q, k and v");
       RETURN_IF_ERROR(CheckInput(*t, field + name));
     }
@@ -233,14 +246,14 @@ absl::StatusOr<ExtendPlan> ValidateExtendHeld(const v1::ExtendRequest& r, const 
     RETURN_IF_ERROR(SameCall(item, i, views[i], first));
     ASSIGN_OR_RETURN(const int64_t n, NewTokens(item, i, views[i]));
     RETURN_IF_ERROR(CheckLength(item, i, views[i], n, r.layer_index()));
-    plan.items.push_back({&item, views[i].length, n});
-    plan.reserve.push_back({item.session_id(), r.layer_index(), n});
+    plan.items.push_back({&item, views[i].length, n, Appends(item)});
+    plan.reserve.push_back({item.session_id(), r.layer_index(), Appends(item) ? n : 0});
     const v1::DataType dtype = item.has_x() ? item.x().dtype() : item.q().dtype();
     if (p.input_dtype == v1::FP32 && dtype != v1::FP32) p.input_dtype = dtype;
     p.sequences += 1;
     p.new_tokens += n;
     p.max_new_tokens = std::max(p.max_new_tokens, n);
-    p.max_length = std::max(p.max_length, views[i].length + n);
+    p.max_length = std::max(p.max_length, views[i].length + (Appends(item) ? n : 0));
   }
   if (first.layer_session) {
     absl::StatusOr<std::shared_ptr<const Layer>> layer = context.layers->Get(first.layer.name);
@@ -257,6 +270,9 @@ absl::StatusOr<ExtendPlan> ValidateExtendHeld(const v1::ExtendRequest& r, const 
                    : item0.has_x()                                 ? item0.x().dtype()
                                                                    : item0.q().dtype();
   p.return_weights = r.return_attention_weights();
+  ASSIGN_OR_RETURN(plan.stats, ValidateStats(r.return_lse(), r.return_head_stats(), r.sink_tokens(),
+                                             r.return_row_stats()));
+  p.return_stats = plan.stats.any();
   ASSIGN_OR_RETURN(plan.backend, ChooseBackend(r.backend(), context,
                                                [&p](const Backend& backend) { return backend.SupportsPaged(p); }));
 
@@ -267,8 +283,9 @@ absl::StatusOr<ExtendPlan> ValidateExtendHeld(const v1::ExtendRequest& r, const 
     response_bytes += 64 + static_cast<double>(item.new_tokens) * out_width * DTypeSize(p.output_dtype);
     if (p.return_weights) {
       response_bytes += static_cast<double>(p.heads.num_heads) * item.new_tokens *
-                        (item.length + item.new_tokens) * DTypeSize(p.output_dtype);
+                        (item.length + (item.append ? item.new_tokens : 0)) * DTypeSize(p.output_dtype);
     }
+    response_bytes += plan.stats.ResponseBytes(p.heads.num_heads, item.new_tokens);
   }
   plan.response_bytes = static_cast<int64_t>(std::min(response_bytes, 9e18));
   if (response_bytes > static_cast<double>(context.max_message_bytes)) {

@@ -37,6 +37,7 @@ struct ExtendPlan : AttentionPlan {
     const v1::ExtendItem* request = nullptr;
     int64_t length = 0;      // of the cache before the call
     int64_t new_tokens = 0;  // n
+    bool append = true;      // false: attends to the cache alone, writes nothing (ExtendItem.append)
   };
   std::vector<Item> items;
   std::vector<ReserveItem> reserve;  // what the store is asked for, one per item

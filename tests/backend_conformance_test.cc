@@ -8,6 +8,7 @@
 #include <map>
 #include <memory>
 #include <ostream>
+#include <set>
 #include <string>
 #include <thread>
 #include <tuple>
@@ -45,6 +46,7 @@ struct Case {
   bool bias = false;
   bool head_mask = false;
   bool weights = false;      // return attention weights
+  bool stats = false;        // return the softmax statistics (RowStats: lse, head statistics, contribution)
   bool value_is_key = false; // cross-attention without a value tensor (value = key)
   float scale = 0.0f;        // 0: 1/sqrt(d_k)
   double rope_theta = 0;     // RoPE's base; 0: none
@@ -113,8 +115,27 @@ class Problem {
     std::memcpy(query_.data() + index * sizeof(float), &nan, sizeof(float));
   }
 
-  // Runs the case on `backend`; returns the output and, when the case asks for them, the weights in *weights.
-  std::vector<float> Run(Backend& backend, std::vector<float>* weights) const {
+  // Runs the case on `backend`; returns the output and, when the case asks for them, the weights in *weights and
+  // the softmax statistics in *stats (lse, entropy, confidence, distance, sink, contribution: [B, H, Tq] each; no
+  // contribution for sdpa cases).
+  std::vector<float> Run(Backend& backend, std::vector<float>* weights,
+                         std::vector<std::vector<float>>* stats = nullptr) const {
+    const int64_t stat_count = shape_.batch * shape_.heads.num_heads * shape_.q_len;
+    std::vector<std::vector<float>> stats_room(c_.stats ? (c_.sdpa ? 5 : 6) : 0,
+                                               std::vector<float>(stat_count, std::nanf("")));
+    RowStats row_stats;
+    if (c_.stats) {
+      float** arrays[] = {&row_stats.lse, &row_stats.entropy, &row_stats.confidence, &row_stats.distance,
+                          &row_stats.sink, &row_stats.contribution};
+      for (size_t k = 0; k < stats_room.size(); ++k) *arrays[k] = stats_room[k].data();
+      row_stats.sink_tokens = 3;
+    }
+    std::vector<float> result = RunWith(backend, weights, row_stats);
+    if (stats != nullptr) *stats = std::move(stats_room);
+    return result;
+  }
+
+  std::vector<float> RunWith(Backend& backend, std::vector<float>* weights, const RowStats& row_stats) const {
     const AttentionShape& s = shape_;
     const int64_t out_count = c_.sdpa ? s.batch * s.q_len * s.heads.q_width() : s.batch * s.q_len * s.d_model;
     const int64_t weight_count = s.batch * s.heads.num_heads * s.q_len * s.kv_len;
@@ -143,6 +164,7 @@ class Problem {
       a.v = {value_.data(), c_.input_dtype};
       a.out = out;
       a.weights = weight_out;
+      a.stats = row_stats;
       status = backend.ScaledDotProductAttention(a);
     } else {
       MhaArgs a;
@@ -156,6 +178,7 @@ class Problem {
       a.head_mask = head_mask_;
       a.out = out;
       a.attention_weights = weight_out;
+      a.stats = row_stats;
       status = backend.MultiHeadAttention(a);
     }
     EXPECT_TRUE(status.ok()) << status;
@@ -477,6 +500,26 @@ std::vector<Case> Cases() {
   cases.push_back(WithDtypes(amx128, v1::BF16, v1::FP32));
   Case to_half = Make("mha_self", 2, 7, 7, 32, 0, 4, 4, 8);
   cases.push_back(WithDtypes(to_half, v1::FP32, v1::FP16));
+  // The softmax statistics: online (several key blocks: Tk = 1100) and exact (weights) softmaxes, natural and log2
+  // units (masks), rows that see no key, GQA, a head mask (contribution), 16-bit paths.
+  Case long_keys = Make("causal_long_keys", 2, 20, 1100, 0, 0, 4, 2, 16);
+  long_keys.sdpa = long_keys.causal = true;
+  cases.push_back(long_keys);
+  Case masked_heads = Make("cross_head_mask_bias", 2, 6, 10, 32, 32, 4, 2, 8);
+  masked_heads.bias = masked_heads.head_mask = true;
+  cases.push_back(masked_heads);
+  const std::set<std::string> with_stats = {
+      "mha_self", "gqa_self", "causal_tq_lt_tk", "key_lengths_with_zero", "additive_mask_per_batch_causal_lengths",
+      "mask_lowest_and_largest_floats", "mask_lowest_and_largest_floats_weights", "causal_long_keys",
+      "cross_head_mask_bias", "bf16_core_sdpa_dk64_masks_online_bf16_to_bf16",
+      "bf16_core_dk32_masks_weights_bf16_to_bf16", "mha_self_fp32_to_fp16"};
+  for (size_t i = 0, n = cases.size(); i < n; ++i) {
+    if (with_stats.count(cases[i].name) == 0) continue;
+    Case stats = cases[i];
+    stats.name += "_stats";
+    stats.stats = true;
+    cases.push_back(stats);
+  }
   return cases;
 }
 
@@ -528,18 +571,27 @@ TEST_P(ConformanceTest, MatchesTheReference) {
   const Problem p(c);
   std::unique_ptr<Backend> reference = *Create(std::string(kReferenceBackend));
   std::vector<float> want_weights, got_weights;
-  const std::vector<float> want = p.Run(*reference, &want_weights);
-  const std::vector<float> got = p.Run(**backend, &got_weights);
+  std::vector<std::vector<float>> want_stats, got_stats;
+  const std::vector<float> want = p.Run(*reference, &want_weights, &want_stats);
+  const std::vector<float> got = p.Run(**backend, &got_weights, &got_stats);
   EXPECT_TRUE(AllClose(got, want, c.atol, c.rtol)) << "output";
   if (c.weights) {
     EXPECT_TRUE(AllClose(got_weights, want_weights, c.atol, c.rtol)) << "attention weights";
+  }
+  // Each statistic against the reference's, computed there from the full weights; at least the fp32 paths'
+  // tolerances (lse and entropy sum roundings of every score).
+  const char* names[] = {"lse", "entropy", "confidence", "distance", "sink mass", "contribution"};
+  for (size_t k = 0; k < want_stats.size(); ++k) {
+    EXPECT_TRUE(AllClose(got_stats[k], want_stats[k], std::max(c.atol, 1e-4), std::max(c.rtol, 1e-4))) << names[k];
   }
   // Again on the same instance: what the first call left in reused scratch must not change the result.
   std::vector<float> again_weights;
   EXPECT_EQ(p.Run(**backend, &again_weights), got);
 }
 
-std::string TestName(const ::testing::TestParamInfo<ConformanceTest::ParamType>& info) {
+// "<case>_<backend label>" for the suites parameterized by (case, label), '/' made '_'.
+template <typename Param>
+std::string TestName(const ::testing::TestParamInfo<Param>& info) {
   std::string label = std::get<1>(info.param);
   for (char& ch : label) {
     if (ch == '/') ch = '_';
@@ -548,7 +600,8 @@ std::string TestName(const ::testing::TestParamInfo<ConformanceTest::ParamType>&
 }
 
 INSTANTIATE_TEST_SUITE_P(Backends, ConformanceTest,
-                         ::testing::Combine(::testing::ValuesIn(Cases()), ::testing::ValuesIn(Labels())), TestName);
+                         ::testing::Combine(::testing::ValuesIn(Cases()), ::testing::ValuesIn(Labels())),
+                         TestName<ConformanceTest::ParamType>);
 
 // ---------------------------------------------------------------------------------------------------------------
 // Sessions: Extend calls over paged caches (Backend::PagedAttention), every backend against the reference, and the
@@ -1015,17 +1068,112 @@ TEST_P(SessionReferenceTest, ExtendsEqualOneStatelessCausalCall) {
 INSTANTIATE_TEST_SUITE_P(Reference, SessionReferenceTest, ::testing::ValuesIn(SessionCases()),
                          [](const auto& info) { return info.param.name; });
 
-std::string SessionTestName(const ::testing::TestParamInfo<SessionConformanceTest::ParamType>& info) {
-  std::string label = std::get<1>(info.param);
-  for (char& ch : label) {
-    if (ch == '/') ch = '_';
-  }
-  return std::get<0>(info.param).name + "_" + label;
-}
-
 INSTANTIATE_TEST_SUITE_P(Backends, SessionConformanceTest,
                          ::testing::Combine(::testing::ValuesIn(SessionCases()), ::testing::ValuesIn(Labels())),
-                         SessionTestName);
+                         TestName<SessionConformanceTest::ParamType>);
+
+// ---------------------------------------------------------------------------------------------------------------
+// Softmax statistics of paged calls (the decode path of few rows, the gather path of many) and new tokens that
+// attend to a cache without joining it (ExtendItem.append = false), every backend against the reference.
+
+struct PagedStatsCase {
+  std::string name;
+  int64_t new_tokens;  // of the step after a 70-token prefill
+  bool append;
+  v1::DataType cache_dtype;
+  int64_t prefill = 70;  // 2000: the decode path splits the cache over the threads and merges the splits
+};
+
+std::ostream& operator<<(std::ostream& os, const PagedStatsCase& c) { return os << c.name; }
+
+// A head session (H = 4 over Hkv = 2, d_k = 16, blocks of 16 tokens) on `backend`: the case's prefill, then the
+// case's step with every statistic asked for; returns the step's output followed by its five statistics (lse,
+// entropy, confidence, distance, sink mass: [H, n] each; a head session has no contribution).
+std::vector<std::vector<float>> PagedStep(Backend& backend, const PagedStatsCase& c) {
+  PagedProblem p;
+  p.heads.num_heads = 4;
+  p.heads.num_kv_heads = 2;
+  p.heads.head_dim = 16;
+  p.heads.causal = true;
+  p.heads.scale = 0.25f;
+  p.cache = {2, 16, 16, c.cache_dtype};
+  p.input_dtype = p.output_dtype = v1::FP32;
+  TestCaches caches(p.cache);
+  const auto call = [&](int64_t n, bool append, bool stats, uint32_t seed, std::vector<std::vector<float>>* got) {
+    if (append) caches.Reserve(0, n);
+    std::vector<float> q = RandomVector(n * 64, seed, 1.0f), k = RandomVector(n * 32, seed + 1, 1.0f),
+                       v = RandomVector(n * 32, seed + 2, 1.0f), out(n * 64, std::nanf(""));
+    std::vector<std::vector<float>> stat(5, std::vector<float>(4 * n, std::nanf("")));
+    PagedSequence seq;
+    std::vector<char*> blocks = caches[0].blocks;
+    seq.blocks = blocks;
+    seq.length = caches[0].length;
+    seq.new_tokens = n;
+    seq.append = append;
+    seq.q = {q.data(), v1::FP32};
+    seq.k = {k.data(), v1::FP32};
+    seq.v = {v.data(), v1::FP32};
+    seq.out = {out.data(), v1::FP32};
+    if (stats) {
+      seq.stats = {stat[0].data(), stat[1].data(), stat[2].data(), stat[3].data(), stat[4].data(), nullptr, 3};
+    }
+    PagedArgs args;
+    args.problem = p;
+    args.problem.return_stats = stats;
+    args.problem.sequences = 1;
+    args.problem.new_tokens = args.problem.max_new_tokens = n;
+    args.problem.max_length = seq.Keys();
+    args.sequences = absl::MakeConstSpan(&seq, 1);
+    const absl::Status status = backend.PagedAttention(args);
+    EXPECT_TRUE(status.ok()) << status;
+    if (append) caches[0].length += n;
+    if (got != nullptr) {
+      got->push_back(out);
+      for (auto& s : stat) got->push_back(s);
+    }
+  };
+  call(c.prefill, true, false, 31, nullptr);
+  std::vector<std::vector<float>> got;
+  call(c.new_tokens, c.append, true, 41, &got);
+  EXPECT_EQ(caches[0].length, c.prefill + (c.append ? c.new_tokens : 0)) << "the cache's length after the step";
+  return got;
+}
+
+class PagedStatsTest : public ::testing::TestWithParam<std::tuple<PagedStatsCase, std::string>> {};
+
+TEST_P(PagedStatsTest, MatchesTheReference) {
+  const PagedStatsCase& c = std::get<0>(GetParam());
+  const std::string& label = std::get<1>(GetParam());
+  absl::StatusOr<std::unique_ptr<Backend>> backend = Create(label);
+  if (absl::IsUnavailable(backend.status())) GTEST_SKIP() << label << ": " << backend.status().message();
+  ASSERT_TRUE(backend.ok()) << backend.status();
+  PagedProblem probe;
+  probe.heads.num_heads = 4;
+  probe.heads.num_kv_heads = 2;
+  probe.heads.head_dim = 16;
+  probe.cache = {2, 16, 16, c.cache_dtype};
+  probe.return_stats = true;
+  if (absl::Status supported = (*backend)->SupportsPaged(probe); !supported.ok()) {
+    GTEST_SKIP() << label << ": " << supported.message();
+  }
+  std::unique_ptr<Backend> reference = *Create(std::string(kReferenceBackend));
+  const std::vector<std::vector<float>> want = PagedStep(*reference, c), got = PagedStep(**backend, c);
+  ASSERT_EQ(got.size(), want.size());
+  const double tolerance = c.cache_dtype == v1::FP32 ? 1e-4 : 3e-2;
+  const char* names[] = {"output", "lse", "entropy", "confidence", "distance", "sink mass"};
+  for (size_t k = 0; k < want.size(); ++k) EXPECT_TRUE(AllClose(got[k], want[k], tolerance, tolerance)) << names[k];
+}
+
+std::vector<PagedStatsCase> PagedStatsCases() {
+  return {{"decode_step", 1, true, v1::FP32},          {"decode_step_bf16_cache", 1, true, v1::BF16},
+          {"chunk_gather_path", 20, true, v1::FP32},   {"decode_without_append", 1, false, v1::FP32},
+          {"chunk_without_append", 20, false, v1::FP32}, {"decode_without_append_bf16", 2, false, v1::BF16},
+          {"decode_split_cache", 1, true, v1::FP32, 2000}, {"decode_split_cache_without_append", 1, false, v1::BF16, 2000}};
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, PagedStatsTest,
+                         ::testing::Combine(::testing::ValuesIn(PagedStatsCases()), ::testing::ValuesIn(Labels())),
+                         TestName<PagedStatsTest::ParamType>);
 
 // Properties of the interface rather than of one case, for every backend.
 class BackendContractTest : public ::testing::TestWithParam<std::string> {

@@ -84,6 +84,47 @@ TEST_F(ServiceTest, InlineWeightsCpuMatchesReference) {
                        1e-6, 1e-4));
 }
 
+TEST_F(ServiceTest, StatisticsComeShapedAndOnlyWhenAskedFor) {
+  v1::MultiHeadAttentionRequest request = ValidRequest();
+  v1::MultiHeadAttentionResponse plain;
+  ASSERT_TRUE(Call(request, &plain).ok());
+  EXPECT_FALSE(plain.has_lse());
+  EXPECT_FALSE(plain.has_head_stats());
+  request.set_return_lse(true);
+  request.set_return_head_stats(true);
+  request.set_return_row_stats(true);
+  v1::MultiHeadAttentionResponse cpu, reference;
+  ASSERT_TRUE(Call(request, &cpu).ok());
+  request.set_backend(v1::BACKEND_REFERENCE);
+  ASSERT_TRUE(Call(request, &reference).ok());
+  EXPECT_THAT(cpu.lse().shape(), ::testing::ElementsAre(kBatch, kHeads, kLen));
+  EXPECT_EQ(cpu.lse().dtype(), v1::FP32);
+  EXPECT_TRUE(AllClose(TensorToFloats(cpu.lse()), TensorToFloats(reference.lse()), 1e-5, 1e-4));
+  EXPECT_EQ(cpu.head_stats().entropy_size(), kBatch * kHeads);
+  EXPECT_EQ(cpu.head_stats().contribution_size(), kBatch * kHeads);
+  EXPECT_EQ(cpu.row_stats().distance_size(), kBatch * kHeads * kLen);
+  EXPECT_TRUE(AllClose({cpu.head_stats().normalized_entropy().begin(), cpu.head_stats().normalized_entropy().end()},
+                       {reference.head_stats().normalized_entropy().begin(),
+                        reference.head_stats().normalized_entropy().end()},
+                       1e-5, 1e-4));
+  // The output is unchanged by asking.
+  EXPECT_EQ(cpu.output().data(), plain.output().data());
+}
+
+TEST_F(ServiceTest, StatisticsOptionsAreValidated) {
+  v1::MultiHeadAttentionRequest request = ValidRequest();
+  request.set_sink_tokens(-1);
+  v1::MultiHeadAttentionResponse response;
+  grpc::Status status = Call(request, &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(status.error_message(), ::testing::HasSubstr("sink_tokens"));
+  request.set_sink_tokens(0);
+  request.set_return_row_stats(true);
+  status = Call(request, &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(status.error_message(), ::testing::HasSubstr("return_row_stats needs return_head_stats"));
+}
+
 TEST_F(ServiceTest, AutoBackendIsTheCpuWithoutAGpu) {
   v1::MultiHeadAttentionRequest request;
   SetTensor(request.mutable_query(), {1, 4, 512}, 7);

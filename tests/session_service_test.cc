@@ -211,6 +211,46 @@ TEST_F(SessionServiceTest, WeightsCoverTheWholeCache) {
   EXPECT_FLOAT_EQ(w[7], 0.0f);  // token 6 does not see token 7
 }
 
+TEST_F(SessionServiceTest, WithoutAppendTokensAttendToTheCacheAndLeaveIt) {
+  const std::string id = Created(HeadSession());
+  ASSERT_TRUE(Extend(ExtendOf({QkvItem(id, 6)})).ok());
+  v1::ExtendItem item = QkvItem(id, 2);
+  item.set_append(false);
+  item.clear_k();  // unused without append
+  item.clear_v();
+  v1::ExtendRequest r = ExtendOf({item});
+  r.set_return_attention_weights(true);
+  r.set_return_lse(true);
+  r.set_return_head_stats(true);
+  v1::ExtendResponse response;
+  ASSERT_TRUE(Extend(r, &response).ok());
+  EXPECT_EQ(response.results(0).length(), 6);
+  EXPECT_EQ(Length(id), 6);
+  EXPECT_THAT(response.results(0).attention_weights().shape(), ::testing::ElementsAre(4, 2, 6));
+  EXPECT_THAT(response.results(0).lse().shape(), ::testing::ElementsAre(4, 2));
+  EXPECT_EQ(response.results(0).head_stats().entropy_size(), 4);
+  EXPECT_EQ(response.results(0).head_stats().contribution_size(), 0);  // a head session has no W_O
+  // Both new tokens see all six cached keys, and read them from position 6 and 7: the second one further back.
+  const std::vector<float> w = TensorToFloats(response.results(0).attention_weights());
+  float row0 = 0, row1 = 0;
+  for (int j = 0; j < 6; ++j) {
+    row0 += w[j];
+    row1 += w[6 + j];
+  }
+  EXPECT_NEAR(row0, 1.0f, 1e-5);
+  EXPECT_NEAR(row1, 1.0f, 1e-5);
+}
+
+TEST_F(SessionServiceTest, WithoutAppendAnEmptyCacheIsAFailedPrecondition) {
+  const std::string id = Created(HeadSession());
+  v1::ExtendItem item = QkvItem(id, 1);
+  item.set_append(false);
+  ExpectError(Extend(ExtendOf({item})), grpc::StatusCode::FAILED_PRECONDITION, "append=false");
+  v1::ExtendRequest r = ExtendOf({QkvItem(id, 1)});
+  r.set_sink_tokens(2000000);
+  ExpectError(Extend(r), grpc::StatusCode::INVALID_ARGUMENT, "sink_tokens");
+}
+
 TEST_F(SessionServiceTest, CreateErrorsNameTheField) {
   v1::CreateSessionRequest neither;
   ExpectError(Create(neither), grpc::StatusCode::INVALID_ARGUMENT, "layers or heads is required");

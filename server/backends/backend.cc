@@ -14,6 +14,14 @@ absl::Status Backend::SupportsPaged(const PagedProblem&) const {
 
 absl::Status Backend::PagedAttention(const PagedArgs& args) { return SupportsPaged(args.problem); }
 
+RowStats RowStats::At(int64_t offset) const {
+  RowStats at = *this;
+  for (float** array : {&at.lse, &at.entropy, &at.confidence, &at.distance, &at.sink, &at.contribution}) {
+    if (*array != nullptr) *array += offset;
+  }
+  return at;
+}
+
 absl::Status CheckPagedArgs(const PagedArgs& args) {
   const PagedProblem& p = args.problem;
   const KvCacheLayout& c = p.cache;
@@ -22,12 +30,13 @@ absl::Status CheckPagedArgs(const PagedArgs& args) {
   }
   for (size_t i = 0; i < args.sequences.size(); ++i) {
     const PagedSequence& seq = args.sequences[i];
-    const int64_t tokens = seq.length + seq.new_tokens;
+    const int64_t tokens = seq.Keys();
     const bool inputs = p.d_model > 0 ? seq.x.data != nullptr
-                                      : seq.q.data != nullptr && seq.k.data != nullptr && seq.v.data != nullptr;
+                                      : seq.q.data != nullptr &&
+                                            (!seq.append || (seq.k.data != nullptr && seq.v.data != nullptr));
     if (seq.new_tokens < 1 || seq.length < 0 || !inputs || !seq.out.requested() ||
         static_cast<int64_t>(seq.blocks.size()) * c.block_tokens < tokens ||
-        (p.return_weights != seq.weights.requested())) {
+        (p.return_weights != seq.weights.requested()) || (p.return_stats != seq.stats.any())) {
       return absl::InternalError(absl::StrCat("paged call: sequence ", i, " is malformed (", seq.blocks.size(),
                                               " blocks for ", tokens, " tokens)"));
     }

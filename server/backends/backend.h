@@ -49,13 +49,34 @@ struct MutableTensor {
   bool requested() const { return data != nullptr; }
 };
 
+// Softmax statistics per query row (attention.proto's lse and HeadStats), which the attention kernels compute from
+// the running max and sum they keep: fp32 arrays of one value per (batch item, head, query row), [B, H, Tq] (a
+// paged sequence's [H, n]), each null when not asked for. A row with no visible key gets lse -inf and 0 for the
+// rest. lse alone may be asked for; entropy, confidence, distance and sink come together; contribution only with
+// W_O (MultiHeadAttention, layer sessions).
+struct RowStats {
+  float* lse = nullptr;           // natural log of sum_j exp(s_j) over the visible scaled, masked scores s_j
+  float* entropy = nullptr;       // -sum_j p_j ln p_j
+  float* confidence = nullptr;    // max_j p_j
+  float* distance = nullptr;      // sum_j p_j |pos - j|, pos the query's position (bottom-right aligned)
+  float* sink = nullptr;          // sum over j < sink_tokens of p_j
+  float* contribution = nullptr;  // ||head W_O[h]|| / ||output row|| (0 for a zero output row)
+  int64_t sink_tokens = 4;
+
+  bool any() const { return lse != nullptr || entropy != nullptr || contribution != nullptr; }
+  bool softmax() const { return lse != nullptr || entropy != nullptr; }  // the kernels' part
+  // The same arrays for the rows from `offset` on.
+  RowStats At(int64_t offset) const;
+};
+
 // What a backend is asked to compute, as far as choosing and sizing the work goes: the shape, the activations'
-// wire dtype, the requested output dtype, and whether attention weights are returned.
+// wire dtype, the requested output dtype, and whether attention weights and softmax statistics are returned.
 struct AttentionProblem {
   AttentionShape shape;
   v1::DataType input_dtype = v1::FP32;
   v1::DataType output_dtype = v1::FP32;
   bool return_weights = false;
+  bool return_stats = false;  // lse or head statistics (RowStats)
 };
 
 // Masks beyond causal; all optional and borrowed for the duration of one call.
@@ -87,6 +108,7 @@ struct SdpaArgs {
   ConstTensor v;          // [B, Tk, Hkv, d_k]
   MutableTensor out;      // [B, Tq, H, d_k]
   MutableTensor weights;  // [B, H, Tq, Tk], when requested
+  RowStats stats;         // [B, H, Tq] each, when requested (no contribution)
 };
 
 // fp32 projection weights in host memory, Y = X W convention (W is [in, out] row-major, row stride ld_*). Borrowed.
@@ -129,6 +151,7 @@ struct MhaArgs {
   absl::Span<const float> head_mask;  // empty, or H factors applied to each head's attention output
   MutableTensor out;                  // [B, Tq, d_model]
   MutableTensor attention_weights;    // [B, H, Tq, Tk], when requested
+  RowStats stats;                     // [B, H, Tq] each, when requested
 };
 
 // A session's KV cache as the kernels read it (the session store owns the blocks and lends them for one call): the
@@ -151,7 +174,8 @@ struct KvCacheLayout {
 };
 
 // One session's part of a paged call: n new tokens appended at positions length..length+n-1, each attending to
-// positions 0..length+i of its cache (causal within the new tokens, bottom-right aligned).
+// positions 0..length+i of its cache (causal within the new tokens, bottom-right aligned); or, without `append`,
+// n tokens at positions length..length+n-1 that attend to positions 0..length-1 alone and are not written.
 struct PagedSequence {
   // blocks[b] holds tokens [b block_tokens, (b + 1) block_tokens), for every token below length + n. The backend
   // writes the new tokens' keys and values (after RoPE, rounded to the cache's dtype) into their slots, which
@@ -162,7 +186,10 @@ struct PagedSequence {
   ConstTensor x;                 // a layer's input [n, d_model]
   ConstTensor q, k, v;           // or projected q [n, H, d_k], k and v [n, Hkv, d_k]
   MutableTensor out;             // [n, d_model] with a layer, else [n, H, d_k]
-  MutableTensor weights;         // [H, n, length + n], when requested
+  MutableTensor weights;         // [H, n, length + n] ([H, n, length] without append), when requested
+  RowStats stats;                // [H, n] each, when requested
+  bool append = true;
+  int64_t Keys() const { return append ? length + new_tokens : length; }  // visible to the last new token
 };
 
 // What a paged call is, as far as choosing and sizing the work goes.
@@ -173,6 +200,7 @@ struct PagedProblem {
   v1::DataType input_dtype = v1::FP32;
   v1::DataType output_dtype = v1::FP32;
   bool return_weights = false;
+  bool return_stats = false;   // lse or head statistics
   int64_t sequences = 0;
   int64_t new_tokens = 0;      // over all sequences
   int64_t max_new_tokens = 0;  // of one sequence
@@ -245,6 +273,9 @@ class Backend {
 // j > i + Tk - Tq) and key_lengths leave visible to query i of batch item b: keys [0, n) may be visible (the
 // additive mask can still hide some), keys >= n are not. Between 0 and Tk. Shared by every backend so the rule
 // lives in one place.
+// The number of keys a row of a paged sequence's new token i sees.
+inline int64_t PagedVisibleKeys(const PagedSequence& seq, int64_t i) { return seq.append ? seq.length + i + 1 : seq.length; }
+
 inline int64_t VisibleKeyCount(const AttentionShape& shape, const AttentionMask& mask, int64_t b, int64_t i) {
   int64_t n = shape.kv_len;
   if (shape.heads.causal) n = std::min<int64_t>(n, std::max<int64_t>(0, i + (shape.kv_len - shape.q_len) + 1));

@@ -266,7 +266,7 @@ absl::StatusOr<ExtendReservation> SessionStore::Reserve(absl::Span<const Reserve
     const int64_t tb = cache.layout.block_tokens, bytes = cache.layout.BlockBytes();
     ExtendReservation::Item item{want.id, want.cache, cache.length, want.new_tokens, cache.blocks, {}, nullptr};
     // The new tokens' first slots lie in the last block when it is partly filled: a shared one is copied first.
-    if (cache.length % tb != 0 && pool_.RefCount(cache.blocks.back()) > 1) {
+    if (want.new_tokens > 0 && cache.length % tb != 0 && pool_.RefCount(cache.blocks.back()) > 1) {
       char* copy = AllocateEvicting(bytes);
       if (copy == nullptr) {
         needed = 1 + CeilDiv(cache.length + want.new_tokens, tb) - static_cast<int64_t>(cache.blocks.size());

@@ -264,6 +264,54 @@ void BM_AttentionCore(benchmark::State& state, Shape shape, bool with_weights) {
   TimeAgainstPeak(state, AttentionFlops(args.shape), [&] { return (*backend)->ScaledDotProductAttention(args); });
 }
 
+// What the softmax statistics cost (attention.proto's return_lse and return_head_stats): the attention core alone
+// (fused kernels) and the layer (whose head statistics add the heads' contributions, one product per head), with
+// none, lse only, or every statistic, registered next to each other so that they run in the same minute.
+enum class Stats { kNone, kLse, kAll };
+
+void BM_Statistics(benchmark::State& state, Shape shape, bool layer, Stats stats) {
+  auto backend = CpuBackend::Create();
+  if (!backend.ok()) {
+    state.SkipWithError("no oneDNN CPU engine");
+    return;
+  }
+  const int64_t rows = shape.batch * shape.heads * shape.q_len;
+  std::vector<std::vector<float>> arrays(6, std::vector<float>(rows));
+  RowStats row_stats;
+  if (stats != Stats::kNone) row_stats.lse = arrays[0].data();
+  if (stats == Stats::kAll) {
+    row_stats.entropy = arrays[1].data();
+    row_stats.confidence = arrays[2].data();
+    row_stats.distance = arrays[3].data();
+    row_stats.sink = arrays[4].data();
+    if (layer) row_stats.contribution = arrays[5].data();
+  }
+  if (layer) {
+    Problem problem(shape, /*with_weights=*/false);
+    MhaArgs args = problem.Args();
+    args.stats = row_stats;
+    if (!(*backend)->MultiHeadAttention(args).ok()) {
+      state.SkipWithError("backend failed");
+      return;
+    }
+    TimeAgainstPeak(state, Flops(shape), [&] { return (*backend)->MultiHeadAttention(args); });
+    return;
+  }
+  SdpaArgs args;
+  args.shape = ToShape(shape, /*with_projections=*/false);
+  CoreOperands operands(shape);
+  std::vector<float> out(operands.q.size());
+  args.q = {operands.q.data(), v1::FP32};
+  args.k = args.v = {operands.kv.data(), v1::FP32};
+  args.out = {out.data(), v1::FP32};
+  args.stats = row_stats;
+  if (!(*backend)->ScaledDotProductAttention(args).ok()) {
+    state.SkipWithError("backend failed");
+    return;
+  }
+  TimeAgainstPeak(state, AttentionFlops(args.shape), [&] { return (*backend)->ScaledDotProductAttention(args); });
+}
+
 // The attention core alone on bf16 Q, K, V and output: on the bf16 set (kBf16: amx or avx512bf16, where the CPU
 // has one) or the fp32 tiles (kFp32), in the same run.
 void BM_AttentionCoreBf16(benchmark::State& state, Shape shape, Bf16Path path) {
@@ -424,6 +472,20 @@ int main(int argc, char** argv) {
     benchmark::RegisterBenchmark(("bf16_matmul_" + shape.name).c_str(), BM_Bf16Matmul, shape)
         ->Unit(benchmark::kMillisecond)
         ->UseRealTime();
+  }
+  // The statistics' cost: core and layer at two shapes, off / lse / all side by side.
+  for (const Shape& shape : Shapes()) {
+    if (shape.name != "b8_t512_d512_h8" && shape.name != "b1_t2048_d1024_h16_causal") continue;
+    for (bool layer : {false, true}) {
+      for (const auto& [stats, name] :
+           {std::pair{Stats::kNone, "off"}, std::pair{Stats::kLse, "lse"}, std::pair{Stats::kAll, "all"}}) {
+        benchmark::RegisterBenchmark(
+            (std::string(layer ? "stats_layer_" : "stats_core_") + shape.name + "/" + name).c_str(), BM_Statistics,
+            shape, layer, stats)
+            ->Unit(benchmark::kMillisecond)
+            ->UseRealTime();
+      }
+    }
   }
   benchmark::Initialize(&argc, argv);
   benchmark::RunSpecifiedBenchmarks();

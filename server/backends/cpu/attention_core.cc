@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "server/backends/row_stats.h"
 
 namespace mha::cpu {
 namespace {
@@ -70,6 +71,7 @@ struct TileScratch {
   ScratchVector<float> accumulator;  // [panel, d_k]
   ScratchVector<float> row_max, row_sum, row_factor;  // [panel]
   ScratchVector<int64_t> visible, block_visible;      // [panel]: keys each row sees, in all and in this block
+  ScratchVector<float> stats_acc, query_pos;          // softmax statistics: [row_block, kStatsPerRow], [row_block]
 };
 
 TileScratch& ThreadTileScratch() {
@@ -128,9 +130,9 @@ struct Item {
 class Worker {
  public:
   Worker(const kernels::TileKernels& tiles, const AttentionShape& s, const AttentionMask& mask, const CorePlan& plan,
-         Packed q, Packed k, Packed v, PackedOut out, float* weights)
+         Packed q, Packed k, Packed v, PackedOut out, float* weights, const RowStats& stats, int64_t position_shift)
       : tiles_(tiles), s_(s), mask_(mask), plan_(plan), q_(q), k_(k), v_(v), out_(out),
-        weights_(weights) {
+        weights_(weights), stats_(stats), position_shift_(position_shift) {
     // Sized to the problem, not the tile constants, so a short sequence with a huge head_dim stays small.
     TileScratch& t = ThreadTileScratch();
     const int64_t panel = plan.panel, dk = s.heads.head_dim;
@@ -145,6 +147,11 @@ class Worker {
     if (weights == nullptr) scores_ = Grown(t.scores, panel * plan.key_block);
     // With weights, the accumulator stages a panel's bf16 output.
     if (weights == nullptr || out.bf16 != nullptr) acc_ = Grown(t.accumulator, plan.row_block * dk);
+    // lse alone comes from the plain kernels' max and sum; the other statistics need the stats kernels.
+    if (stats.entropy != nullptr) {
+      stats_acc_ = Grown(t.stats_acc, plan.row_block * kernels::kStatsPerRow);
+      query_pos_ = Grown(t.query_pos, plan.row_block);
+    }
   }
 
   Item Locate(int64_t item) const {
@@ -167,6 +174,11 @@ class Worker {
     const float* additive = mask_.additive == nullptr ? nullptr
                             : mask_.additive + (mask_.additive_per_batch ? it.b * Tq * Tk : 0) + it.i0 * Tk;
     for (int64_t r = 0; r < it.rows; ++r) visible_[r] = VisibleKeyCount(s_, mask_, it.b, it.i0 + r);
+    stats_row_ = (it.b * s_.heads.num_heads + it.h) * Tq + it.i0;
+    if (stats_acc_ != nullptr) {
+      for (int64_t r = 0; r < it.rows; ++r) query_pos_[r] = static_cast<float>(it.i0 + r + Tk - Tq + position_shift_);
+      std::fill_n(stats_acc_, it.rows * kernels::kStatsPerRow, 0.0f);
+    }
     const int64_t out = (it.b * Tq + it.i0) * out_.row_stride + it.h * dk;  // the item's first output element
     if (weights_ == nullptr) {
       OnlineSoftmaxItem(it.rows, additive, out, prefetch);
@@ -255,7 +267,13 @@ class Worker {
     if (additive != nullptr) {
       for (int64_t r = 0; r < rows; ++r) tiles_.add(visible[r], additive + r * Tk, p + r * Tk);
     }
-    tiles_.softmax(rows, Tk, visible, p, Tk, plan_.log2_units);
+    if (stats_.softmax()) {  // the exact softmax's stats kernel gives lse too
+      tiles_.softmax_stats(rows, Tk, visible, p, Tk, plan_.log2_units, StatsBlock(p0, 0), row_max_ + p0,
+                           row_sum_ + p0);
+      for (int64_t r = p0; r < p0 + rows; ++r) FinishStats(r);
+    } else {
+      tiles_.softmax(rows, Tk, visible, p, Tk, plan_.log2_units);
+    }
     const int64_t ldo = out_.row_stride;
     if (keys > 0 && out_.bf16 == nullptr) {
       tiles_.values(rows, keys, dk, p, Tk, values_, plan_.v_panel_stride, /*o_scale=*/nullptr, out_.data + out, ldo);
@@ -294,8 +312,13 @@ class Worker {
             tiles_.add(block_visible_[r], additive + (p0 + r) * Tk + j0, scores_ + r * key_block);
           }
         }
-        tiles_.online_softmax(panel_rows, n, block_visible_, scores_, key_block, row_max_ + p0, row_sum_ + p0,
-                              row_factor_, plan_.log2_units);
+        if (stats_.entropy != nullptr) {
+          tiles_.online_softmax_stats(panel_rows, n, block_visible_, scores_, key_block, row_max_ + p0,
+                                      row_sum_ + p0, row_factor_, plan_.log2_units, StatsBlock(p0, j0));
+        } else {
+          tiles_.online_softmax(panel_rows, n, block_visible_, scores_, key_block, row_max_ + p0, row_sum_ + p0,
+                                row_factor_, plan_.log2_units);
+        }
         // A panel's first block writes its accumulator; later ones rescale it by each row's factor and add.
         tiles_.values(panel_rows, n, dk, scores_, key_block,
                       values_ + j0 * tiles_.value_panel / tiles_.elements_per_float, plan_.v_panel_stride,
@@ -309,7 +332,29 @@ class Worker {
       // NaN.
       const bool any = row_sum_[r] != 0.0f;
       StoreRow(out + r * out_.row_stride, any ? acc_ + r * dk : nullptr, any ? 1.0f / row_sum_[r] : 0.0f);
+      if (stats_.softmax()) FinishStats(r);
     }
+  }
+
+  // The statistics' view of the current item's rows from p0 on, for a block of keys from first_key on.
+  // (The exact softmax asks for it with lse alone too: its scratch is then the panel's.)
+  kernels::SoftmaxStatsBlock StatsBlock(int64_t p0, int64_t first_key) {
+    if (stats_acc_ == nullptr) {
+      TileScratch& t = ThreadTileScratch();
+      stats_acc_ = Grown(t.stats_acc, plan_.row_block * kernels::kStatsPerRow);
+      query_pos_ = Grown(t.query_pos, plan_.row_block);
+      std::fill_n(query_pos_, plan_.row_block, 0.0f);
+    }
+    return {first_key, query_pos_ + p0, stats_.sink_tokens, stats_acc_ + p0 * kernels::kStatsPerRow,
+            mask_.additive != nullptr};
+  }
+
+  // Writes the current item's row r's statistics from its max, sum and accumulators (zeros for lse alone).
+  void FinishStats(int64_t r) const {
+    const float zeros[kernels::kStatsPerRow] = {};
+    const float* acc = stats_.entropy != nullptr ? stats_acc_ + r * kernels::kStatsPerRow : zeros;
+    const RowSums sums{row_max_[r], row_sum_[r], acc[0], acc[1], acc[2]};
+    WriteRowStats(stats_, stats_row_ + r, sums, plan_.log2_units ? M_LN2 : 1.0);
   }
 
   const kernels::TileKernels& tiles_;
@@ -319,6 +364,11 @@ class Worker {
   const Packed q_, k_, v_;
   const PackedOut out_;
   float* const weights_;
+  const RowStats stats_;
+  const int64_t position_shift_;
+  float* stats_acc_ = nullptr;  // when stats_.softmax()
+  float* query_pos_ = nullptr;
+  int64_t stats_row_ = 0;  // the current item's first row in stats_' arrays
   float *row_max_, *row_sum_, *row_factor_, *queries_, *keys_t_, *values_;
   float* scores_ = nullptr;
   float* acc_ = nullptr;
@@ -329,7 +379,8 @@ class Worker {
 }  // namespace
 
 absl::Status Attend(const kernels::TileKernels& tiles, const AttentionShape& shape, const AttentionMask& mask,
-                    Packed q, Packed k, Packed v, PackedOut out, float* weights, const StopSignal* stop) {
+                    Packed q, Packed k, Packed v, PackedOut out, float* weights, const StopSignal* stop,
+                    const RowStats& stats, int64_t position_shift) {
   const bool bf16 = q.bf16 != nullptr;
   if ((k.bf16 != nullptr) != bf16 || (v.bf16 != nullptr) != bf16 ||
       ((bf16 || out.bf16 != nullptr) && tiles.elements_per_float != 2)) {
@@ -345,7 +396,7 @@ absl::Status Attend(const kernels::TileKernels& tiles, const AttentionShape& sha
   std::atomic<bool> stopped{false};
 #pragma omp parallel
   {
-    Worker worker(tiles, shape, mask, plan, q, k, v, out, weights);
+    Worker worker(tiles, shape, mask, plan, q, k, v, out, weights, stats, position_shift);
     // Runs of `plan.run` consecutive items are claimed from a shared counter, as schedule(dynamic) would. A thread
     // claims one run ahead, so that while it computes a run it knows the next one and prefetches its inputs.
     int64_t first = next_run.fetch_add(1) * plan.run, item = first, end = std::min(first + plan.run, plan.items);
@@ -379,7 +430,8 @@ int64_t AttendScratchBytesPerThread(const kernels::TileKernels& tiles, const Att
   AttentionMask no_mask;
   const CorePlan p = PlanBlocks(tiles, shape, no_mask, 1);
   const int64_t dk = shape.heads.head_dim;
-  const int64_t floats = 2 * p.row_block * dk + p.kt_size + p.v_size + p.panel * (p.key_block + 1) + 2 * p.row_block;
+  const int64_t floats = 2 * p.row_block * dk + p.kt_size + p.v_size + p.panel * (p.key_block + 1) +
+                         (3 + kernels::kStatsPerRow) * p.row_block;
   return floats * static_cast<int64_t>(sizeof(float)) +
          (p.row_block + p.panel) * static_cast<int64_t>(sizeof(int64_t));
 }

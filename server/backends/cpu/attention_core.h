@@ -50,8 +50,11 @@ struct PackedOut {
 // before each work item; once it says stop, the remaining items are skipped and its status returned. Q, K and V are
 // either all fp32 or all bf16, and bf16 (inputs or output) only with a bf16 set (tiles.elements_per_float == 2);
 // else INVALID_ARGUMENT.
+// When stats.softmax(), also writes each row's softmax statistics into stats' [B, H, Tq] arrays (not
+// contribution), query i at position i + Tk - Tq + position_shift.
 absl::Status Attend(const kernels::TileKernels& tiles, const AttentionShape& shape, const AttentionMask& mask,
-                    Packed q, Packed k, Packed v, PackedOut out, float* weights, const StopSignal* stop);
+                    Packed q, Packed k, Packed v, PackedOut out, float* weights, const StopSignal* stop,
+                    const RowStats& stats = {}, int64_t position_shift = 0);
 
 // Scratch a thread keeps for its next call, per buffer: the backend's projections (enough for B T = 4096 tokens
 // of width 4096) and the attention core's packed K and V (Tk = 65536 keys at d_k = 64). Larger buffers are freed

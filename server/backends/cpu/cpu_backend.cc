@@ -177,6 +177,10 @@ absl::StatusOr<cpu::PagedQkv> ProjectPaged(const PagedArgs& a, const cpu::PagedR
         float* to;
         int64_t width;
       } parts[] = {{seq.q, out.q + r0 * qw, qw}, {seq.k, out.k + r0 * kvw, kvw}, {seq.v, out.v + r0 * kvw, kvw}};
+      // Without append, k and v may be absent (and are unused); zeros stand in.
+      for (int part = 1; part < 3; ++part) {
+        if (parts[part].from.data == nullptr) std::fill_n(parts[part].to, seq.new_tokens * parts[part].width, 0.0f);
+      }
       // A prefill's rows are megabytes: decoded on the call's threads, a piece each.
       constexpr int64_t kPieceRows = 64;
       const int64_t pieces = (seq.new_tokens + kPieceRows - 1) / kPieceRows;
@@ -185,6 +189,7 @@ absl::StatusOr<cpu::PagedQkv> ProjectPaged(const PagedArgs& a, const cpu::PagedR
         for (int64_t piece = 0; piece < pieces; ++piece) {
           const int64_t first = piece * kPieceRows, count = std::min(kPieceRows, seq.new_tokens - first);
           const int64_t width = parts[part].width;
+          if (parts[part].from.data == nullptr) continue;
           DecodeToFloat(parts[part].from.dtype,
                         static_cast<const char*>(parts[part].from.data) +
                             first * width * static_cast<int64_t>(DTypeSize(parts[part].from.dtype)),
@@ -214,6 +219,54 @@ absl::StatusOr<cpu::PagedQkv> ProjectPaged(const PagedArgs& a, const cpu::PagedR
   if (status.ok()) status = Linear(x, n, p.d_model, p.d_model, w.w_v, w.ld_v, w.b_v, kvw, out.v, kvw, stop);
   if (!status.ok()) return status;
   return out;
+}
+
+// Squared norms of rows of a [rows, n] product, in double.
+void RowSquares(const float* y, int64_t rows, int64_t n, int64_t ld, float* out) {
+#pragma omp parallel for schedule(static) if (rows * n > (1 << 16))
+  for (int64_t r = 0; r < rows; ++r) {
+    double sum = 0;
+    for (int64_t c = 0; c < n; ++c) sum += static_cast<double>(y[r * ld + c]) * y[r * ld + c];
+    out[r] = static_cast<float>(sum);
+  }
+}
+
+// contribution[(b H + h) Tq + i] = ||heads[b Tq + i, head h] W_O[h]|| / ||out[b Tq + i]|| (0 for a zero output
+// row), heads fp32 [B Tq, H d_k] after the head mask, out fp32 [B Tq, d_model]. For many rows through each head's
+// Gram matrix G = W_O[h] W_O[h]^T (d_k x d_k): ||x W||^2 = x G x^T costs d_k^2 per row instead of d_k d_model; for
+// few rows (a decode step) G would cost more than the rows, so the product itself.
+absl::Status HeadContributions(const HeadSpec& h, int64_t batch, int64_t q_len, int64_t d_model, const float* heads,
+                               const float* w_o, const float* out, float* contribution, const StopSignal* stop) {
+  const int64_t rows = batch * q_len, dk = h.head_dim, qw = h.q_width();
+  const bool gram = rows > dk;
+  std::vector<float> out_square(rows), square(rows), term(rows * (gram ? dk : d_model)), g(gram ? dk * dk : 0);
+  RowSquares(out, rows, d_model, d_model, out_square.data());
+  for (int64_t head = 0; head < h.num_heads; ++head) {
+    if (stop != nullptr) RETURN_IF_ERROR(stop->Check());
+    const float* x = heads + head * dk;
+    const float* w = w_o + head * dk * d_model;
+    if (gram) {
+      dnnl_status_t status = dnnl_sgemm('N', 'T', dk, dk, d_model, 1.0f, w, d_model, w, d_model, 0.0f, g.data(), dk);
+      if (status == dnnl_success) {
+        status = dnnl_sgemm('N', 'N', rows, dk, dk, 1.0f, x, qw, g.data(), dk, 0.0f, term.data(), dk);
+      }
+      if (status != dnnl_success) return absl::InternalError("oneDNN sgemm failed in the head contributions");
+#pragma omp parallel for schedule(static) if (rows * dk > (1 << 16))
+      for (int64_t r = 0; r < rows; ++r) {
+        double sum = 0;
+        for (int64_t c = 0; c < dk; ++c) sum += static_cast<double>(x[r * qw + c]) * term[r * dk + c];
+        square[r] = static_cast<float>(std::max(sum, 0.0));
+      }
+    } else {
+      RETURN_IF_ERROR(Linear(x, rows, dk, qw, w, d_model, nullptr, d_model, term.data(), d_model, nullptr));
+      RowSquares(term.data(), rows, d_model, d_model, square.data());
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      contribution[((r / q_len) * h.num_heads + head) * q_len + r % q_len] =
+          out_square[r] > 0 ? std::sqrt(square[r] / out_square[r]) : 0.0f;
+    }
+  }
+  return absl::OkStatus();
 }
 
 // RoPE on each sequence's new q and k rows at their cache positions.
@@ -385,7 +438,8 @@ absl::Status CpuBackend::ScaledDotProductAttention(const SdpaArgs& a) {
     RotateStateless(s, q_in, k_in);
   }
   absl::Status status =
-      cpu::Attend(tiles, s, a.mask, q_in, k_in, packed(v, a.v, h.kv_width()), packed_out, weights.data(), stop);
+      cpu::Attend(tiles, s, a.mask, q_in, k_in, packed(v, a.v, h.kv_width()), packed_out, weights.data(), stop,
+                  a.stats);
   if (!status.ok()) return status;
   out.Finish();
   weights.Finish();
@@ -483,12 +537,13 @@ absl::Status CpuBackend::MultiHeadAttention(const MhaArgs& a) {
   FloatOutput weights(a.attention_weights, s.batch * h.num_heads * s.q_len * s.kv_len, &scratch.weights);
   // The heads in fp32, or straight in bf16 for the bf16 output product where the core runs on a bf16 set and no
   // head mask scales them first.
-  const bool heads_bf16 = bf16_qkv && a.head_mask.empty();
+  const bool heads_bf16 = bf16_qkv && a.head_mask.empty() && a.stats.contribution == nullptr;
   float* heads = heads_bf16 ? nullptr : cpu::Grown(scratch.heads, q_rows * q_width);
   uint16_t* heads16 = bf16 ? cpu::Grown(scratch.heads16, q_rows * q_width) : nullptr;
   const cpu::PackedOut heads_out =
       heads_bf16 ? cpu::PackedOut{nullptr, q_width, heads16} : cpu::PackedOut{heads, q_width};
-  if (absl::Status status = cpu::Attend(tiles, s, a.mask, q, k, v, heads_out, weights.data(), stop); !status.ok()) {
+  if (absl::Status status = cpu::Attend(tiles, s, a.mask, q, k, v, heads_out, weights.data(), stop, a.stats);
+      !status.ok()) {
     return status;
   }
   weights.Finish();
@@ -522,22 +577,32 @@ absl::Status CpuBackend::MultiHeadAttention(const MhaArgs& a) {
     }
     const cpu::Bf16Weights w_o{w.w_o, s.d_model, w.resident_id};
     if (a.out.dtype == v1::BF16) {
-      return cpu::MatmulBf16(heads16, q_rows, q_width, q_width, w_o, w.b_o, s.d_model, a.out.data,
-                             cpu::MatmulOut::kBF16, s.d_model, stop);
+      RETURN_IF_ERROR(cpu::MatmulBf16(heads16, q_rows, q_width, q_width, w_o, w.b_o, s.d_model, a.out.data,
+                                      cpu::MatmulOut::kBF16, s.d_model, stop));
+      return Contributions(a, heads, stop);
     }
     FloatOutput out(a.out, q_rows * s.d_model, &scratch.output);
     absl::Status status = cpu::MatmulBf16(heads16, q_rows, q_width, q_width, w_o, w.b_o, s.d_model, out.data(),
                                           cpu::MatmulOut::kF32, s.d_model, stop);
     if (!status.ok()) return status;
     out.Finish();
-    return absl::OkStatus();
+    return Contributions(a, heads, stop);
   }
   FloatOutput out(a.out, q_rows * s.d_model, &scratch.output);
   absl::Status status = Linear(heads, q_rows, q_width, q_width, w.w_o, s.d_model, w.b_o, s.d_model, out.data(),
                                s.d_model, stop);
   if (!status.ok()) return status;
   out.Finish();
-  return absl::OkStatus();
+  return Contributions(a, heads, stop);
+}
+
+absl::Status CpuBackend::Contributions(const MhaArgs& a, const float* heads, const StopSignal* stop) {
+  if (a.stats.contribution == nullptr) return absl::OkStatus();
+  // Against the output as returned (rounded to its dtype), so that the ratios describe what the client holds.
+  const AttentionShape& s = a.shape;
+  const FloatInput out(ConstTensor{a.out.data, a.out.dtype}, s.batch * s.q_len * s.d_model);
+  return HeadContributions(s.heads, s.batch, s.q_len, s.d_model, heads, a.weights.w_o, out.data(),
+                           a.stats.contribution, stop);
 }
 
 int64_t CpuBackend::PagedWorkspaceBytes(const PagedProblem& p) const {
@@ -597,6 +662,12 @@ absl::Status CpuBackend::PagedAttention(const PagedArgs& a) {
       return status;
     }
     out = projected;
+    for (size_t s = 0; s < a.sequences.size(); ++s) {
+      const PagedSequence& seq = a.sequences[s];
+      if (seq.stats.contribution == nullptr) continue;
+      RETURN_IF_ERROR(HeadContributions(h, 1, seq.new_tokens, p.d_model, heads + first_row[s] * h.q_width(),
+                                        w.w_o, projected + first_row[s] * p.d_model, seq.stats.contribution, stop));
+    }
   }
   if (in_place) return absl::OkStatus();
   for (size_t s = 0; s < a.sequences.size(); ++s) {

@@ -64,6 +64,9 @@ class CpuBackend final : public Backend {
   absl::Status PagedAttention(const PagedArgs& args) override;
 
  private:
+  // MultiHeadAttention's head contributions (args.stats.contribution, when asked for) from its fp32 heads, after
+  // the output is written.
+  absl::Status Contributions(const MhaArgs& args, const float* heads, const StopSignal* stop);
   CpuBackend(std::vector<const kernels::TileKernels*> tile_kernels, const kernels::TileKernels* bf16_tiles, bool bf16,
              const kernels::PagedKernels* bf16_cache_decode)
       : tile_kernels_(std::move(tile_kernels)), bf16_tiles_(bf16_tiles), bf16_(bf16),

@@ -13,6 +13,7 @@
 #include "server/backends/cpu/attention_core.h"
 #include "server/backends/cpu/scratch.h"
 #include "server/backends/float_io.h"
+#include "server/backends/row_stats.h"
 
 namespace mha::cpu {
 namespace {
@@ -25,7 +26,8 @@ constexpr int64_t kUnitsPerThread = 4;
 
 // Blocks [b0, b1) of sequence `seq`, every KV head: a thread streams its blocks whole, one after another, the way
 // the memory prefetchers follow best. Its partial result lies at `partial` floats into the call's buffer: for each
-// KV head g, its G n rows of d_k accumulators (relative to the rows' maxima), then the rows' maxima and sums.
+// KV head g, its G n rows of d_k accumulators (relative to the rows' maxima), then the rows' maxima and sums, then
+// their softmax statistics' accumulators (kStatsPerRow per row, zero unless asked for).
 struct Unit {
   int64_t seq, b0, b1, partial;
 };
@@ -41,11 +43,11 @@ struct DecodePlan {
 };
 
 int64_t Blocks(const KvCacheLayout& cache, const PagedSequence& seq) {
-  return (seq.length + seq.new_tokens + cache.block_tokens - 1) / cache.block_tokens;
+  return (seq.Keys() + cache.block_tokens - 1) / cache.block_tokens;
 }
 
 // Floats of one KV head's part of a unit's partial result.
-int64_t HeadPartial(const HeadSpec& h, int64_t rows) { return rows * (h.head_dim + 2); }
+int64_t HeadPartial(const HeadSpec& h, int64_t rows) { return rows * (h.head_dim + 2 + kernels::kStatsPerRow); }
 
 DecodePlan PlanDecode(const PagedProblem& p, absl::Span<const PagedSequence> sequences, int threads) {
   const HeadSpec& h = p.heads;
@@ -77,7 +79,7 @@ DecodePlan PlanDecode(const PagedProblem& p, absl::Span<const PagedSequence> seq
 // Per-thread buffers of the decode path: every KV head's queries (scaled), and one block's scores.
 struct DecodeScratch {
   ScratchVector<float> queries, scores;
-  ScratchVector<float> factor;
+  ScratchVector<float> factor, query_pos;
   ScratchVector<int64_t> visible, block_visible;
 };
 
@@ -120,20 +122,24 @@ void RunUnit(const kernels::TileKernels& tiles, const kernels::PagedKernels& dec
   float* factor = Grown(t.factor, rows);
   int64_t* visible = Grown(t.visible, rows);
   int64_t* block_visible = Grown(t.block_visible, rows);
+  float* query_pos = Grown(t.query_pos, rows);
   float* part_of_unit = partials + unit.partial;
   // Row i G + j of KV head g is new token i of query head g G + j, which sees cache positions 0..length + i.
   for (int64_t g = 0; g < Hkv; ++g) {
     float* acc = part_of_unit + g * HeadPartial(h, rows);
     std::fill_n(acc, rows * dk, 0.0f);
     std::fill_n(acc + rows * dk, rows, kNegInf);
-    std::fill_n(acc + rows * dk + rows, rows, 0.0f);
+    std::fill_n(acc + rows * dk + rows, rows * (1 + kernels::kStatsPerRow), 0.0f);
     for (int64_t i = 0; i < n; ++i) {
       tiles.copy_scaled(G, dk, plan.q_scale, q + (first_row + i) * ldq + g * G * dk, dk,
                         queries + (g * rows + i * G) * dk, dk);
     }
   }
-  for (int64_t i = 0; i < n; ++i) std::fill_n(visible + i * G, G, seq.length + i + 1);
-  const int64_t tokens = seq.length + n;
+  for (int64_t i = 0; i < n; ++i) {
+    std::fill_n(visible + i * G, G, PagedVisibleKeys(seq, i));
+    std::fill_n(query_pos + i * G, G, static_cast<float>(seq.length + i));
+  }
+  const int64_t tokens = seq.Keys();
   for (int64_t b = unit.b0; b < unit.b1; ++b) {
     const int64_t keys = std::min(tb, tokens - b * tb);  // slots past the cache's end hold no token
     int64_t seen = 0;
@@ -148,8 +154,14 @@ void RunUnit(const kernels::TileKernels& tiles, const kernels::PagedKernels& dec
       const char* next = PartAhead(c, seq, unit, after, element, (b - unit.b0) * Hkv + g + distance);
       float* acc = part_of_unit + g * HeadPartial(h, rows);
       decode.scores(rows, tb, dk, queries + g * rows * dk, dk, part, tb, scores, tb, next, half);
-      tiles.online_softmax(rows, keys, block_visible, scores, tb, acc + rows * dk, acc + rows * dk + rows, factor,
-                           plan.log2_units);
+      if (seq.stats.entropy != nullptr) {  // lse alone comes from the plain kernel's max and sum
+        const kernels::SoftmaxStatsBlock stats{b * tb, query_pos, seq.stats.sink_tokens, acc + rows * (dk + 2)};
+        tiles.online_softmax_stats(rows, keys, block_visible, scores, tb, acc + rows * dk, acc + rows * dk + rows,
+                                   factor, plan.log2_units, stats);
+      } else {
+        tiles.online_softmax(rows, keys, block_visible, scores, tb, acc + rows * dk, acc + rows * dk + rows, factor,
+                             plan.log2_units);
+      }
       decode.values(rows, seen, dk, scores, tb, part + half, factor, acc, dk,
                     next == nullptr ? nullptr : next + half, half);
     }
@@ -163,8 +175,10 @@ void MergeHead(const PagedProblem& p, const DecodePlan& plan, int64_t begin, int
   const int64_t dk = h.head_dim, G = h.group_size(), rows = G * seq.new_tokens;
   const auto weight = [&](float x) { return plan.log2_units ? std::exp2(x) : std::exp(x); };
   const auto head_of = [&](int64_t u) { return partials + plan.units[u].partial + g * HeadPartial(h, rows); };
+  const bool stats = seq.stats.softmax();  // accumulators beyond max and sum: zero for lse alone
   for (int64_t r = 0; r < rows; ++r) {
     float* out = heads + (first_row + r / G) * ldh + (g * G + r % G) * dk;
+    const int64_t stats_row = (g * G + r % G) * seq.new_tokens + r / G;  // in the sequence's [H, n]
     float max = kNegInf, sum = 0.0f;
     bool nan = false;
     for (int64_t u = begin; u < end; ++u) {
@@ -173,19 +187,33 @@ void MergeHead(const PagedProblem& p, const DecodePlan& plan, int64_t begin, int
     }
     if (max == kNegInf || nan) {  // nothing visible: zeros; a NaN score: NaN, as the stateless paths give
       std::fill_n(out, dk, nan ? std::numeric_limits<float>::quiet_NaN() : 0.0f);
+      RowSums none;
+      none.sum = nan ? std::numeric_limits<double>::quiet_NaN() : 0.0;
+      if (stats) WriteRowStats(seq.stats, stats_row, none, 1.0);
       continue;
     }
     std::fill_n(out, dk, 0.0f);
+    RowSums sums;
+    sums.max = max;
     for (int64_t u = begin; u < end; ++u) {
       const float* acc = head_of(u);
       const float m = acc[rows * dk + r];
       if (m == kNegInf) continue;
       const float w = weight(m - max);
-      sum += w * acc[rows * dk + rows + r];
+      const float unit_sum = acc[rows * dk + rows + r];
+      sum += w * unit_sum;
       for (int64_t d = 0; d < dk; ++d) out[d] += w * acc[r * dk + d];
+      if (!stats) continue;
+      // A split's sums are relative to its own max: rescaled to the merged one as the online softmax does.
+      const float* split = acc + rows * (dk + 2) + r * kernels::kStatsPerRow;
+      sums.entropy_sum += w * (split[0] + unit_sum * (m - max));
+      sums.distance_sum += w * split[1];
+      sums.sink_sum += w * split[2];
     }
     const float inverse = 1.0f / sum;
     for (int64_t d = 0; d < dk; ++d) out[d] *= inverse;
+    sums.sum = sum;
+    if (stats) WriteRowStats(seq.stats, stats_row, sums, plan.log2_units ? M_LN2 : 1.0);
   }
 }
 
@@ -276,25 +304,29 @@ absl::Status GatherSequence(const kernels::TileKernels& tiles, const PagedProble
   AttentionShape s;
   s.batch = 1;
   s.q_len = seq.new_tokens;
-  s.kv_len = seq.length + seq.new_tokens;
+  s.kv_len = seq.Keys();
   s.heads = h;
-  s.heads.causal = true;
+  s.heads.causal = seq.append;  // without append every new token sees the whole (earlier) cache
   const int64_t width = h.kv_width();
   Packed keys{qkv.k + first_row * qkv.ldk, qkv.ldk}, values{qkv.v + first_row * qkv.ldv, qkv.ldv};
   // An empty fp32 cache holds exactly the projections: attended where they are. Otherwise history and new tokens
   // together, as the cache holds them.
-  if (seq.length > 0 || p.cache.dtype != v1::FP32) {
-    float* k = Grown(scratch.keys, s.kv_len * width);
-    float* v = Grown(scratch.values, s.kv_len * width);
+  if (!seq.append || seq.length > 0 || p.cache.dtype != v1::FP32) {
+    float* k = Grown(scratch.keys, std::max<int64_t>(s.kv_len, 1) * width);
+    float* v = Grown(scratch.values, std::max<int64_t>(s.kv_len, 1) * width);
     GatherHistory(p.cache, seq, k, v);
-    AsCached(p.cache.dtype, keys.data, seq.new_tokens, width, keys.row_stride, k + seq.length * width);
-    AsCached(p.cache.dtype, values.data, seq.new_tokens, width, values.row_stride, v + seq.length * width);
+    if (seq.append) {
+      AsCached(p.cache.dtype, keys.data, seq.new_tokens, width, keys.row_stride, k + seq.length * width);
+      AsCached(p.cache.dtype, values.data, seq.new_tokens, width, values.row_stride, v + seq.length * width);
+    }
     keys = Packed{k, width};
     values = Packed{v, width};
   }
   FloatOutput weights(seq.weights, h.num_heads * s.q_len * s.kv_len);
-  const absl::Status status = Attend(tiles, s, AttentionMask(), Packed{qkv.q + first_row * qkv.ldq, qkv.ldq}, keys,
-                                     values, PackedOut{heads + first_row * ldh, ldh}, weights.data(), stop);
+  // Without append the queries sit at length.. while the stateless rule puts them at length - n..
+  const absl::Status status =
+      Attend(tiles, s, AttentionMask(), Packed{qkv.q + first_row * qkv.ldq, qkv.ldq}, keys, values,
+             PackedOut{heads + first_row * ldh, ldh}, weights.data(), stop, seq.stats, seq.append ? 0 : seq.new_tokens);
   ReleaseIfLarge(scratch.keys, kKeptCallScratchBytes);
   ReleaseIfLarge(scratch.values, kKeptCallScratchBytes);
   if (!status.ok()) return status;
@@ -315,6 +347,7 @@ void WriteTokens(const KvCacheLayout& c, absl::Span<const PagedSequence> sequenc
   const size_t element = DTypeSize(c.dtype);
   for (size_t s = 0; s < sequences.size(); ++s) {
     const PagedSequence& seq = sequences[s];
+    if (!seq.append) continue;
     // Block by block: a block's new slots of a K^T row are contiguous, so each row's run is encoded in one call.
     const int64_t first_block = seq.length / tb, last_block = (seq.length + seq.new_tokens - 1) / tb;
 #pragma omp parallel for schedule(static) if (seq.new_tokens * Hkv * dk > (1 << 16))

@@ -10,6 +10,7 @@ namespace mha::kernels {
 namespace avx512 {
 extern const TileKernels kKernels;
 extern const decltype(TileKernels::online_softmax) kBf16OnlineSoftmax;  // its exps to bf16's precision
+extern const decltype(TileKernels::online_softmax_stats) kBf16OnlineSoftmaxStats;
 }
 namespace avx2 {
 extern const TileKernels kKernels;
@@ -65,6 +66,7 @@ bool CpuHasF16c() {
 TileKernels Bf16Set(TileKernels k) {
   static const PagedKernels kPaged[3] = {k.paged[0], k.paged[1], avx512bf16::kBf16PagedKernels};
   k.online_softmax = avx512::kBf16OnlineSoftmax;
+  k.online_softmax_stats = avx512::kBf16OnlineSoftmaxStats;
   k.paged = kPaged;
   return k;
 }

@@ -40,6 +40,21 @@ struct PagedKernels {
                  const float* o_scale, float* o, int64_t ldo, const void* ahead, int64_t ahead_bytes);
 };
 
+// The softmax statistics (attention.proto's HeadStats) that online_softmax_stats and softmax_stats keep beside each
+// row's max and sum, in the scores' units (natural or log2) and rescaled with the sum, kStatsPerRow floats per row
+// r at acc + r * kStatsPerRow, for the weights w_j = weight(s_j - max) of key first_key + j:
+//   [0] sum_j w_j (s_j - max)                  (entropy = log(sum) - [0] / sum, in the scores' units)
+//   [1] sum_j w_j |query_pos[r] - first_key - j|  (distance = [1] / sum)
+//   [2] sum of w_j over keys first_key + j < sink_tokens  (sink mass = [2] / sum)
+inline constexpr int kStatsPerRow = 3;
+struct SoftmaxStatsBlock {
+  int64_t first_key = 0;             // the block's first key, as an index of the whole row
+  const float* query_pos = nullptr;  // per row: its query's position among the keys (bottom-right aligned)
+  int64_t sink_tokens = 0;
+  float* acc = nullptr;  // kStatsPerRow per row
+  bool masked = false;   // scores may hold -inf (an additive mask) before each row's visible count
+};
+
 struct TileKernels {
   const char* isa;    // "amx", "avx512bf16", "avx512", "avx2" or "portable"
   int lanes;          // floats per vector register
@@ -89,6 +104,16 @@ struct TileKernels {
   // non-temporal stores, so they are not left in the caches); a row with nothing visible (or only -inf) becomes all
   // zeros, never NaN.
   void (*softmax)(int64_t rows, int64_t n, const int64_t* visible, float* s, int64_t lds, bool log2);
+
+  // online_softmax, also accumulating `stats` (SoftmaxStatsBlock) for rows whose accumulators start at zero: each
+  // row's statistics over all its blocks once the last one is done.
+  void (*online_softmax_stats)(int64_t rows, int64_t n, const int64_t* visible, float* s, int64_t lds,
+                               float* row_max, float* row_sum, float* factor, bool log2,
+                               const SoftmaxStatsBlock& stats);
+  // softmax, also writing each row's max, its sum of weights before normalising (0 when nothing is visible) and
+  // `stats` over the whole row.
+  void (*softmax_stats)(int64_t rows, int64_t n, const int64_t* visible, float* s, int64_t lds, bool log2,
+                        const SoftmaxStatsBlock& stats, float* row_max, float* row_sum);
 
   // dst[r, c] = scale * src[r, c] for r < rows and c < cols.
   void (*copy_scaled)(int64_t rows, int64_t cols, float scale, const float* src, int64_t lds, float* dst,

@@ -306,6 +306,56 @@ inline float WeightShiftSum(float* x, int64_t n, float shift) {
   return Isa::ReduceAdd(sum);
 }
 
+// 0, 1, 2, ...: the key offsets of a block's lanes, loaded rather than counted (a load port, not an ALU op).
+inline constexpr int64_t kIotaSize = 4096;
+struct IotaTable {
+  float values[kIotaSize];
+  constexpr IotaTable() : values() {
+    for (int64_t j = 0; j < kIotaSize; ++j) values[j] = static_cast<float>(j);
+  }
+};
+inline constexpr IotaTable kIota{};
+
+// WeightShiftSum, also accumulating the softmax statistics' sums (tile_kernels.h's SoftmaxStatsBlock) of these
+// weights w_j: *entropy += sum w_j (x[j] - shift), *distance += sum w_j |pos - j|. `masked`: x may hold -inf (an
+// additive mask) whose x - shift, times its weight 0, must not make NaN. Keys all at or before pos (causal rows,
+// and every block before the query's) take |pos - j| = pos - j: sum w_j j is one FMA on the loaded offsets, and
+// pos sum w_j - sum w_j j, with block-relative positions, cancels only where the block holds the query (pos < its
+// length, so no precision is lost); other blocks compute |pos - j| per lane.
+template <bool kLog2, bool kBf16 = false>
+inline float WeightShiftSumStats(float* x, int64_t n, float shift, float pos, bool masked, float* entropy,
+                                 float* distance) {
+  const Isa::V s = Isa::Splat(shift), floor = Isa::Splat(-1000.0f);
+  const bool before = pos >= static_cast<float>(n - 1) && n <= kIotaSize;
+  Isa::V sum = Isa::Zero(), ent = Isa::Zero(), dist = Isa::Zero();
+  Isa::V ahead = Isa::Sub(Isa::Splat(pos), Isa::Load(kIota.values)), step = Isa::Splat(Isa::kLanes);
+  const auto one = [&](Isa::V scores, int64_t j, int tail) {
+    Isa::V d = Isa::Sub(scores, s);
+    const Isa::V e = Weight<kLog2, kBf16>(d);
+    if (tail == 0) {
+      Isa::Store(x + j, e);
+    } else {
+      Isa::StorePartial(x + j, e, tail);
+    }
+    sum = Isa::Add(sum, e);
+    if (masked || tail != 0) d = Isa::Max(d, floor);  // -inf where e is 0
+    ent = Isa::Fma(e, d, ent);
+    if (before) {
+      dist = Isa::Fma(e, Isa::Load(kIota.values + j), dist);  // sum w_j j
+    } else {
+      dist = Isa::Fma(e, Isa::Max(ahead, Isa::Sub(Isa::Zero(), ahead)), dist);
+      ahead = Isa::Sub(ahead, step);
+    }
+  };
+  int64_t j = 0;
+  for (; j + Isa::kLanes <= n; j += Isa::kLanes) one(Isa::Load(x + j), j, 0);
+  if (j < n) one(Isa::LoadPartial(x + j, static_cast<int>(n - j), -__builtin_inff()), j, static_cast<int>(n - j));
+  const float total = Isa::ReduceAdd(sum);
+  *entropy += Isa::ReduceAdd(ent);
+  *distance += before ? pos * total - Isa::ReduceAdd(dist) : Isa::ReduceAdd(dist);
+  return total;
+}
+
 // Whether any of x[0, n) is NaN; only asked on the rare path of a row whose visible scores have no maximum.
 inline bool AnyNaN(const float* x, int64_t n) {
   for (int64_t j = 0; j < n; ++j) {
@@ -354,6 +404,43 @@ inline void OnlineSoftmaxIn(int64_t rows, int64_t n, const int64_t* visible, flo
   }
 }
 
+// OnlineSoftmaxIn with the statistics of SoftmaxStatsBlock, rescaled with each row's sum: when a row's max moves
+// from m to m' by the factor f = weight(m - m'), each weight w becomes f w and each x - m becomes (x - m') + (m - m'),
+// so the entropy sum becomes f (acc + sum (m - m')) and the others f acc.
+template <bool kLog2, bool kBf16>
+inline void OnlineSoftmaxStatsIn(int64_t rows, int64_t n, const int64_t* visible, float* s, int64_t lds,
+                                 float* row_max, float* row_sum, float* factor, const SoftmaxStatsBlock& stats) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* row = s + r * lds;
+    const int64_t count = visible[r];
+    if (count < n) __builtin_memset(row + count, 0, (n - count) * sizeof(float));
+    const float block_max = RowMax(row, count);
+    const float new_max = row_max[r] > block_max ? row_max[r] : block_max;
+    float* acc = stats.acc + r * kStatsPerRow;
+    if (new_max == -__builtin_inff()) {  // as OnlineSoftmaxIn
+      if (AnyNaN(row, count)) row_sum[r] = __builtin_nanf("");
+      __builtin_memset(row, 0, count * sizeof(float));
+      factor[r] = 1.0f;
+      continue;
+    }
+    float f = 0.0f;
+    if (row_max[r] == new_max) {
+      f = 1.0f;
+    } else if (row_max[r] != -__builtin_inff()) {
+      f = ScalarWeight<kLog2>(row_max[r] - new_max);
+      acc[0] = f * (acc[0] + row_sum[r] * (row_max[r] - new_max));
+      acc[1] *= f;
+      acc[2] *= f;
+    }
+    factor[r] = f;
+    const float pos = stats.query_pos[r] - static_cast<float>(stats.first_key);
+    row_sum[r] = row_sum[r] * f +
+                 WeightShiftSumStats<kLog2, kBf16>(row, count, new_max, pos, stats.masked, &acc[0], &acc[1]);
+    row_max[r] = new_max;
+    for (int64_t j = 0; j < count && stats.first_key + j < stats.sink_tokens; ++j) acc[2] += row[j];
+  }
+}
+
 // x[0, n) = 0, for the masked keys of returned weights, which nothing here reads again: long runs with
 // non-temporal stores from their first whole cache line on, which skip reading each line before writing it (half
 // the memory traffic of a causal call's weights; 5% off it at T=2048); short ones with memset. The caller issues
@@ -369,6 +456,35 @@ inline void ZeroMaskedTail(float* x, int64_t n) {
   int64_t j = head;
   for (; j + Isa::kLanes <= n; j += Isa::kLanes) Isa::StoreStream(x + j, Isa::Zero());
   __builtin_memset(x + j, 0, (n - j) * sizeof(float));
+}
+
+// SoftmaxIn, also writing each row's max and sum of weights (before normalising) and the statistics of
+// SoftmaxStatsBlock (set, not accumulated), for rows whose weights are returned.
+template <bool kLog2>
+inline void SoftmaxStatsIn(int64_t rows, int64_t n, const int64_t* visible, float* s, int64_t lds,
+                           const SoftmaxStatsBlock& stats, float* row_max, float* row_sum) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* row = s + r * lds;
+    const int64_t count = visible[r];
+    float* acc = stats.acc + r * kStatsPerRow;
+    acc[0] = acc[1] = acc[2] = 0.0f;
+    const float max = RowMax(row, count);
+    row_max[r] = max;
+    if (max == -__builtin_inff()) {
+      const bool nan = AnyNaN(row, count);
+      row_sum[r] = nan ? __builtin_nanf("") : 0.0f;
+      for (int64_t j = 0; j < count; ++j) row[j] = nan ? __builtin_nanf("") : 0.0f;
+      __builtin_memset(row + count, 0, (n - count) * sizeof(float));
+      continue;
+    }
+    const float pos = stats.query_pos[r] - static_cast<float>(stats.first_key);
+    const float sum = WeightShiftSumStats<kLog2>(row, count, max, pos, stats.masked, &acc[0], &acc[1]);
+    row_sum[r] = sum;
+    for (int64_t j = 0; j < count && stats.first_key + j < stats.sink_tokens; ++j) acc[2] += row[j];
+    ScaleRow(row, count, 1.0f / sum);
+    ZeroMaskedTail(row + count, n - count);
+  }
+  Isa::StreamFence();
 }
 
 template <bool kLog2>
@@ -397,6 +513,27 @@ inline void OnlineSoftmax(int64_t rows, int64_t n, const int64_t* visible, float
     OnlineSoftmaxIn<true, kBf16>(rows, n, visible, s, lds, row_max, row_sum, factor);
   } else {
     OnlineSoftmaxIn<false, kBf16>(rows, n, visible, s, lds, row_max, row_sum, factor);
+  }
+}
+
+// TileKernels::online_softmax_stats.
+template <bool kBf16>
+inline void OnlineSoftmaxStats(int64_t rows, int64_t n, const int64_t* visible, float* s, int64_t lds,
+                               float* row_max, float* row_sum, float* factor, bool log2,
+                               const SoftmaxStatsBlock& stats) {
+  if (log2) {
+    OnlineSoftmaxStatsIn<true, kBf16>(rows, n, visible, s, lds, row_max, row_sum, factor, stats);
+  } else {
+    OnlineSoftmaxStatsIn<false, kBf16>(rows, n, visible, s, lds, row_max, row_sum, factor, stats);
+  }
+}
+
+inline void SoftmaxStats(int64_t rows, int64_t n, const int64_t* visible, float* s, int64_t lds, bool log2,
+                         const SoftmaxStatsBlock& stats, float* row_max, float* row_sum) {
+  if (log2) {
+    SoftmaxStatsIn<true>(rows, n, visible, s, lds, stats, row_max, row_sum);
+  } else {
+    SoftmaxStatsIn<false>(rows, n, visible, s, lds, stats, row_max, row_sum);
   }
 }
 
@@ -480,6 +617,8 @@ extern const TileKernels kKernels = {Isa::kName,
                                      &Values,
                                      &OnlineSoftmax</*kBf16=*/false>,
                                      &Softmax,
+                                     &OnlineSoftmaxStats</*kBf16=*/false>,
+                                     &SoftmaxStats,
                                      &CopyScaled,
                                      &AddRow,
                                      /*to_bf16=*/nullptr,
@@ -491,5 +630,7 @@ extern const TileKernels kKernels = {Isa::kName,
 
 // The online softmax of the bf16 sets built on this set's kernels (tile_kernels.cc).
 extern const decltype(TileKernels::online_softmax) kBf16OnlineSoftmax = &OnlineSoftmax</*kBf16=*/true>;
+extern const decltype(TileKernels::online_softmax_stats) kBf16OnlineSoftmaxStats =
+    &OnlineSoftmaxStats</*kBf16=*/true>;
 
 #undef MHA_UNROLL

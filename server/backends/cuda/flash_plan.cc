@@ -55,6 +55,10 @@ absl::Status CudaSupports(const AttentionProblem& problem) {
   if (problem.shape.heads.has_rope()) {
     return absl::UnimplementedError("RoPE (heads.rope_theta) is not implemented on the CUDA backend yet");
   }
+  if (problem.return_stats) {
+    return absl::UnimplementedError("lse and head statistics (return_lse, return_head_stats) are not implemented on "
+                                    "the CUDA backend yet");
+  }
   // The kernel runs on the dtype of q/k/v on the device: the wire's.
   absl::StatusOr<FlashPlan> plan = PlanFlash(problem.shape, problem.input_dtype);
   return plan.ok() ? absl::OkStatus() : plan.status();

@@ -1,5 +1,6 @@
 #include "server/backends/reference/reference_backend.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -76,10 +77,40 @@ void RotateStateless(const AttentionShape& s, double* q, double* k) {
   }
 }
 
+// Row `row` of `stats` (not contribution) from the row's weights p[0, Tk) as the definitions in backend.h's RowStats
+// read, the query at position `pos`; `sum` and `max` are the softmax's (sum 0: nothing visible).
+void RowStatsFromWeights(const RowStats& stats, int64_t row, const std::vector<double>& p, double max, double sum,
+                         double pos) {
+  const auto put = [row](float* array, double value) {
+    if (array != nullptr) array[row] = static_cast<float>(value);
+  };
+  if (std::isnan(sum) || sum == 0) {
+    const double nan = std::numeric_limits<double>::quiet_NaN();
+    put(stats.lse, std::isnan(sum) ? nan : -std::numeric_limits<double>::infinity());
+    for (float* a : {stats.entropy, stats.confidence, stats.distance, stats.sink}) put(a, std::isnan(sum) ? nan : 0.0);
+    return;
+  }
+  double entropy = 0, confidence = 0, distance = 0, sink = 0;
+  for (size_t j = 0; j < p.size(); ++j) {
+    if (p[j] == 0) continue;
+    entropy -= p[j] * std::log(p[j]);
+    confidence = std::max(confidence, p[j]);
+    distance += p[j] * std::abs(pos - static_cast<double>(j));
+    if (static_cast<int64_t>(j) < stats.sink_tokens) sink += p[j];
+  }
+  put(stats.lse, max + std::log(sum));
+  put(stats.entropy, entropy);
+  put(stats.confidence, confidence);
+  put(stats.distance, distance);
+  put(stats.sink, sink);
+}
+
 // The attention core on head-packed double tensors: q [B,Tq,H,dk], k/v [B,Tk,Hkv,dk] -> out [B,Tq,H,dk].
-// weights [B,H,Tq,Tk] is written when non-null. Polls `stop` before each query row.
+// weights [B,H,Tq,Tk] is written when non-null, `stats` ([B,H,Tq]) when asked for, query i at position
+// i + Tk - Tq + position_shift. Polls `stop` before each query row.
 absl::Status Attend(const AttentionShape& s, const AttentionMask& mask, const double* q, const double* k,
-                    const double* v, double* out, double* weights, const StopSignal* stop) {
+                    const double* v, double* out, double* weights, const StopSignal* stop,
+                    const RowStats& stats = {}, int64_t position_shift = 0) {
   const HeadSpec& heads = s.heads;
   const int64_t H = heads.num_heads, Hkv = heads.num_kv_heads, dk = heads.head_dim, Tq = s.q_len, Tk = s.kv_len;
   std::vector<double> scores(Tk);
@@ -118,6 +149,12 @@ absl::Status Attend(const AttentionShape& s, const AttentionMask& mask, const do
         }
         double* oi = out + ((b * Tq + i) * H + h) * dk;
         for (int64_t c = 0; c < dk; ++c) oi[c] = 0.0;
+        if (stats.softmax()) {
+          std::vector<double> p(Tk);
+          for (int64_t j = 0; j < Tk; ++j) p[j] = any_visible ? scores[j] / sum : 0.0;
+          RowStatsFromWeights(stats, (b * H + h) * Tq + i, p, max_score, any_visible ? sum : 0.0,
+                              static_cast<double>(i + Tk - Tq + position_shift));
+        }
         for (int64_t j = 0; j < Tk; ++j) {
           const double p = any_visible ? scores[j] / sum : 0.0;
           if (weights != nullptr) weights[((b * H + h) * Tq + i) * Tk + j] = p;
@@ -129,6 +166,31 @@ absl::Status Attend(const AttentionShape& s, const AttentionMask& mask, const do
     }
   }
   return absl::OkStatus();
+}
+
+// contribution[(b H + h) Tq + i] = ||heads[b Tq + i, h] W_O[h]|| / ||y[b Tq + i]|| (0 for a zero row of y), in
+// double: heads [B Tq, H d_k] after the head mask, y the layer's output [B Tq, d_model].
+void Contributions(const HeadSpec& h, int64_t batch, int64_t q_len, int64_t d_model, const double* heads,
+                   const float* w_o, const double* y, float* contribution) {
+  const int64_t dk = h.head_dim;
+  std::vector<double> term(d_model);
+  for (int64_t r = 0; r < batch * q_len; ++r) {
+    double out_norm = 0;
+    for (int64_t c = 0; c < d_model; ++c) out_norm += y[r * d_model + c] * y[r * d_model + c];
+    out_norm = std::sqrt(out_norm);
+    for (int64_t head = 0; head < h.num_heads; ++head) {
+      std::fill(term.begin(), term.end(), 0.0);
+      for (int64_t c = 0; c < dk; ++c) {
+        const double x = heads[r * h.q_width() + head * dk + c];
+        const float* w_row = w_o + (head * dk + c) * d_model;
+        for (int64_t o = 0; o < d_model; ++o) term[o] += x * w_row[o];
+      }
+      double norm = 0;
+      for (double t : term) norm += t * t;
+      contribution[((r / q_len) * h.num_heads + head) * q_len + r % q_len] =
+          out_norm > 0 ? static_cast<float>(std::sqrt(norm) / out_norm) : 0.0f;
+    }
+  }
 }
 
 }  // namespace
@@ -154,8 +216,8 @@ absl::Status ReferenceBackend::ScaledDotProductAttention(const SdpaArgs& a) {
   RotateStateless(s, q.data(), k.data());
   std::vector<double> out(q_n), weights;
   if (a.weights.requested()) weights.resize(s.batch * s.heads.num_heads * s.q_len * s.kv_len);
-  absl::Status status =
-      Attend(s, a.mask, q.data(), k.data(), v.data(), out.data(), weights.empty() ? nullptr : weights.data(), a.stop);
+  absl::Status status = Attend(s, a.mask, q.data(), k.data(), v.data(), out.data(),
+                               weights.empty() ? nullptr : weights.data(), a.stop, a.stats);
   if (!status.ok()) return status;
   Store(out, a.out);
   if (a.weights.requested()) Store(weights, a.weights);
@@ -187,7 +249,7 @@ absl::Status ReferenceBackend::MultiHeadAttention(const MhaArgs& a) {
   std::vector<double> head_out(q_rows * q_width), weights;
   if (a.attention_weights.requested()) weights.resize(s.batch * heads.num_heads * s.q_len * s.kv_len);
   absl::Status status = Attend(s, a.mask, q->data(), k->data(), v->data(), head_out.data(),
-                               weights.empty() ? nullptr : weights.data(), a.stop);
+                               weights.empty() ? nullptr : weights.data(), a.stop, a.stats);
   if (!status.ok()) return status;
 
   // Head ablation, then fan in: concat(heads) W_O + b_O.
@@ -202,6 +264,9 @@ absl::Status ReferenceBackend::MultiHeadAttention(const MhaArgs& a) {
       Linear(head_out.data(), q_rows, q_width, w.w_o, s.d_model, w.b_o, s.d_model, a.stop);
   if (!y.ok()) return y.status();
   Store(*y, a.out);
+  if (a.stats.contribution != nullptr) {
+    Contributions(heads, s.batch, s.q_len, s.d_model, head_out.data(), w.w_o, y->data(), a.stats.contribution);
+  }
   if (a.attention_weights.requested()) Store(weights, a.attention_weights);
   return absl::OkStatus();
 }
@@ -237,7 +302,7 @@ void WriteTokens(const KvCacheLayout& c, const PagedSequence& seq, const double*
 
 // The whole cache of `seq` (tokens 0..length+n-1) as head-packed double k and v [T, Hkv, d_k].
 void ReadCache(const KvCacheLayout& c, const PagedSequence& seq, std::vector<double>* k, std::vector<double>* v) {
-  const int64_t dk = c.head_dim, tb = c.block_tokens, tokens = seq.length + seq.new_tokens;
+  const int64_t dk = c.head_dim, tb = c.block_tokens, tokens = seq.Keys();
   k->resize(tokens * c.num_kv_heads * dk);
   v->resize(k->size());
   for (int64_t t = 0; t < tokens; ++t) {
@@ -273,24 +338,29 @@ absl::Status PagedSequenceAttention(const PagedArgs& a, const PagedSequence& seq
     v = *std::move(projected[2]);
   } else {
     q = ToDouble(seq.q, n * h.q_width());
-    k = ToDouble(seq.k, n * h.kv_width());
-    v = ToDouble(seq.v, n * h.kv_width());
+    if (seq.append) {
+      k = ToDouble(seq.k, n * h.kv_width());
+      v = ToDouble(seq.v, n * h.kv_width());
+    }
   }
   Rotate(h, n, h.num_heads, seq.length, q.data());
-  Rotate(h, n, h.num_kv_heads, seq.length, k.data());
-  WriteTokens(p.cache, seq, k.data(), v.data());
+  if (seq.append) {
+    Rotate(h, n, h.num_kv_heads, seq.length, k.data());
+    WriteTokens(p.cache, seq, k.data(), v.data());
+  }
 
+  // Without append the new tokens, at positions length.., see the whole cache and nothing of their own.
   AttentionShape s;
   s.batch = 1;
   s.q_len = n;
-  s.kv_len = seq.length + n;
+  s.kv_len = seq.Keys();
   s.heads = h;
-  s.heads.causal = true;
+  s.heads.causal = seq.append;
   ReadCache(p.cache, seq, &k, &v);
   std::vector<double> heads(n * h.q_width()), weights;
   if (seq.weights.requested()) weights.resize(h.num_heads * n * s.kv_len);
   RETURN_IF_ERROR(Attend(s, AttentionMask(), q.data(), k.data(), v.data(), heads.data(),
-                                weights.empty() ? nullptr : weights.data(), a.stop));
+                         weights.empty() ? nullptr : weights.data(), a.stop, seq.stats, seq.append ? 0 : n));
   if (seq.weights.requested()) Store(weights, seq.weights);
   if (p.d_model == 0) {
     Store(heads, seq.out);
@@ -299,6 +369,9 @@ absl::Status PagedSequenceAttention(const PagedArgs& a, const PagedSequence& seq
   absl::StatusOr<std::vector<double>> y = Linear(heads.data(), n, h.q_width(), w.w_o, p.d_model, w.b_o, p.d_model, a.stop);
   if (!y.ok()) return y.status();
   Store(*y, seq.out);
+  if (seq.stats.contribution != nullptr) {
+    Contributions(h, 1, n, p.d_model, heads.data(), w.w_o, y->data(), seq.stats.contribution);
+  }
   return absl::OkStatus();
 }
 
