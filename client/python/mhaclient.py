@@ -50,6 +50,18 @@ x=...)`` appends the new tokens and returns their attention over the whole cache
 ``close()`` do what they say. ``client.extend([...])`` runs several sessions' tokens in one call. Every session call
 sends the session id as ``mha-session-id`` metadata. ``decode_example.py`` is a tiny decoder built this way.
 
+Softmax statistics
+------------------
+``return_lse=True`` on multi_head_attention, scaled_dot_product_attention and extend fills the result's ``lse``
+(float32, [B, H, Tq]; [H, n] per ExtendResult): the log-sum-exp of each query row's scaled, masked scores, -inf for a
+row that sees no key. Outputs computed over disjoint sets of keys merge exactly by it: ``merge_attention(outputs,
+lses)`` (a context sharded over several head sessions, each ExtendItem but the last with ``"append": False``).
+``return_head_stats=True`` fills ``head_stats``, a dict of float32 arrays [B, H] ([H] per ExtendResult) keyed by
+HeadStats' field names (entropy, normalized_entropy, confidence, distance, sink_mass and, for MultiHeadAttention and
+layer sessions, contribution); ``return_row_stats=True`` (with return_head_stats) fills ``row_stats``, the same per
+query row, [B, H, Tq] ([H, n]). ``sink_tokens`` sets the keys sink_mass counts (0: the server's 4).
+``heads_example.py`` ranks a layer's heads by them.
+
 Example::
 
     with MhaClient("127.0.0.1:50051") as c:
@@ -77,6 +89,8 @@ __all__ = [
     "from_tensor",
     "to_bf16_bytes",
     "from_bf16_bytes",
+    "merge_attention",
+    "HEAD_STAT_FIELDS",
 ]
 
 # Stub generation needs only the standard library, so that the package's build step can use it too.
@@ -180,9 +194,86 @@ def from_tensor(tensor):
 # Results.
 
 AttentionResult = collections.namedtuple(
-    "AttentionResult", ["output", "attention_weights", "backend", "queue_us", "compute_us"])
+    "AttentionResult", ["output", "attention_weights", "backend", "queue_us", "compute_us", "lse", "head_stats",
+                        "row_stats"], defaults=(None, None, None))
 AttentionResult.__doc__ = """Result of an attention call: output ndarray, attention_weights ndarray [B, H, Tq, Tk] or
-None, the backend that ran ("cpu", "reference", "cuda") and the server's queue / compute time in microseconds."""
+None, the backend that ran ("cpu", "reference", "cuda") and the server's queue / compute time in microseconds; when
+asked for (else None): lse float32 [B, H, Tq], head_stats a dict of float32 [B, H] arrays and row_stats one of
+[B, H, Tq] arrays, keyed by HeadStats' field names (see HEAD_STAT_FIELDS)."""
+
+# HeadStats' fields, in the proto's order. contribution is filled for MultiHeadAttention and layer sessions only.
+HEAD_STAT_FIELDS = ("entropy", "normalized_entropy", "confidence", "distance", "sink_mass", "contribution")
+
+
+def _head_stats(stats, shape):
+    """Dict of float32 arrays of a HeadStats message, each field's values reshaped to `shape`; a field the server
+    left empty (contribution of ScaledDotProductAttention and head sessions) is left out."""
+    out = {}
+    for name in HEAD_STAT_FIELDS:
+        values = getattr(stats, name)
+        if len(values):
+            out[name] = np.asarray(values, dtype=np.float32).reshape(shape)
+    return out
+
+
+def _softmax_stats(resp, batch_shape, rows):
+    """(lse, head_stats, row_stats) of a response or ExtendResult: None for each one not in it. batch_shape is
+    (B,) or () (an Extend item); rows is Tq or n. The head count is what the values' count says."""
+    lse = from_tensor(resp.lse) if resp.HasField("lse") else None
+    head_stats = row_stats = None
+    if resp.HasField("head_stats"):
+        count = len(resp.head_stats.entropy)
+        per_item = int(np.prod(batch_shape, dtype=np.int64))
+        heads = count // per_item if per_item else 0
+        head_stats = _head_stats(resp.head_stats, tuple(batch_shape) + (heads,))
+    if resp.HasField("row_stats"):
+        count = len(resp.row_stats.entropy)
+        per = int(np.prod(batch_shape, dtype=np.int64)) * int(rows)
+        heads = count // per if per else 0
+        row_stats = _head_stats(resp.row_stats, tuple(batch_shape) + (heads, int(rows)))
+    return lse, head_stats, row_stats
+
+
+def merge_attention(outputs, lses):
+    """Merges attention outputs computed over disjoint sets of keys (shards of one context) into the output over
+    all of them, as FlashAttention's split-KV and ring attention do: lse = logsumexp_s lse_s and
+    out = sum_s exp(lse_s - lse) out_s, exact up to rounding.
+
+    outputs: per shard an array laid out [..., T, H, d_k] (head-packed: ScaledDotProductAttention's [B, Tq, H, d_k],
+    a head session's ExtendResult.output [n, H, d_k]); lses: per shard its lse [..., H, T] (the results' lse, asked
+    for with return_lse=True). A layer's output [.., d_model] has already mixed the heads and cannot be merged so.
+    Computes in float64; returns (out float32 [..., T, H, d_k], lse float32 [..., H, T]). A row whose lse is -inf in
+    every shard (no visible key anywhere) comes out zero with lse -inf, never NaN.
+    """
+    outputs = [np.asarray(o, dtype=np.float64) for o in outputs]
+    lses = [np.asarray(x, dtype=np.float64) for x in lses]
+    if not outputs or len(outputs) != len(lses):
+        raise ValueError("merge_attention needs one lse per output and at least one of each (got %d outputs, %d lses)"
+                         % (len(outputs), len(lses)))
+    shape = outputs[0].shape
+    if len(shape) < 3:
+        raise ValueError("outputs must be laid out [..., T, H, d_k]; got shape %s" % (shape,))
+    lse_shape = shape[:-3] + (shape[-2], shape[-3])
+    for i, (o, x) in enumerate(zip(outputs, lses)):
+        if o.shape != shape:
+            raise ValueError("outputs[%d] has shape %s, outputs[0] %s" % (i, o.shape, shape))
+        if x.shape != lse_shape:
+            raise ValueError("lses[%d] has shape %s; outputs of shape %s need [..., H, T] = %s"
+                             % (i, x.shape, shape, lse_shape))
+    stacked = np.stack(lses)  # [S, ..., H, T]
+    peak = stacked.max(axis=0)
+    peak = np.where(np.isfinite(peak), peak, 0.0)
+    with np.errstate(divide="ignore"):
+        lse = peak + np.log(np.exp(stacked - peak).sum(axis=0))
+    seen = np.isfinite(lse)
+    out = np.zeros(shape, dtype=np.float64)
+    for o, x in zip(outputs, lses):
+        with np.errstate(invalid="ignore"):
+            w = np.where(seen, np.exp(x - lse), 0.0)  # -inf - -inf is NaN where no shard sees a key
+        w = np.swapaxes(w, -1, -2)[..., None]  # [..., T, H, 1]
+        out += np.where(w > 0.0, w * o, 0.0)  # a shard's unseen rows add nothing
+    return out.astype(np.float32), lse.astype(np.float32)
+
 
 LayerInfo = collections.namedtuple(
     "LayerInfo", ["name", "num_heads", "num_kv_heads", "head_dim", "causal", "scale", "d_model", "d_kv_in",
@@ -214,12 +305,16 @@ def _result(resp, regions):
         output = region.read(resp.output)
     else:
         output = from_tensor(resp.output)
+    rows = int(resp.output.shape[1]) if len(resp.output.shape) >= 2 else 0
+    batch = (int(resp.output.shape[0]),) if len(resp.output.shape) >= 1 else (0,)
+    lse, head_stats, row_stats = _softmax_stats(resp, batch, rows)
     return AttentionResult(
         output=output,
         attention_weights=from_tensor(resp.attention_weights) if resp.HasField("attention_weights") else None,
         backend=resp.backend,
         queue_us=int(resp.timing.queue_us),
         compute_us=int(resp.timing.compute_us),
+        lse=lse, head_stats=head_stats, row_stats=row_stats,
     )
 
 
@@ -333,7 +428,8 @@ class MhaClient:
                              num_kv_heads=0, head_dim=0, causal=False, scale=0.0, key_lengths=None,
                              attn_mask=None, head_mask=None, return_weights=False, output_dtype=None,
                              backend="auto", wire_dtype=None, output_shared_memory=None, rope_theta=0.0,
-                             rope_dim=0, rope_interleaved=False):
+                             rope_dim=0, rope_interleaved=False, return_lse=False, return_head_stats=False,
+                             return_row_stats=False, sink_tokens=0):
         """Full attention layer: project, attend, concatenate heads, project out.
 
         query [B, Tq, d_model]; key [B, Tk, d_kv_in] (None: self-attention); value [B, Tk, d_v_in] (None: key).
@@ -346,6 +442,8 @@ class MhaClient:
         wire_dtype: send every float tensor as this dtype instead of the arrays' own (see to_tensor).
         output_shared_memory: SharedMemoryRegion.output_at(offset) to have the output written there.
         rope_theta, rope_dim, rope_interleaved: rotary position embeddings (HeadConfig; a layer's own apply anyway).
+        return_lse, return_head_stats, return_row_stats, sink_tokens: softmax statistics (module docstring): the
+        result's lse [B, H, Tq], head_stats {field: [B, H]} with contribution, row_stats {field: [B, H, Tq]}.
         Returns AttentionResult.
         """
         rope = (rope_theta, rope_dim, rope_interleaved)
@@ -376,6 +474,7 @@ class MhaClient:
             req.head_mask.extend(float(x) for x in head_mask)
         if output_shared_memory is not None:
             req.output_shared_memory.CopyFrom(output_shared_memory)
+        self._set_stats(req, return_lse, return_head_stats, return_row_stats, sink_tokens)
         return _result(self._call(self._stub.MultiHeadAttention, req), self._regions)
 
     def _call(self, rpc, req, session_id=None):
@@ -383,6 +482,14 @@ class MhaClient:
         mha-session-id metadata, for proxies that route a session's calls to the replica holding it."""
         metadata = self._metadata + ((("mha-session-id", session_id),) if session_id else ())
         return rpc(req, timeout=self.timeout, metadata=metadata)
+
+    @staticmethod
+    def _set_stats(req, return_lse, return_head_stats, return_row_stats, sink_tokens):
+        """The softmax statistics' request fields, passed on as given (the server checks them)."""
+        req.return_lse = bool(return_lse)
+        req.return_head_stats = bool(return_head_stats)
+        req.return_row_stats = bool(return_row_stats)
+        req.sink_tokens = int(sink_tokens)
 
     def _set_mask(self, req, attn_mask, wire_dtype):
         """A numpy bool mask goes as MASK_KEEP (1 attends, 0 masked); anything else as an additive mask."""
@@ -395,10 +502,14 @@ class MhaClient:
 
     def scaled_dot_product_attention(self, q, k, v, causal=False, scale=0.0, key_lengths=None, attn_mask=None,
                                      return_weights=False, output_dtype=None, backend="auto", wire_dtype=None,
-                                     output_shared_memory=None, rope_theta=0.0, rope_dim=0, rope_interleaved=False):
+                                     output_shared_memory=None, rope_theta=0.0, rope_dim=0, rope_interleaved=False,
+                                     return_lse=False, return_head_stats=False, return_row_stats=False,
+                                     sink_tokens=0):
         """Attention core on head-packed tensors: q [B, Tq, H, d_k], k and v [B, Tk, Hkv, d_k] (Hkv divides H).
 
         rope_theta, rope_dim, rope_interleaved rotate q and k first (HeadConfig's RoPE).
+        return_lse, return_head_stats, return_row_stats, sink_tokens: softmax statistics, as in multi_head_attention
+        (no contribution: there is no W_O). Outputs over disjoint key sets merge with merge_attention.
         Returns AttentionResult with output [B, Tq, H, d_k] and, if asked, weights [B, H, Tq, Tk].
         """
         req = self._pb.ScaledDotProductAttentionRequest(
@@ -416,6 +527,7 @@ class MhaClient:
             self._set_mask(req, attn_mask, wire_dtype)
         if output_shared_memory is not None:
             req.output_shared_memory.CopyFrom(output_shared_memory)
+        self._set_stats(req, return_lse, return_head_stats, return_row_stats, sink_tokens)
         return _result(self._call(self._stub.ScaledDotProductAttention, req), self._regions)
 
     # ---- layers -------------------------------------------------------------------------------------------
@@ -476,15 +588,20 @@ class MhaClient:
         return Session(self, self._call(self._stub.CreateSession, req, session_id or None).session)
 
     def extend(self, items, layer_index=0, return_weights=False, output_dtype="fp32", backend="auto",
-               wire_dtype=None):
+               wire_dtype=None, return_lse=False, return_head_stats=False, return_row_stats=False, sink_tokens=0):
         """Extend: appends tokens to several sessions' caches of one layer in one call and attends.
 
         items: a list of dicts, each {"session": Session or id, "x": [n, d_model]} for a layer session or
         {"session": ..., "q": [n, H, d_k], "k": [n, Hkv, d_k], "v": [n, Hkv, d_k]} for a head session, optionally
-        "expected_length" (the cache's length before the call, checked). Returns a list of ExtendResult in order.
+        "expected_length" (the cache's length before the call, checked) and "append": False (the tokens attend to
+        the cache without joining it; k and v may then be left out of a head session's item: a shard of a context
+        spread over sessions, merged with merge_attention). return_lse, return_head_stats, return_row_stats,
+        sink_tokens: softmax statistics per item (lse [H, n], head_stats {field: [H]}, row_stats {field: [H, n]}).
+        Returns a list of ExtendResult in order.
         """
         req = self._pb.ExtendRequest(layer_index=int(layer_index), return_attention_weights=bool(return_weights),
                                      output_dtype=_dtype_enum(output_dtype), backend=_backend_enum(backend))
+        self._set_stats(req, return_lse, return_head_stats, return_row_stats, sink_tokens)
         sessions = []
         for entry in items:
             session = entry["session"]
@@ -495,17 +612,22 @@ class MhaClient:
                     getattr(item, name).CopyFrom(to_tensor(entry[name], wire_dtype))
             if entry.get("expected_length") is not None:
                 item.expected_length = int(entry["expected_length"])
+            if entry.get("append") is not None:
+                item.append = bool(entry["append"])
             sessions.append(session if isinstance(session, Session) else None)
         resp = self._call(self._stub.Extend, req, req.items[0].session_id if req.items else None)
         results = []
         for session, result in zip(sessions, resp.results):
             if session is not None:
                 session._lengths[int(layer_index)] = int(result.length)
+            lse, head_stats, row_stats = _softmax_stats(
+                result, (), int(result.output.shape[0]) if len(result.output.shape) else 0)
             results.append(ExtendResult(
                 output=from_tensor(result.output),
                 attention_weights=from_tensor(result.attention_weights) if result.HasField("attention_weights")
                 else None,
-                length=int(result.length), backend=resp.backend))
+                length=int(result.length), backend=resp.backend,
+                lse=lse, head_stats=head_stats, row_stats=row_stats))
         return results
 
     def list_sessions(self):
@@ -524,9 +646,12 @@ class MhaClient:
         return self._health_pb.HealthCheckResponse.ServingStatus.Name(resp.status)
 
 
-ExtendResult = collections.namedtuple("ExtendResult", ["output", "attention_weights", "length", "backend"])
+ExtendResult = collections.namedtuple("ExtendResult", ["output", "attention_weights", "length", "backend", "lse",
+                                                     "head_stats", "row_stats"], defaults=(None, None, None))
 ExtendResult.__doc__ = """One session's part of an Extend: output ([n, d_model] for a layer session, [n, H, d_k] for a
-head session), attention_weights [H, n, length] or None, the cache's length after the call, the backend that ran."""
+head session), attention_weights [H, n, length] or None, the cache's length after the call, the backend that ran;
+when asked for (else None): lse float32 [H, n], head_stats {field: float32 [H]} (contribution for layer sessions
+only) and row_stats {field: float32 [H, n]}."""
 
 
 class Session:
@@ -544,11 +669,15 @@ class Session:
         return list(self._lengths)
 
     def extend(self, layer_index=0, x=None, q=None, k=None, v=None, expected_length=None, return_weights=False,
-               output_dtype="fp32", backend="auto", wire_dtype=None):
+               output_dtype="fp32", backend="auto", wire_dtype=None, append=None, return_lse=False,
+               return_head_stats=False, return_row_stats=False, sink_tokens=0):
         """Appends tokens to cache `layer_index` and attends: x [n, d_model] for a layer session, q, k, v for a head
-        session. Returns ExtendResult."""
-        item = {"session": self, "x": x, "q": q, "k": k, "v": v, "expected_length": expected_length}
-        return self._client.extend([item], layer_index, return_weights, output_dtype, backend, wire_dtype)[0]
+        session. append=False: the tokens attend to the cache without joining it (k, v may be None). The
+        statistics' options as in MhaClient.extend. Returns ExtendResult."""
+        item = {"session": self, "x": x, "q": q, "k": k, "v": v, "expected_length": expected_length,
+                "append": append}
+        return self._client.extend([item], layer_index, return_weights, output_dtype, backend, wire_dtype,
+                                   return_lse, return_head_stats, return_row_stats, sink_tokens)[0]
 
     def fork(self, new_id=""):
         """A copy sharing every cached token (copy-on-write on the server). Returns the new Session."""
