@@ -274,19 +274,25 @@ class KServeServiceTest : public ServiceTest {
   std::unique_ptr<inference::GRPCInferenceService::Stub> kserve_;
 };
 
+// The native MultiHeadAttention request DemoInfer() `request` translates to (the demo layer, its query).
+v1::MultiHeadAttentionRequest NativeDemo(const ModelInferRequest& request) {
+  v1::MultiHeadAttentionRequest native;
+  native.set_layer("demo");
+  native.mutable_query()->set_dtype(v1::FP32);
+  Set<int64_t>(native.mutable_query()->mutable_shape(), {2, 3, 512});
+  native.mutable_query()->set_data(request.raw_input_contents(0));
+  return native;
+}
+
 TEST_F(KServeServiceTest, InferEqualsTheNativeCallByteForByte) {
   ModelInferRequest request = DemoInfer();
   (*request.mutable_parameters())["backend"] = StringParam("cpu");
   request.add_outputs()->set_name("output");
   request.add_outputs()->set_name("attention_weights");
   request.set_id("call-7");
-  v1::MultiHeadAttentionRequest native;
-  native.set_layer("demo");
+  v1::MultiHeadAttentionRequest native = NativeDemo(request);
   native.set_backend(v1::BACKEND_CPU);
   native.set_return_attention_weights(true);
-  native.mutable_query()->set_dtype(v1::FP32);
-  Set<int64_t>(native.mutable_query()->mutable_shape(), {2, 3, 512});
-  native.mutable_query()->set_data(request.raw_input_contents(0));
   v1::MultiHeadAttentionResponse want;
   ASSERT_TRUE(Call(native, &want).ok());
 
@@ -327,6 +333,48 @@ TEST_F(KServeServiceTest, SdpaEqualsTheNativeCallByteForByte) {
   ASSERT_TRUE(Infer(request, &got).ok());
   ASSERT_EQ(got.raw_output_contents_size(), 1);
   EXPECT_EQ(got.raw_output_contents(0), want.output().data());
+}
+
+TEST_F(KServeServiceTest, LseAndHeadStatisticsAreOutputsOfTheNativeCallsValues) {
+  ModelInferRequest request = DemoInfer();
+  (*request.mutable_parameters())["sink_tokens"].set_int64_param(2);
+  request.add_outputs()->set_name("head_contribution");
+  request.add_outputs()->set_name("lse");
+  request.add_outputs()->set_name("head_sink_mass");
+  v1::MultiHeadAttentionRequest native = NativeDemo(request);
+  native.set_return_lse(true);
+  native.set_return_head_stats(true);
+  native.set_sink_tokens(2);
+  v1::MultiHeadAttentionResponse want;
+  ASSERT_TRUE(Call(native, &want).ok());
+
+  inference::ModelInferResponse got;
+  const grpc::Status status = Infer(request, &got);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  ASSERT_EQ(got.outputs_size(), 3);
+  const auto shape = [&got](int i) {
+    return std::vector<int64_t>(got.outputs(i).shape().begin(), got.outputs(i).shape().end());
+  };
+  const auto bytes = [](const google::protobuf::RepeatedField<float>& values) {
+    return std::string(reinterpret_cast<const char*>(values.data()), values.size() * sizeof(float));
+  };
+  EXPECT_EQ(got.outputs(0).name(), "head_contribution");
+  EXPECT_EQ(shape(0), (std::vector<int64_t>{2, 8}));
+  EXPECT_EQ(got.raw_output_contents(0), bytes(want.head_stats().contribution()));
+  EXPECT_EQ(got.outputs(1).name(), "lse");
+  EXPECT_EQ(shape(1), (std::vector<int64_t>{2, 8, 3}));
+  EXPECT_EQ(got.raw_output_contents(1), want.lse().data());
+  EXPECT_EQ(got.outputs(2).name(), "head_sink_mass");
+  EXPECT_EQ(got.raw_output_contents(2), bytes(want.head_stats().sink_mass()));
+}
+
+TEST_F(KServeServiceTest, SdpaHasNoHeadContribution) {
+  ModelInferRequest request = SdpaInfer();
+  request.add_outputs()->set_name("head_contribution");
+  inference::ModelInferResponse got;
+  const grpc::Status status = Infer(request, &got);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(status.error_message().find("no output 'head_contribution'"), std::string::npos) << status.error_message();
 }
 
 TEST_F(KServeServiceTest, AnUnknownModelOrVersionIsNotFound) {

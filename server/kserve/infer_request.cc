@@ -286,11 +286,13 @@ absl::Status ReadInputs(absl::Span<const Source> sources, absl::Span<const Input
   return absl::OkStatus();
 }
 
-// The request's parameters into `heads` (and `backend`): causal, scale, backend, and for sdpa the head
-// configuration. Triton's "priority" and "timeout" are accepted and have no effect here.
-absl::Status ReadParameters(const Parameters& params, bool sdpa, v1::HeadConfig* heads, v1::Backend* backend) {
+// The request's parameters into `heads` (and `backend`, `sink_tokens`): causal, scale, backend, sink_tokens, and
+// for sdpa the head configuration. Triton's "priority" and "timeout" are accepted and have no effect here.
+absl::Status ReadParameters(const Parameters& params, bool sdpa, v1::HeadConfig* heads, v1::Backend* backend,
+                            int32_t* sink_tokens) {
   using P = inference::InferParameter;
-  std::vector<std::string> known = {"causal", "scale", "backend", "rope_theta", "rope_dim", "rope_interleaved"};
+  std::vector<std::string> known = {"causal",   "scale",          "backend",    "rope_theta",
+                                    "rope_dim", "rope_interleaved", "sink_tokens"};
   if (sdpa) known.insert(known.end(), {"num_heads", "num_kv_heads", "head_dim"});
   for (const auto& [name, value] : params) {
     if (name == "priority" || name == "timeout") continue;
@@ -298,7 +300,8 @@ absl::Status ReadParameters(const Parameters& params, bool sdpa, v1::HeadConfig*
       return absl::InvalidArgumentError(absl::StrCat("parameters: '", name, "' is not taken; the model takes ",
                                                      absl::StrJoin(known, ", ")));
     }
-    const bool integer = name == "rope_dim" || name == "num_heads" || name == "num_kv_heads" || name == "head_dim";
+    const bool integer = name == "rope_dim" || name == "num_heads" || name == "num_kv_heads" || name == "head_dim" ||
+                         name == "sink_tokens";
     const bool real = name == "scale" || name == "rope_theta";
     const bool boolean = name == "causal" || name == "rope_interleaved";
     const P::ParameterChoiceCase want = integer ? P::kInt64Param : real ? P::kDoubleParam
@@ -323,6 +326,7 @@ absl::Status ReadParameters(const Parameters& params, bool sdpa, v1::HeadConfig*
     if (name == "num_heads") heads->set_num_heads(static_cast<int32_t>(value.int64_param()));
     if (name == "num_kv_heads") heads->set_num_kv_heads(static_cast<int32_t>(value.int64_param()));
     if (name == "head_dim") heads->set_head_dim(static_cast<int32_t>(value.int64_param()));
+    if (name == "sink_tokens") *sink_tokens = static_cast<int32_t>(value.int64_param());
     if (name == "backend" &&
         !v1::Backend_Parse(absl::StrCat("BACKEND_", absl::AsciiStrToUpper(value.string_param())), backend)) {
       return absl::InvalidArgumentError(absl::StrCat("parameters: backend '", value.string_param(),
@@ -338,15 +342,19 @@ template <typename MutableRef>
 absl::StatusOr<std::vector<KServeOutput>> ReadOutputs(const inference::ModelInferRequest& request,
                                                       int64_t output_bytes, MutableRef mutable_ref) {
   std::vector<KServeOutput> outputs;
+  const bool sdpa = request.model_name() == kSdpaModel;
   for (const auto& wanted : request.outputs()) {
-    KServeOutput output;
-    if (wanted.name() == "output") {
-      output = KServeOutput::kOutput;
-    } else if (wanted.name() == "attention_weights") {
-      output = KServeOutput::kAttentionWeights;
-    } else {
+    KServeOutput output = KServeOutput::kOutput;
+    bool found = false;
+    std::vector<std::string> names;
+    for (KServeOutput each : kOutputs) {
+      if (sdpa && each == KServeOutput::kContribution) continue;  // there is no W_O
+      names.push_back(OutputName(each));
+      if (wanted.name() == OutputName(each)) output = each, found = true;
+    }
+    if (!found) {
       return absl::InvalidArgumentError(absl::StrCat("outputs: the model has no output '", wanted.name(),
-                                                     "'; it has output, attention_weights"));
+                                                     "'; it has ", absl::StrJoin(names, ", ")));
     }
     if (std::find(outputs.begin(), outputs.end(), output) != outputs.end()) {
       return absl::InvalidArgumentError(absl::StrCat("outputs: '", wanted.name(), "' is requested twice"));
@@ -381,14 +389,43 @@ int64_t OutputBytes(const inference::ModelInferRequest& request, const char* nam
   return -1;
 }
 
-bool WantsWeights(const std::vector<KServeOutput>& outputs) {
-  return std::find(outputs.begin(), outputs.end(), KServeOutput::kAttentionWeights) != outputs.end();
+bool Wants(const std::vector<KServeOutput>& outputs, KServeOutput output) {
+  return std::find(outputs.begin(), outputs.end(), output) != outputs.end();
+}
+
+// The native request's return_* fields for the outputs a call asked for.
+template <typename Request>
+void AskFor(const std::vector<KServeOutput>& outputs, Request* r) {
+  r->set_return_attention_weights(Wants(outputs, KServeOutput::kAttentionWeights));
+  const bool head_stats = std::any_of(outputs.begin(), outputs.end(), IsHeadStat);
+  r->set_return_head_stats(head_stats);
+  r->set_return_lse(head_stats || Wants(outputs, KServeOutput::kLse));  // the head statistics' [B, H] shape
 }
 
 }  // namespace
 
 const char* OutputName(KServeOutput output) {
-  return output == KServeOutput::kOutput ? "output" : "attention_weights";
+  switch (output) {
+    case KServeOutput::kOutput:
+      return "output";
+    case KServeOutput::kAttentionWeights:
+      return "attention_weights";
+    case KServeOutput::kLse:
+      return "lse";
+    case KServeOutput::kEntropy:
+      return "head_entropy";
+    case KServeOutput::kNormalizedEntropy:
+      return "head_normalized_entropy";
+    case KServeOutput::kConfidence:
+      return "head_confidence";
+    case KServeOutput::kDistance:
+      return "head_distance";
+    case KServeOutput::kSinkMass:
+      return "head_sink_mass";
+    case KServeOutput::kContribution:
+      return "head_contribution";
+  }
+  return "output";
 }
 
 const char* DatatypeName(v1::DataType dtype) {
@@ -426,11 +463,14 @@ absl::StatusOr<KServeCall> TranslateInferRequest(inference::ModelInferRequest* r
     };
     RETURN_IF_ERROR(ReadInputs(sources, rules));
     r.set_attn_mask_type(mask_type);
-    RETURN_IF_ERROR(ReadParameters(request->parameters(), /*sdpa=*/true, r.mutable_heads(), &backend));
+    int32_t sink_tokens = 0;
+    RETURN_IF_ERROR(
+        ReadParameters(request->parameters(), /*sdpa=*/true, r.mutable_heads(), &backend, &sink_tokens));
     r.set_backend(backend);
+    r.set_sink_tokens(sink_tokens);
     ASSIGN_OR_RETURN(call.outputs, ReadOutputs(*request, OutputBytes(*request, "q"),
                                                [&r] { return r.mutable_output_shared_memory(); }));
-    r.set_return_attention_weights(WantsWeights(call.outputs));
+    AskFor(call.outputs, &r);
     call.sdpa = std::move(sdpa);
     return call;
   }
@@ -450,13 +490,15 @@ absl::StatusOr<KServeCall> TranslateInferRequest(inference::ModelInferRequest* r
   RETURN_IF_ERROR(ReadInputs(sources, rules));
   r.set_attn_mask_type(mask_type);
   v1::HeadConfig heads;
-  RETURN_IF_ERROR(ReadParameters(request->parameters(), /*sdpa=*/false, &heads, &backend));
+  int32_t sink_tokens = 0;
+  RETURN_IF_ERROR(ReadParameters(request->parameters(), /*sdpa=*/false, &heads, &backend, &sink_tokens));
   if (heads.ByteSizeLong() > 0) *r.mutable_heads() = heads;
   r.set_backend(backend);
+  r.set_sink_tokens(sink_tokens);
   ASSIGN_OR_RETURN(call.outputs,
                    ReadOutputs(*request, OutputBytes(*request, "query"),
                                [&r] { return r.mutable_output_shared_memory(); }));
-  r.set_return_attention_weights(WantsWeights(call.outputs));
+  AskFor(call.outputs, &r);
   call.mha = std::move(mha);
   return call;
 }

@@ -20,8 +20,26 @@ inline constexpr char kSdpaModel[] = "sdpa";
 // The one version of every model.
 inline constexpr char kModelVersion[] = "1";
 
-// An output a call returns, in the order the response lists them.
-enum class KServeOutput { kOutput, kAttentionWeights };
+// An output a call returns, in the order the response lists them: the output, the attention weights, the lse
+// [B, H, Tq], and HeadStats' fields [B, H] as head_entropy, head_normalized_entropy, head_confidence,
+// head_distance, head_sink_mass and (a layer's) head_contribution (attention.proto's HeadStats).
+enum class KServeOutput {
+  kOutput,
+  kAttentionWeights,
+  kLse,
+  kEntropy,
+  kNormalizedEntropy,
+  kConfidence,
+  kDistance,
+  kSinkMass,
+  kContribution,
+};
+inline constexpr KServeOutput kOutputs[] = {
+    KServeOutput::kOutput,     KServeOutput::kAttentionWeights, KServeOutput::kLse,
+    KServeOutput::kEntropy,    KServeOutput::kNormalizedEntropy, KServeOutput::kConfidence,
+    KServeOutput::kDistance,   KServeOutput::kSinkMass,         KServeOutput::kContribution};
+// Whether `output` is one of HeadStats' fields.
+inline bool IsHeadStat(KServeOutput output) { return output >= KServeOutput::kEntropy; }
 
 struct KServeCall {
   // Exactly one is set: `mha` for a layer's model (its `layer` names it), `sdpa` for the model "sdpa".

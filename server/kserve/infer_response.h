@@ -18,6 +18,8 @@ struct ComputedOutputs {
   const TensorBytes* output = nullptr;             // field 0 when it went to shared memory: then
   const v1::Tensor* output_in_shared_memory = nullptr;  // its shape, dtype and region (else null)
   const TensorBytes* attention_weights = nullptr;  // field 0 unless requested
+  const v1::Tensor* lse = nullptr;                 // [B, H, Tq] when requested
+  const v1::HeadStats* head_stats = nullptr;       // B x H values per field when requested
   std::string backend;                             // which backend ran
   const v1::Timing* timing = nullptr;
 };

@@ -210,7 +210,8 @@ ComputeAnswer<Response> KServeService::Answer(std::string model, std::string id,
     if (status.ok()) {
       status = EncodeInferResponse(model, id, outputs,
                                    {&reply->output, reply->message.has_output() ? &reply->message.output() : nullptr,
-                                    &reply->attention_weights, reply->message.backend(), &timing},
+                                    &reply->attention_weights, &reply->message.lse(), &reply->message.head_stats(),
+                                    reply->message.backend(), &timing},
                                    out);
     }
     ModelStats::Call call;

@@ -28,7 +28,14 @@ ModelSpec SpecOf(const Layer* layer) {
              {"v", "FP32", {-1, -1, -1, -1}, false},
              {"key_lengths", "INT32", {-1}, true},
              {"attn_mask", "FP32", {-1, -1}, true}},
-            {{"output", "FP32", {-1, -1, -1, -1}, false}, {"attention_weights", "FP32", {-1, -1, -1, -1}, true}}};
+            {{"output", "FP32", {-1, -1, -1, -1}, false},
+             {"attention_weights", "FP32", {-1, -1, -1, -1}, true},
+             {"lse", "FP32", {-1, -1, -1}, true},
+             {"head_entropy", "FP32", {-1, -1}, true},
+             {"head_normalized_entropy", "FP32", {-1, -1}, true},
+             {"head_confidence", "FP32", {-1, -1}, true},
+             {"head_distance", "FP32", {-1, -1}, true},
+             {"head_sink_mass", "FP32", {-1, -1}, true}}};
   }
   const LayerShape& shape = layer->shape;
   const int64_t heads = shape.heads.num_heads;
@@ -40,7 +47,14 @@ ModelSpec SpecOf(const Layer* layer) {
            {"attn_mask", "FP32", {-1, -1}, true},
            {"head_mask", "FP32", {heads}, true}},
           {{"output", "FP32", {-1, -1, shape.d_model}, false},
-           {"attention_weights", "FP32", {-1, heads, -1, -1}, true}}};
+           {"attention_weights", "FP32", {-1, heads, -1, -1}, true},
+           {"lse", "FP32", {-1, heads, -1}, true},
+           {"head_entropy", "FP32", {-1, heads}, true},
+           {"head_normalized_entropy", "FP32", {-1, heads}, true},
+           {"head_confidence", "FP32", {-1, heads}, true},
+           {"head_distance", "FP32", {-1, heads}, true},
+           {"head_sink_mass", "FP32", {-1, heads}, true},
+           {"head_contribution", "FP32", {-1, heads}, true}}};
 }
 
 inference::DataType ConfigType(const std::string& datatype) {

@@ -62,7 +62,9 @@ def test_model_metadata_config_and_index(client):
     assert inputs["head_mask"] == [HEADS]
     config = client.get_model_config(LAYER).config
     assert config.backend == "mhaserve" and config.max_batch_size == 0
-    assert [o.name for o in config.output] == ["output", "attention_weights"]
+    assert [o.name for o in config.output] == ["output", "attention_weights", "lse", "head_entropy",
+                                               "head_normalized_entropy", "head_confidence", "head_distance",
+                                               "head_sink_mass", "head_contribution"]
     assert {m.name for m in client.get_model_repository_index().models} == {"demo", LAYER, "sdpa"}
 
 
@@ -92,6 +94,21 @@ def test_sdpa_with_a_bool_mask_and_gqa(client, reference):
                                    tensor("attn_mask", mask, "BOOL")], parameters={"scale": 0.5})
     want = reference(q=q, k=k, v=v, attn_mask=mask, mask_keep=True, scale=0.5)
     assert_close(result.as_numpy("output"), want["output"], "FP32")
+
+
+def test_sdpa_lse_and_head_statistics_as_outputs(client):
+    q, k, v = rng_array((2, 5, 4, 8), 9), rng_array((2, 7, 2, 8), 10), rng_array((2, 7, 2, 8), 11)
+    result = client.infer("sdpa", [tensor("q", q, "FP32"), tensor("k", k, "FP32"), tensor("v", v, "FP32")],
+                          outputs=[grpcclient.InferRequestedOutput("lse"),
+                                   grpcclient.InferRequestedOutput("head_confidence")])
+    # Query head h reads KV head h // 2; numpy's float64 log-sum-exp of the scaled scores.
+    scores = np.einsum("bqhd,bkhd->bhqk", q.astype(np.float64), np.repeat(k, 2, axis=2).astype(np.float64))
+    scores /= np.sqrt(8)
+    peak = scores.max(-1, keepdims=True)
+    lse = (peak + np.log(np.exp(scores - peak).sum(-1, keepdims=True)))[..., 0]
+    assert_close(result.as_numpy("lse"), lse, "FP32")
+    confidence = np.exp(peak[..., 0] - lse).mean(-1)  # the largest weight, averaged over the rows
+    assert_close(result.as_numpy("head_confidence"), confidence, "FP32")
 
 
 def test_head_mask_ablates_heads(client, reference, weights):
