@@ -241,6 +241,32 @@ TEST_F(SessionServiceTest, WithoutAppendTokensAttendToTheCacheAndLeaveIt) {
   EXPECT_NEAR(row1, 1.0f, 1e-5);
 }
 
+TEST_F(SessionServiceTest, ALayerSessionsHeadStatisticsMatchTheReferences) {
+  // The same tokens through two sessions, one on each backend: a prefill, then a decode step (the decode path) and
+  // a chunk (the gather path) with every statistic, contribution included.
+  const std::string cpu = Created(LayerSession()), reference = Created(LayerSession());
+  for (int64_t n : {0, 1, 6}) {
+    std::vector<v1::ExtendResponse> responses(2);
+    for (int k = 0; k < 2; ++k) {
+      v1::ExtendRequest r = ExtendOf({XItem(k == 0 ? cpu : reference, n == 0 ? 9 : n, static_cast<uint32_t>(n + 3))});
+      r.set_backend(k == 0 ? v1::BACKEND_CPU : v1::BACKEND_REFERENCE);
+      r.set_return_head_stats(n > 0);
+      r.set_return_lse(n > 0);
+      ASSERT_TRUE(Extend(r, &responses[k]).ok());
+    }
+    if (n == 0) continue;
+    const v1::ExtendResult &got = responses[0].results(0), &want = responses[1].results(0);
+    EXPECT_EQ(got.head_stats().contribution_size(), 8);
+    EXPECT_TRUE(AllClose(TensorToFloats(got.lse()), TensorToFloats(want.lse()), 1e-4, 1e-4)) << n;
+    for (const auto& [name, g, w] :
+         {std::tuple{"contribution", &got.head_stats().contribution(), &want.head_stats().contribution()},
+          std::tuple{"entropy", &got.head_stats().entropy(), &want.head_stats().entropy()},
+          std::tuple{"distance", &got.head_stats().distance(), &want.head_stats().distance()}}) {
+      EXPECT_TRUE(AllClose({g->begin(), g->end()}, {w->begin(), w->end()}, 1e-4, 1e-4)) << name << " n=" << n;
+    }
+  }
+}
+
 TEST_F(SessionServiceTest, WithoutAppendAnEmptyCacheIsAFailedPrecondition) {
   const std::string id = Created(HeadSession());
   v1::ExtendItem item = QkvItem(id, 1);
