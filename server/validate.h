@@ -35,6 +35,8 @@ struct StatsRequest {
   bool any() const { return lse || head_stats; }
   // The response bytes they add for `heads` heads of `rows` query rows (one batch item).
   double ResponseBytes(int64_t heads, int64_t rows) const;
+  // The per-row values the backend writes for them (StatsBuffers), bytes.
+  int64_t WorkspaceBytes(int64_t heads, int64_t rows) const;
 };
 
 // INVALID_ARGUMENT for a sink_tokens outside [0, 1048576] (0 means 4) or return_row_stats without

@@ -295,7 +295,8 @@ absl::StatusOr<ExtendPlan> ValidateExtendHeld(const v1::ExtendRequest& r, const 
         p.return_weights ? ", return_attention_weights=false" : "", " or fewer tokens per call"));
   }
   plan.flops = ExtendFlops(p, plan.items);
-  plan.workspace_bytes = plan.backend->PagedWorkspaceBytes(p);
+  plan.workspace_bytes =
+      plan.backend->PagedWorkspaceBytes(p) + plan.stats.WorkspaceBytes(p.heads.num_heads, p.new_tokens);
   RETURN_IF_ERROR(CheckWorkLimits(plan, context));
 
   // What the scheduler sees of the call.
