@@ -55,11 +55,23 @@ else
   bin="$root/build/bin"
   note "no .gpu-bundle: running $bin"
 fi
-# cuBLAS is dlopen()ed: the toolkit's, else the one PyTorch's wheels carry.
-for dir in /usr/local/cuda/lib64 /usr/local/cuda/lib \
-  $(python3 -c 'import nvidia.cublas, os; print(os.path.join(nvidia.cublas.__path__[0], "lib"))' 2>/dev/null); do
-  if [[ -e "$dir/libcublas.so.13" ]]; then export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}$dir"; note "cuBLAS: $dir"; break; fi
+# cuBLAS is dlopen()ed: the toolkit's, else the one PyTorch's wheels carry (CUDA 13's nvidia-cublas wheel puts it in
+# nvidia/cu13/lib, with no nvidia.cublas module; CUDA 12's had nvidia/cublas/lib), else any found on the disk.
+cublas_dir=
+wheel_dirs='import nvidia, os; print(*[os.path.join(p, s, "lib") for p in nvidia.__path__ for s in ("cu13", "cublas")])'
+for dir in /usr/local/cuda/lib64 /usr/local/cuda/lib $(env -u LD_LIBRARY_PATH python3 -c "$wheel_dirs" 2>/dev/null); do
+  [[ -e "$dir/libcublas.so.13" ]] && cublas_dir=$dir && break
 done
+if [[ -z "$cublas_dir" ]]; then
+  found=$(timeout 30 find / \( -path /proc -o -path /sys \) -prune -o -name libcublas.so.13 -print -quit 2>/dev/null)
+  [[ -n "$found" ]] && cublas_dir=$(dirname "$found")
+fi
+if [[ -e "$cublas_dir/libcublas.so.13" ]]; then
+  export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}$cublas_dir"
+  note "cuBLAS: $cublas_dir"
+else
+  note "cuBLAS: libcublas.so.13 not found"
+fi
 
 # 1. Versions.
 {
