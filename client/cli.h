@@ -38,12 +38,15 @@ void EndFlagParsing();
 
 // --target, --lb, --timeout_s, --max_message_mb as ClientOptions; INVALID_ARGUMENT (a usage error) if out of range.
 absl::StatusOr<ClientOptions> ClientOptionsFromFlags();
+// -O, the report format of bench and heads: "pretty", "json" or "csv"; INVALID_ARGUMENT (a usage error) otherwise.
+absl::StatusOr<std::string> ReportFormatFromFlags();
 
 int RunHealth(const ClientOptions& options);
 int RunInfo(const ClientOptions& options);
 int RunCall(const ClientOptions& options);
 int RunBench(const ClientOptions& options);
 int RunPlot(const ClientOptions& options);
+int RunHeads(const ClientOptions& options);
 int RunDecode(const ClientOptions& options);
 
 }  // namespace mha::cli

@@ -35,7 +35,7 @@ ABSL_FLAG(int, max_in_flight, 256, "bench: open loop, calls outstanding at most 
 ABSL_FLAG(int, connections, 1, "bench: channels (TCP connections) to spread the calls over");
 ABSL_FLAG(int64_t, warmup, 0, "bench: calls before each measured run, not counted");
 ABSL_FLAG(std::string, concurrency_range, "", "bench: sweep of closed-loop runs, start:end:step or start:end:xF");
-ABSL_FLAG(std::string, O, "pretty", "bench: report format, pretty, json or csv");
+ABSL_FLAG(std::string, O, "pretty", "bench, heads: report format, pretty, json or csv");
 ABSL_FLAG(int, health_baseline, 0,
           "bench: after each run, this many sequential health checks on the first connection, reported as the "
           "round-trip floor of any call");
@@ -162,6 +162,14 @@ class SharedRequest {
 
 }  // namespace
 
+absl::StatusOr<std::string> ReportFormatFromFlags() {
+  const std::string format = absl::GetFlag(FLAGS_O);
+  if (format != "pretty" && format != "json" && format != "csv") {
+    return absl::InvalidArgumentError(absl::StrCat("-O must be pretty, json or csv; got '", format, "'"));
+  }
+  return format;
+}
+
 int RunBench(const ClientOptions& options) {
   absl::StatusOr<RequestFlags> flags = RequestFlagsFromCommandLine();
   if (!flags.ok()) return UsageError(flags.status());
@@ -194,10 +202,8 @@ int RunBench(const ClientOptions& options) {
     return UsageError(absl::InvalidArgumentError(
         absl::StrCat("--health_baseline must be in [0, ", kMaxHealthCalls, "]; got ", health_calls)));
   }
-  const std::string format = absl::GetFlag(FLAGS_O);
-  if (format != "pretty" && format != "json" && format != "csv") {
-    return UsageError(absl::InvalidArgumentError(absl::StrCat("-O must be pretty, json or csv; got '", format, "'")));
-  }
+  absl::StatusOr<std::string> format = ReportFormatFromFlags();
+  if (!format.ok()) return UsageError(format.status());
   std::vector<int> levels = {load.concurrency};
   const std::string range = absl::GetFlag(FLAGS_concurrency_range);
   if (!range.empty()) {
@@ -268,7 +274,7 @@ int RunBench(const ClientOptions& options) {
     }
   }
   const std::string text =
-      format == "json" ? FormatJson(reports) : format == "csv" ? FormatCsv(reports) : FormatPretty(reports);
+      *format == "json" ? FormatJson(reports) : *format == "csv" ? FormatCsv(reports) : FormatPretty(reports);
   std::fwrite(text.data(), 1, text.size(), stdout);
   return kExitOk;
 }

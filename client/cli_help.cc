@@ -25,10 +25,11 @@ struct FlagGroup {
 };
 constexpr FlagGroup kGroups[] = {
     {"client/cli_common.cc", "Every subcommand: the server, the connection, output files"},
-    {"client/cli_request.cc", "call, bench, plot: the request (inputs, weights, heads, masks, dtypes)"},
+    {"client/cli_request.cc", "call, bench, plot, heads: the request (inputs, weights, heads, masks, dtypes)"},
     {"client/cli_call.cc", "call, decode"},
     {"client/cli_bench.cc", "bench: the load test"},
     {"client/cli_plot.cc", "plot: the attention weights as an SVG"},
+    {"client/cli_heads.cc", "heads: per-head statistics ranked by contribution (and -O, above)"},
     {"client/cli_decode.cc", "decode: KV-cache sessions"},
 };
 

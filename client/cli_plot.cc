@@ -1,5 +1,6 @@
-// mha_client plot: one MultiHeadAttention call with return_attention_weights, drawn as an SVG grid of heatmaps, one
-// per head ("head i / KV group g"), with token indices or --tokens labels on the axes.
+// mha_client plot: one MultiHeadAttention call with return_attention_weights and return_head_stats, drawn as an SVG
+// grid of heatmaps, one per head ("head i / KV group g") annotated with its entropy, distance and contribution, with
+// token indices or --tokens labels on the axes.
 #include <cstdio>
 #include <fstream>
 #include <string>
@@ -30,6 +31,31 @@ std::vector<std::string> Labels(const std::string& text) {
 }
 
 absl::Status Usage(absl::string_view message) { return absl::InvalidArgumentError(message); }
+
+// Item `item`'s entropy, distance and contribution per head from the B x H values of `stats`; empty (no annotation)
+// if the server sent another count.
+std::vector<PanelStats> ItemStats(const v1::HeadStats& stats, int64_t item, int64_t batch, int64_t num_heads) {
+  const int64_t n = batch * num_heads;
+  if (stats.entropy_size() != n || stats.distance_size() != n || stats.contribution_size() != n) return {};
+  std::vector<PanelStats> heads(num_heads);
+  for (int64_t h = 0; h < num_heads; ++h) {
+    const int64_t at = item * num_heads + h;
+    heads[h] = {stats.entropy(at), stats.distance(at), stats.contribution(at)};
+  }
+  return heads;
+}
+
+// The call, with head statistics; a backend without them (CUDA answers UNIMPLEMENTED) gets the call without.
+absl::StatusOr<v1::MultiHeadAttentionResponse> CallWithStats(AttentionClient& client,
+                                                             v1::MultiHeadAttentionRequest& request) {
+  request.set_return_head_stats(true);
+  absl::StatusOr<v1::MultiHeadAttentionResponse> response = client.MultiHeadAttention(request);
+  if (response.ok() || response.status().code() != absl::StatusCode::kUnimplemented) return response;
+  std::fprintf(stderr, "no head statistics (%s); plotting without them\n",
+               std::string(response.status().message()).c_str());
+  request.set_return_head_stats(false);
+  return client.MultiHeadAttention(request);
+}
 
 }  // namespace
 
@@ -74,7 +100,7 @@ int RunPlot(const ClientOptions& options) {
     return UsageError(Usage(absl::StrCat("--plot_batch ", plot_batch, " is not below B = ", shape.batch)));
   }
 
-  absl::StatusOr<v1::MultiHeadAttentionResponse> response = client.MultiHeadAttention(prepared->request);
+  absl::StatusOr<v1::MultiHeadAttentionResponse> response = CallWithStats(client, prepared->request);
   if (!response.ok()) return Fail(response.status());
   const v1::Tensor& weights = response->attention_weights();
   if (weights.shape_size() != 4 || weights.shape(0) != shape.batch) {
@@ -92,6 +118,7 @@ int RunPlot(const ClientOptions& options) {
   plot.query_labels = query_labels;
   plot.key_labels = key_labels;
   plot.columns = columns;
+  plot.head_stats = ItemStats(response->head_stats(), plot_batch, weights.shape(0), plot.num_heads);
   plot.title = absl::StrCat("Attention weights, ", prepared->weights, ", batch item ", plot_batch, " (",
                             AttentionShapeString(shape), ")");
   absl::StatusOr<std::string> svg = RenderHeadsSvg(plot);

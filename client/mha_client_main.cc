@@ -4,6 +4,7 @@
 //   mha_client call [flags]      one MultiHeadAttention call (inputs from .npy or random); prints a summary
 //   mha_client bench [flags]     load test: closed loop (-c, -n, -z) or open loop (--rps); pretty, JSON or CSV
 //   mha_client plot [flags]      per-head attention weights as an SVG grid of heatmaps
+//   mha_client heads [flags]     per-head statistics ranked by contribution; --ablate K masks the K least ones
 //   mha_client decode [flags]    KV-cache sessions: prefill, decode steps; tokens/s, step latency, KV bytes/s
 // Exit codes: 0 success, 1 failure, 2 usage error (see client/cli.h).
 #include <cstdio>
@@ -22,11 +23,12 @@
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
-      "mha_client health|info|call|bench|plot|decode [--flags]: a client for mha_server\n"
+      "mha_client health|info|call|bench|plot|heads|decode [--flags]: a client for mha_server\n"
       "  e.g. mha_client call --query q.npy --output out.npy --weights --weights_output w.npy\n"
       "       mha_client bench -c 4 -z 10s --batch 8 --seq 512\n"
       "       mha_client bench --rps 50 -n 500 -O json\n"
       "       mha_client plot --tokens the,cat,sat,on,the,mat --output heads.svg\n"
+      "       mha_client heads --seq 64 --ablate 2\n"
       "       mha_client decode --sessions 32 --context 2048 --steps 64 --check");
   absl::FlagsUsageConfig usage;
   usage.contains_help_flags = [](absl::string_view path) { return absl::StrContains(path, "client/cli"); };
@@ -49,7 +51,8 @@ int main(int argc, char** argv) {
   mha::cli::EndFlagParsing();
   if (absl::flags_internal::HandleUsageFlags(std::cout, absl::ProgramUsageMessage()) != -1) return mha::cli::kExitOk;
   if (args.size() != 2) {
-    std::fprintf(stderr, "usage: mha_client health|info|call|bench|plot|decode [--flags]  (--help for flags)\n");
+    std::fprintf(stderr,
+                 "usage: mha_client health|info|call|bench|plot|heads|decode [--flags]  (--help for flags)\n");
     return mha::cli::kExitUsage;
   }
   absl::StatusOr<mha::ClientOptions> options = mha::cli::ClientOptionsFromFlags();
@@ -60,7 +63,9 @@ int main(int argc, char** argv) {
   if (command == "call") return mha::cli::RunCall(*options);
   if (command == "bench") return mha::cli::RunBench(*options);
   if (command == "plot") return mha::cli::RunPlot(*options);
+  if (command == "heads") return mha::cli::RunHeads(*options);
   if (command == "decode") return mha::cli::RunDecode(*options);
-  std::fprintf(stderr, "unknown command '%s'; expected health, info, call, bench, plot or decode\n", command.c_str());
+  std::fprintf(stderr, "unknown command '%s'; expected health, info, call, bench, plot, heads or decode\n",
+               command.c_str());
   return mha::cli::kExitUsage;
 }

@@ -1,5 +1,6 @@
-// The SVG heatmap grid: one titled panel per head with Tq * Tk cells, labels escaped, colours ordered by weight, and
-// inconsistent inputs rejected. (tests/client_e2e parses a real plot with an XML parser.)
+// The SVG heatmap grid: one titled panel per head with Tq * Tk cells, labels escaped, colours ordered by weight, the
+// heads' statistics under their titles, and inconsistent inputs rejected. (tests/client_e2e parses a real plot with
+// an XML parser.)
 #include "client/svg_plot.h"
 
 #include <string>
@@ -85,6 +86,25 @@ TEST(RenderHeadsSvg, LongSequencesLabelEveryFewTokens) {
   ASSERT_TRUE(svg.ok()) << svg.status();
   EXPECT_EQ(Count(*svg, "class=\"query-label\""), 25);  // every 4th of 100
   EXPECT_EQ(Count(*svg, "class=\"key-label\""), 32);    // every 2nd of 64
+}
+
+TEST(RenderHeadsSvg, HeadStatsAnnotateEachPanelUnderItsTitle) {
+  HeadsPlot plot = Plot(2, 2, 2, 2);
+  plot.head_stats = {{0.5f, 1.25f, 0.75f}, {2.0f, 0.0f, 0.125f}};
+  absl::StatusOr<std::string> svg = RenderHeadsSvg(plot);
+  ASSERT_TRUE(svg.ok()) << svg.status();
+  EXPECT_EQ(Count(*svg, "<text class=\"stats\""), 2);
+  EXPECT_THAT(*svg, HasSubstr("data-entropy=\"0.5\" data-distance=\"1.25\" data-contribution=\"0.75\">"
+                              "entropy 0.5, distance 1.25, contribution 0.75</text>"));
+  EXPECT_THAT(*svg, HasSubstr(">entropy 2, distance 0, contribution 0.125</text>"));
+  // The annotation sits between the panel's title and its cells.
+  const size_t title = svg->find(">head 1</text>"), stats = svg->find("entropy 2,"),
+               cell = svg->find("<rect class=\"cell\"", title);
+  EXPECT_LT(title, stats);
+  EXPECT_LT(stats, cell);
+  EXPECT_THAT(*RenderHeadsSvg(Plot(2, 2, 2, 2)), Not(HasSubstr("class=\"stats\"")));
+  plot.head_stats.pop_back();
+  EXPECT_EQ(RenderHeadsSvg(plot).status().message(), "1 head statistics for 2 heads");
 }
 
 TEST(RenderHeadsSvg, RejectsInconsistentInputs) {
