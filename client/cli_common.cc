@@ -12,7 +12,8 @@
 
 ABSL_FLAG(std::string, target, "127.0.0.1:50051",
           "gRPC target: host:port, dns:///name:port, or a list such as ipv4:127.0.0.1:50051,127.0.0.1:50052 "
-          "(with --lb round_robin to spread calls over the addresses)");
+          "(with --lb round_robin to spread calls over the addresses); decode --shards: the shards' servers, "
+          "comma-separated, shard i on server i % count");
 ABSL_FLAG(std::string, lb, "", "load-balancing policy across the target's addresses: pick_first or round_robin");
 ABSL_FLAG(double, timeout_s, 60, "deadline of each call, seconds");
 ABSL_FLAG(int, max_message_mb, 256, "largest message, MiB (match the server's --max_message_mb)");

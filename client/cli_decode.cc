@@ -1,8 +1,11 @@
 // mha_client decode: a decoding workload on KV-cache sessions (client/decode.h): S sessions prefilled with T random
 // tokens, then N decode steps, batched or one call per session; tokens/s, per-step latency, KV bytes read per second;
-// --check compares session 0 with a reference; --stateless resends the history instead, for comparison.
+// --check compares session 0 with a reference; --stateless resends the history instead, for comparison; --shards
+// spreads each session's context over several servers and merges every step's outputs by their lse.
 #include <cstdio>
+#include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/flags/declare.h"
 #include "absl/flags/flag.h"
@@ -25,6 +28,10 @@ ABSL_FLAG(int64_t, prefill_chunk, 1024, "decode: tokens per prefill call");
 ABSL_FLAG(bool, stateless, false,
           "decode: no sessions: every step resends each session's whole history (ScaledDotProductAttention, or "
           "MultiHeadAttention for --session_layers), to compare");
+ABSL_FLAG(int, shards, 1,
+          "decode: spread each head session's context over this many sessions, one per shard, in contiguous parts; "
+          "--target then lists the shards' servers, comma-separated (shard i on server i % count); each step asks "
+          "every shard (append=false but the last) and merges the outputs by their lse. Needs --rope_theta 0");
 
 ABSL_DECLARE_FLAG(int, c);
 ABSL_DECLARE_FLAG(std::string, O);
@@ -37,6 +44,30 @@ ABSL_DECLARE_FLAG(std::string, backend);
 ABSL_DECLARE_FLAG(int, seed);
 
 namespace mha::cli {
+namespace {
+
+// The servers of --shards: each comma-separated address of --target is one, shard i on server i % count. Without
+// shards, --target is one gRPC target as everywhere else (an address list included).
+absl::StatusOr<std::vector<ClientOptions>> ShardServers(const ClientOptions& options, int shards) {
+  if (shards <= 1) return std::vector<ClientOptions>{options};
+  if (!options.lb_policy.empty()) {
+    return absl::InvalidArgumentError(
+        "--lb does not go with --shards: --target's comma-separated addresses are then the shards' servers");
+  }
+  std::vector<ClientOptions> servers;
+  for (absl::string_view address : absl::StrSplit(options.target, ',')) {
+    if (address.empty()) return absl::InvalidArgumentError("--target has an empty address in its list");
+    servers.push_back(options);
+    servers.back().target = std::string(address);
+  }
+  if (static_cast<int>(servers.size()) > shards) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--target lists ", servers.size(), " servers for --shards ", shards, "; at most one per shard"));
+  }
+  return servers;
+}
+
+}  // namespace
 
 int RunDecode(const ClientOptions& options) {
   DecodeOptions o;
@@ -59,6 +90,7 @@ int RunDecode(const ClientOptions& options) {
   o.stateless = absl::GetFlag(FLAGS_stateless);
   o.check = absl::GetFlag(FLAGS_check);
   o.seed = static_cast<uint32_t>(absl::GetFlag(FLAGS_seed));
+  o.shards = absl::GetFlag(FLAGS_shards);
   absl::StatusOr<v1::DataType> cache = ParseDtype(absl::GetFlag(FLAGS_cache_dtype), "cache_dtype");
   if (!cache.ok()) return UsageError(cache.status());
   o.cache_dtype = *cache;
@@ -74,9 +106,16 @@ int RunDecode(const ClientOptions& options) {
     return UsageError(absl::InvalidArgumentError(absl::StrCat("decode: -O must be pretty or json; got '", format, "'")));
   }
   if (absl::Status valid = ValidateDecodeOptions(o); !valid.ok()) return UsageError(valid);
+  absl::StatusOr<std::vector<ClientOptions>> servers = ShardServers(options, o.shards);
+  if (!servers.ok()) return UsageError(servers.status());
 
-  AttentionClient client(options);
-  absl::StatusOr<DecodeReport> report = mha::RunDecode(client, o);
+  std::vector<std::unique_ptr<AttentionClient>> clients;
+  std::vector<AttentionClient*> shard_clients;
+  for (const ClientOptions& server : *servers) {
+    clients.push_back(std::make_unique<AttentionClient>(server));
+    shard_clients.push_back(clients.back().get());
+  }
+  absl::StatusOr<DecodeReport> report = mha::RunDecode(shard_clients, o);
   if (!report.ok()) return Fail(report.status());
   report->target = options.target;
   const std::string text = format == "json" ? FormatDecodeJson(*report) : FormatDecodePretty(*report);

@@ -10,6 +10,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "client/decode_shards.h"
 #include "nlohmann/json.hpp"
 #include "proto/mha/v1/tensor_codec.h"
 
@@ -74,8 +76,10 @@ std::vector<float> Columns(const float* rows, int64_t n, int64_t width, int64_t 
   return out;
 }
 
-// One session's item for n tokens of `rows`.
-v1::ExtendItem Item(const Shape& s, const std::string& id, const float* rows, int64_t n, v1::DataType wire) {
+// One session's item for n tokens of `rows`; without `append`, a head session's q alone (a shard's step that
+// attends to its cache without joining it).
+v1::ExtendItem Item(const Shape& s, const std::string& id, const float* rows, int64_t n, v1::DataType wire,
+                    bool append = true) {
   v1::ExtendItem item;
   item.set_session_id(id);
   if (s.layer()) {
@@ -84,6 +88,10 @@ v1::ExtendItem Item(const Shape& s, const std::string& id, const float* rows, in
   }
   const int64_t qw = s.heads * s.head_dim, kvw = s.kv_heads * s.head_dim;
   FloatsToTensor(Columns(rows, n, s.width(), 0, qw), {n, s.heads, s.head_dim}, wire, item.mutable_q());
+  if (!append) {
+    item.set_append(false);
+    return item;
+  }
   FloatsToTensor(Columns(rows, n, s.width(), qw, qw + kvw), {n, s.kv_heads, s.head_dim}, wire, item.mutable_k());
   FloatsToTensor(Columns(rows, n, s.width(), qw + kvw, qw + 2 * kvw), {n, s.kv_heads, s.head_dim}, wire,
                  item.mutable_v());
@@ -126,11 +134,12 @@ std::vector<double> ReferenceLastRow(const Shape& s, const std::vector<float>& r
 }
 
 // The workload's sessions and what it keeps of their inputs: session 0's for --check, every session's in the
-// stateless mode (it resends them). Sessions [first, last) of a step belong to one thread.
+// stateless mode (it resends them). Sessions [first, last) of a step belong to one thread. With shards, each
+// session is one session per shard, shard i's on *clients[i].
 class DecodeRun {
  public:
-  DecodeRun(AttentionClient& client, const DecodeOptions& o, const Shape& s)
-      : client_(client), o_(o), s_(s), rows_(o.sessions) {
+  DecodeRun(std::vector<AttentionClient*> clients, const DecodeOptions& o, const Shape& s)
+      : clients_(std::move(clients)), o_(o), s_(s), ids_(o.shards), rows_(o.sessions) {
     // The steps' tokens come from a pool drawn once, so that the steps time the calls, not a random generator.
     std::mt19937 rng(o.seed + 1);
     for (int i = 0; i < kPoolTokens; ++i) pool_.push_back(Random(rng, s_.width(), o_.wire_dtype));
@@ -141,22 +150,17 @@ class DecodeRun {
     std::mt19937 rng(o_.seed);
     const auto start = Clock::now();
     for (int i = 0; i < o_.sessions; ++i) {
-      if (!o_.stateless) {
-        absl::StatusOr<v1::CreateSessionResponse> created = client_.CreateSession(CreateRequest());
+      for (int shard = 0; !o_.stateless && shard < o_.shards; ++shard) {
+        absl::StatusOr<v1::CreateSessionResponse> created = clients_[shard]->CreateSession(CreateRequest());
         if (!created.ok()) return created.status();
-        ids_.push_back(created->session().session_id());
+        ids_[shard].push_back(created->session().session_id());
       }
       for (int64_t t0 = 0; t0 < o_.context; t0 += o_.prefill_chunk) {
         const int64_t n = std::min(o_.prefill_chunk, o_.context - t0);
         const std::vector<float> rows = Random(rng, n * s_.width(), o_.wire_dtype);
         Keep(i, rows);
-        for (int64_t layer = 0; !o_.stateless && layer < s_.caches; ++layer) {
-          v1::ExtendRequest request = Request(layer);
-          *request.add_items() = Item(s_, ids_[i], rows.data(), n, o_.wire_dtype);
-          absl::StatusOr<v1::ExtendResponse> response = client_.Extend(request);
-          if (!response.ok()) return response.status();
-          report->prefill_tokens += n;
-        }
+        if (o_.stateless) continue;
+        if (absl::Status status = PrefillChunk(i, t0, rows, report); !status.ok()) return status;
       }
     }
     report->prefill_seconds = Since(start);
@@ -180,12 +184,34 @@ class DecodeRun {
   }
 
   const std::vector<float>& Session0Rows() const { return rows_[0]; }
+  // With shards: session 0's first cache's length per shard after its last step.
+  const std::vector<int64_t>& Session0ShardLengths() const { return session0_lengths_; }
 
   void Close() {
-    for (const std::string& id : ids_) client_.CloseSession(id).IgnoreError();
+    for (int shard = 0; shard < o_.shards; ++shard) {
+      for (const std::string& id : ids_[shard]) clients_[shard]->CloseSession(id).IgnoreError();
+    }
   }
 
  private:
+  // Session i's context tokens [t0, t0 + n) (`rows`), each part to the shard that holds it, every layer.
+  absl::Status PrefillChunk(int i, int64_t t0, const std::vector<float>& rows, DecodeReport* report) {
+    const int64_t n = static_cast<int64_t>(rows.size()) / s_.width();
+    for (int shard = 0; shard < o_.shards; ++shard) {
+      const int64_t begin = std::max(t0, ShardBegin(o_.context, o_.shards, shard));
+      const int64_t end = std::min(t0 + n, ShardBegin(o_.context, o_.shards, shard + 1));
+      for (int64_t layer = 0; begin < end && layer < s_.caches; ++layer) {
+        v1::ExtendRequest request = Request(layer);
+        *request.add_items() =
+            Item(s_, ids_[shard][i], rows.data() + (begin - t0) * s_.width(), end - begin, o_.wire_dtype);
+        absl::StatusOr<v1::ExtendResponse> response = clients_[shard]->Extend(request);
+        if (!response.ok()) return response.status();
+        report->prefill_tokens += end - begin;
+      }
+    }
+    return absl::OkStatus();
+  }
+
   v1::CreateSessionRequest CreateRequest() const {
     v1::CreateSessionRequest create;
     for (const std::string& layer : o_.layers) create.add_layers(layer);
@@ -215,14 +241,39 @@ class DecodeRun {
 
   absl::Status Extend(int64_t layer, int first, const std::vector<const std::vector<float>*>& rows, int64_t* bytes,
                       std::vector<float>* session0) {
+    if (o_.shards > 1) return ExtendAcrossShards(layer, first, rows, bytes, session0);
     v1::ExtendRequest request = Request(layer);
     for (int i = first; i < first + static_cast<int>(rows.size()); ++i) {
-      *request.add_items() = Item(s_, ids_[i], rows[i - first]->data(), 1, o_.wire_dtype);
+      *request.add_items() = Item(s_, ids_[0][i], rows[i - first]->data(), 1, o_.wire_dtype);
     }
     *bytes += static_cast<int64_t>(request.ByteSizeLong());
-    absl::StatusOr<v1::ExtendResponse> response = client_.Extend(request);
+    absl::StatusOr<v1::ExtendResponse> response = clients_[0]->Extend(request);
     if (!response.ok()) return response.status();
     if (session0 != nullptr) *session0 = TensorToFloats(response->results(0).output());
+    return absl::OkStatus();
+  }
+
+  // The step sent to every shard at once: q alone to all but the last (append = false), q, k and v to the last,
+  // which appends the token; each shard's output and lse merged into the attention over the whole context.
+  absl::Status ExtendAcrossShards(int64_t layer, int first, const std::vector<const std::vector<float>*>& rows,
+                                  int64_t* bytes, std::vector<float>* session0) {
+    std::vector<v1::ExtendRequest> requests;
+    for (int shard = 0; shard < o_.shards; ++shard) {
+      v1::ExtendRequest request = Request(layer);
+      request.set_return_lse(true);
+      for (int i = first; i < first + static_cast<int>(rows.size()); ++i) {
+        *request.add_items() =
+            Item(s_, ids_[shard][i], rows[i - first]->data(), 1, o_.wire_dtype, shard + 1 == o_.shards);
+      }
+      *bytes += static_cast<int64_t>(request.ByteSizeLong());
+      requests.push_back(std::move(request));
+    }
+    absl::StatusOr<std::vector<ShardedResult>> results = ExtendShards(clients_, requests);
+    if (!results.ok()) return results.status();
+    if (session0 != nullptr) {
+      *session0 = std::move(results->front().output.values);
+      session0_lengths_ = results->front().lengths;
+    }
     return absl::OkStatus();
   }
 
@@ -252,7 +303,7 @@ class DecodeRun {
       request.set_output_dtype(v1::FP32);
       request.set_backend(o_.backend);
       *bytes += static_cast<int64_t>(request.ByteSizeLong());
-      absl::StatusOr<v1::MultiHeadAttentionResponse> response = client_.MultiHeadAttention(request);
+      absl::StatusOr<v1::MultiHeadAttentionResponse> response = clients_[0]->MultiHeadAttention(request);
       if (!response.ok()) return response.status();
       if (session0 != nullptr) *session0 = TensorToFloats(response->output());
       return absl::OkStatus();
@@ -266,7 +317,7 @@ class DecodeRun {
     request.set_output_dtype(v1::FP32);
     request.set_backend(o_.backend);
     *bytes += static_cast<int64_t>(request.ByteSizeLong());
-    absl::StatusOr<v1::ScaledDotProductAttentionResponse> response = client_.ScaledDotProductAttention(request);
+    absl::StatusOr<v1::ScaledDotProductAttentionResponse> response = clients_[0]->ScaledDotProductAttention(request);
     if (!response.ok()) return response.status();
     if (session0 != nullptr) {
       const std::vector<float> all = TensorToFloats(response->output());
@@ -275,11 +326,12 @@ class DecodeRun {
     return absl::OkStatus();
   }
 
-  AttentionClient& client_;
+  const std::vector<AttentionClient*> clients_;  // per shard
   const DecodeOptions o_;
   const Shape s_;
   static constexpr int kPoolTokens = 256;
-  std::vector<std::string> ids_;
+  std::vector<std::vector<std::string>> ids_;  // [shard][session]
+  std::vector<int64_t> session0_lengths_;
   std::vector<std::vector<float>> rows_;
   std::vector<std::vector<float>> pool_;  // [kPoolTokens][width]: the decode steps' inputs
 };
@@ -372,6 +424,26 @@ double Tolerance(const DecodeOptions& o) {
   return stored_bf16 ? 3e-2 : stored_fp16 ? 4e-3 : 1e-4;
 }
 
+// What --shards needs besides its range.
+absl::Status ValidateShards(const DecodeOptions& o) {
+  if (!o.layers.empty()) {
+    return absl::InvalidArgumentError(
+        "--shards needs head sessions: a layer session's output has mixed its heads and cannot be merged per head "
+        "(drop --session_layers)");
+  }
+  if (o.stateless) return absl::InvalidArgumentError("--shards spreads sessions over servers; --stateless has none");
+  if (o.rope_theta != 0) {
+    return absl::InvalidArgumentError(
+        "--shards needs --rope_theta 0: a shard's cache positions start at 0 (the API has no position offset), so "
+        "RoPE would rotate its keys by the wrong positions");
+  }
+  if (o.context < o.shards) {
+    return absl::InvalidArgumentError(absl::StrCat("--shards ", o.shards, " needs --context of at least ", o.shards,
+                                                   ": every shard holds part of the context"));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::Status ValidateDecodeOptions(const DecodeOptions& o) {
@@ -384,18 +456,29 @@ absl::Status ValidateDecodeOptions(const DecodeOptions& o) {
        {in("sessions", o.sessions, 1, 4096), in("context", o.context, 1, int64_t{1} << 22),
         in("steps", o.steps, 1, 1 << 20), in("num_layers", o.num_layers, 1, 1024), in("c", o.concurrency, 1, 1024),
         in("prefill_chunk", o.prefill_chunk, 1, int64_t{1} << 20), in("heads", o.heads, 1, 4096),
-        in("kv_heads", o.kv_heads, 1, o.heads), in("head_dim", o.head_dim, 1, 4096)}) {
+        in("kv_heads", o.kv_heads, 1, o.heads), in("head_dim", o.head_dim, 1, 4096), in("shards", o.shards, 1, 256)}) {
     if (!status.ok()) return status;
   }
   if (o.heads % o.kv_heads != 0) return absl::InvalidArgumentError("--kv_heads must divide --heads");
   if (!(o.rope_theta >= 0) || !std::isfinite(o.rope_theta)) {
     return absl::InvalidArgumentError("--rope_theta must be finite and >= 0");
   }
-  return absl::OkStatus();
+  return o.shards > 1 ? ValidateShards(o) : absl::OkStatus();
 }
 
 absl::StatusOr<DecodeReport> RunDecode(AttentionClient& client, const DecodeOptions& o) {
+  return RunDecode(std::vector<AttentionClient*>{&client}, o);
+}
+
+absl::StatusOr<DecodeReport> RunDecode(const std::vector<AttentionClient*>& clients, const DecodeOptions& o) {
   if (absl::Status valid = ValidateDecodeOptions(o); !valid.ok()) return valid;
+  if (clients.empty() || static_cast<int>(clients.size()) > o.shards) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("decode over ", o.shards, " shard(s) needs 1 to ", o.shards, " servers; got ", clients.size()));
+  }
+  std::vector<AttentionClient*> shard_clients;
+  for (int shard = 0; shard < o.shards; ++shard) shard_clients.push_back(clients[shard % clients.size()]);
+  AttentionClient& client = *clients[0];
   absl::StatusOr<Shape> shape = ShapeOf(client, o);
   if (!shape.ok()) return shape.status();
   DecodeReport report;
@@ -405,7 +488,7 @@ absl::StatusOr<DecodeReport> RunDecode(AttentionClient& client, const DecodeOpti
   report.kv_heads = shape->kv_heads;
   report.head_dim = shape->head_dim;
   report.caches = shape->caches;
-  DecodeRun run(client, o, *shape);
+  DecodeRun run(shard_clients, o, *shape);
   if (absl::Status status = run.Prefill(&report); !status.ok()) {
     run.Close();
     return status;
@@ -437,6 +520,7 @@ absl::StatusOr<DecodeReport> RunDecode(AttentionClient& client, const DecodeOpti
     report.check_max_error = *error;
     report.check_tolerance = Tolerance(o);
   }
+  if (o.shards > 1) report.shard_lengths = run.Session0ShardLengths();
   run.Close();
   return report;
 }
@@ -452,6 +536,10 @@ std::string FormatDecodePretty(const DecodeReport& r) {
       o.stateless ? "stateless (history resent every step)"
       : o.per_session ? absl::StrFormat("one call per session, %d in flight", o.concurrency)
                       : std::string("every session in one call per layer"));
+  if (o.shards > 1) {
+    absl::StrAppendFormat(&text, "  shards    %d, session 0's cache holds %s tokens (merged by lse each step)\n",
+                          o.shards, r.shard_lengths.empty() ? "?" : absl::StrJoin(r.shard_lengths, " + "));
+  }
   absl::StrAppendFormat(&text, "  prefill   %d tokens in %.3f s\n", r.prefill_tokens, r.prefill_seconds);
   absl::StrAppendFormat(&text, "  decode    %.1f tokens/s (%d tokens in %.3f s), %d errors\n", r.tokens_per_second,
                         r.decode_tokens, r.decode_seconds, r.errors);
@@ -473,6 +561,8 @@ std::string FormatDecodeJson(const DecodeReport& r) {
   j["sessions"] = o.sessions;
   j["context"] = o.context;
   j["steps"] = o.steps;
+  j["shards"] = o.shards;
+  if (!r.shard_lengths.empty()) j["shard_lengths"] = r.shard_lengths;
   j["layers"] = o.layers;
   j["heads"] = {{"num_heads", r.heads}, {"num_kv_heads", r.kv_heads}, {"head_dim", r.head_dim},
                 {"caches", r.caches}};

@@ -5,7 +5,8 @@
 // each session's whole history through ScaledDotProductAttention instead (what the API offered before sessions), to
 // show the difference. Tokens/s, per-step latency and the KV bytes the server read per second are measured over the
 // decode steps; `check` compares session 0's steps with a local double-precision reference (head sessions) or a
-// stateless causal call over its whole sequence (layer sessions).
+// stateless causal call over its whole sequence (layer sessions). With `shards` > 1 each head session is spread over
+// that many sessions on the clients given (client/decode_shards.h) and every step's outputs merge by their lse.
 #ifndef MHA_CLIENT_DECODE_H_
 #define MHA_CLIENT_DECODE_H_
 
@@ -36,6 +37,9 @@ struct DecodeOptions {
   bool check = false;
   v1::Backend backend = v1::BACKEND_AUTO;
   uint32_t seed = 1;
+  // Head sessions only, no RoPE (a shard's cache positions start at 0), not stateless, at most `context`: each
+  // logical session is this many sessions, shard i on client i % clients, holding a contiguous part of the context.
+  int shards = 1;
 };
 
 // INVALID_ARGUMENT naming the option when out of range.
@@ -60,11 +64,15 @@ struct DecodeReport {
   bool checked = false;
   double check_max_error = 0;  // max |got - want| / (1 + |want|) over the checked rows
   double check_tolerance = 0;
+  std::vector<int64_t> shard_lengths;  // --shards: session 0's first cache per shard after the last step, as served
 };
 
 // Runs the workload (creating and closing its sessions). Errors of the set-up (CreateSession, a prefill call) are
 // returned; errors of decode steps are counted in the report.
 absl::StatusOr<DecodeReport> RunDecode(AttentionClient& client, const DecodeOptions& options);
+// The same over several servers: shard i (of options.shards) on *clients[i % clients.size()]; a run without shards
+// uses clients[0] alone. INVALID_ARGUMENT if clients is empty or lists more clients than shards.
+absl::StatusOr<DecodeReport> RunDecode(const std::vector<AttentionClient*>& clients, const DecodeOptions& options);
 
 std::string FormatDecodePretty(const DecodeReport& report);
 std::string FormatDecodeJson(const DecodeReport& report);
