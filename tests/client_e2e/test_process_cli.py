@@ -32,7 +32,7 @@ def test_version_names_the_project_version_revision_and_build_type(program, cli_
 def test_client_help_groups_flags_by_subcommand_without_build_paths(run_cli):
     r = run_cli("--help")
     assert r.returncode == 0, r.stderr
-    for title in ("Every subcommand:", "call, bench, plot: the request", "bench: the load test", "decode: KV-cache"):
+    for title in ("Every subcommand:", "call, bench, plot, heads: the request", "bench: the load test", "decode: KV-cache"):
         assert "\n" + title in r.stdout, r.stdout
     assert "  --target (default 127.0.0.1:50051)\n" in r.stdout
     assert "/" not in "".join(line for line in r.stdout.splitlines() if "Flags from" in line)
