@@ -563,6 +563,7 @@ TEST_P(ConformanceTest, MatchesTheReference) {
   problem.input_dtype = given.input_dtype;
   problem.output_dtype = given.output_dtype;
   problem.return_weights = given.weights;
+  problem.return_stats = given.stats;
   const Case c = WithToleranceOf(given, (*backend)->ComputeDtype(problem));
   if (absl::Status supported = (*backend)->Supports(problem); !supported.ok()) {
     EXPECT_EQ(supported.code(), absl::StatusCode::kUnimplemented) << supported;
