@@ -60,7 +60,9 @@ lses)`` (a context sharded over several head sessions, each ExtendItem but the l
 HeadStats' field names (entropy, normalized_entropy, confidence, distance, sink_mass and, for MultiHeadAttention and
 layer sessions, contribution); ``return_row_stats=True`` (with return_head_stats) fills ``row_stats``, the same per
 query row, [B, H, Tq] ([H, n]). ``sink_tokens`` sets the keys sink_mass counts (0: the server's 4).
-``heads_example.py`` ranks a layer's heads by them.
+``heads_example.py`` ranks a layer's heads by them. ``ShardedSession(clients, num_heads=...)`` keeps one head
+session per client (replica) for a context too long for one server: ``prefill`` spreads the tokens over them,
+``extend`` appends to the last and reads the others, and both return the merged (output, lse).
 
 Example::
 
@@ -72,6 +74,7 @@ Example::
 """
 
 import collections
+import concurrent.futures
 
 import grpc
 import numpy as np
@@ -91,6 +94,7 @@ __all__ = [
     "from_bf16_bytes",
     "merge_attention",
     "HEAD_STAT_FIELDS",
+    "ShardedSession",
 ]
 
 # Stub generation needs only the standard library, so that the package's build step can use it too.
@@ -697,6 +701,80 @@ class Session:
     def close(self):
         self._client._call(self._client._stub.CloseSession, self._client._pb.CloseSessionRequest(session_id=self.id),
                            self.id)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        try:
+            self.close()
+        except grpc.RpcError:
+            pass
+
+
+class ShardedSession:
+    """One head session's context spread over several head sessions, one per client (a replica each): attention
+    over a context too long for one server. Shard i holds a contiguous part of the tokens; a call fans out to every
+    shard at once and the heads merge by their lse (merge_attention), so the outputs are the attention over the
+    whole context. The tokens of prefill() go to the shards in order, each part's rows also attending to the
+    earlier shards (append=False); extend() appends to the last shard and reads the others with append=False.
+    The shards' heads have no RoPE: it would turn each cache's keys by that cache's own positions. Calls on one
+    ShardedSession are not thread-safe."""
+
+    def __init__(self, clients, num_heads, num_kv_heads=0, head_dim=0, scale=0.0, num_layers=0, cache_dtype=None,
+                 max_tokens=0, idle_timeout_s=0):
+        if not clients:
+            raise ValueError("ShardedSession needs at least one client")
+        self.shards = [c.create_session(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                                        scale=scale, num_layers=num_layers, cache_dtype=cache_dtype,
+                                        max_tokens=max_tokens, idle_timeout_s=idle_timeout_s) for c in clients]
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=len(clients))
+
+    def lengths(self, layer_index=0):
+        """Tokens each shard holds at cache `layer_index`, in shard order."""
+        return [s.lengths()[layer_index] for s in self.shards]
+
+    def _fan_out(self, calls):
+        """Runs (session, kwargs) pairs at once; returns their ExtendResults in order."""
+        futures = [self._pool.submit(lambda s=s, kw=kw: s.extend(**kw)) for s, kw in calls]
+        return [f.result() for f in futures]
+
+    def _step(self, owner, q, k, v, layer_index, output_dtype, backend):
+        """q [n, H, d_k] attends to shards 0..owner-1 whole (append=False) and joins shard `owner` (k, v appended,
+        causal among the new tokens); returns the merged (output [n, H, d_k], lse [H, n])."""
+        calls = [(self.shards[i], dict(layer_index=layer_index, q=q, append=False, return_lse=True,
+                                       output_dtype=output_dtype, backend=backend))
+                 for i in range(owner) if self.shards[i].lengths()[layer_index] > 0]
+        calls.append((self.shards[owner], dict(layer_index=layer_index, q=q, k=k, v=v, return_lse=True,
+                                               output_dtype=output_dtype, backend=backend)))
+        results = self._fan_out(calls)
+        return merge_attention([r.output for r in results], [r.lse for r in results])
+
+    def prefill(self, q, k, v, layer_index=0, backend="auto"):
+        """n tokens (q [n, H, d_k], k and v [n, Hkv, d_k]) cut into contiguous parts, one per shard (sizes within
+        one token of each other), each appended to its shard. Returns the merged (output [n, H, d_k], lse [H, n]),
+        exactly one session's answer for those tokens."""
+        n, count = len(q), len(self.shards)
+        bounds = [n * i // count for i in range(count + 1)]
+        outputs, lses = [], []
+        for i in range(count):
+            a, b = bounds[i], bounds[i + 1]
+            if a == b:
+                continue
+            out, lse = self._step(i, q[a:b], k[a:b], v[a:b], layer_index, "fp32", backend)
+            outputs.append(out)
+            lses.append(lse)
+        return np.concatenate(outputs), np.concatenate(lses, axis=-1)
+
+    def extend(self, q, k, v, layer_index=0, backend="auto"):
+        """Decode steps (or a chunk): the tokens join the last shard and attend to every shard. Returns the merged
+        (output [n, H, d_k], lse [H, n])."""
+        return self._step(len(self.shards) - 1, q, k, v, layer_index, "fp32", backend)
+
+    def close(self):
+        for s in self.shards:
+            s.close()
+        self._pool.shutdown(wait=False)
 
     def __enter__(self):
         return self

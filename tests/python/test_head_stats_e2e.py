@@ -2,6 +2,7 @@
 append=false, against references written here in numpy float64 on exactly the values the server receives.
 """
 
+import contextlib
 import zlib
 
 import grpc
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 
 import mhaclient
+from conftest import STARTUP_TIMEOUT_S, run_server
 
 BACKENDS = ["cpu", "reference"]
 STATS = ("entropy", "normalized_entropy", "confidence", "distance", "sink_mass")
@@ -197,6 +199,37 @@ def test_sharded_decode_with_append_false_equals_one_session(client, backend):
     finally:
         for s in [whole] + shards:
             s.close()
+
+
+@pytest.fixture(scope="module")
+def three_servers(stubs_dir, tmp_path_factory):
+    """Three more mha_server processes on loopback ports, a client each: the replicas of a sharded context."""
+    with contextlib.ExitStack() as stack:
+        servers = [stack.enter_context(run_server(tmp_path_factory.mktemp("replica%d" % i))) for i in range(3)]
+        clients = [stack.enter_context(mhaclient.MhaClient(s.target, timeout=30.0)) for s in servers]
+        for c in clients:
+            c.wait_ready(timeout=STARTUP_TIMEOUT_S)
+        yield clients
+
+
+def test_a_sharded_session_over_three_servers_answers_as_one_session(client, three_servers):
+    rng = rng_for("sharded-session")
+    T, H, Hkv, dk = 8192, 4, 2, 16
+    q, k, v = f32(rng, T + 2, H, dk), f32(rng, T + 2, Hkv, dk), f32(rng, T + 2, Hkv, dk)
+    geometry = dict(num_heads=H, num_kv_heads=Hkv, head_dim=dk, max_tokens=T + 2)
+    with client.create_session(**geometry) as whole, mhaclient.ShardedSession(three_servers, **geometry) as sharded:
+        want = whole.extend(q=q[:T], k=k[:T], v=v[:T], return_lse=True)
+        out, lse = sharded.prefill(q[:T], k[:T], v[:T])
+        np.testing.assert_allclose(out, want.output, atol=1e-5, rtol=1e-4)
+        np.testing.assert_allclose(lse, want.lse, atol=1e-4, rtol=1e-5)
+        assert sharded.lengths() == [2730, 2731, 2731]  # a third on each server
+        for t in (T, T + 1):  # two decode steps
+            want = whole.extend(q=q[t:t + 1], k=k[t:t + 1], v=v[t:t + 1], return_lse=True)
+            out, lse = sharded.extend(q[t:t + 1], k[t:t + 1], v[t:t + 1])
+            np.testing.assert_allclose(out, want.output, atol=1e-5, rtol=1e-4)
+            np.testing.assert_allclose(lse, want.lse, atol=1e-4, rtol=1e-5)
+        assert sharded.lengths() == [2730, 2731, 2733]
+        assert [len(c.list_sessions()) for c in three_servers] == [1, 1, 1]
 
 
 def _call(client, rpc, **stats):

@@ -366,7 +366,7 @@ class Worker {
   float* const weights_;
   const RowStats stats_;
   const int64_t position_shift_;
-  float* stats_acc_ = nullptr;  // when stats_.softmax()
+  float* stats_acc_ = nullptr;  // with entropy asked for, or (lazily) for the exact softmax's lse
   float* query_pos_ = nullptr;
   int64_t stats_row_ = 0;  // the current item's first row in stats_' arrays
   float *row_max_, *row_sum_, *row_factor_, *queries_, *keys_t_, *values_;
