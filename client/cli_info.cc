@@ -18,7 +18,8 @@ int RunInfo(const ClientOptions& options) {
   AttentionClient client(options);
   absl::StatusOr<v1::GetServerInfoResponse> info = client.GetServerInfo();
   if (!info.ok()) return Fail(info.status());
-  std::printf("version %s, default backend %s\n", info->version().c_str(), info->default_backend().c_str());
+  std::printf("version %s, default backend %s, instance %s\n", info->version().c_str(),
+              info->default_backend().c_str(), info->instance_id().c_str());
   for (const auto& b : info->backends()) {
     std::printf("  backend %-9s %s %s\n", b.name().c_str(), b.available() ? "available  " : "unavailable",
                 b.available() ? b.device().c_str() : b.detail().c_str());

@@ -1,5 +1,7 @@
 #include "server/service.h"
 
+#include <unistd.h>
+
 #include <memory>
 #include <string>
 
@@ -51,6 +53,23 @@ void AttentionService::CallDone(const std::string& ids, const char* rpc, absl::s
   }
 }
 
+namespace {
+
+// "<host name>/<prefix>", the host name kept to [A-Za-z0-9._-] and 64 characters (a metadata value and a log
+// field); "unknown" where the host has none.
+std::string InstanceId(absl::string_view prefix) {
+  char host[256] = {};
+  std::string name;
+  if (gethostname(host, sizeof(host) - 1) == 0) {
+    for (const char* c = host; *c != '\0' && name.size() < 64; ++c) {
+      if (absl::ascii_isalnum(static_cast<unsigned char>(*c)) || *c == '.' || *c == '_' || *c == '-') name += *c;
+    }
+  }
+  return absl::StrCat(name.empty() ? "unknown" : name, "/", prefix);
+}
+
+}  // namespace
+
 grpc::Status ToGrpcStatus(const absl::Status& status) {
   if (status.ok()) return grpc::Status::OK;
   // The message travels as a trailer, and clients refuse trailers over 8 KiB ("metadata size exceeds limit")
@@ -80,6 +99,7 @@ AttentionService::AttentionService(const ServerOptions& options, LayerStore* lay
       sessions_(sessions),
       shared_memory_(options.max_shared_memory_regions, static_cast<int64_t>(options.max_shared_memory_mb) << 20),
       id_prefix_(absl::StrFormat("%08x", absl::Uniform<uint32_t>(absl::BitGen()))),
+      instance_id_(InstanceId(id_prefix_)),
       log_budget_(options.log_max_calls_per_s) {
   validation_.layers = layers_;
   validation_.backends = backends_;
@@ -128,6 +148,7 @@ std::string AttentionService::Identify(grpc::CallbackServerContext* context) {
   std::string id = UsableRequestId(given) ? std::string(given)
                                           : absl::StrFormat("%s-%x", id_prefix_, next_request_id_++);
   context->AddInitialMetadata("x-request-id", id);
+  context->AddInitialMetadata("mha-instance-id", instance_id_);
   const absl::string_view trace = TraceId(Metadata(*context, "traceparent"));
   return trace.empty() ? absl::StrCat("rid=", id) : absl::StrCat("rid=", id, " trace=", trace);
 }
@@ -461,6 +482,7 @@ grpc::ServerUnaryReactor* AttentionService::GetServerInfo(grpc::CallbackServerCo
       "GetServerInfo", Role::kCompute, context, request, response,
       [this](const v1::GetServerInfoRequest&, v1::GetServerInfoResponse* response, std::string*) {
         response->set_version(MHA_VERSION);
+        response->set_instance_id(instance_id_);
         for (const BackendEntry& entry : backends_->entries()) {
           v1::BackendInfo* info = response->add_backends();
           info->set_name(entry.name);

@@ -190,6 +190,8 @@ class AttentionService final : public RawAttentionService {
   ValidationContext validation_;
   absl::Duration default_deadline_;
   const std::string id_prefix_;  // random per process, so that ids of restarted replicas do not collide
+  // "<host name>/<id_prefix_>": GetServerInfo's instance_id and every response's mha-instance-id metadata.
+  const std::string instance_id_;
   std::atomic<uint64_t> next_request_id_{1};
   LogBudget log_budget_;  // call lines per second (--log_max_calls_per_s)
 };

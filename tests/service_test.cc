@@ -405,6 +405,27 @@ TEST_F(ServiceTest, TheClientsRequestIdComesBackAndOthersGetOne) {
   EXPECT_THAT(request_id(std::string(200, 'a').c_str()), ::testing::MatchesRegex("[0-9a-f]{8}-[0-9a-f]+"));
 }
 
+TEST_F(ServiceTest, EveryResponseNamesTheInstanceThatServedIt) {
+  grpc::ClientContext info_context;
+  v1::GetServerInfoResponse info;
+  ASSERT_TRUE(stub_->GetServerInfo(&info_context, v1::GetServerInfoRequest(), &info).ok());
+  EXPECT_THAT(info.instance_id(), ::testing::MatchesRegex("[A-Za-z0-9._-]+/[0-9a-f]{8}"));
+  const auto instance = [](const grpc::ClientContext& context) {
+    const auto& metadata = context.GetServerInitialMetadata();
+    const auto it = metadata.find("mha-instance-id");
+    return it == metadata.end() ? std::string("<none>") : std::string(it->second.data(), it->second.size());
+  };
+  EXPECT_EQ(instance(info_context), info.instance_id());
+  grpc::ClientContext ok_context, error_context;
+  v1::MultiHeadAttentionResponse response;
+  EXPECT_TRUE(stub_->MultiHeadAttention(&ok_context, ValidRequest(), &response).ok());
+  EXPECT_EQ(instance(ok_context), info.instance_id());
+  v1::MultiHeadAttentionRequest bad = ValidRequest();
+  bad.set_sink_tokens(-1);
+  EXPECT_FALSE(stub_->MultiHeadAttention(&error_context, bad, &response).ok());
+  EXPECT_EQ(instance(error_context), info.instance_id());  // errors too
+}
+
 TEST_F(ServiceTest, UnparsableRequestBytesAreInvalidArgument) {
   grpc::GenericStub generic(server_->InProcessChannel());
   for (const char* method : {"/mha.v1.Attention/MultiHeadAttention", "/mha.v1.Attention/LoadLayer",
