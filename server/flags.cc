@@ -48,6 +48,9 @@ ABSL_FLAG(int, max_inflight_mb, kDefaults.max_inflight_mb,
           "MiB that admitted calls may hold together: requests, responses, working memory");
 ABSL_FLAG(double, shutdown_grace_s, kDefaults.shutdown_grace_s,
           "after SIGTERM, calls still running after this many seconds are stopped");
+ABSL_FLAG(double, drain_idle_s, kDefaults.drain_idle_s,
+          "after SIGTERM with sessions open, calls are still served until no session is open or none was called "
+          "for this many seconds (within --shutdown_grace_s); 0 = no drain");
 ABSL_FLAG(double, stuck_after_s, kDefaults.stuck_after_s,
           "health is NOT_SERVING while one call has computed this long with others waiting; 0 = never");
 ABSL_FLAG(int, ready_max_queue, kDefaults.ready_max_queue,
@@ -114,6 +117,7 @@ ServerOptions ServerOptionsFromFlags() {
   options.default_deadline_s = absl::GetFlag(FLAGS_default_deadline_s);
   options.max_inflight_mb = absl::GetFlag(FLAGS_max_inflight_mb);
   options.shutdown_grace_s = absl::GetFlag(FLAGS_shutdown_grace_s);
+  options.drain_idle_s = absl::GetFlag(FLAGS_drain_idle_s);
   options.stuck_after_s = absl::GetFlag(FLAGS_stuck_after_s);
   options.ready_max_queue = absl::GetFlag(FLAGS_ready_max_queue);
   options.keepalive_s = absl::GetFlag(FLAGS_keepalive_s);

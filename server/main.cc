@@ -150,7 +150,7 @@ int main(int argc, char** argv) {
     (void)(*server)->Reload();
   }
   spdlog::info("received {}, draining in-flight calls", signal_number == SIGTERM ? "SIGTERM" : "SIGINT");
-  (*server)->Shutdown();
+  (*server)->Terminate();
   spdlog::info("stopped");
   ExitNow(0);
 }

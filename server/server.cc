@@ -121,6 +121,7 @@ absl::Status CheckOptions(ServerOptions* options) {
   if (options->max_queue_delay_us < 0) return absl::InvalidArgumentError("--max_queue_delay_us must be >= 0");
   if (!(options->default_deadline_s > 0)) return absl::InvalidArgumentError("--default_deadline_s must be > 0");
   if (!(options->shutdown_grace_s >= 0)) return absl::InvalidArgumentError("--shutdown_grace_s must be >= 0");
+  if (!(options->drain_idle_s >= 0)) return absl::InvalidArgumentError("--drain_idle_s must be >= 0");
   if (options->max_shared_memory_regions < 0 || options->max_shared_memory_regions > kMaxMappedRegions) {
     return absl::InvalidArgumentError(absl::StrCat("--max_shared_memory_regions must be in [0, ", kMaxMappedRegions,
                                                    "], got ", options->max_shared_memory_regions));
@@ -355,6 +356,25 @@ void MhaServer::SetServing(const std::string& service, bool serving) {
   }
 }
 
+void MhaServer::DrainSessions(absl::Time deadline) {
+  SessionStore::Activity activity = sessions_ != nullptr ? sessions_->activity() : SessionStore::Activity();
+  if (activity.open == 0 || options_.drain_idle_s <= 0) return;
+  SetServing(v1::Attention::service_full_name(), false);
+  spdlog::warn("shutdown: readiness NOT_SERVING; {} session(s) open, their calls served until none is open, {} s "
+               "pass without a session call, or the grace ends",
+               activity.open, options_.drain_idle_s);
+  // Idle time counts from the later of the last session call and the drain's start: a session idle before SIGTERM
+  // still gets its caller a chance to move it.
+  const absl::Time start = absl::Now();
+  const absl::Duration idle = absl::Seconds(options_.drain_idle_s);
+  while (absl::Now() < deadline && activity.open > 0 &&
+         (activity.in_use > 0 || absl::Now() - std::max(activity.last_used, start) < idle)) {
+    absl::SleepFor(absl::Milliseconds(50));
+    activity = sessions_->activity();
+  }
+  spdlog::info("shutdown: drain over, {} session(s) still open", activity.open);
+}
+
 MhaServer::~MhaServer() { Shutdown(); }
 
 namespace {
@@ -442,7 +462,9 @@ absl::Status MhaServer::Reload() {
 
 void MhaServer::Shutdown() { Shutdown(absl::Seconds(options_.shutdown_grace_s)); }
 
-void MhaServer::Shutdown(absl::Duration grace) {
+void MhaServer::Terminate() { Shutdown(absl::Seconds(options_.shutdown_grace_s), /*drain_sessions=*/true); }
+
+void MhaServer::Shutdown(absl::Duration grace, bool drain_sessions) {
   if (shut_down_) return;
   shut_down_ = true;
   stop_watch_.Notify();
@@ -451,6 +473,8 @@ void MhaServer::Shutdown(absl::Duration grace) {
     scheduler_.reset();
     return;
   }
+  const absl::Time deadline = absl::Now() + grace;
+  if (drain_sessions) DrainSessions(deadline);
   // Load balancers see NOT_SERVING at once; gRPC refuses new calls (UNAVAILABLE) and waits for in-flight ones until
   // the grace deadline, when it cancels them and the scheduler stops what still computes or waits.
   live_ = false;
@@ -462,7 +486,6 @@ void MhaServer::Shutdown(absl::Duration grace) {
     }
   }
   if (scheduler_ != nullptr) scheduler_->Shutdown();
-  const absl::Time deadline = absl::Now() + grace;
   absl::Notification drained;
   std::thread stopper([&] {
     if (drained.WaitForNotificationWithDeadline(deadline)) return;
@@ -473,6 +496,10 @@ void MhaServer::Shutdown(absl::Duration grace) {
   server_->Shutdown(absl::ToChronoTime(deadline));
   drained.Notify();
   stopper.join();
+  if (sessions_ != nullptr) {
+    const SessionStore::Activity dropped = sessions_->EndAll("shutdown");
+    spdlog::info("shutdown: dropped {} open session(s), {} bytes of cache", dropped.open, dropped.cache_bytes);
+  }
   if (health_server_ != nullptr) health_server_->Shutdown(absl::ToChronoTime(absl::Now()));
   // No connection is left to need them, and mha_server ends without destructors.
   if (tls_ != nullptr) tls_->RemoveCopies();

@@ -39,11 +39,15 @@ class MhaServer {
   const Scheduler& scheduler() const { return *scheduler_; }
   SessionStore& sessions() { return *sessions_; }
   std::shared_ptr<grpc::Channel> InProcessChannel();
-  // Health answers NOT_SERVING and new calls UNAVAILABLE at once; in-flight calls may finish until `grace` has
-  // passed, when those still computing or waiting are stopped; then the compute thread ends. Idempotent.
-  void Shutdown(absl::Duration grace);
+  // Health answers NOT_SERVING and new calls UNAVAILABLE at once (with `drain_sessions`, after the sessions' drain:
+  // DrainSessions); in-flight calls may finish until `grace` has passed since the call, when those still computing
+  // or waiting are stopped; then the compute thread ends, and the sessions still open are dropped (logged, and
+  // counted as mha_session_evictions_total{reason="shutdown"}). Idempotent.
+  void Shutdown(absl::Duration grace, bool drain_sessions = false);
   // Shutdown with --shutdown_grace_s.
   void Shutdown();
+  // SIGTERM's: the sessions' drain, then Shutdown with --shutdown_grace_s (counted from this call).
+  void Terminate();
   // Re-reads --auth_tokens_file and the TLS files (SIGHUP). What fails to load keeps its previous contents; the
   // first error is returned. Open connections are kept.
   absl::Status Reload();
@@ -60,6 +64,9 @@ class MhaServer {
   // --ready_max_queue calls or more wait; idle sessions past their timeout ended; and every few seconds, the
   // allocator's free pages returned to the system.
   void Watch();
+  // With sessions open and --drain_idle_s > 0: readiness NOT_SERVING at once, every call still served, until no
+  // session is open, none was called for --drain_idle_s, or `deadline`.
+  void DrainSessions(absl::Time deadline);
   // Sets health service `service` of both servers (the main one and --health_listen's).
   void SetServing(const std::string& service, bool serving);
 

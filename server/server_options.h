@@ -62,6 +62,11 @@ struct ServerOptions {
   // After SIGTERM: health answers NOT_SERVING and new calls UNAVAILABLE at once; calls still running after this many
   // seconds are stopped, so that the process exits within it (below the Deployment's termination grace period).
   double shutdown_grace_s = 25;
+  // After SIGTERM with sessions open, before the above: readiness fails at once but every call is still served
+  // while sessions are open and session calls keep coming, so that their callers finish short work or move the
+  // sessions elsewhere; the drain ends when none is open, when this many seconds pass without a session call, or
+  // when --shutdown_grace_s is spent. 0 = no drain.
+  double drain_idle_s = 2;
   // Health answers NOT_SERVING while the compute thread has run one call for longer than this many seconds with
   // others waiting (a wedged pod); 0 = never. This is the liveness answer (service ""): nothing else makes it fail.
   double stuck_after_s = 300;

@@ -388,6 +388,26 @@ void SessionStore::Touch(absl::Span<const std::string> ids) {
   }
 }
 
+SessionStore::Activity SessionStore::activity() const {
+  absl::MutexLock lock(&mu_);
+  Activity a;
+  a.open = static_cast<int>(sessions_.size());
+  for (const auto& [id, s] : sessions_) {
+    a.last_used = std::max(a.last_used, s.last_used);
+    a.in_use += sequencer_.InUse(id) ? 1 : 0;
+  }
+  a.cache_bytes = pool_.used_bytes();
+  return a;
+}
+
+SessionStore::Activity SessionStore::EndAll(absl::string_view reason) {
+  const Activity ended = activity();
+  if (metrics_ != nullptr) {
+    for (int i = 0; i < ended.open; ++i) metrics_->RecordEviction(reason);
+  }
+  return ended;
+}
+
 void SessionStore::Publish() const {
   if (metrics_ == nullptr) return;
   metrics_->SetSessions(static_cast<int>(sessions_.size()), pool_.used_bytes(), pool_capacity_,

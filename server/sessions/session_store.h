@@ -154,6 +154,17 @@ class SessionStore {
   // Blocks for `items` (held sessions, distinct), evicting least recently used idle sessions while the pool has no
   // room; RESOURCE_EXHAUSTED saying how full it is when even that does not make room.
   absl::StatusOr<ExtendReservation> Reserve(absl::Span<const ReserveItem> items);
+  // What a shutdown's drain watches: sessions open, when a session call last ended (or a session was created), and
+  // the bytes of cache blocks in use.
+  struct Activity {
+    int open = 0;
+    int in_use = 0;  // of those, sessions a call is using now
+    absl::Time last_used = absl::InfinitePast();
+    int64_t cache_bytes = 0;
+  };
+  Activity activity() const;
+  // Ends every open session (the server stops), counted as evictions for `reason`; returns what they were.
+  Activity EndAll(absl::string_view reason);
   // Ends the idle sessions whose idle timeout has passed at `now`; returns how many.
   int ExpireIdle(absl::Time now);
   // Marks `ids` used now (a call on them ended), which restarts their idle timeouts.
