@@ -5,7 +5,9 @@
 # each driving a bounded load of demo-layer calls with `mha_client bench`; passes when every replica served calls
 # in both phases (its log's "rpc=MultiHeadAttention ... status=OK" lines) and no call failed anywhere. For
 # contrast, 3. pick_first over the same 3 addresses must put every call on one replica (what a single HTTP/2
-# connection through an L4 balancer amounts to).
+# connection through an L4 balancer amounts to). Then 4. 30 KV-cache sessions decode through nginx, which routes
+# them by their mha-session-id: each session's calls must all be in one replica's log; one replica is killed, and a
+# step on every session must fail for exactly its sessions (NOT_FOUND or UNAVAILABLE) and succeed for the others.
 #
 #   deploy/scale-out-test.sh [MHA_SERVER MHA_CLIENT]     (default: build/bin/, built if missing)
 #   env: MHA_SCALE_REQUESTS (calls per phase, default 150), MHA_SCALE_CONCURRENCY (default 6)
@@ -140,6 +142,45 @@ for i in $(seq 0 $((replicas - 1))); do
 done
 echo "scale-out: pick_first: served per replica: ${pinned[*]}"
 [[ $busy -eq 1 ]] || fail "pick_first spread calls over $busy replicas (${pinned[*]}); expected one"
+
+# --- sessions through nginx, routed by their id ------------------------------------------------------------------
+stubs=$(/usr/bin/python3 -c 'import sys; sys.path.insert(0, "client/python"); import mhaclient_stubs as m; print(m.generate_stubs(sys.argv[1]))' "$work/stubs")
+affinity() {
+  PYTHONPATH="$root/client/python:$stubs" timeout 60 /usr/bin/python3 deploy/session_affinity.py "127.0.0.1:$nginx_port" 30 "$@"
+}
+affinity decode >"$work/affinity-decode.json" || fail "sessions: a call failed (see $work/affinity-decode.json)"
+# homes.txt: one "id replica" line per session, from the replicas' logs; fails if a session's calls reached two.
+/usr/bin/python3 - "$work" "$replicas" >"$work/homes.txt" <<'EOF' || fail "sessions: $(cat "$work/homes.txt")"
+import re, sys
+work, replicas = sys.argv[1], int(sys.argv[2])
+seen = {}
+for r in range(1, replicas + 1):
+    for sid in set(re.findall(r"session=(affinity-\d+)", open(f"{work}/r{r}.log").read())):
+        seen.setdefault(sid, []).append(r)
+split = {s: rs for s, rs in seen.items() if len(rs) > 1}
+if len(seen) != 30 or split:
+    print(f"{len(seen)} sessions seen; on more than one replica: {split}")
+    sys.exit(1)
+for sid, (r,) in sorted(seen.items()):
+    print(sid, r)
+EOF
+echo "scale-out: sessions: 30 decoding through nginx, per replica: $(for r in $(seq "$replicas"); do grep -c " $r\$" "$work/homes.txt"; done | tr '\n' ' ')"
+# Replica 1 is lost: only its sessions may fail.
+kill -KILL "${server_pids[0]}"
+wait "${server_pids[0]}" 2>/dev/null || true
+server_pids=("${server_pids[@]:1}")
+affinity step >"$work/affinity-step.json" || fail "sessions: the step after the loss did not run"
+/usr/bin/python3 - "$work" <<'EOF' || fail "sessions: after replica 1 was killed: $(cat "$work/affinity-step.json")"
+import json, sys
+work = sys.argv[1]
+lost = {line.split()[0] for line in open(f"{work}/homes.txt") if line.split()[1] == "1"}
+step = json.load(open(f"{work}/affinity-step.json"))
+failed = {sid for ids in step["failed"].values() for sid in ids}
+print(f"scale-out: sessions: replica 1 killed: {len(lost)} of its sessions failed "
+      f"({', '.join(sorted(step['failed']))}), the other {step['ok']} went on")
+sys.exit(0 if failed == lost and step["ok"] == 30 - len(lost)
+         and set(step["failed"]) <= {"NOT_FOUND", "UNAVAILABLE"} else 1)
+EOF
 
 # --- stop: nginx, then each replica drains and exits 0 -----------------------------------------------------------
 kill -QUIT "$nginx_pid"
