@@ -222,7 +222,7 @@ cuda_line=$(grep -E '^ +backend cuda ' "$work/info.txt") || fail "info lists no 
 [[ $cuda_line =~ ^\ +backend\ cuda\ +unavailable\ +(.+)$ ]] || fail "cuda is not reported unavailable: $cuda_line"
 cuda_reason=${BASH_REMATCH[1]}
 [[ $cuda_reason != *"not compiled"* ]] || fail "the cuda image's server has no CUDA backend: $cuda_reason"
-grep -Eq '^version .*, default backend cpu$' "$work/info.txt" || fail "the default backend is not cpu without a GPU"
+grep -Eq '^version .*, default backend cpu, instance [^ ]+$' "$work/info.txt" || fail "the default backend is not cpu without a GPU"
 client call --target "127.0.0.1:$port" --batch 2 --seq 64 --check >"$work/call.out" || fail "a checked call"
 cat "$work/call.out"
 grep -q ', backend cpu,' "$work/call.out" || fail "the call did not run on the cpu backend"
