@@ -658,7 +658,20 @@ when asked for (else None): lse float32 [H, n], head_stats {field: float32 [H]} 
 only) and row_stats {field: float32 [H, n]}."""
 
 
-class Session:
+class _ClosedOnExit:
+    """`with` closes the object (its close()); a server that is gone by then is no error."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        try:
+            self.close()
+        except grpc.RpcError:
+            pass
+
+
+class Session(_ClosedOnExit):
     """A KV-cache session on the server (MhaClient.create_session): its id and the calls on it, each sending the id
     as mha-session-id metadata. Destroying the object does not close the session (idle sessions expire)."""
 
@@ -702,17 +715,8 @@ class Session:
         self._client._call(self._client._stub.CloseSession, self._client._pb.CloseSessionRequest(session_id=self.id),
                            self.id)
 
-    def __enter__(self):
-        return self
 
-    def __exit__(self, *exc):
-        try:
-            self.close()
-        except grpc.RpcError:
-            pass
-
-
-class ShardedSession:
+class ShardedSession(_ClosedOnExit):
     """One head session's context spread over several head sessions, one per client (a replica each): attention
     over a context too long for one server. Shard i holds a contiguous part of the tokens; a call fans out to every
     shard at once and the heads merge by their lse (merge_attention), so the outputs are the attention over the
@@ -775,15 +779,6 @@ class ShardedSession:
         for s in self.shards:
             s.close()
         self._pool.shutdown(wait=False)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        try:
-            self.close()
-        except grpc.RpcError:
-            pass
 
 
 class SharedMemoryRegion:
