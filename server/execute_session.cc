@@ -1,9 +1,8 @@
 #include "server/execute_session.h"
 
-#include <vector>
+#include <algorithm>
 
 #include "proto/mha/v1/tensor_codec.h"
-#include "server/head_stats.h"
 #include "server/status_macros.h"
 
 namespace mha {
@@ -24,26 +23,50 @@ MutableTensor Allocate(std::initializer_list<int64_t> shape, v1::DataType dtype,
   return {data->data(), dtype};
 }
 
+// `t` advanced by `rows` rows of `width` elements (a null view stays null).
+ConstTensor Skip(ConstTensor t, int64_t rows, int64_t width) {
+  if (t.data != nullptr) t.data = static_cast<const char*>(t.data) + rows * width * DTypeSize(t.dtype);
+  return t;
+}
+MutableTensor Skip(MutableTensor t, int64_t rows, int64_t width) {
+  if (t.data != nullptr) t.data = static_cast<char*>(t.data) + rows * width * DTypeSize(t.dtype);
+  return t;
+}
+
+// FLOPs of attending `n` new tokens after `length` cached ones (appending them) and, with a layer, projecting them:
+// what ExtendFlops counts for one item.
+double StepFlops(const PagedProblem& p, int64_t length, int64_t n, bool append) {
+  const HeadSpec& h = p.heads;
+  const double dn = static_cast<double>(n);
+  double flops = 4.0 * h.num_heads * h.head_dim * (dn * length + (append ? dn * (dn + 1) / 2 : 0.0));
+  if (p.d_model > 0) flops += 2.0 * dn * p.d_model * (2 * h.q_width() + 2 * h.kv_width());
+  return flops;
+}
+
 }  // namespace
 
-absl::Status ExecuteExtend(const ExtendPlan& plan, const ExtendReservation& reservation, const StopSignal* stop,
-                           v1::ExtendResponse* response) {
+ExtendSteps::ExtendSteps(const ExtendPlan& plan, const ExtendReservation& reservation, int64_t max_step_rows,
+                         v1::ExtendResponse* response)
+    : plan_(plan), response_(response),
+      max_step_rows_(plan.paged.return_weights || plan.paged.return_stats ||
+                             std::any_of(plan.items.begin(), plan.items.end(),
+                                         [](const ExtendPlan::Item& item) { return !item.append; })
+                         ? 0
+                         : max_step_rows) {
   const PagedProblem& p = plan.paged;
   const HeadSpec& h = p.heads;
-  std::vector<PagedSequence> sequences(plan.items.size());
-  std::vector<StatsBuffers> stats;
-  stats.reserve(plan.items.size());
+  whole_.resize(plan.items.size());
+  stats_.reserve(plan.items.size());
   for (size_t i = 0; i < plan.items.size(); ++i) {
     const ExtendPlan::Item& item = plan.items[i];
-    const ExtendReservation::Item& reserved = reservation.items()[i];
     const v1::ExtendItem& request = *item.request;
-    PagedSequence& seq = sequences[i];
-    seq.blocks = reserved.blocks;
+    PagedSequence& seq = whole_[i];
+    seq.blocks = reservation.items()[i].blocks;
     seq.length = item.length;
     seq.new_tokens = item.new_tokens;
     seq.append = item.append;
-    stats.emplace_back(plan.stats, 1, h.num_heads, item.new_tokens, /*has_w_o=*/p.d_model > 0);
-    seq.stats = stats.back().View();
+    stats_.emplace_back(plan.stats, 1, h.num_heads, item.new_tokens, /*has_w_o=*/p.d_model > 0);
+    seq.stats = stats_.back().View();
     if (p.d_model > 0) {
       seq.x = View(request.x());
     } else {
@@ -63,19 +86,98 @@ absl::Status ExecuteExtend(const ExtendPlan& plan, const ExtendReservation& rese
                              result->mutable_attention_weights());
     }
   }
+  response->set_backend(std::string(plan.backend->name()));
+}
+
+template <typename Visit>
+void ExtendSteps::ForNext(Visit visit) const {
+  int64_t budget = max_step_rows_ > 0 ? max_step_rows_ : INT64_MAX;
+  int64_t first = next_token_;
+  for (size_t i = next_item_; i < whole_.size() && budget > 0; ++i, first = 0) {
+    const int64_t tokens = std::min(whole_[i].new_tokens - first, budget);
+    visit(i, first, tokens);
+    budget -= tokens;
+  }
+}
+
+int64_t ExtendSteps::NextRows() const {
+  int64_t rows = 0;
+  ForNext([&rows](size_t, int64_t, int64_t tokens) { rows += tokens; });
+  return rows;
+}
+
+double ExtendSteps::NextFlops() const {
+  double flops = 0;
+  ForNext([this, &flops](size_t i, int64_t first, int64_t tokens) {
+    flops += StepFlops(plan_.paged, whole_[i].length + first, tokens, whole_[i].append);
+  });
+  return flops;
+}
+
+void ExtendSteps::TakeNext(std::vector<PagedSequence>* sequences) {
+  const PagedProblem& p = plan_.paged;
+  const HeadSpec& h = p.heads;
+  const int64_t out_width = p.d_model > 0 ? p.d_model : h.q_width();
+  size_t last = next_item_;
+  int64_t end = next_token_;
+  ForNext([&](size_t i, int64_t first, int64_t tokens) {
+    PagedSequence part = whole_[i];
+    if (first > 0 || tokens < part.new_tokens) {  // a chunk: only ever of a call without weights or statistics
+      part.length += first;
+      part.new_tokens = tokens;
+      part.x = Skip(part.x, first, p.d_model);
+      part.q = Skip(part.q, first, h.q_width());
+      part.k = Skip(part.k, first, h.kv_width());
+      part.v = Skip(part.v, first, h.kv_width());
+      part.out = Skip(part.out, first, out_width);
+    }
+    sequences->push_back(part);
+    last = i;
+    end = first + tokens;
+  });
+  if (end == whole_[last].new_tokens) {
+    next_item_ = last + 1;
+    next_token_ = 0;
+  } else {
+    next_item_ = last;
+    next_token_ = end;
+  }
+  ++steps_;
+}
+
+void ExtendSteps::FillStats() {
+  for (size_t i = 0; i < whole_.size(); ++i) {
+    const PagedSequence& seq = whole_[i];
+    stats_[i].FillInto([&seq](int64_t, int64_t row) { return PagedVisibleKeys(seq, row); }, /*batched=*/false,
+                       response_->mutable_results(static_cast<int>(i)));
+  }
+}
+
+absl::Status ComputeExtendStep(const ExtendPlan& plan, absl::Span<const PagedSequence> sequences,
+                               const StopSignal* stop) {
   PagedArgs args;
-  args.problem = p;
+  args.problem = plan.paged;
+  PagedProblem& p = args.problem;
+  p.sequences = static_cast<int64_t>(sequences.size());
+  p.new_tokens = p.max_new_tokens = p.max_length = 0;
+  for (const PagedSequence& seq : sequences) {
+    p.new_tokens += seq.new_tokens;
+    p.max_new_tokens = std::max(p.max_new_tokens, seq.new_tokens);
+    p.max_length = std::max(p.max_length, seq.Keys());
+  }
   args.stop = stop;
   if (plan.layer != nullptr) args.weights = plan.layer->Weights();
   args.sequences = sequences;
-  response->set_backend(std::string(plan.backend->name()));
-  RETURN_IF_ERROR(plan.backend->PagedAttention(args));
-  for (size_t i = 0; i < sequences.size(); ++i) {
-    const PagedSequence& seq = sequences[i];
-    v1::ExtendResult* result = response->mutable_results(static_cast<int>(i));
-    stats[i].FillInto([&seq](int64_t, int64_t row) { return PagedVisibleKeys(seq, row); }, /*batched=*/false,
-                      result);
-  }
+  return plan.backend->PagedAttention(args);
+}
+
+absl::Status ExecuteExtend(const ExtendPlan& plan, const ExtendReservation& reservation, const StopSignal* stop,
+                           v1::ExtendResponse* response) {
+  ExtendSteps steps(plan, reservation, /*max_step_rows=*/0, response);
+  std::vector<PagedSequence> sequences;
+  steps.TakeNext(&sequences);
+  RETURN_IF_ERROR(ComputeExtendStep(plan, sequences, stop));
+  steps.FillStats();
   return absl::OkStatus();
 }
 

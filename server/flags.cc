@@ -62,6 +62,9 @@ ABSL_FLAG(int, max_batch_rows, kDefaults.max_batch_rows,
           "rows (B x Tq) of waiting compatible calls computed together as one batch; 0 = no batching");
 ABSL_FLAG(int, max_queue_delay_us, kDefaults.max_queue_delay_us,
           "how long a batch waits for more calls to join, us; 0 = only what already waits");
+ABSL_FLAG(int, max_prefill_chunk, kDefaults.max_prefill_chunk,
+          "an Extend computes at most this many new tokens at a time, letting other calls' decode steps run between "
+          "its chunks; 0 = whole calls");
 ABSL_FLAG(std::string, tls_cert, kDefaults.tls_cert, "PEM certificate chain: serve TLS (with --tls_key)");
 ABSL_FLAG(std::string, tls_key, kDefaults.tls_key, "PEM private key of --tls_cert");
 ABSL_FLAG(std::string, tls_client_ca, kDefaults.tls_client_ca,
@@ -124,6 +127,7 @@ ServerOptions ServerOptionsFromFlags() {
   options.max_connection_age_s = absl::GetFlag(FLAGS_max_connection_age_s);
   options.max_batch_rows = absl::GetFlag(FLAGS_max_batch_rows);
   options.max_queue_delay_us = absl::GetFlag(FLAGS_max_queue_delay_us);
+  options.max_prefill_chunk = absl::GetFlag(FLAGS_max_prefill_chunk);
   options.tls_cert = absl::GetFlag(FLAGS_tls_cert);
   options.tls_key = absl::GetFlag(FLAGS_tls_key);
   options.tls_client_ca = absl::GetFlag(FLAGS_tls_client_ca);

@@ -17,12 +17,6 @@ constexpr double kRateSampleFlops = 5e7;
 // Weight of the newest observation in the rate's exponential average.
 constexpr double kRateWeight = 0.2;
 
-// The rows a call adds to a batch: B Tq.
-int64_t BatchRows(const WorkItem& item) {
-  const AttentionShape& s = item.plan().problem.shape;
-  return s.batch * s.q_len;
-}
-
 }  // namespace
 
 Scheduler::Scheduler(const SchedulerOptions& options, ServerMetrics* metrics)
@@ -58,10 +52,10 @@ bool Scheduler::RunsInline(const WorkItem& item) const {
   return limit > 0 && item.plan().flops <= limit;
 }
 
-double Scheduler::EstimateSeconds(const WorkItem& item) const {
+double Scheduler::EstimateSeconds(const WorkItem& item, double flops) const {
   const auto rate = rates_.find(item.plan().backend);
-  if (rate == rates_.end() || !std::isfinite(item.plan().flops)) return 0;
-  return item.plan().flops / rate->second;
+  if (rate == rates_.end() || !std::isfinite(flops)) return 0;
+  return flops / rate->second;
 }
 
 absl::Status Scheduler::Admit(const WorkItem& item) const {
@@ -82,7 +76,7 @@ absl::Status Scheduler::Admit(const WorkItem& item) const {
         " calls and responses not yet sent, this one needs ", item.memory_bytes(), "; --max_inflight_mb); retry "
         "later"));
   }
-  const double compute_s = EstimateSeconds(item);
+  const double compute_s = EstimateSeconds(item, item.plan().flops);
   if (compute_s > 0) {
     const absl::Time now = absl::Now();
     // Conservative with concurrent threads: as if everything ahead ran one after another.
@@ -111,7 +105,7 @@ void Scheduler::Submit(std::unique_ptr<WorkItem> item) {
     absl::MutexLock lock(&mu_);
     refused = Admit(*item);
     if (refused.ok()) {
-      const double estimate = EstimateSeconds(*item);
+      const double estimate = EstimateSeconds(*item, item->plan().flops);
       queued_bytes_ += item->request_bytes();
       item->hold_ = InflightHold(ledger_, item->memory_bytes());
       ++inflight_;
@@ -186,11 +180,11 @@ void Scheduler::TakeBatchable(const WorkItem& first, int64_t* rows, std::vector<
   const std::string& key = first.plan().batch_key;
   for (auto it = queue_.begin(); it != queue_.end() && *rows < options_.max_batch_rows;) {
     const AttentionPlan& plan = it->item->plan();
-    if (plan.batch_key != key || *rows + BatchRows(*it->item) > options_.max_batch_rows) {
+    if (plan.batch_key != key || *rows + it->item->NextRows() > options_.max_batch_rows) {
       ++it;
       continue;
     }
-    *rows += BatchRows(*it->item);
+    *rows += it->item->NextRows();
     queued_bytes_ -= it->item->request_bytes();
     queued_seconds_ = std::max(0.0, queued_seconds_ - it->estimate_s);
     batch->push_back(std::move(*it));
@@ -217,7 +211,7 @@ void Scheduler::Compute(Queued first, std::vector<Queued> batch, std::list<Runni
     const absl::Time start = absl::Now();
     absl::Status status;
     double flops = 0;
-    for (const Queued& q : live) flops += q.item->plan().flops;
+    for (const Queued& q : live) flops += q.item->NextFlops();
     // Recorded before the calls finish, so that a client that sees its answer sees its batch counted.
     if (metrics_ != nullptr && std::isfinite(flops)) metrics_->RecordBatch(static_cast<int>(live.size()));
     if (live.size() == 1) {
@@ -236,9 +230,21 @@ void Scheduler::Compute(Queued first, std::vector<Queued> batch, std::list<Runni
     }
   }
   // The calls' holds go back as `calls` is destroyed, but for what their responses took along (TakeResponseHold).
+  // A call with steps left waits again, behind what arrived meanwhile, still admitted.
   absl::MutexLock lock(&mu_);
   running_.erase(running);
-  inflight_ -= static_cast<int>(calls.size());
+  int requeued = 0;
+  for (Queued& q : live) {
+    if (!q.item->Unfinished()) continue;
+    q.queued_at = absl::Now();
+    q.estimate_s = EstimateSeconds(*q.item, q.item->NextFlops());  // the next step's, not the rest's
+    queued_bytes_ += q.item->request_bytes();
+    queued_seconds_ += q.estimate_s;
+    queue_.push_back(std::move(q));
+    ++requeued;
+  }
+  inflight_ -= static_cast<int>(calls.size()) - requeued;
+  if (requeued > 0) SetDepth();
 }
 
 void Scheduler::Run(bool compute_thread) {
@@ -264,7 +270,7 @@ void Scheduler::Run(bool compute_thread) {
       queued_bytes_ -= next.item->request_bytes();
       queued_seconds_ = std::max(0.0, queued_seconds_ - next.estimate_s);
       if (options_.max_batch_rows > 0 && !next.item->plan().batch_key.empty()) {
-        int64_t rows = BatchRows(*next.item);
+        int64_t rows = next.item->NextRows();
         TakeBatchable(*next.item, &rows, &batch);
         // Optionally wait a little for more calls to join, as long as the batch has room.
         const absl::Time until = absl::Now() + options_.max_queue_delay;

@@ -7,7 +7,11 @@
 //    response, working memory) would take the admitted calls past max_inflight_bytes is RESOURCE_EXHAUSTED;
 //  - batching: when the compute thread takes a call, it takes along the waiting calls with the same batch key
 //    (WorkPlan::batch_key) up to max_batch_rows rows (B Tq), optionally waiting max_queue_delay for more, and
-//    computes them as one backend call (Triton's dynamic batcher): small calls fill the cores together;
+//    computes them as one backend call (Triton's dynamic batcher): small calls fill the cores together. Extend
+//    calls of sessions that share a layer (or head configuration) and cache dtype batch the same way, so that
+//    decode steps from many clients run as one ragged paged call (continuous batching);
+//  - steps: a call that computes in steps (a prefill in chunks, WorkItem::Unfinished) goes back in the queue after
+//    each, behind what waits, so that decode steps run (or join its batch) between its chunks;
 //  - queue: everything else waits in a bounded FIFO for one dedicated compute thread, so that gRPC's threads stay
 //    responsive (health checks answer while a long request computes) and concurrent calls do not each start
 //    OpenMP teams on the same cores. A full queue refuses new work instead of buffering requests without limit;
@@ -90,8 +94,8 @@ class Scheduler {
 
  private:
   bool RunsInline(const WorkItem& item) const;
-  // Seconds `item` should compute for at its backend's rate; 0 when the rate is unknown.
-  double EstimateSeconds(const WorkItem& item) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Seconds `flops` of `item` should compute for at its backend's rate; 0 when the rate is unknown.
+  double EstimateSeconds(const WorkItem& item, double flops) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // OK, or why `item` cannot be queued now.
   absl::Status Admit(const WorkItem& item) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Publishes the queue's length; under mu_, so that the gauge follows the queue's order of events.

@@ -251,15 +251,17 @@ class ComputeCall final : public WorkItem {
 
   // The batch key names the rpc, so `others` are calls of this same type.
   absl::Status RunBatch(absl::Span<WorkItem* const> others, absl::Span<const absl::Duration> waited) override {
-    std::vector<ComputeCall*> calls = {this};
-    for (WorkItem* other : others) calls.push_back(static_cast<ComputeCall*>(other));
+    std::vector<WorkItem*> items = {this};
+    items.insert(items.end(), others.begin(), others.end());
+    std::vector<ComputeCall*> calls;
     std::vector<const Plan*> plans;
     std::vector<Reply<Response>*> replies;
-    for (ComputeCall* call : calls) {
-      plans.push_back(&call->plan_);
-      replies.push_back(&call->reply_);
+    for (WorkItem* item : items) {
+      calls.push_back(static_cast<ComputeCall*>(item));
+      plans.push_back(&calls.back()->plan_);
+      replies.push_back(&calls.back()->reply_);
     }
-    const BatchStop stop(calls);
+    const BatchStop stop(items);
     const absl::Time started = absl::Now();
     const absl::Status status = execute_batch_(plans, &stop, replies);
     const absl::Time computed = absl::Now();
@@ -278,21 +280,6 @@ class ComputeCall final : public WorkItem {
 
  private:
   using Timing = v1::Timing;
-
-  // A batch stops when none of its calls is wanted any more.
-  class BatchStop final : public StopSignal {
-   public:
-    explicit BatchStop(const std::vector<ComputeCall*>& calls) : calls_(calls) {}
-    absl::Status Check() const override {
-      for (const ComputeCall* call : calls_) {
-        if (call->Check().ok()) return absl::OkStatus();
-      }
-      return calls_.front()->Check();
-    }
-
-   private:
-    const std::vector<ComputeCall*>& calls_;
-  };
 
   void Finish(absl::Status status, double compute_seconds) {
     if (status.ok()) {

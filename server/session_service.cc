@@ -103,7 +103,10 @@ grpc::ServerUnaryReactor* AttentionService::Sequenced(const char* rpc, grpc::Cal
   return reactor;
 }
 
-// An Extend in the compute queue and computing: holds its sessions and its blocks, commits on success.
+// An Extend in the compute queue and computing: holds its sessions and its blocks, commits on success. It computes
+// in steps of at most --max_prefill_chunk rows (ExtendSteps), each step alone or batched with other Extends' steps
+// of its batch key, and goes back in the queue between steps; its sessions stay held throughout, so that the calls
+// on them keep their order.
 class ExtendWork final : public WorkItem {
  public:
   ExtendWork(AttentionService* service, std::string rid, grpc::CallbackServerContext* context,
@@ -112,36 +115,68 @@ class ExtendWork final : public WorkItem {
              absl::Time received, absl::Time deadline)
       : WorkItem(request_bytes, received, deadline), service_(service), rid_(std::move(rid)), context_(context),
         reactor_(reactor), out_(out), request_(std::move(request)), plan_(std::move(plan)),
-        reservation_(std::move(reservation)), hold_(std::move(hold)) {}
+        reservation_(std::move(reservation)), hold_(std::move(hold)),
+        steps_(plan_, reservation_, service->options_.max_prefill_chunk, &response_) {}
 
   const AttentionPlan& plan() const override { return plan_; }
   bool IsCancelled() const override { return context_->IsCancelled(); }
+  bool Unfinished() const override { return !finished_; }
+  int64_t NextRows() const override { return steps_.NextRows(); }
+  double NextFlops() const override { return steps_.NextFlops(); }
 
-  absl::Status Run(absl::Duration waited) override {
+  absl::Status Run(absl::Duration waited) override { return RunBatch({}, {waited}); }
+
+  // The batch key covers what PagedArgs shares, so `others` are Extends whose steps compute together.
+  absl::Status RunBatch(absl::Span<WorkItem* const> others, absl::Span<const absl::Duration> waited) override {
+    std::vector<WorkItem*> items = {this};
+    items.insert(items.end(), others.begin(), others.end());
+    std::vector<PagedSequence> sequences;
+    for (size_t i = 0; i < items.size(); ++i) {
+      ExtendWork& call = *static_cast<ExtendWork*>(items[i]);
+      call.queued_ += waited[i];
+      call.steps_.TakeNext(&sequences);
+    }
+    const BatchStop stop(items);
     const absl::Time started = absl::Now();
-    absl::Status status = ExecuteExtend(plan_, reservation_, this, &response_);
-    const absl::Time computed = absl::Now();
-    // A call whose client gave up or whose deadline passed while it computed ended so: nothing is committed.
-    if (status.ok()) status = Check();
-    if (status.ok()) reservation_.Commit();
-    service_->metrics_->RecordExtendItems(static_cast<int>(plan_.items.size()));
-    v1::Timing* timing = response_.mutable_timing();
-    timing->set_queue_us(absl::ToInt64Microseconds(waited));
-    timing->set_compute_us(absl::ToInt64Microseconds(computed - started));
-    timing->set_handler_us(absl::ToInt64Microseconds(computed - received()));
-    Finish(status, absl::ToDoubleSeconds(computed - started));
+    const absl::Status status = ComputeExtendStep(plan_, sequences, &stop);
+    const absl::Duration computed = absl::Now() - started;
+    for (WorkItem* item : items) {
+      ExtendWork& call = *static_cast<ExtendWork*>(item);
+      call.computing_ += computed;
+      if (!status.ok()) {
+        const absl::Status own = call.Check();  // a call that was stopped says so, not the batch's first
+        call.Finish(own.ok() ? status : own);
+      } else if (call.steps_.done()) {
+        call.Complete();
+      }
+    }
     return status;
   }
-  void Reject(const absl::Status& status) override { Finish(status, 0); }
+  void Reject(const absl::Status& status) override { Finish(status); }
 
  private:
-  void Finish(absl::Status status, double compute_seconds) {
+  // Every step computed: commits unless the client gave up or the deadline passed meanwhile, and answers.
+  void Complete() {
+    absl::Status status = Check();
+    if (status.ok()) {
+      steps_.FillStats();
+      reservation_.Commit();
+    }
+    service_->metrics_->RecordExtendItems(static_cast<int>(plan_.items.size()));
+    v1::Timing* timing = response_.mutable_timing();
+    timing->set_queue_us(absl::ToInt64Microseconds(queued_));
+    timing->set_compute_us(absl::ToInt64Microseconds(computing_));
+    timing->set_handler_us(absl::ToInt64Microseconds(absl::Now() - received()));
+    Finish(status);
+  }
+  void Finish(absl::Status status) {
+    finished_ = true;
     reservation_ = ExtendReservation();  // gives back what was not committed, before the sessions go
     service_->sessions_->Touch(hold_.ids());
     hold_.Release();
     if (status.ok()) status = Serialize(response_, out_);
-    service_->CallDone(rid_, "Extend", plan_.shapes, plan_.backend->name(), status, received(), compute_seconds,
-                       status.ok() ? plan_.flops : 0);
+    service_->CallDone(rid_, "Extend", plan_.shapes, plan_.backend->name(), status, received(),
+                       absl::ToDoubleSeconds(computing_), status.ok() ? plan_.flops : 0);
     reactor_->Finish(ToGrpcStatus(status));
   }
 
@@ -155,6 +190,9 @@ class ExtendWork final : public WorkItem {
   ExtendReservation reservation_;
   SessionHold hold_;
   v1::ExtendResponse response_;
+  ExtendSteps steps_;  // borrows plan_, reservation_ and response_
+  absl::Duration queued_, computing_;  // over the steps
+  bool finished_ = false;
 };
 
 // An Extend waiting for its sessions; at its turn, validated against them, its blocks reserved, handed to the

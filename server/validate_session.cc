@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <map>
 
+#include "absl/base/casts.h"
 #include "absl/strings/str_cat.h"
 #include "proto/mha/v1/tensor_codec.h"
 #include "server/status_macros.h"
@@ -309,6 +310,14 @@ absl::StatusOr<ExtendPlan> ValidateExtendHeld(const v1::ExtendRequest& r, const 
   plan.problem.input_dtype = p.input_dtype;
   plan.problem.output_dtype = p.output_dtype;
   plan.problem.return_weights = p.return_weights;
+  // Steps of calls with one key compute as one ragged paged call: what PagedArgs shares across its sequences. The
+  // layer_index does not enter it; each sequence brings its own cache.
+  plan.batch_key = absl::StrCat(
+      "extend|", reinterpret_cast<uintptr_t>(plan.backend), "|", reinterpret_cast<uintptr_t>(plan.layer.get()), "|",
+      p.heads.num_heads, "|", p.heads.num_kv_heads, "|", p.heads.head_dim, "|",
+      absl::bit_cast<uint32_t>(p.heads.scale), "|", absl::bit_cast<uint64_t>(p.heads.rope_theta), "|",
+      p.heads.rope_dim, "|", p.heads.rope_interleaved, "|", p.cache.dtype, "|", p.cache.block_tokens, "|", p.input_dtype, "|", p.output_dtype, "|", p.return_weights, "|", plan.stats.lse,
+      plan.stats.head_stats, plan.stats.row_stats, "|", plan.stats.sink_tokens);
   plan.shapes = absl::StrCat("items=", p.sequences, " tokens=", p.new_tokens, " max_length=", p.max_length,
                              " layer_index=", r.layer_index(),
                              first.layer_session ? absl::StrCat(" layer=", first.layer.name)

@@ -18,4 +18,11 @@ absl::Status WorkItem::Check() const {
   return absl::OkStatus();
 }
 
+absl::Status BatchStop::Check() const {
+  for (const WorkItem* item : items_) {
+    if (item->Check().ok()) return absl::OkStatus();
+  }
+  return items_.front()->Check();
+}
+
 }  // namespace mha

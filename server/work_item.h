@@ -50,6 +50,15 @@ class WorkItem : public StopSignal {
   // Finishes the call with `status` (not OK) without computing: refused, cancelled before it started, or shutdown.
   virtual void Reject(const absl::Status& status) = 0;
 
+  // A call may compute in steps (an Extend's prefill in chunks of bounded rows): Run or RunBatch then computes the
+  // next step and, while Unfinished() says so afterwards, has not finished the call; the scheduler queues it again,
+  // behind what waits (so that other calls run between its steps), keeping its admission.
+  virtual bool Unfinished() const { return false; }
+  // The rows (B Tq) and FLOPs of the item's next computation: what it adds to a batch (max_batch_rows) and what
+  // teaches the scheduler its backend's rate.
+  virtual int64_t NextRows() const { return plan().problem.shape.batch * plan().problem.shape.q_len; }
+  virtual double NextFlops() const { return plan().flops; }
+
  protected:
   // The response's share of the item's in-flight memory (plan().response_bytes, at most what it holds), for the
   // response to keep until it has been sent; empty for an item the scheduler did not admit (run inline).
@@ -63,6 +72,17 @@ class WorkItem : public StopSignal {
   const absl::Time received_;
   const absl::Time deadline_;
   const std::atomic<bool>* abort_ = nullptr;  // the scheduler's, once submitted
+};
+
+// The stop signal of items computed as one backend call: stops once none of them is wanted any more (each item's
+// own Check then decides how it ends). Borrows the items.
+class BatchStop final : public StopSignal {
+ public:
+  explicit BatchStop(absl::Span<WorkItem* const> items) : items_(items) {}
+  absl::Status Check() const override;
+
+ private:
+  const absl::Span<WorkItem* const> items_;
 };
 
 }  // namespace mha

@@ -1,13 +1,16 @@
 // Where the scheduler computes queued calls: a backend that runs one call at a time (Backend::concurrent_calls()
 // == 1, the CPU backends) computes on the compute thread alone; a backend whose calls overlap (the CUDA backend's
 // lanes) gets up to concurrent_calls() of them at once on the concurrent threads; neither kind waits behind the
-// other. The calls here are fakes that hold their thread until the test releases them.
+// other. A call that computes in steps goes back in the queue between them. The calls here are fakes that hold
+// their thread until the test releases them, or log their steps.
 #include <algorithm>
 #include <memory>
 #include <set>
 #include <string>
 #include <thread>
+#include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
@@ -202,6 +205,49 @@ TEST(Scheduler, ShutdownRunsWhatIsQueuedOnEveryThread) {
   }  // the destructor joins the threads once the queue is drained
   EXPECT_EQ(gpu_probe.finished(), 3);
   EXPECT_EQ(cpu_probe.finished(), 3);
+}
+
+// A call of `steps` steps that logs "name:step" for each, in the order computed.
+class SteppedItem final : public WorkItem {
+ public:
+  SteppedItem(Backend* backend, std::string name, int steps, std::vector<std::string>* log, absl::Mutex* mu)
+      : WorkItem(0, absl::Now(), absl::InfiniteFuture()), name_(std::move(name)), steps_(steps), log_(log), mu_(mu) {
+    plan_.backend = backend;
+    plan_.flops = 1e12;
+  }
+  const AttentionPlan& plan() const override { return plan_; }
+  bool IsCancelled() const override { return false; }
+  bool Unfinished() const override { return done_ < steps_; }
+  absl::Status Run(absl::Duration) override {
+    absl::MutexLock lock(mu_);
+    log_->push_back(absl::StrCat(name_, ":", ++done_));
+    return absl::OkStatus();
+  }
+  void Reject(const absl::Status& status) override { ADD_FAILURE() << "rejected: " << status; }
+
+ private:
+  AttentionPlan plan_;
+  const std::string name_;
+  const int steps_;
+  int done_ = 0;
+  std::vector<std::string>* const log_;
+  absl::Mutex* const mu_;
+};
+
+TEST(Scheduler, ACallInStepsLetsTheCallsQueuedMeanwhileRunBetweenItsSteps) {
+  FakeBackend cpu(1);
+  Probe probe;
+  absl::Mutex mu;
+  std::vector<std::string> log;
+  Scheduler scheduler(Options(0), nullptr);
+  scheduler.Submit(std::make_unique<FakeItem>(&cpu, &probe));
+  ASSERT_TRUE(probe.AwaitRunning(1));
+  scheduler.Submit(std::make_unique<SteppedItem>(&cpu, "prefill", 3, &log, &mu));
+  scheduler.Submit(std::make_unique<SteppedItem>(&cpu, "decode", 1, &log, &mu));
+  probe.release.Notify();
+  ASSERT_TRUE(scheduler.AwaitIdle(kPatience));
+  absl::MutexLock lock(&mu);
+  EXPECT_EQ(log, (std::vector<std::string>{"prefill:1", "decode:1", "prefill:2", "prefill:3"}));
 }
 
 }  // namespace

@@ -6,6 +6,7 @@
 #include <chrono>
 #include <future>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "grpcpp/grpcpp.h"
@@ -48,6 +49,18 @@ inline v1::MultiHeadAttentionRequest SlowDemoRequest(int64_t batch) {
   r.set_layer("demo");
   r.set_backend(v1::BACKEND_REFERENCE);
   return r;
+}
+
+// The value of the unlabelled series `name` in the Prometheus text `metrics`; -1 when absent.
+inline int64_t MetricValue(const std::string& metrics, const std::string& name) {
+  const size_t at = metrics.find("\n" + name + " ");
+  return at == std::string::npos ? -1 : std::stoll(metrics.substr(at + name.size() + 2));
+}
+
+// From the mha_batch_size histogram in `metrics`: calls that ran in a batch beside another, i.e. the sum of batch
+// sizes minus the number of backend calls (0 when nothing was batched; 3 for one batch of 4 and any singles).
+inline int64_t CallsJoiningABatch(const std::string& metrics) {
+  return MetricValue(metrics, "mha_batch_size_sum") - MetricValue(metrics, "mha_batch_size_count");
 }
 
 // A server on a free loopback port (127.0.0.1:0) with two compute threads; null, and the test failed, if it cannot

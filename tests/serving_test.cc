@@ -24,6 +24,7 @@ namespace mha {
 namespace {
 
 using ::mha::testing::ServiceTest;
+using ::mha::testing::CallsJoiningABatch;
 using ::mha::testing::SetTensor;
 using ::mha::testing::SlowDemoRequest;
 using ::testing::HasSubstr;
@@ -275,16 +276,6 @@ v1::MultiHeadAttentionRequest DemoRequest(int64_t batch, int64_t tokens, uint32_
     for (int64_t b = 0; b < batch; ++b) r.add_key_lengths(static_cast<int32_t>((b * 5 + seed) % (tokens + 1)));
   }
   return r;
-}
-
-// From the mha_batch_size histogram in `metrics`: calls that ran in a batch beside another, i.e. the sum of batch
-// sizes minus the number of backend calls (0 when nothing was batched; 3 for one batch of 4 and any singles).
-int64_t CallsJoiningABatch(const std::string& metrics) {
-  auto value = [&](const std::string& name) -> int64_t {
-    const size_t at = metrics.find("\n" + name + " ");
-    return at == std::string::npos ? -1 : std::stoll(metrics.substr(at + name.size() + 2));
-  };
-  return value("mha_batch_size_sum") - value("mha_batch_size_count");
 }
 
 class BatchingTest : public ServingTest, public ::testing::WithParamInterface<v1::Backend> {
