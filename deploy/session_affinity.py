@@ -1,15 +1,21 @@
-"""Sessions through a proxy that routes by the session id (deploy/scale-out-test.sh's sessions phase).
+"""Sessions through a proxy that routes by the session id (deploy/scale-out-test.sh's sessions phases).
 
-    session_affinity.py TARGET SESSIONS decode   create SESSIONS head sessions with ids the client chooses, prefill
-                                                 each, decode steps; every call must succeed
-    session_affinity.py TARGET SESSIONS step     one more decode step on each; prints a JSON object of the ids that
-                                                 failed, by gRPC status code name, and how many succeeded
+    session_affinity.py decode TARGET SESSIONS     create SESSIONS head sessions with ids the client chooses, prefill
+                                                   each, decode steps; every call must succeed
+    session_affinity.py step TARGET SESSIONS       one more decode step on each; prints a JSON object of the ids that
+                                                   failed, by gRPC status code name, and how many succeeded
+    session_affinity.py homes SESSIONS LOG...      from the replicas' logs (replica N's is the Nth LOG), one "id N"
+                                                   line per session; exits 1 unless every session is in exactly one
+    session_affinity.py lost HOMES REPLICA STEP    exits 0 when the step's JSON (STEP) failed exactly the sessions
+                                                   that HOMES puts on REPLICA, each with NOT_FOUND or UNAVAILABLE,
+                                                   and every other session succeeded; prints a summary line
 
 Every session call carries the id as mha-session-id metadata (the client library sets it), so the proxy's hash on
 it sends all of a session's calls, CreateSession included, to one replica. Standard library, numpy and grpcio with
 the project's Python client (PYTHONPATH=client/python and its generated stubs).
 """
 import json
+import re
 import sys
 
 import grpc
@@ -30,30 +36,68 @@ def session_ids(count):
     return ["affinity-%02d" % i for i in range(count)]
 
 
+def decode(client, rng, count):
+    sessions = [client.create_session(session_id=sid, idle_timeout_s=600, **HEADS) for sid in session_ids(count)]
+    for s in sessions:
+        s.extend(**tokens(rng, 16))
+    for _ in range(4):
+        for s in sessions:
+            s.extend(**tokens(rng, 1))
+    print(json.dumps({"sessions": count, "steps": 4}))
+    return 0
+
+
+def step(client, rng, count):
+    failed, ok = {}, 0
+    for sid in session_ids(count):
+        item = dict(session=sid, **tokens(rng, 1))
+        try:
+            client.extend([item])
+            ok += 1
+        except grpc.RpcError as e:
+            failed.setdefault(e.code().name, []).append(sid)
+    print(json.dumps({"ok": ok, "failed": failed}))
+    return 0
+
+
+def homes(count, logs):
+    seen = {}
+    for replica, log in enumerate(logs, start=1):
+        with open(log) as f:
+            for sid in set(re.findall(r"session=(affinity-\d+)", f.read())):
+                seen.setdefault(sid, []).append(replica)
+    split = {s: rs for s, rs in seen.items() if len(rs) > 1}
+    if len(seen) != count or split:
+        print(f"{len(seen)} sessions seen; on more than one replica: {split}")
+        return 1
+    for sid, (replica,) in sorted(seen.items()):
+        print(sid, replica)
+    return 0
+
+
+def lost(homes_file, replica, step_file):
+    with open(homes_file) as f:
+        home = dict(line.split() for line in f)
+    with open(step_file) as f:
+        result = json.load(f)
+    gone = {sid for sid, r in home.items() if r == replica}
+    failed = {sid for ids in result["failed"].values() for sid in ids}
+    print(f"  replica {replica} killed: {len(failed)} sessions failed "
+          f"({', '.join(f'{len(ids)} {code}' for code, ids in sorted(result['failed'].items()))}), "
+          f"{len(gone)} lived there; the other {result['ok']} went on")
+    return 0 if (failed == gone and result["ok"] == len(home) - len(gone)
+                 and set(result["failed"]) <= {"NOT_FOUND", "UNAVAILABLE"}) else 1
+
+
 def main():
-    target, count, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-    rng = np.random.default_rng(7)
+    mode, args = sys.argv[1], sys.argv[2:]
+    if mode == "homes":
+        return homes(int(args[0]), args[1:])
+    if mode == "lost":
+        return lost(*args)
+    target, count = args[0], int(args[1])
     with mhaclient.MhaClient(target, timeout=20.0) as client:
-        if mode == "decode":
-            sessions = [client.create_session(session_id=sid, idle_timeout_s=600, **HEADS)
-                        for sid in session_ids(count)]
-            for s in sessions:
-                s.extend(**tokens(rng, 16))
-            for _ in range(4):
-                for s in sessions:
-                    s.extend(**tokens(rng, 1))
-            print(json.dumps({"sessions": count, "steps": 4}))
-            return 0
-        failed, ok = {}, 0
-        for sid in session_ids(count):
-            item = dict(session=sid, **tokens(rng, 1))
-            try:
-                client.extend([item])
-                ok += 1
-            except grpc.RpcError as e:
-                failed.setdefault(e.code().name, []).append(sid)
-        print(json.dumps({"ok": ok, "failed": failed}))
-        return 0
+        return {"decode": decode, "step": step}[mode](client, np.random.default_rng(7), count)
 
 
 if __name__ == "__main__":
