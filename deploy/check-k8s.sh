@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Validates the Kubernetes manifests and the monitoring objects without a cluster: yamllint (deploy/k8s/.yamllint),
+# Validates the Kubernetes manifests and the monitoring objects without a cluster: yamllint (deploy/k8s/.yamllint;
+# also over deploy/gateway, the Gateway API example, which needs CRDs this checks nothing else of),
 # then deploy/check_k8s.py (they parse, and names, labels, ports, flags, limits and metric names agree across them,
 # with the Dockerfile and with the metrics the server exports), for the base (deploy/k8s) and for the GPU overlay
 # (deploy/k8s-gpu) as it patches the base. Where kubectl is installed (it is no Debian package; install-deps does
@@ -7,7 +8,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 deploy/install-deps.sh --deploy
-yamllint --strict -c deploy/k8s/.yamllint deploy/k8s deploy/k8s-gpu deploy/monitoring
+yamllint --strict -c deploy/k8s/.yamllint deploy/k8s deploy/k8s-gpu deploy/monitoring deploy/gateway
 echo "check-k8s: yamllint passed"
 rendered=()
 if command -v kubectl >/dev/null; then
