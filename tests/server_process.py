@@ -42,35 +42,46 @@ def _log_tail(path, n=40):
 
 
 
-@contextlib.contextmanager
-def run_server(work, *args, nofile=None):
-    """The real mha_server on a free loopback port with extra flags `args`, its log in `work`; yields a Server and
-    checks that SIGTERM ends it with exit code 0. `nofile` sets its open-file limit (soft and hard)."""
+def start_server(work, *args, listen="127.0.0.1:0", nofile=None):
+    """Starts the real mha_server listening on `listen` (a free loopback port by default) with extra flags `args`,
+    its log in `work`, and returns a Server once it has written its port file. Stopping it is the caller's: by its
+    PID, server.proc. If it exits or writes no port file in time, it is ended and the test fails."""
     binary = _server_binary()
     port_file = work / "port"
     log_path = work / "server.log"
+    if port_file.exists():
+        port_file.unlink()  # a restart in the same folder: the new process writes it again
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            [binary, "--listen", "127.0.0.1:0", "--port_file", str(port_file), "--threads", "2", *args],
+            [binary, "--listen", listen, "--port_file", str(port_file), "--threads", "2", *args],
             stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
             preexec_fn=None if nofile is None else lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile)))
+    port = None
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail("mha_server exited with %s during startup:\n%s" % (proc.returncode, _log_tail(log_path)))
+        try:
+            text = port_file.read_text().strip()
+            port = int(text) if text else None
+        except (OSError, ValueError):
+            port = None
+        if port:
+            return Server(proc, port, "127.0.0.1:%d" % port, str(log_path))
+        time.sleep(0.05)
+    proc.kill()
+    proc.wait()
+    pytest.fail("mha_server wrote no port file within %.0f s:\n%s" % (STARTUP_TIMEOUT_S, _log_tail(log_path)))
+
+
+@contextlib.contextmanager
+def run_server(work, *args, listen="127.0.0.1:0", nofile=None):
+    """start_server as a context: yields the Server and checks that SIGTERM ends it with exit code 0. `nofile` sets
+    its open-file limit (soft and hard)."""
+    server = start_server(work, *args, listen=listen, nofile=nofile)
+    proc, log_path = server.proc, server.log_path
     try:
-        port = None
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                pytest.fail("mha_server exited with %s during startup:\n%s" % (proc.returncode, _log_tail(log_path)))
-            try:
-                text = port_file.read_text().strip()
-                port = int(text) if text else None
-            except (OSError, ValueError):
-                port = None
-            if port:
-                break
-            time.sleep(0.05)
-        if not port:
-            pytest.fail("mha_server wrote no port file within %.0f s:\n%s" % (STARTUP_TIMEOUT_S, _log_tail(log_path)))
-        yield Server(proc, port, "127.0.0.1:%d" % port, str(log_path))
+        yield server
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)

@@ -20,8 +20,9 @@ for _dir in (CLIENT_DIR, os.path.join(REPO_ROOT, "tests")):
 
 import mhaclient  # noqa: E402
 
-# The tests import run_server from here; tests/client_e2e reaches the rest through this module.
-from server_process import STARTUP_TIMEOUT_S, _server_binary, run_server  # noqa: E402,F401
+# The tests import run_server (start_server for one they kill) from here; tests/client_e2e reaches the rest through
+# this module.
+from server_process import STARTUP_TIMEOUT_S, _server_binary, run_server, start_server  # noqa: E402,F401
 
 
 @pytest.fixture(scope="session")
