@@ -49,6 +49,10 @@ session with ``num_heads``, ``num_kv_heads``, ``head_dim``) returns a ``Session`
 x=...)`` appends the new tokens and returns their attention over the whole cache; ``fork()``, ``truncate(n)`` and
 ``close()`` do what they say. ``client.extend([...])`` runs several sessions' tokens in one call. Every session call
 sends the session id as ``mha-session-id`` metadata. ``decode_example.py`` is a tiny decoder built this way.
+``create_session(..., recover=True)`` (or a ``Recovery``) records what the session is fed; when a call finds it lost
+(NOT_FOUND, UNAVAILABLE: a restarted server, an eviction, a dead replica behind a proxy) the session is re-created
+under its id, its record replayed and the call sent again, with outputs exactly as they would have been;
+``session.recoveries`` counts the rebuilds.
 
 Softmax statistics
 ------------------
@@ -75,6 +79,7 @@ Example::
 
 import collections
 import concurrent.futures
+import time
 
 import grpc
 import numpy as np
@@ -95,6 +100,7 @@ __all__ = [
     "merge_attention",
     "HEAD_STAT_FIELDS",
     "ShardedSession",
+    "Recovery",
 ]
 
 # Stub generation needs only the standard library, so that the package's build step can use it too.
@@ -575,12 +581,13 @@ class MhaClient:
 
     def create_session(self, layers=None, num_heads=0, num_kv_heads=0, head_dim=0, scale=0.0, rope_theta=0.0,
                        rope_dim=0, rope_interleaved=False, num_layers=0, cache_dtype=None, max_tokens=0,
-                       idle_timeout_s=0, session_id=""):
+                       idle_timeout_s=0, session_id="", recover=False):
         """CreateSession: a KV cache the server keeps. layers: names of registered layers (a layer session: x in,
         the layer's output out, one cache per layer); otherwise a head session of num_heads / num_kv_heads /
         head_dim (q, k, v in, the heads out) with num_layers caches (0 = 1). cache_dtype: None ('fp32'), 'fp16' or
         'bf16'. max_tokens 0 / idle_timeout_s 0: the server's defaults. session_id "": the server picks one.
-        Returns a Session."""
+        recover: True (or a Recovery) records what the session is fed and rebuilds it when it is lost (see
+        Recovery); choose session_id when a proxy routes by it. Returns a Session."""
         req = self._pb.CreateSessionRequest(session_id=session_id, num_layers=int(num_layers),
                                             cache_dtype=_dtype_enum(cache_dtype), max_tokens=int(max_tokens),
                                             idle_timeout_s=int(idle_timeout_s))
@@ -589,7 +596,12 @@ class MhaClient:
         else:
             req.heads.CopyFrom(self._heads(num_heads, num_kv_heads, head_dim, False, scale, rope_theta, rope_dim,
                                            rope_interleaved))
-        return Session(self, self._call(self._stub.CreateSession, req, session_id or None).session)
+        info = self._call(self._stub.CreateSession, req, session_id or None).session
+        if not recover:
+            return Session(self, info)
+        recovery = recover if isinstance(recover, Recovery) else Recovery()
+        req.session_id = info.session_id
+        return Session(self, info, _SessionRecord(req, recovery.max_record_bytes), recovery)
 
     def extend(self, items, layer_index=0, return_weights=False, output_dtype="fp32", backend="auto",
                wire_dtype=None, return_lse=False, return_head_stats=False, return_row_stats=False, sink_tokens=0):
@@ -602,6 +614,9 @@ class MhaClient:
         spread over sessions, merged with merge_attention). return_lse, return_head_stats, return_row_stats,
         sink_tokens: softmax statistics per item (lse [H, n], head_stats {field: [H]}, row_stats {field: [H, n]}).
         Returns a list of ExtendResult in order.
+
+        Items of recording sessions (create_session(recover=...)) join their records when the call succeeds; when it
+        fails as a lost session does and every item's session records, they are rebuilt and the call sent again.
         """
         req = self._pb.ExtendRequest(layer_index=int(layer_index), return_attention_weights=bool(return_weights),
                                      output_dtype=_dtype_enum(output_dtype), backend=_backend_enum(backend))
@@ -619,7 +634,15 @@ class MhaClient:
             if entry.get("append") is not None:
                 item.append = bool(entry["append"])
             sessions.append(session if isinstance(session, Session) else None)
-        resp = self._call(self._stub.Extend, req, req.items[0].session_id if req.items else None)
+        recording = [session for session in sessions if session is not None and session._record is not None]
+
+        def call():
+            return self._call(self._stub.Extend, req, req.items[0].session_id if req.items else None)
+
+        resp = self._recovering(call, recording) if recording and len(recording) == len(sessions) else call()
+        for session, item in zip(sessions, req.items):
+            if session is not None and session._record is not None:
+                session._record.append(int(layer_index), item, req.backend)
         results = []
         for session, result in zip(sessions, resp.results):
             if session is not None:
@@ -633,6 +656,63 @@ class MhaClient:
                 length=int(result.length), backend=resp.backend,
                 lse=lse, head_stats=head_stats, row_stats=row_stats))
         return results
+
+    def _recovering(self, call, sessions):
+        """call() on recording sessions; after a lost-session error (_LOST) the sessions are rebuilt and call() runs
+        again, as their Recovery says (the first session's). Other errors, and the last when the attempts run out,
+        are raised as they came."""
+        try:
+            return call()
+        except grpc.RpcError as e:
+            error = e
+        recovery = sessions[0]._recovery
+        backoff = recovery.backoff_s
+        for _ in range(recovery.attempts):
+            if error.code() not in _LOST or not all(s._record.recoverable for s in sessions):
+                break
+            if error.code() == grpc.StatusCode.UNAVAILABLE:
+                time.sleep(backoff)
+                backoff = min(2 * backoff, recovery.max_backoff_s)
+                try:
+                    grpc.channel_ready_future(self._channel).result(timeout=recovery.reconnect_timeout_s)
+                except grpc.FutureTimeoutError:
+                    pass
+            try:
+                for session in sessions:
+                    self._rebuild(session, error.code(), recovery.chunk_tokens)
+                return call()
+            except grpc.RpcError as e:
+                error = e
+        raise error
+
+    def _rebuild(self, session, failure, chunk_tokens):
+        """CreateSession under the session's id, then its record replayed. A session still there (ALREADY_EXISTS)
+        is kept after NOT_FOUND (a failed call changes no session), closed and rebuilt after UNAVAILABLE (the call
+        may have reached it). A replay that fails closes the session, so that it is never left half rebuilt."""
+        record = session._record
+        try:
+            self._call(self._stub.CreateSession, record.create, session.id)
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.ALREADY_EXISTS:
+                raise
+            if failure == grpc.StatusCode.NOT_FOUND:
+                return
+            try:
+                self._call(self._stub.CloseSession, self._pb.CloseSessionRequest(session_id=session.id), session.id)
+            except grpc.RpcError as closed:
+                if closed.code() != grpc.StatusCode.NOT_FOUND:
+                    raise
+            self._call(self._stub.CreateSession, record.create, session.id)
+        try:
+            for req in record.replay_requests(chunk_tokens, self._pb):
+                self._call(self._stub.Extend, req, session.id)
+        except grpc.RpcError:
+            try:
+                self._call(self._stub.CloseSession, self._pb.CloseSessionRequest(session_id=session.id), session.id)
+            except grpc.RpcError:
+                pass
+            raise
+        session.recoveries += 1
 
     def list_sessions(self):
         """ListSessions: this caller's sessions (every one for an admin token) as dicts of SessionInfo."""
@@ -658,6 +738,145 @@ when asked for (else None): lse float32 [H, n], head_stats {field: float32 [H]} 
 only) and row_stats {field: float32 [H, n]}."""
 
 
+Recovery = collections.namedtuple(
+    "Recovery", ["attempts", "backoff_s", "max_backoff_s", "reconnect_timeout_s", "chunk_tokens", "max_record_bytes"],
+    defaults=(5, 0.1, 2.0, 10.0, 1024, None))
+Recovery.__doc__ = """How a recording session recovers when lost (create_session(recover=Recovery(...)); True means
+these defaults). A session call that fails with NOT_FOUND (the server does not hold the session: it restarted, or
+evicted or closed it) or UNAVAILABLE (no server answered: a replica died, a server is restarting) re-creates the
+session under its id and configuration (a proxy hashing on mha-session-id sends it where the hash now points),
+replays what it was fed per cache in the original order, with append, and sends the call again. A head session's
+k and v are replayed chunk_tokens tokens per Extend, with zeros for q; a layer session's x call by call, with the
+rows each call had and the backend it asked for, since the server projects them again. The outputs are then exactly
+what they would have been; for a layer session that shared calls with other sessions (MhaClient.extend with several
+items), within rounding: its rows were projected together with theirs (the CPU backend's rounding depends on the
+row count).
+
+attempts: rebuilds tried per failed call. After UNAVAILABLE the client first waits backoff_s (doubling up to
+max_backoff_s), then up to reconnect_timeout_s for the channel to connect. max_record_bytes: the bytes of tensors
+the record may keep (None: no limit); past them it is dropped, and the session's errors come back as they are. A
+session still open under its id (ALREADY_EXISTS) is kept after NOT_FOUND (a failed call changes no session), closed
+and rebuilt after UNAVAILABLE (the call may have reached it)."""
+
+_LOST = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE)
+
+
+class _SessionRecord:
+    """What one session was fed, enough to rebuild its caches: its CreateSessionRequest (with its id) and per cache
+    the tensors that joined it, in order, as they travelled: x (layer session) or k and v (head session). A head
+    session's runs of calls alike (the same backend, dtypes and row shapes) share one segment, whose bytes are
+    joined when needed; a layer session's calls keep a segment each, replayed with the rows they had."""
+
+    def __init__(self, create, max_bytes):
+        self.create = create
+        self.max_bytes = max_bytes
+        self.recoverable = True
+        self.bytes = 0
+        self._names = ("x",) if len(create.layers) else ("k", "v")
+        self._caches = {}  # layer_index -> [segment]; segment: dict(backend, headers, pieces, tokens)
+
+    def lengths(self):
+        """Tokens recorded per cache, {layer_index: tokens}."""
+        return {layer: sum(seg["tokens"] for seg in segs) for layer, segs in self._caches.items()}
+
+    def _drop(self):
+        self.recoverable = False
+        self._caches = {}
+        self.bytes = 0
+
+    def append(self, layer_index, item, backend):
+        """The ExtendItem `item` joined cache layer_index (its call asked for `backend` and succeeded)."""
+        if not self.recoverable or (item.HasField("append") and not item.append):
+            return
+        tensors = [getattr(item, name) for name in self._names]
+        rows = tensors[0].shape[0] if len(tensors[0].shape) else 0
+        if any(t.HasField("shared_memory") or len(t.shape) == 0 or t.shape[0] != rows for t in tensors) or rows < 1:
+            return self._drop()
+        added = sum(len(t.data) for t in tensors)
+        if self.max_bytes is not None and self.bytes + added > self.max_bytes:
+            return self._drop()
+        self.bytes += added
+        headers = [(t.dtype, tuple(t.shape[1:])) for t in tensors]
+        segments = self._caches.setdefault(layer_index, [])
+        # A layer session's calls stay apart: its keys and values are projections of x, recomputed on replay, and a
+        # projection's rounding may depend on its row count (the CPU backend's one-row path differs by an ulp).
+        if (self._names == ("x",) or not segments or segments[-1]["backend"] != backend
+                or segments[-1]["headers"] != headers):
+            segments.append(dict(backend=backend, headers=headers, pieces=[[] for _ in tensors], tokens=0))
+        last = segments[-1]
+        for pieces, t in zip(last["pieces"], tensors):
+            pieces.append(t.data)
+        last["tokens"] += rows
+
+    @staticmethod
+    def _joined(segment):
+        """The segment's bytes per tensor, joined into one piece each."""
+        segment["pieces"] = [[b"".join(pieces)] for pieces in segment["pieces"]]
+        return [pieces[0] for pieces in segment["pieces"]]
+
+    def truncate(self, length):
+        """Every cache cut to at most `length` tokens, as TruncateSession does."""
+        for layer, segments in self._caches.items():
+            kept, out = 0, []
+            for segment in segments:
+                if kept >= length:
+                    self.bytes -= sum(len(b) for b in self._joined(segment))
+                    continue
+                keep = min(segment["tokens"], length - kept)
+                if keep < segment["tokens"]:
+                    datas = self._joined(segment)
+                    cut = [d[:len(d) // segment["tokens"] * keep] for d in datas]
+                    self.bytes -= sum(len(d) - len(c) for d, c in zip(datas, cut))
+                    segment["pieces"] = [[c] for c in cut]
+                    segment["tokens"] = keep
+                kept += keep
+                out.append(segment)
+            self._caches[layer] = out
+
+    def fork(self, new_id):
+        """The record of a fork named new_id: the same tokens (their bytes shared, never changed in place)."""
+        create = type(self.create)()
+        create.CopyFrom(self.create)
+        create.session_id = new_id
+        fork = _SessionRecord(create, self.max_bytes)
+        fork.recoverable, fork.bytes = self.recoverable, self.bytes
+        fork._caches = {layer: [dict(seg, pieces=[list(p) for p in seg["pieces"]]) for seg in segments]
+                        for layer, segments in self._caches.items()}
+        return fork
+
+    def replay_requests(self, chunk_tokens, pb):
+        """The ExtendRequests that rebuild a freshly created session: per cache, in order, per segment at most
+        chunk_tokens tokens each (one more rather than a one-row tail), append with expected_length at the chunk's
+        first position; outputs asked for as bf16 (dropped)."""
+        chunk_tokens = max(int(chunk_tokens), 1)
+        heads = self.create.heads.num_heads
+        for layer, segments in sorted(self._caches.items()):
+            position = 0
+            for segment in segments:
+                datas = self._joined(segment)
+                n = segment["tokens"]
+                begin = 0
+                while begin < n:
+                    end = min(n, begin + chunk_tokens)
+                    end = n if n - end == 1 else end
+                    item = pb.ExtendItem(session_id=self.create.session_id, expected_length=position + begin,
+                                         append=True)
+                    for name, data, (dtype, rest) in zip(self._names, datas, segment["headers"]):
+                        row = len(data) // n
+                        getattr(item, name).CopyFrom(pb.Tensor(shape=[end - begin, *rest], dtype=dtype,
+                                                               data=data[begin * row:end * row]))
+                    if self._names == ("k", "v"):
+                        # q [n, H, d_k] of zeros (all-zero bytes in every dtype): a head session's call needs one.
+                        dtype, rest = segment["headers"][0]
+                        size = len(datas[0]) // n // int(np.prod(rest, dtype=np.int64))
+                        item.q.CopyFrom(pb.Tensor(shape=[end - begin, heads, rest[-1]], dtype=dtype,
+                                                  data=bytes((end - begin) * heads * rest[-1] * size)))
+                    yield pb.ExtendRequest(layer_index=layer, items=[item], backend=segment["backend"],
+                                           output_dtype=3)
+                    begin = end
+                position += n
+
+
 class _ClosedOnExit:
     """`with` closes the object (its close()); a server that is gone by then is no error."""
 
@@ -673,13 +892,24 @@ class _ClosedOnExit:
 
 class Session(_ClosedOnExit):
     """A KV-cache session on the server (MhaClient.create_session): its id and the calls on it, each sending the id
-    as mha-session-id metadata. Destroying the object does not close the session (idle sessions expire)."""
+    as mha-session-id metadata. Destroying the object does not close the session (idle sessions expire).
 
-    def __init__(self, client, info):
+    A recording session (create_session(recover=True) or a Recovery) keeps what it was fed and rebuilds itself when
+    lost: extend, fork and truncate then recover as Recovery says, and `recoveries` counts the rebuilds."""
+
+    def __init__(self, client, info, record=None, recovery=None):
         self._client = client
         self.id = info.session_id
         self.info = _to_dict(info)
         self._lengths = [int(n) for n in info.lengths]
+        self._record = record
+        self._recovery = recovery
+        self.recoveries = 0
+
+    @property
+    def recovering(self):
+        """Whether the session records and can still be rebuilt (False past Recovery.max_record_bytes)."""
+        return self._record is not None and self._record.recoverable
 
     def lengths(self):
         """Tokens held per cache (layer), as of this client's last call on the session."""
@@ -697,19 +927,31 @@ class Session(_ClosedOnExit):
                                    return_lse, return_head_stats, return_row_stats, sink_tokens)[0]
 
     def fork(self, new_id=""):
-        """A copy sharing every cached token (copy-on-write on the server). Returns the new Session."""
+        """A copy sharing every cached token (copy-on-write on the server). Returns the new Session; a recording
+        session's fork records too, from the same tokens (its recoveries start at 0)."""
         pb = self._client._pb
-        resp = self._client._call(self._client._stub.ForkSession,
-                                  pb.ForkSessionRequest(session_id=self.id, new_session_id=new_id), self.id)
-        return Session(self._client, resp.session)
+        resp = self._call(self._client._stub.ForkSession,
+                          pb.ForkSessionRequest(session_id=self.id, new_session_id=new_id))
+        if self._record is None:
+            return Session(self._client, resp.session)
+        return Session(self._client, resp.session, self._record.fork(resp.session.session_id), self._recovery)
 
     def truncate(self, length):
         """Keeps at most `length` tokens of every cache."""
         pb = self._client._pb
-        resp = self._client._call(self._client._stub.TruncateSession,
-                                  pb.TruncateSessionRequest(session_id=self.id, length=int(length)), self.id)
+        resp = self._call(self._client._stub.TruncateSession,
+                          pb.TruncateSessionRequest(session_id=self.id, length=int(length)))
+        if self._record is not None:
+            self._record.truncate(int(length))
         self.info = _to_dict(resp.session)
         self._lengths = [int(n) for n in resp.session.lengths]
+
+    def _call(self, rpc, req):
+        """One call on this session, recovered when it records."""
+        def call():
+            return self._client._call(rpc, req, self.id)
+
+        return self._client._recovering(call, [self]) if self._record is not None else call()
 
     def close(self):
         self._client._call(self._client._stub.CloseSession, self._client._pb.CloseSessionRequest(session_id=self.id),
