@@ -22,6 +22,23 @@ absl::StatusOr<Session> Session::Create(AttentionClient* client, const v1::Creat
   return Session(client, response->session());
 }
 
+absl::StatusOr<Session> Session::CreateRecovering(AttentionClient* client, const v1::CreateSessionRequest& request,
+                                                  const RecoveryOptions& recovery) {
+  absl::StatusOr<Session> session = Create(client, request);
+  if (!session.ok()) return session;
+  v1::CreateSessionRequest named = request;
+  named.set_session_id(session->id());
+  session->record_.emplace(std::move(named), recovery.max_record_bytes);
+  session->recovery_ = recovery;
+  return session;
+}
+
+absl::Status Session::Call(const std::function<absl::Status()>& call) {
+  if (!record_.has_value()) return call();
+  const SessionRecord* record = &*record_;
+  return CallRecovering(*client_, call, absl::MakeConstSpan(&record, 1), recovery_, &recoveries_);
+}
+
 absl::StatusOr<ExtendOutputs> Session::Run(int layer_index, v1::ExtendItem item, const ExtendOptions& options) {
   item.set_session_id(id());
   if (options.expected_length.has_value()) item.set_expected_length(*options.expected_length);
@@ -31,8 +48,11 @@ absl::StatusOr<ExtendOutputs> Session::Run(int layer_index, v1::ExtendItem item,
   request.set_return_attention_weights(options.return_attention_weights);
   request.set_output_dtype(v1::FP32);
   request.set_backend(options.backend);
-  absl::StatusOr<v1::ExtendResponse> response = client_->Extend(request);
-  if (!response.ok()) return response.status();
+  absl::StatusOr<v1::ExtendResponse> response;
+  if (absl::Status status = Call([&] { return (response = client_->Extend(request)).status(); }); !status.ok()) {
+    return status;
+  }
+  if (record_.has_value()) record_->Append(layer_index, request.items(0), request.backend());
   if (response->results_size() != 1) {
     return absl::InternalError(absl::StrCat("the server returned ", response->results_size(), " results for 1 item"));
   }
@@ -61,21 +81,33 @@ absl::StatusOr<ExtendOutputs> Session::Extend(int layer_index, const Array& q, c
   return Run(layer_index, std::move(item), options);
 }
 
-absl::StatusOr<Session> Session::Fork(const std::string& new_id) const {
+absl::StatusOr<Session> Session::Fork(const std::string& new_id) {
   v1::ForkSessionRequest request;
   request.set_session_id(id());
   request.set_new_session_id(new_id);
-  absl::StatusOr<v1::ForkSessionResponse> response = client_->ForkSession(request);
-  if (!response.ok()) return response.status();
-  return Session(client_, response->session());
+  absl::StatusOr<v1::ForkSessionResponse> response;
+  if (absl::Status status = Call([&] { return (response = client_->ForkSession(request)).status(); });
+      !status.ok()) {
+    return status;
+  }
+  Session fork(client_, response->session());
+  if (record_.has_value()) {
+    fork.record_ = record_->Fork(fork.id());
+    fork.recovery_ = recovery_;
+  }
+  return fork;
 }
 
 absl::Status Session::Truncate(int64_t length) {
   v1::TruncateSessionRequest request;
   request.set_session_id(id());
   request.set_length(length);
-  absl::StatusOr<v1::TruncateSessionResponse> response = client_->TruncateSession(request);
-  if (!response.ok()) return response.status();
+  absl::StatusOr<v1::TruncateSessionResponse> response;
+  if (absl::Status status = Call([&] { return (response = client_->TruncateSession(request)).status(); });
+      !status.ok()) {
+    return status;
+  }
+  if (record_.has_value()) record_->Truncate(length);
   info_ = response->session();
   return absl::OkStatus();
 }

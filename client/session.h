@@ -2,6 +2,10 @@
 // layer and step Extend it with the new tokens' inputs, fork, truncate, close. fp32 arrays in and out. Every call
 // sends the session's id as "mha-session-id" metadata (AttentionClient does), for proxies that route by it.
 //
+// CreateRecovering makes a handle that records what the session is fed and rebuilds it when it is lost (NOT_FOUND
+// or UNAVAILABLE: a restarted server, an eviction, a dead replica behind a proxy), then retries the call, so that
+// its outputs are what they would have been (client/session_recovery.h).
+//
 // Thread-compatible: one thread at a time per handle (the server orders a session's calls anyway). The client must
 // outlive its sessions; destroying a handle does not close the session (it expires when idle).
 #ifndef MHA_CLIENT_SESSION_H_
@@ -10,9 +14,11 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <utility>
 
 #include "absl/status/statusor.h"
 #include "client/attention_client.h"
+#include "client/session_recovery.h"
 
 namespace mha {
 
@@ -34,18 +40,27 @@ class Session {
  public:
   // CreateSession's errors unchanged.
   static absl::StatusOr<Session> Create(AttentionClient* client, const v1::CreateSessionRequest& request);
+  // The same, recording: Extend, Fork and Truncate recover the session when it is lost, as `recovery` says. The
+  // record keeps the id the server answered with (choose one in `request` when a proxy routes by it).
+  static absl::StatusOr<Session> CreateRecovering(AttentionClient* client, const v1::CreateSessionRequest& request,
+                                                  const RecoveryOptions& recovery = {});
 
   const std::string& id() const { return info_.session_id(); }
   // As the server last described it (CreateSession, ForkSession, TruncateSession), lengths kept up to date by Extend.
   const v1::SessionInfo& info() const { return info_; }
+  // Times the session was rebuilt (0 for a handle that does not record); a fork starts at 0.
+  int64_t recoveries() const { return recoveries_; }
+  // Whether the handle records and can still recover (see SessionRecord::recoverable).
+  bool recovering() const { return record_.has_value() && record_->recoverable(); }
 
   // A layer session's step: x [n, d_model] appended to cache `layer_index`.
   absl::StatusOr<ExtendOutputs> Extend(int layer_index, const Array& x, const ExtendOptions& options = {});
   // A head session's step: q [n, H, d_k], k and v [n, Hkv, d_k].
   absl::StatusOr<ExtendOutputs> Extend(int layer_index, const Array& q, const Array& k, const Array& v,
                                        const ExtendOptions& options = {});
-  // A copy sharing every cached token (copy-on-write on the server); new_id empty: the server picks one.
-  absl::StatusOr<Session> Fork(const std::string& new_id = "") const;
+  // A copy sharing every cached token (copy-on-write on the server); new_id empty: the server picks one. A recording
+  // handle's fork records too, from the same tokens.
+  absl::StatusOr<Session> Fork(const std::string& new_id = "");
   // Every cache cut to at most `length` tokens.
   absl::Status Truncate(int64_t length);
   absl::Status Close();
@@ -53,9 +68,14 @@ class Session {
  private:
   Session(AttentionClient* client, v1::SessionInfo info) : client_(client), info_(std::move(info)) {}
   absl::StatusOr<ExtendOutputs> Run(int layer_index, v1::ExtendItem item, const ExtendOptions& options);
+  // `call`, recovered as the record says when there is one.
+  absl::Status Call(const std::function<absl::Status()>& call);
 
   AttentionClient* client_;
   v1::SessionInfo info_;
+  std::optional<SessionRecord> record_;  // recording handles only
+  RecoveryOptions recovery_;
+  int64_t recoveries_ = 0;
 };
 
 }  // namespace mha

@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "client/bench.h"
 #include "client/session.h"
+#include "client/session_recovery.h"
 #include "absl/synchronization/mutex.h"
 #include "grpcpp/generic/async_generic_service.h"
 #include "gmock/gmock.h"
@@ -183,6 +184,13 @@ TEST_F(AttentionClientTest, LoadRunsEveryCallInBothLoops) {
 
 
 // A session's life through the handle: arrays in and out, lengths kept, a fork that diverges, truncation, close.
+// A head session's inputs for n tokens: q [n, 4, 16], k and v [n, 2, 16].
+std::vector<Array> HeadTokens(int64_t n, uint32_t seed) {
+  return {{{n, 4, 16}, RandomVector(n * 64, seed)},
+          {{n, 2, 16}, RandomVector(n * 32, seed + 1)},
+          {{n, 2, 16}, RandomVector(n * 32, seed + 2)}};
+}
+
 TEST_F(AttentionClientTest, ASessionHandleCreatesExtendsForksTruncatesAndCloses) {
   v1::CreateSessionRequest create;
   create.mutable_heads()->set_num_heads(4);
@@ -191,19 +199,14 @@ TEST_F(AttentionClientTest, ASessionHandleCreatesExtendsForksTruncatesAndCloses)
   create.mutable_heads()->set_rope_theta(10000);
   absl::StatusOr<Session> session = Session::Create(client_.get(), create);
   ASSERT_TRUE(session.ok()) << session.status();
-  const auto qkv = [](int64_t n, uint32_t seed) {
-    return std::vector<Array>{{{n, 4, 16}, RandomVector(n * 64, seed)},
-                              {{n, 2, 16}, RandomVector(n * 32, seed + 1)},
-                              {{n, 2, 16}, RandomVector(n * 32, seed + 2)}};
-  };
-  std::vector<Array> prompt = qkv(9, 1);
+  std::vector<Array> prompt = HeadTokens(9, 1);
   absl::StatusOr<ExtendOutputs> prefill = session->Extend(0, prompt[0], prompt[1], prompt[2]);
   ASSERT_TRUE(prefill.ok()) << prefill.status();
   EXPECT_THAT(prefill->output.shape, ::testing::ElementsAre(9, 4, 16));
   EXPECT_EQ(session->info().lengths(0), 9);
   absl::StatusOr<Session> fork = session->Fork("fork-of-it");
   ASSERT_TRUE(fork.ok()) << fork.status();
-  std::vector<Array> step = qkv(1, 7);
+  std::vector<Array> step = HeadTokens(1, 7);
   ExtendOptions options;
   options.expected_length = 9;
   options.return_attention_weights = true;
@@ -218,6 +221,111 @@ TEST_F(AttentionClientTest, ASessionHandleCreatesExtendsForksTruncatesAndCloses)
   ASSERT_TRUE(session->Close().ok());
   EXPECT_EQ(session->Extend(0, step[0], step[1], step[2]).status().code(), absl::StatusCode::kNotFound);
   EXPECT_TRUE(fork->Close().ok());
+}
+
+v1::CreateSessionRequest RecoveryTestSession(const std::string& id) {
+  v1::CreateSessionRequest create;
+  create.set_session_id(id);
+  create.mutable_heads()->set_num_heads(4);
+  create.mutable_heads()->set_num_kv_heads(2);
+  create.mutable_heads()->set_head_dim(16);
+  create.mutable_heads()->set_rope_theta(10000);
+  create.set_cache_dtype(v1::BF16);
+  return create;
+}
+
+// Session `session`'s outputs for tokens [first, last) of `tokens` (one call each), appended to *outputs.
+void Feed(Session& session, const std::vector<std::vector<Array>>& tokens, size_t first, size_t last,
+          std::vector<std::vector<float>>* outputs) {
+  for (size_t i = first; i < last; ++i) {
+    absl::StatusOr<ExtendOutputs> out = session.Extend(0, tokens[i][0], tokens[i][1], tokens[i][2]);
+    ASSERT_TRUE(out.ok()) << "call " << i << ": " << out.status();
+    outputs->push_back(out->output.values);
+  }
+}
+
+TEST_F(AttentionClientTest, ARecordingSessionClosedBehindItsBackIsRebuiltWithItsForkAndTruncation) {
+  std::vector<std::vector<Array>> tokens = {HeadTokens(12, 1)};
+  for (uint32_t step = 0; step < 6; ++step) tokens.push_back(HeadTokens(1, 10 + 3 * step));
+  absl::StatusOr<Session> plain = Session::Create(client_.get(), RecoveryTestSession("plain"));
+  absl::StatusOr<Session> session = Session::CreateRecovering(client_.get(), RecoveryTestSession("recorded"));
+  ASSERT_TRUE(plain.ok() && session.ok()) << plain.status() << " " << session.status();
+  EXPECT_TRUE(session->recovering());
+  std::vector<std::vector<float>> want, got;
+  Feed(*plain, tokens, 0, 3, &want);
+  Feed(*session, tokens, 0, 3, &got);
+  ASSERT_TRUE(client_->CloseSession("recorded").ok());
+  ASSERT_TRUE(plain->Truncate(13).ok());
+  ASSERT_TRUE(session->Truncate(13).ok());  // finds it gone: rebuilt, then cut
+  EXPECT_EQ(session->recoveries(), 1);
+  EXPECT_EQ(session->info().lengths(0), 13);
+  absl::StatusOr<Session> plain_fork = plain->Fork("plain-fork");
+  absl::StatusOr<Session> fork = session->Fork("recorded-fork");
+  ASSERT_TRUE(plain_fork.ok() && fork.ok()) << plain_fork.status() << " " << fork.status();
+  ASSERT_TRUE(client_->CloseSession("recorded-fork").ok());
+  Feed(*plain_fork, tokens, 3, 5, &want);
+  Feed(*fork, tokens, 3, 5, &got);  // its record: the parent's 13 tokens
+  EXPECT_EQ(fork->recoveries(), 1);
+  Feed(*plain, tokens, 5, 7, &want);
+  Feed(*session, tokens, 5, 7, &got);
+  EXPECT_EQ(got, want);  // bit for bit
+}
+
+TEST_F(AttentionClientTest, ARecordingSessionGoesOnOnARestartedServer) {
+  const int port = server_->port();
+  absl::StatusOr<Session> session = Session::CreateRecovering(client_.get(), RecoveryTestSession("restarted"));
+  ASSERT_TRUE(session.ok()) << session.status();
+  std::vector<std::vector<Array>> tokens = {HeadTokens(8, 1), HeadTokens(1, 5), HeadTokens(1, 9)};
+  std::vector<std::vector<float>> got;
+  Feed(*session, tokens, 0, 2, &got);
+  server_->Shutdown(absl::ZeroDuration());
+  server_.reset();
+  ServerOptions options;
+  options.listen = absl::StrCat("127.0.0.1:", port);
+  options.threads = 2;
+  absl::StatusOr<std::unique_ptr<MhaServer>> again = MhaServer::Start(options);
+  ASSERT_TRUE(again.ok()) << again.status();
+  server_ = *std::move(again);
+  Feed(*session, tokens, 2, 3, &got);  // UNAVAILABLE or NOT_FOUND first, then rebuilt
+  EXPECT_EQ(session->recoveries(), 1);
+  EXPECT_EQ(session->info().lengths(0), 10);
+  absl::StatusOr<Session> plain = Session::Create(client_.get(), RecoveryTestSession("uninterrupted"));
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  std::vector<std::vector<float>> want;
+  Feed(*plain, tokens, 0, 3, &want);
+  EXPECT_EQ(got, want);
+}
+
+TEST_F(AttentionClientTest, ExtendRecoveringRebuildsOnlyTheLostSessionsOfABatch) {
+  std::vector<SessionRecord> records;
+  for (const char* id : {"batch-0", "batch-1"}) {
+    ASSERT_TRUE(client_->CreateSession(RecoveryTestSession(id)).ok());
+    records.emplace_back(RecoveryTestSession(id));
+  }
+  std::vector<SessionRecord*> pointers = {&records[0], &records[1]};
+  const auto batch = [&](int64_t n, uint32_t seed) {
+    v1::ExtendRequest request;
+    request.set_output_dtype(v1::FP32);
+    for (const SessionRecord& record : records) {
+      std::vector<Array> qkv = HeadTokens(n, seed++);
+      v1::ExtendItem* item = request.add_items();
+      item->set_session_id(record.id());
+      FloatsToTensor(qkv[0].values, qkv[0].shape, v1::FP32, item->mutable_q());
+      FloatsToTensor(qkv[1].values, qkv[1].shape, v1::FP32, item->mutable_k());
+      FloatsToTensor(qkv[2].values, qkv[2].shape, v1::FP32, item->mutable_v());
+    }
+    return request;
+  };
+  int64_t recoveries = 0;
+  ASSERT_TRUE(ExtendRecovering(*client_, batch(6, 1), pointers, RecoveryOptions(), &recoveries).ok());
+  ASSERT_TRUE(client_->CloseSession("batch-1").ok());
+  absl::StatusOr<v1::ExtendResponse> step =
+      ExtendRecovering(*client_, batch(1, 20), pointers, RecoveryOptions(), &recoveries);
+  ASSERT_TRUE(step.ok()) << step.status();
+  EXPECT_EQ(recoveries, 1);  // batch-0 answered ALREADY_EXISTS after NOT_FOUND: kept as it was
+  EXPECT_EQ(step->results(0).length(), 7);
+  EXPECT_EQ(step->results(1).length(), 7);
+  EXPECT_EQ(records[1].length(0), 7);
 }
 
 // Records the mha-session-id metadata of every call and answers UNIMPLEMENTED: what a routing proxy would see.
