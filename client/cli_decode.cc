@@ -1,7 +1,8 @@
 // mha_client decode: a decoding workload on KV-cache sessions (client/decode.h): S sessions prefilled with T random
 // tokens, then N decode steps, batched or one call per session; tokens/s, per-step latency, KV bytes read per second;
 // --check compares session 0 with a reference; --stateless resends the history instead, for comparison; --shards
-// spreads each session's context over several servers and merges every step's outputs by their lse.
+// spreads each session's context over several servers and merges every step's outputs by their lse; --recover
+// rebuilds a session that was lost (a restarted server, a dead replica behind a proxy) from what it was fed.
 #include <cstdio>
 #include <memory>
 #include <string>
@@ -32,6 +33,11 @@ ABSL_FLAG(int, shards, 1,
           "decode: spread each head session's context over this many sessions, one per shard, in contiguous parts; "
           "--target then lists the shards' servers, comma-separated (shard i on server i % count); each step asks "
           "every shard (append=false but the last) and merges the outputs by their lse. Needs --rope_theta 0");
+ABSL_FLAG(bool, recover, false,
+          "decode: record what each session was fed; a call that finds its sessions lost (NOT_FOUND, or UNAVAILABLE: "
+          "a restarted server, an evicted session, a dead replica behind a proxy) re-creates them under the same id, "
+          "replays the record and is sent again, so the outputs stay exact (--check passes); the report counts the "
+          "recoveries. Not with --stateless or --shards");
 
 ABSL_DECLARE_FLAG(int, c);
 ABSL_DECLARE_FLAG(std::string, O);
@@ -91,6 +97,7 @@ int RunDecode(const ClientOptions& options) {
   o.check = absl::GetFlag(FLAGS_check);
   o.seed = static_cast<uint32_t>(absl::GetFlag(FLAGS_seed));
   o.shards = absl::GetFlag(FLAGS_shards);
+  o.recover = absl::GetFlag(FLAGS_recover);
   absl::StatusOr<v1::DataType> cache = ParseDtype(absl::GetFlag(FLAGS_cache_dtype), "cache_dtype");
   if (!cache.ok()) return UsageError(cache.status());
   o.cache_dtype = *cache;

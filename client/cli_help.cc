@@ -30,7 +30,8 @@ constexpr FlagGroup kGroups[] = {
     {"client/cli_bench.cc", "bench: the load test"},
     {"client/cli_plot.cc", "plot: the attention weights as an SVG"},
     {"client/cli_heads.cc", "heads: per-head statistics ranked by contribution (and -O, above)"},
-    {"client/cli_decode.cc", "decode: KV-cache sessions (--shards: one context over several servers)"},
+    {"client/cli_decode.cc",
+     "decode: KV-cache sessions (--shards: one context over several servers; --recover: rebuild lost sessions)"},
 };
 
 // `text` wrapped at `width` columns, each line indented by `indent` spaces.

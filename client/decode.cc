@@ -12,6 +12,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "client/decode_shards.h"
+#include "client/session_recovery.h"
 #include "nlohmann/json.hpp"
 #include "proto/mha/v1/tensor_codec.h"
 
@@ -134,12 +135,13 @@ std::vector<double> ReferenceLastRow(const Shape& s, const std::vector<float>& r
 }
 
 // The workload's sessions and what it keeps of their inputs: session 0's for --check, every session's in the
-// stateless mode (it resends them). Sessions [first, last) of a step belong to one thread. With shards, each
-// session is one session per shard, shard i's on *clients[i].
+// stateless mode (it resends them), and with --recover each session's record. Sessions [first, last) of a step
+// belong to one thread. With shards, each session is one session per shard, shard i's on *clients[i].
 class DecodeRun {
  public:
   DecodeRun(std::vector<AttentionClient*> clients, const DecodeOptions& o, const Shape& s)
-      : clients_(std::move(clients)), o_(o), s_(s), ids_(o.shards), rows_(o.sessions) {
+      : clients_(std::move(clients)), o_(o), s_(s), ids_(o.shards),
+        run_tag_(absl::StrFormat("%08x", std::random_device()())), rows_(o.sessions) {
     // The steps' tokens come from a pool drawn once, so that the steps time the calls, not a random generator.
     std::mt19937 rng(o.seed + 1);
     for (int i = 0; i < kPoolTokens; ++i) pool_.push_back(Random(rng, s_.width(), o_.wire_dtype));
@@ -151,9 +153,11 @@ class DecodeRun {
     const auto start = Clock::now();
     for (int i = 0; i < o_.sessions; ++i) {
       for (int shard = 0; !o_.stateless && shard < o_.shards; ++shard) {
-        absl::StatusOr<v1::CreateSessionResponse> created = clients_[shard]->CreateSession(CreateRequest());
+        const v1::CreateSessionRequest create = CreateRequest(i, shard);
+        absl::StatusOr<v1::CreateSessionResponse> created = clients_[shard]->CreateSession(create);
         if (!created.ok()) return created.status();
         ids_[shard].push_back(created->session().session_id());
+        if (o_.recover) records_.emplace_back(create);
       }
       for (int64_t t0 = 0; t0 < o_.context; t0 += o_.prefill_chunk) {
         const int64_t n = std::min(o_.prefill_chunk, o_.context - t0);
@@ -184,6 +188,8 @@ class DecodeRun {
   }
 
   const std::vector<float>& Session0Rows() const { return rows_[0]; }
+  // Sessions rebuilt so far (recover).
+  int64_t recoveries() const { return recoveries_.load(); }
   // With shards: session 0's first cache's length per shard after its last step.
   const std::vector<int64_t>& Session0ShardLengths() const { return session0_lengths_; }
 
@@ -204,7 +210,7 @@ class DecodeRun {
         v1::ExtendRequest request = Request(layer);
         *request.add_items() =
             Item(s_, ids_[shard][i], rows.data() + (begin - t0) * s_.width(), end - begin, o_.wire_dtype);
-        absl::StatusOr<v1::ExtendResponse> response = clients_[shard]->Extend(request);
+        absl::StatusOr<v1::ExtendResponse> response = Send(*clients_[shard], request, i);
         if (!response.ok()) return response.status();
         report->prefill_tokens += end - begin;
       }
@@ -212,8 +218,11 @@ class DecodeRun {
     return absl::OkStatus();
   }
 
-  v1::CreateSessionRequest CreateRequest() const {
+  // Session i's (shard's) CreateSession, named by the client.
+  v1::CreateSessionRequest CreateRequest(int i, int shard) const {
     v1::CreateSessionRequest create;
+    create.set_session_id(o_.shards > 1 ? absl::StrCat("decode-", run_tag_, "-", i, "-s", shard)
+                                        : absl::StrCat("decode-", run_tag_, "-", i));
     for (const std::string& layer : o_.layers) create.add_layers(layer);
     if (o_.layers.empty()) {
       create.mutable_heads()->set_num_heads(o_.heads);
@@ -235,6 +244,18 @@ class DecodeRun {
     return request;
   }
 
+  // An Extend whose items are sessions [first, ...) in order: recovered with their records under --recover.
+  absl::StatusOr<v1::ExtendResponse> Send(AttentionClient& client, const v1::ExtendRequest& request, int first) {
+    if (!o_.recover) return client.Extend(request);
+    std::vector<SessionRecord*> records;
+    for (int i = first; i < first + request.items_size(); ++i) records.push_back(&records_[i]);
+    int64_t rebuilt = 0;
+    absl::StatusOr<v1::ExtendResponse> response =
+        ExtendRecovering(client, request, records, RecoveryOptions(), &rebuilt);
+    recoveries_ += rebuilt;
+    return response;
+  }
+
   void Keep(int i, const std::vector<float>& rows) {
     if (o_.stateless || (i == 0 && o_.check)) rows_[i].insert(rows_[i].end(), rows.begin(), rows.end());
   }
@@ -247,7 +268,7 @@ class DecodeRun {
       *request.add_items() = Item(s_, ids_[0][i], rows[i - first]->data(), 1, o_.wire_dtype);
     }
     *bytes += static_cast<int64_t>(request.ByteSizeLong());
-    absl::StatusOr<v1::ExtendResponse> response = clients_[0]->Extend(request);
+    absl::StatusOr<v1::ExtendResponse> response = Send(*clients_[0], request, first);
     if (!response.ok()) return response.status();
     if (session0 != nullptr) *session0 = TensorToFloats(response->results(0).output());
     return absl::OkStatus();
@@ -331,6 +352,9 @@ class DecodeRun {
   const Shape s_;
   static constexpr int kPoolTokens = 256;
   std::vector<std::vector<std::string>> ids_;  // [shard][session]
+  const std::string run_tag_;                 // in every session id: runs side by side do not collide
+  std::vector<SessionRecord> records_;        // [session], recover only (one shard)
+  std::atomic<int64_t> recoveries_{0};
   std::vector<int64_t> session0_lengths_;
   std::vector<std::vector<float>> rows_;
   std::vector<std::vector<float>> pool_;  // [kPoolTokens][width]: the decode steps' inputs
@@ -437,6 +461,11 @@ absl::Status ValidateShards(const DecodeOptions& o) {
         "--shards needs --rope_theta 0: a shard's cache positions start at 0 (the API has no position offset), so "
         "RoPE would rotate its keys by the wrong positions");
   }
+  if (o.recover) {
+    return absl::InvalidArgumentError(
+        "--recover does not go with --shards: a sharded step is several calls, and one that reached some shards "
+        "cannot be sent again whole");
+  }
   if (o.context < o.shards) {
     return absl::InvalidArgumentError(absl::StrCat("--shards ", o.shards, " needs --context of at least ", o.shards,
                                                    ": every shard holds part of the context"));
@@ -462,6 +491,9 @@ absl::Status ValidateDecodeOptions(const DecodeOptions& o) {
   if (o.heads % o.kv_heads != 0) return absl::InvalidArgumentError("--kv_heads must divide --heads");
   if (!(o.rope_theta >= 0) || !std::isfinite(o.rope_theta)) {
     return absl::InvalidArgumentError("--rope_theta must be finite and >= 0");
+  }
+  if (o.recover && o.stateless) {
+    return absl::InvalidArgumentError("--recover rebuilds lost sessions; --stateless has none");
   }
   return o.shards > 1 ? ValidateShards(o) : absl::OkStatus();
 }
@@ -494,6 +526,7 @@ absl::StatusOr<DecodeReport> RunDecode(const std::vector<AttentionClient*>& clie
     return status;
   }
   Timed timed = RunSteps(run, o);
+  report.recoveries = run.recoveries();
   report.decode_seconds = timed.seconds;
   report.decode_tokens = timed.tokens;
   report.tokens_per_second = report.decode_tokens / std::max(timed.seconds, 1e-9);
@@ -547,6 +580,10 @@ std::string FormatDecodePretty(const DecodeReport& r) {
                         r.step.p90 * 1e3, r.step.p99 * 1e3, r.step.slowest * 1e3);
   absl::StrAppendFormat(&text, "  KV read   %.2f GB/s (%.3f GB); sent %.1f KiB per step\n", r.kv_bytes_per_second / 1e9,
                         r.kv_bytes_read / 1e9, r.request_bytes_per_step / 1024.0);
+  if (o.recover) {
+    absl::StrAppendFormat(&text, "  recovered %d session(s): rebuilt from their records, the failed calls sent again\n",
+                          r.recoveries);
+  }
   if (!r.first_error.empty()) absl::StrAppend(&text, "  first error: ", r.first_error, "\n");
   if (r.checked) {
     absl::StrAppendFormat(&text, "  check     session 0's last step: max error %.3g (tolerance %.3g) %s\n",
@@ -583,6 +620,8 @@ std::string FormatDecodeJson(const DecodeReport& r) {
   j["kv_bytes_per_second"] = r.kv_bytes_per_second;
   j["request_bytes_per_step"] = r.request_bytes_per_step;
   j["errors"] = r.errors;
+  j["recover"] = o.recover;
+  j["recoveries"] = r.recoveries;
   if (!r.first_error.empty()) j["first_error"] = r.first_error;
   if (r.checked) j["check"] = {{"max_error", r.check_max_error}, {"tolerance", r.check_tolerance}};
   return j.dump(2) + "\n";

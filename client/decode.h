@@ -6,7 +6,10 @@
 // show the difference. Tokens/s, per-step latency and the KV bytes the server read per second are measured over the
 // decode steps; `check` compares session 0's steps with a local double-precision reference (head sessions) or a
 // stateless causal call over its whole sequence (layer sessions). With `shards` > 1 each head session is spread over
-// that many sessions on the clients given (client/decode_shards.h) and every step's outputs merge by their lse.
+// that many sessions on the clients given (client/decode_shards.h) and every step's outputs merge by their lse. With
+// `recover` each session records what it was fed and a call that finds it lost (NOT_FOUND, UNAVAILABLE) rebuilds it
+// and is sent again (client/session_recovery.h). The sessions are named "decode-<8 hex digits per run>-<i>" (the
+// client chooses, so that a proxy hashing on mha-session-id routes even their CreateSession).
 #ifndef MHA_CLIENT_DECODE_H_
 #define MHA_CLIENT_DECODE_H_
 
@@ -40,6 +43,9 @@ struct DecodeOptions {
   // Head sessions only, no RoPE (a shard's cache positions start at 0), not stateless, at most `context`: each
   // logical session is this many sessions, shard i on client i % clients, holding a contiguous part of the context.
   int shards = 1;
+  // Sessions only (not stateless), one shard: record each session's tokens; a step or prefill call that finds its
+  // sessions lost rebuilds them (CreateSession under the same id, the record replayed) and is sent again.
+  bool recover = false;
 };
 
 // INVALID_ARGUMENT naming the option when out of range.
@@ -61,6 +67,7 @@ struct DecodeReport {
   int64_t request_bytes_per_step = 0;  // what one step sent (all sessions, all layers)
   int64_t errors = 0;
   std::string first_error;
+  int64_t recoveries = 0;  // sessions rebuilt (recover), over the prefill and the steps
   bool checked = false;
   double check_max_error = 0;  // max |got - want| / (1 + |want|) over the checked rows
   double check_tolerance = 0;
