@@ -63,8 +63,8 @@ ABSL_FLAG(int, max_batch_rows, kDefaults.max_batch_rows,
 ABSL_FLAG(int, max_queue_delay_us, kDefaults.max_queue_delay_us,
           "how long a batch waits for more calls to join, us; 0 = only what already waits");
 ABSL_FLAG(int, max_prefill_chunk, kDefaults.max_prefill_chunk,
-          "an Extend computes at most this many new tokens at a time, letting other calls' decode steps run between "
-          "its chunks; 0 = whole calls");
+          "an Extend computes at most this many new tokens (and their attention work on an empty cache) at a time, "
+          "letting other calls' decode steps run between its chunks; 0 = whole calls");
 ABSL_FLAG(std::string, tls_cert, kDefaults.tls_cert, "PEM certificate chain: serve TLS (with --tls_key)");
 ABSL_FLAG(std::string, tls_key, kDefaults.tls_key, "PEM private key of --tls_cert");
 ABSL_FLAG(std::string, tls_client_ca, kDefaults.tls_client_ca,

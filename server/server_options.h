@@ -84,10 +84,12 @@ struct ServerOptions {
   // was busy.
   int max_batch_rows = 512;
   int max_queue_delay_us = 0;
-  // Chunked prefill: an Extend computes at most this many new tokens per step and lets the queue's other calls (the
-  // decode steps of other sessions) run, or join its step's batch, between its steps; 0 computes each call whole.
-  // Calls that return weights or statistics, or have items that do not append, compute whole.
-  int max_prefill_chunk = 256;
+  // Chunked prefill: an Extend computes in steps of at most this many new tokens, and at most the attention work
+  // (query-key pairs) of that many tokens on an empty cache, so that a step deep into a long context is as short as
+  // the first; the queue's other calls (other sessions' decode steps) run, or join its step's batch, between its
+  // steps. 0 computes each call whole. Calls that return weights or statistics, or have items that do not append,
+  // compute whole.
+  int max_prefill_chunk = 128;
   // TLS on the gRPC port: PEM certificate chain and key (both or neither), and a PEM CA bundle that makes client
   // certificates required and verified (mutual TLS). Re-read on SIGHUP (MhaServer::Reload).
   std::string tls_cert;
