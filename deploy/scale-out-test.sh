@@ -8,8 +8,11 @@
 # connection through an L4 balancer amounts to). Then 4. 30 KV-cache sessions decode through nginx, which routes
 # them by their mha-session-id: each session's calls must all be in one replica's log; one replica is killed, and a
 # step on every session must fail for exactly its sessions (NOT_FOUND or UNAVAILABLE) and succeed for the others.
+# Then 5. recovery: 3 fresh replicas behind nginx, `mha_client decode --recover --check --per_session` through it,
+# and the replica holding the most of its sessions killed mid-run: every session finishes its steps (those of the
+# dead replica rebuilt on the one the hash now picks, the others untouched), no errors, the check passing.
 # Then the same again behind Envoy (deploy/envoy/mha-grpc.yaml.template, ring hash on the header) with 3 fresh
-# replicas: 5. the stateless load, every replica serving, and 6. the 30 sessions and the kill.
+# replicas: 6. the stateless load, every replica serving, and 7. the 30 sessions and the kill.
 #
 #   deploy/scale-out-test.sh [MHA_SERVER MHA_CLIENT]     (default: build/bin/, built if missing)
 #   env: MHA_SCALE_REQUESTS (calls per phase, default 150), MHA_SCALE_CONCURRENCY (default 6),
@@ -35,9 +38,9 @@ deploy_envoy scale-out || true
 
 work=$(mktemp -d)
 chmod 755 "$work"  # nginx's workers (nobody when started as root) use the temp folders inside
-server_pids=() nginx_pid="" envoy_pid=""
+server_pids=() nginx_pid="" envoy_pid="" decode_pid=""
 cleanup() {
-  for pid in "$nginx_pid" "$envoy_pid"; do
+  for pid in "$decode_pid" "$nginx_pid" "$envoy_pid"; do
     if [[ -n "$pid" ]] && kill -0 "$pid" 2>/dev/null; then
       kill -TERM "$pid"
       wait "$pid" || true
@@ -94,17 +97,28 @@ await_proxy() {
   "$client" health --target "127.0.0.1:$3" --timeout_s 5 >/dev/null || fail "no health through $1"
 }
 
+# start_nginx: nginx (deploy/nginx/mha-grpc.conf.template) on a free port in front of the replicas on $ports; sets
+# nginx_port and nginx_pid. stop_nginx: it finishes its calls and must exit 0.
+start_nginx() {
+  nginx_port=$(free_port)
+  local upstreams="" p
+  for p in "${ports[@]}"; do upstreams+="    server 127.0.0.1:$p;\n"; done
+  sed -e "s#@PREFIX@#$work#g" -e "s#@LISTEN@#127.0.0.1:$nginx_port#g" -e "s#^@UPSTREAMS@\$#${upstreams%\\n}#" \
+    deploy/nginx/mha-grpc.conf.template >"$work/nginx.conf"
+  "$nginx" -t -q -p "$work" -e "$work/nginx-start.log" -c "$work/nginx.conf" || fail "nginx -t"
+  "$nginx" -p "$work" -e "$work/nginx-start.log" -c "$work/nginx.conf" -g 'daemon off;' &
+  nginx_pid=$!
+  await_proxy nginx "$nginx_pid" "$nginx_port"
+}
+stop_nginx() {
+  kill -QUIT "$nginx_pid"
+  wait "$nginx_pid" || fail "nginx exited with $?"
+  nginx_pid=""
+}
+
 # --- nginx in front of 3 replicas --------------------------------------------------------------------------------
 start_replicas nginx
-nginx_port=$(free_port)
-upstreams=""
-for p in "${ports[@]}"; do upstreams+="    server 127.0.0.1:$p;\n"; done
-sed -e "s#@PREFIX@#$work#g" -e "s#@LISTEN@#127.0.0.1:$nginx_port#g" -e "s#^@UPSTREAMS@\$#${upstreams%\\n}#" \
-  deploy/nginx/mha-grpc.conf.template >"$work/nginx.conf"
-"$nginx" -t -q -p "$work" -e "$work/nginx-start.log" -c "$work/nginx.conf" || fail "nginx -t"
-"$nginx" -p "$work" -e "$work/nginx-start.log" -c "$work/nginx.conf" -g 'daemon off;' &
-nginx_pid=$!
-await_proxy nginx "$nginx_pid" "$nginx_port"
+start_nginx
 
 # ok_counts: the number of successful MultiHeadAttention calls in each replica's log, space-separated.
 ok_counts() {
@@ -204,10 +218,45 @@ sessions() {
 sessions nginx "$nginx_port"
 
 # --- stop: nginx, then each replica drains and exits 0 -----------------------------------------------------------
-kill -QUIT "$nginx_pid"
-wait "$nginx_pid" || fail "nginx exited with $?"
-nginx_pid=""
+stop_nginx
 stop_replicas
+
+# --- recovery: decode through nginx while a replica dies ---------------------------------------------------------
+# 8 sessions, one call per session and layer, 4 in flight. Once the steps run, the replica where the most sessions
+# live is killed (by its PID): their calls fail (UNAVAILABLE in flight, NOT_FOUND where nginx now sends them), and
+# the client re-creates each under its id on the replica the hash picks next, replays its record and retries.
+recover() {
+  local t0=$SECONDS sessions=8 steps=300 replica_logs=() victim="" calls status
+  start_replicas recover
+  for r in $(seq "$replicas"); do replica_logs+=("$logs$r.log"); done
+  start_nginx
+  timeout 60 "$client" decode --target "127.0.0.1:$nginx_port" --recover --check --per_session -c 4 \
+    --sessions "$sessions" --context 128 --steps "$steps" --heads 4 --kv_heads 2 --head_dim 16 --num_layers 2 \
+    --timeout_s 20 -O json >"$work/recover.json" 2>"$work/recover-client.log" &
+  decode_pid=$!
+  # Past the prefill (a call per session and layer) and a few steps of each session.
+  for _ in $(seq 500); do
+    calls=$(cat "${replica_logs[@]}" | grep -c 'rpc=Extend .*status=OK' || true)
+    [[ $calls -ge $((sessions * 2 * 6)) ]] && break
+    sleep 0.02
+  done
+  victim=$(affinity busiest "${replica_logs[@]}")
+  kill -0 "$decode_pid" 2>/dev/null || fail "recover: decode ended before a replica was killed ($calls calls)"
+  kill -KILL "${server_pids[victim - 1]}"
+  wait "${server_pids[victim - 1]}" 2>/dev/null || true
+  echo "scale-out: recover: replica $victim killed after $calls Extend calls"
+  server_pids=("${server_pids[@]:0:victim-1}" "${server_pids[@]:victim}")
+  status=0
+  wait "$decode_pid" || status=$?
+  decode_pid=""
+  [[ $status -eq 0 ]] || fail "recover: mha_client decode exited with $status: $(cat "$work/recover-client.log")"
+  affinity recovered "$work/recover.json" "$victim" "${replica_logs[@]}" ||
+    fail "recover: $(cat "$work/recover.json")"
+  echo "scale-out: recover: phase in $((SECONDS - t0)) s"
+  stop_nginx
+  stop_replicas
+}
+recover
 
 # --- Envoy in front of 3 fresh replicas --------------------------------------------------------------------------
 if [[ -n $envoy ]]; then
