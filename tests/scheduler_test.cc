@@ -27,18 +27,21 @@ constexpr absl::Duration kPatience = absl::Seconds(20);
 // A backend that only says how many calls it overlaps; the items below never call it.
 class FakeBackend final : public Backend {
  public:
-  explicit FakeBackend(int concurrent_calls) : concurrent_calls_(concurrent_calls) {}
+  explicit FakeBackend(int concurrent_calls, double inline_max_flops = 0)
+      : concurrent_calls_(concurrent_calls), inline_max_flops_(inline_max_flops) {}
   absl::string_view name() const override { return "fake"; }
   std::string device() const override { return "none"; }
   absl::Status Supports(const AttentionProblem&) const override { return absl::OkStatus(); }
   int64_t WorkspaceBytes(const AttentionProblem&) const override { return 0; }
   int concurrent_calls() const override { return concurrent_calls_; }
+  double inline_max_flops() const override { return inline_max_flops_; }
   absl::StatusOr<double> WarmUp() override { return 0.0; }
   absl::Status ScaledDotProductAttention(const SdpaArgs&) override { return absl::UnimplementedError("fake"); }
   absl::Status MultiHeadAttention(const MhaArgs&) override { return absl::UnimplementedError("fake"); }
 
  private:
   const int concurrent_calls_;
+  const double inline_max_flops_;
 };
 
 // What the calls of one backend saw: how many computed at once, on which threads, how many ended.
@@ -233,6 +236,18 @@ class SteppedItem final : public WorkItem {
   std::vector<std::string>* const log_;
   absl::Mutex* const mu_;
 };
+
+TEST(Scheduler, ASmallCallInStepsTakesThemAllInline) {
+  FakeBackend cpu(1, /*inline_max_flops=*/1e13);
+  absl::Mutex mu;
+  std::vector<std::string> log;
+  SchedulerOptions options = Options(0);
+  options.inline_max_flops = 1e13;
+  Scheduler scheduler(options, nullptr);
+  scheduler.Submit(std::make_unique<SteppedItem>(&cpu, "small", 3, &log, &mu));
+  absl::MutexLock lock(&mu);  // Submit returned: the steps ran on this thread
+  EXPECT_EQ(log, (std::vector<std::string>{"small:1", "small:2", "small:3"}));
+}
 
 TEST(Scheduler, ACallInStepsLetsTheCallsQueuedMeanwhileRunBetweenItsSteps) {
   FakeBackend cpu(1);

@@ -199,6 +199,30 @@ TEST_F(SessionBatchingTest, OtherSessionsStepsRunBetweenAPrefillsChunksAndItsOwn
   EXPECT_EQ(own_step->response.results(0).length(), 4001);
 }
 
+// With the server's default inline policy, a call small enough to compute on the gRPC thread computes every step
+// there.
+class InlineChunkTest : public SessionTest {
+ protected:
+  void SetUp() override {
+    spdlog::set_level(spdlog::level::warn);
+    ServerOptions options;
+    options.max_prefill_chunk = kChunk;
+    StartServer(options);
+  }
+};
+
+TEST_F(InlineChunkTest, ASmallPrefillInChunksRunsInlineToItsEnd) {
+  const std::string id = Created(HeadSession());
+  ASSERT_TRUE(Extend(ExtendOf({QkvItem(id, 5)})).ok());
+  v1::ExtendResponse response;
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
+  const grpc::Status status = stub_->Extend(&context, ExtendOf({QkvItem(id, 200, 2)}), &response);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  EXPECT_EQ(response.results(0).length(), 205);
+  EXPECT_EQ(MetricValue(server_->metrics().Text(), "mha_batch_size_count"), 0);  // nothing went through the queue
+}
+
 TEST_F(SessionBatchingTest, ACancelledChunkedPrefillChangesNoSession) {
   const std::string id = Created(LayerSession());
   ASSERT_TRUE(Extend(ExtendOf({XItem(id, 3)})).ok());
