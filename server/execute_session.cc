@@ -98,13 +98,14 @@ void ExtendSteps::ForNext(Visit visit) const {
   }
   // Rows and (query, key) pairs per head: a step does at most the attention of max_step_rows tokens on an empty
   // cache, so that a chunk deep into a long prefill (whose rows each see the whole cache) takes no longer than the
-  // first one did; every step takes at least one token.
+  // first one did (unless relaxed); every step takes at least one token.
   int64_t rows = max_step_rows_;
   double pairs = 0.5 * static_cast<double>(max_step_rows_) * static_cast<double>(max_step_rows_ + 1);
   int64_t first = next_token_;
   for (size_t i = next_item_; i < whole_.size() && rows > 0; ++i, first = 0) {
     const double seen = static_cast<double>(whole_[i].length + first) + 0.5;  // a row sees seen + r / 2 keys, mean
-    const auto fits = static_cast<int64_t>(std::floor(std::sqrt(seen * seen + 2 * pairs) - seen));
+    const int64_t fits =
+        relaxed_ ? rows : static_cast<int64_t>(std::floor(std::sqrt(std::max(0.0, seen * seen + 2 * pairs)) - seen));
     const int64_t tokens = std::min({whole_[i].new_tokens - first, rows, std::max<int64_t>(fits, 0)});
     if (tokens <= 0 && i != next_item_) break;
     const int64_t taken = std::max<int64_t>(tokens, 1);

@@ -17,9 +17,11 @@
 
 namespace mha {
 
-// One Extend's work, in steps. The first step takes the items' new tokens in order up to `max_step_rows` rows (an
-// item's tokens split where the budget ends), the next step goes on from there, and so on; a step's part of an
-// item appends its tokens beyond the ones before it, so the steps together compute what one call would. A call
+// One Extend's work, in steps. The first step takes the items' new tokens in order up to `max_step_rows` rows and
+// the attention work (query-key pairs) of that many tokens on an empty cache (an item's tokens split where the
+// budget ends), the next step goes on from there, and so on; a step's part of an item appends its tokens beyond the
+// ones before it, so the steps together compute what one call would. While relaxed, steps are bounded in rows only
+// (for a call that has the backend to itself: small steps deep into a long context cost more in all). A call
 // that returns weights or statistics, has an item that does not append, or gets max_step_rows <= 0 computes in one
 // step. Borrows `plan`, `reservation` (Reserve's for plan.reserve) and `response`, which outlive it; not
 // thread-safe.
@@ -34,6 +36,8 @@ class ExtendSteps {
 
   bool done() const { return next_item_ == whole_.size(); }
   int64_t steps() const { return steps_; }  // taken so far
+  // Whether the next steps are bounded in rows alone.
+  void set_relaxed(bool relaxed) { relaxed_ = relaxed; }
   // The next step's rows (new tokens) and FLOPs; 0 once done.
   int64_t NextRows() const;
   double NextFlops() const;
@@ -51,6 +55,7 @@ class ExtendSteps {
   const ExtendPlan& plan_;
   v1::ExtendResponse* const response_;
   const int64_t max_step_rows_;  // <= 0: no limit
+  bool relaxed_ = false;
   std::vector<PagedSequence> whole_;  // each item's whole call
   std::vector<StatsBuffers> stats_;
   size_t next_item_ = 0;    // the first item with tokens left

@@ -65,6 +65,9 @@ ABSL_FLAG(int, max_queue_delay_us, kDefaults.max_queue_delay_us,
 ABSL_FLAG(int, max_prefill_chunk, kDefaults.max_prefill_chunk,
           "an Extend computes at most this many new tokens (and their attention work on an empty cache) at a time, "
           "letting other calls' decode steps run between its chunks; 0 = whole calls");
+ABSL_FLAG(int, prefill_quiet_ms, kDefaults.prefill_quiet_ms,
+          "after this long without another call arriving, a prefill's steps are bounded by --max_prefill_chunk rows "
+          "alone, not by their attention work; 0 = always by both");
 ABSL_FLAG(std::string, tls_cert, kDefaults.tls_cert, "PEM certificate chain: serve TLS (with --tls_key)");
 ABSL_FLAG(std::string, tls_key, kDefaults.tls_key, "PEM private key of --tls_cert");
 ABSL_FLAG(std::string, tls_client_ca, kDefaults.tls_client_ca,
@@ -128,6 +131,7 @@ ServerOptions ServerOptionsFromFlags() {
   options.max_batch_rows = absl::GetFlag(FLAGS_max_batch_rows);
   options.max_queue_delay_us = absl::GetFlag(FLAGS_max_queue_delay_us);
   options.max_prefill_chunk = absl::GetFlag(FLAGS_max_prefill_chunk);
+  options.prefill_quiet_ms = absl::GetFlag(FLAGS_prefill_quiet_ms);
   options.tls_cert = absl::GetFlag(FLAGS_tls_cert);
   options.tls_key = absl::GetFlag(FLAGS_tls_key);
   options.tls_client_ca = absl::GetFlag(FLAGS_tls_client_ca);

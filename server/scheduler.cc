@@ -96,6 +96,7 @@ absl::Status Scheduler::Admit(const WorkItem& item) const {
 
 void Scheduler::Submit(std::unique_ptr<WorkItem> item) {
   item->abort_ = &abort_;
+  last_submit_ns_.store(absl::GetCurrentTimeNanos(), std::memory_order_relaxed);
   if (RunsInline(*item)) {
     // The item reports its own status; inline calls teach no rate. A small call in steps takes them all here.
     do {
@@ -158,6 +159,11 @@ absl::Duration Scheduler::StuckFor() const {
   absl::Time oldest = absl::InfiniteFuture();
   for (const Running& r : running_) oldest = std::min(oldest, r.since);
   return absl::Now() - oldest;
+}
+
+absl::Duration Scheduler::SinceLastSubmit() const {
+  const int64_t last = last_submit_ns_.load(std::memory_order_relaxed);
+  return last == 0 ? absl::InfiniteDuration() : absl::Nanoseconds(absl::GetCurrentTimeNanos() - last);
 }
 
 int Scheduler::QueueDepth() const {

@@ -86,6 +86,9 @@ class Scheduler {
   absl::Duration StuckFor() const;
   // Items waiting in the queue now. Thread-safe.
   int QueueDepth() const;
+  // How long ago the last item was submitted (a call in steps going back in the queue does not count); infinite
+  // before the first. Thread-safe.
+  absl::Duration SinceLastSubmit() const;
   // Learns that `backend` did `flops` in `seconds` (the compute thread does this after every call of 50 MFLOP or
   // more; warm-up seeds it).
   void ObserveRate(const Backend* backend, double flops, double seconds);
@@ -124,6 +127,7 @@ class Scheduler {
   const SchedulerOptions options_;
   ServerMetrics* const metrics_;
   std::atomic<bool> abort_{false};
+  std::atomic<int64_t> last_submit_ns_{0};  // absl::GetCurrentTimeNanos() at the last Submit; 0 before any
   mutable absl::Mutex mu_;
   struct Queued {
     std::unique_ptr<WorkItem> item;

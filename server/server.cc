@@ -120,6 +120,7 @@ absl::Status CheckOptions(ServerOptions* options) {
   if (options->max_batch_rows < 0) return absl::InvalidArgumentError("--max_batch_rows must be >= 0");
   if (options->max_queue_delay_us < 0) return absl::InvalidArgumentError("--max_queue_delay_us must be >= 0");
   if (options->max_prefill_chunk < 0) return absl::InvalidArgumentError("--max_prefill_chunk must be >= 0");
+  if (options->prefill_quiet_ms < 0) return absl::InvalidArgumentError("--prefill_quiet_ms must be >= 0");
   if (!(options->default_deadline_s > 0)) return absl::InvalidArgumentError("--default_deadline_s must be > 0");
   if (!(options->shutdown_grace_s >= 0)) return absl::InvalidArgumentError("--shutdown_grace_s must be >= 0");
   if (!(options->drain_idle_s >= 0)) return absl::InvalidArgumentError("--drain_idle_s must be >= 0");

@@ -106,7 +106,8 @@ grpc::ServerUnaryReactor* AttentionService::Sequenced(const char* rpc, grpc::Cal
 // An Extend in the compute queue and computing: holds its sessions and its blocks, commits on success. It computes
 // in steps of at most --max_prefill_chunk rows (ExtendSteps), each step alone or batched with other Extends' steps
 // of its batch key, and goes back in the queue between steps; its sessions stay held throughout, so that the calls
-// on them keep their order.
+// on them keep their order. A step alone, with nothing queued and no other call arrived for --prefill_quiet_ms, is
+// bounded in rows only: small steps protect other callers' latency, and cost the prefill more where nobody is waiting.
 class ExtendWork final : public WorkItem {
  public:
   ExtendWork(AttentionService* service, std::string rid, grpc::CallbackServerContext* context,
@@ -131,9 +132,13 @@ class ExtendWork final : public WorkItem {
     std::vector<WorkItem*> items = {this};
     items.insert(items.end(), others.begin(), others.end());
     std::vector<PagedSequence> sequences;
+    const int quiet_ms = service_->options_.prefill_quiet_ms;
+    const bool alone = quiet_ms > 0 && others.empty() && service_->scheduler_->QueueDepth() == 0 &&
+                       service_->scheduler_->SinceLastSubmit() > absl::Milliseconds(quiet_ms);
     for (size_t i = 0; i < items.size(); ++i) {
       ExtendWork& call = *static_cast<ExtendWork*>(items[i]);
       call.queued_ += waited[i];
+      call.steps_.set_relaxed(alone);
       call.steps_.TakeNext(&sequences);
     }
     const BatchStop stop(items);

@@ -28,6 +28,7 @@ class SessionBatchingTest : public SessionTest {
     options.max_session_tokens = 4096;
     options.inline_max_mflop = 0;  // every call goes through the queue, where batching happens
     options.max_prefill_chunk = kChunk;
+    options.prefill_quiet_ms = 0;  // every step bounded in work too, however long the prefill takes
     StartServer(options);
   }
 
@@ -221,6 +222,32 @@ TEST_F(InlineChunkTest, ASmallPrefillInChunksRunsInlineToItsEnd) {
   ASSERT_TRUE(status.ok()) << status.error_message();
   EXPECT_EQ(response.results(0).length(), 205);
   EXPECT_EQ(MetricValue(server_->metrics().Text(), "mha_batch_size_count"), 0);  // nothing went through the queue
+}
+
+class QuietPrefillTest : public SessionTest {
+ protected:
+  void SetUp() override {
+    spdlog::set_level(spdlog::level::warn);
+    ServerOptions options;
+    options.inline_max_mflop = 0;
+    options.max_prefill_chunk = kChunk;
+    options.prefill_quiet_ms = 1;
+    StartServer(options);
+  }
+};
+
+TEST_F(QuietPrefillTest, APrefillAloneOnTheServerTakesStepsOfWholeChunks) {
+  const std::string id = Created(LayerSession());
+  ASSERT_TRUE(Extend(ExtendOf({XItem(id, 5)})).ok());
+  absl::SleepFor(absl::Milliseconds(5));
+  const int64_t calls = MetricValue(server_->metrics().Text(), "mha_batch_size_count");
+  v1::ExtendResponse response;
+  ASSERT_TRUE(Extend(ExtendOf({XItem(id, 1000, 2)}), &response).ok());
+  EXPECT_EQ(response.results(0).length(), 1005);
+  // 64-row steps once the call is a millisecond old (16 of them at best), where work-bounded ones take 282.
+  const int64_t steps = MetricValue(server_->metrics().Text(), "mha_batch_size_count") - calls;
+  EXPECT_GE(steps, 16);
+  EXPECT_LT(steps, 100);
 }
 
 TEST_F(SessionBatchingTest, ACancelledChunkedPrefillChangesNoSession) {

@@ -926,7 +926,7 @@ def check_coverage(soak):
     return failures
 
 
-def main():
+def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--server", default=os.path.join(REPO_ROOT, "build", "bin", "mha_server"))
     parser.add_argument("--seconds", type=float, default=60)
@@ -946,7 +946,11 @@ def main():
                              "freed large buffers then leave the process instead of staying in the arenas wherever "
                              "the dynamic threshold put them, so that a short run's two RSS readings compare what "
                              "the server holds (ctest's 10 s form); 0, the default: the allocator as deployed")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main():
+    args = parse_args()
     sys.path.insert(0, mhaclient.generate_stubs(tempfile.mkdtemp(prefix="mha_soak_stubs_"), REPO_ROOT))
 
     log = tempfile.NamedTemporaryFile(prefix="mha_soak_server_", suffix=".log", delete=False)
