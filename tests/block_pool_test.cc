@@ -1,9 +1,12 @@
 // The sessions' block pool: blocks from one arena, never past it; reference counts; chunks of one block size that
-// go back to the system when empty and then serve another size.
+// go back to the system when empty and then serve another size; and the same over memory a backend lends (a
+// CacheArena), which the pool never gives back or unmaps.
 #include "server/sessions/block_pool.h"
 
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <set>
 #include <vector>
 
@@ -120,6 +123,92 @@ TEST(BlockPool, EmptiedChunksItKeepsServeTheNextBlocksFirst) {
   EXPECT_EQ(again, a);
   EXPECT_EQ(again[kChunk - 1], 0x5a);  // its pages were kept
   EXPECT_TRUE(pool.HasRoom(kChunk));
+}
+
+// Memory lent to a pool, as a backend's CacheArena lends it: the test owns it and frees it after the pool.
+class LentMemory {
+ public:
+  explicit LentMemory(int64_t bytes)
+      : bytes_(bytes), base_(static_cast<char*>(std::aligned_alloc(kChunk, static_cast<size_t>(bytes)))) {}
+  ~LentMemory() { std::free(base_); }
+  char* base() const { return base_; }
+  int64_t bytes() const { return bytes_; }
+  bool Holds(const char* p, int64_t n) const { return p >= base_ && p + n <= base_ + bytes_; }
+
+ private:
+  const int64_t bytes_;
+  char* const base_;
+};
+
+TEST(BlockPoolLentArena, CapacityIsTheLentMemoryInWholeChunks) {
+  LentMemory memory(3 * kChunk);
+  EXPECT_EQ(BlockPool(memory.base(), 3 * kChunk).capacity_bytes(), 3 * kChunk);
+  EXPECT_EQ(BlockPool(memory.base(), 2 * kChunk + kChunk / 2).capacity_bytes(), 2 * kChunk);
+  EXPECT_TRUE(BlockPool(memory.base(), kChunk).external_arena());
+  EXPECT_FALSE(BlockPool(kChunk).external_arena());
+}
+
+TEST(BlockPoolLentArena, BlocksComeFromTheLentMemoryUpToItsCapacityThenItRefuses) {
+  LentMemory memory(2 * kChunk);
+  BlockPool pool(memory.base(), memory.bytes());
+  std::set<char*> blocks;
+  for (int i = 0; i < 8; ++i) {
+    char* block = pool.Allocate(kChunk / 4);
+    ASSERT_NE(block, nullptr) << i;
+    EXPECT_TRUE(memory.Holds(block, kChunk / 4)) << i;
+    blocks.insert(block);
+  }
+  EXPECT_EQ(blocks.size(), 8u);
+  EXPECT_EQ(pool.used_bytes(), 2 * kChunk);
+  EXPECT_FALSE(pool.HasRoom(kChunk / 4));
+  EXPECT_EQ(pool.Allocate(kChunk / 4), nullptr);
+  EXPECT_EQ(pool.Allocate(64), nullptr);
+}
+
+TEST(BlockPoolLentArena, AFreedBlockIsReusedInPlace) {
+  LentMemory memory(2 * kChunk);
+  BlockPool pool(memory.base(), memory.bytes());
+  char* a = pool.Allocate(4096);
+  char* b = pool.Allocate(4096);
+  EXPECT_EQ(b, a + 4096);  // lowest chunk first, blocks in order
+  pool.Unref(a);
+  EXPECT_EQ(pool.Allocate(4096), a);
+  EXPECT_EQ(pool.chunks_in_use(), 1);
+}
+
+TEST(BlockPoolLentArena, AnEmptiedChunkStaysWithThePoolUntouched) {
+  // No madvise: the bytes written before the chunk emptied are still there (a pool of its own would read zeros).
+  LentMemory memory(kChunk);
+  BlockPool pool(memory.base(), memory.bytes());
+  std::vector<char*> blocks;
+  for (int i = 0; i < 16; ++i) {
+    blocks.push_back(pool.Allocate(kChunk / 16));
+    std::memset(blocks.back(), 0x5a, kChunk / 16);
+  }
+  for (char* block : blocks) pool.Unref(block);
+  EXPECT_EQ(pool.chunks_in_use(), 0);
+  char* again = pool.Allocate(kChunk);  // the emptied chunk serves another size
+  ASSERT_EQ(again, memory.base());
+  for (int64_t i = 0; i < kChunk; i += 4096) ASSERT_EQ(again[i], 0x5a) << i;
+}
+
+TEST(BlockPoolLentArena, TheLentMemoryOutlivesThePool) {
+  LentMemory memory(kChunk);
+  {
+    BlockPool pool(memory.base(), memory.bytes());
+    std::memset(pool.Allocate(kChunk), 0x33, kChunk);
+  }
+  // Not unmapped by the pool: still the lender's to read and write.
+  EXPECT_EQ(memory.base()[kChunk - 1], 0x33);
+  memory.base()[0] = 1;
+  EXPECT_EQ(memory.base()[0], 1);
+}
+
+TEST(BlockPoolLentArenaDeathTest, RefusesMemoryThatCannotHoldAnAlignedChunk) {
+  LentMemory memory(2 * kChunk);
+  EXPECT_DEATH(BlockPool(memory.base() + 1, kChunk), "lent arena");
+  EXPECT_DEATH(BlockPool(memory.base(), kChunk - 1), "lent arena");
+  EXPECT_DEATH(BlockPool(nullptr, kChunk), "lent arena");
 }
 
 }  // namespace

@@ -3,13 +3,14 @@
 #include <sys/mman.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 
 namespace mha {
 
 BlockPool::BlockPool(int64_t capacity_bytes, int64_t keep_resident_bytes)
-    : keep_resident_(keep_resident_bytes / kChunkBytes) {
+    : owns_arena_(true), keep_resident_(keep_resident_bytes / kChunkBytes) {
   const int64_t chunks = std::max<int64_t>(1, capacity_bytes / kChunkBytes);
   // Address space only: MAP_NORESERVE commits nothing, pages are backed when first written.
   void* base = mmap(nullptr, chunks * kChunkBytes, PROT_READ | PROT_WRITE,
@@ -28,7 +29,23 @@ BlockPool::BlockPool(int64_t capacity_bytes, int64_t keep_resident_bytes)
   for (int64_t c = chunks - 1; c >= 0; --c) free_chunks_.push_back(c);
 }
 
-BlockPool::~BlockPool() { munmap(base_, capacity_bytes()); }
+// The lender's memory is not ours to advise or give back: every emptied chunk stays resident.
+BlockPool::BlockPool(char* base, int64_t bytes) : owns_arena_(false), keep_resident_(bytes / kChunkBytes) {
+  if (base == nullptr || reinterpret_cast<uintptr_t>(base) % kAlignment != 0 || bytes < kChunkBytes) {
+    std::fprintf(stderr, "BlockPool: a lent arena needs a %lld-aligned base and at least %lld bytes, got %p, %lld\n",
+                 static_cast<long long>(kAlignment), static_cast<long long>(kChunkBytes), static_cast<void*>(base),
+                 static_cast<long long>(bytes));
+    std::abort();
+  }
+  base_ = base;
+  const int64_t chunks = bytes / kChunkBytes;
+  chunks_.resize(chunks);
+  for (int64_t c = chunks - 1; c >= 0; --c) free_chunks_.push_back(c);
+}
+
+BlockPool::~BlockPool() {
+  if (owns_arena_) munmap(base_, capacity_bytes());
+}
 
 bool BlockPool::HasRoom(int64_t bytes) const {
   if (bytes < 1 || bytes > kChunkBytes) return false;
@@ -88,7 +105,7 @@ void BlockPool::Unref(char* block) {
   partial_chunks_[chunk.block_bytes].erase(c);
   chunk = Chunk();
   --chunks_in_use_;
-  if (static_cast<int64_t>(resident_chunks_.size()) < keep_resident_) {
+  if (!owns_arena_ || static_cast<int64_t>(resident_chunks_.size()) < keep_resident_) {
     resident_chunks_.push_back(c);
     return;
   }

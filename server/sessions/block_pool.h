@@ -4,6 +4,10 @@
 // blocks in use need. Each chunk of kChunkBytes holds blocks of one size (a slab), so caches of different head
 // configurations and dtypes share the pool. Blocks are reference counted: forks share them copy-on-write.
 //
+// Or the arena is memory the caller lends (a backend's CacheArena: CUDA managed memory, which GPU kernels read in
+// place): the same blocks and chunks, but the pool neither advises nor unmaps that memory; an emptied chunk simply
+// stays with the pool for the next blocks.
+//
 // Not thread-safe: the SessionStore serialises every call. A block's bytes may be read and written without the
 // store's lock by the one call that holds it (see SessionStore).
 #ifndef MHA_SERVER_SESSIONS_BLOCK_POOL_H_
@@ -28,6 +32,10 @@ class BlockPool {
   // tenth of its time); the rest go back to the system at once. Aborts if the address space cannot be reserved
   // (the server checks --kv_cache_mb before).
   explicit BlockPool(int64_t capacity_bytes, int64_t keep_resident_bytes = int64_t{64} << 20);
+  // An arena of the caller's memory: `bytes` from `base` rounded down to whole chunks. The caller keeps the memory
+  // and must keep it until the pool is destroyed. Aborts unless base is kAlignment-aligned and bytes holds a chunk
+  // (programming errors: the server sizes the arena from --kv_cache_mb, at least 2 MiB).
+  BlockPool(char* base, int64_t bytes);
   ~BlockPool();
   BlockPool(const BlockPool&) = delete;
   BlockPool& operator=(const BlockPool&) = delete;
@@ -42,6 +50,8 @@ class BlockPool {
   int RefCount(const char* block) const;
 
   int64_t capacity_bytes() const { return static_cast<int64_t>(chunks_.size()) * kChunkBytes; }
+  // Whether the arena is the caller's memory (the second constructor) rather than the pool's own mapping.
+  bool external_arena() const { return !owns_arena_; }
   int64_t used_bytes() const { return used_bytes_; }        // allocated blocks' (rounded) sizes
   int64_t chunks_in_use() const { return chunks_in_use_; }  // chunks holding at least one block
   int64_t shared_blocks() const { return shared_blocks_; }  // blocks with more than one reference
@@ -63,10 +73,11 @@ class BlockPool {
   }
 
   char* base_ = nullptr;
+  const bool owns_arena_;  // mmap'd by the pool: advised, given back and unmapped by it
   std::vector<Chunk> chunks_;
   std::vector<int64_t> free_chunks_;      // chunks holding no block, their pages given back
   std::vector<int64_t> resident_chunks_;  // chunks holding no block, their pages kept; taken first
-  const int64_t keep_resident_;           // chunks resident_chunks_ may hold
+  const int64_t keep_resident_;           // chunks resident_chunks_ may hold (all of them in a lent arena)
   std::map<int64_t, std::set<int64_t>> partial_chunks_;  // by block size: chunks in use with a free block
   int64_t used_bytes_ = 0;
   int64_t chunks_in_use_ = 0;
