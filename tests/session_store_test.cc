@@ -2,6 +2,7 @@
 // ownership, and the NOT_FOUND messages that say how a session ended.
 #include "server/sessions/session_store.h"
 
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -328,6 +329,59 @@ TEST_F(TightStoreTest, NeverPastThePool) {
   int64_t bytes = 0;
   for (const v1::SessionInfo& info : store_.List({"", true})) bytes += info.cache_bytes();
   EXPECT_LE(bytes, BlockPool::kChunkBytes);
+}
+
+// A backend's arena as the store sees one: host memory here, which says when it is released.
+class FakeArena final : public CacheArena {
+ public:
+  FakeArena(int64_t bytes, bool* released)
+      : bytes_(bytes),
+        base_(static_cast<char*>(std::aligned_alloc(BlockPool::kChunkBytes, static_cast<size_t>(bytes)))),
+        released_(released) {}
+  ~FakeArena() override {
+    std::free(base_);
+    *released_ = true;
+  }
+  char* base() const override { return base_; }
+  int64_t bytes() const override { return bytes_; }
+  std::string describe() const override { return "fake device memory"; }
+
+ private:
+  const int64_t bytes_;
+  char* const base_;
+  bool* const released_;
+};
+
+TEST(SessionStoreArena, WithoutAnArenaTheCacheIsInHostMemory) {
+  SessionStore store(SessionStoreOptions(), nullptr);
+  EXPECT_EQ(store.cache_memory(), "host memory");
+}
+
+TEST(SessionStoreArena, BlocksComeFromTheArenaWhichTheStoreReleasesLast) {
+  bool released = false;
+  {
+    SessionStoreOptions options;
+    options.capacity_bytes = 4 << 20;
+    options.block_tokens = kTokens;
+    auto arena = std::make_unique<FakeArena>(options.capacity_bytes, &released);
+    const char* const base = arena->base();
+    SessionStore store(options, nullptr, std::move(arena));
+    EXPECT_EQ(store.cache_memory(), "fake device memory");
+    EXPECT_EQ(store.capacity_bytes(), 4 << 20);
+
+    const std::string id = store.Create(HeadSession(), "s", {})->session_id();
+    const ReserveItem item{id, 0, 3 * kTokens};
+    absl::StatusOr<ExtendReservation> r = store.Reserve({&item, 1});
+    ASSERT_TRUE(r.ok()) << r.status();
+    ASSERT_EQ(r->items()[0].blocks.size(), 3u);
+    for (const char* block : r->items()[0].blocks) {
+      EXPECT_GE(block, base);
+      EXPECT_LE(block + kBlockBytes, base + (4 << 20));
+    }
+    r->Commit();
+    EXPECT_FALSE(released);
+  }
+  EXPECT_TRUE(released);
 }
 
 }  // namespace

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <utility>
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
@@ -57,11 +58,13 @@ void ExtendReservation::Commit() {
   if (store_ != nullptr && !items_.empty()) store_->Commit(this);
 }
 
-SessionStore::SessionStore(const SessionStoreOptions& options, ServerMetrics* metrics)
+SessionStore::SessionStore(const SessionStoreOptions& options, ServerMetrics* metrics,
+                           std::unique_ptr<CacheArena> arena)
     : options_(options),
       metrics_(metrics),
       sequencer_(options.max_waiting, options.max_waiting_bytes),
-      pool_(options.capacity_bytes),
+      arena_(std::move(arena)),
+      pool_(arena_ != nullptr ? BlockPool(arena_->base(), arena_->bytes()) : BlockPool(options.capacity_bytes)),
       pool_capacity_(pool_.capacity_bytes()) {
   absl::MutexLock lock(&mu_);
   Publish();

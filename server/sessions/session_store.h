@@ -126,8 +126,12 @@ class ExtendReservation {
 
 class SessionStore {
  public:
-  // `metrics` (may be null) receives the gauges and counters; borrowed.
-  SessionStore(const SessionStoreOptions& options, ServerMetrics* metrics);
+  // `metrics` (may be null) receives the gauges and counters; borrowed. The blocks come from `arena` when given (a
+  // backend's memory, AllocateCacheArena: the pool spans its bytes() in whole chunks, and options.capacity_bytes is
+  // what the caller sized it by), else from host memory the pool reserves itself (capacity_bytes). The store owns
+  // the arena and releases it after the pool.
+  SessionStore(const SessionStoreOptions& options, ServerMetrics* metrics,
+               std::unique_ptr<CacheArena> arena = nullptr);
   SessionStore(const SessionStore&) = delete;
   SessionStore& operator=(const SessionStore&) = delete;
 
@@ -171,6 +175,8 @@ class SessionStore {
   void Touch(absl::Span<const std::string> ids);
 
   int64_t capacity_bytes() const { return pool_capacity_; }
+  // Where the cache blocks live, for the log: "host memory", or the arena's CacheArena::describe().
+  std::string cache_memory() const { return arena_ != nullptr ? arena_->describe() : "host memory"; }
 
  private:
   friend class ExtendReservation;
@@ -214,6 +220,7 @@ class SessionStore {
   const SessionStoreOptions options_;
   ServerMetrics* const metrics_;
   SessionSequencer sequencer_;
+  const std::unique_ptr<CacheArena> arena_;  // null: host memory; declared before pool_, so it outlives it
   mutable absl::Mutex mu_;
   BlockPool pool_ ABSL_GUARDED_BY(mu_);
   const int64_t pool_capacity_;
