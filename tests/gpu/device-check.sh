@@ -10,11 +10,11 @@
 # The GPU machine has CUDA 13, PyTorch's cuBLAS wheels and compute-sanitizer, but not this project's Debian
 # libraries: the bundle carries them (about 20 MiB compressed; the device tool carries at most 64 MiB).
 # Files written: 1-versions.txt, 2-conformance.txt, 3-memcheck.txt, 4-flash-bench.txt, 5-end-to-end.txt,
-# summary.txt. Exit status 0 when every step that ran passed, 2 when there is no GPU.
+# 6-paged-bench.txt, summary.txt. Exit status 0 when every step that ran passed, 2 when there is no GPU.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 bundle_dir="$root/.gpu-bundle"
-binaries=(mha_server mha_client backend_conformance_test cuda_backend_test flash_bench)
+binaries=(mha_server mha_client backend_conformance_test cuda_backend_test flash_bench paged_bench)
 
 if [[ "${1:-}" == "--bundle" ]]; then
   set -e
@@ -86,28 +86,59 @@ if ! nvidia-smi -L >/dev/null 2>&1; then
   note "GPU: none present (${gpu_reason}); the GPU steps below are skipped and the GPU run is still owed"
   "$bin/cuda_backend_test" >"$out/2-conformance.txt" 2>&1 || failed=1
   note "cuda_backend_test (host side, no GPU): $(tail -1 "$out/2-conformance.txt")"
+  # The benchmark's binary is there and starts (it must say why there is no GPU, exit 2).
+  "$bin/paged_bench" --probe >"$out/6-paged-bench.txt" 2>&1
+  status=$?
+  note "paged_bench --probe (no GPU): exit $status, $(head -1 "$out/6-paged-bench.txt")"
+  [[ $status -eq 2 ]] || failed=1
   exit $((failed ? 1 : 2))
 fi
 note "GPU: $(nvidia-smi -L | head -1)"
 
-# 2. Conformance: every case of the suite and the contract tests on the CUDA backend, against the reference.
+# 2. Conformance: every case of the suite and the contract tests on the CUDA backend, against the reference; the
+# sessions' cases (SessionConformanceTest, PagedStatsTest: paged calls on the GPU's paged kernels) among them.
+json_dir=$(mktemp -d)
 {
-  timeout 240 "$bin/backend_conformance_test" --gtest_filter='*cuda*:BackendRegistry.*' --gtest_brief=1
+  timeout 240 "$bin/backend_conformance_test" --gtest_filter='*cuda*:BackendRegistry.*' --gtest_brief=1 \
+    --gtest_output="json:$json_dir/conformance.json"
   echo "exit $?"
   timeout 60 "$bin/cuda_backend_test" --gtest_brief=1
   echo "exit $?"
 } >"$out/2-conformance.txt" 2>&1
 grep -q "^exit [^0]" "$out/2-conformance.txt" && failed=1
 note "conformance: $(grep -E '^\[  (PASSED|FAILED|SKIPPED)' "$out/2-conformance.txt" | tr '\n' ' ')"
+# The sessions' cases: how many ran, were skipped (the backend refused the paged call) or failed. On a GPU they
+# must run: all of them skipped means the sessions were not computed on it.
+sessions=$(python3 - "$json_dir/conformance.json" <<'PY' 2>&1
+import json, sys
+count = {"ran": 0, "skipped": 0, "failed": 0}
+for suite in json.load(open(sys.argv[1]))["testsuites"]:
+    for test in suite["testsuite"]:
+        if not test["classname"].endswith(("SessionConformanceTest", "PagedStatsTest")):
+            continue
+        if test.get("result") == "SKIPPED":
+            count["skipped"] += 1
+        else:
+            count["ran"] += 1
+            count["failed"] += bool(test.get("failures"))
+print("{ran} ran, {failed} failed, {skipped} skipped".format(**count))
+PY
+)
+note "conformance, sessions (SessionConformanceTest, PagedStatsTest on cuda): $sessions"
+[[ "$sessions" =~ ^0\ ran ]] && failed=1
+rm -rf "$json_dir"
 
-# 3. compute-sanitizer memcheck on the small cases (it may be refused under some virtualisation; then say so).
+# 3. compute-sanitizer memcheck on the small cases, two sessions' among them (a bf16 cache in 32-token blocks, the
+# paged kernels' append and split paths; a 2000-token cache split over the keys without append, with statistics). It
+# may be refused under some virtualisation; then say so.
 sanitizer=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null || true)
 if [[ -n "$sanitizer" ]]; then
   timeout 150 "$sanitizer" --tool memcheck --error-exitcode 3 "$bin/backend_conformance_test" \
-    --gtest_filter='*mha_self_cuda:*gqa_causal_mask_bf16_to_bf16_cuda:*sdpa_weights_fp16_to_fp16_cuda:*key_lengths_with_zero_cuda:*dk20_odd_width_weights_cuda:*biases_cross_cuda' \
+    --gtest_filter='*mha_self_cuda:*gqa_causal_mask_bf16_to_bf16_cuda:*sdpa_weights_fp16_to_fp16_cuda:*key_lengths_with_zero_cuda:*dk20_odd_width_weights_cuda:*biases_cross_cuda:*session_heads_decode_cache_bf16_block32_dk128_cuda:*decode_split_cache_without_append_cuda' \
     --gtest_brief=1 >"$out/3-memcheck.txt" 2>&1
   status=$?
-  note "memcheck: exit $status ($(grep -m1 -E 'ERROR SUMMARY' "$out/3-memcheck.txt" || echo 'no summary'))"
+  note "memcheck: exit $status ($(grep -m1 -E 'ERROR SUMMARY' "$out/3-memcheck.txt" || echo 'no summary');" \
+    "$(grep -E '^\[  (PASSED|FAILED|SKIPPED)' "$out/3-memcheck.txt" | tr '\n' ' '))"
   [[ $status -eq 3 ]] && failed=1
 else
   note "memcheck: compute-sanitizer not found" | tee "$out/3-memcheck.txt"
@@ -121,4 +152,13 @@ note "flash_bench: $(grep -c '^| [0-9]' "$out/4-flash-bench.txt") rows; $(grep -
 # 5. The whole layer through the gRPC server: CUDA against the CPU backend, fp16 on the wire, B=8 T=512 d=512.
 bash "$root/tests/gpu/end-to-end.sh" "$bin/mha_server" "$bin/mha_client" >"$out/5-end-to-end.txt" 2>&1 || failed=1
 note "$(tail -1 "$out/5-end-to-end.txt")"
+
+# 6. The sessions' decode step: KV cache bytes read per second by the paged kernels at 1, 32 and 256 sessions of
+# T = 1024 .. 32768 (H = 32, Hkv = 8, d_k = 128, bf16 cache in 32-token blocks), against the device-to-device copy
+# bandwidth of the same run (bytes read plus written); the kernels' output checked against the host; one whole
+# CudaBackend::PagedAttention call per size over blocks in its managed-memory arena.
+timeout 180 "$bin/paged_bench" >"$out/6-paged-bench.txt" 2>&1 || failed=1
+grep -q MISMATCH "$out/6-paged-bench.txt" && failed=1
+note "paged_bench: $(grep -c '^| [0-9]' "$out/6-paged-bench.txt") rows; $(grep -m1 '^copy D2D' "$out/6-paged-bench.txt")"
+note "paged_bench: $(grep -m1 '^decode at 32+' "$out/6-paged-bench.txt" || tail -1 "$out/6-paged-bench.txt")"
 exit $failed
