@@ -15,6 +15,7 @@
 #include "server/backends/cuda/cuda_backend.h"
 #include "server/backends/reference/reference_backend.h"
 #include "server/backends/registry.h"
+#include "server/sessions/block_pool.h"
 #include "tests/emulated_cuda/runtime.h"
 #include "tests/test_util.h"
 
@@ -258,6 +259,95 @@ TEST(EmulatedCudaRuntimeTest, ACopyBeyondItsAllocationIsRefused) {
   cudaGetLastError();
   EXPECT_EQ(cudaMemcpyAsync(device, host.data(), 64, cudaMemcpyHostToDevice, nullptr), cudaSuccess);
   EXPECT_EQ(cudaFree(device), cudaSuccess);
+}
+
+// The memory kind cudaPointerGetAttributes reports for `p` (what the paged kernels ask before reading a block in
+// place), or -1 when the call fails.
+int MemoryTypeOf(const void* p) {
+  cudaPointerAttributes attributes;
+  return cudaPointerGetAttributes(&attributes, p) == cudaSuccess ? static_cast<int>(attributes.type) : -1;
+}
+
+TEST(EmulatedCudaRuntimeTest, PointerAttributesTellEachKindOfMemoryApart) {
+  void *device = nullptr, *managed = nullptr, *pinned = nullptr;
+  ASSERT_EQ(cudaMalloc(&device, 1024), cudaSuccess);
+  ASSERT_EQ(cudaMallocManaged(&managed, 1024, cudaMemAttachGlobal), cudaSuccess);
+  ASSERT_EQ(cudaMallocHost(&pinned, 1024), cudaSuccess);
+  std::vector<char> pageable(1024);
+  EXPECT_EQ(MemoryTypeOf(device), cudaMemoryTypeDevice);
+  EXPECT_EQ(MemoryTypeOf(static_cast<char*>(device) + 1023), cudaMemoryTypeDevice);
+  EXPECT_EQ(MemoryTypeOf(managed), cudaMemoryTypeManaged);
+  EXPECT_EQ(MemoryTypeOf(static_cast<char*>(managed) + 1023), cudaMemoryTypeManaged);
+  EXPECT_EQ(MemoryTypeOf(pinned), cudaMemoryTypeHost);
+  EXPECT_EQ(MemoryTypeOf(pageable.data()), cudaMemoryTypeUnregistered);
+  EXPECT_EQ(cudaFree(device), cudaSuccess);
+  EXPECT_EQ(cudaFree(managed), cudaSuccess);
+  EXPECT_EQ(cudaFreeHost(pinned), cudaSuccess);
+  EXPECT_EQ(MemoryTypeOf(managed), cudaMemoryTypeUnregistered);  // freed: no longer the runtime's
+}
+
+TEST(EmulatedCudaRuntimeTest, MemAdviseChecksItsRangeAndLocation) {
+  void* managed = nullptr;
+  ASSERT_EQ(cudaMallocManaged(&managed, 4096, cudaMemAttachGlobal), cudaSuccess);
+  cudaMemLocation device0 = {};
+  device0.type = cudaMemLocationTypeDevice;
+  device0.id = 0;
+  EXPECT_EQ(cudaMemAdvise(managed, 4096, cudaMemAdviseSetPreferredLocation, device0), cudaSuccess);
+  EXPECT_EQ(cudaMemAdvise(managed, 4097, cudaMemAdviseSetPreferredLocation, device0), cudaErrorInvalidValue);
+  cudaMemLocation device1 = device0;
+  device1.id = 1;
+  EXPECT_EQ(cudaMemAdvise(managed, 4096, cudaMemAdviseSetPreferredLocation, device1), cudaErrorInvalidDevice);
+  std::vector<char> pageable(4096);
+  EXPECT_EQ(cudaMemAdvise(pageable.data(), 4096, cudaMemAdviseSetPreferredLocation, device0), cudaErrorInvalidValue);
+  cudaGetLastError();
+  EXPECT_EQ(cudaFree(managed), cudaSuccess);
+}
+
+TEST_F(EmulatedCudaBackendTest, TheCacheArenaIsManagedMemoryNotCountedAgainstTheDevice) {
+  emulation::SetDeviceMemory(4 * kMiB);  // managed memory may exceed the device's, as on a GPU
+  std::unique_ptr<CudaBackend> backend = Create();
+  ASSERT_NE(backend, nullptr);
+  const int64_t device_before = emulation::DeviceMemoryInUse();
+  const int64_t managed_before = emulation::ManagedMemoryInUse();
+  {
+    absl::StatusOr<std::unique_ptr<CacheArena>> arena = backend->AllocateCacheArena(8 * kMiB);
+    ASSERT_TRUE(arena.ok()) << arena.status();
+    EXPECT_EQ((*arena)->bytes(), 8 * kMiB);
+    EXPECT_EQ((*arena)->describe(), "CUDA managed memory on emulated sm_90 on the host (device 0)");
+    EXPECT_EQ(MemoryTypeOf((*arena)->base()), cudaMemoryTypeManaged);
+    EXPECT_EQ(MemoryTypeOf((*arena)->base() + 8 * kMiB - 1), cudaMemoryTypeManaged);
+    EXPECT_EQ(emulation::ManagedMemoryInUse(), managed_before + 8 * kMiB);
+    EXPECT_EQ(emulation::DeviceMemoryInUse(), device_before);
+  }
+  EXPECT_EQ(emulation::ManagedMemoryInUse(), managed_before);  // cudaFree'd with the arena
+}
+
+TEST_F(EmulatedCudaBackendTest, ABlockPoolOnTheCacheArenaHandsOutManagedBlocks) {
+  std::unique_ptr<CudaBackend> backend = Create();
+  ASSERT_NE(backend, nullptr);
+  absl::StatusOr<std::unique_ptr<CacheArena>> arena = backend->AllocateCacheArena(2 * BlockPool::kChunkBytes);
+  ASSERT_TRUE(arena.ok()) << arena.status();
+  {
+    BlockPool pool((*arena)->base(), (*arena)->bytes());
+    EXPECT_EQ(pool.capacity_bytes(), 2 * BlockPool::kChunkBytes);
+    std::vector<char*> blocks;
+    for (int i = 0; i < 4; ++i) {
+      char* block = pool.Allocate(BlockPool::kChunkBytes / 2);
+      ASSERT_NE(block, nullptr) << i;
+      EXPECT_EQ(MemoryTypeOf(block), cudaMemoryTypeManaged) << i;
+      EXPECT_TRUE(emulation::IsDeviceRange(block, BlockPool::kChunkBytes / 2)) << i;  // kernels may read it
+      std::memset(block, i, BlockPool::kChunkBytes / 2);                               // and the host write it
+      blocks.push_back(block);
+    }
+    EXPECT_EQ(pool.Allocate(64), nullptr);
+    for (char* block : blocks) pool.Unref(block);
+  }  // the pool first, then the arena
+}
+
+TEST_F(EmulatedCudaBackendTest, TheCacheArenaRefusesNoBytes) {
+  std::unique_ptr<CudaBackend> backend = Create();
+  ASSERT_NE(backend, nullptr);
+  EXPECT_EQ(backend->AllocateCacheArena(0).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
 }  // namespace

@@ -31,8 +31,9 @@ constexpr int64_t kAlignment = 256;
 struct Device {
   std::mutex mu;  // guards everything here; held while work runs
   int64_t capacity = int64_t{1} << 30;
-  int64_t in_use = 0;
-  std::map<const char*, int64_t> device_blocks, pinned_blocks;  // start -> bytes
+  int64_t in_use = 0;          // cudaMalloc's bytes
+  int64_t managed_in_use = 0;  // cudaMallocManaged's, not counted against capacity
+  std::map<const char*, int64_t> device_blocks, managed_blocks, pinned_blocks;  // start -> bytes
   std::set<CUstream_st*> streams;
   CUstream_st default_stream;
   cudaError_t sticky = cudaSuccess;
@@ -62,6 +63,11 @@ bool Inside(const std::map<const char*, int64_t>& blocks, const void* p, int64_t
   if (it == blocks.begin()) return false;
   --it;
   return c >= it->first && bytes >= 0 && c + bytes <= it->first + it->second;
+}
+
+// Memory a kernel, a device-side copy or cuBLAS may touch: device and managed allocations.
+bool DeviceAccessible(const Device& d, const void* p, int64_t bytes) {
+  return Inside(d.device_blocks, p, bytes) || Inside(d.managed_blocks, p, bytes);
 }
 
 // Runs the stream's work in order, with d.mu held. Returns the sticky error.
@@ -113,7 +119,13 @@ void EnqueueWork(cudaStream_t stream, std::function<cudaError_t()> work) {
 bool IsDeviceRange(const void* p, int64_t bytes) {
   Device& d = TheDevice();
   std::lock_guard<std::mutex> lock(d.mu);
-  return Inside(d.device_blocks, p, bytes);
+  return DeviceAccessible(d, p, bytes);
+}
+
+int64_t ManagedMemoryInUse() {
+  Device& d = TheDevice();
+  std::lock_guard<std::mutex> lock(d.mu);
+  return d.managed_in_use;
 }
 
 }  // namespace emulation
@@ -176,12 +188,97 @@ cudaError_t cudaFree(void* p) {
   Device& d = TheDevice();
   std::lock_guard<std::mutex> lock(d.mu);
   mha::emulation::DrainAll(d);  // cudaFree waits for the device
-  auto it = d.device_blocks.find(static_cast<const char*>(p));
-  if (it == d.device_blocks.end()) return mha::emulation::Fail(cudaErrorInvalidValue);
-  d.in_use -= it->second;
-  d.device_blocks.erase(it);
+  if (auto it = d.device_blocks.find(static_cast<const char*>(p)); it != d.device_blocks.end()) {
+    d.in_use -= it->second;
+    d.device_blocks.erase(it);
+  } else if (auto managed = d.managed_blocks.find(static_cast<const char*>(p)); managed != d.managed_blocks.end()) {
+    d.managed_in_use -= managed->second;
+    d.managed_blocks.erase(managed);
+  } else {
+    return mha::emulation::Fail(cudaErrorInvalidValue);
+  }
   std::free(p);
   return cudaSuccess;
+}
+
+// Managed memory: host memory (filled like cudaMalloc's), tracked but not counted against the device's capacity,
+// which managed memory may exceed on a GPU. The runtime refuses 0 bytes and flags other than Global or Host.
+cudaError_t cudaMallocManaged(void** p, size_t bytes, unsigned int flags) {
+  Device& d = TheDevice();
+  std::lock_guard<std::mutex> lock(d.mu);
+  *p = nullptr;
+  if (bytes == 0 || (flags != cudaMemAttachGlobal && flags != cudaMemAttachHost)) {
+    return mha::emulation::Fail(cudaErrorInvalidValue);
+  }
+  void* block = mha::emulation::Allocate(static_cast<int64_t>(bytes));
+  if (block == nullptr) return mha::emulation::Fail(cudaErrorMemoryAllocation);
+  d.managed_blocks[static_cast<const char*>(block)] = static_cast<int64_t>(bytes);
+  d.managed_in_use += static_cast<int64_t>(bytes);
+  *p = block;
+  return cudaSuccess;
+}
+
+// Advice changes no result: checked (a range inside one managed allocation, a known advice, a location it accepts:
+// the device or, where the runtime allows it, the host) and otherwise ignored.
+cudaError_t cudaMemAdvise(const void* p, size_t count, enum cudaMemoryAdvise advice, struct cudaMemLocation location) {
+  Device& d = TheDevice();
+  std::lock_guard<std::mutex> lock(d.mu);
+  if (count == 0 || !mha::emulation::Inside(d.managed_blocks, p, static_cast<int64_t>(count))) {
+    return mha::emulation::Fail(cudaErrorInvalidValue);
+  }
+  switch (advice) {
+    case cudaMemAdviseSetReadMostly:
+    case cudaMemAdviseUnsetReadMostly:
+    case cudaMemAdviseUnsetPreferredLocation:
+      return cudaSuccess;  // the location is ignored
+    case cudaMemAdviseSetPreferredLocation:
+    case cudaMemAdviseSetAccessedBy:
+    case cudaMemAdviseUnsetAccessedBy:
+      if (location.type == cudaMemLocationTypeHost) return cudaSuccess;
+      if (location.type != cudaMemLocationTypeDevice) return mha::emulation::Fail(cudaErrorInvalidValue);
+      return location.id == 0 ? cudaSuccess : mha::emulation::Fail(cudaErrorInvalidDevice);
+    default:
+      return mha::emulation::Fail(cudaErrorInvalidValue);
+  }
+}
+
+// As the runtime answers since CUDA 11: any pointer inside an allocation gets its type, and host memory the runtime
+// does not know is Unregistered (cudaSuccess, no device or host alias).
+cudaError_t cudaPointerGetAttributes(struct cudaPointerAttributes* attributes, const void* p) {
+  if (attributes == nullptr) return mha::emulation::Fail(cudaErrorInvalidValue);
+  Device& d = TheDevice();
+  std::lock_guard<std::mutex> lock(d.mu);
+  std::memset(attributes, 0, sizeof(*attributes));
+  void* const alias = const_cast<void*>(p);
+  if (mha::emulation::Inside(d.device_blocks, p, 1)) {
+    attributes->type = cudaMemoryTypeDevice;
+    attributes->devicePointer = alias;
+  } else if (mha::emulation::Inside(d.managed_blocks, p, 1)) {
+    attributes->type = cudaMemoryTypeManaged;
+    attributes->devicePointer = alias;
+    attributes->hostPointer = alias;
+  } else if (mha::emulation::Inside(d.pinned_blocks, p, 1)) {
+    attributes->type = cudaMemoryTypeHost;
+    attributes->devicePointer = alias;  // mapped: unified addressing
+    attributes->hostPointer = alias;
+  } else {
+    attributes->type = cudaMemoryTypeUnregistered;
+    attributes->device = cudaInvalidDeviceId;  // no device holds it
+  }
+  return cudaSuccess;
+}
+
+// The attributes the backend asks for; others are not emulated (cudaErrorInvalidValue).
+cudaError_t cudaDeviceGetAttribute(int* value, enum cudaDeviceAttr attribute, int device) {
+  if (device != 0) return mha::emulation::Fail(cudaErrorInvalidDevice);
+  switch (attribute) {
+    case cudaDevAttrManagedMemory:
+    case cudaDevAttrConcurrentManagedAccess:
+      *value = 1;
+      return cudaSuccess;
+    default:
+      return mha::emulation::Fail(cudaErrorInvalidValue);
+  }
 }
 
 cudaError_t cudaMallocHost(void** p, size_t bytes) {
@@ -241,8 +338,8 @@ cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t count, cudaMemcpy
   const bool dst_device = kind == cudaMemcpyHostToDevice || kind == cudaMemcpyDeviceToDevice;
   const bool src_device = kind == cudaMemcpyDeviceToHost || kind == cudaMemcpyDeviceToDevice;
   if (kind == cudaMemcpyHostToHost || kind == cudaMemcpyDefault) return mha::emulation::Fail(cudaErrorInvalidValue);
-  if ((dst_device && !mha::emulation::Inside(d.device_blocks, dst, bytes)) ||
-      (src_device && !mha::emulation::Inside(d.device_blocks, src, bytes))) {
+  if ((dst_device && !mha::emulation::DeviceAccessible(d, dst, bytes)) ||
+      (src_device && !mha::emulation::DeviceAccessible(d, src, bytes))) {
     return mha::emulation::Fail(cudaErrorInvalidValue);
   }
   CUstream_st* s = mha::emulation::Resolve(d, stream);

@@ -7,7 +7,10 @@
 // (cudaStreamSynchronize, cudaDeviceSynchronize, cudaFree, cudaStreamDestroy): host code that reads an output
 // before waiting, or rewrites a pinned staging buffer before its copy ran, gets what it would get from a GPU that
 // had not got there yet. Copies and products are checked against the bounds of the allocations they touch
-// (cudaErrorInvalidValue, CUBLAS_STATUS_INVALID_VALUE). Work runs one item at a time, on whichever thread waits,
+// (cudaErrorInvalidValue, CUBLAS_STATUS_INVALID_VALUE). Managed memory (cudaMallocManaged) is host memory too, not
+// counted against the capacity (a GPU oversubscribes it), device-accessible for copies, cuBLAS and kernels, and
+// told apart by cudaPointerGetAttributes: Device for cudaMalloc's ranges, Managed for cudaMallocManaged's, Host for
+// cudaMallocHost's, Unregistered for anything else. Work runs one item at a time, on whichever thread waits,
 // under one lock (the kernels' emulation, tests/cuda_emulation.h, is single-threaded).
 //
 // What it cannot show: speed, overlap between streams, the hardware's rounding order, and what the real runtime
@@ -33,8 +36,10 @@ int64_t DeviceMemoryInUse();
 // returns becomes the device's sticky error, which every later wait returns and which skips all later work.
 void EnqueueWork(cudaStream_t stream, std::function<cudaError_t()> work);
 
-// Whether [p, p + bytes) lies inside one live cudaMalloc allocation.
+// Whether [p, p + bytes) lies inside one live allocation a kernel may read: cudaMalloc's or cudaMallocManaged's.
 bool IsDeviceRange(const void* p, int64_t bytes);
+// Bytes of managed memory allocated and not freed (not part of DeviceMemoryInUse).
+int64_t ManagedMemoryInUse();
 
 }  // namespace emulation
 }  // namespace mha
