@@ -14,6 +14,10 @@ absl::Status Backend::SupportsPaged(const PagedProblem&) const {
 
 absl::Status Backend::PagedAttention(const PagedArgs& args) { return SupportsPaged(args.problem); }
 
+absl::StatusOr<std::unique_ptr<CacheArena>> Backend::AllocateCacheArena(int64_t) {
+  return absl::UnimplementedError(absl::StrCat("the ", name(), " backend keeps no cache memory of its own"));
+}
+
 RowStats RowStats::At(int64_t offset) const {
   RowStats at = *this;
   for (float** array : {&at.lse, &at.entropy, &at.confidence, &at.distance, &at.sink, &at.contribution}) {

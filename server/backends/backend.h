@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <memory>
 #include <string>
 
 #include "absl/status/status.h"
@@ -220,6 +221,19 @@ struct PagedArgs {
 // service always pass such arguments; backends check anyway, since a short block table would send them past it.
 absl::Status CheckPagedArgs(const PagedArgs& args);
 
+// Memory for the session store's KV cache blocks (the BlockPool's arena), lent by the backend whose paged kernels
+// read the blocks in place: a GPU backend's managed memory, which lives on the device and which the host may still
+// read and write (the store copies a block for a fork; another backend may serve a call on the same sessions).
+// Address space only until touched; released when the arena is destroyed, after every block is gone. Thread-safe.
+class CacheArena {
+ public:
+  virtual ~CacheArena() = default;
+  virtual char* base() const = 0;
+  virtual int64_t bytes() const = 0;
+  // Where the memory lives, for the log and /v1 status: "CUDA managed memory on NVIDIA H200 (device 0)".
+  virtual std::string describe() const = 0;
+};
+
 // A way to compute attention. Implementations are thread-safe (the server runs a backend's large computations one
 // at a time unless concurrent_calls() says more, and tiny requests run concurrently on gRPC's threads). Errors from third-party libraries are converted to Status
 // inside; nothing throws across this interface. A call that args.stop stopped returns the signal's status, and
@@ -267,6 +281,10 @@ class Backend {
   virtual absl::Status SupportsPaged(const PagedProblem& problem) const;
   virtual int64_t PagedWorkspaceBytes(const PagedProblem& problem) const { return 0; }
   virtual absl::Status PagedAttention(const PagedArgs& args);
+  // An arena of `bytes` for the session store's blocks, when this backend reads caches faster from memory of its
+  // own (UNIMPLEMENTED otherwise: the store reserves host memory). Every backend still accepts blocks from anywhere
+  // the host can address.
+  virtual absl::StatusOr<std::unique_ptr<CacheArena>> AllocateCacheArena(int64_t bytes);
 };
 
 // Number of leading keys that causal (bottom-right aligned: key j is hidden from query i when

@@ -55,6 +55,13 @@ class CudaBackend final : public Backend {
   absl::StatusOr<double> WarmUp() override;
   absl::Status ScaledDotProductAttention(const SdpaArgs& args) override;
   absl::Status MultiHeadAttention(const MhaArgs& args) override;
+  // Sessions: the paged kernels (paged_kernels.h) read blocks in place when they are device-accessible (the arena
+  // below), and otherwise stage the blocks a call reads through the device and write its new tokens back.
+  absl::Status SupportsPaged(const PagedProblem& problem) const override;
+  int64_t PagedWorkspaceBytes(const PagedProblem& problem) const override;
+  absl::Status PagedAttention(const PagedArgs& args) override;
+  // CUDA managed memory preferring this backend's device: the cache stays in HBM, and host code may still touch it.
+  absl::StatusOr<std::unique_ptr<CacheArena>> AllocateCacheArena(int64_t bytes) override;
 
   class Impl;
 

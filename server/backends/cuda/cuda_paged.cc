@@ -1,0 +1,413 @@
+// The CUDA backend's sessions: Backend::PagedAttention on the paged kernels (paged_kernels.h). The caches' blocks
+// are read and written in place when the device can address them (the session store's arena in CUDA managed
+// memory, CudaBackend::AllocateCacheArena); otherwise the blocks a call reads are staged through the lane's device
+// buffer and those that receive new tokens are copied back.
+//
+// The new tokens' inputs are small (a decode step is one row per sequence): head sessions' q, k, v are widened to
+// fp32 on the host as they are staged; a layer session's x goes to the device in its wire dtype and is projected
+// there (cuBLAS, in that dtype, like the stateless layer). Outputs come back in fp32 and are narrowed on the host.
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <array>
+#include <climits>
+#include <cstring>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "proto/mha/v1/tensor_codec.h"
+#include "server/backends/cuda/cuda_backend.h"
+#include "server/backends/cuda/cuda_backend_impl.h"
+#include "server/backends/cuda/flash_plan.h"
+#include "server/backends/cuda/kernels.h"
+#include "server/backends/cuda/paged_kernels.h"
+#include "server/backends/cuda/paged_plan.h"
+#include "server/backends/float_io.h"
+
+namespace mha {
+namespace {
+
+// Whether the device reads `p` in place: device or managed memory.
+bool DeviceAddressable(const void* p) {
+  cudaPointerAttributes attributes;
+  if (cudaPointerGetAttributes(&attributes, p) != cudaSuccess) {
+    cudaGetLastError();  // host memory the runtime never saw: not an error worth keeping
+    return false;
+  }
+  return attributes.type == cudaMemoryTypeDevice || attributes.type == cudaMemoryTypeManaged;
+}
+
+// The layer's view of a paged problem, for the resident-layer cache and its offsets: keys and values come from x.
+AttentionShape LayerShape(const PagedProblem& p, int64_t rows) {
+  AttentionShape s;
+  s.batch = 1;
+  s.q_len = s.kv_len = rows;
+  s.d_model = s.d_kv_in = s.d_v_in = p.d_model;
+  s.heads = p.heads;
+  return s;
+}
+
+}  // namespace
+
+// The host side of one paged call: what is staged where (Staged pieces of the lane's buffers).
+struct CudaBackend::Impl::PagedCall {
+  cuda::PagedPlan plan;
+  std::vector<cuda::PagedSequenceDesc> descs;
+  std::vector<char*> table;  // device-addressable block pointers, sequences in order
+  Staged descs_in, units_in, table_in, qkv_in, x_in;
+  Staged heads_out, layer_out, weights_out;
+  Staged stats_out[5];  // lse, entropy, confidence, distance, sink: [H, n] per sequence
+  Staged contribution_out;
+  char* projected = nullptr;  // layer: [rows, q_width + 2 kv_width] in the wire dtype
+  char* qkv_f32 = nullptr;    // layer, 16-bit wire: the projection widened to fp32
+  char* heads_t = nullptr;    // layer, 16-bit wire: the heads narrowed for W_O
+  char* partials = nullptr;
+  char* staged_blocks = nullptr;  // staging: every block of the call, in table order
+  char *layer_matrices = nullptr, *layer_biases = nullptr, *layer_staging = nullptr;
+};
+
+namespace {
+
+// The softmax statistics of `s` in the kernels' order (PagedParams: lse, entropy, confidence, distance, sink).
+std::array<float*, 5> StatsArrays(const RowStats& s) { return {s.lse, s.entropy, s.confidence, s.distance, s.sink}; }
+
+absl::Status CopyToDevice(const Staged& s, const void* data, cudaStream_t stream, const char* what) {
+  if (s.bytes == 0) return absl::OkStatus();
+  if (data != nullptr) std::memcpy(s.pinned, data, s.bytes);
+  return CudaStatus(cudaMemcpyAsync(s.device, s.pinned, s.bytes, cudaMemcpyHostToDevice, stream), what);
+}
+
+}  // namespace
+
+absl::Status CudaBackend::Impl::Paged(const PagedArgs& a) {
+  RETURN_IF_ERROR_STATUS(CheckPagedArgs(a));
+  const PagedProblem& pr = a.problem;
+  const HeadSpec& h = pr.heads;
+  const KvCacheLayout& cache = pr.cache;
+  const bool layer = pr.d_model > 0;
+  const int t = pr.input_dtype;
+  const int64_t in_size = DTypeSize(pr.input_dtype), dk = h.head_dim;
+  const int64_t qw = h.q_width(), kvw = h.kv_width(), width = qw + 2 * kvw;
+  for (const PagedSequence& seq : a.sequences) {
+    if (layer && seq.x.dtype != pr.input_dtype) {
+      return absl::InternalError("paged call: a layer input's dtype differs from the problem's");
+    }
+  }
+  const bool in_place = DeviceAddressable(a.sequences[0].blocks[0]);
+  // Which statistics any sequence asks for (a batched call's sequences ask for the same ones).
+  std::array<bool, 5> wanted = {};
+  bool contribution = false;
+  for (const PagedSequence& seq : a.sequences) {
+    const std::array<float*, 5> arrays = StatsArrays(seq.stats);
+    for (int i = 0; i < 5; ++i) wanted[i] = wanted[i] || arrays[i] != nullptr;
+    contribution = contribution || (layer && seq.stats.contribution != nullptr);
+  }
+  const bool wide = t == cuda::kF32;
+
+  PagedCall c;
+  c.plan = cuda::PlanPaged(pr, a.sequences, props_.multiProcessorCount);
+  const int64_t rows = c.plan.rows;
+  int64_t row = 0, block = 0, weights = 0;
+  for (const PagedSequence& seq : a.sequences) {
+    cuda::PagedSequenceDesc d;
+    d.block_offset = block;
+    d.length = seq.length;
+    d.new_tokens = seq.new_tokens;
+    d.row = row;
+    d.weights_offset = weights;
+    d.append = seq.append ? 1 : 0;
+    c.descs.push_back(d);
+    row += seq.new_tokens;
+    block += static_cast<int64_t>(seq.blocks.size());
+    if (pr.return_weights) weights += h.num_heads * seq.new_tokens * seq.Keys();
+    for (char* b : seq.blocks) c.table.push_back(b);
+  }
+  const LayerOffsets offsets = layer ? OffsetsFor(LayerShape(pr, rows), a.weights) : LayerOffsets();
+  const bool inline_layer = layer && a.weights.resident_id == 0;
+
+  c.descs_in.bytes = static_cast<int64_t>(c.descs.size() * sizeof(cuda::PagedSequenceDesc));
+  c.units_in.bytes = static_cast<int64_t>(c.plan.units.size() * sizeof(cuda::PagedUnit));
+  c.table_in.bytes = static_cast<int64_t>(c.table.size() * sizeof(char*));
+  if (layer) {
+    c.x_in.bytes = rows * pr.d_model * in_size;
+    c.layer_out.bytes = rows * pr.d_model * 4;
+  } else {
+    c.qkv_in.bytes = rows * width * 4;
+  }
+  c.heads_out.bytes = rows * qw * 4;
+  c.weights_out.bytes = c.plan.weights_elements * 4;
+  for (int i = 0; i < 5; ++i) c.stats_out[i].bytes = wanted[i] ? rows * h.num_heads * 4 : 0;
+  c.contribution_out.bytes = contribution ? rows * h.num_heads * 4 : 0;
+  std::vector<Staged*> staged = {&c.descs_in, &c.units_in, &c.table_in, &c.qkv_in, &c.x_in, &c.heads_out,
+                                 &c.layer_out, &c.weights_out, &c.contribution_out};
+  for (Staged& s : c.stats_out) staged.push_back(&s);
+  const auto carve = [&](char* device, char* host) {
+    Carver d(device), p(host);
+    for (Staged* x : staged) {
+      x->device = d.Take(x->bytes);
+      x->pinned = p.Take(x->bytes);
+    }
+    c.partials = d.Take(cuda::PagedScratchBytes(pr, c.plan));
+    if (layer) {
+      c.projected = d.Take(rows * width * in_size);
+      if (!wide) {
+        c.qkv_f32 = d.Take(rows * width * 4);
+        c.heads_t = d.Take(rows * qw * in_size);
+      }
+      if (inline_layer) {
+        c.layer_matrices = d.Take(offsets.weights * in_size);
+        c.layer_biases = d.Take(offsets.biases * 4);
+        if (!wide) c.layer_staging = d.Take(offsets.weights * 4);
+      }
+    }
+    if (!in_place) c.staged_blocks = d.Take(static_cast<int64_t>(c.table.size()) * cache.BlockBytes());
+    return std::pair<int64_t, int64_t>(d.used(), p.used());
+  };
+
+  Lease lane(*this);
+  RETURN_IF_CUDA_ERROR(cudaSetDevice(options_.device), "cudaSetDevice");
+  const auto [device_bytes, host_bytes] = carve(nullptr, nullptr);
+  RETURN_IF_ERROR_STATUS(Reserve(*lane, device_bytes, host_bytes));
+  carve(lane->device.data(), lane->host.data());
+  cudaStream_t stream = lane->stream;
+
+  // Blocks: in place, or staged in table order.
+  if (!in_place) {
+    for (size_t b = 0; b < c.table.size(); ++b) {
+      char* copy = c.staged_blocks + b * cache.BlockBytes();
+      RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(copy, c.table[b], cache.BlockBytes(), cudaMemcpyHostToDevice, stream),
+                           "staging a cache block");
+      c.table[b] = copy;
+    }
+  }
+  RETURN_IF_ERROR_STATUS(CopyToDevice(c.descs_in, c.descs.data(), stream, "copying the sequences to the device"));
+  RETURN_IF_ERROR_STATUS(CopyToDevice(c.units_in, c.plan.units.data(), stream, "copying the work units"));
+  RETURN_IF_ERROR_STATUS(CopyToDevice(c.table_in, c.table.data(), stream, "copying the block table"));
+  // Inputs.
+  for (size_t i = 0; i < a.sequences.size(); ++i) {
+    const PagedSequence& seq = a.sequences[i];
+    const int64_t n = seq.new_tokens, r0 = c.descs[i].row;
+    if (layer) {
+      std::memcpy(c.x_in.pinned + r0 * pr.d_model * in_size, seq.x.data, n * pr.d_model * in_size);
+      continue;
+    }
+    float* rows_at = reinterpret_cast<float*>(c.qkv_in.pinned) + r0 * width;
+    const FloatInput q(seq.q, n * qw);
+    for (int64_t r = 0; r < n; ++r) std::memcpy(rows_at + r * width, q.data() + r * qw, qw * 4);
+    if (seq.append) {
+      const FloatInput k(seq.k, n * kvw), v(seq.v, n * kvw);
+      for (int64_t r = 0; r < n; ++r) {
+        std::memcpy(rows_at + r * width + qw, k.data() + r * kvw, kvw * 4);
+        std::memcpy(rows_at + r * width + qw + kvw, v.data() + r * kvw, kvw * 4);
+      }
+    }
+  }
+  for (const Staged* s : {&c.qkv_in, &c.x_in}) {
+    RETURN_IF_ERROR_STATUS(CopyToDevice(*s, nullptr, stream, "copying the new tokens to the device"));
+  }
+  RETURN_IF_ERROR_STATUS(Stopped(a.stop));
+
+  // The layer's projections.
+  std::shared_ptr<const DeviceLayer> resident;
+  const float* qkv = reinterpret_cast<const float*>(c.qkv_in.device);
+  if (layer) {
+    const AttentionShape s = LayerShape(pr, rows);
+    if (inline_layer) {
+      RETURN_IF_ERROR_STATUS(UploadLayer(s, a.weights, offsets, t, c.layer_matrices,
+                                         reinterpret_cast<float*>(c.layer_biases),
+                                         reinterpret_cast<float*>(c.layer_staging), stream));
+    } else {
+      absl::StatusOr<std::shared_ptr<const DeviceLayer>> device_layer = Resident(*lane, s, a.weights, t);
+      if (!device_layer.ok()) return device_layer.status();
+      resident = *std::move(device_layer);
+      c.layer_matrices = resident->matrices.data();
+      c.layer_biases = resident->biases.data();
+    }
+    RETURN_IF_ERROR_STATUS(ProjectPaged(*lane, pr, a.weights.fused_qkv, offsets, c, rows));
+    qkv = reinterpret_cast<const float*>(wide ? c.projected : c.qkv_f32);
+  }
+
+  cuda::PagedParams p;
+  p.sequences = reinterpret_cast<const cuda::PagedSequenceDesc*>(c.descs_in.device);
+  p.blocks = reinterpret_cast<char* const*>(c.table_in.device);
+  p.units = reinterpret_cast<const cuda::PagedUnit*>(c.units_in.device);
+  p.num_sequences = static_cast<int64_t>(c.descs.size());
+  p.num_units = static_cast<int64_t>(c.plan.units.size());
+  p.rows = rows;
+  p.q = qkv;
+  p.k = qkv + qw;
+  p.v = qkv + qw + kvw;
+  p.q_stride = p.kv_stride = width;
+  p.heads = h.num_heads;
+  p.kv_heads = h.num_kv_heads;
+  p.head_dim = dk;
+  p.block_tokens = cache.block_tokens;
+  p.cache_dtype = cache.dtype;
+  p.scale = h.scale;
+  if (h.has_rope()) {
+    p.rope_theta = h.rope_theta;
+    p.rope_dim = static_cast<int>(h.rope_dim);
+    p.rope_interleaved = h.rope_interleaved;
+  }
+  p.splits = c.plan.splits;
+  p.split_keys = c.plan.split_keys;
+  p.partial_out = reinterpret_cast<float*>(c.partials);
+  p.partial_state = p.partial_out + rows * h.num_heads * c.plan.splits * dk;
+  p.out = reinterpret_cast<float*>(c.heads_out.device);
+  p.weights = reinterpret_cast<float*>(c.weights_out.device);
+  float** stats_at[5] = {&p.lse, &p.entropy, &p.confidence, &p.distance, &p.sink};
+  for (int i = 0; i < 5; ++i) *stats_at[i] = reinterpret_cast<float*>(c.stats_out[i].device);
+  p.sink_tokens = a.sequences[0].stats.sink_tokens;
+  RETURN_IF_CUDA_ERROR(cuda::LaunchPagedAppend(p, stream), "launching the cache append");
+  RETURN_IF_CUDA_ERROR(cuda::LaunchPagedAttention(p, stream), "launching paged attention");
+  RETURN_IF_ERROR_STATUS(Stopped(a.stop));
+
+  if (layer) RETURN_IF_ERROR_STATUS(OutputPaged(*lane, pr, offsets, c, rows, contribution));
+  return FinishPaged(a, c, stream, in_place);
+}
+
+// Q|K|V = x W (+ b) for a layer session's new rows, in the wire dtype, and widened to fp32 for the kernels.
+absl::Status CudaBackend::Impl::ProjectPaged(Lane& lane, const PagedProblem& pr, bool fused,
+                                             const LayerOffsets& o, PagedCall& c, int64_t rows) const {
+  const int t = pr.input_dtype;
+  const int64_t in_size = DTypeSize(pr.input_dtype);
+  const int64_t qw = pr.heads.q_width(), kvw = pr.heads.kv_width(), width = qw + 2 * kvw;
+  const auto matrix = [&](int64_t offset) { return c.layer_matrices + offset * in_size; };
+  const auto bias = [&](int64_t offset) {
+    return offset < 0 ? nullptr : reinterpret_cast<const float*>(c.layer_biases) + offset;
+  };
+  if (fused) {
+    RETURN_IF_ERROR_STATUS(Linear(lane, t, t, c.x_in.device, rows, pr.d_model, pr.d_model, matrix(o.q), o.ld_q,
+                                  bias(o.bq), width, c.projected, width));
+  } else {
+    RETURN_IF_ERROR_STATUS(Linear(lane, t, t, c.x_in.device, rows, pr.d_model, pr.d_model, matrix(o.q), o.ld_q,
+                                  bias(o.bq), qw, c.projected, width));
+    RETURN_IF_ERROR_STATUS(Linear(lane, t, t, c.x_in.device, rows, pr.d_model, pr.d_model, matrix(o.k), o.ld_k,
+                                  bias(o.bk), kvw, c.projected + qw * in_size, width));
+    RETURN_IF_ERROR_STATUS(Linear(lane, t, t, c.x_in.device, rows, pr.d_model, pr.d_model, matrix(o.v), o.ld_v,
+                                  bias(o.bv), kvw, c.projected + (qw + kvw) * in_size, width));
+  }
+  if (t != cuda::kF32) {
+    RETURN_IF_CUDA_ERROR(cuda::LaunchConvert(c.projected, t, c.qkv_f32, cuda::kF32, rows * width, lane.stream),
+                         "widening the projections");
+  }
+  return absl::OkStatus();
+}
+
+// y = heads W_O (+ b_O) in fp32 for a layer session, and the heads' contributions when asked for.
+absl::Status CudaBackend::Impl::OutputPaged(Lane& lane, const PagedProblem& pr, const LayerOffsets& o, PagedCall& c,
+                                            int64_t rows, bool contribution) const {
+  const int t = pr.input_dtype;
+  const int64_t in_size = DTypeSize(pr.input_dtype), qw = pr.heads.q_width();
+  const char* heads = c.heads_out.device;
+  if (t != cuda::kF32) {
+    RETURN_IF_CUDA_ERROR(cuda::LaunchConvert(heads, cuda::kF32, c.heads_t, t, rows * qw, lane.stream),
+                         "narrowing the heads");
+    heads = c.heads_t;
+  }
+  const float* b_o = o.bo < 0 ? nullptr : reinterpret_cast<const float*>(c.layer_biases) + o.bo;
+  RETURN_IF_ERROR_STATUS(Linear(lane, t, cuda::kF32, heads, rows, qw, qw, c.layer_matrices + o.o * in_size,
+                                pr.d_model, b_o, pr.d_model, c.layer_out.device, pr.d_model));
+  if (contribution) {
+    RETURN_IF_CUDA_ERROR(cuda::LaunchHeadContributions(heads, t, rows, pr.heads.num_heads, pr.heads.head_dim,
+                                                       c.layer_matrices + o.o * in_size, t, c.layer_out.device,
+                                                       cuda::kF32, pr.d_model,
+                                                       reinterpret_cast<float*>(c.contribution_out.device),
+                                                       lane.stream),
+                         "launching the head contributions");
+  }
+  return absl::OkStatus();
+}
+
+// Copies the outputs back, writes them into each sequence's tensors (narrowed to their dtypes, statistics from
+// [H, n] per sequence, contributions from [rows, H]), and returns staged blocks that received new tokens.
+absl::Status CudaBackend::Impl::FinishPaged(const PagedArgs& a, PagedCall& c, cudaStream_t stream,
+                                            bool in_place) const {
+  const PagedProblem& pr = a.problem;
+  const HeadSpec& h = pr.heads;
+  const int64_t bt = pr.cache.block_tokens, block_bytes = pr.cache.BlockBytes();
+  std::vector<const Staged*> outputs = {&c.heads_out, &c.weights_out, &c.contribution_out};
+  if (pr.d_model > 0) outputs[0] = &c.layer_out;
+  for (const Staged& s : c.stats_out) outputs.push_back(&s);
+  for (const Staged* s : outputs) RETURN_IF_ERROR_STATUS(StartCopyOut(*s, stream));
+  std::vector<std::pair<char*, int64_t>> returned;  // host block, table index
+  if (!in_place) {
+    for (size_t i = 0; i < a.sequences.size(); ++i) {
+      const PagedSequence& seq = a.sequences[i];
+      if (!seq.append) continue;
+      for (int64_t b = seq.length / bt; b <= (seq.length + seq.new_tokens - 1) / bt; ++b) {
+        const int64_t index = c.descs[i].block_offset + b;
+        RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(seq.blocks[b], c.staged_blocks + index * block_bytes, block_bytes,
+                                             cudaMemcpyDeviceToHost, stream),
+                             "returning a cache block");
+      }
+    }
+  }
+  RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(stream), "paged attention on the GPU");
+  const int64_t width = pr.d_model > 0 ? pr.d_model : h.q_width();
+  const float* out = reinterpret_cast<const float*>(outputs[0]->pinned);
+  const float* weights = reinterpret_cast<const float*>(c.weights_out.pinned);
+  const float* contribution = reinterpret_cast<const float*>(c.contribution_out.pinned);
+  for (size_t i = 0; i < a.sequences.size(); ++i) {
+    const PagedSequence& seq = a.sequences[i];
+    const cuda::PagedSequenceDesc& d = c.descs[i];
+    const int64_t n = seq.new_tokens;
+    FloatOutput y(seq.out, n * width);
+    std::memcpy(y.data(), out + d.row * width, n * width * 4);
+    y.Finish();
+    if (seq.weights.requested()) {
+      const int64_t count = h.num_heads * n * seq.Keys();
+      FloatOutput w(seq.weights, count);
+      std::memcpy(w.data(), weights + d.weights_offset, count * 4);
+      w.Finish();
+    }
+    const std::array<float*, 5> arrays = StatsArrays(seq.stats);
+    for (int k = 0; k < 5; ++k) {
+      if (arrays[k] != nullptr && c.stats_out[k].bytes > 0) {
+        std::memcpy(arrays[k], reinterpret_cast<const float*>(c.stats_out[k].pinned) + h.num_heads * d.row,
+                    h.num_heads * n * 4);
+      }
+    }
+    if (seq.stats.contribution != nullptr && c.contribution_out.bytes > 0) {
+      for (int64_t head = 0; head < h.num_heads; ++head) {
+        for (int64_t r = 0; r < n; ++r) {
+          seq.stats.contribution[head * n + r] = contribution[(d.row + r) * h.num_heads + head];
+        }
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::SupportsPaged(const PagedProblem& problem) const {
+  const HeadSpec& h = problem.heads;
+  if (h.head_dim > cuda::kMaxHeadDim) {
+    return absl::UnimplementedError(
+        absl::StrCat("the CUDA paged kernels compute head_dim up to ", cuda::kMaxHeadDim, ", got ", h.head_dim));
+  }
+  for (int64_t n : {problem.new_tokens, problem.d_model, h.q_width() + 2 * h.kv_width()}) {
+    if (n > INT_MAX) {
+      return absl::UnimplementedError(absl::StrCat("a dimension of ", n, " exceeds cuBLAS's 32-bit sizes"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+int64_t CudaBackend::PagedWorkspaceBytes(const PagedProblem& problem) const {
+  const HeadSpec& h = problem.heads;
+  const int64_t rows = problem.new_tokens;
+  // The splits are at most 2 per multiprocessor of the largest GPUs (about 132) and one per kMinSplitKeys keys.
+  const int64_t splits = std::clamp<int64_t>(problem.max_length / cuda::kMinSplitKeys, 1, 264);
+  int64_t bytes = rows * h.num_heads * splits * (h.head_dim + 5) * 4;
+  bytes += rows * (h.q_width() + 2 * h.kv_width()) * 8;  // inputs (fp32) and projections
+  bytes += rows * std::max<int64_t>(problem.d_model, h.q_width()) * 8;  // heads and output
+  if (problem.return_weights) bytes += h.num_heads * rows * problem.max_length * 4;
+  return bytes;
+}
+
+absl::Status CudaBackend::PagedAttention(const PagedArgs& args) {
+  RETURN_IF_ERROR_STATUS(SupportsPaged(args.problem));
+  return impl_->Paged(args);
+}
+
+}  // namespace mha

@@ -1,0 +1,77 @@
+// The sessions' launchers (paged_kernels.h) around the device code of paged_kernels.cuh. Under MHA_CUDA_EMULATION
+// (tests/emulated_cuda) g++ compiles this file too, with Enqueue provided by the emulated runtime.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "server/backends/cuda/kernels.h"
+#include "server/backends/cuda/paged_kernels.cuh"
+#include "server/backends/cuda/paged_kernels.h"
+
+namespace mha {
+namespace cuda {
+namespace {
+
+#ifndef MHA_CUDA_EMULATION
+// kernel<<<grid, threads, 0, stream>>>(args...) and the launch's error: the one place this file launches from.
+template <typename... Params, typename... Args>
+cudaError_t Enqueue(void (*kernel)(Params...), dim3 grid, unsigned threads, cudaStream_t stream, Args... args) {
+  kernel<<<grid, threads, 0, stream>>>(args...);
+  return cudaGetLastError();
+}
+#endif
+
+constexpr int64_t kMaxGridX = 0x7fffffff;
+
+}  // namespace
+
+cudaError_t LaunchPagedAppend(const PagedParams& p, cudaStream_t stream) {
+  if (p.rows == 0 || p.kv_heads == 0) return cudaSuccess;
+  if (p.rows > kMaxGridX || p.kv_heads > kMaxGridYZ) return cudaErrorInvalidValue;
+  const dim3 grid(static_cast<unsigned>(p.rows), static_cast<unsigned>(p.kv_heads));
+  switch (p.cache_dtype) {
+    case kF32:
+      return Enqueue(device::PagedAppendKernel<float>, grid, device::kPagedThreads, stream, p);
+    case kF16:
+      return Enqueue(device::PagedAppendKernel<__half>, grid, device::kPagedThreads, stream, p);
+    case kBF16:
+      return Enqueue(device::PagedAppendKernel<__nv_bfloat16>, grid, device::kPagedThreads, stream, p);
+    default:
+      return cudaErrorInvalidValue;
+  }
+}
+
+cudaError_t LaunchPagedAttention(const PagedParams& p, cudaStream_t stream) {
+  if (p.rows == 0) return cudaSuccess;
+  if (p.num_units > kMaxGridX || p.splits < 1 || p.splits > kMaxGridYZ || p.split_keys % kPagedTileKeys != 0) {
+    return cudaErrorInvalidValue;
+  }
+  void (*split)(PagedParams) = nullptr;
+  switch (p.cache_dtype) {
+    case kF32:
+      split = device::SplitKernelFor<float>(p.head_dim);
+      break;
+    case kF16:
+      split = device::SplitKernelFor<__half>(p.head_dim);
+      break;
+    case kBF16:
+      split = device::SplitKernelFor<__nv_bfloat16>(p.head_dim);
+      break;
+    default:
+      break;
+  }
+  if (split == nullptr) return cudaErrorInvalidValue;
+  const dim3 grid(static_cast<unsigned>(p.num_units), static_cast<unsigned>(p.splits));
+  if (const cudaError_t error = Enqueue(split, grid, device::kPagedThreads, stream, p); error != cudaSuccess) {
+    return error;
+  }
+  const int64_t merge_blocks = (p.rows * p.heads + device::kPagedWarps - 1) / device::kPagedWarps;
+  if (merge_blocks > kMaxGridX) return cudaErrorInvalidValue;
+  return Enqueue(device::PagedMergeKernel, dim3(static_cast<unsigned>(merge_blocks)), device::kPagedThreads, stream,
+                 p);
+}
+
+}  // namespace cuda
+}  // namespace mha

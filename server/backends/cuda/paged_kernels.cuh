@@ -1,0 +1,293 @@
+// The sessions' kernels as device code (paged_kernels.h says what they compute): the append of new keys and values
+// into their cache slots, the split kernel that attends over a key range of the blocks, and the merge of the splits.
+// Included by paged_kernels.cu, which launches them, and compiled for the host by tests/emulated_cuda.
+//
+// The split kernel keeps FlashAttention's online softmax per query row (running max m and sum l, fp32, natural
+// units) and, when statistics are asked for, the CPU's three accumulators beside them (row_stats.h's RowSums):
+// A = sum w (s - m), D = sum w |pos - j| and the sink keys' w, rescaled with l when m moves. The merge combines the
+// splits' states by the same rule, so a split row and an unsplit one have the same statistics.
+#ifndef MHA_SERVER_BACKENDS_CUDA_PAGED_KERNELS_CUH_
+#define MHA_SERVER_BACKENDS_CUDA_PAGED_KERNELS_CUH_
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "server/backends/cuda/attention_kernels.cuh"
+#include "server/backends/cuda/paged_kernels.h"
+
+namespace mha {
+namespace cuda {
+namespace device {
+
+inline constexpr int kPagedWarps = 4;
+inline constexpr int kPagedThreads = 32 * kPagedWarps;
+inline constexpr int kPagedStateFields = 5;  // m, l, A, D, sink (paged_kernels.h's partial_state)
+
+// The sequence that row `row` of the call belongs to: sequences are in row order.
+__device__ __forceinline__ int64_t SequenceOfRow(const PagedParams& p, int64_t row) {
+  int64_t lo = 0, hi = p.num_sequences - 1;
+  while (lo < hi) {
+    const int64_t mid = (lo + hi + 1) / 2;
+    if (p.sequences[mid].row <= row) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  return lo;
+}
+
+// Element d of head row x after RoPE at `position` (x itself without RoPE or past rope_dim): the rotation of pair
+// i by position * theta^(-2i / rope_dim), the angle in double as the host backends compute it, the product in fp32.
+__device__ __forceinline__ float RopedValue(const float* x, int64_t d, int64_t position, const PagedParams& p) {
+  if (p.rope_theta == 0 || d >= p.rope_dim) return x[d];
+  const int64_t half = p.rope_dim / 2;
+  int64_t i, a, b;
+  bool first;
+  if (p.rope_interleaved) {
+    i = d / 2;
+    a = 2 * i;
+    b = a + 1;
+    first = d % 2 == 0;
+  } else {
+    first = d < half;
+    i = first ? d : d - half;
+    a = i;
+    b = i + half;
+  }
+  const double angle = static_cast<double>(position) * pow(p.rope_theta, -2.0 * static_cast<double>(i) / p.rope_dim);
+  const float c = static_cast<float>(cos(angle)), s = static_cast<float>(sin(angle));
+  return first ? x[a] * c - x[b] * s : x[b] * c + x[a] * s;
+}
+
+// Keys new token `token` of `seq` sees.
+__device__ __forceinline__ int64_t PagedVisibleEnd(const PagedSequenceDesc& seq, int64_t token) {
+  return seq.append ? seq.length + token + 1 : seq.length;
+}
+
+// One block per new row (grid.x) and KV head (grid.y): its key after RoPE and its value into their slot.
+template <typename CacheT>
+__global__ void __launch_bounds__(kPagedThreads) PagedAppendKernel(PagedParams p) {
+  const int64_t row = blockIdx.x, g = blockIdx.y;
+  const PagedSequenceDesc seq = p.sequences[SequenceOfRow(p, row)];
+  if (!seq.append) return;
+  const int64_t dk = p.head_dim, bt = p.block_tokens, position = seq.length + (row - seq.row);
+  CacheT* block = reinterpret_cast<CacheT*>(p.blocks[seq.block_offset + position / bt]);
+  CacheT* key = block + g * 2 * dk * bt + position % bt;                // K^T column: stride bt
+  CacheT* value = block + g * 2 * dk * bt + dk * bt + position % bt * dk;  // V row
+  const float* k = p.k + row * p.kv_stride + g * dk;
+  const float* v = p.v + row * p.kv_stride + g * dk;
+  for (int64_t d = threadIdx.x; d < dk; d += kPagedThreads) {
+    key[d * bt] = FromFloat<CacheT>(RopedValue(k, d, position, p));
+    value[d] = FromFloat<CacheT>(v[d]);
+  }
+}
+
+// The softmax state of one query row in a split: this lane's part of the output and the row's sums (equal on every
+// lane of the warp).
+template <int kChunks>
+struct RowState {
+  float m = -INFINITY, l = 0, a = 0, dist = 0, sink = 0;
+  float acc[kChunks] = {};
+};
+
+// Adds one tile's scores (this lane's key j, -inf when hidden) to `state`; returns this lane's weight exp(s - m) in
+// the updated state's units (0 for a hidden key), or -1 when no key of the row was visible yet.
+template <int kChunks>
+__device__ __forceinline__ float UpdateRow(RowState<kChunks>& st, float score, int64_t j, int64_t position,
+                                           bool stats, int64_t sink_tokens) {
+  const float m_new = fmaxf(st.m, WarpMax(score));
+  if (m_new == -INFINITY) return -1.0f;
+  const float alpha = expf(st.m - m_new);  // 0 while m was -inf
+  const bool visible = score != -INFINITY;
+  const float w = visible ? expf(score - m_new) : 0.0f;
+  if (stats) {
+    const float kept = st.l > 0 ? alpha * (st.a + st.l * (st.m - m_new)) : 0.0f;
+    st.a = kept + WarpSum(visible ? w * (score - m_new) : 0.0f);
+    st.dist = alpha * st.dist + WarpSum(w * fabsf(static_cast<float>(position - j)));
+    st.sink = alpha * st.sink + WarpSum(j < sink_tokens ? w : 0.0f);
+  }
+  st.l = alpha * st.l + WarpSum(w);
+  for (int c = 0; c < kChunks; ++c) st.acc[c] *= alpha;
+  st.m = m_new;
+  return w;
+}
+
+// Split kernel: grid (units, splits), kPagedThreads threads. Warp w computes the unit's rows w, w + 4, ...; each K
+// tile and V tile of 32 keys is read from the blocks once into shared memory (fp32) for all of them.
+template <typename CacheT, int kChunks>
+__global__ void __launch_bounds__(kPagedThreads) PagedSplitKernel(PagedParams p) {
+  constexpr int kRows = kChunks > 4 ? 8 : 16;  // PagedRowsPerUnit
+  constexpr int kRowsPerWarp = kRows / kPagedWarps;
+  constexpr int kDim = kChunks * 32;
+  constexpr int kTile = kPagedTileKeys;
+  __shared__ float q_shared[kRows][kDim];
+  __shared__ float tile[kDim * (kTile + 1)];  // K^T [kDim][kTile + 1] (padded against bank conflicts), then V [kTile][kDim]
+  __shared__ float w_shared[kRows][kTile];
+  const PagedUnit u = p.units[blockIdx.x];
+  const int64_t split = blockIdx.y;
+  const PagedSequenceDesc seq = p.sequences[u.seq];
+  const int64_t dk = p.head_dim, bt = p.block_tokens;
+  const int rows = u.heads * u.tokens;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t key_base = u.kv_head * 2 * dk * bt, value_base = key_base + dk * bt;
+  char* const* blocks = p.blocks + seq.block_offset;
+
+  for (int idx = threadIdx.x; idx < kRows * kDim; idx += kPagedThreads) {
+    const int r = idx / kDim, d = idx % kDim;
+    float value = 0;
+    if (r < rows && d < dk) {
+      const int64_t token = u.token0 + r / u.heads, head = u.head0 + r % u.heads;
+      value = RopedValue(p.q + (seq.row + token) * p.q_stride + head * dk, d, seq.length + token, p);
+    }
+    q_shared[r][d] = value;
+  }
+  const int64_t begin = split * p.split_keys;
+  const int64_t unit_end = PagedVisibleEnd(seq, u.token0 + u.tokens - 1);
+  const int64_t end = unit_end < begin + p.split_keys ? unit_end : begin + p.split_keys;
+  const bool stats = p.lse != nullptr || p.entropy != nullptr;
+  const int64_t keys = seq.append ? seq.length + seq.new_tokens : seq.length;
+  RowState<kChunks> state[kRowsPerWarp];
+
+  for (int64_t t0 = begin; t0 < end; t0 += kTile) {
+    __syncthreads();  // the previous tile's V (and, the first time, q_shared) is no longer read / now written
+    for (int idx = threadIdx.x; idx < dk * kTile; idx += kPagedThreads) {
+      const int64_t d = idx / kTile, jj = idx % kTile, j = t0 + jj;
+      float value = 0;
+      if (j < end) value = ToFloat(reinterpret_cast<const CacheT*>(blocks[j / bt])[key_base + d * bt + j % bt]);
+      tile[d * (kTile + 1) + jj] = value;
+    }
+    __syncthreads();
+    const int64_t j = t0 + lane;
+    float score[kRowsPerWarp];
+    for (int rr = 0; rr < kRowsPerWarp; ++rr) {
+      const int r = warp + rr * kPagedWarps;
+      score[rr] = -INFINITY;
+      if (r >= rows) continue;
+      float dot = 0;
+      for (int64_t d = 0; d < dk; ++d) dot += q_shared[r][d] * tile[d * (kTile + 1) + lane];
+      const int64_t token = u.token0 + r / u.heads;
+      if (j < end && j < PagedVisibleEnd(seq, token)) score[rr] = dot * p.scale;
+    }
+    __syncthreads();  // every warp has read the K tile
+    for (int idx = threadIdx.x; idx < kTile * dk; idx += kPagedThreads) {
+      const int64_t jj = idx / dk, d = idx % dk, key = t0 + jj;
+      float value = 0;
+      if (key < end) value = ToFloat(reinterpret_cast<const CacheT*>(blocks[key / bt])[value_base + key % bt * dk + d]);
+      tile[jj * kDim + d] = value;
+    }
+    __syncthreads();
+    for (int rr = 0; rr < kRowsPerWarp; ++rr) {
+      const int r = warp + rr * kPagedWarps;
+      if (r >= rows) continue;
+      const int64_t token = u.token0 + r / u.heads, head = u.head0 + r % u.heads;
+      const float w = UpdateRow(state[rr], score[rr], j, seq.length + token, stats, p.sink_tokens);
+      if (w < 0) continue;  // nothing visible to this row yet (the whole warp agrees)
+      if (p.weights != nullptr && score[rr] != -INFINITY) {
+        p.weights[seq.weights_offset + (head * seq.new_tokens + token) * keys + j] = score[rr];
+      }
+      w_shared[r][lane] = w;
+      __syncwarp();
+      for (int c = 0; c < kChunks; ++c) {
+        float sum = 0;
+        for (int jj = 0; jj < kTile; ++jj) sum += w_shared[r][jj] * tile[jj * kDim + lane + 32 * c];
+        state[rr].acc[c] += sum;
+      }
+      __syncwarp();
+    }
+  }
+
+  for (int rr = 0; rr < kRowsPerWarp; ++rr) {
+    const int r = warp + rr * kPagedWarps;
+    if (r >= rows) continue;
+    const int64_t token = u.token0 + r / u.heads, head = u.head0 + r % u.heads;
+    const int64_t slot = ((seq.row + token) * p.heads + head) * p.splits + split;
+    for (int c = 0; c < kChunks; ++c) {
+      if (lane + 32 * c < dk) p.partial_out[slot * dk + lane + 32 * c] = state[rr].acc[c];
+    }
+    if (lane == 0) {
+      float* s = p.partial_state + slot * kPagedStateFields;
+      s[0] = state[rr].m;
+      s[1] = state[rr].l;
+      s[2] = state[rr].a;
+      s[3] = state[rr].dist;
+      s[4] = state[rr].sink;
+    }
+  }
+}
+
+// Merge: one warp per (row, head), kPagedWarps of them per block. Combines the splits' states into the row's
+// output, statistics and weights.
+__global__ void __launch_bounds__(kPagedThreads) PagedMergeKernel(PagedParams p) {
+  const int64_t item = static_cast<int64_t>(blockIdx.x) * kPagedWarps + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (item >= p.rows * p.heads) return;
+  const int64_t row = item / p.heads, head = item % p.heads;
+  const PagedSequenceDesc seq = p.sequences[SequenceOfRow(p, row)];
+  const int64_t token = row - seq.row, dk = p.head_dim;
+  const float* state = p.partial_state + item * p.splits * kPagedStateFields;
+  float m = -INFINITY;
+  for (int s = 0; s < p.splits; ++s) m = fmaxf(m, state[s * kPagedStateFields]);
+  float l = 0, a = 0, dist = 0, sink = 0;
+  if (m != -INFINITY) {
+    for (int s = 0; s < p.splits; ++s) {
+      const float* st = state + s * kPagedStateFields;
+      if (!(st[1] > 0) && !std::isnan(st[1])) continue;  // an empty split
+      const float f = expf(st[0] - m);
+      l += f * st[1];
+      a += f * (st[2] + st[1] * (st[0] - m));
+      dist += f * st[3];
+      sink += f * st[4];
+    }
+  }
+  const float inverse = l > 0 ? 1.0f / l : 0.0f;
+  for (int64_t d = lane; d < dk; d += 32) {
+    float sum = 0;
+    for (int s = 0; s < p.splits; ++s) {
+      const float ms = state[s * kPagedStateFields];
+      if (ms == -INFINITY) continue;
+      sum += expf(ms - m) * p.partial_out[(item * p.splits + s) * dk + d];
+    }
+    p.out[item * dk + d] = std::isnan(l) ? l : sum * inverse;
+  }
+  const int64_t at = p.heads * seq.row + head * seq.new_tokens + token;  // [H, n] of the sequence
+  if (lane == 0 && (p.lse != nullptr || p.entropy != nullptr)) {
+    const bool none = l == 0;
+    const float log_l = logf(l);
+    if (p.lse != nullptr) p.lse[at] = none ? -INFINITY : m + log_l;
+    if (p.entropy != nullptr) {
+      p.entropy[at] = none ? 0.0f : log_l - a * inverse;
+      p.confidence[at] = none ? 0.0f : inverse;
+      p.distance[at] = none ? 0.0f : dist * inverse;
+      p.sink[at] = none ? 0.0f : sink * inverse;
+    }
+  }
+  if (p.weights != nullptr) {
+    const int64_t keys = seq.append ? seq.length + seq.new_tokens : seq.length;
+    const int64_t visible = PagedVisibleEnd(seq, token);
+    float* w = p.weights + seq.weights_offset + (head * seq.new_tokens + token) * keys;
+    for (int64_t j = lane; j < keys; j += 32) {
+      w[j] = j < visible && l > 0 ? expf(w[j] - m) * inverse : (std::isnan(l) ? l : 0.0f);
+    }
+  }
+}
+
+// The split kernel for the cache dtype and head_dim (head_dim <= 256).
+template <typename CacheT>
+void (*SplitKernelFor(int64_t head_dim))(PagedParams) {
+  const int64_t chunks = (head_dim + 31) / 32;
+  if (chunks <= 1) return &PagedSplitKernel<CacheT, 1>;
+  if (chunks <= 2) return &PagedSplitKernel<CacheT, 2>;
+  if (chunks <= 4) return &PagedSplitKernel<CacheT, 4>;
+  if (chunks <= 8) return &PagedSplitKernel<CacheT, 8>;
+  return nullptr;
+}
+
+}  // namespace device
+}  // namespace cuda
+}  // namespace mha
+
+#endif  // MHA_SERVER_BACKENDS_CUDA_PAGED_KERNELS_CUH_

@@ -1,0 +1,52 @@
+#include "server/backends/cuda/paged_plan.h"
+
+#include <algorithm>
+
+namespace mha {
+namespace cuda {
+
+PagedPlan PlanPaged(const PagedProblem& problem, absl::Span<const PagedSequence> sequences, int multiprocessors) {
+  const HeadSpec& h = problem.heads;
+  const int64_t rows_per_unit = PagedRowsPerUnit(h.head_dim), group = h.group_size();
+  const int64_t unit_heads = std::min(group, rows_per_unit), unit_tokens = std::max<int64_t>(1, rows_per_unit / group);
+  PagedPlan plan;
+  int64_t max_keys = 0;
+  for (size_t s = 0; s < sequences.size(); ++s) {
+    const PagedSequence& seq = sequences[s];
+    const int64_t keys = seq.Keys();
+    max_keys = std::max(max_keys, keys);
+    plan.rows += seq.new_tokens;
+    plan.blocks += static_cast<int64_t>(seq.blocks.size());
+    if (problem.return_weights) plan.weights_elements += h.num_heads * seq.new_tokens * keys;
+    for (int64_t g = 0; g < h.num_kv_heads; ++g) {
+      for (int64_t t = 0; t < seq.new_tokens; t += unit_tokens) {
+        for (int64_t h0 = 0; h0 < group; h0 += unit_heads) {
+          PagedUnit u;
+          u.seq = static_cast<int32_t>(s);
+          u.kv_head = static_cast<int32_t>(g);
+          u.head0 = static_cast<int32_t>(g * group + h0);
+          u.heads = static_cast<int32_t>(std::min(unit_heads, group - h0));
+          u.token0 = static_cast<int32_t>(t);
+          u.tokens = static_cast<int32_t>(std::min(unit_tokens, seq.new_tokens - t));
+          plan.units.push_back(u);
+        }
+      }
+    }
+  }
+  const int64_t units = std::max<int64_t>(1, static_cast<int64_t>(plan.units.size()));
+  const int64_t wanted = (2 * std::max(1, multiprocessors) + units - 1) / units;
+  const int64_t most = std::max<int64_t>(1, max_keys / kMinSplitKeys);
+  const int64_t splits = std::clamp<int64_t>(wanted, 1, std::min<int64_t>(most, 1024));
+  const int64_t per_split = (max_keys + splits - 1) / splits;
+  plan.split_keys = std::max<int64_t>(kPagedTileKeys, (per_split + kPagedTileKeys - 1) / kPagedTileKeys * kPagedTileKeys);
+  plan.splits = static_cast<int>(std::max<int64_t>(1, (max_keys + plan.split_keys - 1) / plan.split_keys));
+  return plan;
+}
+
+int64_t PagedScratchBytes(const PagedProblem& problem, const PagedPlan& plan) {
+  const HeadSpec& h = problem.heads;
+  return plan.rows * h.num_heads * plan.splits * (h.head_dim + 5) * 4;
+}
+
+}  // namespace cuda
+}  // namespace mha

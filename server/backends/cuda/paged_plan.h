@@ -1,0 +1,39 @@
+// How the CUDA backend cuts a paged call (sessions) into work units and key splits, decided on the host and
+// testable without a GPU (tests/cuda_backend_test.cc). paged_kernels.h says what a unit and a split are.
+#ifndef MHA_SERVER_BACKENDS_CUDA_PAGED_PLAN_H_
+#define MHA_SERVER_BACKENDS_CUDA_PAGED_PLAN_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/types/span.h"
+#include "server/backends/backend.h"
+#include "server/backends/cuda/paged_kernels.h"
+
+namespace mha {
+namespace cuda {
+
+// Below this many keys per split, splitting costs more in merging than it gains in parallelism.
+inline constexpr int64_t kMinSplitKeys = 256;
+
+struct PagedPlan {
+  std::vector<PagedUnit> units;
+  int splits = 1;
+  int64_t split_keys = kPagedTileKeys;  // a multiple of kPagedTileKeys
+  int64_t rows = 0;                     // new tokens over all sequences
+  int64_t blocks = 0;                   // block pointers over all sequences
+  int64_t weights_elements = 0;         // sum of H n keys over the sequences, when weights are asked for
+};
+
+// Units: for every sequence and KV head, its group's query heads times as many new tokens as fit
+// PagedRowsPerUnit (a group larger than that is cut by heads, one token per unit). Splits: enough for about two
+// blocks per streaming multiprocessor (`multiprocessors`), at least kMinSplitKeys keys each.
+PagedPlan PlanPaged(const PagedProblem& problem, absl::Span<const PagedSequence> sequences, int multiprocessors);
+
+// Scratch the kernels need beyond inputs and outputs for `plan`: the splits' partial outputs and states.
+int64_t PagedScratchBytes(const PagedProblem& problem, const PagedPlan& plan);
+
+}  // namespace cuda
+}  // namespace mha
+
+#endif  // MHA_SERVER_BACKENDS_CUDA_PAGED_PLAN_H_
