@@ -85,6 +85,9 @@ ABSL_FLAG(int, cuda_layer_cache_mb, kDefaults.cuda_layer_cache_mb,
           "GPU MiB for stored layers kept resident on the cuda backend; 0 = a quarter of the GPU's memory");
 ABSL_FLAG(int, kv_cache_mb, kDefaults.kv_cache_mb,
           "MiB of the pool KV-cache sessions' blocks come from (taken as blocks fill); at least 2");
+ABSL_FLAG(std::string, kv_cache_memory, kDefaults.kv_cache_memory,
+          "where the KV-cache pool lives: auto (a backend's memory when one lends it: CUDA managed memory with a "
+          "GPU), host, or cuda (fail at start without a usable CUDA backend)");
 ABSL_FLAG(int, kv_block_tokens, kDefaults.kv_block_tokens,
           "tokens per KV-cache block (multiples of 16 take the decode kernels)");
 ABSL_FLAG(int, max_sessions, kDefaults.max_sessions, "KV-cache sessions open at once at most");
@@ -142,6 +145,7 @@ ServerOptions ServerOptionsFromFlags() {
   options.cuda_allow_tf32 = absl::GetFlag(FLAGS_cuda_allow_tf32);
   options.cuda_layer_cache_mb = absl::GetFlag(FLAGS_cuda_layer_cache_mb);
   options.kv_cache_mb = absl::GetFlag(FLAGS_kv_cache_mb);
+  options.kv_cache_memory = absl::GetFlag(FLAGS_kv_cache_memory);
   options.kv_block_tokens = absl::GetFlag(FLAGS_kv_block_tokens);
   options.max_sessions = absl::GetFlag(FLAGS_max_sessions);
   options.max_session_tokens = absl::GetFlag(FLAGS_max_session_tokens);

@@ -75,6 +75,10 @@ absl::Status CheckSessionOptions(const ServerOptions& o) {
   };
   RETURN_IF_ERROR(in("kv_cache_mb", o.kv_cache_mb, 2, int64_t{1} << 24));
   RETURN_IF_ERROR(in("kv_block_tokens", o.kv_block_tokens, 1, 1024));
+  if (o.kv_cache_memory != "auto" && o.kv_cache_memory != "host" && o.kv_cache_memory != kCudaBackend) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--kv_cache_memory must be auto, host or cuda, got '", o.kv_cache_memory, "'"));
+  }
   RETURN_IF_ERROR(in("max_sessions", o.max_sessions, 1, 1 << 20));
   RETURN_IF_ERROR(in("max_session_tokens", o.max_session_tokens, 1, 1 << 24));
   RETURN_IF_ERROR(in("session_idle_s", o.session_idle_s, 1, 30 * 86400));
@@ -92,6 +96,35 @@ SessionStoreOptions SessionOptions(const ServerOptions& o) {
   s.max_waiting = o.max_queue_size;
   s.max_waiting_bytes = static_cast<int64_t>(o.max_queued_mb) << 20;
   return s;
+}
+
+// The memory of the KV-cache pool (--kv_cache_memory): a backend's arena of `bytes`, or null for host memory the
+// pool reserves itself. "cuda" fails, naming the flag, when the CUDA backend is not there or cannot lend the memory;
+// "auto" takes the first backend that lends some and otherwise host memory.
+absl::StatusOr<std::unique_ptr<CacheArena>> CacheArenaFor(const std::string& memory, const BackendRegistry& backends,
+                                                          int64_t bytes) {
+  if (memory == "host") return std::unique_ptr<CacheArena>();
+  if (memory == kCudaBackend) {
+    ASSIGN_OR_RETURN(Backend * cuda, backends.Find(kCudaBackend, "--kv_cache_memory"));
+    absl::StatusOr<std::unique_ptr<CacheArena>> arena = cuda->AllocateCacheArena(bytes);
+    if (!arena.ok()) {
+      return absl::Status(arena.status().code(),
+                          absl::StrCat("--kv_cache_memory: the cuda backend cannot hold the KV cache (--kv_cache_mb ",
+                                       bytes >> 20, "): ", arena.status().message()));
+    }
+    return arena;
+  }
+  for (const BackendEntry& entry : backends.entries()) {
+    if (!entry.available()) continue;
+    absl::StatusOr<std::unique_ptr<CacheArena>> arena = entry.backend->AllocateCacheArena(bytes);
+    if (arena.ok()) return arena;
+    // UNIMPLEMENTED: the backend reads host memory as well as its own (every CPU backend).
+    if (!absl::IsUnimplemented(arena.status())) {
+      spdlog::warn("--kv_cache_memory auto: backend {} cannot hold the KV cache ({}); trying the next, else host memory",
+                   entry.name, arena.status().ToString());
+    }
+  }
+  return std::unique_ptr<CacheArena>();
 }
 
 // The flags' ranges, and the listen addresses parsed and bound once, so that a mistake fails the start at once, in one
@@ -252,7 +285,13 @@ absl::StatusOr<std::unique_ptr<MhaServer>> MhaServer::Start(ServerOptions option
   scheduling.max_queue_delay = absl::Microseconds(options.max_queue_delay_us);
   server->scheduler_ = std::make_unique<Scheduler>(scheduling, server->metrics_.get());
   server->WarmUp();
-  server->sessions_ = std::make_unique<SessionStore>(SessionOptions(options), server->metrics_.get());
+  const SessionStoreOptions session_options = SessionOptions(options);
+  ASSIGN_OR_RETURN(std::unique_ptr<CacheArena> cache_arena,
+                   CacheArenaFor(options.kv_cache_memory, *server->backends_, session_options.capacity_bytes));
+  server->sessions_ =
+      std::make_unique<SessionStore>(session_options, server->metrics_.get(), std::move(cache_arena));
+  spdlog::info("KV cache: {} MiB in {} (--kv_cache_memory {})", server->sessions_->capacity_bytes() >> 20,
+               server->sessions_->cache_memory(), options.kv_cache_memory);
   server->service_ = std::make_unique<AttentionService>(options, server->layers_.get(), server->backends_.get(),
                                                         server->scheduler_.get(), server->metrics_.get(),
                                                         server->auth_.get(), server->sessions_.get());

@@ -124,6 +124,10 @@ struct ServerOptions {
   // kernels; others gather), sessions open at once, tokens per cache (a session's max_tokens default and limit),
   // and the idle timeout a session gets when it asks for none and the longest it may ask for, in seconds.
   int kv_cache_mb = 1024;
+  // Where that pool lives: "host" (memory the server reserves), "cuda" (CUDA managed memory on --cuda_device, which
+  // the GPU's paged kernels read in place; the start fails without a usable CUDA backend), or "auto": the memory of
+  // the first backend that lends some (CUDA where a GPU is present), else host.
+  std::string kv_cache_memory = "auto";
   int kv_block_tokens = 32;
   int max_sessions = 1024;
   int max_session_tokens = 32768;
