@@ -3,7 +3,11 @@
 // in CI so that it never rots. Without a GPU it prints the driver's reason and exits 2.
 //
 //   paged_bench --probe                 says whether a GPU is usable (exit 0) or why not (exit 2)
-//   paged_bench [--quick] [--arena_max_gib N]
+//   paged_bench [--quick] [--arena_max_gib N] [--shape SESSIONS:T ...] [--copy_mib N] [--reps N]
+//
+// --shape replaces the table's sizes (repeat it for several); --copy_mib sizes the copy (default 4096); --reps the
+// timed kernel runs (default 20). tests/emulated_cuda's paged_bench_emulated (ctest) runs this on the CUDA backend
+// emulated on the CPU at a few small shapes: the host side, the parameters and the check against the host.
 //
 // One decode step: every session has T cached tokens and one new token (H = 32 query heads over Hkv = 8 KV heads,
 // d_k = 128, a bf16 cache in blocks of 32 tokens, the server's default), so the step reads
@@ -16,10 +20,11 @@
 //
 // The kernels alone run on PagedParams built here over one cudaMalloc of blocks, handed out to the sessions in a
 // shuffled order (as a pool that has served a while would), filled with random bf16 values. The first and last
-// sessions' outputs are checked against a host computation on the same cache. Then, where the backend is available
-// and the cache fits under --arena_max_gib (default 16: the arena is CUDA managed memory, and asking for more than
-// the card has free can hang it), one whole CudaBackend::PagedAttention call over blocks in its AllocateCacheArena
-// memory (host inputs and outputs, the backend's own plan), timed on the host clock.
+// sessions' outputs (and session 0's of the backend call) are checked against a host computation on the same cache.
+// Then, where the backend is available and the cache fits under --arena_max_gib (default 16: the arena is CUDA
+// managed memory, and asking for more than the card has free can hang it), one whole CudaBackend::PagedAttention
+// call over blocks in its AllocateCacheArena memory (host inputs and outputs, the backend's own plan), timed on the
+// host clock.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -31,6 +36,7 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "server/backends/backend.h"
@@ -115,7 +121,7 @@ Stats CopyGbs(cudaStream_t stream, int64_t bytes) {
 void Fill(char* dst, int64_t bytes, const char* tile, cudaStream_t stream) {
   const int64_t tile_bytes = kTileElements * 2;
   for (int64_t at = 0; at < bytes; at += tile_bytes) {
-    CHECK_CUDA(cudaMemcpyAsync(dst + at, tile, std::min(tile_bytes, bytes - at), cudaMemcpyDefault, stream));
+    CHECK_CUDA(cudaMemcpyAsync(dst + at, tile, std::min(tile_bytes, bytes - at), cudaMemcpyDeviceToDevice, stream));
   }
 }
 
@@ -333,7 +339,9 @@ KernelResult TimeKernels(const Layout& l, char* pool, const std::vector<__nv_bfl
 
 // One CudaBackend::PagedAttention call (append = false, fp32 inputs and outputs on the host) over blocks in the
 // backend's arena: median wall-clock ms of 5 after one untimed; a negative value with `why` set when it did not run.
-float TimeBackend(CudaBackend& backend, const Layout& l, const char* tile, cudaStream_t stream, std::string* why) {
+// Session 0's output against the host joins `max_diff`.
+float TimeBackend(CudaBackend& backend, const Layout& l, const char* tile, const std::vector<__nv_bfloat16>& host_tile,
+                  cudaStream_t stream, float* max_diff, std::string* why) {
   const PagedProblem problem = DecodeProblem(l);
   if (absl::Status s = backend.SupportsPaged(problem); !s.ok()) {
     *why = std::string(s.message());
@@ -365,11 +373,10 @@ float TimeBackend(CudaBackend& backend, const Layout& l, const char* tile, cudaS
     const auto stop = std::chrono::steady_clock::now();
     if (r > 0) ms.push_back(std::chrono::duration<float, std::milli>(stop - start).count());
   }
-  for (float x : out) {
-    if (!std::isfinite(x)) {
-      *why = "non-finite output";
-      return -1;
-    }
+  const std::vector<float> want = HostOutput(l, 0, host_tile, q, problem.heads.scale);
+  for (size_t i = 0; i < want.size(); ++i) {
+    const float d = std::fabs(out[i] - want[i]);
+    *max_diff = std::isnan(d) ? INFINITY : std::max(*max_diff, d);
   }
   std::sort(ms.begin(), ms.end());
   return ms[ms.size() / 2];
@@ -378,16 +385,37 @@ float TimeBackend(CudaBackend& backend, const Layout& l, const char* tile, cudaS
 int Main(int argc, char** argv) {
   bool quick = false, probe = false;
   double arena_max_gib = 16;
+  int64_t copy_mib = 4096;
+  int reps = 20;
+  std::vector<std::pair<int64_t, int64_t>> shapes;  // (sessions, T)
   for (int i = 1; i < argc; ++i) {
+    long long sessions = 0, tokens = 0;
     if (std::strcmp(argv[i], "--quick") == 0) {
       quick = true;
+      reps = 5;
     } else if (std::strcmp(argv[i], "--probe") == 0) {
       probe = true;
     } else if (std::strcmp(argv[i], "--arena_max_gib") == 0 && i + 1 < argc) {
       arena_max_gib = std::atof(argv[++i]);
+    } else if (std::strcmp(argv[i], "--copy_mib") == 0 && i + 1 < argc) {
+      copy_mib = std::max(1LL, std::atoll(argv[++i]));
+    } else if (std::strcmp(argv[i], "--reps") == 0 && i + 1 < argc) {
+      reps = std::max(1, std::atoi(argv[++i]));
+    } else if (std::strcmp(argv[i], "--shape") == 0 && i + 1 < argc &&
+               std::sscanf(argv[++i], "%lld:%lld", &sessions, &tokens) == 2 && sessions > 0 && tokens > 0) {
+      shapes.emplace_back(sessions, tokens);
     } else {
-      std::fprintf(stderr, "usage: paged_bench [--probe] [--quick] [--arena_max_gib N]\n");
+      std::fprintf(stderr,
+                   "usage: paged_bench [--probe] [--quick] [--arena_max_gib N] [--shape SESSIONS:T ...]"
+                   " [--copy_mib N] [--reps N]\n");
       return 64;
+    }
+  }
+  if (shapes.empty()) {
+    for (int64_t sessions : {1, 32, 256}) {
+      for (int64_t tokens : {1024, 4096, 16384, 32768}) {
+        if (!quick || (tokens == 4096 && sessions != 256)) shapes.emplace_back(sessions, tokens);
+      }
     }
   }
   int count = 0;
@@ -411,7 +439,9 @@ int Main(int argc, char** argv) {
   std::printf("# decode: 1 new token per session, H=%lld Hkv=%lld d_k=%lld, bf16 cache in %lld-token blocks\n",
               static_cast<long long>(kHeads), static_cast<long long>(kKvHeads), static_cast<long long>(kHeadDim),
               static_cast<long long>(kBlockTokens));
-  const int64_t copy_bytes = std::min<int64_t>(4 * kGiB, static_cast<int64_t>(free_bytes / 4));
+  // Room kept free beside a size's blocks: 2 GiB on a large card, less on a small (or emulated) one.
+  const int64_t margin = std::min<int64_t>(2 * kGiB, static_cast<int64_t>(total_bytes / 16));
+  const int64_t copy_bytes = std::min<int64_t>(copy_mib << 20, static_cast<int64_t>(free_bytes / 4));
   const Stats copy = CopyGbs(stream, copy_bytes);
   std::printf("copy D2D %.1f GiB (read + write counted): %.0f GB/s median, %.0f best\n\n",
               static_cast<double>(copy_bytes) / kGiB, copy.median, copy.best);
@@ -428,68 +458,65 @@ int Main(int argc, char** argv) {
   std::printf("| sessions | T | cache GB | splits | kernel ms median / best | GB/s | of copy | append+attn ms |"
               " backend ms | backend GB/s | max diff |\n"
               "|---|---|---|---|---|---|---|---|---|---|---|\n");
-  const int reps = quick ? 5 : 20;
   double best_ratio = 0, worst_ratio = INFINITY;
   int rows_32 = 0;
   bool mismatch = false;
-  for (int64_t sessions : {1, 32, 256}) {
-    for (int64_t tokens : {1024, 4096, 16384, 32768}) {
-      if (quick && (tokens != 4096 || sessions == 256)) continue;
-      const Layout l = MakeLayout(sessions, tokens);
-      const double gb = l.CacheBytesRead() / 1e9;
-      CHECK_CUDA(cudaMemGetInfo(&free_bytes, &total_bytes));
-      if (l.PoolBytes() + 2 * kGiB > static_cast<int64_t>(free_bytes)) {
-        std::printf("| %lld | %lld | %.2f | skipped: %.1f GiB of blocks, %.1f GiB free |||||||\n",
-                    static_cast<long long>(sessions), static_cast<long long>(tokens), gb,
-                    static_cast<double>(l.PoolBytes()) / kGiB, static_cast<double>(free_bytes) / kGiB);
-        continue;
-      }
-      char* pool = nullptr;
-      CHECK_CUDA(cudaMalloc(&pool, l.PoolBytes()));
-      Fill(pool, l.PoolBytes(), d_tile, stream);
-      const KernelResult k = TimeKernels(l, pool, tile, props.multiProcessorCount, reps, stream);
-      CHECK_CUDA(cudaFree(pool));
-      const double gbs = gb / (k.ms.median * 1e-3);
-      const double ratio = gbs / copy.median;
-      if (sessions >= 32) {
-        best_ratio = std::max(best_ratio, ratio);
-        worst_ratio = std::min(worst_ratio, ratio);
-        ++rows_32;
-      }
-      const bool bad = !(k.max_diff < 2e-2f);
-      mismatch |= bad;
-      std::string backend_ms = "-", backend_gbs = "-";
-      if (backend.ok() && static_cast<double>(l.PoolBytes()) > arena_max_gib * kGiB) {
-        backend_ms = "arena > limit";
-      } else if (backend.ok()) {
-        CHECK_CUDA(cudaMemGetInfo(&free_bytes, &total_bytes));
-        std::string why = "the arena would not fit the free memory";
-        const float ms = l.PoolBytes() + 4 * kGiB < static_cast<int64_t>(free_bytes)
-                             ? TimeBackend(**backend, l, d_tile, stream, &why)
-                             : -1.0f;
-        if (ms >= 0) {
-          char buf[64];
-          std::snprintf(buf, sizeof buf, "%.3f", ms);
-          backend_ms = buf;
-          std::snprintf(buf, sizeof buf, "%.0f", gb / (ms * 1e-3));
-          backend_gbs = buf;
-        } else {
-          const auto it = std::find(notes.begin(), notes.end(), why);
-          backend_ms = "note " + std::to_string(1 + (it - notes.begin()));
-          if (it == notes.end()) notes.push_back(why);
-        }
-      }
-      std::printf("| %lld | %lld | %.2f | %d | %.3f / %.3f | %.0f | %.2f | %.3f | %s | %s | %.1e%s |\n",
-                  static_cast<long long>(sessions), static_cast<long long>(tokens), gb, k.splits, k.ms.median,
-                  k.ms.best, gbs, ratio, k.append_ms, backend_ms.c_str(), backend_gbs.c_str(), k.max_diff,
-                  bad ? " MISMATCH" : "");
-      std::fflush(stdout);
+  for (const auto& [sessions, tokens] : shapes) {
+    const Layout l = MakeLayout(sessions, tokens);
+    const double gb = l.CacheBytesRead() / 1e9;
+    CHECK_CUDA(cudaMemGetInfo(&free_bytes, &total_bytes));
+    if (l.PoolBytes() + margin > static_cast<int64_t>(free_bytes)) {
+      std::printf("| %lld | %lld | %.2f | skipped: %.1f GiB of blocks, %.1f GiB free |||||||\n",
+                  static_cast<long long>(sessions), static_cast<long long>(tokens), gb,
+                  static_cast<double>(l.PoolBytes()) / kGiB, static_cast<double>(free_bytes) / kGiB);
+      continue;
     }
+    char* pool = nullptr;
+    CHECK_CUDA(cudaMalloc(&pool, l.PoolBytes()));
+    Fill(pool, l.PoolBytes(), d_tile, stream);
+    const KernelResult k = TimeKernels(l, pool, tile, props.multiProcessorCount, reps, stream);
+    CHECK_CUDA(cudaFree(pool));
+    const double gbs = gb / (k.ms.median * 1e-3);
+    const double ratio = gbs / copy.median;
+    if (sessions >= 32) {
+      best_ratio = std::max(best_ratio, ratio);
+      worst_ratio = std::min(worst_ratio, ratio);
+      ++rows_32;
+    }
+    float max_diff = k.max_diff;  // the backend call's output joins below
+    std::string backend_ms = "-", backend_gbs = "-";
+    if (backend.ok() && static_cast<double>(l.PoolBytes()) > arena_max_gib * kGiB) {
+      backend_ms = "arena > limit";
+    } else if (backend.ok()) {
+      CHECK_CUDA(cudaMemGetInfo(&free_bytes, &total_bytes));
+      std::string why = "the arena would not fit the free memory";
+      const float ms = l.PoolBytes() + 2 * margin < static_cast<int64_t>(free_bytes)
+                           ? TimeBackend(**backend, l, d_tile, tile, stream, &max_diff, &why)
+                           : -1.0f;
+      if (ms >= 0) {
+        char buf[64];
+        std::snprintf(buf, sizeof buf, "%.3f", ms);
+        backend_ms = buf;
+        std::snprintf(buf, sizeof buf, "%.0f", gb / (ms * 1e-3));
+        backend_gbs = buf;
+      } else {
+        const auto it = std::find(notes.begin(), notes.end(), why);
+        backend_ms = "note " + std::to_string(1 + (it - notes.begin()));
+        if (it == notes.end()) notes.push_back(why);
+      }
+    }
+    const bool bad = !(max_diff < 2e-2f);
+    mismatch |= bad;
+    std::printf("| %lld | %lld | %.2f | %d | %.3f / %.3f | %.0f | %.2f | %.3f | %s | %s | %.1e%s |\n",
+                static_cast<long long>(sessions), static_cast<long long>(tokens), gb, k.splits, k.ms.median,
+                k.ms.best, gbs, ratio, k.append_ms, backend_ms.c_str(), backend_gbs.c_str(), max_diff,
+                bad ? " MISMATCH" : "");
+    std::fflush(stdout);
   }
   CHECK_CUDA(cudaFree(d_tile));
   if (!backend.ok()) std::printf("\nbackend calls not timed: %s\n", std::string(backend.status().message()).c_str());
-  for (size_t i = 0; i < notes.size(); ++i) std::printf("\nbackend call note %zu: %s\n", i + 1, notes[i].c_str());
-  std::printf("backend calls: blocks in AllocateCacheArena memory up to %.0f GiB (--arena_max_gib)\n", arena_max_gib);
+  std::printf("\nbackend calls: blocks in AllocateCacheArena memory up to %.0f GiB (--arena_max_gib)\n", arena_max_gib);
+  for (size_t i = 0; i < notes.size(); ++i) std::printf("backend call note %zu: %s\n", i + 1, notes[i].c_str());
   std::printf("\nGB/s: cache bytes read (sessions x T x Hkv x d_k x 2 x 2) over the median kernel time; of copy: that"
               " over the median D2D copy rate (read + write)\n");
   std::printf("decode at 32+ sessions >= 75%% of copy bandwidth: %s (best ratio %.2f, worst %.2f, %d rows)%s\n",
