@@ -630,6 +630,8 @@ struct SessionCase {
   bool rope_interleaved = false;
   bool bias = false;
   bool weights = false;
+  bool stats = false;        // every call asks for the softmax statistics (and contribution, with a layer)
+  bool host_memory = false;  // blocks in host memory even where the backend lends cache memory (TestCaches)
 };
 
 std::ostream& operator<<(std::ostream& os, const SessionCase& c) {
@@ -641,12 +643,16 @@ std::ostream& operator<<(std::ostream& os, const SessionCase& c) {
 // before new tokens land in it, forks that share every block, truncation that drops blocks.
 class TestCaches {
  public:
-  explicit TestCaches(const KvCacheLayout& layout) : layout_(layout), pool_(int64_t{64} << 20) {}
+  // Blocks in `backend`'s cache memory when it lends some (the server's arrangement: a GPU backend then reads them
+  // in place), else in host memory; `host_memory` forces host memory (a GPU backend then stages the blocks).
+  TestCaches(const KvCacheLayout& layout, Backend* backend, bool host_memory = false)
+      : layout_(layout), arena_(host_memory ? nullptr : ArenaOf(backend)), pool_holder_(PoolOn(arena_.get())) {}
   ~TestCaches() {
     for (auto& [id, cache] : caches_) {
       for (char* block : cache.blocks) pool_.Unref(block);
     }
   }
+  bool in_arena() const { return arena_ != nullptr; }
   struct Cache {
     std::vector<char*> blocks;
     int64_t length = 0;
@@ -681,8 +687,21 @@ class TestCaches {
   }
 
  private:
+  static constexpr int64_t kPoolBytes = int64_t{64} << 20;
+  static std::unique_ptr<CacheArena> ArenaOf(Backend* backend) {
+    if (backend == nullptr) return nullptr;
+    absl::StatusOr<std::unique_ptr<CacheArena>> arena = backend->AllocateCacheArena(kPoolBytes);
+    return arena.ok() ? *std::move(arena) : nullptr;
+  }
+  static std::unique_ptr<BlockPool> PoolOn(CacheArena* arena) {
+    return arena != nullptr ? std::make_unique<BlockPool>(arena->base(), arena->bytes())
+                            : std::make_unique<BlockPool>(kPoolBytes);
+  }
+
   const KvCacheLayout layout_;
-  BlockPool pool_;
+  std::unique_ptr<CacheArena> arena_;       // destroyed after the pool
+  std::unique_ptr<BlockPool> pool_holder_;
+  BlockPool& pool_ = *pool_holder_;
   std::map<int64_t, Cache> caches_;
 };
 
@@ -691,7 +710,7 @@ class TestCaches {
 class SessionRun {
  public:
   SessionRun(const SessionCase& c, Backend& backend, const Layer* layer)
-      : c_(c), backend_(backend), layer_(layer), caches_(Layout()) {
+      : c_(c), backend_(backend), layer_(layer), caches_(Layout(), &backend, c.host_memory) {
     problem_.heads.num_heads = c.heads;
     problem_.heads.num_kv_heads = c.kv_heads;
     problem_.heads.head_dim = c.head_dim;
@@ -717,6 +736,7 @@ class SessionRun {
   absl::Status Extend(const std::vector<std::pair<int64_t, std::vector<float>>>& items) {
     std::vector<PagedSequence> sequences(items.size());
     std::vector<std::string> inputs[3], outputs(items.size()), weights(items.size());
+    std::vector<std::vector<float>> stats(items.size());  // 6 arrays of [H, n]: RowStats' order
     std::vector<std::vector<char*>> tables(items.size());
     const int64_t qw = c_.heads * c_.head_dim, kvw = c_.kv_heads * c_.head_dim;
     const size_t in_size = DTypeSize(c_.input_dtype), out_size = DTypeSize(c_.output_dtype);
@@ -755,9 +775,17 @@ class SessionRun {
         weights[i] = NanBytes(c_.heads * n * (seq.length + n), c_.output_dtype);
         seq.weights = {weights[i].data(), c_.output_dtype};
       }
+      if (c_.stats) {
+        const int64_t m = c_.heads * n;
+        stats[i].assign(6 * m, std::nanf(""));
+        float* a = stats[i].data();
+        seq.stats = {a, a + m, a + 2 * m, a + 3 * m, a + 4 * m, c_.layer ? a + 5 * m : nullptr, 3};
+        if (!c_.layer) std::fill(a + 5 * m, a + 6 * m, 0.0f);
+      }
     }
     PagedArgs args;
     args.problem = problem_;
+    args.problem.return_stats = c_.stats;
     args.problem.sequences = static_cast<int64_t>(items.size());
     for (const PagedSequence& seq : sequences) {
       args.problem.new_tokens += seq.new_tokens;
@@ -779,6 +807,7 @@ class SessionRun {
         DecodeToFloat(c_.output_dtype, weights[i].data(), w.size(), w.data());
         weights_[id].push_back(std::move(w));
       }
+      if (c_.stats) stats_[id].push_back(std::move(stats[i]));
     }
     return absl::OkStatus();
   }
@@ -797,6 +826,7 @@ class SessionRun {
   const std::vector<float>& tokens(int64_t id) { return tokens_[id]; }
   const std::vector<float>& outputs(int64_t id) { return out_[id]; }
   const std::vector<std::vector<float>>& weights(int64_t id) { return weights_[id]; }
+  const std::vector<std::vector<float>>& stats(int64_t id) { return stats_[id]; }
 
  private:
   static std::string NanBytes(int64_t n, v1::DataType dtype) {
@@ -812,7 +842,7 @@ class SessionRun {
   PagedProblem problem_;
   TestCaches caches_;
   std::map<int64_t, std::vector<float>> tokens_, out_;
-  std::map<int64_t, std::vector<std::vector<float>>> weights_;
+  std::map<int64_t, std::vector<std::vector<float>>> weights_, stats_;
 };
 
 // Runs the case's steps and plot on `backend`, with token inputs from fixed seeds (so every backend sees the same).
@@ -1004,6 +1034,28 @@ std::vector<SessionCase> SessionCases() {
     pairs.steps = {{70, 1}, {1, 1}, {1, 3}, {1, 1}};
     cases.push_back(pairs);
   }
+  // Every statistic of every call, contribution included, for a layer and for head sessions.
+  for (const char* name : {"session_layer_chunks_gqa_rope", "session_heads_decode_gqa4"}) {
+    for (const SessionCase& known : std::vector<SessionCase>(cases)) {
+      if (known.name != name) continue;
+      SessionCase with = known;
+      with.name += "_stats";
+      with.stats = true;
+      cases.push_back(with);
+    }
+  }
+  // Blocks in host memory on a backend that lends cache memory of its own: a GPU backend stages them through the
+  // device and writes the new tokens back (the other cases read them in place).
+  for (const char* name : {"session_heads_decode_gqa4", "session_layer_truncate_cache_bf16",
+                           "session_heads_fork_diverge_weights"}) {
+    for (const SessionCase& known : std::vector<SessionCase>(cases)) {
+      if (known.name != name) continue;
+      SessionCase host = known;
+      host.name += "_host_memory";
+      host.host_memory = true;
+      cases.push_back(host);
+    }
+  }
   return cases;
 }
 
@@ -1045,6 +1097,13 @@ TEST_P(SessionConformanceTest, ExtendsMatchTheReference) {
     for (size_t step = 0; step < want.weights(id).size(); ++step) {
       EXPECT_TRUE(AllClose(got.weights(id)[step], want.weights(id)[step], BackendTolerance(c), BackendTolerance(c)))
           << "session " << id << " weights of its call " << step;
+    }
+    ASSERT_EQ(got.stats(id).size(), want.stats(id).size());
+    for (size_t step = 0; step < want.stats(id).size(); ++step) {
+      // Distances are in tokens: relative tolerance matters for them.
+      EXPECT_TRUE(AllClose(got.stats(id)[step], want.stats(id)[step], 10 * BackendTolerance(c), 1e-3))
+          << "session " << id << " statistics (lse, entropy, confidence, distance, sink, contribution) of its call "
+          << step;
     }
   }
 }
@@ -1099,7 +1158,7 @@ std::vector<std::vector<float>> PagedStep(Backend& backend, const PagedStatsCase
   p.heads.scale = 0.25f;
   p.cache = {2, 16, 16, c.cache_dtype};
   p.input_dtype = p.output_dtype = v1::FP32;
-  TestCaches caches(p.cache);
+  TestCaches caches(p.cache, &backend);
   const auto call = [&](int64_t n, bool append, bool stats, uint32_t seed, std::vector<std::vector<float>>* got) {
     if (append) caches.Reserve(0, n);
     std::vector<float> q = RandomVector(n * 64, seed, 1.0f), k = RandomVector(n * 32, seed + 1, 1.0f),
