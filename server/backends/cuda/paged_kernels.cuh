@@ -86,6 +86,57 @@ __global__ void __launch_bounds__(kPagedThreads) PagedAppendKernel(PagedParams p
   }
 }
 
+// 16 bytes of cache elements (aligned) as floats.
+template <typename CacheT>
+__device__ __forceinline__ void LoadVector(const CacheT* src, float* dst) {
+  constexpr int kVec = 16 / sizeof(CacheT);
+  const uint4 raw = *reinterpret_cast<const uint4*>(src);
+  const CacheT* values = reinterpret_cast<const CacheT*>(&raw);
+  for (int e = 0; e < kVec; ++e) dst[e] = ToFloat(values[e]);
+}
+
+// One tile of kPagedTileKeys keys from t0 (keys at or past `end` read as 0) of one KV head into shared memory as
+// fp32: K^T [kDim][kTile + 1] (`key` = true) or V [kTile][kDim]. When block_tokens is a multiple of the tile and
+// head_dim of the 16-byte vector, the tile lies in one block: K's rows are runs of kTile slots and V's rows one run
+// of kTile * head_dim elements, read 16 bytes at a time; otherwise element by element through the block table.
+template <typename CacheT, int kDim, bool kKey>
+__device__ __forceinline__ void LoadTile(const PagedParams& p, char* const* blocks, int64_t base, int64_t t0,
+                                         int64_t end, float* tile) {
+  constexpr int kTile = kPagedTileKeys, kVec = 16 / sizeof(CacheT);
+  const int64_t dk = p.head_dim, bt = p.block_tokens;
+  if (bt % kTile == 0 && dk % kVec == 0) {
+    const CacheT* block = reinterpret_cast<const CacheT*>(blocks[t0 / bt]) + base;
+    const int64_t slot0 = t0 % bt;
+    float v[kVec];
+    if (kKey) {
+      constexpr int kPerRow = kTile / kVec;
+      for (int idx = threadIdx.x; idx < dk * kPerRow; idx += kPagedThreads) {
+        const int64_t d = idx / kPerRow, jj = idx % kPerRow * kVec;
+        LoadVector(block + d * bt + slot0 + jj, v);
+        for (int e = 0; e < kVec; ++e) tile[d * (kTile + 1) + jj + e] = v[e];
+      }
+    } else {
+      for (int idx = threadIdx.x; idx < kTile * dk / kVec; idx += kPagedThreads) {
+        const int64_t e0 = static_cast<int64_t>(idx) * kVec, jj = e0 / dk, d = e0 % dk;
+        LoadVector(block + slot0 * dk + e0, v);
+        const bool inside = t0 + jj < end;  // slots past the cache may hold anything, NaN included
+        for (int e = 0; e < kVec; ++e) tile[jj * kDim + d + e] = inside ? v[e] : 0.0f;
+      }
+    }
+    return;
+  }
+  for (int idx = threadIdx.x; idx < dk * kTile; idx += kPagedThreads) {
+    const int64_t a = idx / (kKey ? kTile : dk), b = idx % (kKey ? kTile : dk);  // K: (d, jj); V: (jj, d)
+    const int64_t jj = kKey ? b : a, d = kKey ? a : b, j = t0 + jj;
+    float value = 0;
+    if (j < end) {
+      const CacheT* block = reinterpret_cast<const CacheT*>(blocks[j / bt]) + base;
+      value = ToFloat(kKey ? block[d * bt + j % bt] : block[j % bt * dk + d]);
+    }
+    tile[kKey ? d * (kTile + 1) + jj : jj * kDim + d] = value;
+  }
+}
+
 // The softmax state of one query row in a split: this lane's part of the output and the row's sums (equal on every
 // lane of the warp).
 template <int kChunks>
@@ -154,12 +205,7 @@ __global__ void __launch_bounds__(kPagedThreads) PagedSplitKernel(PagedParams p)
 
   for (int64_t t0 = begin; t0 < end; t0 += kTile) {
     __syncthreads();  // the previous tile's V (and, the first time, q_shared) is no longer read / now written
-    for (int idx = threadIdx.x; idx < dk * kTile; idx += kPagedThreads) {
-      const int64_t d = idx / kTile, jj = idx % kTile, j = t0 + jj;
-      float value = 0;
-      if (j < end) value = ToFloat(reinterpret_cast<const CacheT*>(blocks[j / bt])[key_base + d * bt + j % bt]);
-      tile[d * (kTile + 1) + jj] = value;
-    }
+    LoadTile<CacheT, kDim, true>(p, blocks, key_base, t0, end, tile);
     __syncthreads();
     const int64_t j = t0 + lane;
     float score[kRowsPerWarp];
@@ -173,12 +219,7 @@ __global__ void __launch_bounds__(kPagedThreads) PagedSplitKernel(PagedParams p)
       if (j < end && j < PagedVisibleEnd(seq, token)) score[rr] = dot * p.scale;
     }
     __syncthreads();  // every warp has read the K tile
-    for (int idx = threadIdx.x; idx < kTile * dk; idx += kPagedThreads) {
-      const int64_t jj = idx / dk, d = idx % dk, key = t0 + jj;
-      float value = 0;
-      if (key < end) value = ToFloat(reinterpret_cast<const CacheT*>(blocks[key / bt])[value_base + key % bt * dk + d]);
-      tile[jj * kDim + d] = value;
-    }
+    LoadTile<CacheT, kDim, false>(p, blocks, value_base, t0, end, tile);
     __syncthreads();
     for (int rr = 0; rr < kRowsPerWarp; ++rr) {
       const int r = warp + rr * kPagedWarps;

@@ -61,7 +61,8 @@ struct PagedParams {
   double rope_theta = 0;  // 0: no RoPE
   int rope_dim = 0;
   bool rope_interleaved = false;
-  // Splits of the key range: split s of every unit covers keys [s * split_keys, (s + 1) * split_keys).
+  // Splits of the key range: split s of every unit covers keys [s * split_keys, (s + 1) * split_keys) (paged_plan.h
+  // chooses them: at least kMinSplitKeys keys each, enough to fill the GPU).
   int splits = 1;
   int64_t split_keys = 0;  // a multiple of kPagedTileKeys
   // Scratch: per (row, head, split) the unnormalised output [head_dim] and the softmax state

@@ -34,7 +34,7 @@ PagedPlan PlanPaged(const PagedProblem& problem, absl::Span<const PagedSequence>
     }
   }
   const int64_t units = std::max<int64_t>(1, static_cast<int64_t>(plan.units.size()));
-  const int64_t wanted = (2 * std::max(1, multiprocessors) + units - 1) / units;
+  const int64_t wanted = (kBlocksPerMultiprocessor * std::max(1, multiprocessors) + units - 1) / units;
   const int64_t most = std::max<int64_t>(1, max_keys / kMinSplitKeys);
   const int64_t splits = std::clamp<int64_t>(wanted, 1, std::min<int64_t>(most, 1024));
   const int64_t per_split = (max_keys + splits - 1) / splits;

@@ -15,6 +15,10 @@ namespace cuda {
 
 // Below this many keys per split, splitting costs more in merging than it gains in parallelism.
 inline constexpr int64_t kMinSplitKeys = 256;
+// Blocks of the split kernel the planner aims for per streaming multiprocessor: a decode step is bound by memory
+// bandwidth, and each resident block has one tile (8 KiB in bf16 at head_dim 128) in flight, so about 8 of them
+// (the kernel's registers allow 7 at head_dim 128) keep enough bytes in flight to cover HBM's latency.
+inline constexpr int kBlocksPerMultiprocessor = 8;
 
 struct PagedPlan {
   std::vector<PagedUnit> units;
@@ -26,8 +30,8 @@ struct PagedPlan {
 };
 
 // Units: for every sequence and KV head, its group's query heads times as many new tokens as fit
-// PagedRowsPerUnit (a group larger than that is cut by heads, one token per unit). Splits: enough for about two
-// blocks per streaming multiprocessor (`multiprocessors`), at least kMinSplitKeys keys each.
+// PagedRowsPerUnit (a group larger than that is cut by heads, one token per unit). Splits: enough for about
+// kBlocksPerMultiprocessor blocks per streaming multiprocessor (`multiprocessors`), at least kMinSplitKeys keys each.
 PagedPlan PlanPaged(const PagedProblem& problem, absl::Span<const PagedSequence> sequences, int multiprocessors);
 
 // Scratch the kernels need beyond inputs and outputs for `plan`: the splits' partial outputs and states.
