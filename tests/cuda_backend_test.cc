@@ -5,6 +5,8 @@
 #include <dlfcn.h>
 
 #include <climits>
+#include <map>
+#include <tuple>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -16,6 +18,7 @@
 #include "server/backends/cuda/cuda_backend.h"
 #include "server/backends/cuda/cuda_status.h"
 #include "server/backends/cuda/flash_plan.h"
+#include "server/backends/cuda/paged_plan.h"
 #include "server/backends/registry.h"
 #include "tests/test_util.h"
 
@@ -86,6 +89,23 @@ TEST(FlashPlan, Fp32AndOtherHeadDimsRunOnTheSimtKernel) {
     EXPECT_EQ(plan->grid_y, 3);  // one warp per query row, four per block
     EXPECT_FALSE(plan->async_copies);
   }
+}
+
+TEST(FlashPlan, SoftmaxStatisticsTakeTheSimtKernel) {
+  // The tensor-core kernel keeps no statistics accumulators: a call that asks for them runs on the SIMT kernel even
+  // at the head dims and dtypes the tensor cores take.
+  for (v1::DataType dtype : {v1::FP16, v1::BF16}) {
+    for (int64_t dk : {64, 128}) {
+      absl::StatusOr<cuda::FlashPlan> plan = cuda::PlanFlash(Shape(2, 1000, 1000, 32, 8, dk), dtype, true);
+      ASSERT_TRUE(plan.ok()) << plan.status();
+      EXPECT_EQ(plan->kernel, cuda::FlashKernel::kSimt) << dk;
+      EXPECT_EQ(plan->threads, 128);
+      EXPECT_EQ(plan->grid_y, 250);  // ceil(1000 / 4)
+    }
+  }
+  // Without them, the default: tensor cores.
+  EXPECT_EQ(cuda::PlanFlash(Shape(2, 1000, 1000, 32, 8, 64), v1::BF16, false)->kernel,
+            cuda::FlashKernel::kTensorCore);
 }
 
 TEST(FlashPlan, HeadDimAbove256IsUnimplemented) {
@@ -191,6 +211,20 @@ TEST(CudaSupports, EveryDtypeUpToHeadDim256) {
   }
 }
 
+TEST(CudaSupports, RopeAndSoftmaxStatistics) {
+  for (v1::DataType dtype : {v1::FP32, v1::FP16, v1::BF16}) {
+    AttentionProblem problem;
+    problem.shape = Shape(2, 9, 9, 4, 2, 64);
+    problem.input_dtype = dtype;
+    problem.shape.heads.rope_theta = 10000;
+    problem.shape.heads.rope_dim = 32;
+    problem.shape.heads.rope_interleaved = true;
+    problem.return_stats = true;
+    problem.return_weights = true;
+    EXPECT_TRUE(cuda::CudaSupports(problem).ok()) << DTypeName(dtype) << ": " << cuda::CudaSupports(problem);
+  }
+}
+
 TEST(CudaWorkspace, CountsProjectionsHeadsAndStatistics) {
   AttentionProblem p;
   p.shape = Shape(2, 16, 32, 8, 2, 64);
@@ -201,6 +235,9 @@ TEST(CudaWorkspace, CountsProjectionsHeadsAndStatistics) {
   EXPECT_EQ(cuda::CudaWorkspaceBytes(p), base);
   p.return_weights = true;
   EXPECT_EQ(cuda::CudaWorkspaceBytes(p), base + 2 * 8 * 16 * 8);  // a max and a sum per (batch, head, query)
+  p.return_stats = true;
+  // lse, entropy, confidence, distance, sink and contribution: fp32 per (batch, head, query).
+  EXPECT_EQ(cuda::CudaWorkspaceBytes(p), base + 2 * 8 * 16 * 8 + 6 * 2 * 8 * 16 * 4);
 }
 
 // C[m x n] = A[m x k] B[k x n], column-major with leading dimensions: what cublasGemmEx computes.
@@ -215,6 +252,107 @@ void ColumnMajorProduct(const cuda::ColumnMajorGemm& g) {
       c[i + j * g.ldc] = sum;
     }
   }
+}
+
+// Paged calls (sessions): units and key splits.
+struct PagedPlanCase {
+  std::string name;
+  int64_t heads, kv_heads, head_dim;
+  std::vector<std::pair<int64_t, int64_t>> sequences;  // (cached length, new tokens)
+  int64_t want_units;
+};
+
+std::ostream& operator<<(std::ostream& os, const PagedPlanCase& c) { return os << c.name; }
+
+class PagedPlanTest : public ::testing::TestWithParam<PagedPlanCase> {};
+
+TEST_P(PagedPlanTest, UnitsCoverEveryRowOfEveryHeadOnce) {
+  const PagedPlanCase& c = GetParam();
+  PagedProblem problem;
+  problem.heads.num_heads = c.heads;
+  problem.heads.num_kv_heads = c.kv_heads;
+  problem.heads.head_dim = c.head_dim;
+  std::vector<PagedSequence> sequences(c.sequences.size());
+  std::vector<char*> no_blocks;
+  for (size_t i = 0; i < sequences.size(); ++i) {
+    sequences[i].length = c.sequences[i].first;
+    sequences[i].new_tokens = c.sequences[i].second;
+    sequences[i].blocks = no_blocks;
+  }
+  const cuda::PagedPlan plan = cuda::PlanPaged(problem, sequences, 132);
+  EXPECT_EQ(static_cast<int64_t>(plan.units.size()), c.want_units);
+  std::map<std::tuple<int, int, int>, int> covered;  // (sequence, head, token) -> units
+  const int64_t rows = cuda::PagedRowsPerUnit(c.head_dim), group = c.heads / c.kv_heads;
+  for (const cuda::PagedUnit& u : plan.units) {
+    EXPECT_LE(u.heads * u.tokens, rows);
+    EXPECT_EQ(u.head0 / group, u.kv_head) << "a unit's heads share its KV head";
+    EXPECT_EQ((u.head0 + u.heads - 1) / group, u.kv_head);
+    for (int h = u.head0; h < u.head0 + u.heads; ++h) {
+      for (int t = u.token0; t < u.token0 + u.tokens; ++t) ++covered[{u.seq, h, t}];
+    }
+  }
+  int64_t want_rows = 0;
+  for (const auto& [length, n] : c.sequences) want_rows += n * c.heads;
+  EXPECT_EQ(static_cast<int64_t>(covered.size()), want_rows);
+  for (const auto& [key, count] : covered) EXPECT_EQ(count, 1);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Cases, PagedPlanTest,
+    ::testing::Values(
+        // 4 query heads per KV head x 4 tokens fill 16 rows: one read of a KV head's tiles serves its whole group.
+        PagedPlanCase{"decode_gqa4", 32, 8, 128, {{1000, 1}, {5, 1}}, 16},
+        PagedPlanCase{"prefill_gqa4", 32, 8, 128, {{0, 9}}, 8 * 3},
+        // MQA's group of 32 is cut into units of 16 heads.
+        PagedPlanCase{"decode_mqa", 32, 1, 64, {{100, 2}}, 4},
+        // head_dim above 128: 8 rows a unit, 2 tokens of a group of 4.
+        PagedPlanCase{"decode_dk256", 8, 2, 256, {{10, 3}}, 2 * 2}),
+    [](const auto& info) { return info.param.name; });
+
+PagedProblem DecodeProblem() {
+  PagedProblem problem;
+  problem.heads.num_heads = 32;
+  problem.heads.num_kv_heads = 8;
+  problem.heads.head_dim = 128;
+  return problem;
+}
+
+TEST(PagedPlan, FewLongSequencesSplitTheirKeys) {
+  std::vector<char*> no_blocks;
+  PagedSequence seq;
+  seq.length = 32767;
+  seq.new_tokens = 1;
+  seq.blocks = no_blocks;
+  const cuda::PagedPlan plan = cuda::PlanPaged(DecodeProblem(), {seq}, 132);
+  ASSERT_EQ(plan.units.size(), 8u);
+  // 8 units want 132 x 8 / 8 = 132 splits; 32768 keys allow 128 of at least 256 keys.
+  EXPECT_EQ(plan.splits, 128);
+  EXPECT_EQ(plan.split_keys, 256);
+  EXPECT_EQ(plan.split_keys % cuda::kPagedTileKeys, 0);
+}
+
+TEST(PagedPlan, ManySequencesDoNotSplit) {
+  std::vector<char*> no_blocks;
+  std::vector<PagedSequence> sequences(256);
+  for (PagedSequence& seq : sequences) {
+    seq.length = 4095;
+    seq.new_tokens = 1;
+    seq.blocks = no_blocks;
+  }
+  const cuda::PagedPlan plan = cuda::PlanPaged(DecodeProblem(), sequences, 132);
+  EXPECT_EQ(plan.units.size(), 256u * 8);
+  EXPECT_EQ(plan.splits, 1);
+  EXPECT_GE(plan.split_keys, 4096);
+}
+
+TEST(PagedPlan, ShortCachesKeepOneSplitPerMinimumRange) {
+  std::vector<char*> no_blocks;
+  PagedSequence seq;
+  seq.length = 299;
+  seq.new_tokens = 1;
+  seq.blocks = no_blocks;
+  const cuda::PagedPlan plan = cuda::PlanPaged(DecodeProblem(), {seq}, 132);
+  EXPECT_EQ(plan.splits, 1) << "300 keys hold one split of at least " << cuda::kMinSplitKeys;
 }
 
 TEST(CublasMapping, RowMajorProductWithStridesIsTheColumnMajorCall) {
