@@ -1,7 +1,8 @@
 // The CUDA backend's attention kernels (server/backends/cuda/attention_kernels.cuh), their own source compiled for
 // the host and run on the CPU through tests/cuda_emulation.h, against the reference backend: the tensor-core
 // kernel's fragment layouts, tiles, masks and online softmax in each compiled variant (4 or 8 warps, cp.async or
-// plain loads), the SIMT kernel, and the weights pass. On a machine without a GPU this is how the kernels' logic is
+// plain loads), the SIMT kernel with and without the softmax statistics, and the weights pass; and through their
+// launchers on the emulated runtime (tests/emulated_cuda), RoPE and the heads' contributions. On a machine without a GPU this is how the kernels' logic is
 // tested; the GPU run (tests/gpu/device-check.sh) is still what shows them on the hardware.
 #define MHA_CUDA_EMULATION
 #include "tests/cuda_emulation.h"
@@ -16,9 +17,12 @@
 #include <string>
 #include <vector>
 
+#include <cuda_runtime_api.h>
+
 #include "gtest/gtest.h"
 #include "proto/mha/v1/tensor_codec.h"
 #include "server/backends/cuda/flash_plan.h"
+#include "server/backends/cuda/kernels.h"
 #include "server/backends/reference/reference_backend.h"
 #include "tests/test_util.h"
 
@@ -37,6 +41,7 @@ struct Case {
   bool head_mask = false;
   bool fp32_out = false;     // the kernel writes fp32 (a 16-bit layer's heads are written in their own dtype)
   bool weights = false;      // row statistics, then the weights pass
+  bool stats = false;        // the softmax statistics (lse, entropy, confidence, distance, sink): the SIMT kernel
 
   friend std::ostream& operator<<(std::ostream& os, const Case& c) { return os << c.name; }
 };
@@ -106,6 +111,15 @@ TEST_P(EmulatedKernelTest, MatchesTheReference) {
   std::vector<float> want(q_count), want_weights(c.weights ? c.batch * c.heads * c.q_len * c.kv_len : 0);
   args.out = {want.data(), v1::FP32};
   if (c.weights) args.weights = {want_weights.data(), v1::FP32};
+  // lse, entropy, confidence, distance, sink: [B, H, Tq] each.
+  const int64_t stat_count = c.batch * c.heads * c.q_len;
+  std::vector<std::vector<float>> want_stats(c.stats ? 5 : 0, std::vector<float>(stat_count));
+  constexpr int64_t kSinkTokens = 3;
+  if (c.stats) {
+    args.stats = {want_stats[0].data(), want_stats[1].data(), want_stats[2].data(), want_stats[3].data(),
+                  want_stats[4].data()};
+    args.stats.sink_tokens = kSinkTokens;
+  }
   ReferenceBackend reference;
   ASSERT_TRUE(reference.ScaledDotProductAttention(args).ok());
   if (c.head_mask) {
@@ -117,9 +131,12 @@ TEST_P(EmulatedKernelTest, MatchesTheReference) {
   }
 
   // The kernel, as the backend would launch it, with the case's variant of the plan.
-  absl::StatusOr<cuda::FlashPlan> planned = cuda::PlanFlash(shape, c.dtype);
+  absl::StatusOr<cuda::FlashPlan> planned = cuda::PlanFlash(shape, c.dtype, c.stats);
   ASSERT_TRUE(planned.ok()) << planned.status();
   cuda::FlashPlan plan = *planned;
+  if (c.stats) {
+    ASSERT_EQ(plan.kernel, cuda::FlashKernel::kSimt);
+  }
   if (c.block_m != 0) {
     ASSERT_EQ(plan.kernel, cuda::FlashKernel::kTensorCore);
     plan = cuda::TensorCoreVariant(plan, c.q_len, c.block_m, c.async_copies);
@@ -149,6 +166,15 @@ TEST_P(EmulatedKernelTest, MatchesTheReference) {
   p.head_dim = c.head_dim;
   p.causal = c.causal;
   p.scale = shape.heads.scale;
+  std::vector<std::vector<float>> stats(want_stats.size(), std::vector<float>(stat_count, -1234.0f));
+  if (c.stats) {
+    p.lse = stats[0].data();
+    p.entropy = stats[1].data();
+    p.confidence = stats[2].data();
+    p.distance = stats[3].data();
+    p.sink = stats[4].data();
+    p.sink_tokens = kSinkTokens;
+  }
   const cuda::device::AttentionLaunch launch = cuda::device::ChooseAttentionKernel(p, plan);
   ASSERT_NE(launch.kernel, nullptr);
   ASSERT_EQ(emulation::Launch(launch.kernel, launch.grid, launch.threads, p), "");
@@ -156,6 +182,11 @@ TEST_P(EmulatedKernelTest, MatchesTheReference) {
   // |got - want| <= tol (1 + |want|): atol = rtol = tol.
   const double tolerance = Tolerance(c.dtype) + (out_dtype == v1::BF16 ? 2e-3 : 0.0);  // the output's rounding
   EXPECT_TRUE(testing::AllClose(Decode(out, out_dtype), want, tolerance, tolerance)) << "outputs";
+  // The statistics from the same wire values: fp32 sums against the reference's doubles.
+  const char* stat_names[] = {"lse", "entropy", "confidence", "distance", "sink"};
+  for (size_t k = 0; k < want_stats.size(); ++k) {
+    EXPECT_TRUE(testing::AllClose(stats[k], want_stats[k], 1e-4, 1e-4)) << stat_names[k];
+  }
 
   if (c.weights) {
     std::vector<uint8_t> weights(want_weights.size() * DTypeSize(out_dtype), 0xff);
@@ -191,10 +222,154 @@ const Case kCases[] = {
     {"simt_fp32_dk64_causal_tq_gt_tk", v1::FP32, 0, true, 1, 30, 10, 2, 1, 64, true},
     {"simt_bf16_dk80_gqa", v1::BF16, 0, true, 2, 17, 33, 4, 2, 80, true, false, false, false, true},
     {"simt_fp16_dk256", v1::FP16, 0, true, 1, 6, 45, 2, 2, 256, false, true},
+    // The softmax statistics (the SIMT kernel, even where the tensor cores would take the call): several steps of
+    // 32 keys (the running max moves), rows that see no key (key length 0, causal with Tq > Tk), -inf mask entries,
+    // with the weights pass and the head mask beside them.
+    {"stats_fp32_dk8_causal_lengths", v1::FP32, 0, true, 3, 13, 100, 4, 2, 8, true, true, false, false, false, false,
+     true},
+    {"stats_fp32_dk20_masks_weights", v1::FP32, 0, true, 2, 9, 70, 3, 3, 20, false, true, true, true, false, true,
+     true},
+    {"stats_fp32_dk16_causal_tq_gt_tk", v1::FP32, 0, true, 1, 30, 10, 2, 1, 16, true, false, false, false, false,
+     false, true},
+    {"stats_bf16_dk64_gqa_masks", v1::BF16, 0, true, 2, 17, 90, 4, 2, 64, true, true, true, false, false, false,
+     true},
+    {"stats_fp16_dk128_fp32_out", v1::FP16, 0, true, 1, 6, 45, 2, 2, 128, false, false, false, false, true, false,
+     true},
 };
 
 INSTANTIATE_TEST_SUITE_P(Kernels, EmulatedKernelTest, ::testing::ValuesIn(kCases),
                          [](const ::testing::TestParamInfo<Case>& info) { return std::string(info.param.name); });
+
+// RoPE as the reference backend rotates (HeadSpec's definition, in double): rows of `row_stride` values, `heads`
+// heads of head_dim from each row's start, row r of each batch item at position first + r.
+std::vector<float> RotatedInDouble(const std::vector<float>& x, int64_t batch, int64_t rows, int64_t row_stride,
+                                   int64_t heads, int64_t head_dim, int64_t first, double theta, int64_t rope_dim,
+                                   bool interleaved) {
+  std::vector<float> y = x;
+  const int64_t half = rope_dim / 2;
+  for (int64_t row = 0; row < batch * rows; ++row) {
+    const double position = static_cast<double>(first + row % rows);
+    for (int64_t h = 0; h < heads; ++h) {
+      const int64_t base = row * row_stride + h * head_dim;
+      for (int64_t i = 0; i < half; ++i) {
+        const double angle = position * std::pow(theta, -2.0 * static_cast<double>(i) / static_cast<double>(rope_dim));
+        const int64_t a = base + (interleaved ? 2 * i : i), b = base + (interleaved ? 2 * i + 1 : i + half);
+        y[a] = static_cast<float>(x[a] * std::cos(angle) - x[b] * std::sin(angle));
+        y[b] = static_cast<float>(x[b] * std::cos(angle) + x[a] * std::sin(angle));
+      }
+    }
+  }
+  return y;
+}
+
+struct RopeCase {
+  const char* name;
+  v1::DataType dtype;
+  int64_t batch, rows, heads, head_dim, extra_columns;  // row_stride = heads * head_dim + extra_columns
+  int64_t first;                                         // position of each item's row 0
+  double theta;
+  int64_t rope_dim;
+  bool interleaved;
+
+  friend std::ostream& operator<<(std::ostream& os, const RopeCase& c) { return os << c.name; }
+};
+
+class EmulatedRopeTest : public ::testing::TestWithParam<RopeCase> {};
+
+TEST_P(EmulatedRopeTest, MatchesTheDefinition) {
+  const RopeCase& c = GetParam();
+  const int64_t row_stride = c.heads * c.head_dim + c.extra_columns;
+  // The wire's values (rounded to the dtype), so that the only rounding left is the rotated values' own.
+  const std::vector<uint8_t> input = Encode(testing::RandomVector(c.batch * c.rows * row_stride, 17), c.dtype);
+  const std::vector<float> want = RotatedInDouble(Decode(input, c.dtype), c.batch, c.rows, row_stride, c.heads,
+                                                  c.head_dim, c.first, c.theta, c.rope_dim, c.interleaved);
+  std::vector<uint8_t> x = input;
+  ASSERT_EQ(cuda::LaunchRope(x.data(), c.dtype, c.batch, c.rows, row_stride, c.heads, c.head_dim, c.first, c.theta,
+                             c.rope_dim, c.interleaved, nullptr),
+            cudaSuccess);
+  ASSERT_EQ(cudaStreamSynchronize(nullptr), cudaSuccess);
+  // fp32: the angle in double shows (fp32 angles are off by 1e-3 rad at position 8192); 16-bit: one rounding.
+  const double tolerance = c.dtype == v1::FP32 ? 2e-6 : c.dtype == v1::FP16 ? 1e-3 : 8e-3;
+  EXPECT_TRUE(testing::AllClose(Decode(x, c.dtype), want, tolerance, tolerance));
+}
+
+// Both conventions, partial rotary dims, columns beyond the heads left alone (a fused Q|K|V row), negative and
+// large positions.
+const RopeCase kRopeCases[] = {
+    {"fp32_half_full", v1::FP32, 2, 9, 3, 16, 0, 0, 10000.0, 16, false},
+    {"fp32_interleaved_partial_strided", v1::FP32, 2, 5, 4, 12, 40, 3, 500000.0, 8, true},
+    {"fp32_half_partial_negative_positions", v1::FP32, 1, 7, 2, 10, 5, -4, 100.0, 6, false},
+    {"fp32_interleaved_long_positions", v1::FP32, 1, 4, 2, 32, 0, 8190, 10000.0, 32, true},
+    {"fp16_half_strided", v1::FP16, 2, 6, 4, 64, 128, 10, 10000.0, 64, false},
+    {"bf16_interleaved_partial", v1::BF16, 3, 5, 2, 32, 0, 0, 10000.0, 24, true},
+};
+
+INSTANTIATE_TEST_SUITE_P(Rope, EmulatedRopeTest, ::testing::ValuesIn(kRopeCases),
+                         [](const ::testing::TestParamInfo<RopeCase>& info) { return std::string(info.param.name); });
+
+// contribution[r, h] = ||heads[r, h] W_O[h]|| / ||out[r]|| in double, as the reference backend computes it.
+std::vector<float> ContributionsInDouble(const std::vector<float>& heads, const std::vector<float>& w_o,
+                                         const std::vector<float>& out, int64_t rows, int64_t num_heads,
+                                         int64_t head_dim, int64_t d_model) {
+  std::vector<float> result(rows * num_heads);
+  for (int64_t r = 0; r < rows; ++r) {
+    double out_norm = 0;
+    for (int64_t o = 0; o < d_model; ++o) out_norm += double{out[r * d_model + o]} * out[r * d_model + o];
+    for (int64_t h = 0; h < num_heads; ++h) {
+      double norm = 0;
+      for (int64_t o = 0; o < d_model; ++o) {
+        double term = 0;
+        for (int64_t c = 0; c < head_dim; ++c) {
+          term += double{heads[(r * num_heads + h) * head_dim + c]} * w_o[(h * head_dim + c) * d_model + o];
+        }
+        norm += term * term;
+      }
+      result[r * num_heads + h] = out_norm > 0 ? static_cast<float>(std::sqrt(norm / out_norm)) : 0.0f;
+    }
+  }
+  return result;
+}
+
+struct ContributionCase {
+  const char* name;
+  v1::DataType compute, out;  // heads and W_O in `compute`, the output in `out`
+  int64_t rows, num_heads, head_dim, d_model;
+
+  friend std::ostream& operator<<(std::ostream& os, const ContributionCase& c) { return os << c.name; }
+};
+
+class EmulatedContributionTest : public ::testing::TestWithParam<ContributionCase> {};
+
+TEST_P(EmulatedContributionTest, MatchesTheDefinition) {
+  const ContributionCase& c = GetParam();
+  const int64_t width = c.num_heads * c.head_dim;
+  const std::vector<uint8_t> heads = Encode(testing::RandomVector(c.rows * width, 5), c.compute);
+  const std::vector<uint8_t> w_o = Encode(testing::RandomVector(width * c.d_model, 6), c.compute);
+  std::vector<float> out_values = testing::RandomVector(c.rows * c.d_model, 7);
+  for (int64_t o = 0; o < c.d_model; ++o) out_values[2 * c.d_model + o] = 0.0f;  // a zero output row: 0
+  const std::vector<uint8_t> out = Encode(out_values, c.out);
+  const std::vector<float> want = ContributionsInDouble(Decode(heads, c.compute), Decode(w_o, c.compute),
+                                                       Decode(out, c.out), c.rows, c.num_heads, c.head_dim, c.d_model);
+  std::vector<float> got(c.rows * c.num_heads, -1.0f);
+  ASSERT_EQ(cuda::LaunchHeadContributions(heads.data(), c.compute, c.rows, c.num_heads, c.head_dim, w_o.data(),
+                                          c.compute, out.data(), c.out, c.d_model, got.data(), nullptr),
+            cudaSuccess);
+  ASSERT_EQ(cudaStreamSynchronize(nullptr), cudaSuccess);
+  EXPECT_TRUE(testing::AllClose(got, want, 1e-5, 1e-5));
+  for (int64_t h = 0; h < c.num_heads; ++h) EXPECT_EQ(got[2 * c.num_heads + h], 0.0f);
+}
+
+// Rows beyond a block's 8 (the last block partial), output columns beyond the block's 256 threads, 16-bit inputs.
+const ContributionCase kContributionCases[] = {
+    {"fp32_partial_block", v1::FP32, v1::FP32, 19, 3, 20, 300},
+    {"bf16_heads_fp32_out", v1::BF16, v1::FP32, 10, 4, 32, 64},
+    {"fp16_heads_fp16_out", v1::FP16, v1::FP16, 9, 2, 64, 257},
+};
+
+INSTANTIATE_TEST_SUITE_P(HeadContributions, EmulatedContributionTest, ::testing::ValuesIn(kContributionCases),
+                         [](const ::testing::TestParamInfo<ContributionCase>& info) {
+                           return std::string(info.param.name);
+                         });
 
 // The emulation itself: what the kernel tests above rely on.
 TEST(CudaEmulation, ThreadsThatWaitAtDifferentBarriersAreReported) {

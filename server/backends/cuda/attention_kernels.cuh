@@ -60,7 +60,14 @@ __device__ __forceinline__ const float* MaskRow(const AttentionParams& p, int64_
 // ---------------------------------------------------------------------------------------------------------------
 // SIMT kernel: one warp per query row. Lane l scores key j0 + l of each step of 32 keys; the output row's head_dim
 // values are spread over the lanes, kChunks per lane (head_dim <= 32 kChunks).
-template <typename T, typename OutT, int kChunks>
+//
+// kStats: the softmax statistics (AttentionParams' lse .. sink) too. Each lane keeps, beside its share l_lane of the
+// sum l, the accumulators A = sum w (s - m), D = sum w |pos - j| and K = the w of the sink keys over its keys, w =
+// exp(s - m) against the running max m; when m moves to m', A' = e^(m - m') (A + l_lane (m - m')) and D, K, l_lane
+// scale by e^(m - m'). The warp adds the lanes' shares at the end: lse = m + ln l, entropy = ln l - A / l,
+// confidence = 1 / l, distance = D / l, sink = K / l. (A separate instantiation, so that the plain kernel keeps its
+// registers.)
+template <typename T, typename OutT, int kChunks, bool kStats>
 __global__ void __launch_bounds__(kSimtThreads) SimtAttention(AttentionParams p) {
   __shared__ float q_shared[kSimtWarps][kChunks * 32];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -86,6 +93,9 @@ __global__ void __launch_bounds__(kSimtThreads) SimtAttention(AttentionParams p)
   float m = -INFINITY, l = 0.0f, o[kChunks];
   #pragma unroll
   for (int c = 0; c < kChunks; ++c) o[c] = 0.0f;
+  // kStats: this lane's shares (see above), and the query's position (bottom-right aligned).
+  float l_lane = 0.0f, entropy_lane = 0.0f, distance_lane = 0.0f, sink_lane = 0.0f;
+  const float position = static_cast<float>(i + p.kv_len - p.q_len);
   for (int64_t j0 = 0; j0 < n; j0 += 32) {
     const int64_t j = j0 + lane;
     float s = -INFINITY;
@@ -101,6 +111,20 @@ __global__ void __launch_bounds__(kSimtThreads) SimtAttention(AttentionParams p)
     const float pj = expf(s - base);  // 0 for -inf
     const float correction = expf(m - base);
     l = l * correction + WarpSum(pj);
+    if constexpr (kStats) {
+      // l_lane == 0: nothing seen yet (m may be -inf, m - base NaN). correction == 0: what was seen vanishes
+      // against the new max (m - base may have overflowed to -inf: lowest against largest float).
+      entropy_lane = correction == 0.0f ? 0.0f
+                                        : correction * (entropy_lane + (l_lane == 0.0f ? 0.0f : l_lane * (m - base)));
+      distance_lane *= correction;
+      sink_lane *= correction;
+      l_lane = l_lane * correction + pj;
+      if (pj != 0.0f) {  // a masked key adds nothing (and 0 * -inf would be NaN); a NaN pj makes the row NaN
+        entropy_lane = fmaf(pj, s - base, entropy_lane);
+        distance_lane = fmaf(pj, fabsf(position - static_cast<float>(j)), distance_lane);
+        if (j < p.sink_tokens) sink_lane += pj;
+      }
+    }
     #pragma unroll
     for (int c = 0; c < kChunks; ++c) o[c] *= correction;
     const int count = n - j0 < 32 ? static_cast<int>(n - j0) : 32;
@@ -127,6 +151,29 @@ __global__ void __launch_bounds__(kSimtThreads) SimtAttention(AttentionParams p)
     float* stats = p.row_stats + 2 * ((b * p.heads + h) * p.q_len + i);
     stats[0] = m;
     stats[1] = l;
+  }
+  if constexpr (kStats) {
+    const float entropy_sum = WarpSum(entropy_lane), distance_sum = WarpSum(distance_lane),
+                sink_sum = WarpSum(sink_lane);
+    if (lane == 0) {
+      const int64_t row = (b * p.heads + h) * p.q_len + i;
+      float lse = -INFINITY, entropy = 0.0f, confidence = 0.0f, distance = 0.0f, sink = 0.0f;
+      if (l != l) {  // NaN: a NaN score
+        lse = entropy = confidence = distance = sink = l;
+      } else if (l > 0.0f) {
+        const float log_sum = logf(l), inverse = 1.0f / l;
+        lse = m + log_sum;
+        entropy = fmaxf(0.0f, log_sum - entropy_sum * inverse);  // rounding can leave one key's a hair below 0
+        confidence = inverse;
+        distance = distance_sum * inverse;
+        sink = sink_sum * inverse;
+      }
+      if (p.lse != nullptr) p.lse[row] = lse;
+      if (p.entropy != nullptr) p.entropy[row] = entropy;
+      if (p.confidence != nullptr) p.confidence[row] = confidence;
+      if (p.distance != nullptr) p.distance[row] = distance;
+      if (p.sink != nullptr) p.sink[row] = sink;
+    }
   }
 }
 
@@ -508,9 +555,20 @@ void (*TensorCoreKernel(const FlashPlan& plan))(AttentionParams) {
   return nullptr;
 }
 
+template <typename T, typename OutT, bool kStats>
+void (*SimtKernel(const AttentionParams& p))(AttentionParams) {
+  const int64_t chunks = (p.head_dim + 31) / 32;
+  if (chunks <= 1) return &SimtAttention<T, OutT, 1, kStats>;
+  if (chunks <= 2) return &SimtAttention<T, OutT, 2, kStats>;
+  if (chunks <= 4) return &SimtAttention<T, OutT, 4, kStats>;
+  if (chunks <= 8) return &SimtAttention<T, OutT, 8, kStats>;
+  return nullptr;
+}
+
 template <typename T, typename OutT>
 void (*TypedKernel(const AttentionParams& p, const FlashPlan& plan))(AttentionParams) {
   if (plan.kernel == FlashKernel::kTensorCore) {
+    if (p.wants_stats()) return nullptr;  // the statistics are the SIMT kernel's (PlanFlash with stats)
     if constexpr (std::is_same_v<T, float>) {
       return nullptr;
     } else {
@@ -519,12 +577,8 @@ void (*TypedKernel(const AttentionParams& p, const FlashPlan& plan))(AttentionPa
       return nullptr;
     }
   }
-  const int64_t chunks = (p.head_dim + 31) / 32;
-  if (chunks <= 1) return &SimtAttention<T, OutT, 1>;
-  if (chunks <= 2) return &SimtAttention<T, OutT, 2>;
-  if (chunks <= 4) return &SimtAttention<T, OutT, 4>;
-  if (chunks <= 8) return &SimtAttention<T, OutT, 8>;
-  return nullptr;
+  if (p.wants_stats()) return SimtKernel<T, OutT, true>(p);
+  return SimtKernel<T, OutT, false>(p);
 }
 
 template <typename T>

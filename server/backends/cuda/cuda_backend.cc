@@ -470,12 +470,57 @@ absl::Status OneDtype(std::initializer_list<const ConstTensor*> tensors) {
   return absl::OkStatus();
 }
 
+namespace {
+
+// RoPE on a stateless call's projected or wire q and k on the device, in place: keys at 0..Tk-1, queries bottom-right
+// aligned at Tk-Tq..Tk-1 (the reference backend's RotateStateless).
+absl::Status RotateStateless(const AttentionShape& s, int dtype, char* q, int64_t q_row_stride, char* k,
+                             int64_t kv_row_stride, cudaStream_t stream) {
+  const HeadSpec& h = s.heads;
+  if (!h.has_rope()) return absl::OkStatus();
+  RETURN_IF_CUDA_ERROR(cuda::LaunchRope(q, dtype, s.batch, s.q_len, q_row_stride, h.num_heads, h.head_dim,
+                                        s.kv_len - s.q_len, h.rope_theta, h.rope_dim, h.rope_interleaved, stream),
+                       "rotating the queries (RoPE)");
+  RETURN_IF_CUDA_ERROR(cuda::LaunchRope(k, dtype, s.batch, s.kv_len, kv_row_stride, h.num_kv_heads, h.head_dim, 0,
+                                        h.rope_theta, h.rope_dim, h.rope_interleaved, stream),
+                       "rotating the keys (RoPE)");
+  return absl::OkStatus();
+}
+
+// The softmax statistics a call asks for (RowStats but contribution), staged back from the device: `count` fp32
+// values each.
+struct DeviceRowStats {
+  Staged lse, entropy, confidence, distance, sink;
+  int64_t sink_tokens = 0;
+
+  DeviceRowStats(const RowStats& stats, int64_t count) : sink_tokens(stats.sink_tokens) {
+    const auto size = [count](float* host) { return Staged{host, nullptr, nullptr, host ? count * 4 : 0}; };
+    lse = size(stats.lse);
+    entropy = size(stats.entropy);
+    confidence = size(stats.confidence);
+    distance = size(stats.distance);
+    sink = size(stats.sink);
+  }
+  std::vector<Staged*> all() { return {&lse, &entropy, &confidence, &distance, &sink}; }
+  // The kernel's pointers to them.
+  void Into(cuda::AttentionParams& p) const {
+    p.lse = reinterpret_cast<float*>(lse.device);
+    p.entropy = reinterpret_cast<float*>(entropy.device);
+    p.confidence = reinterpret_cast<float*>(confidence.device);
+    p.distance = reinterpret_cast<float*>(distance.device);
+    p.sink = reinterpret_cast<float*>(sink.device);
+    p.sink_tokens = sink_tokens;
+  }
+};
+
+}  // namespace
+
 absl::Status CudaBackend::Impl::Sdpa(const SdpaArgs& a) {
   RETURN_IF_ERROR_STATUS(OneDtype({&a.q, &a.k, &a.v}));
   const AttentionShape& s = a.shape;
   const HeadSpec& h = s.heads;
   const int t = a.q.dtype, out_dtype = a.out.dtype;
-  absl::StatusOr<cuda::FlashPlan> plan = cuda::PlanFlash(s, a.q.dtype);
+  absl::StatusOr<cuda::FlashPlan> plan = cuda::PlanFlash(s, a.q.dtype, a.stats.softmax());
   if (!plan.ok()) return plan.status();
   const int64_t in_size = DTypeSize(t), out_size = DTypeSize(out_dtype);
   const int64_t q_count = s.batch * s.q_len * h.q_width(), kv_count = s.batch * s.kv_len * h.kv_width();
@@ -490,7 +535,9 @@ absl::Status CudaBackend::Impl::Sdpa(const SdpaArgs& a) {
   SizeMask(s, a.mask, {}, mask);
   char* out_f32 = nullptr;
   float* row_stats = nullptr;
+  DeviceRowStats stats(a.stats, s.batch * h.num_heads * s.q_len);
   std::vector<Staged*> staged = {&q, &k, &v, &mask.key_lengths, &mask.additive, &out, &weights};
+  for (Staged* x : stats.all()) staged.push_back(x);
   const auto carve = [&](char* device, char* host) {
     Carver d(device), p(host);
     for (Staged* x : staged) {
@@ -508,6 +555,7 @@ absl::Status CudaBackend::Impl::Sdpa(const SdpaArgs& a) {
   carve(lane->device.data(), lane->host.data());
   for (Staged* x : {&q, &k, &v, &mask.key_lengths, &mask.additive}) RETURN_IF_ERROR_STATUS(CopyIn(*x, lane->stream));
   RETURN_IF_ERROR_STATUS(Stopped(a.stop));
+  RETURN_IF_ERROR_STATUS(RotateStateless(s, t, q.device, h.q_width(), k.device, h.kv_width(), lane->stream));
 
   cuda::AttentionParams p = ShapeParams(s, a.mask, mask);
   p.q = q.device;
@@ -519,6 +567,7 @@ absl::Status CudaBackend::Impl::Sdpa(const SdpaArgs& a) {
   p.out = direct ? out.device : out_f32;
   p.out_dtype = direct ? out_dtype : cuda::kF32;
   p.row_stats = row_stats;
+  stats.Into(p);
   RETURN_IF_CUDA_ERROR(cuda::LaunchAttention(p, *plan, lane->stream), "launching attention");
   if (!direct) {
     RETURN_IF_CUDA_ERROR(cuda::LaunchConvert(out_f32, cuda::kF32, out.device, out_dtype, q_count, lane->stream),
@@ -528,7 +577,8 @@ absl::Status CudaBackend::Impl::Sdpa(const SdpaArgs& a) {
     RETURN_IF_CUDA_ERROR(cuda::LaunchAttentionWeights(p, weights.device, out_dtype, lane->stream),
                          "launching the attention weights");
   }
-  return ReturnOutputs({&out, &weights}, lane->stream, "attention on the GPU");
+  return ReturnOutputs({&out, &weights, &stats.lse, &stats.entropy, &stats.confidence, &stats.distance, &stats.sink},
+                       lane->stream, "attention on the GPU");
 }
 
 absl::Status CudaBackend::Impl::Mha(const MhaArgs& a) {
@@ -537,7 +587,7 @@ absl::Status CudaBackend::Impl::Mha(const MhaArgs& a) {
   const HeadSpec& h = s.heads;
   const LayerWeights& w = a.weights;
   const int t = a.query.dtype, out_dtype = a.out.dtype;
-  absl::StatusOr<cuda::FlashPlan> plan = cuda::PlanFlash(s, a.query.dtype);
+  absl::StatusOr<cuda::FlashPlan> plan = cuda::PlanFlash(s, a.query.dtype, a.stats.softmax());
   if (!plan.ok()) return plan.status();
   const int64_t in_size = DTypeSize(t), out_size = DTypeSize(out_dtype);
   const int64_t q_width = h.q_width(), kv_width = h.kv_width();
@@ -557,8 +607,13 @@ absl::Status CudaBackend::Impl::Mha(const MhaArgs& a) {
   SizeMask(s, a.mask, a.head_mask, mask);
   char *projected = nullptr, *heads = nullptr, *out_f32 = nullptr, *layer_matrices = nullptr;
   float *layer_biases = nullptr, *layer_staging = nullptr, *row_stats = nullptr;
+  DeviceRowStats stats(a.stats, s.batch * h.num_heads * s.q_len);
+  // contribution comes back [rows, H] (LaunchHeadContributions) and is rearranged into the caller's [B, H, Tq].
+  std::vector<float> contribution_rows(a.stats.contribution != nullptr ? q_rows * h.num_heads : 0);
+  Staged contribution{contribution_rows.data(), nullptr, nullptr, static_cast<int64_t>(contribution_rows.size()) * 4};
   std::vector<Staged*> staged = {&query, &key, &value, &mask.key_lengths, &mask.additive, &mask.head_mask,
-                                 &out, &weights};
+                                 &out, &weights, &contribution};
+  for (Staged* x : stats.all()) staged.push_back(x);
   const auto carve = [&](char* device, char* host) {
     Carver d(device), p(host);
     for (Staged* x : staged) {
@@ -604,12 +659,15 @@ absl::Status CudaBackend::Impl::Mha(const MhaArgs& a) {
   const char* key_in = a.kv_source == KvSource::kQuery ? query.device : key.device;
   const char* value_in = a.kv_source == KvSource::kKeyValue ? value.device : key_in;
   cuda::AttentionParams p = ShapeParams(s, a.mask, mask);
+  char *q_projected = nullptr, *k_projected = nullptr;  // for RoPE
   if (fused) {
     const int64_t width = q_width + 2 * kv_width;
     RETURN_IF_ERROR_STATUS(Linear(*lane, t, t, query.device, q_rows, s.d_model, s.d_model, matrix(offsets.q),
                                   offsets.ld_q, bias(offsets.bq), width, projected, width));
-    p.q = projected;
-    p.k = projected + q_width * in_size;
+    q_projected = projected;
+    k_projected = projected + q_width * in_size;
+    p.q = q_projected;
+    p.k = k_projected;
     p.v = projected + (q_width + kv_width) * in_size;
     p.q_row_stride = p.kv_row_stride = width;
   } else {
@@ -622,18 +680,23 @@ absl::Status CudaBackend::Impl::Mha(const MhaArgs& a) {
                                   offsets.ld_k, bias(offsets.bk), kv_width, kp, kv_width));
     RETURN_IF_ERROR_STATUS(Linear(*lane, t, t, value_in, kv_rows, s.d_v_in, s.d_v_in, matrix(offsets.v),
                                   offsets.ld_v, bias(offsets.bv), kv_width, vp, kv_width));
+    q_projected = qp;
+    k_projected = kp;
     p.q = qp;
     p.k = kp;
     p.v = vp;
     p.q_row_stride = q_width;
     p.kv_row_stride = kv_width;
   }
+  RETURN_IF_ERROR_STATUS(
+      RotateStateless(s, t, q_projected, p.q_row_stride, k_projected, p.kv_row_stride, lane->stream));
   RETURN_IF_ERROR_STATUS(Stopped(a.stop));
 
   p.dtype = t;
   p.out = heads;
   p.out_dtype = t;
   p.row_stats = row_stats;
+  stats.Into(p);
   RETURN_IF_CUDA_ERROR(cuda::LaunchAttention(p, *plan, lane->stream), "launching attention");
   if (weight_count > 0) {
     // The weights are softmax alone: the head mask scales the heads' outputs, not their weights.
@@ -648,12 +711,28 @@ absl::Status CudaBackend::Impl::Mha(const MhaArgs& a) {
   char* y = direct ? out.device : out_f32;
   RETURN_IF_ERROR_STATUS(Linear(*lane, t, c, heads, q_rows, q_width, q_width, matrix(offsets.o), s.d_model,
                                 bias(offsets.bo), s.d_model, y, s.d_model));
+  if (contribution.bytes > 0) {
+    // The heads as the output product read them (after the head mask), against the output before any conversion.
+    RETURN_IF_CUDA_ERROR(cuda::LaunchHeadContributions(heads, t, q_rows, h.num_heads, h.head_dim, matrix(offsets.o), t,
+                                                       y, c, s.d_model, reinterpret_cast<float*>(contribution.device),
+                                                       lane->stream),
+                         "launching the head contributions");
+  }
   if (!direct) {
     RETURN_IF_CUDA_ERROR(
         cuda::LaunchConvert(out_f32, cuda::kF32, out.device, out_dtype, q_rows * s.d_model, lane->stream),
         "converting the output");
   }
-  return ReturnOutputs({&out, &weights}, lane->stream, "the layer on the GPU");
+  RETURN_IF_ERROR_STATUS(ReturnOutputs({&out, &weights, &contribution, &stats.lse, &stats.entropy,
+                                        &stats.confidence, &stats.distance, &stats.sink},
+                                       lane->stream, "the layer on the GPU"));
+  for (int64_t r = 0; a.stats.contribution != nullptr && r < q_rows; ++r) {
+    const int64_t b = r / s.q_len, i = r % s.q_len;
+    for (int64_t head = 0; head < h.num_heads; ++head) {
+      a.stats.contribution[(b * h.num_heads + head) * s.q_len + i] = contribution_rows[r * h.num_heads + head];
+    }
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(const Options& options) {

@@ -6,7 +6,7 @@
 namespace mha {
 namespace cuda {
 
-absl::StatusOr<FlashPlan> PlanFlash(const AttentionShape& s, v1::DataType dtype) {
+absl::StatusOr<FlashPlan> PlanFlash(const AttentionShape& s, v1::DataType dtype, bool stats) {
   const HeadSpec& h = s.heads;
   if (h.head_dim > kMaxHeadDim) {
     return absl::UnimplementedError(
@@ -14,7 +14,9 @@ absl::StatusOr<FlashPlan> PlanFlash(const AttentionShape& s, v1::DataType dtype)
   }
   FlashPlan plan;
   plan.grid_x = s.batch * h.num_heads;
-  const bool tensor_cores = (dtype == v1::FP16 || dtype == v1::BF16) && (h.head_dim == 64 || h.head_dim == 128);
+  // The tensor-core kernel keeps no statistics accumulators (its registers hold 16 rows' worth of everything).
+  const bool tensor_cores =
+      !stats && (dtype == v1::FP16 || dtype == v1::BF16) && (h.head_dim == 64 || h.head_dim == 128);
   if (tensor_cores) {
     plan.kernel = FlashKernel::kTensorCore;
     plan.block_n = kTcBlockN;
@@ -52,15 +54,8 @@ FlashPlan TensorCoreVariant(FlashPlan plan, int64_t q_len, int block_m, bool asy
 }
 
 absl::Status CudaSupports(const AttentionProblem& problem) {
-  if (problem.shape.heads.has_rope()) {
-    return absl::UnimplementedError("RoPE (heads.rope_theta) is not implemented on the CUDA backend yet");
-  }
-  if (problem.return_stats) {
-    return absl::UnimplementedError("lse and head statistics (return_lse, return_head_stats) are not implemented on "
-                                    "the CUDA backend yet");
-  }
   // The kernel runs on the dtype of q/k/v on the device: the wire's.
-  absl::StatusOr<FlashPlan> plan = PlanFlash(problem.shape, problem.input_dtype);
+  absl::StatusOr<FlashPlan> plan = PlanFlash(problem.shape, problem.input_dtype, problem.return_stats);
   return plan.ok() ? absl::OkStatus() : plan.status();
 }
 
@@ -77,6 +72,8 @@ int64_t CudaWorkspaceBytes(const AttentionProblem& problem) {
     bytes += q_rows * h.q_width() * 4;  // fp32 output before conversion
   }
   if (problem.return_weights) bytes += s.batch * h.num_heads * s.q_len * 8;  // row max and sum
+  // lse, entropy, confidence, distance, sink and contribution ([rows, H] before it is rearranged), fp32.
+  if (problem.return_stats) bytes += 6 * s.batch * h.num_heads * s.q_len * 4;
   return bytes;
 }
 

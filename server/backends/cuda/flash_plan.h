@@ -81,21 +81,23 @@ struct FlashPlan {
 #ifndef __CUDACC__
 
 // The plan for attention on q/k/v of `dtype` (on the device, as the wire or the projections made them). The
-// tensor-core kernel serves fp16 and bf16 with head_dim 64 or 128; every other case takes the SIMT kernel.
-// UNIMPLEMENTED when no kernel computes the shape (head_dim above kMaxHeadDim, a grid beyond CUDA's limits).
-absl::StatusOr<FlashPlan> PlanFlash(const AttentionShape& shape, v1::DataType dtype);
+// tensor-core kernel serves fp16 and bf16 with head_dim 64 or 128; every other case takes the SIMT kernel, and so
+// does a call that asks for the softmax statistics (`stats`: AttentionParams' lse .. sink), which only the SIMT
+// kernel computes. UNIMPLEMENTED when no kernel computes the shape (head_dim above kMaxHeadDim, a grid beyond
+// CUDA's limits).
+absl::StatusOr<FlashPlan> PlanFlash(const AttentionShape& shape, v1::DataType dtype, bool stats = false);
 
 // `plan` (a tensor-core plan) as another of the kernel's compiled variants: `block_m` query rows per block (64 or
 // 128: 4 or 8 warps of 16 rows), its tiles copied asynchronously or not. For the benchmark and the tests that
 // compare the variants; PlanFlash makes its choice through it too.
 FlashPlan TensorCoreVariant(FlashPlan plan, int64_t q_len, int block_m, bool async_copies);
 
-// What the CUDA backend computes: every dtype, mask and option, with head_dim up to kMaxHeadDim. UNIMPLEMENTED,
-// saying why, otherwise.
+// What the CUDA backend computes: every dtype, mask and option (RoPE and the softmax statistics included), with
+// head_dim up to kMaxHeadDim. UNIMPLEMENTED, saying why, otherwise.
 absl::Status CudaSupports(const AttentionProblem& problem);
 
 // Device bytes a call needs beyond resident layer weights: its inputs and outputs on the device, the projections,
-// the concatenated heads, the row statistics of the weights pass and the masks.
+// the concatenated heads, the row statistics of the weights pass, the softmax statistics and the masks.
 int64_t CudaWorkspaceBytes(const AttentionProblem& problem);
 
 #endif  // __CUDACC__

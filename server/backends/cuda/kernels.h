@@ -38,15 +38,48 @@ struct AttentionParams {
   int64_t batch = 0, q_len = 0, kv_len = 0, heads = 0, kv_heads = 0, head_dim = 0;
   bool causal = false;
   float scale = 1.0f;
+  // The softmax statistics of backend.h's RowStats (not contribution), fp32 [B, H, Tq] each, or null: lse, entropy,
+  // confidence (max p), distance (sum p |pos - j|, pos = i + Tk - Tq) and sink (the p of keys j < sink_tokens). A
+  // row with no visible key gets lse -inf and zeros; a NaN row NaN everywhere. Only the SIMT kernel computes them
+  // (PlanFlash with stats set plans it): ChooseAttentionKernel has no tensor-core kernel for a call that asks.
+  float* lse = nullptr;
+  float* entropy = nullptr;
+  float* confidence = nullptr;
+  float* distance = nullptr;
+  float* sink = nullptr;
+  int64_t sink_tokens = 0;
+
+  bool wants_stats() const {
+    return lse != nullptr || entropy != nullptr || confidence != nullptr || distance != nullptr || sink != nullptr;
+  }
 };
 
 // softmax(q k^T scale + mask) v for every (batch, head, query row), as `plan` (PlanFlash) says; writes
-// p.row_stats when set. A row with no visible key gets zeros.
+// p.row_stats when set, and the softmax statistics p asks for (cudaErrorInvalidValue with a tensor-core plan). A
+// row with no visible key gets zeros.
 cudaError_t LaunchAttention(const AttentionParams& p, const FlashPlan& plan, cudaStream_t stream);
 
 // The attention weights [B, H, Tq, Tk] in weights_dtype, from the row statistics a LaunchAttention with
 // p.row_stats set wrote: the second pass of the weights-requested path.
 cudaError_t LaunchAttentionWeights(const AttentionParams& p, void* weights, int weights_dtype, cudaStream_t stream);
+
+// RoPE in place on head-packed rows of `dtype`: `batch` items of `rows` rows each, row r of item b at
+// (b * rows + r) * row_stride elements, `heads` heads of head_dim values from the row's start, at position
+// first_position + r. Pair i < rope_dim / 2 of each head, (i, i + rope_dim / 2) or (2i, 2i + 1) when interleaved,
+// turns by position * theta^(-2i / rope_dim): the angle in double (fp32 is off by 1e-3 rad at position 8192), the
+// rotation in fp32, rounded back to `dtype`.
+cudaError_t LaunchRope(void* x, int dtype, int64_t batch, int64_t rows, int64_t row_stride, int64_t heads,
+                       int64_t head_dim, int64_t first_position, double theta, int64_t rope_dim, bool interleaved,
+                       cudaStream_t stream);
+
+// Each head's share of a layer's output rows (backend.h's RowStats contribution): contribution_rows_by_heads[r, h]
+// = ||heads[r, h] W_O[h]|| / ||out[r]|| (0 for a zero output row), [rows, num_heads] row-major fp32 (the caller
+// rearranges). heads: [rows, num_heads * head_dim] (after any head mask) in heads_dtype; w_o: [num_heads * head_dim,
+// d_model] row-major in w_dtype; out: the layer's output [rows, d_model] (bias included) in out_dtype. fp32
+// products, sums of squares in double.
+cudaError_t LaunchHeadContributions(const void* heads, int heads_dtype, int64_t rows, int64_t num_heads,
+                                    int64_t head_dim, const void* w_o, int w_dtype, const void* out, int out_dtype,
+                                    int64_t d_model, float* contribution_rows_by_heads, cudaStream_t stream);
 
 // rows x n of y (row stride ldy elements, `dtype`) = bias[n] (fp32) on every row.
 cudaError_t LaunchBroadcastRows(const float* bias, int64_t n, int64_t rows, void* y, int64_t ldy, int dtype,
