@@ -95,14 +95,19 @@ if ! nvidia-smi -L >/dev/null 2>&1; then
 fi
 note "GPU: $(nvidia-smi -L | head -1)"
 
+# The GPU steps in order of priority (conformance, the sessions' decode benchmark, end to end, memcheck, flash_bench),
+# their timeouts adding up to 420 s so that the whole check fits one device call of at most 600 s with room to spare
+# (bundle unpacking, cuBLAS search); the summary's last line says how long each took.
+step_seconds=
 # 2. Conformance: every case of the suite and the contract tests on the CUDA backend, against the reference; the
 # sessions' cases (SessionConformanceTest, PagedStatsTest: paged calls on the GPU's paged kernels) among them.
+started=$SECONDS
 json_dir=$(mktemp -d)
 {
-  timeout 240 "$bin/backend_conformance_test" --gtest_filter='*cuda*:BackendRegistry.*' --gtest_brief=1 \
+  timeout 90 "$bin/backend_conformance_test" --gtest_filter='*cuda*:BackendRegistry.*' --gtest_brief=1 \
     --gtest_output="json:$json_dir/conformance.json"
   echo "exit $?"
-  timeout 60 "$bin/cuda_backend_test" --gtest_brief=1
+  timeout 30 "$bin/cuda_backend_test" --gtest_brief=1
   echo "exit $?"
 } >"$out/2-conformance.txt" 2>&1
 grep -q "^exit [^0]" "$out/2-conformance.txt" && failed=1
@@ -127,14 +132,45 @@ PY
 note "conformance, sessions (SessionConformanceTest, PagedStatsTest on cuda): $sessions"
 [[ "$sessions" =~ ^0\ ran ]] && failed=1
 rm -rf "$json_dir"
+step_seconds+="conformance $((SECONDS - started)) s, "
 
-# 3. compute-sanitizer memcheck on the small cases, two sessions' among them (a bf16 cache in 32-token blocks, the
-# paged kernels' append and split paths; a 2000-token cache split over the keys without append, with statistics). It
-# may be refused under some virtualisation; then say so.
+# 6. The sessions' decode step: KV cache bytes read per second by the paged kernels at 1, 32 and 256 sessions of
+# T = 1024 .. 32768 (H = 32, Hkv = 8, d_k = 128, bf16 cache in 32-token blocks), against the device-to-device copy
+# bandwidth of the same run (bytes read plus written); the kernels' output checked against the host; one whole
+# CudaBackend::PagedAttention call per size over blocks in its managed-memory arena.
+started=$SECONDS
+timeout 120 "$bin/paged_bench" >"$out/6-paged-bench.txt" 2>&1 || failed=1
+grep -q MISMATCH "$out/6-paged-bench.txt" && failed=1
+note "paged_bench: $(grep -c '^| [0-9]' "$out/6-paged-bench.txt") rows; $(grep -m1 '^copy D2D' "$out/6-paged-bench.txt")"
+note "paged_bench: $(grep -m1 '^decode at 32+' "$out/6-paged-bench.txt" || tail -1 "$out/6-paged-bench.txt")"
+step_seconds+="paged_bench $((SECONDS - started)) s, "
+
+# 5. The whole layer through the gRPC server: CUDA against the CPU backend, fp16 on the wire, B=8 T=512 d=512; and
+# sessions on the CUDA backend (mha_client decode --check, head and layer sessions, bf16 caches), the KV cache in
+# CUDA managed memory by the server's log. The summary repeats the steps' count, the cache's place and tokens/s.
+started=$SECONDS
+timeout 80 bash "$root/tests/gpu/end-to-end.sh" "$bin/mha_server" "$bin/mha_client" >"$out/5-end-to-end.txt" 2>&1
+status=$?
+((status == 0)) || failed=1
+if ((status == 124)); then
+  note "end to end: stopped after 80 s ($(grep -c '^exit 0$' "$out/5-end-to-end.txt") steps had passed)"
+else
+  note "$(tail -1 "$out/5-end-to-end.txt")"
+fi
+note "end to end, sessions: $(grep -m1 -o 'KV cache: .*' "$out/5-end-to-end.txt" || echo 'no KV cache line');" \
+  "decode heads $(grep -A4 '^## decode --backend cuda head' "$out/5-end-to-end.txt" | grep -m1 -o '[0-9.]* tokens/s' || echo '-')," \
+  "layer $(grep -A4 '^## decode --backend cuda --session_layers' "$out/5-end-to-end.txt" | grep -m1 -o '[0-9.]* tokens/s' || echo '-')"
+step_seconds+="end to end $((SECONDS - started)) s, "
+
+# 3. compute-sanitizer memcheck on four small cases, two sessions' among them (a bf16 cache in 32-token blocks, the
+# paged kernels' append and split paths; a 2000-token cache split over the keys without append, with statistics),
+# beside an fp32 MHA call and a bf16 GQA causal masked one (the tensor-core kernel). It may be refused under some
+# virtualisation; then say so. Run after the steps above: a timeout here (exit 124) is noted, not failed.
+started=$SECONDS
 sanitizer=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null || true)
 if [[ -n "$sanitizer" ]]; then
-  timeout 150 "$sanitizer" --tool memcheck --error-exitcode 3 "$bin/backend_conformance_test" \
-    --gtest_filter='*mha_self_cuda:*gqa_causal_mask_bf16_to_bf16_cuda:*sdpa_weights_fp16_to_fp16_cuda:*key_lengths_with_zero_cuda:*dk20_odd_width_weights_cuda:*biases_cross_cuda:*session_heads_decode_cache_bf16_block32_dk128_cuda:*decode_split_cache_without_append_cuda' \
+  timeout 40 "$sanitizer" --tool memcheck --error-exitcode 3 "$bin/backend_conformance_test" \
+    --gtest_filter='*mha_self_cuda:*gqa_causal_mask_bf16_to_bf16_cuda:*session_heads_decode_cache_bf16_block32_dk128_cuda:*decode_split_cache_without_append_cuda' \
     --gtest_brief=1 >"$out/3-memcheck.txt" 2>&1
   status=$?
   note "memcheck: exit $status ($(grep -m1 -E 'ERROR SUMMARY' "$out/3-memcheck.txt" || echo 'no summary');" \
@@ -143,22 +179,14 @@ if [[ -n "$sanitizer" ]]; then
 else
   note "memcheck: compute-sanitizer not found" | tee "$out/3-memcheck.txt"
 fi
+step_seconds+="memcheck $((SECONDS - started)) s, "
 
-# 4. The fused kernel's TFLOP/s next to the cuBLAS bf16 GEMM rate.
-timeout 200 "$bin/flash_bench" >"$out/4-flash-bench.txt" 2>&1 || failed=1
+# 4. The fused kernel's TFLOP/s next to the cuBLAS bf16 GEMM rate (last: the steps above come first).
+started=$SECONDS
+timeout 60 "$bin/flash_bench" >"$out/4-flash-bench.txt" 2>&1 || failed=1
 grep -q MISMATCH "$out/4-flash-bench.txt" && failed=1
 note "flash_bench: $(grep -c '^| [0-9]' "$out/4-flash-bench.txt") rows; $(grep -m1 GEMM "$out/4-flash-bench.txt")"
+step_seconds+="flash_bench $((SECONDS - started)) s"
 
-# 5. The whole layer through the gRPC server: CUDA against the CPU backend, fp16 on the wire, B=8 T=512 d=512.
-bash "$root/tests/gpu/end-to-end.sh" "$bin/mha_server" "$bin/mha_client" >"$out/5-end-to-end.txt" 2>&1 || failed=1
-note "$(tail -1 "$out/5-end-to-end.txt")"
-
-# 6. The sessions' decode step: KV cache bytes read per second by the paged kernels at 1, 32 and 256 sessions of
-# T = 1024 .. 32768 (H = 32, Hkv = 8, d_k = 128, bf16 cache in 32-token blocks), against the device-to-device copy
-# bandwidth of the same run (bytes read plus written); the kernels' output checked against the host; one whole
-# CudaBackend::PagedAttention call per size over blocks in its managed-memory arena.
-timeout 180 "$bin/paged_bench" >"$out/6-paged-bench.txt" 2>&1 || failed=1
-grep -q MISMATCH "$out/6-paged-bench.txt" && failed=1
-note "paged_bench: $(grep -c '^| [0-9]' "$out/6-paged-bench.txt") rows; $(grep -m1 '^copy D2D' "$out/6-paged-bench.txt")"
-note "paged_bench: $(grep -m1 '^decode at 32+' "$out/6-paged-bench.txt" || tail -1 "$out/6-paged-bench.txt")"
+note "steps took: $step_seconds (total $SECONDS s)"
 exit $failed

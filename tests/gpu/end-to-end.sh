@@ -2,7 +2,10 @@
 # The GPU check's end-to-end step (device-check.sh step 5): the whole layer through the gRPC server on the CUDA
 # backend. Each dtype checked against the reference backend (mha_client call --check), causal with weights, then
 # timed against the CPU backend with fp16 on the wire at B=8, T=512, d=512 (interleaved), with two calls in flight on
-# two connections (the backend's two lanes), and through shared memory.
+# two connections (the backend's two lanes), and through shared memory. Sessions on the CUDA backend too: the
+# server's log must put the KV cache in CUDA managed memory, and mha_client decode --backend cuda --check runs head
+# sessions (GQA H=32 Hkv=8 d_k=128, two layers' caches) and layer sessions (the demo layer) in bf16 caches, session
+# 0's last step against a reference; tokens/s printed.
 #
 #   tests/gpu/end-to-end.sh SERVER CLIENT [--rehearsal]
 #
@@ -17,8 +20,12 @@ rehearsal=0
 [[ "${3:-}" == "--rehearsal" ]] && rehearsal=1
 if ((rehearsal)); then
   size=(--batch 1 --seq 32) calls=(-n 2 --warmup 1) pair_calls=(-n 4 --warmup 1)
+  head_sessions=(--sessions 2 --context 40 --steps 3 --heads 4 --kv_heads 2 --head_dim 32 --num_layers 2)
+  layer_sessions=(--sessions 2 --context 24 --steps 3)
 else
   size=(--batch 8 --seq 512) calls=(-n 20 --warmup 3) pair_calls=(-n 40 --warmup 3)
+  head_sessions=(--sessions 8 --context 1024 --steps 32 --heads 32 --kv_heads 8 --head_dim 128 --num_layers 2)
+  layer_sessions=(--sessions 4 --context 512 --steps 16)
 fi
 
 work=$(mktemp -d)
@@ -61,14 +68,34 @@ bench() {
   echo "$report"
   ((status == 0)) && grep -q ', errors 0)' <<<"$report"
 }
+# decode ARGS...: mha_client decode --backend cuda --cache_dtype bf16 --check: passes only when it exits 0, no call
+# failed and session 0's last step matched its reference.
+decode() {
+  local report
+  report=$("$client" decode --target "$target" --backend cuda --cache_dtype bf16 --check "$@" 2>&1)
+  local status=$?
+  echo "$report"
+  ((status == 0)) && grep -q ' 0 errors$' <<<"$report" && grep -q '^  check .* OK$' <<<"$report"
+}
+# The session store's startup line (server.cc): "KV cache: N MiB in CUDA managed memory on <GPU> (device 0) ...",
+# the emulated runtime's included.
+kv_cache_managed() {
+  grep -m1 'KV cache: ' "$work/server.log"
+  grep -q 'KV cache: .* in CUDA managed memory on ' "$work/server.log"
+}
 
 step "info: the CUDA backend is available" cuda_available
+step "server log: the KV cache lives in CUDA managed memory" kv_cache_managed
 for dtype in fp32 fp16 bf16; do
   step "call --backend cuda --dtype $dtype --check" \
     "$client" call --target "$target" --backend cuda --dtype "$dtype" --batch 2 --seq 64 --check
 done
 step "call --backend cuda --dtype bf16 --causal --weights --check" \
   "$client" call --target "$target" --backend cuda --dtype bf16 --batch 2 --seq 100 --causal --weights --check
+step "decode --backend cuda head sessions ${head_sessions[*]} --cache_dtype bf16 --check" \
+  decode "${head_sessions[@]}"
+step "decode --backend cuda --session_layers demo ${layer_sessions[*]} --cache_dtype bf16 --check" \
+  decode --session_layers demo "${layer_sessions[@]}"
 for backend in cuda cpu cuda cpu; do
   step "bench --backend $backend --dtype fp16 ${size[*]}" \
     bench --backend "$backend" --dtype fp16 "${size[@]}" "${calls[@]}"
