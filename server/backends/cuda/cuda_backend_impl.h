@@ -281,6 +281,7 @@ class CudaBackend::Impl {
   absl::Status Sdpa(const SdpaArgs& a);
   absl::Status Mha(const MhaArgs& a);
   absl::Status Paged(const PagedArgs& a);  // cuda_paged.cc
+  struct PagedCall;                          // one paged call's pieces (cuda_paged.cc)
 
  private:
   // A lane for the duration of one call.
@@ -317,7 +318,6 @@ class CudaBackend::Impl {
   };
 
   // Paged calls' steps (cuda_paged.cc).
-  struct PagedCall;
   absl::Status ProjectPaged(Lane& lane, const PagedProblem& pr, bool fused, const LayerOffsets& o, PagedCall& c,
                             int64_t rows) const;
   absl::Status OutputPaged(Lane& lane, const PagedProblem& pr, const LayerOffsets& o, PagedCall& c, int64_t rows,

@@ -49,14 +49,20 @@ AttentionShape LayerShape(const PagedProblem& p, int64_t rows) {
 
 }  // namespace
 
-// The host side of one paged call: what is staged where (Staged pieces of the lane's buffers).
+// The host side of one paged call: what it asks for, and what is staged where (Staged pieces of the lane's
+// buffers; the other pointers are device scratch).
 struct CudaBackend::Impl::PagedCall {
+  bool layer = false, inline_layer = false, wide = false;  // wide: fp32 on the wire
+  bool in_place = false;  // the blocks are device-addressable
+  std::array<bool, 5> wanted = {};  // lse, entropy, confidence, distance, sink
+  bool contribution = false;
+  LayerOffsets offsets;
   cuda::PagedPlan plan;
   std::vector<cuda::PagedSequenceDesc> descs;
   std::vector<char*> table;  // device-addressable block pointers, sequences in order
   Staged descs_in, units_in, table_in, qkv_in, x_in;
   Staged heads_out, layer_out, weights_out;
-  Staged stats_out[5];  // lse, entropy, confidence, distance, sink: [H, n] per sequence
+  Staged stats_out[5];  // [H, n] per sequence, in `wanted`'s order
   Staged contribution_out;
   char* projected = nullptr;  // layer: [rows, q_width + 2 kv_width] in the wire dtype
   char* qkv_f32 = nullptr;    // layer, 16-bit wire: the projection widened to fp32
@@ -64,6 +70,33 @@ struct CudaBackend::Impl::PagedCall {
   char* partials = nullptr;
   char* staged_blocks = nullptr;  // staging: every block of the call, in table order
   char *layer_matrices = nullptr, *layer_biases = nullptr, *layer_staging = nullptr;
+
+  // Cuts the call's pieces off `device` and `host` (null: only measures); returns the bytes of each.
+  std::pair<int64_t, int64_t> Carve(const PagedProblem& pr, char* device, char* host) {
+    const int64_t rows = plan.rows, in_size = DTypeSize(pr.input_dtype);
+    const int64_t qw = pr.heads.q_width(), width = qw + 2 * pr.heads.kv_width();
+    Carver d(device), p(host);
+    for (Staged* x : {&descs_in, &units_in, &table_in, &qkv_in, &x_in, &heads_out, &layer_out, &weights_out,
+                      &contribution_out, &stats_out[0], &stats_out[1], &stats_out[2], &stats_out[3], &stats_out[4]}) {
+      x->device = d.Take(x->bytes);
+      x->pinned = p.Take(x->bytes);
+    }
+    partials = d.Take(cuda::PagedScratchBytes(pr, plan));
+    if (layer) {
+      projected = d.Take(rows * width * in_size);
+      if (!wide) {
+        qkv_f32 = d.Take(rows * width * 4);
+        heads_t = d.Take(rows * qw * in_size);
+      }
+      if (inline_layer) {
+        layer_matrices = d.Take(offsets.weights * in_size);
+        layer_biases = d.Take(offsets.biases * 4);
+        if (!wide) layer_staging = d.Take(offsets.weights * 4);
+      }
+    }
+    if (!in_place) staged_blocks = d.Take(static_cast<int64_t>(table.size()) * pr.cache.BlockBytes());
+    return {d.used(), p.used()};
+  }
 };
 
 namespace {
@@ -77,38 +110,22 @@ absl::Status CopyToDevice(const Staged& s, const void* data, cudaStream_t stream
   return CudaStatus(cudaMemcpyAsync(s.device, s.pinned, s.bytes, cudaMemcpyHostToDevice, stream), what);
 }
 
-}  // namespace
-
-absl::Status CudaBackend::Impl::Paged(const PagedArgs& a) {
-  RETURN_IF_ERROR_STATUS(CheckPagedArgs(a));
+// What a paged call asks for, its plan, its sequences' descriptions and block table, and the sizes of its staged
+// pieces.
+void DescribePaged(const PagedArgs& a, int multiprocessors, CudaBackend::Impl::PagedCall& c) {
   const PagedProblem& pr = a.problem;
   const HeadSpec& h = pr.heads;
-  const KvCacheLayout& cache = pr.cache;
-  const bool layer = pr.d_model > 0;
-  const int t = pr.input_dtype;
-  const int64_t in_size = DTypeSize(pr.input_dtype), dk = h.head_dim;
-  const int64_t qw = h.q_width(), kvw = h.kv_width(), width = qw + 2 * kvw;
-  for (const PagedSequence& seq : a.sequences) {
-    if (layer && seq.x.dtype != pr.input_dtype) {
-      return absl::InternalError("paged call: a layer input's dtype differs from the problem's");
-    }
-  }
-  const bool in_place = DeviceAddressable(a.sequences[0].blocks[0]);
-  // Which statistics any sequence asks for (a batched call's sequences ask for the same ones).
-  std::array<bool, 5> wanted = {};
-  bool contribution = false;
-  for (const PagedSequence& seq : a.sequences) {
-    const std::array<float*, 5> arrays = StatsArrays(seq.stats);
-    for (int i = 0; i < 5; ++i) wanted[i] = wanted[i] || arrays[i] != nullptr;
-    contribution = contribution || (layer && seq.stats.contribution != nullptr);
-  }
-  const bool wide = t == cuda::kF32;
-
-  PagedCall c;
-  c.plan = cuda::PlanPaged(pr, a.sequences, props_.multiProcessorCount);
-  const int64_t rows = c.plan.rows;
+  c.layer = pr.d_model > 0;
+  c.inline_layer = c.layer && a.weights.resident_id == 0;
+  c.wide = pr.input_dtype == v1::FP32;
+  c.in_place = DeviceAddressable(a.sequences[0].blocks[0]);
+  c.plan = cuda::PlanPaged(pr, a.sequences, multiprocessors);
   int64_t row = 0, block = 0, weights = 0;
   for (const PagedSequence& seq : a.sequences) {
+    // A batched call's sequences ask for the same statistics; any sequence's ask counts.
+    const std::array<float*, 5> arrays = StatsArrays(seq.stats);
+    for (int i = 0; i < 5; ++i) c.wanted[i] = c.wanted[i] || arrays[i] != nullptr;
+    c.contribution = c.contribution || (c.layer && seq.stats.contribution != nullptr);
     cuda::PagedSequenceDesc d;
     d.block_offset = block;
     d.length = seq.length;
@@ -122,60 +139,29 @@ absl::Status CudaBackend::Impl::Paged(const PagedArgs& a) {
     if (pr.return_weights) weights += h.num_heads * seq.new_tokens * seq.Keys();
     for (char* b : seq.blocks) c.table.push_back(b);
   }
-  const LayerOffsets offsets = layer ? OffsetsFor(LayerShape(pr, rows), a.weights) : LayerOffsets();
-  const bool inline_layer = layer && a.weights.resident_id == 0;
-
+  const int64_t rows = c.plan.rows, qw = h.q_width(), width = qw + 2 * h.kv_width();
+  if (c.layer) c.offsets = OffsetsFor(LayerShape(pr, rows), a.weights);
   c.descs_in.bytes = static_cast<int64_t>(c.descs.size() * sizeof(cuda::PagedSequenceDesc));
   c.units_in.bytes = static_cast<int64_t>(c.plan.units.size() * sizeof(cuda::PagedUnit));
   c.table_in.bytes = static_cast<int64_t>(c.table.size() * sizeof(char*));
-  if (layer) {
-    c.x_in.bytes = rows * pr.d_model * in_size;
-    c.layer_out.bytes = rows * pr.d_model * 4;
-  } else {
-    c.qkv_in.bytes = rows * width * 4;
-  }
+  c.x_in.bytes = c.layer ? rows * pr.d_model * DTypeSize(pr.input_dtype) : 0;
+  c.layer_out.bytes = c.layer ? rows * pr.d_model * 4 : 0;
+  c.qkv_in.bytes = c.layer ? 0 : rows * width * 4;
   c.heads_out.bytes = rows * qw * 4;
   c.weights_out.bytes = c.plan.weights_elements * 4;
-  for (int i = 0; i < 5; ++i) c.stats_out[i].bytes = wanted[i] ? rows * h.num_heads * 4 : 0;
-  c.contribution_out.bytes = contribution ? rows * h.num_heads * 4 : 0;
-  std::vector<Staged*> staged = {&c.descs_in, &c.units_in, &c.table_in, &c.qkv_in, &c.x_in, &c.heads_out,
-                                 &c.layer_out, &c.weights_out, &c.contribution_out};
-  for (Staged& s : c.stats_out) staged.push_back(&s);
-  const auto carve = [&](char* device, char* host) {
-    Carver d(device), p(host);
-    for (Staged* x : staged) {
-      x->device = d.Take(x->bytes);
-      x->pinned = p.Take(x->bytes);
-    }
-    c.partials = d.Take(cuda::PagedScratchBytes(pr, c.plan));
-    if (layer) {
-      c.projected = d.Take(rows * width * in_size);
-      if (!wide) {
-        c.qkv_f32 = d.Take(rows * width * 4);
-        c.heads_t = d.Take(rows * qw * in_size);
-      }
-      if (inline_layer) {
-        c.layer_matrices = d.Take(offsets.weights * in_size);
-        c.layer_biases = d.Take(offsets.biases * 4);
-        if (!wide) c.layer_staging = d.Take(offsets.weights * 4);
-      }
-    }
-    if (!in_place) c.staged_blocks = d.Take(static_cast<int64_t>(c.table.size()) * cache.BlockBytes());
-    return std::pair<int64_t, int64_t>(d.used(), p.used());
-  };
+  for (int i = 0; i < 5; ++i) c.stats_out[i].bytes = c.wanted[i] ? rows * h.num_heads * 4 : 0;
+  c.contribution_out.bytes = c.contribution ? rows * h.num_heads * 4 : 0;
+}
 
-  Lease lane(*this);
-  RETURN_IF_CUDA_ERROR(cudaSetDevice(options_.device), "cudaSetDevice");
-  const auto [device_bytes, host_bytes] = carve(nullptr, nullptr);
-  RETURN_IF_ERROR_STATUS(Reserve(*lane, device_bytes, host_bytes));
-  carve(lane->device.data(), lane->host.data());
-  cudaStream_t stream = lane->stream;
-
-  // Blocks: in place, or staged in table order.
-  if (!in_place) {
+// The blocks (staged when the device cannot address them: the table then points at the copies), the call's tables
+// and the new tokens' inputs, enqueued on `stream`. Head sessions' q, k, v are widened to fp32 as they are staged.
+absl::Status StagePaged(const PagedArgs& a, CudaBackend::Impl::PagedCall& c, cudaStream_t stream) {
+  const PagedProblem& pr = a.problem;
+  const int64_t block_bytes = pr.cache.BlockBytes();
+  if (!c.in_place) {
     for (size_t b = 0; b < c.table.size(); ++b) {
-      char* copy = c.staged_blocks + b * cache.BlockBytes();
-      RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(copy, c.table[b], cache.BlockBytes(), cudaMemcpyHostToDevice, stream),
+      char* copy = c.staged_blocks + b * block_bytes;
+      RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(copy, c.table[b], block_bytes, cudaMemcpyHostToDevice, stream),
                            "staging a cache block");
       c.table[b] = copy;
     }
@@ -183,11 +169,12 @@ absl::Status CudaBackend::Impl::Paged(const PagedArgs& a) {
   RETURN_IF_ERROR_STATUS(CopyToDevice(c.descs_in, c.descs.data(), stream, "copying the sequences to the device"));
   RETURN_IF_ERROR_STATUS(CopyToDevice(c.units_in, c.plan.units.data(), stream, "copying the work units"));
   RETURN_IF_ERROR_STATUS(CopyToDevice(c.table_in, c.table.data(), stream, "copying the block table"));
-  // Inputs.
+  const int64_t in_size = DTypeSize(pr.input_dtype), qw = pr.heads.q_width(), kvw = pr.heads.kv_width();
+  const int64_t width = qw + 2 * kvw;
   for (size_t i = 0; i < a.sequences.size(); ++i) {
     const PagedSequence& seq = a.sequences[i];
     const int64_t n = seq.new_tokens, r0 = c.descs[i].row;
-    if (layer) {
+    if (c.layer) {
       std::memcpy(c.x_in.pinned + r0 * pr.d_model * in_size, seq.x.data, n * pr.d_model * in_size);
       continue;
     }
@@ -202,47 +189,33 @@ absl::Status CudaBackend::Impl::Paged(const PagedArgs& a) {
       }
     }
   }
-  for (const Staged* s : {&c.qkv_in, &c.x_in}) {
-    RETURN_IF_ERROR_STATUS(CopyToDevice(*s, nullptr, stream, "copying the new tokens to the device"));
+  for (const Staged* x : {&c.qkv_in, &c.x_in}) {
+    RETURN_IF_ERROR_STATUS(CopyToDevice(*x, nullptr, stream, "copying the new tokens to the device"));
   }
-  RETURN_IF_ERROR_STATUS(Stopped(a.stop));
+  return absl::OkStatus();
+}
 
-  // The layer's projections.
-  std::shared_ptr<const DeviceLayer> resident;
-  const float* qkv = reinterpret_cast<const float*>(c.qkv_in.device);
-  if (layer) {
-    const AttentionShape s = LayerShape(pr, rows);
-    if (inline_layer) {
-      RETURN_IF_ERROR_STATUS(UploadLayer(s, a.weights, offsets, t, c.layer_matrices,
-                                         reinterpret_cast<float*>(c.layer_biases),
-                                         reinterpret_cast<float*>(c.layer_staging), stream));
-    } else {
-      absl::StatusOr<std::shared_ptr<const DeviceLayer>> device_layer = Resident(*lane, s, a.weights, t);
-      if (!device_layer.ok()) return device_layer.status();
-      resident = *std::move(device_layer);
-      c.layer_matrices = resident->matrices.data();
-      c.layer_biases = resident->biases.data();
-    }
-    RETURN_IF_ERROR_STATUS(ProjectPaged(*lane, pr, a.weights.fused_qkv, offsets, c, rows));
-    qkv = reinterpret_cast<const float*>(wide ? c.projected : c.qkv_f32);
-  }
-
+// The kernels' parameters for the call, the new tokens' fp32 q|k|v rows at `qkv`.
+cuda::PagedParams ParamsOf(const PagedArgs& a, const CudaBackend::Impl::PagedCall& c, const float* qkv) {
+  const PagedProblem& pr = a.problem;
+  const HeadSpec& h = pr.heads;
+  const int64_t qw = h.q_width(), kvw = h.kv_width();
   cuda::PagedParams p;
   p.sequences = reinterpret_cast<const cuda::PagedSequenceDesc*>(c.descs_in.device);
   p.blocks = reinterpret_cast<char* const*>(c.table_in.device);
   p.units = reinterpret_cast<const cuda::PagedUnit*>(c.units_in.device);
   p.num_sequences = static_cast<int64_t>(c.descs.size());
   p.num_units = static_cast<int64_t>(c.plan.units.size());
-  p.rows = rows;
+  p.rows = c.plan.rows;
   p.q = qkv;
   p.k = qkv + qw;
   p.v = qkv + qw + kvw;
-  p.q_stride = p.kv_stride = width;
+  p.q_stride = p.kv_stride = qw + 2 * kvw;
   p.heads = h.num_heads;
   p.kv_heads = h.num_kv_heads;
-  p.head_dim = dk;
-  p.block_tokens = cache.block_tokens;
-  p.cache_dtype = cache.dtype;
+  p.head_dim = h.head_dim;
+  p.block_tokens = pr.cache.block_tokens;
+  p.cache_dtype = pr.cache.dtype;
   p.scale = h.scale;
   if (h.has_rope()) {
     p.rope_theta = h.rope_theta;
@@ -252,18 +225,62 @@ absl::Status CudaBackend::Impl::Paged(const PagedArgs& a) {
   p.splits = c.plan.splits;
   p.split_keys = c.plan.split_keys;
   p.partial_out = reinterpret_cast<float*>(c.partials);
-  p.partial_state = p.partial_out + rows * h.num_heads * c.plan.splits * dk;
+  p.partial_state = p.partial_out + c.plan.rows * h.num_heads * c.plan.splits * h.head_dim;
   p.out = reinterpret_cast<float*>(c.heads_out.device);
   p.weights = reinterpret_cast<float*>(c.weights_out.device);
-  float** stats_at[5] = {&p.lse, &p.entropy, &p.confidence, &p.distance, &p.sink};
-  for (int i = 0; i < 5; ++i) *stats_at[i] = reinterpret_cast<float*>(c.stats_out[i].device);
+  float** stats[5] = {&p.lse, &p.entropy, &p.confidence, &p.distance, &p.sink};
+  for (int i = 0; i < 5; ++i) *stats[i] = reinterpret_cast<float*>(c.stats_out[i].device);
   p.sink_tokens = a.sequences[0].stats.sink_tokens;
+  return p;
+}
+
+}  // namespace
+
+absl::Status CudaBackend::Impl::Paged(const PagedArgs& a) {
+  RETURN_IF_ERROR_STATUS(CheckPagedArgs(a));
+  const PagedProblem& pr = a.problem;
+  for (const PagedSequence& seq : a.sequences) {
+    if (pr.d_model > 0 && seq.x.dtype != pr.input_dtype) {
+      return absl::InternalError("paged call: a layer input's dtype differs from the problem's");
+    }
+  }
+  PagedCall c;
+  DescribePaged(a, props_.multiProcessorCount, c);
+  Lease lane(*this);
+  RETURN_IF_CUDA_ERROR(cudaSetDevice(options_.device), "cudaSetDevice");
+  const auto [device_bytes, host_bytes] = c.Carve(pr, nullptr, nullptr);
+  RETURN_IF_ERROR_STATUS(Reserve(*lane, device_bytes, host_bytes));
+  c.Carve(pr, lane->device.data(), lane->host.data());
+  cudaStream_t stream = lane->stream;
+  RETURN_IF_ERROR_STATUS(StagePaged(a, c, stream));
+  RETURN_IF_ERROR_STATUS(Stopped(a.stop));
+
+  // A layer's projections, on its resident copy (or this call's upload of inline weights).
+  std::shared_ptr<const DeviceLayer> resident;
+  const float* qkv = reinterpret_cast<const float*>(c.qkv_in.device);
+  if (c.layer) {
+    const AttentionShape s = LayerShape(pr, c.plan.rows);
+    if (c.inline_layer) {
+      RETURN_IF_ERROR_STATUS(UploadLayer(s, a.weights, c.offsets, pr.input_dtype, c.layer_matrices,
+                                         reinterpret_cast<float*>(c.layer_biases),
+                                         reinterpret_cast<float*>(c.layer_staging), stream));
+    } else {
+      absl::StatusOr<std::shared_ptr<const DeviceLayer>> device_layer = Resident(*lane, s, a.weights, pr.input_dtype);
+      if (!device_layer.ok()) return device_layer.status();
+      resident = *std::move(device_layer);
+      c.layer_matrices = resident->matrices.data();
+      c.layer_biases = resident->biases.data();
+    }
+    RETURN_IF_ERROR_STATUS(ProjectPaged(*lane, pr, a.weights.fused_qkv, c.offsets, c, c.plan.rows));
+    qkv = reinterpret_cast<const float*>(c.wide ? c.projected : c.qkv_f32);
+  }
+
+  const cuda::PagedParams p = ParamsOf(a, c, qkv);
   RETURN_IF_CUDA_ERROR(cuda::LaunchPagedAppend(p, stream), "launching the cache append");
   RETURN_IF_CUDA_ERROR(cuda::LaunchPagedAttention(p, stream), "launching paged attention");
   RETURN_IF_ERROR_STATUS(Stopped(a.stop));
-
-  if (layer) RETURN_IF_ERROR_STATUS(OutputPaged(*lane, pr, offsets, c, rows, contribution));
-  return FinishPaged(a, c, stream, in_place);
+  if (c.layer) RETURN_IF_ERROR_STATUS(OutputPaged(*lane, pr, c.offsets, c, c.plan.rows, c.contribution));
+  return FinishPaged(a, c, stream, c.in_place);
 }
 
 // Q|K|V = x W (+ b) for a layer session's new rows, in the wire dtype, and widened to fp32 for the kernels.
