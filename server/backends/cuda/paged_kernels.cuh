@@ -170,13 +170,19 @@ __device__ __forceinline__ float UpdateRow(RowState<kChunks>& st, float score, i
 // Split kernel: grid (units, splits), kPagedThreads threads. Warp w computes the unit's rows w, w + 4, ...; each K
 // tile and V tile of 32 keys is read from the blocks once into shared memory (fp32) for all of them.
 template <typename CacheT, int kChunks>
-__global__ void __launch_bounds__(kPagedThreads) PagedSplitKernel(PagedParams p) {
+__global__ void __launch_bounds__(kPagedThreads, 5) PagedSplitKernel(PagedParams p) {
   constexpr int kRows = kChunks > 4 ? 8 : 16;  // PagedRowsPerUnit
   constexpr int kRowsPerWarp = kRows / kPagedWarps;
   constexpr int kDim = kChunks * 32;
   constexpr int kTile = kPagedTileKeys;
   __shared__ float q_shared[kRows][kDim];
-  __shared__ float tile[kDim * (kTile + 1)];  // K^T [kDim][kTile + 1] (padded against bank conflicts), then V [kTile][kDim]
+  // K^T [kDim][kTile + 1] (padded against bank conflicts) and V [kTile][kDim]: both tiles are loaded together (twice
+  // the bytes in flight per block) up to head_dim 128; above it V takes K's room after the scores (48 KiB of static
+  // shared memory).
+  constexpr bool kBothTiles = kChunks <= 4;
+  __shared__ float tile[kDim * (kTile + 1)];
+  __shared__ float v_room[kBothTiles ? kTile * kDim : 1];
+  float* const v_tile = kBothTiles ? v_room : tile;
   __shared__ float w_shared[kRows][kTile];
   const PagedUnit u = p.units[blockIdx.x];
   const int64_t split = blockIdx.y;
@@ -206,9 +212,11 @@ __global__ void __launch_bounds__(kPagedThreads) PagedSplitKernel(PagedParams p)
   for (int64_t t0 = begin; t0 < end; t0 += kTile) {
     __syncthreads();  // the previous tile's V (and, the first time, q_shared) is no longer read / now written
     LoadTile<CacheT, kDim, true>(p, blocks, key_base, t0, end, tile);
+    if (kBothTiles) LoadTile<CacheT, kDim, false>(p, blocks, value_base, t0, end, v_tile);
     __syncthreads();
     const int64_t j = t0 + lane;
     float score[kRowsPerWarp];
+    #pragma unroll
     for (int rr = 0; rr < kRowsPerWarp; ++rr) {
       const int r = warp + rr * kPagedWarps;
       score[rr] = -INFINITY;
@@ -218,9 +226,12 @@ __global__ void __launch_bounds__(kPagedThreads) PagedSplitKernel(PagedParams p)
       const int64_t token = u.token0 + r / u.heads;
       if (j < end && j < PagedVisibleEnd(seq, token)) score[rr] = dot * p.scale;
     }
-    __syncthreads();  // every warp has read the K tile
-    LoadTile<CacheT, kDim, false>(p, blocks, value_base, t0, end, tile);
-    __syncthreads();
+    if (!kBothTiles) {
+      __syncthreads();  // every warp has read the K tile
+      LoadTile<CacheT, kDim, false>(p, blocks, value_base, t0, end, v_tile);
+      __syncthreads();
+    }
+    #pragma unroll
     for (int rr = 0; rr < kRowsPerWarp; ++rr) {
       const int r = warp + rr * kPagedWarps;
       if (r >= rows) continue;
@@ -232,15 +243,17 @@ __global__ void __launch_bounds__(kPagedThreads) PagedSplitKernel(PagedParams p)
       }
       w_shared[r][lane] = w;
       __syncwarp();
+      #pragma unroll
       for (int c = 0; c < kChunks; ++c) {
         float sum = 0;
-        for (int jj = 0; jj < kTile; ++jj) sum += w_shared[r][jj] * tile[jj * kDim + lane + 32 * c];
+        for (int jj = 0; jj < kTile; ++jj) sum += w_shared[r][jj] * v_tile[jj * kDim + lane + 32 * c];
         state[rr].acc[c] += sum;
       }
       __syncwarp();
     }
   }
 
+  #pragma unroll
   for (int rr = 0; rr < kRowsPerWarp; ++rr) {
     const int r = warp + rr * kPagedWarps;
     if (r >= rows) continue;
