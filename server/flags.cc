@@ -86,8 +86,8 @@ ABSL_FLAG(int, cuda_layer_cache_mb, kDefaults.cuda_layer_cache_mb,
 ABSL_FLAG(int, kv_cache_mb, kDefaults.kv_cache_mb,
           "MiB of the pool KV-cache sessions' blocks come from (taken as blocks fill); at least 2");
 ABSL_FLAG(std::string, kv_cache_memory, kDefaults.kv_cache_memory,
-          "where the KV-cache pool lives: auto (a backend's memory when one lends it: CUDA managed memory with a "
-          "GPU), host, or cuda (fail at start without a usable CUDA backend)");
+          "where the KV-cache pool lives: auto (the default backend's memory when it lends some: CUDA managed "
+          "memory with a GPU), host, or cuda (fail at start without a usable CUDA backend)");
 ABSL_FLAG(int, kv_block_tokens, kDefaults.kv_block_tokens,
           "tokens per KV-cache block (multiples of 16 take the decode kernels)");
 ABSL_FLAG(int, max_sessions, kDefaults.max_sessions, "KV-cache sessions open at once at most");

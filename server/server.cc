@@ -100,7 +100,7 @@ SessionStoreOptions SessionOptions(const ServerOptions& o) {
 
 // The memory of the KV-cache pool (--kv_cache_memory): a backend's arena of `bytes`, or null for host memory the
 // pool reserves itself. "cuda" fails, naming the flag, when the CUDA backend is not there or cannot lend the memory;
-// "auto" takes the first backend that lends some and otherwise host memory.
+// "auto" takes the default backend's (BACKEND_AUTO's) when it lends some, and otherwise host memory.
 absl::StatusOr<std::unique_ptr<CacheArena>> CacheArenaFor(const std::string& memory, const BackendRegistry& backends,
                                                           int64_t bytes) {
   if (memory == "host") return std::unique_ptr<CacheArena>();
@@ -114,15 +114,16 @@ absl::StatusOr<std::unique_ptr<CacheArena>> CacheArenaFor(const std::string& mem
     }
     return arena;
   }
-  for (const BackendEntry& entry : backends.entries()) {
-    if (!entry.available()) continue;
-    absl::StatusOr<std::unique_ptr<CacheArena>> arena = entry.backend->AllocateCacheArena(bytes);
-    if (arena.ok()) return arena;
-    // UNIMPLEMENTED: the backend reads host memory as well as its own (every CPU backend).
-    if (!absl::IsUnimplemented(arena.status())) {
-      spdlog::warn("--kv_cache_memory auto: backend {} cannot hold the KV cache ({}); trying the next, else host memory",
-                   entry.name, arena.status().ToString());
-    }
+  // The backend BACKEND_AUTO means computes the sessions: its memory, when it has some of its own. (A CPU default on a
+  // GPU machine keeps the cache in host memory, which its kernels read fastest.)
+  absl::StatusOr<Backend*> chosen = backends.Find(backends.DefaultName(), "--kv_cache_memory");
+  if (!chosen.ok()) return std::unique_ptr<CacheArena>();
+  absl::StatusOr<std::unique_ptr<CacheArena>> arena = (*chosen)->AllocateCacheArena(bytes);
+  if (arena.ok()) return arena;
+  // UNIMPLEMENTED: the backend reads host memory (every CPU backend).
+  if (!absl::IsUnimplemented(arena.status())) {
+    spdlog::warn("--kv_cache_memory auto: backend {} cannot hold the KV cache ({}); host memory instead",
+                 backends.DefaultName(), arena.status().ToString());
   }
   return std::unique_ptr<CacheArena>();
 }
