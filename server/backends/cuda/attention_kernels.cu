@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "server/backends/cuda/attention_kernels.cuh"
+#include "server/backends/cuda/enqueue.cuh"
 #include "server/backends/cuda/kernels.h"
 
 namespace mha {
@@ -155,14 +156,6 @@ __global__ void __launch_bounds__(kContributionThreads)
   }
 }
 
-#ifndef MHA_CUDA_EMULATION
-// kernel<<<grid, threads, 0, stream>>>(args...) and the launch's error: the one place this file launches from.
-template <typename... Params, typename... Args>
-cudaError_t Enqueue(void (*kernel)(Params...), dim3 grid, unsigned threads, cudaStream_t stream, Args... args) {
-  kernel<<<grid, threads, 0, stream>>>(args...);
-  return cudaGetLastError();
-}
-#endif
 
 // Blocks for a grid-stride loop over n elements.
 unsigned GridFor(int64_t n) {

@@ -1,11 +1,12 @@
 // The sessions' launchers (paged_kernels.h) around the device code of paged_kernels.cuh. Under MHA_CUDA_EMULATION
-// (tests/emulated_cuda) g++ compiles this file too, with Enqueue provided by the emulated runtime.
+// (tests/emulated_cuda) g++ compiles this file too, with the emulated runtime's Enqueue.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
 
+#include "server/backends/cuda/enqueue.cuh"
 #include "server/backends/cuda/kernels.h"
 #include "server/backends/cuda/paged_kernels.cuh"
 #include "server/backends/cuda/paged_kernels.h"
@@ -13,15 +14,6 @@
 namespace mha {
 namespace cuda {
 namespace {
-
-#ifndef MHA_CUDA_EMULATION
-// kernel<<<grid, threads, 0, stream>>>(args...) and the launch's error: the one place this file launches from.
-template <typename... Params, typename... Args>
-cudaError_t Enqueue(void (*kernel)(Params...), dim3 grid, unsigned threads, cudaStream_t stream, Args... args) {
-  kernel<<<grid, threads, 0, stream>>>(args...);
-  return cudaGetLastError();
-}
-#endif
 
 constexpr int64_t kMaxGridX = 0x7fffffff;
 
