@@ -3,6 +3,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <array>
 #include <climits>
 #include <initializer_list>
 #include <cstring>
@@ -134,6 +135,97 @@ absl::Status CudaBackend::Impl::Sdpa(const SdpaArgs& a) {
                        lane->stream, "attention on the GPU");
 }
 
+namespace {
+
+// Contributions from LaunchHeadContributions' [rows, H] into the call's [B, H, Tq].
+void UnpackContributions(const std::vector<float>& rows, const AttentionShape& s, float* contribution) {
+  const int64_t heads = s.heads.num_heads;
+  for (int64_t r = 0; r < s.batch * s.q_len; ++r) {
+    const int64_t b = r / s.q_len, i = r % s.q_len;
+    for (int64_t head = 0; head < heads; ++head) contribution[(b * heads + head) * s.q_len + i] = rows[r * heads + head];
+  }
+}
+
+}  // namespace
+
+absl::Status CudaBackend::Impl::LayerOnDevice(Lane& lane, const AttentionShape& s, const LayerWeights& w, int dtype,
+                                              const LayerOffsets& o, char** matrices, float** biases, float* staging,
+                                              std::shared_ptr<const DeviceLayer>* resident) {
+  if (w.resident_id == 0) return UploadLayer(s, w, o, dtype, *matrices, *biases, staging, lane.stream);
+  absl::StatusOr<std::shared_ptr<const DeviceLayer>> layer = Resident(lane, s, w, dtype);
+  if (!layer.ok()) return layer.status();
+  *resident = *std::move(layer);
+  *matrices = (*resident)->matrices.data();
+  *biases = reinterpret_cast<float*>((*resident)->biases.data());
+  return absl::OkStatus();
+}
+
+// Q, K, V of a layer call (inputs query, key, value on the device) in the compute dtype into `projected`: one
+// product when Q|K|V is fused, else three. Sets where p finds them; *q and *k: the rows RoPE rotates.
+absl::Status CudaBackend::Impl::ProjectMha(Lane& lane, const MhaArgs& a, const LayerOffsets& o, const char* matrices,
+                                           const float* biases, std::array<const char*, 3> inputs, char* projected,
+                                           cuda::AttentionParams& p, char** q, char** k) const {
+  const AttentionShape& s = a.shape;
+  const int t = a.query.dtype;
+  const int64_t in_size = DTypeSize(t), q_width = s.heads.q_width(), kv_width = s.heads.kv_width();
+  const int64_t q_rows = s.batch * s.q_len, kv_rows = s.batch * s.kv_len;
+  const auto matrix = [&](int64_t offset) { return matrices + offset * in_size; };
+  const auto bias = [&](int64_t offset) { return offset < 0 ? nullptr : biases + offset; };
+  if (a.kv_source == KvSource::kQuery && a.weights.fused_qkv) {
+    const int64_t width = q_width + 2 * kv_width;
+    RETURN_IF_ERROR_STATUS(Linear(lane, t, t, inputs[0], q_rows, s.d_model, s.d_model, matrix(o.q), o.ld_q,
+                                  bias(o.bq), width, projected, width));
+    *q = projected;
+    *k = projected + q_width * in_size;
+    p.v = projected + (q_width + kv_width) * in_size;
+    p.q_row_stride = p.kv_row_stride = width;
+  } else {
+    *q = projected;
+    *k = *q + q_rows * q_width * in_size;
+    char* v = *k + kv_rows * kv_width * in_size;
+    RETURN_IF_ERROR_STATUS(Linear(lane, t, t, inputs[0], q_rows, s.d_model, s.d_model, matrix(o.q), o.ld_q,
+                                  bias(o.bq), q_width, *q, q_width));
+    RETURN_IF_ERROR_STATUS(Linear(lane, t, t, inputs[1], kv_rows, s.d_kv_in, s.d_kv_in, matrix(o.k), o.ld_k,
+                                  bias(o.bk), kv_width, *k, kv_width));
+    RETURN_IF_ERROR_STATUS(Linear(lane, t, t, inputs[2], kv_rows, s.d_v_in, s.d_v_in, matrix(o.v), o.ld_v,
+                                  bias(o.bv), kv_width, v, kv_width));
+    p.v = v;
+    p.q_row_stride = q_width;
+    p.kv_row_stride = kv_width;
+  }
+  p.q = *q;
+  p.k = *k;
+  return absl::OkStatus();
+}
+
+// y = heads W_O (+ b_O) in the requested dtype (through `out_f32` when that is neither the compute dtype nor fp32),
+// and the heads' contributions [rows, H] when `contribution` has room.
+absl::Status CudaBackend::Impl::OutputMha(Lane& lane, const MhaArgs& a, const char* heads, const char* w_o,
+                                          const float* b_o, const Staged& out, char* out_f32,
+                                          const Staged& contribution) const {
+  const AttentionShape& s = a.shape;
+  const HeadSpec& h = s.heads;
+  const int t = a.query.dtype, out_dtype = a.out.dtype;
+  const int64_t q_rows = s.batch * s.q_len, q_width = h.q_width();
+  const bool direct = out_f32 == nullptr;
+  const int c = direct ? out_dtype : cuda::kF32;
+  char* y = direct ? out.device : out_f32;
+  RETURN_IF_ERROR_STATUS(
+      Linear(lane, t, c, heads, q_rows, q_width, q_width, w_o, s.d_model, b_o, s.d_model, y, s.d_model));
+  if (contribution.bytes > 0) {
+    // The heads as the output product read them (after the head mask), against the output before any conversion.
+    RETURN_IF_CUDA_ERROR(cuda::LaunchHeadContributions(heads, t, q_rows, h.num_heads, h.head_dim, w_o, t, y, c,
+                                                       s.d_model, reinterpret_cast<float*>(contribution.device),
+                                                       lane.stream),
+                         "launching the head contributions");
+  }
+  if (!direct) {
+    RETURN_IF_CUDA_ERROR(cuda::LaunchConvert(out_f32, cuda::kF32, out.device, out_dtype, q_rows * s.d_model, lane.stream),
+                         "converting the output");
+  }
+  return absl::OkStatus();
+}
+
 absl::Status CudaBackend::Impl::Mha(const MhaArgs& a) {
   RETURN_IF_ERROR_STATUS(OneDtype({&a.query, &a.key, &a.value}));
   const AttentionShape& s = a.shape;
@@ -146,7 +238,6 @@ absl::Status CudaBackend::Impl::Mha(const MhaArgs& a) {
   const int64_t q_width = h.q_width(), kv_width = h.kv_width();
   const int64_t q_rows = s.batch * s.q_len, kv_rows = s.batch * s.kv_len;
   const int64_t weight_count = a.attention_weights.requested() ? s.batch * h.num_heads * s.q_len * s.kv_len : 0;
-  const bool fused = a.kv_source == KvSource::kQuery && w.fused_qkv;
   const bool direct = out_dtype == t || out_dtype == cuda::kF32;  // the output product writes the requested dtype
   const LayerOffsets offsets = OffsetsFor(s, w);
   const bool inline_layer = w.resident_id == 0;
@@ -194,16 +285,8 @@ absl::Status CudaBackend::Impl::Mha(const MhaArgs& a) {
     RETURN_IF_ERROR_STATUS(CopyIn(*x, lane->stream));
   }
   std::shared_ptr<const DeviceLayer> resident;
-  if (inline_layer) {
-    RETURN_IF_ERROR_STATUS(
-        UploadLayer(s, w, offsets, t, layer_matrices, layer_biases, layer_staging, lane->stream));
-  } else {
-    absl::StatusOr<std::shared_ptr<const DeviceLayer>> layer = Resident(*lane, s, w, t);
-    if (!layer.ok()) return layer.status();
-    resident = *std::move(layer);
-    layer_matrices = resident->matrices.data();
-    layer_biases = reinterpret_cast<float*>(resident->biases.data());
-  }
+  RETURN_IF_ERROR_STATUS(LayerOnDevice(*lane, s, w, t, offsets, &layer_matrices, &layer_biases, layer_staging,
+                                       &resident));
   const auto matrix = [&](int64_t offset) { return layer_matrices + offset * in_size; };
   const auto bias = [&](int64_t offset) { return offset < 0 ? nullptr : layer_biases + offset; };
   RETURN_IF_ERROR_STATUS(Stopped(a.stop));
@@ -213,34 +296,8 @@ absl::Status CudaBackend::Impl::Mha(const MhaArgs& a) {
   const char* value_in = a.kv_source == KvSource::kKeyValue ? value.device : key_in;
   cuda::AttentionParams p = ShapeParams(s, a.mask, mask);
   char *q_projected = nullptr, *k_projected = nullptr;  // for RoPE
-  if (fused) {
-    const int64_t width = q_width + 2 * kv_width;
-    RETURN_IF_ERROR_STATUS(Linear(*lane, t, t, query.device, q_rows, s.d_model, s.d_model, matrix(offsets.q),
-                                  offsets.ld_q, bias(offsets.bq), width, projected, width));
-    q_projected = projected;
-    k_projected = projected + q_width * in_size;
-    p.q = q_projected;
-    p.k = k_projected;
-    p.v = projected + (q_width + kv_width) * in_size;
-    p.q_row_stride = p.kv_row_stride = width;
-  } else {
-    char* qp = projected;
-    char* kp = qp + q_rows * q_width * in_size;
-    char* vp = kp + kv_rows * kv_width * in_size;
-    RETURN_IF_ERROR_STATUS(Linear(*lane, t, t, query.device, q_rows, s.d_model, s.d_model, matrix(offsets.q),
-                                  offsets.ld_q, bias(offsets.bq), q_width, qp, q_width));
-    RETURN_IF_ERROR_STATUS(Linear(*lane, t, t, key_in, kv_rows, s.d_kv_in, s.d_kv_in, matrix(offsets.k),
-                                  offsets.ld_k, bias(offsets.bk), kv_width, kp, kv_width));
-    RETURN_IF_ERROR_STATUS(Linear(*lane, t, t, value_in, kv_rows, s.d_v_in, s.d_v_in, matrix(offsets.v),
-                                  offsets.ld_v, bias(offsets.bv), kv_width, vp, kv_width));
-    q_projected = qp;
-    k_projected = kp;
-    p.q = qp;
-    p.k = kp;
-    p.v = vp;
-    p.q_row_stride = q_width;
-    p.kv_row_stride = kv_width;
-  }
+  RETURN_IF_ERROR_STATUS(ProjectMha(*lane, a, offsets, layer_matrices, layer_biases,
+                                    {query.device, key_in, value_in}, projected, p, &q_projected, &k_projected));
   RETURN_IF_ERROR_STATUS(
       RotateStateless(s, t, q_projected, p.q_row_stride, k_projected, p.kv_row_stride, lane->stream));
   RETURN_IF_ERROR_STATUS(Stopped(a.stop));
@@ -260,31 +317,11 @@ absl::Status CudaBackend::Impl::Mha(const MhaArgs& a) {
   }
   RETURN_IF_ERROR_STATUS(Stopped(a.stop));
 
-  const int c = direct ? out_dtype : cuda::kF32;
-  char* y = direct ? out.device : out_f32;
-  RETURN_IF_ERROR_STATUS(Linear(*lane, t, c, heads, q_rows, q_width, q_width, matrix(offsets.o), s.d_model,
-                                bias(offsets.bo), s.d_model, y, s.d_model));
-  if (contribution.bytes > 0) {
-    // The heads as the output product read them (after the head mask), against the output before any conversion.
-    RETURN_IF_CUDA_ERROR(cuda::LaunchHeadContributions(heads, t, q_rows, h.num_heads, h.head_dim, matrix(offsets.o), t,
-                                                       y, c, s.d_model, reinterpret_cast<float*>(contribution.device),
-                                                       lane->stream),
-                         "launching the head contributions");
-  }
-  if (!direct) {
-    RETURN_IF_CUDA_ERROR(
-        cuda::LaunchConvert(out_f32, cuda::kF32, out.device, out_dtype, q_rows * s.d_model, lane->stream),
-        "converting the output");
-  }
+  RETURN_IF_ERROR_STATUS(OutputMha(*lane, a, heads, matrix(offsets.o), bias(offsets.bo), out, out_f32, contribution));
   RETURN_IF_ERROR_STATUS(ReturnOutputs({&out, &weights, &contribution, &stats.lse, &stats.entropy,
                                         &stats.confidence, &stats.distance, &stats.sink},
                                        lane->stream, "the layer on the GPU"));
-  for (int64_t r = 0; a.stats.contribution != nullptr && r < q_rows; ++r) {
-    const int64_t b = r / s.q_len, i = r % s.q_len;
-    for (int64_t head = 0; head < h.num_heads; ++head) {
-      a.stats.contribution[(b * h.num_heads + head) * s.q_len + i] = contribution_rows[r * h.num_heads + head];
-    }
-  }
+  if (a.stats.contribution != nullptr) UnpackContributions(contribution_rows, s, a.stats.contribution);
   return absl::OkStatus();
 }
 

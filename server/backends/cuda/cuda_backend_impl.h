@@ -9,6 +9,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <array>
 #include <climits>
 #include <initializer_list>
 #include <cstring>
@@ -229,6 +230,8 @@ struct Lane {
   PinnedBuffer host;
 };
 
+struct Staged;  // below
+
 }  // namespace cuda_internal
 
 using namespace cuda_internal;  // NOLINT: the backend's own helpers
@@ -317,6 +320,16 @@ class CudaBackend::Impl {
     Lane* lane_ = nullptr;
   };
 
+  // The layer's matrices and biases on the device: its resident copy (kept alive by *resident), or inline weights
+  // (resident_id 0) uploaded into this call's pieces *matrices, *biases and `staging` (fp32, for 16-bit dtypes).
+  absl::Status LayerOnDevice(Lane& lane, const AttentionShape& s, const LayerWeights& w, int dtype,
+                             const LayerOffsets& o, char** matrices, float** biases, float* staging,
+                             std::shared_ptr<const DeviceLayer>* resident);
+  absl::Status OutputMha(Lane& lane, const MhaArgs& a, const char* heads, const char* w_o, const float* b_o,
+                         const Staged& out, char* out_f32, const Staged& contribution) const;
+  absl::Status ProjectMha(Lane& lane, const MhaArgs& a, const LayerOffsets& o, const char* matrices,
+                          const float* biases, std::array<const char*, 3> inputs, char* projected,
+                          cuda::AttentionParams& p, char** q, char** k) const;
   // Paged calls' steps (cuda_paged.cc).
   absl::Status ProjectPaged(Lane& lane, const PagedProblem& pr, bool fused, const LayerOffsets& o, PagedCall& c,
                             int64_t rows) const;

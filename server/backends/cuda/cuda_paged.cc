@@ -69,7 +69,8 @@ struct CudaBackend::Impl::PagedCall {
   char* heads_t = nullptr;    // layer, 16-bit wire: the heads narrowed for W_O
   char* partials = nullptr;
   char* staged_blocks = nullptr;  // staging: every block of the call, in table order
-  char *layer_matrices = nullptr, *layer_biases = nullptr, *layer_staging = nullptr;
+  char* layer_matrices = nullptr;
+  float *layer_biases = nullptr, *layer_staging = nullptr;
 
   // Cuts the call's pieces off `device` and `host` (null: only measures); returns the bytes of each.
   std::pair<int64_t, int64_t> Carve(const PagedProblem& pr, char* device, char* host) {
@@ -90,8 +91,8 @@ struct CudaBackend::Impl::PagedCall {
       }
       if (inline_layer) {
         layer_matrices = d.Take(offsets.weights * in_size);
-        layer_biases = d.Take(offsets.biases * 4);
-        if (!wide) layer_staging = d.Take(offsets.weights * 4);
+        layer_biases = reinterpret_cast<float*>(d.Take(offsets.biases * 4));
+        if (!wide) layer_staging = reinterpret_cast<float*>(d.Take(offsets.weights * 4));
       }
     }
     if (!in_place) staged_blocks = d.Take(static_cast<int64_t>(table.size()) * pr.cache.BlockBytes());
@@ -260,17 +261,8 @@ absl::Status CudaBackend::Impl::Paged(const PagedArgs& a) {
   const float* qkv = reinterpret_cast<const float*>(c.qkv_in.device);
   if (c.layer) {
     const AttentionShape s = LayerShape(pr, c.plan.rows);
-    if (c.inline_layer) {
-      RETURN_IF_ERROR_STATUS(UploadLayer(s, a.weights, c.offsets, pr.input_dtype, c.layer_matrices,
-                                         reinterpret_cast<float*>(c.layer_biases),
-                                         reinterpret_cast<float*>(c.layer_staging), stream));
-    } else {
-      absl::StatusOr<std::shared_ptr<const DeviceLayer>> device_layer = Resident(*lane, s, a.weights, pr.input_dtype);
-      if (!device_layer.ok()) return device_layer.status();
-      resident = *std::move(device_layer);
-      c.layer_matrices = resident->matrices.data();
-      c.layer_biases = resident->biases.data();
-    }
+    RETURN_IF_ERROR_STATUS(LayerOnDevice(*lane, s, a.weights, pr.input_dtype, c.offsets, &c.layer_matrices,
+                                         &c.layer_biases, c.layer_staging, &resident));
     RETURN_IF_ERROR_STATUS(ProjectPaged(*lane, pr, a.weights.fused_qkv, c.offsets, c, c.plan.rows));
     qkv = reinterpret_cast<const float*>(c.wide ? c.projected : c.qkv_f32);
   }
@@ -291,7 +283,7 @@ absl::Status CudaBackend::Impl::ProjectPaged(Lane& lane, const PagedProblem& pr,
   const int64_t qw = pr.heads.q_width(), kvw = pr.heads.kv_width(), width = qw + 2 * kvw;
   const auto matrix = [&](int64_t offset) { return c.layer_matrices + offset * in_size; };
   const auto bias = [&](int64_t offset) {
-    return offset < 0 ? nullptr : reinterpret_cast<const float*>(c.layer_biases) + offset;
+    return offset < 0 ? nullptr : c.layer_biases + offset;
   };
   if (fused) {
     RETURN_IF_ERROR_STATUS(Linear(lane, t, t, c.x_in.device, rows, pr.d_model, pr.d_model, matrix(o.q), o.ld_q,
@@ -322,7 +314,7 @@ absl::Status CudaBackend::Impl::OutputPaged(Lane& lane, const PagedProblem& pr, 
                          "narrowing the heads");
     heads = c.heads_t;
   }
-  const float* b_o = o.bo < 0 ? nullptr : reinterpret_cast<const float*>(c.layer_biases) + o.bo;
+  const float* b_o = o.bo < 0 ? nullptr : c.layer_biases + o.bo;
   RETURN_IF_ERROR_STATUS(Linear(lane, t, cuda::kF32, heads, rows, qw, qw, c.layer_matrices + o.o * in_size,
                                 pr.d_model, b_o, pr.d_model, c.layer_out.device, pr.d_model));
   if (contribution) {
