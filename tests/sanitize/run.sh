@@ -42,15 +42,16 @@ build() {  # build <dir> <sanitizers> <targets...>
 # memory, and the backend's host code.
 emulated_cuda_targets() {  # emulated_cuda_targets <dir>
   if ninja -C "$1" -t targets all 2>/dev/null | grep -q '^backend_conformance_emulated_cuda_test:'; then
-    echo cuda_kernels_emulated_test cuda_backend_emulated_test backend_conformance_emulated_cuda_test
+    echo cuda_kernels_emulated_test cuda_backend_emulated_test backend_conformance_emulated_cuda_test paged_bench_emulated
   fi
 }
 
 # Under ASan the emulation runs about 10 times slower: its slowest conformance cases (the demo-sized layers, the
 # bf16 cases at Tk = 600, the head_dim 128 layer, the fp32 cases at Tk = 301, one dtype of the head_dim 128 core,
-# two contract tests that repeat calls) and the emulated server's rehearsal (its warm-up alone took minutes) run in
-# the plain build only; every kernel variant and the backend's host paths still run here.
-slow_emulated='^emulated_cuda:.*(demo_sized|bf16_core|dk16_causal_mask_lengths|sdpa_dk128_partial_tiles_masks_fp16|ScratchFromALargeCall|ConcurrentCalls)|^cuda_server_emulated$'
+# two contract tests that repeat calls; the session cases with 600- to 2000-token prefills, a minute to three each)
+# and the emulated server's rehearsal (its warm-up alone took minutes) run in the plain build only; every kernel
+# variant and the backend's host paths still run here (the sessions' key splits in paged_bench_emulated).
+slow_emulated='^emulated_cuda:.*(demo_sized|bf16_core|dk16_causal_mask_lengths|sdpa_dk128_partial_tiles_masks_fp16|ScratchFromALargeCall|ConcurrentCalls|session_heads_long_cache_split_kv|session_heads_decode_cache_(fp16|bf16)(_wire)?_cuda$|decode_split_cache)|^cuda_server_emulated$'
 
 run_asan() {
   configure build-asan address,undefined
