@@ -19,30 +19,16 @@
 #include "server/backends/cuda/cublas_api.h"
 #include "server/backends/cuda/flash_plan.h"
 #include "server/backends/cuda/kernels.h"
+#include "tests/gpu/bench_util.h"
 
 namespace mha {
 namespace cuda {
 namespace {
 
-#define CHECK_CUDA(expr)                                                                          \
-  do {                                                                                            \
-    const cudaError_t _e = (expr);                                                                \
-    if (_e != cudaSuccess) {                                                                      \
-      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #expr, cudaGetErrorString(_e)); \
-      std::exit(1);                                                                               \
-    }                                                                                             \
-  } while (0)
-
 // n values uniform in [-1, 1) from a hash of the index, made on the host in bf16 and copied to the device.
 __nv_bfloat16* Random(int64_t n, uint32_t seed) {
   std::vector<__nv_bfloat16> host(n);
-  for (int64_t i = 0; i < n; ++i) {
-    uint32_t h = static_cast<uint32_t>(i) * 2654435761u ^ seed;
-    h ^= h >> 15;
-    h *= 2246822519u;
-    h ^= h >> 13;
-    host[i] = __float2bfloat16(static_cast<float>(h & 0xffffff) / 8388608.0f - 1.0f);
-  }
+  for (int64_t i = 0; i < n; ++i) host[i] = __float2bfloat16(bench::HashValue(i, seed));
   __nv_bfloat16* p = nullptr;
   CHECK_CUDA(cudaMalloc(&p, n * sizeof(__nv_bfloat16)));
   CHECK_CUDA(cudaMemcpy(p, host.data(), n * sizeof(__nv_bfloat16), cudaMemcpyHostToDevice));
@@ -52,25 +38,7 @@ __nv_bfloat16* Random(int64_t n, uint32_t seed) {
 // Median milliseconds of `reps` timed runs of f after two untimed ones.
 template <typename F>
 float TimeMs(F f, int reps) {
-  cudaEvent_t start, stop;
-  CHECK_CUDA(cudaEventCreate(&start));
-  CHECK_CUDA(cudaEventCreate(&stop));
-  f();
-  f();
-  std::vector<float> ms;
-  for (int r = 0; r < reps; ++r) {
-    CHECK_CUDA(cudaEventRecord(start));
-    f();
-    CHECK_CUDA(cudaEventRecord(stop));
-    CHECK_CUDA(cudaEventSynchronize(stop));
-    float t = 0;
-    CHECK_CUDA(cudaEventElapsedTime(&t, start, stop));
-    ms.push_back(t);
-  }
-  std::sort(ms.begin(), ms.end());
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
-  return ms[ms.size() / 2];
+  return bench::TimeMs(nullptr, f, reps, 2).median;
 }
 
 double GemmTflops(const CublasApi& api, int n) {

@@ -44,19 +44,15 @@
 #include "server/backends/cuda/kernels.h"
 #include "server/backends/cuda/paged_kernels.h"
 #include "server/backends/cuda/paged_plan.h"
+#include "tests/gpu/bench_util.h"
 
 namespace mha {
 namespace cuda {
 namespace {
 
-#define CHECK_CUDA(expr)                                                                          \
-  do {                                                                                            \
-    const cudaError_t _e = (expr);                                                                \
-    if (_e != cudaSuccess) {                                                                      \
-      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #expr, cudaGetErrorString(_e)); \
-      std::exit(1);                                                                               \
-    }                                                                                             \
-  } while (0)
+using bench::HashValue;
+using bench::Stats;
+using bench::TimeMs;
 
 constexpr int64_t kHeads = 32, kKvHeads = 8, kHeadDim = 128, kBlockTokens = 32;
 constexpr int64_t kGroup = kHeads / kKvHeads;
@@ -64,44 +60,9 @@ constexpr int64_t kBlockElements = kKvHeads * 2 * kHeadDim * kBlockTokens;  // K
 constexpr int64_t kBlockBytes = kBlockElements * 2;                          // bf16
 constexpr int64_t kGiB = int64_t{1} << 30;
 
-// A value in [-1, 1) from a hash of the index.
-float HashValue(uint64_t i, uint32_t seed) {
-  uint32_t h = static_cast<uint32_t>(i) * 2654435761u ^ static_cast<uint32_t>(i >> 32) * 40503u ^ seed;
-  h ^= h >> 15;
-  h *= 2246822519u;
-  h ^= h >> 13;
-  return static_cast<float>(h & 0xffffff) / 8388608.0f - 1.0f;
-}
-
 // The cache's contents: element e of the block memory is tile[e % kTileElements] (the tile copied over and over on
 // the device), so the host computation reads the same values without a copy of the whole cache.
 constexpr int64_t kTileElements = int64_t{8} << 20;  // 16 MiB, a multiple of a block
-
-struct Stats {
-  float median = 0, best = 0;
-};
-
-template <typename F>
-Stats TimeMs(cudaStream_t stream, F f, int reps) {
-  cudaEvent_t start, stop;
-  CHECK_CUDA(cudaEventCreate(&start));
-  CHECK_CUDA(cudaEventCreate(&stop));
-  for (int i = 0; i < 3; ++i) f();
-  std::vector<float> ms;
-  for (int r = 0; r < reps; ++r) {
-    CHECK_CUDA(cudaEventRecord(start, stream));
-    f();
-    CHECK_CUDA(cudaEventRecord(stop, stream));
-    CHECK_CUDA(cudaEventSynchronize(stop));
-    float t = 0;
-    CHECK_CUDA(cudaEventElapsedTime(&t, start, stop));
-    ms.push_back(t);
-  }
-  std::sort(ms.begin(), ms.end());
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
-  return {ms[ms.size() / 2], ms.front()};
-}
 
 // Device-to-device copy bandwidth in GB/s (1e9 bytes), bytes read plus bytes written, median and best.
 Stats CopyGbs(cudaStream_t stream, int64_t bytes) {
