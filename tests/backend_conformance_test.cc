@@ -652,7 +652,6 @@ class TestCaches {
       for (char* block : cache.blocks) pool_.Unref(block);
     }
   }
-  bool in_arena() const { return arena_ != nullptr; }
   struct Cache {
     std::vector<char*> blocks;
     int64_t length = 0;

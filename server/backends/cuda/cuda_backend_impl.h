@@ -335,7 +335,7 @@ class CudaBackend::Impl {
                             int64_t rows) const;
   absl::Status OutputPaged(Lane& lane, const PagedProblem& pr, const LayerOffsets& o, PagedCall& c, int64_t rows,
                            bool contribution) const;
-  absl::Status FinishPaged(const PagedArgs& a, PagedCall& c, cudaStream_t stream, bool in_place) const;
+  absl::Status FinishPaged(const PagedArgs& a, PagedCall& c, cudaStream_t stream) const;
 
   // Makes sure `device_bytes` fit on the device and reserves the lane's buffers.
   absl::Status Reserve(Lane& lane, int64_t device_bytes, int64_t host_bytes) const {

@@ -272,7 +272,7 @@ absl::Status CudaBackend::Impl::Paged(const PagedArgs& a) {
   RETURN_IF_CUDA_ERROR(cuda::LaunchPagedAttention(p, stream), "launching paged attention");
   RETURN_IF_ERROR_STATUS(Stopped(a.stop));
   if (c.layer) RETURN_IF_ERROR_STATUS(OutputPaged(*lane, pr, c.offsets, c, c.plan.rows, c.contribution));
-  return FinishPaged(a, c, stream, c.in_place);
+  return FinishPaged(a, c, stream);
 }
 
 // Q|K|V = x W (+ b) for a layer session's new rows, in the wire dtype, and widened to fp32 for the kernels.
@@ -330,8 +330,7 @@ absl::Status CudaBackend::Impl::OutputPaged(Lane& lane, const PagedProblem& pr, 
 
 // Copies the outputs back, writes them into each sequence's tensors (narrowed to their dtypes, statistics from
 // [H, n] per sequence, contributions from [rows, H]), and returns staged blocks that received new tokens.
-absl::Status CudaBackend::Impl::FinishPaged(const PagedArgs& a, PagedCall& c, cudaStream_t stream,
-                                            bool in_place) const {
+absl::Status CudaBackend::Impl::FinishPaged(const PagedArgs& a, PagedCall& c, cudaStream_t stream) const {
   const PagedProblem& pr = a.problem;
   const HeadSpec& h = pr.heads;
   const int64_t bt = pr.cache.block_tokens, block_bytes = pr.cache.BlockBytes();
@@ -340,7 +339,7 @@ absl::Status CudaBackend::Impl::FinishPaged(const PagedArgs& a, PagedCall& c, cu
   for (const Staged& s : c.stats_out) outputs.push_back(&s);
   for (const Staged* s : outputs) RETURN_IF_ERROR_STATUS(StartCopyOut(*s, stream));
   std::vector<std::pair<char*, int64_t>> returned;  // host block, table index
-  if (!in_place) {
+  if (!c.in_place) {
     for (size_t i = 0; i < a.sequences.size(); ++i) {
       const PagedSequence& seq = a.sequences[i];
       if (!seq.append) continue;

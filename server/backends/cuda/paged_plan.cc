@@ -16,7 +16,6 @@ PagedPlan PlanPaged(const PagedProblem& problem, absl::Span<const PagedSequence>
     const int64_t keys = seq.Keys();
     max_keys = std::max(max_keys, keys);
     plan.rows += seq.new_tokens;
-    plan.blocks += static_cast<int64_t>(seq.blocks.size());
     if (problem.return_weights) plan.weights_elements += h.num_heads * seq.new_tokens * keys;
     for (int64_t g = 0; g < h.num_kv_heads; ++g) {
       for (int64_t t = 0; t < seq.new_tokens; t += unit_tokens) {

@@ -25,7 +25,6 @@ struct PagedPlan {
   int splits = 1;
   int64_t split_keys = kPagedTileKeys;  // a multiple of kPagedTileKeys
   int64_t rows = 0;                     // new tokens over all sequences
-  int64_t blocks = 0;                   // block pointers over all sequences
   int64_t weights_elements = 0;         // sum of H n keys over the sequences, when weights are asked for
 };
 
