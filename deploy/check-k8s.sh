@@ -24,5 +24,5 @@ if command -v kubectl >/dev/null; then
 else
   echo "check-k8s: no kubectl here: the overlay is checked as check_k8s.py renders it, not against kustomize"
 fi
-/usr/bin/python3 deploy/check_k8s.py deploy/k8s Dockerfile deploy/monitoring server/metrics.cc deploy/k8s-gpu \
+/usr/bin/python3 deploy/check_k8s.py deploy/k8s Dockerfile deploy/monitoring server/metrics/metrics.cc deploy/k8s-gpu \
   "${rendered[@]}"

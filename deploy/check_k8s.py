@@ -9,7 +9,7 @@ image the Deployment uses, flags that agree with the mounts and CPU limit, a gra
 an HPA and a PDB that can work together, and the container port matching the image's EXPOSE. Then the monitoring
 kustomization (MONITORING_DIR): the ServiceMonitor selects the metrics Service and names its port; the alert rules
 cover errors, p99 latency, queue saturation and restarts; every metric the alerts, the Grafana dashboard, the
-adapter rules and the HPA name is one the server exports (METRICS_SOURCE, server/metrics.cc) or kube-state-metrics'
+adapter rules and the HPA name is one the server exports (METRICS_SOURCE, server/metrics/metrics.cc) or kube-state-metrics'
 restart counter. With GPU_OVERLAY_DIR (deploy/k8s-gpu): the overlay builds on K8S_DIR alone, its patches reach
 the base's Deployment, container and HPA, the result passes every check above, and it runs the cuda image of the
 base's version on one GPU (nvidia.com/gpu limit 1, RuntimeClass nvidia, the GPU taint tolerated, --backend auto);
@@ -97,7 +97,7 @@ EXTERNAL_METRICS = {"kube_pod_container_status_restarts_total"}
 
 
 def exported_metrics(metrics_source):
-    """Series names the server exports: each .Name("...") in server/metrics.cc, histograms with their suffixes."""
+    """Series names the server exports: each .Name("...") in server/metrics/metrics.cc, histograms with their suffixes."""
     with open(metrics_source) as f:
         text = f.read()
     names = set()

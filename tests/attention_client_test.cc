@@ -10,15 +10,15 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "client/bench.h"
 #include "client/session.h"
 #include "client/session_recovery.h"
-#include "absl/synchronization/mutex.h"
-#include "grpcpp/generic/async_generic_service.h"
 #include "gmock/gmock.h"
+#include "grpcpp/generic/async_generic_service.h"
 #include "gtest/gtest.h"
 #include "proto/mha/v1/tensor_codec.h"
-#include "server/server.h"
+#include "server/app/server.h"
 #include "spdlog/spdlog.h"
 #include "tests/service_fixture.h"
 #include "tests/test_util.h"
@@ -181,7 +181,6 @@ TEST_F(AttentionClientTest, LoadRunsEveryCallInBothLoops) {
   EXPECT_EQ(result->samples.size(), 40u);
   for (const CallSample& sample : result->samples) EXPECT_EQ(sample.code, 0) << sample.message;
 }
-
 
 // A session's life through the handle: arrays in and out, lengths kept, a fork that diverges, truncation, close.
 // A head session's inputs for n tokens: q [n, 4, 16], k and v [n, 2, 16].

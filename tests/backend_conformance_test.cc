@@ -18,7 +18,7 @@
 #include "gtest/gtest.h"
 #include "proto/mha/v1/tensor_codec.h"
 #include "server/backends/registry.h"
-#include "server/layer.h"
+#include "server/layers/layer.h"
 #include "server/sessions/block_pool.h"
 #include "tests/test_util.h"
 

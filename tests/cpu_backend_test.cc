@@ -13,7 +13,7 @@
 #include "proto/mha/v1/tensor_codec.h"
 #include "server/backends/cpu/bf16_matmul.h"
 #include "server/backends/cpu/tile_kernels.h"
-#include "server/layer.h"
+#include "server/layers/layer.h"
 #include "tests/test_util.h"
 
 namespace mha {

@@ -1,4 +1,4 @@
-"""docs/SERVER.md's server flag table matches the flags mha_server defines (server/flags.cc): the same names, the
+"""docs/SERVER.md's server flag table matches the flags mha_server defines (server/config/flags.cc): the same names, the
 same defaults, nothing missing and nothing extra.
 
 Usage: python3 tests/flags_doc_test.py MHA_SERVER_BIN docs/SERVER.md
@@ -10,11 +10,11 @@ import sys
 
 
 def server_flags(binary):
-    """{name: default} from `mha_server --helpfull`'s section for server/flags.cc (absl exits 1 after help)."""
+    """{name: default} from `mha_server --helpfull`'s section for server/config/flags.cc (absl exits 1 after help)."""
     text = subprocess.run([binary, "--helpfull"], capture_output=True, text=True, timeout=60).stdout
-    section = re.search(r"Flags from \S*server/flags\.cc:\n(.*?)(?:\n\n|\Z)", text, re.S)
+    section = re.search(r"Flags from \S*server/config/flags\.cc:\n(.*?)(?:\n\n|\Z)", text, re.S)
     if section is None:
-        sys.exit("no 'Flags from .../server/flags.cc' section in --helpfull output:\n" + text[:2000])
+        sys.exit("no 'Flags from .../server/config/flags.cc' section in --helpfull output:\n" + text[:2000])
     flags = {}
     for name, default in re.findall(r"--(\w+) \(.*?\);\s+default: (.*?);", section.group(1), re.S):
         flags[name] = default.strip('"')

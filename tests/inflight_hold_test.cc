@@ -1,6 +1,6 @@
 // InflightHold: bytes added to the ledger when a hold is made, given back when it is destroyed, split off for a
 // response that outlives its computation.
-#include "server/inflight_hold.h"
+#include "server/scheduling/inflight_hold.h"
 
 #include <memory>
 #include <utility>

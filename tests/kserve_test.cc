@@ -6,7 +6,7 @@
 
 #include "gtest/gtest.h"
 #include "proto/inference/grpc_service.grpc.pb.h"
-#include "server/kserve/infer_request.h"
+#include "server/rpc/kserve/infer_request.h"
 #include "tests/service_fixture.h"
 
 namespace mha::testing {

@@ -1,13 +1,13 @@
 // Layers: the size checked before decoding is the size held after, for fused and separate projections, with and
 // without biases; a layer over the store's limit is refused before it is decoded.
-#include "server/layer.h"
+#include "server/layers/layer.h"
 
 #include <memory>
 #include <string>
 
 #include "gtest/gtest.h"
 #include "proto/mha/v1/tensor_codec.h"
-#include "server/layer_store.h"
+#include "server/layers/layer_store.h"
 #include "tests/test_util.h"
 
 namespace mha {

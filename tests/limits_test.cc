@@ -9,8 +9,9 @@
 #include "gtest/gtest.h"
 #include "proto/mha/v1/tensor_codec.h"
 #include "server/backends/registry.h"
-#include "server/layer_store.h"
-#include "server/validate.h"
+#include "server/base/names.h"
+#include "server/calls/validate.h"
+#include "server/layers/layer_store.h"
 #include "tests/service_fixture.h"
 
 namespace mha {
@@ -126,9 +127,9 @@ TEST(LayerLimitTest, TheLastAllowedLayerLoadsAndTheNextIsRefused) {
 }
 
 TEST(NameLimitTest, A128CharacterNameIsAllowedAnd129IsNot) {
-  EXPECT_TRUE(LayerStore::CheckName(std::string(128, 'a'), "name").ok());
-  EXPECT_EQ(LayerStore::CheckName(std::string(129, 'a'), "name").code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(LayerStore::CheckName("", "name").code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(CheckName(std::string(128, 'a'), "name").ok());
+  EXPECT_EQ(CheckName(std::string(129, 'a'), "name").code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(CheckName("", "name").code(), absl::StatusCode::kInvalidArgument);
 }
 
 }  // namespace

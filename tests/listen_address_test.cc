@@ -1,5 +1,5 @@
 // The server's listen addresses: what parses, what is refused and how, and the ":PORT" shorthand.
-#include "server/listen_address.h"
+#include "server/transport/listen_address.h"
 
 #include <sys/socket.h>
 #include <netinet/in.h>

@@ -1,6 +1,6 @@
 // ListenerWatch: a listener is stalled when connections wait in its queue for the stall time with no accept on it
 // meanwhile, and only then.
-#include "server/listener_watch.h"
+#include "server/transport/listener_watch.h"
 
 #include <arpa/inet.h>
 #include <netinet/in.h>

@@ -1,5 +1,5 @@
 // LogBudget: at most N lines a second, and the line after a refusal says how many were refused.
-#include "server/log_budget.h"
+#include "server/base/log_budget.h"
 
 #include "gtest/gtest.h"
 

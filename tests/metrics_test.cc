@@ -1,5 +1,5 @@
 // Prometheus metrics: calls are counted by rpc, status code and backend, and /metrics serves them over HTTP.
-#include "server/metrics.h"
+#include "server/metrics/metrics.h"
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
@@ -16,7 +16,7 @@
 #include "gtest/gtest.h"
 #include "proto/mha/v1/attention.grpc.pb.h"
 #include "proto/mha/v1/tensor_codec.h"
-#include "server/server.h"
+#include "server/app/server.h"
 #include "spdlog/spdlog.h"
 #include "tests/test_util.h"
 

@@ -1,6 +1,6 @@
 // Reading a compute request from gRPC's bytes: the message protobuf would give, and each activation scanned for
 // inf and NaN on the way whenever its dtype came before its data.
-#include "server/request_reader.h"
+#include "server/calls/request_reader.h"
 
 #include <cmath>
 #include <limits>

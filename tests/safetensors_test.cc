@@ -1,5 +1,5 @@
 // Reading layers from .safetensors bytes: a valid file, and each malformed part rejected with a clear message.
-#include "server/safetensors.h"
+#include "proto/mha/v1/safetensors.h"
 
 #include <sys/resource.h>
 
@@ -10,7 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "server/layer.h"
+#include "server/layers/layer.h"
 
 namespace mha {
 namespace {

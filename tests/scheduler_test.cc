@@ -16,8 +16,8 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "gtest/gtest.h"
-#include "server/scheduler.h"
-#include "server/work_item.h"
+#include "server/scheduling/scheduler.h"
+#include "server/scheduling/work_item.h"
 
 namespace mha {
 namespace {

@@ -15,8 +15,8 @@
 #include "gtest/gtest.h"
 #include "proto/mha/v1/attention.grpc.pb.h"
 #include "proto/mha/v1/tensor_codec.h"
-#include "server/auth.h"
-#include "server/server.h"
+#include "server/app/server.h"
+#include "server/transport/auth.h"
 #include "spdlog/spdlog.h"
 #include "tests/service_fixture.h"
 

@@ -13,7 +13,7 @@
 #include "gtest/gtest.h"
 #include "proto/mha/v1/attention.grpc.pb.h"
 #include "proto/mha/v1/tensor_codec.h"
-#include "server/server.h"
+#include "server/app/server.h"
 #include "spdlog/spdlog.h"
 #include "tests/test_util.h"
 

@@ -1,6 +1,6 @@
 // The Attention service end to end through an in-process channel: OK paths, every rejected input with its exact
 // status code and the field it names, and that the server keeps serving afterwards.
-#include "server/service.h"
+#include "server/rpc/service.h"
 
 #include <chrono>
 #include <functional>
@@ -21,8 +21,8 @@
 #include "gtest/gtest.h"
 #include "proto/mha/v1/attention.grpc.pb.h"
 #include "proto/mha/v1/tensor_codec.h"
+#include "server/app/server.h"
 #include "server/backends/registry.h"
-#include "server/server.h"
 #include "tests/service_fixture.h"
 #include "tests/test_util.h"
 
@@ -51,7 +51,6 @@ void SetElement(v1::Tensor* t, int64_t index, float value) {
   const std::vector<int64_t> shape(t->shape().begin(), t->shape().end());
   FloatsToTensor(values, shape, t->dtype(), t);
 }
-
 
 TEST(ToGrpcStatus, KeepsTheCodeAndAShortMessage) {
   const grpc::Status status = ToGrpcStatus(absl::InvalidArgumentError("query: shape [2] must have rank 3"));

@@ -15,8 +15,8 @@
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
-#include "server/server.h"
 #include "proto/mha/v1/tensor_codec.h"
+#include "server/app/server.h"
 #include "tests/service_fixture.h"
 #include "tests/test_util.h"
 

@@ -1,7 +1,7 @@
 // Tensors in shared memory (RegisterSharedMemory, SharedMemoryRef): the registry's rules, the guard against an
 // object that shrinks under the server, and the service computing from and into registered regions exactly as it
 // does from and into messages.
-#include "server/shared_memory.h"
+#include "server/transport/shared_memory.h"
 
 #include <fcntl.h>
 #include <sys/mman.h>

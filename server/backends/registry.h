@@ -1,4 +1,5 @@
-// The only place that knows which backends were compiled into this binary and which work on this machine.
+// Which backends were compiled into this binary (compiled_backends.cc, the only file that names them) and which
+// work on this machine.
 #ifndef MHA_SERVER_BACKENDS_REGISTRY_H_
 #define MHA_SERVER_BACKENDS_REGISTRY_H_
 

@@ -10,8 +10,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "proto/mha/v1/tensor_codec.h"
-#include "server/layer_store.h"
-#include "server/status_macros.h"
+#include "server/base/names.h"
+#include "server/base/status_macros.h"
 #include "spdlog/spdlog.h"
 
 namespace mha {
@@ -104,7 +104,7 @@ absl::StatusOr<std::string> SessionStore::NewId(const std::string& wanted, absl:
       if (sessions_.count(id) == 0) return id;
     }
   }
-  RETURN_IF_ERROR(LayerStore::CheckName(wanted, field));
+  RETURN_IF_ERROR(CheckName(wanted, field));
   if (sessions_.count(wanted) != 0) {
     return absl::AlreadyExistsError(absl::StrCat(field, ": session '", wanted, "' is open already"));
   }

@@ -31,7 +31,7 @@
 #include "absl/types/span.h"
 #include "proto/mha/v1/attention.pb.h"
 #include "server/backends/backend.h"
-#include "server/metrics.h"
+#include "server/metrics/metrics.h"
 #include "server/sessions/block_pool.h"
 #include "server/sessions/sequencer.h"
 

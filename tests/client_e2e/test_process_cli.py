@@ -42,7 +42,7 @@ def test_client_help_groups_flags_by_subcommand_without_build_paths(run_cli):
 def test_server_help_names_its_flags_file_relative_to_the_repository():
     r = run(_e2e._server_binary(), "--help")
     assert r.returncode == 0, r.stderr
-    assert "\n  Flags from server/flags.cc:\n" in r.stdout, r.stdout[:300]
+    assert "\n  Flags from server/config/flags.cc:\n" in r.stdout, r.stdout[:300]
 
 
 @pytest.mark.parametrize("args, message", [

@@ -12,8 +12,8 @@
 #include <string>
 
 #include "proto/mha/v1/tensor_codec.h"
-#include "server/execute.h"
-#include "server/server_options.h"
+#include "server/calls/execute.h"
+#include "server/config/server_options.h"
 
 namespace mha::fuzz {
 namespace {

@@ -14,8 +14,8 @@
 #include "absl/status/status.h"
 #include "proto/mha/v1/attention.pb.h"
 #include "server/backends/registry.h"
-#include "server/layer_store.h"
-#include "server/validate.h"
+#include "server/calls/validate.h"
+#include "server/layers/layer_store.h"
 
 namespace mha::fuzz {
 

@@ -10,9 +10,9 @@
 #include <vector>
 
 #include "proto/mha/v1/tensor_codec.h"
-#include "server/execute_session.h"
+#include "server/sessions/execute_session.h"
 #include "server/sessions/session_store.h"
-#include "server/validate_session.h"
+#include "server/sessions/validate_session.h"
 #include "tests/fuzz/fuzz_env.h"
 
 namespace mha::fuzz {

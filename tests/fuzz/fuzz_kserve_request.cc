@@ -4,8 +4,8 @@
 // code than the contract names, a translation that leaves the inputs' bytes behind or grows them past twice.
 #include <cstdint>
 
-#include "server/kserve/infer_request.h"
-#include "server/validate.h"
+#include "server/calls/validate.h"
+#include "server/rpc/kserve/infer_request.h"
 #include "tests/fuzz/fuzz_env.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {

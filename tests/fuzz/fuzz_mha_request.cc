@@ -6,8 +6,8 @@
 #include <cstdlib>
 
 #include "proto/mha/v1/tensor_codec.h"
-#include "server/execute.h"
-#include "server/validate.h"
+#include "server/calls/execute.h"
+#include "server/calls/validate.h"
 #include "tests/fuzz/fuzz_env.h"
 
 namespace mha::fuzz {

@@ -12,7 +12,7 @@
 #include "google/protobuf/stubs/logging.h"
 #include "grpc/grpc.h"
 #include "proto/mha/v1/tensor_codec.h"
-#include "server/request_reader.h"
+#include "server/calls/request_reader.h"
 
 namespace v1 = mha::v1;
 

@@ -18,7 +18,7 @@
 #include "server/backends/float_io.h"
 #include "server/backends/rope.h"
 #include "server/backends/synthetic.h"
-#include "server/status_macros.h"
+#include "server/base/status_macros.h"
 
 namespace mha {
 namespace {

@@ -9,8 +9,8 @@
 
 #include "proto/mha/v1/tensor_codec.h"
 #include "server/backends/float_io.h"
-#include "server/status_macros.h"
 #include "server/backends/synthetic.h"
+#include "server/base/status_macros.h"
 
 namespace mha {
 namespace {
