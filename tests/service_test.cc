@@ -52,20 +52,6 @@ void SetElement(v1::Tensor* t, int64_t index, float value) {
   FloatsToTensor(values, shape, t->dtype(), t);
 }
 
-TEST(ToGrpcStatus, KeepsTheCodeAndAShortMessage) {
-  const grpc::Status status = ToGrpcStatus(absl::InvalidArgumentError("query: shape [2] must have rank 3"));
-  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
-  EXPECT_EQ(status.error_message(), "query: shape [2] must have rank 3");
-}
-
-TEST(ToGrpcStatus, CutsALongMessageAtACharacterBoundary) {
-  // 2047 ASCII bytes, then a 2-byte character across the limit: the cut keeps whole characters.
-  const std::string message = std::string(2047, 'x') + "\xc3\xa9" + std::string(10000, 'y');
-  const grpc::Status status = ToGrpcStatus(absl::InvalidArgumentError(message));
-  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
-  EXPECT_EQ(status.error_message(), std::string(2047, 'x') + " ... (10002 more bytes)");
-}
-
 TEST_F(ServiceTest, InlineWeightsCpuMatchesReference) {
   v1::MultiHeadAttentionRequest request = ValidRequest();
   request.set_return_attention_weights(true);

@@ -1,5 +1,6 @@
-// Assembles a running server from ServerOptions: layer store (demo + --layers_dir), backends, scheduler, session
-// store, the Attention service, health checking and reflection. Used by main() and by the in-process tests.
+// The process's server: MhaServer assembles every part from ServerOptions (tokens and TLS, layers, backends,
+// metrics, the scheduler, the session store, the front doors on one port, health and reflection), watches it
+// (liveness, readiness, idle sessions) and shuts it down. Used by main() and by the in-process tests.
 #ifndef MHA_SERVER_APP_SERVER_H_
 #define MHA_SERVER_APP_SERVER_H_
 
@@ -10,16 +11,20 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/notification.h"
 #include "grpcpp/grpcpp.h"
+#include "server/app/ports.h"
 #include "server/backends/registry.h"
+#include "server/calls/validate.h"
 #include "server/config/server_options.h"
 #include "server/layers/layer_store.h"
 #include "server/metrics/metrics.h"
+#include "server/rpc/call.h"
 #include "server/rpc/kserve/kserve_service.h"
 #include "server/rpc/service.h"
 #include "server/scheduling/scheduler.h"
 #include "server/sessions/session_store.h"
 #include "server/transport/auth.h"
 #include "server/transport/listener_watch.h"
+#include "server/transport/shared_memory.h"
 #include "server/transport/tls.h"
 
 namespace mha {
@@ -33,7 +38,7 @@ class MhaServer {
   ~MhaServer();
 
   int port() const { return port_; }  // the bound port; 0 when in-process only
-  int health_port() const { return health_port_; }  // 0 unless options.health_listen was set
+  int health_port() const { return health_ != nullptr ? health_->port() : 0; }  // 0 without options.health_listen
   int metrics_port() const { return metrics_->port(); }  // 0 unless options.metrics_listen was set
   const ServerMetrics& metrics() const { return *metrics_; }
   const Scheduler& scheduler() const { return *scheduler_; }
@@ -54,11 +59,13 @@ class MhaServer {
 
  private:
   MhaServer() = default;
-  // Serves health alone on `address` (--health_listen), plaintext: every other method there is UNIMPLEMENTED.
-  absl::Status StartHealthServer(const std::string& address);
-  // Runs every available backend's WarmUp on the compute thread, so that the first call is not slow and the
-  // scheduler knows each backend's speed.
-  void WarmUp();
+  // Start's steps, in order; each fails the start with what it cannot do.
+  absl::Status StartSecurity();  // tokens and TLS
+  absl::Status StartLayers();    // the demo layer and --layers_dir
+  absl::Status StartBackends();  // the registry, --backend, --inline_max_mflop against the backends
+  absl::Status StartCompute();   // metrics, the scheduler and the backends' warm-up, the session store
+  void StartServices();          // the call edge, shared memory, validation, the front doors
+  absl::Status StartPorts();     // the main port (and the token gate on it), the health-only port, --port_file
   // Until Shutdown, four times a second: liveness (health service "") NOT_SERVING while the scheduler has been
   // stuck past --stuck_after_s; readiness (service "mha.v1.Attention") NOT_SERVING then too, and while
   // --ready_max_queue calls or more wait; idle sessions past their timeout ended; and every few seconds, the
@@ -77,15 +84,15 @@ class MhaServer {
   std::unique_ptr<BackendRegistry> backends_;
   std::unique_ptr<Scheduler> scheduler_;
   std::unique_ptr<ServerMetrics> metrics_;
-  std::unique_ptr<SessionStore> sessions_;  // after metrics_, which it feeds; before service_, which uses it
+  std::unique_ptr<SessionStore> sessions_;  // after metrics_, which it feeds; before the services, which use it
+  std::unique_ptr<SharedMemoryRegistry> shared_memory_;
+  std::unique_ptr<CallEdge> edge_;
+  ValidationContext validation_;
   std::unique_ptr<AttentionService> service_;
   std::unique_ptr<KServeService> kserve_;  // the second front door, on the same port
   std::unique_ptr<grpc::Server> server_;
-  // Answers UNIMPLEMENTED for every method on the health-only port (which needs a polled service beside health).
-  std::unique_ptr<grpc::CallbackGenericService> unimplemented_;
-  std::unique_ptr<grpc::Server> health_server_;  // --health_listen: the health service alone, plaintext
+  std::unique_ptr<HealthOnlyPort> health_;  // --health_listen
   int port_ = 0;
-  int health_port_ = 0;
   bool shut_down_ = false;
   // What SetServing last set for "" and mha.v1.Attention, for KServe's ServerLive and ServerReady.
   std::atomic<bool> live_{false}, ready_{false};

@@ -258,6 +258,49 @@ absl::Status ValidateHeadMask(const v1::MultiHeadAttentionRequest& request, MhaP
   return absl::OkStatus();
 }
 
+// The weights a MultiHeadAttention request names: a registered layer (context.layer when its front door resolved it)
+// with the request's heads resolved against the layer's, or inline weights checked against the inputs' widths.
+// Sets *layer (what the weights fix), *layer_name (for errors) and the plan's layer or inline weights.
+absl::Status ResolveWeights(const v1::MultiHeadAttentionRequest& request, const ValidationContext& context,
+                            int64_t d_model, MhaPlan* plan, LayerShape* layer, std::string* layer_name) {
+  switch (request.weights_case()) {
+    case v1::MultiHeadAttentionRequest::kLayer: {
+      if (context.layer != nullptr) {
+        plan->layer = context.layer;
+      } else {
+        ASSIGN_OR_RETURN(plan->layer, context.layers->Get(request.layer()));
+      }
+      *layer = plan->layer->shape;
+      *layer_name = plan->layer->name;
+      // Non-zero request fields must agree with the layer's; causal = layer.causal OR heads.causal.
+      if (request.has_heads()) {
+        const std::string known_from = absl::StrCat("layer '", *layer_name, "'");
+        ASSIGN_OR_RETURN(layer->heads,
+                         ResolveHeads(request.heads(), layer->heads, known_from, layer->d_model, "heads"));
+      }
+      break;
+    }
+    case v1::MultiHeadAttentionRequest::kInlineWeights: {
+      if (!request.has_heads()) return Invalid("heads is required with inline_weights (heads.num_heads >= 1)");
+      // The inputs set the widths the weights must have: the query's d_model, the key's and the value's features.
+      InputWidths inputs;
+      inputs.d_model = d_model;
+      inputs.d_kv_in = request.has_key() && request.key().shape_size() == 3 ? request.key().shape(2) : d_model;
+      inputs.d_v_in = request.has_value() && request.value().shape_size() == 3 ? request.value().shape(2)
+                                                                                 : inputs.d_kv_in;
+      ASSIGN_OR_RETURN(*layer,
+                       CheckLayerWeights(request.inline_weights(), request.heads(), "inline_weights", &inputs));
+      plan->inline_weights = &request.inline_weights();
+      plan->inline_shape = *layer;
+      *layer_name = "inline";
+      break;
+    }
+    case v1::MultiHeadAttentionRequest::WEIGHTS_NOT_SET:
+      return Invalid("weights: set either layer (a registered layer's name) or inline_weights");
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<MhaPlan> ValidateMultiHeadAttention(const v1::MultiHeadAttentionRequest& request,
@@ -270,36 +313,7 @@ absl::StatusOr<MhaPlan> ValidateMultiHeadAttention(const v1::MultiHeadAttentionR
 
   LayerShape layer;
   std::string layer_name;
-  switch (request.weights_case()) {
-    case v1::MultiHeadAttentionRequest::kLayer: {
-      ASSIGN_OR_RETURN(plan.layer, context.layers->Get(request.layer()));
-      layer = plan.layer->shape;
-      layer_name = plan.layer->name;
-      // Non-zero request fields must agree with the layer's; causal = layer.causal OR heads.causal.
-      if (request.has_heads()) {
-        ASSIGN_OR_RETURN(layer.heads, ResolveHeads(request.heads(), layer.heads,
-                                                   absl::StrCat("layer '", layer_name, "'"), layer.d_model, "heads"));
-      }
-      break;
-    }
-    case v1::MultiHeadAttentionRequest::kInlineWeights: {
-      if (!request.has_heads()) return Invalid("heads is required with inline_weights (heads.num_heads >= 1)");
-      // The inputs set the widths the weights must have: the query's d_model, the key's and the value's features.
-      InputWidths inputs;
-      inputs.d_model = d_model;
-      inputs.d_kv_in = request.has_key() && request.key().shape_size() == 3 ? request.key().shape(2) : d_model;
-      inputs.d_v_in = request.has_value() && request.value().shape_size() == 3 ? request.value().shape(2)
-                                                                                 : inputs.d_kv_in;
-      ASSIGN_OR_RETURN(layer,
-                       CheckLayerWeights(request.inline_weights(), request.heads(), "inline_weights", &inputs));
-      plan.inline_weights = &request.inline_weights();
-      plan.inline_shape = layer;
-      layer_name = "inline";
-      break;
-    }
-    case v1::MultiHeadAttentionRequest::WEIGHTS_NOT_SET:
-      return Invalid("weights: set either layer (a registered layer's name) or inline_weights");
-  }
+  RETURN_IF_ERROR(ResolveWeights(request, context, d_model, &plan, &layer, &layer_name));
   if (d_model != layer.d_model) {
     return Invalid(absl::StrCat("query.shape[2] (d_model) must be ", layer.d_model, " for layer '", layer_name,
                                 "', got ", d_model));

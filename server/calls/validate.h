@@ -39,6 +39,9 @@ struct ValidationContext {
   absl::Span<const FiniteScan> finite_scans;
   // Where SharedMemoryRef names resolve; null: shared memory is off.
   const SharedMemoryRegistry* shared_memory = nullptr;
+  // The layer a MultiHeadAttention request names, when its front door resolved it already (KServe's model), so
+  // that it is not looked up twice; null: looked up in `layers`.
+  std::shared_ptr<const Layer> layer;
 };
 
 // The backend a request's `backend` field (a v1::Backend value) names, if `supports` accepts it; BACKEND_AUTO falls

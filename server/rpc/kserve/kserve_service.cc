@@ -5,14 +5,13 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "proto/build_info.h"
+#include "server/base/log_safe.h"
 #include "server/base/status_macros.h"
+#include "server/rpc/compute_call.h"
 #include "server/rpc/kserve/infer_request.h"
 #include "server/rpc/kserve/infer_response.h"
 #include "server/rpc/kserve/model_info.h"
-
-#ifndef MHA_VERSION
-#define MHA_VERSION "dev"
-#endif
 
 namespace mha {
 namespace {
@@ -28,16 +27,53 @@ constexpr char kInferRpc[] = "ModelInfer";
 // Statistics are kept for this many models at most beyond those served.
 constexpr size_t kMaxStatsModels = 1024;
 
+// A ModelInfer call's answer: its reply in KServe's encoding, and the call recorded in its model's statistics.
+template <typename Response>
+class KServeEncoder final : public ReplyEncoder<Response> {
+ public:
+  KServeEncoder(ModelStats* stats, std::string model, std::string id, std::vector<KServeOutput> outputs,
+                absl::Time received)
+      : stats_(stats), model_(std::move(model)), id_(std::move(id)), outputs_(std::move(outputs)),
+        received_(received) {}
+
+  absl::Status Encode(absl::Status status, Reply<Response>* reply, grpc::ByteBuffer* out) override {
+    const v1::Timing& timing = reply->message.timing();
+    if (status.ok()) {
+      status = EncodeInferResponse(model_, id_, outputs_,
+                                   {&reply->output, reply->message.has_output() ? &reply->message.output() : nullptr,
+                                    &reply->attention_weights, &reply->message.lse(), &reply->message.head_stats(),
+                                    reply->message.backend(), &timing},
+                                   out);
+    }
+    ModelStats::Call call;
+    call.ok = status.ok();
+    call.finished = absl::Now();
+    call.total = call.finished - received_;
+    call.queue = absl::Microseconds(timing.queue_us());
+    call.compute = absl::Microseconds(timing.compute_us());
+    const v1::Tensor& output = reply->message.has_output() ? reply->message.output() : reply->output.header;
+    call.batch_items = output.shape_size() > 0 ? output.shape(0) : 0;
+    stats_->Record(model_, call);
+    return status;
+  }
+
+ private:
+  ModelStats* const stats_;
+  const std::string model_, id_;
+  const std::vector<KServeOutput> outputs_;
+  const absl::Time received_;
+};
+
 }  // namespace
 
-KServeService::KServeService(AttentionService* attention, std::function<bool()> live, std::function<bool()> ready)
-    : attention_(attention), live_(std::move(live)), ready_(std::move(ready)) {}
+KServeService::KServeService(const ServiceParts& parts, std::function<bool()> live, std::function<bool()> ready)
+    : parts_(parts), live_(std::move(live)), ready_(std::move(ready)) {}
 
 absl::StatusOr<std::shared_ptr<const Layer>> KServeService::FindModel(const std::string& name,
                                                                      const std::string& version) const {
   RETURN_IF_ERROR(CheckModelVersion(name, version));
   if (name == kSdpaModel) return std::shared_ptr<const Layer>();
-  absl::StatusOr<std::shared_ptr<const Layer>> layer = attention_->layers_->Get(name);
+  absl::StatusOr<std::shared_ptr<const Layer>> layer = parts_.layers->Get(name);
   if (!layer.ok() && absl::IsNotFound(layer.status())) {
     return absl::NotFoundError(absl::StrCat("model '", name, "' is not served; RepositoryIndex lists the models"));
   }
@@ -46,8 +82,8 @@ absl::StatusOr<std::shared_ptr<const Layer>> KServeService::FindModel(const std:
 
 grpc::ServerUnaryReactor* KServeService::ServerLive(grpc::CallbackServerContext* context,
                                                     const grpc::ByteBuffer* request, grpc::ByteBuffer* response) {
-  return attention_->Answer<kv::ServerLiveRequest, kv::ServerLiveResponse>(
-      "ServerLive", Role::kCompute, context, request, response,
+  return AnswerNow<kv::ServerLiveRequest, kv::ServerLiveResponse>(
+      Start("ServerLive", context, request, response), Role::kCompute,
       [this](const kv::ServerLiveRequest&, kv::ServerLiveResponse* response, std::string*) {
         response->set_live(live_());
         return absl::OkStatus();
@@ -56,8 +92,8 @@ grpc::ServerUnaryReactor* KServeService::ServerLive(grpc::CallbackServerContext*
 
 grpc::ServerUnaryReactor* KServeService::ServerReady(grpc::CallbackServerContext* context,
                                                      const grpc::ByteBuffer* request, grpc::ByteBuffer* response) {
-  return attention_->Answer<kv::ServerReadyRequest, kv::ServerReadyResponse>(
-      "ServerReady", Role::kCompute, context, request, response,
+  return AnswerNow<kv::ServerReadyRequest, kv::ServerReadyResponse>(
+      Start("ServerReady", context, request, response), Role::kCompute,
       [this](const kv::ServerReadyRequest&, kv::ServerReadyResponse* response, std::string*) {
         response->set_ready(ready_());
         return absl::OkStatus();
@@ -66,8 +102,8 @@ grpc::ServerUnaryReactor* KServeService::ServerReady(grpc::CallbackServerContext
 
 grpc::ServerUnaryReactor* KServeService::ModelReady(grpc::CallbackServerContext* context,
                                                     const grpc::ByteBuffer* request, grpc::ByteBuffer* response) {
-  return attention_->Answer<kv::ModelReadyRequest, kv::ModelReadyResponse>(
-      "ModelReady", Role::kCompute, context, request, response,
+  return AnswerNow<kv::ModelReadyRequest, kv::ModelReadyResponse>(
+      Start("ModelReady", context, request, response), Role::kCompute,
       [this](const kv::ModelReadyRequest& request, kv::ModelReadyResponse* response, std::string* detail) {
         *detail = absl::StrCat("model=", LogSafe(request.name()));
         response->set_ready(FindModel(request.name(), request.version()).ok() && ready_());
@@ -77,11 +113,11 @@ grpc::ServerUnaryReactor* KServeService::ModelReady(grpc::CallbackServerContext*
 
 grpc::ServerUnaryReactor* KServeService::ServerMetadata(grpc::CallbackServerContext* context,
                                                         const grpc::ByteBuffer* request, grpc::ByteBuffer* response) {
-  return attention_->Answer<kv::ServerMetadataRequest, kv::ServerMetadataResponse>(
-      "ServerMetadata", Role::kCompute, context, request, response,
+  return AnswerNow<kv::ServerMetadataRequest, kv::ServerMetadataResponse>(
+      Start("ServerMetadata", context, request, response), Role::kCompute,
       [](const kv::ServerMetadataRequest&, kv::ServerMetadataResponse* response, std::string*) {
         response->set_name(kPlatform);
-        response->set_version(MHA_VERSION);
+        response->set_version(ProjectVersion());
         for (const char* extension : kExtensions) response->add_extensions(extension);
         return absl::OkStatus();
       });
@@ -89,8 +125,8 @@ grpc::ServerUnaryReactor* KServeService::ServerMetadata(grpc::CallbackServerCont
 
 grpc::ServerUnaryReactor* KServeService::ModelMetadata(grpc::CallbackServerContext* context,
                                                        const grpc::ByteBuffer* request, grpc::ByteBuffer* response) {
-  return attention_->Answer<kv::ModelMetadataRequest, kv::ModelMetadataResponse>(
-      "ModelMetadata", Role::kCompute, context, request, response,
+  return AnswerNow<kv::ModelMetadataRequest, kv::ModelMetadataResponse>(
+      Start("ModelMetadata", context, request, response), Role::kCompute,
       [this](const kv::ModelMetadataRequest& request, kv::ModelMetadataResponse* response, std::string* detail) {
         *detail = absl::StrCat("model=", LogSafe(request.name()));
         ASSIGN_OR_RETURN(std::shared_ptr<const Layer> layer, FindModel(request.name(), request.version()));
@@ -101,8 +137,8 @@ grpc::ServerUnaryReactor* KServeService::ModelMetadata(grpc::CallbackServerConte
 
 grpc::ServerUnaryReactor* KServeService::ModelConfig(grpc::CallbackServerContext* context,
                                                      const grpc::ByteBuffer* request, grpc::ByteBuffer* response) {
-  return attention_->Answer<kv::ModelConfigRequest, kv::ModelConfigResponse>(
-      "ModelConfig", Role::kCompute, context, request, response,
+  return AnswerNow<kv::ModelConfigRequest, kv::ModelConfigResponse>(
+      Start("ModelConfig", context, request, response), Role::kCompute,
       [this](const kv::ModelConfigRequest& request, kv::ModelConfigResponse* response, std::string* detail) {
         *detail = absl::StrCat("model=", LogSafe(request.name()));
         ASSIGN_OR_RETURN(std::shared_ptr<const Layer> layer, FindModel(request.name(), request.version()));
@@ -114,8 +150,8 @@ grpc::ServerUnaryReactor* KServeService::ModelConfig(grpc::CallbackServerContext
 grpc::ServerUnaryReactor* KServeService::ModelStatistics(grpc::CallbackServerContext* context,
                                                          const grpc::ByteBuffer* request,
                                                          grpc::ByteBuffer* response) {
-  return attention_->Answer<kv::ModelStatisticsRequest, kv::ModelStatisticsResponse>(
-      "ModelStatistics", Role::kCompute, context, request, response,
+  return AnswerNow<kv::ModelStatisticsRequest, kv::ModelStatisticsResponse>(
+      Start("ModelStatistics", context, request, response), Role::kCompute,
       [this](const kv::ModelStatisticsRequest& request, kv::ModelStatisticsResponse* response, std::string* detail) {
         *detail = absl::StrCat("model=", LogSafe(request.name()));
         if (!request.name().empty()) {
@@ -123,7 +159,7 @@ grpc::ServerUnaryReactor* KServeService::ModelStatistics(grpc::CallbackServerCon
           *response->add_model_stats() = stats_.Get(request.name());
           return absl::OkStatus();
         }
-        for (const auto& layer : attention_->layers_->List()) *response->add_model_stats() = stats_.Get(layer->name);
+        for (const auto& layer : parts_.layers->List()) *response->add_model_stats() = stats_.Get(layer->name);
         *response->add_model_stats() = stats_.Get(kSdpaModel);
         return absl::OkStatus();
       });
@@ -132,11 +168,11 @@ grpc::ServerUnaryReactor* KServeService::ModelStatistics(grpc::CallbackServerCon
 grpc::ServerUnaryReactor* KServeService::RepositoryIndex(grpc::CallbackServerContext* context,
                                                          const grpc::ByteBuffer* request,
                                                          grpc::ByteBuffer* response) {
-  return attention_->Answer<kv::RepositoryIndexRequest, kv::RepositoryIndexResponse>(
-      "RepositoryIndex", Role::kCompute, context, request, response,
+  return AnswerNow<kv::RepositoryIndexRequest, kv::RepositoryIndexResponse>(
+      Start("RepositoryIndex", context, request, response), Role::kCompute,
       [this](const kv::RepositoryIndexRequest&, kv::RepositoryIndexResponse* response, std::string*) {
         std::vector<std::string> names;
-        for (const auto& layer : attention_->layers_->List()) names.push_back(layer->name);
+        for (const auto& layer : parts_.layers->List()) names.push_back(layer->name);
         names.push_back(kSdpaModel);
         for (const std::string& name : names) {
           kv::RepositoryIndexResponse::ModelIndex* model = response->add_models();
@@ -151,12 +187,12 @@ grpc::ServerUnaryReactor* KServeService::RepositoryIndex(grpc::CallbackServerCon
 grpc::ServerUnaryReactor* KServeService::SystemSharedMemoryStatus(grpc::CallbackServerContext* context,
                                                                   const grpc::ByteBuffer* request,
                                                                   grpc::ByteBuffer* response) {
-  return attention_->Answer<kv::SystemSharedMemoryStatusRequest, kv::SystemSharedMemoryStatusResponse>(
-      "SystemSharedMemoryStatus", Role::kCompute, context, request, response,
+  return AnswerNow<kv::SystemSharedMemoryStatusRequest, kv::SystemSharedMemoryStatusResponse>(
+      Start("SystemSharedMemoryStatus", context, request, response), Role::kCompute,
       [this](const kv::SystemSharedMemoryStatusRequest& request, kv::SystemSharedMemoryStatusResponse* response,
              std::string* detail) {
         *detail = absl::StrCat("name=", LogSafe(request.name()));
-        const SharedMemoryRegistry& registry = attention_->shared_memory_;
+        const SharedMemoryRegistry& registry = *parts_.shared_memory;
         // Every region of a server without shared memory: none, as tritonclient's cleanup expects.
         if (request.name().empty() && registry.max_regions() == 0) return absl::OkStatus();
         ASSIGN_OR_RETURN(std::vector<std::shared_ptr<const SharedMemoryRegion>> regions,
@@ -174,8 +210,8 @@ grpc::ServerUnaryReactor* KServeService::SystemSharedMemoryStatus(grpc::Callback
 grpc::ServerUnaryReactor* KServeService::SystemSharedMemoryRegister(grpc::CallbackServerContext* context,
                                                                     const grpc::ByteBuffer* request,
                                                                     grpc::ByteBuffer* response) {
-  return attention_->Answer<kv::SystemSharedMemoryRegisterRequest, kv::SystemSharedMemoryRegisterResponse>(
-      "SystemSharedMemoryRegister", Role::kCompute, context, request, response,
+  return AnswerNow<kv::SystemSharedMemoryRegisterRequest, kv::SystemSharedMemoryRegisterResponse>(
+      Start("SystemSharedMemoryRegister", context, request, response), Role::kCompute,
       [this](const kv::SystemSharedMemoryRegisterRequest& request, kv::SystemSharedMemoryRegisterResponse*,
              std::string* detail) {
         *detail = absl::StrCat("name=", LogSafe(request.name()), " key=", LogSafe(request.key()),
@@ -185,88 +221,69 @@ grpc::ServerUnaryReactor* KServeService::SystemSharedMemoryRegister(grpc::Callba
               "offset: regions are mapped from the object's start; register with offset 0 and give each tensor's "
               "shared_memory_offset");
         }
-        return attention_->shared_memory_.Register(request.name(), request.key(), request.byte_size());
+        return parts_.shared_memory->Register(request.name(), request.key(), request.byte_size());
       });
 }
 
 grpc::ServerUnaryReactor* KServeService::SystemSharedMemoryUnregister(grpc::CallbackServerContext* context,
                                                                       const grpc::ByteBuffer* request,
                                                                       grpc::ByteBuffer* response) {
-  return attention_->Answer<kv::SystemSharedMemoryUnregisterRequest, kv::SystemSharedMemoryUnregisterResponse>(
-      "SystemSharedMemoryUnregister", Role::kCompute, context, request, response,
+  return AnswerNow<kv::SystemSharedMemoryUnregisterRequest, kv::SystemSharedMemoryUnregisterResponse>(
+      Start("SystemSharedMemoryUnregister", context, request, response), Role::kCompute,
       [this](const kv::SystemSharedMemoryUnregisterRequest& request, kv::SystemSharedMemoryUnregisterResponse*,
              std::string* detail) {
         *detail = absl::StrCat("name=", LogSafe(request.name()));
-        return attention_->shared_memory_.Unregister(request.name());
+        return parts_.shared_memory->Unregister(request.name());
       });
-}
-
-template <typename Response>
-ComputeAnswer<Response> KServeService::Answer(std::string model, std::string id, std::vector<KServeOutput> outputs,
-                                              absl::Time received) {
-  return [this, model = std::move(model), id = std::move(id), outputs = std::move(outputs), received](
-             absl::Status status, Reply<Response>* reply, grpc::ByteBuffer* out) {
-    const v1::Timing& timing = reply->message.timing();
-    if (status.ok()) {
-      status = EncodeInferResponse(model, id, outputs,
-                                   {&reply->output, reply->message.has_output() ? &reply->message.output() : nullptr,
-                                    &reply->attention_weights, &reply->message.lse(), &reply->message.head_stats(),
-                                    reply->message.backend(), &timing},
-                                   out);
-    }
-    ModelStats::Call call;
-    call.ok = status.ok();
-    call.finished = absl::Now();
-    call.total = call.finished - received;
-    call.queue = absl::Microseconds(timing.queue_us());
-    call.compute = absl::Microseconds(timing.compute_us());
-    const v1::Tensor& output = reply->message.has_output() ? reply->message.output() : reply->output.header;
-    call.batch_items = output.shape_size() > 0 ? output.shape(0) : 0;
-    stats_.Record(model, call);
-    return status;
-  };
 }
 
 grpc::ServerUnaryReactor* KServeService::ModelInfer(grpc::CallbackServerContext* context,
                                                     const grpc::ByteBuffer* bytes, grpc::ByteBuffer* out) {
-  AttentionService::CallStart start = attention_->Begin(context, bytes);
-  const absl::Time received = start.received;
+  using MhaResponse = v1::MultiHeadAttentionResponse;
+  Call call = Start(kInferRpc, context, bytes, out);
+  const absl::Time received = call.received();
   kv::ModelInferRequest request;
-  absl::Status status = attention_->Admit(kInferRpc, Role::kCompute, *context, bytes, &request, nullptr);
-  if (status.ok()) status = FindModel(request.model_name(), request.model_version()).status();
-  absl::StatusOr<KServeCall> call =
-      status.ok() ? TranslateInferRequest(&request) : absl::StatusOr<KServeCall>(status);
-  // Statistics are kept for served models only, so that a client naming ever new models cannot grow them.
-  std::string model = status.ok() ? request.model_name() : "";
-  if (!model.empty()) {
-    stats_.Prune(kMaxStatsModels, [this](const std::string& name) {
-      return name == kSdpaModel || attention_->layers_->Get(name).ok();
-    });
+  absl::Status status = call.Admit(Role::kCompute, &request);
+  // The model is resolved once, here; validation takes the layer found (ValidationContext::layer).
+  absl::StatusOr<std::shared_ptr<const Layer>> layer =
+      status.ok() ? FindModel(request.model_name(), request.model_version())
+                  : absl::StatusOr<std::shared_ptr<const Layer>>(status);
+  if (!layer.ok()) {
+    return SubmitCompute(std::move(call), layer.status(), std::make_unique<v1::MultiHeadAttentionRequest>(), {},
+                         kMhaRoute, std::make_unique<NativeReplyEncoder<MhaResponse>>(), *parts_.validation,
+                         parts_.scheduler);
   }
-  std::vector<KServeOutput> outputs = call.ok() ? call->outputs : std::vector<KServeOutput>{};
+  // Statistics are kept for served models only, so that a client naming ever new models cannot grow them.
+  const std::string model = request.model_name();
+  stats_.Prune(kMaxStatsModels, [this](const std::string& name) {
+    return name == kSdpaModel || parts_.layers->Get(name).ok();
+  });
+  absl::StatusOr<KServeCall> translated = TranslateInferRequest(&request);
+  if (!translated.ok()) {
+    return SubmitCompute(std::move(call), translated.status(), std::make_unique<v1::MultiHeadAttentionRequest>(), {},
+                         kMhaRoute, std::make_unique<KServeEncoder<MhaResponse>>(&stats_, model, request.id(),
+                                                                                 std::vector<KServeOutput>(), received),
+                         *parts_.validation, parts_.scheduler);
+  }
   // What the call holds is the translated request (a BOOL mask grows to twice its bytes): the scheduler's
   // in-flight and queued limits count that.
-  if (call.ok()) {
-    const int64_t held = static_cast<int64_t>(call->sdpa != nullptr ? call->sdpa->ByteSizeLong()
-                                                                     : call->mha->ByteSizeLong());
-    start.request_bytes = std::max(start.request_bytes, held);
-  }
-  if (call.ok() && call->sdpa != nullptr) {
+  const google::protobuf::Message& held = translated->sdpa != nullptr
+                                              ? static_cast<const google::protobuf::Message&>(*translated->sdpa)
+                                              : *translated->mha;
+  call.set_request_bytes(std::max(call.request_bytes(), static_cast<int64_t>(held.ByteSizeLong())));
+  ValidationContext validation = *parts_.validation;
+  validation.layer = *layer;
+  if (translated->sdpa != nullptr) {
     using SdpaResponse = v1::ScaledDotProductAttentionResponse;
-    return attention_->Submit<v1::ScaledDotProductAttentionRequest, SdpaResponse, SdpaPlan>(
-        kInferRpc, context, std::move(start), absl::OkStatus(), std::move(call->sdpa), {}, out,
-        &ValidateScaledDotProductAttention, &ExecuteScaledDotProductAttention, nullptr,
-        Answer<SdpaResponse>(std::move(model), request.id(), std::move(outputs), received));
+    return SubmitCompute(std::move(call), absl::OkStatus(), std::move(translated->sdpa), {}, kSdpaRoute,
+                         std::make_unique<KServeEncoder<SdpaResponse>>(&stats_, model, request.id(),
+                                                                       std::move(translated->outputs), received),
+                         validation, parts_.scheduler);
   }
-  auto mha = call.ok() ? std::move(call->mha) : std::make_unique<v1::MultiHeadAttentionRequest>();
-  ComputeAnswer<v1::MultiHeadAttentionResponse> answer =
-      Answer<v1::MultiHeadAttentionResponse>(model, request.id(), std::move(outputs), received);
-  if (model.empty()) {
-    answer = [](absl::Status status, MhaReply*, grpc::ByteBuffer*) { return status; };
-  }
-  return attention_->Submit(kInferRpc, context, std::move(start), call.status(), std::move(mha), {}, out,
-                            &ValidateMultiHeadAttention, &ExecuteMultiHeadAttention,
-                            &ExecuteMultiHeadAttentionBatch, std::move(answer));
+  return SubmitCompute(std::move(call), absl::OkStatus(), std::move(translated->mha), {}, kMhaRoute,
+                       std::make_unique<KServeEncoder<MhaResponse>>(&stats_, model, request.id(),
+                                                                    std::move(translated->outputs), received),
+                       validation, parts_.scheduler);
 }
 
 }  // namespace mha

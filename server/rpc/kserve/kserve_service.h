@@ -1,17 +1,21 @@
 // The second front door: KServe v2's inference.GRPCInferenceService (the Open Inference Protocol that Triton,
 // OpenVINO Model Server and KServe's runtimes serve), on the same port as mha.v1.Attention. Every registered layer
 // is a model of its name, version "1"; the model "sdpa" is ScaledDotProductAttention. ModelInfer is translated
-// (infer_request.h) and runs through AttentionService's own admission, validation, scheduler, logs and metrics;
-// shared memory is AttentionService's registry. Methods take raw bytes for the same reasons as the native ones.
+// (infer_request.h) and runs as the native compute calls do (the same Call, validation, scheduler, logs and
+// metrics), answered in KServe's encoding; shared memory is the server's one registry. Methods take raw bytes for
+// the same reasons as the native ones.
 #ifndef MHA_SERVER_RPC_KSERVE_KSERVE_SERVICE_H_
 #define MHA_SERVER_RPC_KSERVE_KSERVE_SERVICE_H_
 
 #include <functional>
+#include <memory>
+#include <string>
 
 #include "proto/inference/grpc_service.grpc.pb.h"
+#include "server/rpc/call.h"
 #include "server/rpc/kserve/infer_request.h"
 #include "server/rpc/kserve/model_stats.h"
-#include "server/rpc/service.h"
+#include "server/rpc/service_parts.h"
 
 namespace mha {
 
@@ -32,9 +36,9 @@ using RawKServeService = inference::GRPCInferenceService::WithRawCallbackMethod_
 
 class KServeService final : public RawKServeService {
  public:
-  // `attention` is borrowed and must outlive this. `live` and `ready` read the server's health (service "" and
-  // mha.v1.Attention) for ServerLive and ServerReady.
-  KServeService(AttentionService* attention, std::function<bool()> live, std::function<bool()> ready);
+  // Borrows the parts. `live` and `ready` read the server's health (service "" and mha.v1.Attention) for ServerLive
+  // and ServerReady.
+  KServeService(const ServiceParts& parts, std::function<bool()> live, std::function<bool()> ready);
 
   using Reactor = grpc::ServerUnaryReactor;
   using Context = grpc::CallbackServerContext;
@@ -59,12 +63,12 @@ class KServeService final : public RawKServeService {
   // The layer model `name` serves (null for "sdpa"); NOT_FOUND, naming the model, when none is served or the
   // version is not "1".
   absl::StatusOr<std::shared_ptr<const Layer>> FindModel(const std::string& name, const std::string& version) const;
-  // The ModelInfer call's answer: encodes the response and records the call's statistics.
-  template <typename Response>
-  ComputeAnswer<Response> Answer(std::string model, std::string id, std::vector<KServeOutput> outputs,
-                                 absl::Time received);
+  // The call of `rpc` on these arguments.
+  Call Start(const char* rpc, Context* context, const grpc::ByteBuffer* request, grpc::ByteBuffer* response) {
+    return Call(parts_.edge, rpc, context, request, response);
+  }
 
-  AttentionService* const attention_;
+  const ServiceParts parts_;
   const std::function<bool()> live_, ready_;
   ModelStats stats_;
 };
