@@ -535,10 +535,13 @@ absl::StatusOr<DecodeReport> RunDecode(const std::vector<AttentionClient*>& clie
   report.step = SummarizeLatencies(timed.step_seconds);
   report.request_bytes_per_step = timed.bytes / o.steps;
   // Each step's attention reads every cached token of every session and layer once, K and V of each KV head.
-  const double token_bytes = 2.0 * shape->kv_heads * shape->head_dim *
-                             DTypeSize(o.stateless ? o.wire_dtype : o.cache_dtype);
+  HeadSpec heads;
+  heads.num_kv_heads = shape->kv_heads;
+  heads.head_dim = shape->head_dim;
+  const int64_t element_bytes = DTypeSize(o.stateless ? o.wire_dtype : o.cache_dtype);
   for (int step = 0; step < o.steps; ++step) {
-    report.kv_bytes_read += o.sessions * shape->caches * (o.context + step + 1) * token_bytes;
+    report.kv_bytes_read +=
+        static_cast<double>(o.sessions) * shape->caches * KvCacheBytes(heads, o.context + step + 1, element_bytes);
   }
   // Of the calls that succeeded (the steps are alike but for their length: in proportion to the tokens).
   report.kv_bytes_read *= static_cast<double>(timed.tokens) / std::max<int64_t>(int64_t{o.sessions} * o.steps, 1);

@@ -1,5 +1,5 @@
 // The statistics behind `mha_client bench` on hand-made samples: percentiles, histogram, counts, latency split,
-// status grouping, the three output formats, the FLOP count, and the option checks (no server needed).
+// status grouping, the three output formats, and the option checks (no server needed).
 #include "client/bench_report.h"
 
 #include <algorithm>
@@ -197,39 +197,6 @@ TEST(FormatPretty, ShowsEveryPartOfTheReport) {
                            "[INVALID_ARGUMENT] 1", "1 x bad \"query\""}) {
     EXPECT_THAT(text, HasSubstr(part));
   }
-}
-
-TEST(AttentionFlops, MatchesTheFormula) {
-  // 2 B Tq d H dk + 4 B Tk dkv Hkv dk + 2 B Tq H dk d + 4 B H Tq Tk dk for B=8, T=512, d=512, H=8, dk=64.
-  AttentionShape s = DemoShape(8, 512);
-  const double projections = 2.0 * 8 * 512 * 512 * 8 * 64 + 4.0 * 8 * 512 * 512 * 8 * 64 + 2.0 * 8 * 512 * 8 * 64 * 512;
-  const double attention = 4.0 * 8 * 8 * 512 * 512 * 64;
-  EXPECT_DOUBLE_EQ(AttentionFlops(s), projections + attention);
-  // Causal: only the T (T + 1) / 2 visible pairs.
-  s.heads.causal = true;
-  EXPECT_DOUBLE_EQ(AttentionFlops(s), projections + attention * (512.0 * 513 / 2) / (512.0 * 512));
-  // GQA: K and V projections shrink with Hkv.
-  s.heads.causal = false;
-  s.heads.num_kv_heads = 2;
-  EXPECT_DOUBLE_EQ(AttentionFlops(s), projections - 4.0 * 8 * 512 * 512 * 6 * 64 + attention);
-  // Attention alone (no projections), as ScaledDotProductAttention counts it.
-  s.d_model = s.d_kv_in = s.d_v_in = 0;
-  EXPECT_DOUBLE_EQ(AttentionFlops(s), attention);
-}
-
-TEST(VisiblePairs, CountsBottomRightCausalRowsExactly) {
-  AttentionShape s;
-  s.heads.causal = true;
-  // Row i of Tq rows sees min(Tk, max(0, i + Tk - Tq + 1)) keys.
-  for (const auto& [tq, tk] : {std::pair{1, 10}, {3, 17}, {9, 4}, {13, 13}, {4, 1}}) {
-    s.q_len = tq;
-    s.kv_len = tk;
-    double want = 0;
-    for (int i = 0; i < tq; ++i) want += std::min(tk, std::max(0, i + tk - tq + 1));
-    EXPECT_DOUBLE_EQ(VisiblePairs(s), want) << "Tq=" << tq << " Tk=" << tk;
-  }
-  s.heads.causal = false;
-  EXPECT_DOUBLE_EQ(VisiblePairs(s), 4.0 * 1);
 }
 
 TEST(ParseConcurrencyRange, MultiplicativeAndAdditiveSteps) {

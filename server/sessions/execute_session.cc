@@ -34,16 +34,6 @@ MutableTensor Skip(MutableTensor t, int64_t rows, int64_t width) {
   return t;
 }
 
-// FLOPs of attending `n` new tokens after `length` cached ones (appending them) and, with a layer, projecting them:
-// what ExtendFlops counts for one item.
-double StepFlops(const PagedProblem& p, int64_t length, int64_t n, bool append) {
-  const HeadSpec& h = p.heads;
-  const double dn = static_cast<double>(n);
-  double flops = 4.0 * h.num_heads * h.head_dim * (dn * length + (append ? dn * (dn + 1) / 2 : 0.0));
-  if (p.d_model > 0) flops += 2.0 * dn * p.d_model * (2 * h.q_width() + 2 * h.kv_width());
-  return flops;
-}
-
 }  // namespace
 
 ExtendSteps::ExtendSteps(const ExtendPlan& plan, const ExtendReservation& reservation, int64_t max_step_rows,
@@ -125,7 +115,7 @@ int64_t ExtendSteps::NextRows() const {
 double ExtendSteps::NextFlops() const {
   double flops = 0;
   ForNext([this, &flops](size_t i, int64_t first, int64_t tokens) {
-    flops += StepFlops(plan_.paged, whole_[i].length + first, tokens, whole_[i].append);
+    flops += ExtendFlops(plan_.paged.heads, plan_.paged.d_model, whole_[i].length + first, tokens, whole_[i].append);
   });
   return flops;
 }

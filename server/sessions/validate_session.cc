@@ -116,14 +116,11 @@ absl::Status CheckLength(const v1::ExtendItem& item, int i, const CacheView& vie
   return absl::OkStatus();
 }
 
-// FLOPs of the call, as AttentionFlops counts them: projections, and attention over the visible pairs.
-double ExtendFlops(const PagedProblem& p, absl::Span<const ExtendPlan::Item> items) {
-  const HeadSpec& h = p.heads;
+// FLOPs of the call: its items' ExtendFlops.
+double CallFlops(const PagedProblem& p, absl::Span<const ExtendPlan::Item> items) {
   double flops = 0;
   for (const ExtendPlan::Item& item : items) {
-    const double n = static_cast<double>(item.new_tokens), length = static_cast<double>(item.length);
-    flops += 4.0 * h.num_heads * h.head_dim * (n * length + (item.append ? n * (n + 1) / 2 : 0.0));
-    if (p.d_model > 0) flops += 2.0 * n * p.d_model * (2 * h.q_width() + 2 * h.kv_width());
+    flops += ExtendFlops(p.heads, p.d_model, item.length, item.new_tokens, item.append);
   }
   return flops;
 }
@@ -296,7 +293,7 @@ absl::StatusOr<ExtendPlan> ValidateExtendHeld(const v1::ExtendRequest& r, const 
         "-byte message limit (--max_message_mb); ask for output_dtype FP16",
         p.return_weights ? ", return_attention_weights=false" : "", " or fewer tokens per call"));
   }
-  plan.flops = ExtendFlops(p, plan.items);
+  plan.flops = CallFlops(p, plan.items);
   plan.workspace_bytes =
       plan.backend->PagedWorkspaceBytes(p) + plan.stats.WorkspaceBytes(p.heads.num_heads, p.new_tokens);
   RETURN_IF_ERROR(CheckWorkLimits(plan, context));

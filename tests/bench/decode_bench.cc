@@ -69,7 +69,7 @@ class DecodeCase {
 
   const std::string& name() const { return name_; }
   int64_t BytesPerCall() const {
-    return sessions_ * (length_ + 1) * 2 * heads_.num_kv_heads * heads_.head_dim * DTypeSize(dtype_);
+    return sessions_ * static_cast<int64_t>(KvCacheBytes(heads_, length_ + 1, DTypeSize(dtype_)));
   }
 
   // Sessions in `copies` groups, caches filled with `length` tokens of random keys and values (written, not
@@ -198,13 +198,7 @@ class PrefillCase {
 
   double Stateless() { return layer_ ? StatelessLayer() : StatelessHeads(); }
 
-  double Flops() const {
-    const double n = n_, c = cached_;
-    const double attention = 4.0 * heads_.num_heads * heads_.head_dim * (n * c + n * (n + 1) / 2);
-    if (!layer_) return attention;
-    const double d = heads_.q_width(), kv = heads_.kv_width();
-    return attention + 2 * n * d * (2 * d + 2 * kv);  // Extend's projections: the new tokens only
-  }
+  double Flops() const { return ExtendFlops(heads_, layer_ ? heads_.q_width() : 0, cached_, n_, true); }
 
  private:
   LayerWeights Weights() const {

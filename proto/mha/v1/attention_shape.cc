@@ -119,16 +119,44 @@ double VisiblePairs(const AttentionShape& s) {
   return (tk * (tk + 1.0) - (first - 1.0) * first) / 2.0;
 }
 
+namespace {
+
+// The projections of `q_rows` query rows (Q and the output) and `kv_rows` key/value rows (K and V) of one item.
+double ProjectionFlops(const HeadSpec& h, double q_rows, double kv_rows, int64_t d_model, int64_t d_kv_in,
+                       int64_t d_v_in) {
+  const double qw = static_cast<double>(h.q_width()), kvw = static_cast<double>(h.kv_width());
+  return 2 * q_rows * static_cast<double>(d_model) * qw + 2 * kv_rows * static_cast<double>(d_kv_in + d_v_in) * kvw +
+         2 * q_rows * qw * static_cast<double>(d_model);
+}
+
+// Q K^T and P V over the visible pairs of one item.
+double CoreFlops(const AttentionShape& s) {
+  return 4 * static_cast<double>(s.heads.num_heads) * static_cast<double>(s.heads.head_dim) * VisiblePairs(s);
+}
+
+}  // namespace
+
 double AttentionFlops(const AttentionShape& s) {
-  const HeadSpec& h = s.heads;
-  const double b = static_cast<double>(s.batch), tq = static_cast<double>(s.q_len),
-               tk = static_cast<double>(s.kv_len), dk = static_cast<double>(h.head_dim),
-               qw = static_cast<double>(h.q_width()), kvw = static_cast<double>(h.kv_width());
-  const double projections = 2 * b * tq * static_cast<double>(s.d_model) * qw +
-                             2 * b * tk * static_cast<double>(s.d_kv_in + s.d_v_in) * kvw +
-                             2 * b * tq * qw * static_cast<double>(s.d_model);
-  const double attention = 4 * b * static_cast<double>(h.num_heads) * dk * VisiblePairs(s);
-  return projections + attention;
+  const double b = static_cast<double>(s.batch);
+  return b * (ProjectionFlops(s.heads, static_cast<double>(s.q_len), static_cast<double>(s.kv_len), s.d_model,
+                              s.d_kv_in, s.d_v_in) +
+              CoreFlops(s));
+}
+
+double ExtendFlops(const HeadSpec& heads, int64_t d_model, int64_t cached, int64_t new_tokens, bool append) {
+  AttentionShape s;
+  s.batch = 1;
+  s.q_len = new_tokens;
+  s.kv_len = cached + (append ? new_tokens : 0);
+  s.heads = heads;
+  s.heads.causal = append;  // appended tokens see the cache and those before them; otherwise the whole cache
+  const double n = static_cast<double>(new_tokens);
+  return ProjectionFlops(heads, n, n, d_model, d_model, d_model) + CoreFlops(s);
+}
+
+double KvCacheBytes(const HeadSpec& heads, int64_t tokens, int64_t element_bytes) {
+  return 2.0 * static_cast<double>(heads.kv_width()) * static_cast<double>(tokens) *
+         static_cast<double>(element_bytes);
 }
 
 std::string AttentionShapeString(const AttentionShape& s) {

@@ -1,6 +1,8 @@
 // The resolved shape of one attention call, shared by the server, its backends and the clients: every
-// "0 means default" of the wire's HeadConfig decided, once, by ResolveHeads; and the work the call costs, defined
-// once by AttentionFlops.
+// "0 means default" of the wire's HeadConfig decided, once, by ResolveHeads; and what a call costs, defined once:
+// its FLOPs (AttentionFlops for a stateless call, ExtendFlops for a session's item) and the bytes of K/V a cache
+// holds (KvCacheBytes, what a decode step reads). The scheduler, the metrics, the clients and the benchmarks all
+// count with these.
 #ifndef MHA_PROTO_ATTENTION_SHAPE_H_
 #define MHA_PROTO_ATTENTION_SHAPE_H_
 
@@ -69,6 +71,17 @@ double VisiblePairs(const AttentionShape& shape);
 //   attention 4 B H d_k VisiblePairs (Q K^T and P V over the visible pairs only).
 // The same number is the server's per-request work limit, its mha_flops metric and the clients' GFLOP/s.
 double AttentionFlops(const AttentionShape& shape);
+
+// FLOPs of one session item (an ExtendItem), counted as AttentionFlops counts them: `new_tokens` queries attending
+// to the `cached` tokens of the cache and, when `append`, to themselves causally (written after them); with a layer
+// (d_model > 0) also projecting the new tokens (Q, K, V and the output: the cached tokens' K and V were projected
+// when they came). On an empty cache, an appending item of T tokens costs what a causal self-attention call of T
+// tokens on the same layer does.
+double ExtendFlops(const HeadSpec& heads, int64_t d_model, int64_t cached, int64_t new_tokens, bool append);
+
+// Bytes of K and V that `tokens` tokens of one cache hold in elements of `element_bytes`: 2 Hkv d_k each. A decode
+// step reads this for every cache it attends to.
+double KvCacheBytes(const HeadSpec& heads, int64_t tokens, int64_t element_bytes);
 
 // "B=1 Tq=16 Tk=16 d_model=512 H=8 Hkv=8 d_k=64" plus " causal" when causal (d_model and the rest only when set).
 std::string AttentionShapeString(const AttentionShape& shape);
