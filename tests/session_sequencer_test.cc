@@ -1,12 +1,18 @@
-// The order of calls on sessions: one at a time per session, in arrival order; other sessions go on; bounded waiting.
+// The order of calls on sessions: one at a time per session, in arrival order; other sessions go on; bounded
+// waiting; a call whose turn comes with a release starts on the sequencer's starter thread.
 #include "server/sessions/sequencer.h"
 
 #include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/time.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -15,24 +21,38 @@ namespace {
 
 using ::testing::ElementsAre;
 
-// Records when it starts (its name into *started) and how it was abandoned; releases its sessions on start when
-// `release_at_start`, else leaves them held until the test releases them.
+// What the calls did, written by the thread that starts them (the test's, or the sequencer's starter) and read by
+// the test once the sequencer says every due call has started.
+struct Log {
+  absl::Mutex mu;
+  std::vector<std::string> started ABSL_GUARDED_BY(mu);
+  std::vector<std::thread::id> threads ABSL_GUARDED_BY(mu);
+  std::vector<absl::Status> abandoned ABSL_GUARDED_BY(mu);
+};
+
+// Records when it starts (its name and thread) and how it was abandoned; releases its sessions on start when given
+// a sequencer, else leaves them held until the test releases them.
 class Recorder final : public SessionSequencer::Call {
  public:
-  Recorder(std::string name, std::vector<std::string>* started, std::vector<absl::Status>* abandoned,
-           SessionSequencer* sequencer = nullptr, std::vector<std::string> release_at_start = {})
-      : name_(std::move(name)), started_(started), abandoned_(abandoned), sequencer_(sequencer),
-        release_(std::move(release_at_start)) {}
+  Recorder(std::string name, Log* log, SessionSequencer* sequencer = nullptr,
+           std::vector<std::string> release_at_start = {})
+      : name_(std::move(name)), log_(log), sequencer_(sequencer), release_(std::move(release_at_start)) {}
   void Start() override {
-    started_->push_back(name_);
+    {
+      absl::MutexLock lock(&log_->mu);
+      log_->started.push_back(name_);
+      log_->threads.push_back(std::this_thread::get_id());
+    }
     if (sequencer_ != nullptr) sequencer_->Release(release_);
   }
-  void Abandon(const absl::Status& status) override { abandoned_->push_back(status); }
+  void Abandon(const absl::Status& status) override {
+    absl::MutexLock lock(&log_->mu);
+    log_->abandoned.push_back(status);
+  }
 
  private:
   const std::string name_;
-  std::vector<std::string>* const started_;
-  std::vector<absl::Status>* const abandoned_;
+  Log* const log_;
   SessionSequencer* const sequencer_;
   const std::vector<std::string> release_;
 };
@@ -40,19 +60,31 @@ class Recorder final : public SessionSequencer::Call {
 class SequencerTest : public ::testing::Test {
  protected:
   void Submit(const std::string& name, std::vector<std::string> ids, bool release_at_start = false) {
-    auto call = std::make_unique<Recorder>(name, &started_, &abandoned_, release_at_start ? &sequencer_ : nullptr,
-                                           ids);
+    auto call = std::make_unique<Recorder>(name, &log_, release_at_start ? &sequencer_ : nullptr, ids);
     sequencer_.Submit(std::move(ids), 100, std::move(call));
   }
+  // The calls started so far, once every call whose turn has come has started.
+  std::vector<std::string> Started() {
+    EXPECT_TRUE(sequencer_.AwaitStarted(absl::Seconds(10)));
+    absl::MutexLock lock(&log_.mu);
+    return log_.started;
+  }
+  std::vector<absl::Status> Abandoned() {
+    absl::MutexLock lock(&log_.mu);
+    return log_.abandoned;
+  }
 
+  Log log_;
   SessionSequencer sequencer_{4, 1000};
-  std::vector<std::string> started_;
-  std::vector<absl::Status> abandoned_;
 };
 
-TEST_F(SequencerTest, AFreeSessionsCallStartsAtOnce) {
+TEST_F(SequencerTest, AFreeSessionsCallStartsAtOnceOnTheSubmittingThread) {
   Submit("a", {"s1"});
-  EXPECT_THAT(started_, ElementsAre("a"));
+  {
+    absl::MutexLock lock(&log_.mu);
+    EXPECT_THAT(log_.started, ElementsAre("a"));
+    EXPECT_THAT(log_.threads, ElementsAre(std::this_thread::get_id()));
+  }
   EXPECT_TRUE(sequencer_.InUse("s1"));
   sequencer_.Release({"s1"});
   EXPECT_FALSE(sequencer_.InUse("s1"));
@@ -62,31 +94,31 @@ TEST_F(SequencerTest, CallsOnOneSessionStartOneAtATimeInArrivalOrder) {
   Submit("a", {"s1"});
   Submit("b", {"s1"});
   Submit("c", {"s1"});
-  EXPECT_THAT(started_, ElementsAre("a"));
+  EXPECT_THAT(Started(), ElementsAre("a"));
   EXPECT_EQ(sequencer_.waiting(), 2);
   sequencer_.Release({"s1"});
-  EXPECT_THAT(started_, ElementsAre("a", "b"));
+  EXPECT_THAT(Started(), ElementsAre("a", "b"));
   sequencer_.Release({"s1"});
-  EXPECT_THAT(started_, ElementsAre("a", "b", "c"));
+  EXPECT_THAT(Started(), ElementsAre("a", "b", "c"));
 }
 
 TEST_F(SequencerTest, CallsOnOtherSessionsDoNotWait) {
   Submit("a", {"s1"});
   Submit("b", {"s1"});
   Submit("c", {"s2"});
-  EXPECT_THAT(started_, ElementsAre("a", "c"));
+  EXPECT_THAT(Started(), ElementsAre("a", "c"));
 }
 
 TEST_F(SequencerTest, ACallOnSeveralSessionsWaitsForAllAndKeepsItsPlace) {
   Submit("a", {"s1"});
   Submit("fork", {"s1", "s2"});  // waits for s1
   Submit("b", {"s2"});           // s2 is free, but the fork arrived first and names it
-  EXPECT_THAT(started_, ElementsAre("a"));
+  EXPECT_THAT(Started(), ElementsAre("a"));
   EXPECT_TRUE(sequencer_.InUse("s2"));
   sequencer_.Release({"s1"});
-  EXPECT_THAT(started_, ElementsAre("a", "fork"));
+  EXPECT_THAT(Started(), ElementsAre("a", "fork"));
   sequencer_.Release({"s1", "s2"});
-  EXPECT_THAT(started_, ElementsAre("a", "fork", "b"));
+  EXPECT_THAT(Started(), ElementsAre("a", "fork", "b"));
 }
 
 // Releases its session as it starts, and notes how many calls were starting at once (nested in each other's
@@ -110,38 +142,69 @@ class NestingProbe final : public SessionSequencer::Call {
 
 TEST_F(SequencerTest, CallsThatReleaseAsTheyStartRunOneAfterAnotherWithoutRecursing) {
   SessionSequencer sequencer(1000, int64_t{1} << 40);
-  std::vector<std::string> started;
-  std::vector<absl::Status> abandoned;
-  int active = 0;
+  Log log;
+  int active = 0;  // the starter thread's alone until AwaitStarted
   std::vector<int> nesting;
-  sequencer.Submit({"s"}, 1, std::make_unique<Recorder>("hold", &started, &abandoned));
+  sequencer.Submit({"s"}, 1, std::make_unique<Recorder>("hold", &log));
   for (int i = 0; i < 1000; ++i) {
     sequencer.Submit({"s"}, 1, std::make_unique<NestingProbe>(&sequencer, &active, &nesting));
   }
   sequencer.Release({"s"});
-  // Each started from the same loop, not from inside the one before (which would nest them 1000 deep).
+  ASSERT_TRUE(sequencer.AwaitStarted(absl::Seconds(10)));
+  // Each started from the starter's loop, not from inside the one before (which would nest them 1000 deep).
   EXPECT_EQ(nesting, std::vector<int>(1000, 1));
   EXPECT_FALSE(sequencer.InUse("s"));
+}
+
+// Blocks in Start until the test lets it go (at most 10 s), and records on which thread it started.
+class Blocker final : public SessionSequencer::Call {
+ public:
+  Blocker(absl::Notification* go, std::thread::id* thread, bool* released) : go_(go), thread_(thread),
+                                                                             released_(released) {}
+  void Start() override {
+    *thread_ = std::this_thread::get_id();
+    *released_ = go_->WaitForNotificationWithTimeout(absl::Seconds(10));
+  }
+  void Abandon(const absl::Status&) override {}
+
+ private:
+  absl::Notification* const go_;
+  std::thread::id* const thread_;
+  bool* const released_;
+};
+
+TEST_F(SequencerTest, ATurnThatComesWithAReleaseStartsOnTheStarterNotOnTheReleasingThread) {
+  absl::Notification go;
+  std::thread::id thread;
+  bool released = false;
+  Submit("hold", {"s"});
+  sequencer_.Submit({"s"}, 1, std::make_unique<Blocker>(&go, &thread, &released));
+  // The compute thread releases an Extend's sessions: it must go back to computing, not run the next call's Start.
+  sequencer_.Release({"s"});
+  go.Notify();
+  ASSERT_TRUE(sequencer_.AwaitStarted(absl::Seconds(20)));
+  EXPECT_TRUE(released) << "Start ran inside Release, on the releasing thread";
+  EXPECT_NE(thread, std::this_thread::get_id());
 }
 
 TEST_F(SequencerTest, TooManyWaitingCallsAreRefused) {
   Submit("hold", {"s"});
   for (int i = 0; i < 4; ++i) Submit("w", {"s"});
-  EXPECT_TRUE(abandoned_.empty());
+  EXPECT_TRUE(Abandoned().empty());
   Submit("one too many", {"s"});
-  ASSERT_EQ(abandoned_.size(), 1u);
-  EXPECT_EQ(abandoned_[0].code(), absl::StatusCode::kResourceExhausted);
+  ASSERT_EQ(Abandoned().size(), 1u);
+  EXPECT_EQ(Abandoned()[0].code(), absl::StatusCode::kResourceExhausted);
 }
 
 TEST_F(SequencerTest, WaitingBytesAreBounded) {
   SessionSequencer sequencer(100, 250);
-  std::vector<std::string> started;
-  std::vector<absl::Status> abandoned;
-  sequencer.Submit({"s"}, 100, std::make_unique<Recorder>("hold", &started, &abandoned));
-  sequencer.Submit({"s"}, 200, std::make_unique<Recorder>("w1", &started, &abandoned));
-  sequencer.Submit({"s"}, 100, std::make_unique<Recorder>("w2", &started, &abandoned));
-  ASSERT_EQ(abandoned.size(), 1u);
-  EXPECT_EQ(abandoned[0].code(), absl::StatusCode::kResourceExhausted);
+  Log log;
+  sequencer.Submit({"s"}, 100, std::make_unique<Recorder>("hold", &log));
+  sequencer.Submit({"s"}, 200, std::make_unique<Recorder>("w1", &log));
+  sequencer.Submit({"s"}, 100, std::make_unique<Recorder>("w2", &log));
+  absl::MutexLock lock(&log.mu);
+  ASSERT_EQ(log.abandoned.size(), 1u);
+  EXPECT_EQ(log.abandoned[0].code(), absl::StatusCode::kResourceExhausted);
 }
 
 TEST_F(SequencerTest, ShutdownAbandonsTheWaitingAndLaterCalls) {
@@ -149,16 +212,15 @@ TEST_F(SequencerTest, ShutdownAbandonsTheWaitingAndLaterCalls) {
   Submit("waiting", {"s"});
   sequencer_.Shutdown();
   Submit("later", {"t"});
-  ASSERT_EQ(abandoned_.size(), 2u);
-  for (const absl::Status& status : abandoned_) EXPECT_EQ(status.code(), absl::StatusCode::kUnavailable);
-  EXPECT_THAT(started_, ElementsAre("hold"));
+  ASSERT_EQ(Abandoned().size(), 2u);
+  for (const absl::Status& status : Abandoned()) EXPECT_EQ(status.code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(Started(), ElementsAre("hold"));
 }
 
 TEST(SessionHold, ReleasesOnceWhenItGoes) {
   SessionSequencer sequencer(4, 1000);
-  std::vector<std::string> started;
-  std::vector<absl::Status> abandoned;
-  sequencer.Submit({"s"}, 1, std::make_unique<Recorder>("a", &started, &abandoned));
+  Log log;
+  sequencer.Submit({"s"}, 1, std::make_unique<Recorder>("a", &log));
   {
     SessionHold hold(&sequencer, {"s"});
     SessionHold moved = std::move(hold);

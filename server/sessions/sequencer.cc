@@ -4,6 +4,18 @@
 
 namespace mha {
 
+SessionSequencer::SessionSequencer(int max_waiting, int64_t max_waiting_bytes)
+    : max_waiting_(max_waiting), max_waiting_bytes_(max_waiting_bytes), starter_([this] { StartReady(); }) {}
+
+SessionSequencer::~SessionSequencer() {
+  Shutdown();
+  {
+    absl::MutexLock lock(&mu_);
+    destroying_ = true;
+  }
+  starter_.join();
+}
+
 void SessionSequencer::Submit(std::vector<std::string> ids, int64_t bytes, std::unique_ptr<Call> call) {
   absl::Status refused;
   {
@@ -16,26 +28,35 @@ void SessionSequencer::Submit(std::vector<std::string> ids, int64_t bytes, std::
           "too many session calls wait for sessions that other calls hold (", waiting_.size(), " calls, ",
           waiting_bytes_, " bytes; --max_queue_size, --max_queued_mb); retry later"));
     } else {
-      for (const std::string& id : ids) ++wanted_[id];
-      waiting_bytes_ += bytes;
-      waiting_.push_back({std::move(ids), bytes, std::move(call)});
-      TakeStartable();
+      bool free = true;
+      for (const std::string& id : ids) free = free && held_.count(id) == 0 && wanted_.count(id) == 0;
+      if (free) {
+        // Its turn already: it starts here, below, holding its sessions.
+        held_.insert(ids.begin(), ids.end());
+      } else {
+        for (const std::string& id : ids) ++wanted_[id];
+        waiting_bytes_ += bytes;
+        waiting_.push_back({std::move(ids), bytes, std::move(call)});
+      }
     }
   }
   if (!refused.ok()) {
     call->Abandon(refused);
     return;
   }
-  Drain();
+  if (call != nullptr) call->Start();
 }
 
 void SessionSequencer::Release(const std::vector<std::string>& ids) {
-  {
-    absl::MutexLock lock(&mu_);
-    for (const std::string& id : ids) held_.erase(id);
-    TakeStartable();
-  }
-  Drain();
+  absl::MutexLock lock(&mu_);
+  for (const std::string& id : ids) held_.erase(id);
+  TakeStartable();
+}
+
+bool SessionSequencer::AwaitStarted(absl::Duration timeout) const {
+  absl::MutexLock lock(&mu_);
+  const auto started = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return ready_.empty() && starting_ == 0; };
+  return mu_.AwaitWithTimeout(absl::Condition(&started), timeout);
 }
 
 bool SessionSequencer::InUse(const std::string& id) const {
@@ -80,21 +101,23 @@ void SessionSequencer::TakeStartable() {
   }
 }
 
-void SessionSequencer::Drain() {
-  thread_local const SessionSequencer* draining = nullptr;
-  if (draining == this) return;  // the loop below, further up this thread's stack, takes what was made ready
-  draining = this;
+void SessionSequencer::StartReady() {
   for (;;) {
     std::unique_ptr<Call> call;
     {
       absl::MutexLock lock(&mu_);
-      if (ready_.empty()) break;
+      const auto has_work = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !ready_.empty() || destroying_; };
+      mu_.Await(absl::Condition(&has_work));
+      if (ready_.empty()) return;  // destroying, and nothing left to start
       call = std::move(ready_.front());
       ready_.pop_front();
+      ++starting_;
     }
     call->Start();
+    call.reset();
+    absl::MutexLock lock(&mu_);
+    --starting_;
   }
-  draining = nullptr;
 }
 
 }  // namespace mha

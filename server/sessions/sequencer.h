@@ -4,6 +4,19 @@
 // the compute queue and its compute), which is what makes a session's state safe to change without the store's
 // lock and lets the store never evict or expire a session in use.
 //
+// An Extend's trip (server/rpc/session_service.cc):
+//   1. gRPC thread: the call is admitted (token, parse) and its request validated by itself (ids, tensors:
+//      ValidateExtendRequest); its error answers at once.
+//   2. Submit: when its sessions are free it starts at once on that thread; else it waits here, bounded.
+//   3. Start (on the submitting thread, or on this sequencer's starter thread when a release made it its turn):
+//      validated against its held sessions (ValidateExtendHeld), its blocks reserved (SessionStore::Reserve, which
+//      may evict idle sessions), and handed to the scheduler; an error ends it and releases its sessions.
+//   4. Scheduler: queued (or run inline when tiny), computed in steps of --max_prefill_chunk rows on the compute
+//      thread, alone or batched with other Extends' steps, back in the queue between steps.
+//   5. Compute thread, after its last step: commit, answer, release its sessions. Release only marks the next
+//      calls' turn: their Start (step 3, and the whole of a Fork, Truncate, Close or List) runs on the starter
+//      thread, never on the compute thread, so that a queue of waiting session calls cannot stall compute.
+//
 // Bounded: at most max_waiting calls, holding max_waiting_bytes of requests together, wait for their turn; one more
 // is abandoned with RESOURCE_EXHAUSTED. Thread-safe.
 #ifndef MHA_SERVER_SESSIONS_SEQUENCER_H_
@@ -15,11 +28,13 @@
 #include <memory>
 #include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 
 namespace mha {
 
@@ -30,22 +45,28 @@ class SessionSequencer {
    public:
     virtual ~Call() = default;
     // The call's turn: its sessions are held for it until Release(ids). Runs on the thread that submitted the call
-    // or on one that released a session it waited for, never under the sequencer's lock.
+    // when its sessions were free, else on the sequencer's starter thread; never under the sequencer's lock.
     virtual void Start() = 0;
     // The call will never start (too many wait, or shutdown): finish it with `status`. Its sessions are not held.
     virtual void Abandon(const absl::Status& status) = 0;
   };
 
-  SessionSequencer(int max_waiting, int64_t max_waiting_bytes)
-      : max_waiting_(max_waiting), max_waiting_bytes_(max_waiting_bytes) {}
+  SessionSequencer(int max_waiting, int64_t max_waiting_bytes);
+  // Starts the calls whose turn has come, then ends the starter thread; calls still waiting are abandoned
+  // (UNAVAILABLE).
+  ~SessionSequencer();
   SessionSequencer(const SessionSequencer&) = delete;
   SessionSequencer& operator=(const SessionSequencer&) = delete;
 
   // Takes `call`, which names the distinct session ids `ids` and holds `bytes` of request while it waits: starts
-  // it now on this thread if it may, else keeps it until its turn.
+  // it now on this thread if its sessions are free, else keeps it until its turn.
   void Submit(std::vector<std::string> ids, int64_t bytes, std::unique_ptr<Call> call);
-  // The calls holding `ids` ended: frees them and starts the waiting calls whose turn it is now.
+  // The calls holding `ids` ended: frees them. The waiting calls whose turn it is now start on the starter thread,
+  // not on this one.
   void Release(const std::vector<std::string>& ids);
+  // Blocks until every call whose turn has come has started (its Start returned), or `timeout` passes; true if
+  // so. For tests.
+  bool AwaitStarted(absl::Duration timeout) const;
   // Whether a started call holds `id` or a waiting call names it.
   bool InUse(const std::string& id) const;
   // Abandons every waiting call, and every later one, with UNAVAILABLE. Started calls are left to end.
@@ -60,9 +81,8 @@ class SessionSequencer {
   };
   // Moves the waiting calls that may start now, in order, to ready_, holding their sessions.
   void TakeStartable() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Starts the calls in ready_ until none is left; on a thread that is already doing so, leaves them to it (a
-  // call whose Start releases sessions would otherwise start the next one inside itself, without bound).
-  void Drain();
+  // The starter thread: starts the calls in ready_, in order, until the sequencer is destroyed.
+  void StartReady();
 
   const int max_waiting_;
   const int64_t max_waiting_bytes_;
@@ -71,8 +91,11 @@ class SessionSequencer {
   int64_t waiting_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   std::set<std::string> held_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, int> wanted_ ABSL_GUARDED_BY(mu_);  // by waiting calls: how many name each id
-  std::deque<std::unique_ptr<Call>> ready_ ABSL_GUARDED_BY(mu_);
+  std::deque<std::unique_ptr<Call>> ready_ ABSL_GUARDED_BY(mu_);  // their turn came; the starter starts them
+  int starting_ ABSL_GUARDED_BY(mu_) = 0;  // taken from ready_, Start not yet returned
   bool shut_down_ ABSL_GUARDED_BY(mu_) = false;
+  bool destroying_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread starter_;  // last: started once everything above is
 };
 
 // The sessions a started call holds, released when this goes (or by Release, once). Movable, not copyable.

@@ -62,10 +62,10 @@ SessionStore::SessionStore(const SessionStoreOptions& options, ServerMetrics* me
                            std::unique_ptr<CacheArena> arena)
     : options_(options),
       metrics_(metrics),
-      sequencer_(options.max_waiting, options.max_waiting_bytes),
       arena_(std::move(arena)),
       pool_(arena_ != nullptr ? BlockPool(arena_->base(), arena_->bytes()) : BlockPool(options.capacity_bytes)),
-      pool_capacity_(pool_.capacity_bytes()) {
+      pool_capacity_(pool_.capacity_bytes()),
+      sequencer_(options.max_waiting, options.max_waiting_bytes) {
   absl::MutexLock lock(&mu_);
   Publish();
 }

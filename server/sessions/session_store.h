@@ -219,7 +219,6 @@ class SessionStore {
 
   const SessionStoreOptions options_;
   ServerMetrics* const metrics_;
-  SessionSequencer sequencer_;
   const std::unique_ptr<CacheArena> arena_;  // null: host memory; declared before pool_, so it outlives it
   mutable absl::Mutex mu_;
   BlockPool pool_ ABSL_GUARDED_BY(mu_);
@@ -229,6 +228,8 @@ class SessionStore {
   static constexpr size_t kRecentEnds = 4096;
   std::map<std::string, End> ended_ ABSL_GUARDED_BY(mu_);
   std::deque<std::string> end_order_ ABSL_GUARDED_BY(mu_);
+  // Last, so that it goes first: its starter thread may still start a call on the store until it is gone.
+  SessionSequencer sequencer_;
 };
 
 }  // namespace mha
