@@ -51,10 +51,16 @@ TEST(InflightHoldTest, AMovedHoldGivesBackOnce) {
   EXPECT_EQ(ledger->load(), 5);
 }
 
-TEST(InflightHoldTest, AHoldMayOutliveEveryOtherOwnerOfItsLedger) {
+TEST(InflightHoldTest, AHoldKeepsItsLedgerAliveAfterEveryOtherOwnerIsGone) {
   auto ledger = std::make_shared<InflightLedger>(0);
-  InflightHold hold(ledger, 7);
-  ledger.reset();  // the scheduler is gone; the response is still in gRPC's hands
+  const std::weak_ptr<InflightLedger> watch = ledger;
+  {
+    InflightHold hold(ledger, 7);
+    ledger.reset();  // the scheduler is gone; the response is still in gRPC's hands
+    ASSERT_FALSE(watch.expired());
+    EXPECT_EQ(watch.lock()->load(), 7);
+  }
+  EXPECT_TRUE(watch.expired());  // the hold was its last owner, and let it go
 }
 
 }  // namespace

@@ -59,10 +59,10 @@ class Probe {
     ++finished_;
   }
   // Blocks until `n` calls compute at once (true), or kPatience passes (false).
-  bool AwaitRunning(int n) {
+  bool AwaitRunning(int n, absl::Duration patience = kPatience) {
     absl::MutexLock lock(&mu_);
     const auto reached = [this, n]() ABSL_NO_THREAD_SAFETY_ANALYSIS { return running_ >= n; };
-    return mu_.AwaitWithTimeout(absl::Condition(&reached), kPatience);
+    return mu_.AwaitWithTimeout(absl::Condition(&reached), patience);
   }
   int running() const {
     absl::MutexLock lock(&mu_);
@@ -132,7 +132,8 @@ TEST(Scheduler, ConcurrentBackendComputesUpToItsConcurrentCallsAtOnce) {
   for (int i = 0; i < 3; ++i) scheduler.Submit(std::make_unique<FakeItem>(&gpu, &probe));
   ASSERT_TRUE(probe.AwaitRunning(2));
   ASSERT_TRUE(scheduler.AwaitQueued(1, kPatience));
-  absl::SleepFor(absl::Milliseconds(50));  // a third call, had it started, would be counted by now
+  // The idle third thread must leave the third call queued: waited for, it does not start.
+  EXPECT_FALSE(probe.AwaitRunning(3, absl::Milliseconds(100)));
   EXPECT_EQ(probe.running(), 2);
   EXPECT_EQ(scheduler.QueueDepth(), 1);
   probe.release.Notify();

@@ -689,12 +689,17 @@ TEST_P(InlineTest, TinyRequestsSkipTheQueueOnlyWhenInlineIsOn) {
         << "the long request finished first, so this proves nothing; make it longer";
     CancelAndWait(slow.get());
   } else {
-    // It waits behind the long request: let it wait a while, then end the long one.
+    // It waits in the queue behind the long request, and is answered only once that one ends.
     ASSERT_TRUE(server_->scheduler().AwaitQueued(1, absl::Seconds(30)));
-    absl::SleepFor(absl::Milliseconds(150));
+    const absl::Time queued = absl::Now();
+    EXPECT_EQ(tiny->status.wait_for(std::chrono::seconds(0)), std::future_status::timeout);
+    ASSERT_EQ(slow->status.wait_for(std::chrono::seconds(0)), std::future_status::timeout)
+        << "the long request finished first, so this proves nothing; make it longer";
+    const absl::Duration behind = absl::Now() - queued;  // at least this long in the queue
     CancelAndWait(slow.get());
     ASSERT_TRUE(tiny->status.get().ok());
-    EXPECT_GT(tiny->response.timing().queue_us(), 100000) << "it should have waited for the long request";
+    EXPECT_GE(tiny->response.timing().queue_us(), absl::ToInt64Microseconds(behind))
+        << "it should have waited for the long request";
   }
 }
 

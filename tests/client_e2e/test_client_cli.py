@@ -238,7 +238,18 @@ def test_unknown_subcommand_and_missing_subcommand_exit_2(run_cli):
 # bench
 
 
-def test_bench_closed_loop_json_report_adds_up(server, run_cli):
+def default_bench_request_bytes(client):
+    """The serialized size of mha_client bench's default request: the demo layer and a random [1, 16, 512] fp32
+    query, every other field at its default."""
+    from mha.v1 import attention_pb2  # the client fixture generated the stubs
+    request = attention_pb2.MultiHeadAttentionRequest(layer="demo")
+    request.query.shape.extend([1, 16, DEMO_D_MODEL])
+    request.query.dtype = attention_pb2.FP32
+    request.query.data = bytes(16 * DEMO_D_MODEL * 4)
+    return request.ByteSize()
+
+
+def test_bench_closed_loop_json_report_adds_up(server, client, run_cli):
     report = bench_json(run_cli, "--target", server.target, "-c", "2", "-z", "2s", "--warmup", "5")
     assert_report_consistent(report)
     assert report["mode"] == "closed" and report["concurrency"] == 2 and report["warmup"] == 5
@@ -247,7 +258,7 @@ def test_bench_closed_loop_json_report_adds_up(server, run_cli):
     assert 1.9 <= report["total_s"] < 10
     assert report["request"] == {"batch": 1, "query_len": 16, "key_len": 16, "d_model": 512, "d_kv_in": 512,
                                  "d_v_in": 512, "num_heads": 8, "num_kv_heads": 8, "head_dim": 64, "causal": False,
-                                 "gflop": pytest.approx(0.034078720), "bytes": report["request"]["bytes"]}
+                                 "gflop": pytest.approx(0.034078720), "bytes": default_bench_request_bytes(client)}
     assert report["split_ms"]["server_compute"] > 0
 
 
@@ -367,9 +378,9 @@ def test_bench_spreads_calls_over_connections(server, cli_bin):
     try:
         seen = 0
         deadline = time.monotonic() + 2.5
-        while time.monotonic() < deadline and proc.poll() is None:
+        while seen < 3 and time.monotonic() < deadline and proc.poll() is None:
             seen = max(seen, established_connections(server.port) - before)
-            time.sleep(0.1)
+            time.sleep(0.05)
         out, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
@@ -402,11 +413,15 @@ def test_round_robin_spreads_calls_over_two_servers(server, second_server, run_c
     assert sum(got) == 40
     assert got[0] >= 10 and got[1] >= 10, got
 
-    # pick_first (the default) sends everything to the first address.
+    # pick_first (the default) sends everything to the first address: once the first server has logged all ten
+    # calls (each is logged before it is answered), the second has logged none.
     before = calls_logged(server.log_path), calls_logged(second_server.log_path)
     report = bench_json(run_cli, "--target", target, "-n", "10", "--seq", "8")
     assert report["count"]["ok"] == 10
-    time.sleep(0.5)
+    deadline = time.monotonic() + 5
+    while calls_logged(server.log_path) - before[0] < 10 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert calls_logged(server.log_path) - before[0] == 10
     assert calls_logged(second_server.log_path) == before[1]
 
 
