@@ -170,11 +170,23 @@ absl::StatusOr<std::string> ReportFormatFromFlags() {
   return format;
 }
 
-int RunBench(const ClientOptions& options) {
-  absl::StatusOr<RequestFlags> flags = RequestFlagsFromCommandLine();
-  if (!flags.ok()) return UsageError(flags.status());
+namespace {
 
+// What bench's flags ask for beyond the request: the load, the connections, the health baseline, the report's
+// format and the concurrency levels to sweep.
+struct BenchPlan {
   LoadOptions load;
+  std::string protocol;
+  int connections = 1;
+  int health_calls = 0;
+  std::string format;
+  std::vector<int> levels;
+};
+
+// The flags checked; INVALID_ARGUMENT naming the flag.
+absl::StatusOr<BenchPlan> BenchPlanFromFlags(const ClientOptions& options) {
+  BenchPlan plan;
+  LoadOptions& load = plan.load;
   load.concurrency = absl::GetFlag(FLAGS_c);
   load.total = absl::GetFlag(FLAGS_n);
   load.duration = absl::GetFlag(FLAGS_z);
@@ -182,40 +194,104 @@ int RunBench(const ClientOptions& options) {
   load.max_in_flight = absl::GetFlag(FLAGS_max_in_flight);
   load.warmup = absl::GetFlag(FLAGS_warmup);
   load.timeout = options.timeout;
-  const std::string protocol = absl::GetFlag(FLAGS_protocol);
-  if (protocol != "native" && protocol != "kserve") {
-    return UsageError(absl::InvalidArgumentError(
-        absl::StrCat("--protocol must be native or kserve; got '", protocol, "'")));
+  plan.protocol = absl::GetFlag(FLAGS_protocol);
+  if (plan.protocol != "native" && plan.protocol != "kserve") {
+    return absl::InvalidArgumentError(absl::StrCat("--protocol must be native or kserve; got '", plan.protocol, "'"));
   }
-  load.protocol = protocol == "kserve" ? BenchProtocol::kKServe : BenchProtocol::kNative;
+  load.protocol = plan.protocol == "kserve" ? BenchProtocol::kKServe : BenchProtocol::kNative;
   if (load.total == 0 && load.duration == absl::ZeroDuration()) load.total = kDefaultTotal;
   if (absl::Status valid = ValidateLoadOptions(load); !valid.ok()) {
-    return UsageError(absl::InvalidArgumentError(absl::StrCat("bench: ", valid.message())));
+    return absl::InvalidArgumentError(absl::StrCat("bench: ", valid.message()));
   }
-  const int connections = absl::GetFlag(FLAGS_connections);
-  if (connections < 1 || connections > kMaxConnections) {
-    return UsageError(absl::InvalidArgumentError(
-        absl::StrCat("--connections must be in [1, ", kMaxConnections, "]; got ", connections)));
+  plan.connections = absl::GetFlag(FLAGS_connections);
+  if (plan.connections < 1 || plan.connections > kMaxConnections) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--connections must be in [1, ", kMaxConnections, "]; got ", plan.connections));
   }
-  const int health_calls = absl::GetFlag(FLAGS_health_baseline);
-  if (health_calls < 0 || health_calls > kMaxHealthCalls) {
-    return UsageError(absl::InvalidArgumentError(
-        absl::StrCat("--health_baseline must be in [0, ", kMaxHealthCalls, "]; got ", health_calls)));
+  plan.health_calls = absl::GetFlag(FLAGS_health_baseline);
+  if (plan.health_calls < 0 || plan.health_calls > kMaxHealthCalls) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--health_baseline must be in [0, ", kMaxHealthCalls, "]; got ", plan.health_calls));
   }
   absl::StatusOr<std::string> format = ReportFormatFromFlags();
-  if (!format.ok()) return UsageError(format.status());
-  std::vector<int> levels = {load.concurrency};
+  if (!format.ok()) return format.status();
+  plan.format = *format;
+  plan.levels = {load.concurrency};
   const std::string range = absl::GetFlag(FLAGS_concurrency_range);
   if (!range.empty()) {
-    if (load.rps > 0) {
-      return UsageError(absl::InvalidArgumentError("--concurrency_range sweeps the closed loop; drop --rps"));
-    }
+    if (load.rps > 0) return absl::InvalidArgumentError("--concurrency_range sweeps the closed loop; drop --rps");
     absl::StatusOr<std::vector<int>> parsed = ParseConcurrencyRange(range);
     if (!parsed.ok()) {
-      return UsageError(absl::InvalidArgumentError(absl::StrCat("--concurrency_range ", parsed.status().message())));
+      return absl::InvalidArgumentError(absl::StrCat("--concurrency_range ", parsed.status().message()));
     }
-    levels = *parsed;
+    plan.levels = *parsed;
   }
+  return plan;
+}
+
+// `count` channels of their own, connected before any call is timed (connection set-up is not part of any call's
+// latency; a channel that cannot connect shows up as errors).
+std::vector<std::shared_ptr<grpc::Channel>> ConnectChannels(const ClientOptions& options, int count) {
+  std::vector<std::shared_ptr<grpc::Channel>> channels;
+  ClientOptions channel_options = options;
+  channel_options.dedicated_connection = true;
+  for (int i = 0; i < count; ++i) channels.push_back(CreateAttentionChannel(channel_options));
+  const absl::Duration connect_wait = std::min(options.timeout, kMaxConnectWait);
+  for (const auto& channel : channels) {
+    if (!channel->WaitForConnected(absl::ToChronoTime(absl::Now() + connect_wait))) {
+      std::fprintf(stderr, "warning: a channel to %s is not connected after %s\n", options.target.c_str(),
+                   absl::FormatDuration(connect_wait).c_str());
+    }
+  }
+  return channels;
+}
+
+// One level of the sweep: its load run and its report (with the health baseline when asked for).
+absl::StatusOr<BenchReport> RunLevel(const ClientOptions& options, const BenchPlan& plan, int level,
+                                     const PreparedRequest& prepared,
+                                     const std::vector<std::shared_ptr<grpc::Channel>>& channels) {
+  LoadOptions load = plan.load;
+  load.concurrency = level;
+  RunConfig config;
+  config.open_loop = load.rps > 0;
+  config.concurrency = level;
+  config.target_rps = load.rps;
+  config.max_in_flight = load.max_in_flight;
+  config.connections = plan.connections;
+  config.warmup = load.warmup;
+  config.target = options.target;
+  config.weights = prepared.weights;
+  config.protocol = plan.protocol;
+  config.shape = prepared.shape;
+  config.request_bytes = static_cast<int64_t>(prepared.request.ByteSizeLong());
+  ProgressPrinter printer(isatty(fileno(stderr)),
+                          config.open_loop ? absl::StrFormat("rps=%.6g", load.rps) : absl::StrCat("c=", level),
+                          load.total);
+  std::function<void(const LoadProgress&)> on_progress;
+  if (isatty(fileno(stderr)) || absl::GetFlag(FLAGS_progress)) {
+    on_progress = [&printer](const LoadProgress& p) { printer(p); };
+  }
+  absl::StatusOr<LoadResult> result = RunLoad(load, channels, prepared.request, on_progress);
+  printer.Clear();
+  if (!result.ok()) return result.status();
+  BenchReport report = Summarize(config, *result);
+  if (plan.health_calls > 0) {
+    absl::StatusOr<LatencySummary> health =
+        MeasureHealthRoundTrip(channels.front(), plan.health_calls, options.timeout);
+    if (!health.ok()) return health.status();
+    report.health_calls = plan.health_calls;
+    report.health = *health;
+  }
+  return report;
+}
+
+}  // namespace
+
+int RunBench(const ClientOptions& options) {
+  absl::StatusOr<RequestFlags> flags = RequestFlagsFromCommandLine();
+  if (!flags.ok()) return UsageError(flags.status());
+  absl::StatusOr<BenchPlan> plan = BenchPlanFromFlags(options);
+  if (!plan.ok()) return UsageError(plan.status());
 
   AttentionClient client(options);
   absl::StatusOr<PreparedRequest> prepared = PrepareRequest(*flags, client);
@@ -226,55 +302,16 @@ int RunBench(const ClientOptions& options) {
     if (!placed.ok()) return Fail(placed.status());
     shared = *std::move(placed);
   }
-
-  std::vector<std::shared_ptr<grpc::Channel>> channels;
-  ClientOptions channel_options = options;
-  channel_options.dedicated_connection = true;
-  for (int i = 0; i < connections; ++i) channels.push_back(CreateAttentionChannel(channel_options));
-  // Connection set-up is not part of any call's latency; a channel that cannot connect shows up as errors.
-  const absl::Duration connect_wait = std::min(options.timeout, kMaxConnectWait);
-  for (const auto& channel : channels) {
-    if (!channel->WaitForConnected(absl::ToChronoTime(absl::Now() + connect_wait))) {
-      std::fprintf(stderr, "warning: a channel to %s is not connected after %s\n", options.target.c_str(),
-                   absl::FormatDuration(connect_wait).c_str());
-    }
-  }
-
-  const bool show_progress = isatty(fileno(stderr)) || absl::GetFlag(FLAGS_progress);
+  const std::vector<std::shared_ptr<grpc::Channel>> channels = ConnectChannels(options, plan->connections);
   std::vector<BenchReport> reports;
-  for (int level : levels) {
-    load.concurrency = level;
-    RunConfig config;
-    config.open_loop = load.rps > 0;
-    config.concurrency = level;
-    config.target_rps = load.rps;
-    config.max_in_flight = load.max_in_flight;
-    config.connections = connections;
-    config.warmup = load.warmup;
-    config.target = options.target;
-    config.weights = prepared->weights;
-    config.protocol = protocol;
-    config.shape = prepared->shape;
-    config.request_bytes = static_cast<int64_t>(prepared->request.ByteSizeLong());
-
-    ProgressPrinter printer(isatty(fileno(stderr)),
-                            config.open_loop ? absl::StrFormat("rps=%.6g", load.rps) : absl::StrCat("c=", level),
-                            load.total);
-    std::function<void(const LoadProgress&)> on_progress;
-    if (show_progress) on_progress = [&printer](const LoadProgress& p) { printer(p); };
-    absl::StatusOr<LoadResult> result = RunLoad(load, channels, prepared->request, on_progress);
-    printer.Clear();
-    if (!result.ok()) return Fail(result.status());
-    reports.push_back(Summarize(config, *result));
-    if (health_calls > 0) {
-      absl::StatusOr<LatencySummary> health = MeasureHealthRoundTrip(channels.front(), health_calls, options.timeout);
-      if (!health.ok()) return Fail(health.status());
-      reports.back().health_calls = health_calls;
-      reports.back().health = *health;
-    }
+  for (int level : plan->levels) {
+    absl::StatusOr<BenchReport> report = RunLevel(options, *plan, level, *prepared, channels);
+    if (!report.ok()) return Fail(report.status());
+    reports.push_back(*std::move(report));
   }
+  const std::string& format = plan->format;
   const std::string text =
-      *format == "json" ? FormatJson(reports) : *format == "csv" ? FormatCsv(reports) : FormatPretty(reports);
+      format == "json" ? FormatJson(reports) : format == "csv" ? FormatCsv(reports) : FormatPretty(reports);
   std::fwrite(text.data(), 1, text.size(), stdout);
   return kExitOk;
 }

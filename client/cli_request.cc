@@ -180,75 +180,85 @@ absl::StatusOr<RequestFlags> RequestFlagsFromCommandLine() {
   return f;
 }
 
-absl::StatusOr<PreparedRequest> PrepareRequest(const RequestFlags& flags, AttentionClient& client) {
-  PreparedRequest prepared;
-  v1::MultiHeadAttentionRequest& request = prepared.request;
-  AttentionShape& shape = prepared.shape;
+namespace {
 
-  // Weights and the head configuration they imply.
+// The inline weights of a .safetensors file (--weights), with the head configuration the flags ask for.
+absl::Status UseWeightsFile(const RequestFlags& flags, PreparedRequest* prepared) {
+  v1::MultiHeadAttentionRequest& request = prepared->request;
+  AttentionShape& shape = prepared->shape;
+  absl::StatusOr<SafetensorsLayer> layer = ReadSafetensorsLayer(flags.weights_file);
+  if (!layer.ok()) return layer.status();
+  const v1::AttentionWeights& w = layer->weights;
+  for (const auto& [tensor, name] : {std::pair<const v1::Tensor*, const char*>{&w.w_q(), "w_q"},
+                                     {&w.w_k(), "w_k"}, {&w.w_v(), "w_v"}}) {
+    if (absl::Status s = CheckMatrix(*tensor, name, flags.weights_file); !s.ok()) return s;
+  }
+  v1::HeadConfig heads = layer->heads;
+  if (flags.heads != 0) heads.set_num_heads(flags.heads);
+  if (flags.kv_heads != 0) heads.set_num_kv_heads(flags.kv_heads);
+  if (flags.head_dim != 0) heads.set_head_dim(flags.head_dim);
+  if (flags.causal) heads.set_causal(true);
+  if (flags.scale != 0) heads.set_scale(flags.scale);
+  *request.mutable_inline_weights() = w;
+  *request.mutable_heads() = heads;
+  shape.d_model = w.w_q().shape(0);
+  shape.d_kv_in = w.w_k().shape(0);
+  shape.d_v_in = w.w_v().shape(0);
+  absl::StatusOr<HeadSpec> resolved = ResolveHeads(heads, HeadSpec(), "", shape.d_model, "heads");
+  if (!resolved.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(flags.weights_file, ": ", resolved.status().message()));
+  }
+  shape.heads = *resolved;
+  prepared->weights = absl::StrCat("file ", flags.weights_file);
+  return absl::OkStatus();
+}
+
+// A layer registered on the server (--layer, default "demo"), with the heads the flags ask for.
+absl::Status UseLayer(const RequestFlags& flags, AttentionClient& client, PreparedRequest* prepared) {
+  v1::MultiHeadAttentionRequest& request = prepared->request;
+  AttentionShape& shape = prepared->shape;
   const bool heads_given =
       flags.heads != 0 || flags.kv_heads != 0 || flags.head_dim != 0 || flags.causal || flags.scale != 0;
-  if (!flags.weights_file.empty()) {
-    absl::StatusOr<SafetensorsLayer> layer = ReadSafetensorsLayer(flags.weights_file);
-    if (!layer.ok()) return layer.status();
-    const v1::AttentionWeights& w = layer->weights;
-    for (const auto& [tensor, name] : {std::pair<const v1::Tensor*, const char*>{&w.w_q(), "w_q"},
-                                       {&w.w_k(), "w_k"}, {&w.w_v(), "w_v"}}) {
-      if (absl::Status s = CheckMatrix(*tensor, name, flags.weights_file); !s.ok()) return s;
-    }
-    v1::HeadConfig heads = layer->heads;
-    if (flags.heads != 0) heads.set_num_heads(flags.heads);
-    if (flags.kv_heads != 0) heads.set_num_kv_heads(flags.kv_heads);
-    if (flags.head_dim != 0) heads.set_head_dim(flags.head_dim);
-    if (flags.causal) heads.set_causal(true);
-    if (flags.scale != 0) heads.set_scale(flags.scale);
-    *request.mutable_inline_weights() = w;
-    *request.mutable_heads() = heads;
-    shape.d_model = w.w_q().shape(0);
-    shape.d_kv_in = w.w_k().shape(0);
-    shape.d_v_in = w.w_v().shape(0);
-    absl::StatusOr<HeadSpec> resolved = ResolveHeads(heads, HeadSpec(), "", shape.d_model, "heads");
-    if (!resolved.ok()) {
-      return absl::InvalidArgumentError(absl::StrCat(flags.weights_file, ": ", resolved.status().message()));
-    }
-    shape.heads = *resolved;
-    prepared.weights = absl::StrCat("file ", flags.weights_file);
-  } else {
-    const std::string name = flags.layer.empty() ? "demo" : flags.layer;
-    absl::StatusOr<v1::ListLayersResponse> layers = client.ListLayers();
-    if (!layers.ok()) return layers.status();
-    const v1::LayerInfo* info = nullptr;
-    for (const v1::LayerInfo& layer : layers->layers()) {
-      if (layer.name() == name) info = &layer;
-    }
-    if (info == nullptr) return absl::NotFoundError(absl::StrCat("no layer named ", name));
-    request.set_layer(name);
-    if (heads_given) {
-      v1::HeadConfig* heads = request.mutable_heads();
-      heads->set_num_heads(flags.heads);
-      heads->set_num_kv_heads(flags.kv_heads);
-      heads->set_head_dim(flags.head_dim);
-      heads->set_causal(flags.causal);
-      heads->set_scale(flags.scale);
-    }
-    shape.d_model = info->d_model();
-    shape.d_kv_in = info->d_kv_in();
-    shape.d_v_in = info->d_v_in();
-    // The layer's heads as the server resolved them, with what the flags ask for; flags the layer contradicts are
-    // still sent, for the server to refuse (so that `bench` measures that answer too).
-    HeadSpec layer_heads;
-    layer_heads.num_heads = info->heads().num_heads();
-    layer_heads.num_kv_heads = info->heads().num_kv_heads();
-    layer_heads.head_dim = info->heads().head_dim();
-    layer_heads.scale = info->heads().scale();
-    layer_heads.causal = info->heads().causal();
-    absl::StatusOr<HeadSpec> resolved = ResolveHeads(
-        request.heads(), layer_heads, absl::StrCat("layer '", name, "'"), shape.d_model, "heads");
-    shape.heads = resolved.ok() ? *resolved : layer_heads;
-    prepared.weights = absl::StrCat("layer ", name);
+  const std::string name = flags.layer.empty() ? "demo" : flags.layer;
+  absl::StatusOr<v1::ListLayersResponse> layers = client.ListLayers();
+  if (!layers.ok()) return layers.status();
+  const v1::LayerInfo* info = nullptr;
+  for (const v1::LayerInfo& layer : layers->layers()) {
+    if (layer.name() == name) info = &layer;
   }
+  if (info == nullptr) return absl::NotFoundError(absl::StrCat("no layer named ", name));
+  request.set_layer(name);
+  if (heads_given) {
+    v1::HeadConfig* heads = request.mutable_heads();
+    heads->set_num_heads(flags.heads);
+    heads->set_num_kv_heads(flags.kv_heads);
+    heads->set_head_dim(flags.head_dim);
+    heads->set_causal(flags.causal);
+    heads->set_scale(flags.scale);
+  }
+  shape.d_model = info->d_model();
+  shape.d_kv_in = info->d_kv_in();
+  shape.d_v_in = info->d_v_in();
+  // The layer's heads as the server resolved them, with what the flags ask for; flags the layer contradicts are
+  // still sent, for the server to refuse (so that `bench` measures that answer too).
+  HeadSpec layer_heads;
+  layer_heads.num_heads = info->heads().num_heads();
+  layer_heads.num_kv_heads = info->heads().num_kv_heads();
+  layer_heads.head_dim = info->heads().head_dim();
+  layer_heads.scale = info->heads().scale();
+  layer_heads.causal = info->heads().causal();
+  absl::StatusOr<HeadSpec> resolved = ResolveHeads(
+      request.heads(), layer_heads, absl::StrCat("layer '", name, "'"), shape.d_model, "heads");
+  shape.heads = resolved.ok() ? *resolved : layer_heads;
+  prepared->weights = absl::StrCat("layer ", name);
+  return absl::OkStatus();
+}
 
-  // Inputs.
+// The query (--query, or random [--batch, --seq, d_model]), key and value (--key/--value, or random with
+// --kv_seq, or self-attention), and the rest of the request's fields.
+absl::Status FillInputs(const RequestFlags& flags, PreparedRequest* prepared) {
+  v1::MultiHeadAttentionRequest& request = prepared->request;
+  AttentionShape& shape = prepared->shape;
   const v1::DataType random_dtype = flags.wire_dtype != v1::DATA_TYPE_UNSPECIFIED ? flags.wire_dtype : v1::FP32;
   if (!flags.query_path.empty()) {
     if (absl::Status s = LoadInput(flags.query_path, "query", "[B, Tq, d_model]", flags.wire_dtype,
@@ -292,7 +302,7 @@ absl::StatusOr<PreparedRequest> PrepareRequest(const RequestFlags& flags, Attent
     shape.kv_len = flags.kv_seq;
   } else {
     if (shape.d_kv_in != shape.d_model || shape.d_v_in != shape.d_model) {
-      return absl::InvalidArgumentError(absl::StrCat(prepared.weights, " takes keys of ", shape.d_kv_in,
+      return absl::InvalidArgumentError(absl::StrCat(prepared->weights, " takes keys of ", shape.d_kv_in,
                                                      " and values of ", shape.d_v_in, " features, not d_model ",
                                                      shape.d_model, "; give --key or --kv_seq"));
     }
@@ -304,6 +314,17 @@ absl::StatusOr<PreparedRequest> PrepareRequest(const RequestFlags& flags, Attent
   request.set_return_attention_weights(flags.return_weights);
   request.set_output_dtype(flags.output_dtype);
   request.set_backend(flags.backend);
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<PreparedRequest> PrepareRequest(const RequestFlags& flags, AttentionClient& client) {
+  PreparedRequest prepared;
+  absl::Status status =
+      flags.weights_file.empty() ? UseLayer(flags, client, &prepared) : UseWeightsFile(flags, &prepared);
+  if (status.ok()) status = FillInputs(flags, &prepared);
+  if (!status.ok()) return status;
   return prepared;
 }
 

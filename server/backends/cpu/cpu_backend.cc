@@ -282,6 +282,136 @@ void RotatePaged(const PagedArgs& a, const cpu::PagedRows& rows, const cpu::Page
   }
 }
 
+// How a layer call (MultiHeadAttention) runs: bf16 projections straight from the wire's bytes (`bf16`), writing
+// Q, K and V in bf16 for a bf16 attention core (`bf16_qkv`); the bf16 set's fast conversion, where there is one;
+// the stop signal it checks.
+struct LayerPath {
+  bool bf16 = false;
+  bool bf16_qkv = false;
+  void (*to_bf16)(int64_t n, const float* src, uint16_t* dst) = nullptr;
+  const StopSignal* stop = nullptr;
+};
+
+// Q, K and V of a layer call, projected into the scratch's projections (one product for Q|K|V where the call is
+// self-attention on a fused layer, each then read through the fused row stride), as the attention core reads them.
+absl::Status ProjectQkv(const MhaArgs& a, const LayerPath& path, CallScratch& scratch, cpu::Packed* q,
+                        cpu::Packed* k, cpu::Packed* v) {
+  const AttentionShape& s = a.shape;
+  const LayerWeights& w = a.weights;
+  const int64_t q_width = s.heads.q_width(), kv_width = s.heads.kv_width();
+  const int64_t q_rows = s.batch * s.q_len, kv_rows = s.batch * s.kv_len;
+  const bool bf16 = path.bf16;
+  const FloatInput query_in(bf16 ? ConstTensor{} : a.query, q_rows * s.d_model, &scratch.inputs[0]);
+  const FloatInput key_in(bf16 || a.kv_source == KvSource::kQuery ? ConstTensor{} : a.key, kv_rows * s.d_kv_in,
+                          &scratch.inputs[1]);
+  const FloatInput value_in(!bf16 && a.kv_source == KvSource::kKeyValue ? a.value : ConstTensor{},
+                            kv_rows * s.d_v_in, &scratch.inputs[2]);
+  const float* query = query_in.data();
+  const float* key_data = a.kv_source == KvSource::kQuery ? query : key_in.data();
+  const float* value_data = a.kv_source == KvSource::kKeyValue ? value_in.data() : key_data;
+  const void* key_bytes = a.kv_source == KvSource::kQuery ? a.query.data : a.key.data;
+  const void* value_bytes = a.kv_source == KvSource::kKeyValue ? a.value.data : key_bytes;
+  // y = x W + b on the path this call takes; x is fp32 (sgemm) or the wire's bf16 bytes, y is fp32, or bf16 with
+  // bf16_qkv. Offsets and strides are in elements.
+  const bool fused = a.kv_source == KvSource::kQuery && w.fused_qkv;
+  const int64_t qkv_count = fused ? q_rows * (q_width + 2 * kv_width) : q_rows * q_width + 2 * kv_rows * kv_width;
+  float* projected = path.bf16_qkv ? nullptr : cpu::Grown(scratch.projected, qkv_count);
+  uint16_t* projected16 = path.bf16_qkv ? cpu::Grown(scratch.projected16, qkv_count) : nullptr;
+  const auto project = [&](const float* x, const void* x16, int64_t rows, int64_t in, const float* wm, int64_t ld,
+                           const float* b, int64_t n, int64_t y_offset, int64_t ldy) {
+    if (path.bf16_qkv) {
+      return cpu::MatmulBf16(x16, rows, in, in, {wm, ld, w.resident_id}, b, n, projected16 + y_offset,
+                             cpu::MatmulOut::kBF16, ldy, path.stop);
+    }
+    if (bf16) {
+      return cpu::MatmulBf16(x16, rows, in, in, {wm, ld, w.resident_id}, b, n, projected + y_offset,
+                             cpu::MatmulOut::kF32, ldy, path.stop);
+    }
+    return Linear(x, rows, in, in, wm, ld, b, n, projected + y_offset, ldy, path.stop);
+  };
+  // Q, K or V at `offset` elements of the projections, `stride` elements per row.
+  const auto packed = [&](int64_t offset, int64_t stride) {
+    return path.bf16_qkv ? cpu::Packed{nullptr, stride, projected16 + offset}
+                         : cpu::Packed{projected + offset, stride};
+  };
+  if (fused) {
+    const int64_t width = q_width + 2 * kv_width;
+    RETURN_IF_ERROR(project(query, a.query.data, q_rows, s.d_model, w.w_q, w.ld_q, w.b_q, width, 0, width));
+    *q = packed(0, width);
+    *k = packed(q_width, width);
+    *v = packed(q_width + kv_width, width);
+    return absl::OkStatus();
+  }
+  const int64_t k_offset = q_rows * q_width, v_offset = k_offset + kv_rows * kv_width;
+  RETURN_IF_ERROR(project(query, a.query.data, q_rows, s.d_model, w.w_q, w.ld_q, w.b_q, q_width, 0, q_width));
+  RETURN_IF_ERROR(
+      project(key_data, key_bytes, kv_rows, s.d_kv_in, w.w_k, w.ld_k, w.b_k, kv_width, k_offset, kv_width));
+  RETURN_IF_ERROR(
+      project(value_data, value_bytes, kv_rows, s.d_v_in, w.w_v, w.ld_v, w.b_v, kv_width, v_offset, kv_width));
+  *q = packed(0, q_width);
+  *k = packed(k_offset, kv_width);
+  *v = packed(v_offset, kv_width);
+  return absl::OkStatus();
+}
+
+// A layer call's concatenated heads [B Tq, H d_k]: in fp32 (`fp32`), and in bf16 (`bf16`) for the bf16 output
+// product; `bf16_only` when the attention core wrote them in bf16 alone.
+struct HeadsOut {
+  float* fp32 = nullptr;
+  uint16_t* bf16 = nullptr;
+  bool bf16_only = false;
+};
+
+// The head mask applied to the fp32 heads, then the output projection: sgemm in fp32, or for the bf16 path the
+// heads in bf16 (unless the core wrote them so) and oneDNN's bf16 matmul writing a bf16 output in place, or fp32
+// (converted after for fp16).
+absl::Status ProjectOutput(const MhaArgs& a, const LayerPath& path, const HeadsOut& heads, CallScratch& scratch) {
+  const AttentionShape& s = a.shape;
+  const HeadSpec& h = s.heads;
+  const LayerWeights& w = a.weights;
+  const int64_t q_rows = s.batch * s.q_len, q_width = h.q_width();
+  if (!a.head_mask.empty()) {
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < q_rows; ++r) {
+      for (int64_t head = 0; head < h.num_heads; ++head) {
+        float* row = heads.fp32 + r * q_width + head * h.head_dim;
+        for (int64_t c = 0; c < h.head_dim; ++c) row[c] *= a.head_mask[head];
+      }
+    }
+  }
+  if (!path.bf16) {
+    FloatOutput out(a.out, q_rows * s.d_model, &scratch.output);
+    RETURN_IF_ERROR(Linear(heads.fp32, q_rows, q_width, q_width, w.w_o, s.d_model, w.b_o, s.d_model, out.data(),
+                           s.d_model, path.stop));
+    out.Finish();
+    return absl::OkStatus();
+  }
+  // On the call's threads, with AVX512-BF16's conversion where the CPU has it (one thread converting stood out in
+  // a large bf16 call's profile).
+  constexpr int64_t kChunkRows = 64;
+  if (!heads.bf16_only) {
+#pragma omp parallel for schedule(static)
+    for (int64_t r0 = 0; r0 < q_rows; r0 += kChunkRows) {
+      const int64_t n = std::min(kChunkRows, q_rows - r0) * q_width;
+      if (path.to_bf16 != nullptr) {
+        path.to_bf16(n, heads.fp32 + r0 * q_width, heads.bf16 + r0 * q_width);
+      } else {
+        EncodeFromFloat(v1::BF16, heads.fp32 + r0 * q_width, n, heads.bf16 + r0 * q_width);
+      }
+    }
+  }
+  const cpu::Bf16Weights w_o{w.w_o, s.d_model, w.resident_id};
+  if (a.out.dtype == v1::BF16) {
+    return cpu::MatmulBf16(heads.bf16, q_rows, q_width, q_width, w_o, w.b_o, s.d_model, a.out.data,
+                           cpu::MatmulOut::kBF16, s.d_model, path.stop);
+  }
+  FloatOutput out(a.out, q_rows * s.d_model, &scratch.output);
+  RETURN_IF_ERROR(cpu::MatmulBf16(heads.bf16, q_rows, q_width, q_width, w_o, w.b_o, s.d_model, out.data(),
+                                  cpu::MatmulOut::kF32, s.d_model, path.stop));
+  out.Finish();
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<CpuBackend>> CpuBackend::Create(absl::string_view tile_kernels, bool bf16) {
@@ -449,12 +579,8 @@ absl::Status CpuBackend::ScaledDotProductAttention(const SdpaArgs& a) {
 absl::Status CpuBackend::MultiHeadAttention(const MhaArgs& a) {
   const AttentionShape& s = a.shape;
   const HeadSpec& h = s.heads;
-  const LayerWeights& w = a.weights;
-  const int64_t q_width = h.q_width(), kv_width = h.kv_width();
-  const int64_t q_rows = s.batch * s.q_len, kv_rows = s.batch * s.kv_len;
   const double flops = AttentionFlops(s);
   ScopedOmpThreads threads(flops <= kSerialFlops ? 1 : omp_get_max_threads());
-  const StopSignal* stop = flops > kStopCheckFlops ? a.stop : nullptr;
   CallScratch& scratch = ThreadScratch();
   const ScratchTrim trim(scratch);
 
@@ -464,136 +590,36 @@ absl::Status CpuBackend::MultiHeadAttention(const MhaArgs& a) {
   AttentionProblem problem;
   problem.shape = s;
   problem.input_dtype = a.query.dtype;
-  const bool bf16 = ComputeDtype(problem) == v1::BF16 &&
-                    (a.kv_source == KvSource::kQuery || a.key.dtype == v1::BF16) &&
-                    (a.kv_source != KvSource::kKeyValue || a.value.dtype == v1::BF16);
-  const FloatInput query_in(bf16 ? ConstTensor{} : a.query, q_rows * s.d_model, &scratch.inputs[0]);
-  const FloatInput key_in(bf16 || a.kv_source == KvSource::kQuery ? ConstTensor{} : a.key, kv_rows * s.d_kv_in,
-                          &scratch.inputs[1]);
-  const FloatInput value_in(!bf16 && a.kv_source == KvSource::kKeyValue ? a.value : ConstTensor{},
-                            kv_rows * s.d_v_in, &scratch.inputs[2]);
-  const float* query = query_in.data();
-  const float* key = key_in.data();
-  const float* value = value_in.data();
-  const float* key_data = a.kv_source == KvSource::kQuery ? query : key;
-  const float* value_data = a.kv_source == KvSource::kKeyValue ? value : key_data;
-  const void* key_bytes = a.kv_source == KvSource::kQuery ? a.query.data : a.key.data;
-  const void* value_bytes = a.kv_source == KvSource::kKeyValue ? a.value.data : key_bytes;
+  LayerPath path;
+  path.stop = flops > kStopCheckFlops ? a.stop : nullptr;
+  path.bf16 = ComputeDtype(problem) == v1::BF16 &&
+              (a.kv_source == KvSource::kQuery || a.key.dtype == v1::BF16) &&
+              (a.kv_source != KvSource::kKeyValue || a.value.dtype == v1::BF16);
   // Where a bf16 tile set takes this head_dim, the bf16 projections write Q, K and V in bf16 and the attention core
   // reads them so: its products round them to bf16 anyway, and half the bytes go to memory and back.
-  const kernels::TileKernels& tiles = KernelsFor(h.head_dim, bf16);
-  const bool bf16_qkv = bf16 && tiles.elements_per_float == 2;
-  // y = x W + b on the path this call takes; x is fp32 (sgemm) or the wire's bf16 bytes, y is fp32, or bf16 with
-  // bf16_qkv. Offsets and strides are in elements.
-  const int64_t qkv_count = a.kv_source == KvSource::kQuery && w.fused_qkv
-                                ? q_rows * (q_width + 2 * kv_width)
-                                : q_rows * q_width + 2 * kv_rows * kv_width;
-  float* projected = bf16_qkv ? nullptr : cpu::Grown(scratch.projected, qkv_count);
-  uint16_t* projected16 = bf16_qkv ? cpu::Grown(scratch.projected16, qkv_count) : nullptr;
-  const auto project = [&](const float* x, const void* x16, int64_t rows, int64_t in, const float* wm, int64_t ld,
-                           const float* b, int64_t n, int64_t y_offset, int64_t ldy) {
-    if (bf16_qkv) {
-      return cpu::MatmulBf16(x16, rows, in, in, {wm, ld, w.resident_id}, b, n, projected16 + y_offset,
-                             cpu::MatmulOut::kBF16, ldy, stop);
-    }
-    if (bf16) {
-      return cpu::MatmulBf16(x16, rows, in, in, {wm, ld, w.resident_id}, b, n, projected + y_offset,
-                             cpu::MatmulOut::kF32, ldy, stop);
-    }
-    return Linear(x, rows, in, in, wm, ld, b, n, projected + y_offset, ldy, stop);
-  };
-  // Q, K or V at `offset` elements of the projections, `stride` elements per row.
-  const auto packed = [&](int64_t offset, int64_t stride) {
-    return bf16_qkv ? cpu::Packed{nullptr, stride, projected16 + offset} : cpu::Packed{projected + offset, stride};
-  };
+  const kernels::TileKernels& tiles = KernelsFor(h.head_dim, path.bf16);
+  path.bf16_qkv = path.bf16 && tiles.elements_per_float == 2;
+  path.to_bf16 = bf16_tiles_ != nullptr ? bf16_tiles_->to_bf16 : nullptr;
 
   cpu::Packed q, k, v;
-  if (a.kv_source == KvSource::kQuery && w.fused_qkv) {
-    // One product projects Q|K|V; each is then read in place through the row stride of the fused output.
-    const int64_t width = q_width + 2 * kv_width;
-    absl::Status status = project(query, a.query.data, q_rows, s.d_model, w.w_q, w.ld_q, w.b_q, width, 0, width);
-    if (!status.ok()) return status;
-    q = packed(0, width);
-    k = packed(q_width, width);
-    v = packed(q_width + kv_width, width);
-  } else {
-    const int64_t k_offset = q_rows * q_width, v_offset = k_offset + kv_rows * kv_width;
-    absl::Status status =
-        project(query, a.query.data, q_rows, s.d_model, w.w_q, w.ld_q, w.b_q, q_width, 0, q_width);
-    if (status.ok()) {
-      status = project(key_data, key_bytes, kv_rows, s.d_kv_in, w.w_k, w.ld_k, w.b_k, kv_width, k_offset, kv_width);
-    }
-    if (status.ok()) {
-      status =
-          project(value_data, value_bytes, kv_rows, s.d_v_in, w.w_v, w.ld_v, w.b_v, kv_width, v_offset, kv_width);
-    }
-    if (!status.ok()) return status;
-    q = packed(0, q_width);
-    k = packed(k_offset, kv_width);
-    v = packed(v_offset, kv_width);
-  }
+  RETURN_IF_ERROR(ProjectQkv(a, path, scratch, &q, &k, &v));
   RotateStateless(s, q, k);
 
   FloatOutput weights(a.attention_weights, s.batch * h.num_heads * s.q_len * s.kv_len, &scratch.weights);
   // The heads in fp32, or straight in bf16 for the bf16 output product where the core runs on a bf16 set and no
   // head mask scales them first.
-  const bool heads_bf16 = bf16_qkv && a.head_mask.empty() && a.stats.contribution == nullptr;
-  float* heads = heads_bf16 ? nullptr : cpu::Grown(scratch.heads, q_rows * q_width);
-  uint16_t* heads16 = bf16 ? cpu::Grown(scratch.heads16, q_rows * q_width) : nullptr;
+  HeadsOut heads;
+  heads.bf16_only = path.bf16_qkv && a.head_mask.empty() && a.stats.contribution == nullptr;
+  const int64_t q_rows = s.batch * s.q_len, q_width = h.q_width();
+  heads.fp32 = heads.bf16_only ? nullptr : cpu::Grown(scratch.heads, q_rows * q_width);
+  heads.bf16 = path.bf16 ? cpu::Grown(scratch.heads16, q_rows * q_width) : nullptr;
   const cpu::PackedOut heads_out =
-      heads_bf16 ? cpu::PackedOut{nullptr, q_width, heads16} : cpu::PackedOut{heads, q_width};
-  if (absl::Status status = cpu::Attend(tiles, s, a.mask, q, k, v, heads_out, weights.data(), stop, a.stats);
-      !status.ok()) {
-    return status;
-  }
+      heads.bf16_only ? cpu::PackedOut{nullptr, q_width, heads.bf16} : cpu::PackedOut{heads.fp32, q_width};
+  RETURN_IF_ERROR(cpu::Attend(tiles, s, a.mask, q, k, v, heads_out, weights.data(), path.stop, a.stats));
   weights.Finish();
 
-  if (!a.head_mask.empty()) {
-#pragma omp parallel for schedule(static)
-    for (int64_t r = 0; r < q_rows; ++r) {
-      for (int64_t head = 0; head < h.num_heads; ++head) {
-        float* row = heads + r * q_width + head * h.head_dim;
-        for (int64_t c = 0; c < h.head_dim; ++c) row[c] *= a.head_mask[head];
-      }
-    }
-  }
-  if (bf16) {
-    // The heads in bf16 (unless the core wrote them so), then the output product writes a bf16 output in place, or
-    // fp32 (converted after for fp16).
-    // On the call's threads, with AVX512-BF16's conversion where the CPU has it: one thread's scalar conversion was
-    // 6% of a large bf16 call's profile.
-    constexpr int64_t kChunkRows = 64;
-    const auto to_bf16 = bf16_tiles_ != nullptr ? bf16_tiles_->to_bf16 : nullptr;
-    if (!heads_bf16) {
-#pragma omp parallel for schedule(static)
-      for (int64_t r0 = 0; r0 < q_rows; r0 += kChunkRows) {
-        const int64_t n = std::min(kChunkRows, q_rows - r0) * q_width;
-        if (to_bf16 != nullptr) {
-          to_bf16(n, heads + r0 * q_width, heads16 + r0 * q_width);
-        } else {
-          EncodeFromFloat(v1::BF16, heads + r0 * q_width, n, heads16 + r0 * q_width);
-        }
-      }
-    }
-    const cpu::Bf16Weights w_o{w.w_o, s.d_model, w.resident_id};
-    if (a.out.dtype == v1::BF16) {
-      RETURN_IF_ERROR(cpu::MatmulBf16(heads16, q_rows, q_width, q_width, w_o, w.b_o, s.d_model, a.out.data,
-                                      cpu::MatmulOut::kBF16, s.d_model, stop));
-      return Contributions(a, heads, stop);
-    }
-    FloatOutput out(a.out, q_rows * s.d_model, &scratch.output);
-    absl::Status status = cpu::MatmulBf16(heads16, q_rows, q_width, q_width, w_o, w.b_o, s.d_model, out.data(),
-                                          cpu::MatmulOut::kF32, s.d_model, stop);
-    if (!status.ok()) return status;
-    out.Finish();
-    return Contributions(a, heads, stop);
-  }
-  FloatOutput out(a.out, q_rows * s.d_model, &scratch.output);
-  absl::Status status = Linear(heads, q_rows, q_width, q_width, w.w_o, s.d_model, w.b_o, s.d_model, out.data(),
-                               s.d_model, stop);
-  if (!status.ok()) return status;
-  out.Finish();
-  return Contributions(a, heads, stop);
+  RETURN_IF_ERROR(ProjectOutput(a, path, heads, scratch));
+  return Contributions(a, heads.fp32, path.stop);
 }
 
 absl::Status CpuBackend::Contributions(const MhaArgs& a, const float* heads, const StopSignal* stop) {

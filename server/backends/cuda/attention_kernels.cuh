@@ -57,6 +57,54 @@ __device__ __forceinline__ const float* MaskRow(const AttentionParams& p, int64_
   return p.additive + ((p.additive_per_batch ? b * p.q_len : 0) + i) * p.kv_len;
 }
 
+// The SIMT kernel's softmax statistics of one query row, as SimtAttention describes them: this lane's shares of
+// l, A, D and K over its keys.
+struct SimtRowStats {
+  float l_lane = 0.0f, entropy_lane = 0.0f, distance_lane = 0.0f, sink_lane = 0.0f;
+
+  // Key j, of score s and weight pj = exp(s - base), after the running max moved from m to base (correction =
+  // exp(m - base)); position is the query's.
+  __device__ __forceinline__ void Add(float s, float pj, float m, float base, float correction, float position,
+                                      int64_t j, int64_t sink_tokens) {
+    // l_lane == 0: nothing seen yet (m may be -inf, m - base NaN). correction == 0: what was seen vanishes against
+    // the new max (m - base may have overflowed to -inf: lowest against largest float).
+    entropy_lane = correction == 0.0f ? 0.0f
+                                      : correction * (entropy_lane + (l_lane == 0.0f ? 0.0f : l_lane * (m - base)));
+    distance_lane *= correction;
+    sink_lane *= correction;
+    l_lane = l_lane * correction + pj;
+    if (pj != 0.0f) {  // a masked key adds nothing (and 0 * -inf would be NaN); a NaN pj makes the row NaN
+      entropy_lane = fmaf(pj, s - base, entropy_lane);
+      distance_lane = fmaf(pj, fabsf(position - static_cast<float>(j)), distance_lane);
+      if (j < sink_tokens) sink_lane += pj;
+    }
+  }
+
+  // The whole warp: adds the lanes' shares and, on lane 0, writes the row's statistics at `row` of p's lse ..
+  // sink (those asked for), from the row's max m and sum l.
+  __device__ __forceinline__ void Write(const AttentionParams& p, int64_t row, float m, float l, int lane) const {
+    const float entropy_sum = WarpSum(entropy_lane), distance_sum = WarpSum(distance_lane),
+                sink_sum = WarpSum(sink_lane);
+    if (lane != 0) return;
+    float lse = -INFINITY, entropy = 0.0f, confidence = 0.0f, distance = 0.0f, sink = 0.0f;
+    if (l != l) {  // NaN: a NaN score
+      lse = entropy = confidence = distance = sink = l;
+    } else if (l > 0.0f) {
+      const float log_sum = logf(l), inverse = 1.0f / l;
+      lse = m + log_sum;
+      entropy = fmaxf(0.0f, log_sum - entropy_sum * inverse);  // rounding can leave one key's a hair below 0
+      confidence = inverse;
+      distance = distance_sum * inverse;
+      sink = sink_sum * inverse;
+    }
+    if (p.lse != nullptr) p.lse[row] = lse;
+    if (p.entropy != nullptr) p.entropy[row] = entropy;
+    if (p.confidence != nullptr) p.confidence[row] = confidence;
+    if (p.distance != nullptr) p.distance[row] = distance;
+    if (p.sink != nullptr) p.sink[row] = sink;
+  }
+};
+
 // ---------------------------------------------------------------------------------------------------------------
 // SIMT kernel: one warp per query row. Lane l scores key j0 + l of each step of 32 keys; the output row's head_dim
 // values are spread over the lanes, kChunks per lane (head_dim <= 32 kChunks).
@@ -94,7 +142,7 @@ __global__ void __launch_bounds__(kSimtThreads) SimtAttention(AttentionParams p)
   #pragma unroll
   for (int c = 0; c < kChunks; ++c) o[c] = 0.0f;
   // kStats: this lane's shares (see above), and the query's position (bottom-right aligned).
-  float l_lane = 0.0f, entropy_lane = 0.0f, distance_lane = 0.0f, sink_lane = 0.0f;
+  SimtRowStats stats;
   const float position = static_cast<float>(i + p.kv_len - p.q_len);
   for (int64_t j0 = 0; j0 < n; j0 += 32) {
     const int64_t j = j0 + lane;
@@ -111,20 +159,7 @@ __global__ void __launch_bounds__(kSimtThreads) SimtAttention(AttentionParams p)
     const float pj = expf(s - base);  // 0 for -inf
     const float correction = expf(m - base);
     l = l * correction + WarpSum(pj);
-    if constexpr (kStats) {
-      // l_lane == 0: nothing seen yet (m may be -inf, m - base NaN). correction == 0: what was seen vanishes
-      // against the new max (m - base may have overflowed to -inf: lowest against largest float).
-      entropy_lane = correction == 0.0f ? 0.0f
-                                        : correction * (entropy_lane + (l_lane == 0.0f ? 0.0f : l_lane * (m - base)));
-      distance_lane *= correction;
-      sink_lane *= correction;
-      l_lane = l_lane * correction + pj;
-      if (pj != 0.0f) {  // a masked key adds nothing (and 0 * -inf would be NaN); a NaN pj makes the row NaN
-        entropy_lane = fmaf(pj, s - base, entropy_lane);
-        distance_lane = fmaf(pj, fabsf(position - static_cast<float>(j)), distance_lane);
-        if (j < p.sink_tokens) sink_lane += pj;
-      }
-    }
+    if constexpr (kStats) stats.Add(s, pj, m, base, correction, position, j, p.sink_tokens);
     #pragma unroll
     for (int c = 0; c < kChunks; ++c) o[c] *= correction;
     const int count = n - j0 < 32 ? static_cast<int>(n - j0) : 32;
@@ -152,29 +187,7 @@ __global__ void __launch_bounds__(kSimtThreads) SimtAttention(AttentionParams p)
     stats[0] = m;
     stats[1] = l;
   }
-  if constexpr (kStats) {
-    const float entropy_sum = WarpSum(entropy_lane), distance_sum = WarpSum(distance_lane),
-                sink_sum = WarpSum(sink_lane);
-    if (lane == 0) {
-      const int64_t row = (b * p.heads + h) * p.q_len + i;
-      float lse = -INFINITY, entropy = 0.0f, confidence = 0.0f, distance = 0.0f, sink = 0.0f;
-      if (l != l) {  // NaN: a NaN score
-        lse = entropy = confidence = distance = sink = l;
-      } else if (l > 0.0f) {
-        const float log_sum = logf(l), inverse = 1.0f / l;
-        lse = m + log_sum;
-        entropy = fmaxf(0.0f, log_sum - entropy_sum * inverse);  // rounding can leave one key's a hair below 0
-        confidence = inverse;
-        distance = distance_sum * inverse;
-        sink = sink_sum * inverse;
-      }
-      if (p.lse != nullptr) p.lse[row] = lse;
-      if (p.entropy != nullptr) p.entropy[row] = entropy;
-      if (p.confidence != nullptr) p.confidence[row] = confidence;
-      if (p.distance != nullptr) p.distance[row] = distance;
-      if (p.sink != nullptr) p.sink[row] = sink;
-    }
-  }
+  if constexpr (kStats) stats.Write(p, (b * p.heads + h) * p.q_len + i, m, l, lane);
 }
 
 // ---------------------------------------------------------------------------------------------------------------

@@ -167,6 +167,44 @@ __device__ __forceinline__ float UpdateRow(RowState<kChunks>& st, float score, i
   return w;
 }
 
+// The unit's query rows (its heads x tokens, r = token * heads + head) into q_shared, rotated at each token's
+// position; zeros past the rows and head_dim.
+template <int kRows, int kDim>
+__device__ __forceinline__ void LoadUnitQueries(const PagedParams& p, const PagedUnit& u, const PagedSequenceDesc& seq,
+                                                float (*q_shared)[kDim]) {
+  const int rows = u.heads * u.tokens;
+  const int64_t dk = p.head_dim;
+  for (int idx = threadIdx.x; idx < kRows * kDim; idx += kPagedThreads) {
+    const int r = idx / kDim, d = idx % kDim;
+    float value = 0;
+    if (r < rows && d < dk) {
+      const int64_t token = u.token0 + r / u.heads, head = u.head0 + r % u.heads;
+      value = RopedValue(p.q + (seq.row + token) * p.q_stride + head * dk, d, seq.length + token, p);
+    }
+    q_shared[r][d] = value;
+  }
+}
+
+// One row's result of a split, for the merge: this lane's part of its output, and (lane 0) its softmax state.
+template <int kChunks>
+__device__ __forceinline__ void WriteSplitRow(const PagedParams& p, const PagedUnit& u, const PagedSequenceDesc& seq,
+                                              int64_t split, int r, const RowState<kChunks>& state, int lane) {
+  const int64_t dk = p.head_dim;
+  const int64_t token = u.token0 + r / u.heads, head = u.head0 + r % u.heads;
+  const int64_t slot = ((seq.row + token) * p.heads + head) * p.splits + split;
+  for (int c = 0; c < kChunks; ++c) {
+    if (lane + 32 * c < dk) p.partial_out[slot * dk + lane + 32 * c] = state.acc[c];
+  }
+  if (lane == 0) {
+    float* s = p.partial_state + slot * kPagedStateFields;
+    s[0] = state.m;
+    s[1] = state.l;
+    s[2] = state.a;
+    s[3] = state.dist;
+    s[4] = state.sink;
+  }
+}
+
 // Split kernel: grid (units, splits), kPagedThreads threads. Warp w computes the unit's rows w, w + 4, ...; each K
 // tile and V tile of 32 keys is read from the blocks once into shared memory (fp32) for all of them.
 template <typename CacheT, int kChunks>
@@ -193,15 +231,7 @@ __global__ void __launch_bounds__(kPagedThreads, 5) PagedSplitKernel(PagedParams
   const int64_t key_base = u.kv_head * 2 * dk * bt, value_base = key_base + dk * bt;
   char* const* blocks = p.blocks + seq.block_offset;
 
-  for (int idx = threadIdx.x; idx < kRows * kDim; idx += kPagedThreads) {
-    const int r = idx / kDim, d = idx % kDim;
-    float value = 0;
-    if (r < rows && d < dk) {
-      const int64_t token = u.token0 + r / u.heads, head = u.head0 + r % u.heads;
-      value = RopedValue(p.q + (seq.row + token) * p.q_stride + head * dk, d, seq.length + token, p);
-    }
-    q_shared[r][d] = value;
-  }
+  LoadUnitQueries<kRows, kDim>(p, u, seq, q_shared);
   const int64_t begin = split * p.split_keys;
   const int64_t unit_end = PagedVisibleEnd(seq, u.token0 + u.tokens - 1);
   const int64_t end = unit_end < begin + p.split_keys ? unit_end : begin + p.split_keys;
@@ -256,20 +286,7 @@ __global__ void __launch_bounds__(kPagedThreads, 5) PagedSplitKernel(PagedParams
   #pragma unroll
   for (int rr = 0; rr < kRowsPerWarp; ++rr) {
     const int r = warp + rr * kPagedWarps;
-    if (r >= rows) continue;
-    const int64_t token = u.token0 + r / u.heads, head = u.head0 + r % u.heads;
-    const int64_t slot = ((seq.row + token) * p.heads + head) * p.splits + split;
-    for (int c = 0; c < kChunks; ++c) {
-      if (lane + 32 * c < dk) p.partial_out[slot * dk + lane + 32 * c] = state[rr].acc[c];
-    }
-    if (lane == 0) {
-      float* s = p.partial_state + slot * kPagedStateFields;
-      s[0] = state[rr].m;
-      s[1] = state[rr].l;
-      s[2] = state[rr].a;
-      s[3] = state[rr].dist;
-      s[4] = state[rr].sink;
-    }
+    if (r < rows) WriteSplitRow(p, u, seq, split, r, state[rr], lane);
   }
 }
 
