@@ -29,8 +29,7 @@ namespace {
 
 // libgomp reads its wait policy from the environment once, when it loads (before main). Its default spins each idle
 // worker for about 300000 iterations after every parallel region, which takes the cores from gRPC's threads (and
-// from other processes on the same cores) between the many short computations of small calls: measured here, the
-// tiny-call throughput of the batching benchmark was 10-25% lower with it than with 10000. Unless the operator
+// from other processes on the same cores) between the many short computations of small calls. Unless the operator
 // chose a policy, set a short spin and re-execute once with it.
 void UseShortOpenMpSpins(char** argv) {
   if (std::getenv("GOMP_SPINCOUNT") != nullptr || std::getenv("OMP_WAIT_POLICY") != nullptr) return;
@@ -45,14 +44,14 @@ void UseShortOpenMpSpins(char** argv) {
 }
 
 // glibc's allocator, left alone, gives each of gRPC's many threads an arena of its own, so that multi-megabyte
-// request and response buffers end up scattered over arenas whose free pages are never returned: under the soak
-// test (tests/soak/soak.py) the server's RSS kept growing by 10-35% per 10-20 s. Two arenas here, and the server's
-// watchdog returns free pages every few seconds (MhaServer::Watch).
+// request and response buffers end up scattered over arenas whose free pages are never returned (the soak test's
+// RSS kept growing). Two arenas here, and the server's watchdog returns free pages every few seconds
+// (MhaServer::Watch).
 void BoundAllocatorMemory() { mallopt(M_ARENA_MAX, 2); }
 
 // Every connection costs a file descriptor, and gRPC 1.51 stops accepting on a port for good after an accept fails
-// for lack of one (1,100 idle connections at a soft limit of 1024 did it): the soft limit is raised to the hard
-// one, which is the most an unprivileged process may take. Returns the limit now in force.
+// for lack of one: the soft limit is raised to the hard one, which is the most an unprivileged process may take.
+// Returns the limit now in force.
 rlim_t RaiseOpenFileLimit() {
   rlimit limit{};
   if (getrlimit(RLIMIT_NOFILE, &limit) != 0) return 0;
@@ -66,9 +65,9 @@ rlim_t RaiseOpenFileLimit() {
 
 // Ends the process once the server has drained and stopped, without the teardown of gRPC's globals: there,
 // grpc_shutdown (from ~grpc::Server) joins gRPC 1.51's executor threads, and one that is polling (epoll_wait with a
-// timeout of up to 10 s) is joined only when its wait ends. Measured here with a call in flight at SIGTERM and a
-// 1 s grace: 1 exit in 5 took 10.8 s instead of under 1 s. Nothing is left to tear down that the kernel does not
-// release: every call has finished or been cancelled, and the log is flushed first.
+// timeout of up to 10 s) is joined only when its wait ends, which would hold the exit past the grace period.
+// Nothing is left to tear down that the kernel does not release: every call has finished or been cancelled, and
+// the log is flushed first.
 // Under ASan the leak check that exit would run runs here (what is still reachable, the server included, is not
 // a leak).
 [[noreturn]] void ExitNow(int code) {

@@ -31,21 +31,16 @@ inline constexpr absl::string_view kReferenceBackend = "reference";
 inline constexpr absl::string_view kCpuBackend = "cpu";
 inline constexpr absl::string_view kCudaBackend = "cuda";
 
-// Where a tensor's bytes live. Everything arrives from the wire in host memory today; a device backend copies in.
-enum class MemorySpace { kHost };
-
 // A borrowed input tensor: row-major elements of `dtype` (FP32, FP16 or BF16), any alignment.
 struct ConstTensor {
   const void* data = nullptr;
   v1::DataType dtype = v1::FP32;
-  MemorySpace memory = MemorySpace::kHost;
 };
 
 // A borrowed output tensor the backend fills. data == nullptr means the output was not requested.
 struct MutableTensor {
   void* data = nullptr;
   v1::DataType dtype = v1::FP32;
-  MemorySpace memory = MemorySpace::kHost;
 
   bool requested() const { return data != nullptr; }
 };
@@ -230,7 +225,7 @@ class CacheArena {
   virtual ~CacheArena() = default;
   virtual char* base() const = 0;
   virtual int64_t bytes() const = 0;
-  // Where the memory lives, for the log and /v1 status: "CUDA managed memory on NVIDIA H200 (device 0)".
+  // Where the memory lives, for the server's start-up log: "CUDA managed memory on NVIDIA H200 (device 0)".
   virtual std::string describe() const = 0;
 };
 

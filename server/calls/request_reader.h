@@ -1,7 +1,7 @@
 // Reads a compute request from gRPC's bytes with one pass over each activation's data: copied from gRPC's slices
 // into the request message, and scanned for inf and NaN piece by piece while the piece is still in cache, so that
-// validation need not make a pass of its own over every tensor (a pass over 8 MB costs 1.4-1.8 ms on this
-// project's VM, a tenth of what a large request spends outside compute).
+// validation need not make a pass of its own over every tensor (a large part of what a large request spends
+// outside compute).
 #ifndef MHA_SERVER_CALLS_REQUEST_READER_H_
 #define MHA_SERVER_CALLS_REQUEST_READER_H_
 

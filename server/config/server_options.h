@@ -23,8 +23,8 @@ struct ServerOptions {
   // Largest request or response message, in MiB. Also bounds what a request can make the server allocate.
   int max_message_mb = 256;
   // Compressed requests (gzip, deflate) are refused with UNIMPLEMENTED unless this is set: gRPC inflates a message
-  // before any handler or limit of ours sees it, so 254 KiB of gzip became a 255 MiB request. When set, the inflated
-  // size is bounded by max_message_mb like any message.
+  // before any handler or limit of ours sees it, so a few hundred KiB of gzip can become a request of max_message_mb.
+  // When set, the inflated size is bounded by max_message_mb like any message.
   bool accept_compressed = false;
   // Bounds on what gRPC buffers before any handler or check of ours runs (each message is read whole first):
   // concurrent calls per connection (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS), and gRPC's memory quota in MiB, past
@@ -93,8 +93,8 @@ struct ServerOptions {
   // A prefill step that has the backend to itself (nothing queued, no other call arrived for this long) is bounded
   // in rows alone: small steps deep into a long context cost the prefill more, which only buys something when others
   // wait. 0 (the default): steps are always bounded in work too, since decoders that start (or resume) after a quiet
-  // spell otherwise wait out one long step: at 200 ms, 32 decoders' p99 beside a prefilling client was up to 6x the
-  // quiet figure in some rounds, against 1.15x always bounded. For replicas that mostly prefill.
+  // spell otherwise wait out one long step (docs/PERFORMANCE.md measures their p99 both ways). For replicas that
+  // mostly prefill.
   int prefill_quiet_ms = 0;
   // TLS on the gRPC port: PEM certificate chain and key (both or neither), and a PEM CA bundle that makes client
   // certificates required and verified (mutual TLS). Re-read on SIGHUP (MhaServer::Reload).
@@ -126,7 +126,8 @@ struct ServerOptions {
   int kv_cache_mb = 1024;
   // Where that pool lives: "host" (memory the server reserves), "cuda" (CUDA managed memory on --cuda_device, which
   // the GPU's paged kernels read in place; the start fails without a usable CUDA backend), or "auto": the memory of
-  // the first backend that lends some (CUDA where a GPU is present), else host.
+  // the default backend (what BACKEND_AUTO computes sessions on) when it lends some (CUDA where a GPU is present and
+  // --backend leaves the choice to the server), else host.
   std::string kv_cache_memory = "auto";
   int kv_block_tokens = 32;
   int max_sessions = 1024;

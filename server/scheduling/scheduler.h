@@ -6,7 +6,7 @@
 //    backend has shown) is refused at arrival with DEADLINE_EXCEEDED and the estimate; one whose memory (request,
 //    response, working memory) would take the admitted calls past max_inflight_bytes is RESOURCE_EXHAUSTED;
 //  - batching: when the compute thread takes a call, it takes along the waiting calls with the same batch key
-//    (WorkPlan::batch_key) up to max_batch_rows rows (B Tq), optionally waiting max_queue_delay for more, and
+//    (AttentionPlan::batch_key) up to max_batch_rows rows (B Tq), optionally waiting max_queue_delay for more, and
 //    computes them as one backend call (Triton's dynamic batcher): small calls fill the cores together. Extend
 //    calls of sessions that share a layer (or head configuration) and cache dtype batch the same way, so that
 //    decode steps from many clients run as one ragged paged call (continuous batching);

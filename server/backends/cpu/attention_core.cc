@@ -388,9 +388,8 @@ absl::Status Attend(const kernels::TileKernels& tiles, const AttentionShape& sha
                                                    "only for a bf16 tile set (this one: ", tiles.isa, ")"));
   }
   CorePlan plan = PlanBlocks(tiles, shape, mask, omp_get_max_threads());
-  // bf16 inputs are half the bytes, and prefetching them costs more than it saves: on Sapphire Rapids (amx set) the
-  // bf16 layer at (32,64) ran 1.12x, (8,128) 1.05x and (8,512) 1.03x faster without, the long rows level. (A bf16
-  // output comes only with bf16 inputs; the prefetch handles fp32 rows alone.)
+  // bf16 inputs are half the bytes, and prefetching them costs more than it saves (docs/PERFORMANCE.md, bf16). A
+  // bf16 output comes only with bf16 inputs; the prefetch handles fp32 rows alone.
   if (bf16 || out.bf16 != nullptr) plan.prefetch_next = false;
   std::atomic<int64_t> next_run{0};
   std::atomic<bool> stopped{false};

@@ -49,8 +49,8 @@ struct Primitive {
   dnnl::matmul matmul;
 };
 
-// The primitives of the shapes seen lately, each created once: describing a matmul costs 30-150 us (measured on
-// this project's VM), more than a small request's projection computes. Bounded: emptied when it reaches kMaxEntries
+// The primitives of the shapes seen lately, each created once: describing a matmul costs more than a small
+// request's projection computes. Bounded: emptied when it reaches kMaxEntries
 // (shapes come from requests). Thread-safe; oneDNN primitives may execute on several threads at once.
 class PrimitiveCache {
  public:

@@ -1,8 +1,7 @@
 // Projections of bf16 requests on oneDNN's bf16 matmul primitive, on CPUs that compute bf16 natively (AVX512-BF16,
 // AMX-BF16): the request's bf16 bytes are the source as sent, the layer's fp32 weights are rounded to bf16 and packed
-// in the primitive's preferred layout once per stored layer, products accumulate in fp32. Measured on this project's
-// Sapphire Rapids VM (2 threads, oneDNN 2.6.3): 840-1320 GFLOP/s on AMX against 220-280 for fp32 on the same
-// shapes (docs/PERFORMANCE.md).
+// in the primitive's preferred layout once per stored layer, products accumulate in fp32: several times the fp32
+// rate on AMX, about twice on AVX512-BF16 (docs/PERFORMANCE.md).
 //
 // Thread-safe. This module keeps the primitives of recent shapes (describing one costs more than a small projection
 // computes) and the packed weights.

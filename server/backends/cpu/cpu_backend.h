@@ -24,9 +24,8 @@ class CpuBackend final : public Backend {
  public:
   // Calls of at most this many FLOPs run single-threaded. A team of threads pays a wake-up and a barrier per
   // parallel region, and on cores shared with other work (another process, Kubernetes neighbours, gRPC's own
-  // threads) each barrier waits for the team's slowest, descheduled thread: measured next to a second busy server,
-  // tiny calls (34 MFLOP) fell to a quarter of their quiet throughput on two threads and to half on one
-  // (docs/PERFORMANCE.md), against about 20% lost when quiet.
+  // threads) each barrier waits for the team's slowest, descheduled thread, which costs small calls more than a
+  // second thread gains them.
   static constexpr double kSerialFlops = 5e7;
   // Calls of at most this many FLOPs take tens of microseconds, so the server may run them on gRPC's threads.
   static constexpr double kInlineMaxFlops = 8e6;

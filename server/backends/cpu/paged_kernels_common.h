@@ -14,7 +14,7 @@ struct Ahead {
         per_step(steps > 0 ? (bytes / 64 + steps - 1) / steps : 1) {}
   void Step() {
     // Into L2 (prefetcht1): its queue holds more misses in flight than the L1's fill buffers, which a prefetch to
-    // L1 occupies until its line arrives (the fp32 decode read at about 78% of the memory probe so, 90% into L2).
+    // L1 occupies until its line arrives.
     for (int64_t i = 0; i < per_step && next < end; ++i, next += 64) __builtin_prefetch(next, 0, 2);
   }
 };
