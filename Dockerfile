@@ -59,7 +59,11 @@ ARG CUDA_ARCHITECTURES=
 # --build-arg GIT_REVISION=$(git rev-parse --short=12 HEAD); empty: "unknown".
 ARG GIT_REVISION=
 # Only the two stripped binaries leave this step (in /out/bin): the build tree would make every cached layer large.
-RUN cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DBUILD_TESTING=OFF \
+# The compiler cache is a cache mount (BuildKit's and buildah's RUN --mount=type=cache), kept by the builder between
+# builds and out of every layer: the second variant, and a rebuild after a small change, take what is unchanged from
+# it.
+RUN --mount=type=cache,target=/root/.cache/ccache \
+    cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DBUILD_TESTING=OFF \
       -DMHA_WITH_CUDA=$([ "$VARIANT" = cuda ] && echo ON || echo OFF) \
       ${CUDA_ARCHITECTURES:+"-DCMAKE_CUDA_ARCHITECTURES=$CUDA_ARCHITECTURES"} \
       ${GIT_REVISION:+"-DMHA_GIT_REVISION=$GIT_REVISION"} \

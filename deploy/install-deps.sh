@@ -12,7 +12,7 @@
 set -euo pipefail
 
 build_packages=(
-  cmake ninja-build g++ pkg-config
+  cmake ninja-build g++ pkg-config ccache
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler grpc-proto
   libdnnl-dev ocl-icd-opencl-dev opencl-c-headers   # oneDNN 2.6.3; its CMake config looks for OpenCL
   libspdlog-dev libfmt-dev libabsl-dev nlohmann-json3-dev prometheus-cpp-dev libssl-dev
