@@ -141,8 +141,8 @@ class NestingProbe final : public SessionSequencer::Call {
 };
 
 TEST_F(SequencerTest, CallsThatReleaseAsTheyStartRunOneAfterAnotherWithoutRecursing) {
+  Log log;  // outlives the sequencer, whose destructor abandons what still waits
   SessionSequencer sequencer(1000, int64_t{1} << 40);
-  Log log;
   int active = 0;  // the starter thread's alone until AwaitStarted
   std::vector<int> nesting;
   sequencer.Submit({"s"}, 1, std::make_unique<Recorder>("hold", &log));
@@ -197,8 +197,8 @@ TEST_F(SequencerTest, TooManyWaitingCallsAreRefused) {
 }
 
 TEST_F(SequencerTest, WaitingBytesAreBounded) {
-  SessionSequencer sequencer(100, 250);
   Log log;
+  SessionSequencer sequencer(100, 250);
   sequencer.Submit({"s"}, 100, std::make_unique<Recorder>("hold", &log));
   sequencer.Submit({"s"}, 200, std::make_unique<Recorder>("w1", &log));
   sequencer.Submit({"s"}, 100, std::make_unique<Recorder>("w2", &log));
@@ -218,8 +218,8 @@ TEST_F(SequencerTest, ShutdownAbandonsTheWaitingAndLaterCalls) {
 }
 
 TEST(SessionHold, ReleasesOnceWhenItGoes) {
-  SessionSequencer sequencer(4, 1000);
   Log log;
+  SessionSequencer sequencer(4, 1000);
   sequencer.Submit({"s"}, 1, std::make_unique<Recorder>("a", &log));
   {
     SessionHold hold(&sequencer, {"s"});

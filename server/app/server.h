@@ -84,9 +84,10 @@ class MhaServer {
   std::unique_ptr<BackendRegistry> backends_;
   std::unique_ptr<Scheduler> scheduler_;
   std::unique_ptr<ServerMetrics> metrics_;
+  // Before the session store: a call still waiting for its sessions when the store goes is answered through it.
+  std::unique_ptr<CallEdge> edge_;
   std::unique_ptr<SessionStore> sessions_;  // after metrics_, which it feeds; before the services, which use it
   std::unique_ptr<SharedMemoryRegistry> shared_memory_;
-  std::unique_ptr<CallEdge> edge_;
   ValidationContext validation_;
   std::unique_ptr<AttentionService> service_;
   std::unique_ptr<KServeService> kserve_;  // the second front door, on the same port
