@@ -89,7 +89,9 @@ run_tsan() {
   # tsan.supp's gRPC hand-off entries match on (with the default, a report's writing stack may be "failed to
   # restore" and escape them).
   export TSAN_OPTIONS="history_size=7:halt_on_error=1:second_deadlock_stack=1:ignore_noninstrumented_modules=1:suppressions=$supp/tsan.supp"
-  ctest --test-dir build-tsan --output-on-failure -L cpp_concurrency -E "$not_sanitizable"
+  # In parallel: with one OpenMP thread per team the tests leave a core free (half the serial time; the admission
+  # and queue timings the ASan run keeps alone hold here).
+  ctest --test-dir build-tsan --output-on-failure -j "$jobs" -L cpp_concurrency -E "$not_sanitizable"
 }
 
 case $mode in
