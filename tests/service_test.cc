@@ -121,7 +121,7 @@ TEST_F(ServiceTest, AutoBackendIsTheCpuWithoutAGpu) {
 }
 
 // Compute requests of 64 KiB and more are read in pieces, scanned for inf and NaN on the way
-// (server/request_reader.h); smaller ones by protobuf, scanned by validation. Both answer alike.
+// (server/calls/request_reader.h); smaller ones by protobuf, scanned by validation. Both answer alike.
 TEST_F(ServiceTest, LargeRequestsNameTheirFirstNonFiniteElementInEveryDtype) {
   for (v1::DataType dtype : {v1::FP32, v1::FP16, v1::BF16}) {
     v1::MultiHeadAttentionRequest request;

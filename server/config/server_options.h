@@ -93,8 +93,8 @@ struct ServerOptions {
   // A prefill step that has the backend to itself (nothing queued, no other call arrived for this long) is bounded
   // in rows alone: small steps deep into a long context cost the prefill more, which only buys something when others
   // wait. 0 (the default): steps are always bounded in work too, since decoders that start (or resume) after a quiet
-  // spell otherwise wait out one long step (docs/PERFORMANCE.md measures their p99 both ways). For replicas that
-  // mostly prefill.
+  // spell otherwise wait out one long step (docs/PERFORMANCE.md, continuous batching: their p99 beside a prefill).
+  // For replicas that mostly prefill.
   int prefill_quiet_ms = 0;
   // TLS on the gRPC port: PEM certificate chain and key (both or neither), and a PEM CA bundle that makes client
   // certificates required and verified (mutual TLS). Re-read on SIGHUP (MhaServer::Reload).

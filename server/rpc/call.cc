@@ -166,6 +166,11 @@ absl::Status Call::StillWanted(absl::string_view doing) const {
 }
 
 grpc::ServerUnaryReactor* Call::Finish(const absl::Status& status, const CallOutcome& outcome) {
+  // A second Finish (a bug) must not finish gRPC's reactor twice, which would end the process.
+  if (finished_) {
+    spdlog::error("{} rpc={}: finished twice; the second status ({}) is dropped", ids_, rpc_, status.ToString());
+    return reactor_;
+  }
   finished_ = true;
   const absl::Duration latency = absl::Now() - received_;
   edge_->metrics_->RecordCall(rpc_, status.code(), outcome.backend, absl::ToDoubleSeconds(latency),

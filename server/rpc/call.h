@@ -96,7 +96,8 @@ class Call {
   absl::Status StillWanted(absl::string_view doing) const;
 
   // Ends the call with `status`: its log line, its metrics, the status converted once, the reactor finished.
-  // Returns the reactor, for a handler that ends the call at once to return.
+  // Returns the reactor, for a handler that ends the call at once to return. Once: a second call is logged as an
+  // error and changes nothing.
   grpc::ServerUnaryReactor* Finish(const absl::Status& status, const CallOutcome& outcome = CallOutcome());
   grpc::ServerUnaryReactor* reactor() const { return reactor_; }
 

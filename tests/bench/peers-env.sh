@@ -14,7 +14,7 @@
 # (/usr/local/cuda/lib) lacks or has too old a version of (cuFile, cuSPARSELt, NVSHMEM, NCCL); `peers-python` then
 # runs Python with that folder on LD_LIBRARY_PATH. If torch does not import that way (no toolkit, another CUDA
 # version), every CUDA wheel torch asks for is installed instead, still without triton (1 GB; only
-# torch.compile on a GPU uses it). docs/PERFORMANCE.md records the sizes and times.
+# torch.compile on a GPU uses it). docs/DESIGN.md says why the environment is made so.
 set -euo pipefail
 
 venv=${MHA_PEERS_VENV:-$HOME/.cache/mhaserve/peers-venv}

@@ -1,4 +1,4 @@
-// ReadComputeRequest (server/request_reader.h, over proto/mha/v1/tensor_wire.h's decoder) against protobuf's own
+// ReadComputeRequest (server/calls/request_reader.h, over proto/mha/v1/tensor_wire.h's decoder) against protobuf's own
 // parser on arbitrary bytes. The first byte picks the message (high bit: ScaledDotProductAttentionRequest, else
 // MultiHeadAttentionRequest) and the size of the slices the rest is cut into (1 + its low six bits). Checks:
 // - whatever the reader accepts, protobuf accepts, and the messages are equal;

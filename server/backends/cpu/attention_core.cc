@@ -81,7 +81,7 @@ TileScratch& ThreadTileScratch() {
 
 // Prefetches the inputs of a thread's next work item into L2 while the current one computes, a slice per panel.
 // Their head-packed rows are a few cache lines each, thousands of floats apart, a pattern the hardware prefetchers
-// do not run ahead on (docs/PERFORMANCE.md has the measurements).
+// do not run ahead on (docs/DESIGN.md, the attention core).
 class RowPrefetch {
  public:
   // Rows of `width` floats: `rows` of them from `first`, `stride` floats apart, to be read or (`write`) written.
@@ -388,7 +388,7 @@ absl::Status Attend(const kernels::TileKernels& tiles, const AttentionShape& sha
                                                    "only for a bf16 tile set (this one: ", tiles.isa, ")"));
   }
   CorePlan plan = PlanBlocks(tiles, shape, mask, omp_get_max_threads());
-  // bf16 inputs are half the bytes, and prefetching them costs more than it saves (docs/PERFORMANCE.md, bf16). A
+  // bf16 inputs are half the bytes, and prefetching them costs more than it saves (docs/DESIGN.md, bf16 attention). A
   // bf16 output comes only with bf16 inputs; the prefetch handles fp32 rows alone.
   if (bf16 || out.bf16 != nullptr) plan.prefetch_next = false;
   std::atomic<int64_t> next_run{0};

@@ -112,7 +112,7 @@ constexpr double kStopCheckFlops = 1e8;
 constexpr double kProjectionSliceFlops = 8e9;
 
 // y[m, n] (row stride ldy) = x[m, k] (row stride ldx) w[k, n] (row stride ldw) + bias[n] (bias may be null), on
-// oneDNN's sgemm (measured faster than the matmul primitive on every projection shape we serve: docs/PERFORMANCE.md).
+// oneDNN's sgemm (faster than the matmul primitive on every projection shape we serve: docs/DESIGN.md, projections).
 // The bias is broadcast into y first and accumulated with beta = 1. `stop` (may be null) is polled between slices.
 absl::Status Linear(const float* x, int64_t m, int64_t k, int64_t ldx, const float* w, int64_t ldw, const float* bias,
                     int64_t n, float* y, int64_t ldy, const StopSignal* stop) {
