@@ -4,6 +4,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "proto/inference/grpc_service.grpc.pb.h"
 #include "server/rpc/kserve/infer_request.h"
@@ -179,6 +180,11 @@ INSTANTIATE_TEST_SUITE_P(
         Refusal{"input_twice",
                 [](ModelInferRequest* r) { AddRaw(r, "query", "FP32", {1}, Floats(1, 1)); },
                 "'query' is given twice"},
+        Refusal{"inputs_beyond_any_model",
+                [](ModelInferRequest* r) {
+                  for (int i = 0; i < 100000; ++i) r->add_inputs()->set_name(absl::StrCat("x", i));
+                },
+                "inputs: 100001 given; a model takes at most 6"},
         Refusal{"wrong_datatype", [](ModelInferRequest* r) { r->mutable_inputs(0)->set_datatype("INT32"); },
                 "query: datatype 'INT32' is not taken; send FP32, FP16, BF16"},
         Refusal{"bytes_short", [](ModelInferRequest* r) { r->mutable_raw_input_contents(0)->resize(100); },

@@ -319,7 +319,8 @@ TEST_F(TokenTest, AdminTokenLoadsAndComputes) {
 }
 
 // A session belongs to the token that created it: another compute token gets NOT_FOUND for it, as if it did not
-// exist; an admin token lists and closes it but cannot use it.
+// exist, and may open a session of the same id, its own; an admin token lists it with its owner and closes it by
+// naming the owner, but cannot use it.
 TEST_F(TokenTest, ASessionBelongsToTheTokenThatCreatedIt) {
   const auto with = [](grpc::ClientContext* context, const char* token) {
     context->AddMetadata("authorization", std::string("Bearer ") + token);
@@ -347,12 +348,22 @@ TEST_F(TokenTest, ASessionBelongsToTheTokenThatCreatedIt) {
     v1::ExtendResponse response;
     return stub->Extend(&context, extend, &response);
   };
-  const auto list = [&](const char* token) {
+  const auto listed = [&](const char* token) {
     grpc::ClientContext context;
     with(&context, token);
     v1::ListSessionsResponse response;
     EXPECT_TRUE(stub->ListSessions(&context, v1::ListSessionsRequest(), &response).ok());
-    return response.sessions_size();
+    return response;
+  };
+  const auto list = [&](const char* token) { return listed(token).sessions_size(); };
+  const auto close = [&](const char* token, const std::string& owner) {
+    grpc::ClientContext context;
+    with(&context, token);
+    v1::CloseSessionRequest close;
+    close.set_session_id("mine");
+    close.set_owner(owner);
+    v1::CloseSessionResponse response;
+    return stub->CloseSession(&context, close, &response).error_code();
   };
   EXPECT_TRUE(call_extend(kComputeToken).ok());
   const grpc::Status other = call_extend(kOtherToken);
@@ -361,28 +372,50 @@ TEST_F(TokenTest, ASessionBelongsToTheTokenThatCreatedIt) {
   EXPECT_EQ(call_extend(kAdminToken).error_code(), grpc::StatusCode::NOT_FOUND);
   EXPECT_EQ(list(kComputeToken), 1);
   EXPECT_EQ(list(kOtherToken), 0);
-  EXPECT_EQ(list(kAdminToken), 1);
-  {
-    grpc::ClientContext context;
-    with(&context, kOtherToken);
-    v1::CloseSessionRequest close;
-    close.set_session_id("mine");
-    v1::CloseSessionResponse response;
-    EXPECT_EQ(stub->CloseSession(&context, close, &response).error_code(), grpc::StatusCode::NOT_FOUND);
-  }
-  {
-    grpc::ClientContext context;
-    with(&context, kAdminToken);
-    v1::CloseSessionRequest close;
-    close.set_session_id("mine");
-    v1::CloseSessionResponse response;
-    EXPECT_TRUE(stub->CloseSession(&context, close, &response).ok());
-  }
+  const v1::ListSessionsResponse all = listed(kAdminToken);
+  ASSERT_EQ(all.sessions_size(), 1);
+  const std::string owner = all.sessions(0).owner();
+  EXPECT_EQ(owner.size(), 64u);  // hex SHA-256 of the token
+  EXPECT_EQ(listed(kComputeToken).sessions(0).owner(), "");
+  EXPECT_EQ(close(kOtherToken, ""), grpc::StatusCode::NOT_FOUND);
+  EXPECT_EQ(close(kOtherToken, owner), grpc::StatusCode::PERMISSION_DENIED);
+  EXPECT_EQ(close(kAdminToken, ""), grpc::StatusCode::NOT_FOUND);  // the admin's own scope
+  EXPECT_EQ(close(kAdminToken, owner), grpc::StatusCode::OK);
   EXPECT_EQ(list(kComputeToken), 0);
   grpc::ClientContext context;  // without a token: refused before anything is looked up
   v1::ListSessionsResponse response;
   EXPECT_EQ(stub->ListSessions(&context, v1::ListSessionsRequest(), &response).error_code(),
             grpc::StatusCode::UNAUTHENTICATED);
+}
+
+// Another token's open id is no answer: Create and Fork under it succeed, each token's session its own (an
+// ALREADY_EXISTS would let ids be probed and squatted).
+TEST_F(TokenTest, AnotherTokensIdIsFreeForEachToken) {
+  auto stub = v1::Attention::NewStub(channel_);
+  const auto create = [&](const char* token, const std::string& id) {
+    grpc::ClientContext context;
+    context.AddMetadata("authorization", std::string("Bearer ") + token);
+    v1::CreateSessionRequest create;
+    create.set_session_id(id);
+    create.mutable_heads()->set_num_heads(2);
+    create.mutable_heads()->set_head_dim(4);
+    v1::CreateSessionResponse response;
+    return stub->CreateSession(&context, create, &response).error_code();
+  };
+  const auto fork = [&](const char* token, const std::string& id, const std::string& new_id) {
+    grpc::ClientContext context;
+    context.AddMetadata("authorization", std::string("Bearer ") + token);
+    v1::ForkSessionRequest fork;
+    fork.set_session_id(id);
+    fork.set_new_session_id(new_id);
+    v1::ForkSessionResponse response;
+    return stub->ForkSession(&context, fork, &response).error_code();
+  };
+  EXPECT_EQ(create(kComputeToken, "chat"), grpc::StatusCode::OK);
+  EXPECT_EQ(create(kComputeToken, "beam"), grpc::StatusCode::OK);
+  EXPECT_EQ(create(kOtherToken, "chat"), grpc::StatusCode::OK);
+  EXPECT_EQ(fork(kOtherToken, "chat", "beam"), grpc::StatusCode::OK);
+  EXPECT_EQ(create(kOtherToken, "chat"), grpc::StatusCode::ALREADY_EXISTS);  // its own, open
 }
 
 TEST_F(TokenTest, HealthNeedsNoToken) {

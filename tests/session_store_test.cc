@@ -265,12 +265,73 @@ TEST_F(SessionStoreTest, ASessionBelongsToItsCreator) {
   EXPECT_EQ(store_.Close(id, bob).code(), absl::StatusCode::kNotFound);
   EXPECT_TRUE(store_.List(bob).empty());
   EXPECT_EQ(store_.List(alice).size(), 1u);
-  EXPECT_EQ(store_.List(admin).size(), 1u);
+  ASSERT_EQ(store_.List(admin).size(), 1u);
+  EXPECT_EQ(store_.List(admin)[0].owner(), "alice");
+  EXPECT_EQ(store_.List(alice)[0].owner(), "");  // only an admin learns owners
   EXPECT_EQ(store_.View(id, 0, admin, "session_id").status().code(), absl::StatusCode::kNotFound);
-  ASSERT_OK(store_.Close(id, admin));
-  // How it ended is the owner's (and an admin's) to know; to anyone else it is just not there.
+  EXPECT_EQ(store_.Close(id, admin).code(), absl::StatusCode::kNotFound);  // the admin's own scope
+  ASSERT_OK(store_.Close(id, admin, "alice"));
+  // How it ended is the owner's to know; to anyone else it is just not there.
   EXPECT_THAT(store_.View(id, 0, alice, "session_id").status().message(), HasSubstr("closed"));
   EXPECT_THAT(store_.View(id, 0, bob, "session_id").status().message(), HasSubstr("no session"));
+}
+
+// Ids are scoped per owner: another token's open id is no answer to Create or Fork (it could be probed and squatted
+// otherwise), and each owner's session of one id is its own.
+TEST_F(SessionStoreTest, TwoOwnersMayEachHaveASessionOfOneId) {
+  const SessionCaller alice{"alice", false}, bob{"bob", false};
+  ASSERT_EQ(Create("chat", alice), "chat");
+  ASSERT_EQ(Create("chat", bob), "chat");
+  ASSERT_OK(store_.Fork("chat", "beam", alice).status());
+  ASSERT_OK(store_.Fork("chat", "beam", bob).status());
+  const ReserveItem item{"chat", 0, 3, "alice"};
+  absl::StatusOr<ExtendReservation> r = store_.Reserve({&item, 1});
+  ASSERT_OK(r.status());
+  r->Commit();
+  EXPECT_EQ(store_.View("chat", 0, alice, "session_id")->length, 3);
+  EXPECT_EQ(store_.View("chat", 0, bob, "session_id")->length, 0);
+  ASSERT_OK(store_.Close("chat", alice));
+  EXPECT_THAT(store_.View("chat", 0, alice, "session_id").status().message(), HasSubstr("closed"));
+  EXPECT_OK(store_.View("chat", 0, bob, "session_id").status());
+  EXPECT_EQ(store_.List(alice).size(), 1u);
+  EXPECT_EQ(store_.List(bob).size(), 2u);
+}
+
+TEST_F(SessionStoreTest, OnlyAnAdminMayNameAnotherOwner) {
+  const SessionCaller alice{"alice", false}, bob{"bob", false};
+  Create("chat", alice);
+  const absl::Status denied = store_.Close("chat", bob, "alice");
+  EXPECT_EQ(denied.code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_THAT(denied.message(), HasSubstr("owner"));
+  EXPECT_OK(store_.Close("chat", alice, "alice"));  // naming oneself is allowed
+}
+
+// A call on another owner's id waits behind nothing of that owner's: its key is its own.
+TEST_F(SessionStoreTest, AnotherOwnersBusySessionHoldsNoCallOfOurs) {
+  const SessionCaller alice{"alice", false};
+  Create("chat", alice);
+  SessionHold busy = HoldSessions(store_, {SessionKey("alice", "chat")});
+  EXPECT_TRUE(store_.sequencer().InUse(SessionKey("alice", "chat")));
+  EXPECT_FALSE(store_.sequencer().InUse(SessionKey("bob", "chat")));
+  bool started = false;
+  class Flag final : public SessionSequencer::Call {
+   public:
+    explicit Flag(bool* started) : started_(started) {}
+    void Start() override { *started_ = true; }
+    void Abandon(const absl::Status&) override {}
+
+   private:
+    bool* started_;
+  };
+  store_.sequencer().Submit({SessionKey("bob", "chat")}, 0, std::make_unique<Flag>(&started));
+  EXPECT_TRUE(started);  // on this thread, at once
+  store_.sequencer().Release({SessionKey("bob", "chat")});
+}
+
+TEST(SessionKeyTest, IsTheIdWithoutAnOwnerAndScopedWithOne) {
+  EXPECT_EQ(SessionKey("", "chat"), "chat");
+  EXPECT_EQ(SessionKey("ab12", "chat"), "ab12/chat");
+  EXPECT_NE(SessionKey("ab12", "chat"), SessionKey("cd34", "chat"));
 }
 
 TEST_F(SessionStoreTest, AForkBelongsToItsSourcesOwner) {

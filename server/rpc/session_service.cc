@@ -24,6 +24,15 @@ std::string SessionDetail(const std::vector<std::string>& ids) {
                          : absl::StrCat("session=", ids[0], " and ", ids.size() - 1, " more");
 }
 
+// The sequencer's keys of `ids` in `owner`'s scope (SessionKey): calls wait only behind calls on their own
+// principal's sessions.
+std::vector<std::string> Keys(absl::string_view owner, const std::vector<std::string>& ids) {
+  std::vector<std::string> keys;
+  keys.reserve(ids.size());
+  for (const std::string& id : ids) keys.push_back(SessionKey(owner, id));
+  return keys;
+}
+
 // Ends a call that never held its sessions (refused at arrival, abandoned while waiting).
 void FinishUnheld(Call& call, const std::vector<std::string>& ids, const absl::Status& status) {
   const std::string detail = SessionDetail(ids);
@@ -36,18 +45,19 @@ void FinishUnheld(Call& call, const std::vector<std::string>& ids, const absl::S
 template <typename Request, typename Response, typename Handle>
 class SequencedCall final : public SessionSequencer::Call {
  public:
-  SequencedCall(::mha::Call call, Request request, std::vector<std::string> ids, SessionStore* sessions,
-                Handle handle)
-      : call_(std::move(call)), request_(std::move(request)), ids_(std::move(ids)), sessions_(sessions),
-        handle_(std::move(handle)) {}
+  // `keys`: the sequencer's keys of `ids`.
+  SequencedCall(::mha::Call call, Request request, std::vector<std::string> ids, std::vector<std::string> keys,
+                SessionStore* sessions, Handle handle)
+      : call_(std::move(call)), request_(std::move(request)), ids_(std::move(ids)), keys_(std::move(keys)),
+        sessions_(sessions), handle_(std::move(handle)) {}
 
   void Start() override {
-    SessionHold hold(&sessions_->sequencer(), ids_);
+    SessionHold hold(&sessions_->sequencer(), keys_);
     Response response;
     absl::Status status = call_.StillWanted(kWaited);
     if (status.ok()) status = handle_(request_, call_.caller(), &response);
     if (status.ok()) status = Serialize(response, call_.response());
-    sessions_->Touch(ids_);
+    sessions_->Touch(keys_);
     hold.Release();
     FinishUnheld(call_, ids_, status);
   }
@@ -57,25 +67,33 @@ class SequencedCall final : public SessionSequencer::Call {
   ::mha::Call call_;
   const Request request_;
   const std::vector<std::string> ids_;
+  const std::vector<std::string> keys_;
   SessionStore* const sessions_;
   Handle handle_;
 };
 
 // Admits `call`, asks `ids` for the session ids the request names (their errors answer at once), then waits at the
-// sequencer; at its turn the call answers with what `handle` returns.
+// sequencer, behind the calls on those ids of the caller's own scope (of `owner` when not empty: an admin's
+// Close); at its turn the call answers with what `handle` returns.
 template <typename Request, typename Response, typename Ids, typename Handle>
-grpc::ServerUnaryReactor* Sequenced(Call call, SessionStore* sessions, Ids ids, Handle handle) {
+grpc::ServerUnaryReactor* Sequenced(Call call, SessionStore* sessions, Ids ids, Handle handle,
+                                    const std::string& (*owner)(const Request&) = nullptr) {
   grpc::ServerUnaryReactor* reactor = call.reactor();
   Request request;
   const absl::Status status = call.Admit(Role::kCompute, &request);
   absl::StatusOr<std::vector<std::string>> names = status.ok() ? ids(request) : status;
   if (!names.ok()) return call.Finish(names.status());
   const int64_t bytes = call.request_bytes();
-  std::vector<std::string> held = *names;
+  const std::string& scope = owner != nullptr && !owner(request).empty() ? owner(request) : call.caller().owner;
+  if (scope != call.caller().owner && !call.caller().admin) {  // before it waits behind another's calls
+    return call.Finish(absl::PermissionDeniedError("owner: only an admin token may name another token's session"));
+  }
+  std::vector<std::string> keys = Keys(scope, *names);
+  std::vector<std::string> held = keys;
   sessions->sequencer().Submit(std::move(held), bytes,
                                std::make_unique<SequencedCall<Request, Response, Handle>>(
-                                   std::move(call), std::move(request), *std::move(names), sessions,
-                                   std::move(handle)));
+                                   std::move(call), std::move(request), *std::move(names), std::move(keys),
+                                   sessions, std::move(handle)));
   return reactor;
 }
 
@@ -184,13 +202,15 @@ class ExtendWork final : public WorkItem {
 // scheduler.
 class ExtendCall final : public SessionSequencer::Call {
  public:
+  // `keys`: the sequencer's keys of `ids`.
   ExtendCall(::mha::Call call, std::unique_ptr<v1::ExtendRequest> request, std::vector<std::string> ids,
-             const ServiceParts& parts)
-      : call_(std::move(call)), request_(std::move(request)), ids_(std::move(ids)), parts_(parts) {}
+             std::vector<std::string> keys, const ServiceParts& parts)
+      : call_(std::move(call)), request_(std::move(request)), ids_(std::move(ids)), keys_(std::move(keys)),
+        parts_(parts) {}
 
   void Start() override {
     SessionStore& sessions = *parts_.sessions;
-    SessionHold hold(&sessions.sequencer(), ids_);
+    SessionHold hold(&sessions.sequencer(), keys_);
     const absl::Status wanted = call_.StillWanted(kWaited);
     absl::StatusOr<ExtendPlan> plan =
         wanted.ok() ? ValidateExtendHeld(*request_, sessions, call_.caller(), *parts_.validation)
@@ -198,7 +218,7 @@ class ExtendCall final : public SessionSequencer::Call {
     absl::StatusOr<ExtendReservation> reservation =
         plan.ok() ? sessions.Reserve(plan->reserve) : absl::StatusOr<ExtendReservation>(plan.status());
     if (!reservation.ok()) {
-      sessions.Touch(ids_);
+      sessions.Touch(keys_);
       hold.Release();
       Abandon(reservation.status());
       return;
@@ -212,6 +232,7 @@ class ExtendCall final : public SessionSequencer::Call {
   ::mha::Call call_;
   std::unique_ptr<v1::ExtendRequest> request_;
   const std::vector<std::string> ids_;
+  const std::vector<std::string> keys_;
   const ServiceParts& parts_;
 };
 
@@ -225,10 +246,11 @@ grpc::ServerUnaryReactor* SessionService::Extend(Call call) {
       status.ok() ? ValidateExtendRequest(*request) : absl::StatusOr<std::vector<std::string>>(status);
   if (!ids.ok()) return call.Finish(ids.status());
   const int64_t bytes = call.request_bytes();
-  std::vector<std::string> held = *ids;
+  std::vector<std::string> keys = Keys(call.caller().owner, *ids);
+  std::vector<std::string> held = keys;
   parts_.sessions->sequencer().Submit(
       std::move(held), bytes,
-      std::make_unique<ExtendCall>(std::move(call), std::move(request), *std::move(ids), parts_));
+      std::make_unique<ExtendCall>(std::move(call), std::move(request), *std::move(ids), std::move(keys), parts_));
   return reactor;
 }
 
@@ -287,8 +309,9 @@ grpc::ServerUnaryReactor* SessionService::CloseSession(Call call) {
       std::move(call), parts_.sessions,
       [](const v1::CloseSessionRequest& request) { return OneId(request.session_id(), "session_id"); },
       [this](const v1::CloseSessionRequest& request, const SessionCaller& caller, v1::CloseSessionResponse*) {
-        return parts_.sessions->Close(request.session_id(), caller);
-      });
+        return parts_.sessions->Close(request.session_id(), caller, request.owner());
+      },
+      +[](const v1::CloseSessionRequest& request) -> const std::string& { return request.owner(); });
 }
 
 grpc::ServerUnaryReactor* SessionService::ListSessions(Call call) {

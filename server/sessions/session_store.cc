@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <tuple>
 #include <utility>
 
 #include "absl/strings/escaping.h"
@@ -34,6 +35,10 @@ std::string RandomId() {
 std::string Seconds(absl::Duration d) { return absl::StrCat(absl::ToInt64Seconds(d), " s"); }
 
 }  // namespace
+
+std::string SessionKey(absl::string_view owner, absl::string_view id) {
+  return owner.empty() ? std::string(id) : absl::StrCat(owner, "/", id);
+}
 
 ExtendReservation::ExtendReservation(ExtendReservation&& other) noexcept
     : store_(other.store_), items_(std::move(other.items_)) {
@@ -70,14 +75,13 @@ SessionStore::SessionStore(const SessionStoreOptions& options, ServerMetrics* me
   Publish();
 }
 
-absl::StatusOr<SessionStore::Session*> SessionStore::Find(const std::string& id, const SessionCaller& caller,
-                                                          absl::string_view field, bool admin_may) const {
-  const auto it = sessions_.find(id);
-  if (it != sessions_.end() && (it->second.owner == caller.owner || (admin_may && caller.admin))) {
-    return const_cast<Session*>(&it->second);
-  }
-  const auto end = ended_.find(id);
-  if (it == sessions_.end() && end != ended_.end() && (end->second.owner == caller.owner || caller.admin)) {
+absl::StatusOr<SessionStore::Session*> SessionStore::Find(const std::string& owner, const std::string& id,
+                                                          absl::string_view field) const {
+  const std::string key = SessionKey(owner, id);
+  const auto it = sessions_.find(key);
+  if (it != sessions_.end()) return const_cast<Session*>(&it->second);
+  const auto end = ended_.find(key);
+  if (end != ended_.end()) {
     const absl::Duration ago = absl::Now() - end->second.when;
     switch (end->second.reason) {
       case EndReason::kClosed:
@@ -97,23 +101,25 @@ absl::StatusOr<SessionStore::Session*> SessionStore::Find(const std::string& id,
                                           "ended long ago, or the server restarted)"));
 }
 
-absl::StatusOr<std::string> SessionStore::NewId(const std::string& wanted, absl::string_view field) const {
+absl::StatusOr<std::string> SessionStore::NewId(const std::string& owner, const std::string& wanted,
+                                                absl::string_view field) const {
   if (wanted.empty()) {
     for (;;) {
       std::string id = RandomId();
-      if (sessions_.count(id) == 0) return id;
+      if (sessions_.count(SessionKey(owner, id)) == 0) return id;
     }
   }
   RETURN_IF_ERROR(CheckName(wanted, field));
-  if (sessions_.count(wanted) != 0) {
+  if (sessions_.count(SessionKey(owner, wanted)) != 0) {
     return absl::AlreadyExistsError(absl::StrCat(field, ": session '", wanted, "' is open already"));
   }
   return wanted;
 }
 
-v1::SessionInfo SessionStore::Info(const Session& s) const {
+v1::SessionInfo SessionStore::Info(const Session& s, bool with_owner) const {
   v1::SessionInfo info;
   info.set_session_id(s.id);
+  if (with_owner) info.set_owner(s.owner);
   int64_t bytes = 0, shared = 0;
   for (const Cache& cache : s.caches) {
     info.add_lengths(cache.length);
@@ -158,18 +164,20 @@ absl::StatusOr<v1::SessionInfo> SessionStore::Create(const SessionConfig& given,
     }
   }
   absl::MutexLock lock(&mu_);
-  ASSIGN_OR_RETURN(std::string session_id, NewId(id, "session_id"));
+  ASSIGN_OR_RETURN(std::string session_id, NewId(caller.owner, id, "session_id"));
   if (static_cast<int>(sessions_.size()) >= options_.max_sessions) {
     return absl::ResourceExhaustedError(absl::StrCat(sessions_.size(), " sessions are open, the server's limit "
                                                      "(--max_sessions); close one, or let idle ones expire"));
   }
-  Session& s = sessions_[session_id];
+  const std::string key = SessionKey(caller.owner, session_id);
+  Session& s = sessions_[key];
+  s.key = key;
   s.id = session_id;
   s.owner = caller.owner;
   s.config = std::move(config);
   s.caches = std::move(caches);
   s.last_used = absl::Now();
-  ended_.erase(session_id);  // a new session of that id: the old one's end no longer explains anything
+  ended_.erase(key);  // a new session of that id: the old one's end no longer explains anything
   Publish();
   return Info(s);
 }
@@ -177,8 +185,8 @@ absl::StatusOr<v1::SessionInfo> SessionStore::Create(const SessionConfig& given,
 absl::StatusOr<v1::SessionInfo> SessionStore::Fork(const std::string& id, const std::string& new_id,
                                                    const SessionCaller& caller) {
   absl::MutexLock lock(&mu_);
-  ASSIGN_OR_RETURN(Session* source, Find(id, caller, "session_id"));
-  ASSIGN_OR_RETURN(std::string fork_id, NewId(new_id, "new_session_id"));
+  ASSIGN_OR_RETURN(Session* source, Find(caller.owner, id, "session_id"));
+  ASSIGN_OR_RETURN(std::string fork_id, NewId(caller.owner, new_id, "new_session_id"));
   if (static_cast<int>(sessions_.size()) >= options_.max_sessions) {
     return absl::ResourceExhaustedError(absl::StrCat(sessions_.size(), " sessions are open, the server's limit "
                                                      "(--max_sessions); close one, or let idle ones expire"));
@@ -186,11 +194,13 @@ absl::StatusOr<v1::SessionInfo> SessionStore::Fork(const std::string& id, const 
   source->last_used = absl::Now();
   Session copy = *source;  // before the insertion below, which may move nothing but is clearer so
   copy.id = fork_id;
+  copy.key = SessionKey(copy.owner, fork_id);
   for (Cache& cache : copy.caches) {
     for (char* block : cache.blocks) pool_.Ref(block);
   }
-  ended_.erase(fork_id);
-  Session& fork = sessions_[fork_id] = std::move(copy);
+  ended_.erase(copy.key);
+  const std::string key = copy.key;
+  Session& fork = sessions_[key] = std::move(copy);
   Publish();
   return Info(fork);
 }
@@ -199,7 +209,7 @@ absl::StatusOr<v1::SessionInfo> SessionStore::Truncate(const std::string& id, in
                                                        const SessionCaller& caller) {
   if (length < 0) return absl::InvalidArgumentError(absl::StrCat("length must be >= 0, got ", length));
   absl::MutexLock lock(&mu_);
-  ASSIGN_OR_RETURN(Session* s, Find(id, caller, "session_id"));
+  ASSIGN_OR_RETURN(Session* s, Find(caller.owner, id, "session_id"));
   for (Cache& cache : s->caches) {
     if (length >= cache.length) continue;
     cache.length = length;
@@ -212,10 +222,13 @@ absl::StatusOr<v1::SessionInfo> SessionStore::Truncate(const std::string& id, in
   return Info(*s);
 }
 
-absl::Status SessionStore::Close(const std::string& id, const SessionCaller& caller) {
+absl::Status SessionStore::Close(const std::string& id, const SessionCaller& caller, const std::string& owner) {
+  if (!owner.empty() && owner != caller.owner && !caller.admin) {
+    return absl::PermissionDeniedError("owner: only an admin token may name another token's session");
+  }
   absl::MutexLock lock(&mu_);
-  ASSIGN_OR_RETURN(Session* s, Find(id, caller, "session_id", /*admin_may=*/true));
-  EndSession(sessions_.find(s->id), EndReason::kClosed);
+  ASSIGN_OR_RETURN(Session* s, Find(owner.empty() ? caller.owner : owner, id, "session_id"));
+  EndSession(sessions_.find(s->key), EndReason::kClosed);
   Publish();
   return absl::OkStatus();
 }
@@ -223,16 +236,20 @@ absl::Status SessionStore::Close(const std::string& id, const SessionCaller& cal
 std::vector<v1::SessionInfo> SessionStore::List(const SessionCaller& caller) const {
   absl::MutexLock lock(&mu_);
   std::vector<v1::SessionInfo> list;
-  for (const auto& [id, s] : sessions_) {
-    if (caller.admin || s.owner == caller.owner) list.push_back(Info(s));
+  for (const auto& [key, s] : sessions_) {
+    if (caller.admin || s.owner == caller.owner) list.push_back(Info(s, /*with_owner=*/caller.admin));
   }
+  // By key is by owner, then id: an admin's list is ordered by id (then owner) as everyone's.
+  std::sort(list.begin(), list.end(), [](const v1::SessionInfo& a, const v1::SessionInfo& b) {
+    return std::tie(a.session_id(), a.owner()) < std::tie(b.session_id(), b.owner());
+  });
   return list;
 }
 
 absl::StatusOr<CacheView> SessionStore::View(const std::string& id, int64_t cache, const SessionCaller& caller,
                                              absl::string_view field) const {
   absl::MutexLock lock(&mu_);
-  ASSIGN_OR_RETURN(const Session* s, Find(id, caller, field));
+  ASSIGN_OR_RETURN(const Session* s, Find(caller.owner, id, field));
   const int64_t caches = static_cast<int64_t>(s->caches.size());
   if (cache < 0 || cache >= caches) {
     return absl::InvalidArgumentError(absl::StrCat("layer_index must be in [0, ", caches, ") for session '", id,
@@ -263,11 +280,11 @@ absl::StatusOr<ExtendReservation> SessionStore::Reserve(absl::Span<const Reserve
   reservation.store_ = this;
   int64_t needed = 0;  // blocks still wanted when the pool ran out
   for (const ReserveItem& want : items) {
-    const auto found = sessions_.find(want.id);
+    const auto found = sessions_.find(SessionKey(want.owner, want.id));
     if (found == sessions_.end()) return absl::InternalError("a held session vanished");
     const Cache& cache = found->second.caches[want.cache];
     const int64_t tb = cache.layout.block_tokens, bytes = cache.layout.BlockBytes();
-    ExtendReservation::Item item{want.id, want.cache, cache.length, want.new_tokens, cache.blocks, {}, nullptr};
+    ExtendReservation::Item item{found->first, want.cache, cache.length, want.new_tokens, cache.blocks, {}, nullptr};
     // The new tokens' first slots lie in the last block when it is partly filled: a shared one is copied first.
     if (want.new_tokens > 0 && cache.length % tb != 0 && pool_.RefCount(cache.blocks.back()) > 1) {
       char* copy = AllocateEvicting(bytes);
@@ -295,7 +312,7 @@ absl::StatusOr<ExtendReservation> SessionStore::Reserve(absl::Span<const Reserve
   }
   if (needed == 0) return reservation;
   int in_use = 0;
-  for (const auto& [id, s] : sessions_) in_use += sequencer_.InUse(id) ? 1 : 0;
+  for (const auto& [key, s] : sessions_) in_use += sequencer_.InUse(key) ? 1 : 0;
   const std::string message = absl::StrCat(
       "the KV cache is full: ", pool_.used_bytes(), " of ", pool_capacity_, " bytes (--kv_cache_mb) in blocks of ",
       sessions_.size(), " sessions, all ", in_use, " left in use by calls; this call needs at least ", needed,
@@ -312,7 +329,7 @@ void SessionStore::Commit(ExtendReservation* reservation) {
   absl::MutexLock lock(&mu_);
   int64_t tokens = 0;
   for (ExtendReservation::Item& item : reservation->items_) {
-    Session& s = sessions_.at(item.id);  // held by the call: still there
+    Session& s = sessions_.at(item.key);  // held by the call: still there
     Cache& cache = s.caches[item.cache];
     cache.blocks = std::move(item.blocks);
     cache.length = item.length + item.new_tokens;
@@ -343,8 +360,8 @@ void SessionStore::EndSession(std::map<std::string, Session>::iterator it, EndRe
     ended_.erase(end_order_.front());
     end_order_.pop_front();
   }
-  if (ended_.count(s.id) == 0) end_order_.push_back(s.id);
-  ended_[s.id] = {reason, s.owner, absl::Now(), s.config.idle_timeout};
+  if (ended_.count(s.key) == 0) end_order_.push_back(s.key);
+  ended_[s.key] = {reason, absl::Now(), s.config.idle_timeout};
   if (reason != EndReason::kClosed && metrics_ != nullptr) {
     metrics_->RecordEviction(reason == EndReason::kExpired ? "idle_timeout" : "cache_full");
   }
@@ -383,11 +400,11 @@ int SessionStore::ExpireIdle(absl::Time now) {
   return expired;
 }
 
-void SessionStore::Touch(absl::Span<const std::string> ids) {
+void SessionStore::Touch(absl::Span<const std::string> keys) {
   absl::MutexLock lock(&mu_);
   const absl::Time now = absl::Now();
-  for (const std::string& id : ids) {
-    if (auto it = sessions_.find(id); it != sessions_.end()) it->second.last_used = now;
+  for (const std::string& key : keys) {
+    if (auto it = sessions_.find(key); it != sessions_.end()) it->second.last_used = now;
   }
 }
 
@@ -395,9 +412,9 @@ SessionStore::Activity SessionStore::activity() const {
   absl::MutexLock lock(&mu_);
   Activity a;
   a.open = static_cast<int>(sessions_.size());
-  for (const auto& [id, s] : sessions_) {
+  for (const auto& [key, s] : sessions_) {
     a.last_used = std::max(a.last_used, s.last_used);
-    a.in_use += sequencer_.InUse(id) ? 1 : 0;
+    a.in_use += sequencer_.InUse(key) ? 1 : 0;
   }
   a.cache_bytes = pool_.used_bytes();
   return a;

@@ -13,6 +13,10 @@
 // writes the new tokens' keys and values beyond each cache's length, and only Commit moves the lengths. An aborted
 // reservation frees what it took, so a failed call changes no session.
 //
+// Session ids are scoped per principal: two tokens may each have a session "chat", and nothing one token sends
+// (Create, Fork, any call naming an id) answers, waits or takes time differently for the other's ids than for ids
+// that exist nowhere. The store and the sequencer know a session by its key, SessionKey(owner, id).
+//
 // Thread-safe. Session ids in messages are ones that passed CheckName, safe to echo and log.
 #ifndef MHA_SERVER_SESSIONS_SESSION_STORE_H_
 #define MHA_SERVER_SESSIONS_SESSION_STORE_H_
@@ -26,6 +30,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
@@ -47,6 +52,10 @@ struct SessionStoreOptions {
   int max_waiting = 64;                      // session calls waiting for their sessions at most (--max_queue_size)
   int64_t max_waiting_bytes = int64_t{1} << 30;  // their requests' bytes (--max_queued_mb)
 };
+
+// The key of session `id` in the scope of `owner`: the id itself for the empty owner (no tokens), else
+// "owner/id" (ids never hold a '/').
+std::string SessionKey(absl::string_view owner, absl::string_view id);
 
 // Who calls: the identity of the caller's token (empty without tokens, when every caller is the same one) and
 // whether its role is admin, which may list and close every session.
@@ -87,11 +96,13 @@ struct CacheView {
   int64_t num_caches = 0;
 };
 
-// What one Extend item reserves: `new_tokens` slots after the cache's length in cache `cache` of session `id`.
+// What one Extend item reserves: `new_tokens` slots after the cache's length in cache `cache` of session `id` of
+// `owner`.
 struct ReserveItem {
   std::string id;
   int64_t cache = 0;
   int64_t new_tokens = 0;
+  std::string owner;
 };
 
 class SessionStore;
@@ -100,7 +111,7 @@ class SessionStore;
 class ExtendReservation {
  public:
   struct Item {
-    std::string id;
+    std::string key;  // SessionKey of the session
     int64_t cache = 0;
     int64_t length = 0;  // before the call
     int64_t new_tokens = 0;
@@ -139,7 +150,7 @@ class SessionStore {
   // Orders the calls on each session (every session RPC goes through it).
   SessionSequencer& sequencer() { return sequencer_; }
 
-  // A new session `id` (empty: an unguessable one) owned by caller.owner. ALREADY_EXISTS if open,
+  // A new session `id` (empty: an unguessable one) owned by caller.owner. ALREADY_EXISTS if the caller has it open,
   // RESOURCE_EXHAUSTED at max_sessions, INVALID_ARGUMENT naming `field`.max_tokens past the limit or for a cache
   // whose block would not fit a pool chunk.
   absl::StatusOr<v1::SessionInfo> Create(const SessionConfig& config, const std::string& id,
@@ -148,8 +159,10 @@ class SessionStore {
   absl::StatusOr<v1::SessionInfo> Fork(const std::string& id, const std::string& new_id, const SessionCaller& caller);
   // Every cache of `id` cut to at most `length` tokens.
   absl::StatusOr<v1::SessionInfo> Truncate(const std::string& id, int64_t length, const SessionCaller& caller);
-  absl::Status Close(const std::string& id, const SessionCaller& caller);
-  // The caller's sessions (every one for an admin), ordered by id.
+  // Ends `id` of `owner` (empty: the caller's own). Only an admin may name another owner (PERMISSION_DENIED
+  // naming "owner" otherwise).
+  absl::Status Close(const std::string& id, const SessionCaller& caller, const std::string& owner = "");
+  // The caller's sessions (every one for an admin, each with its owner), ordered by id.
   std::vector<v1::SessionInfo> List(const SessionCaller& caller) const;
   // Cache `cache` of session `id`; NOT_FOUND naming `field` (saying whether it was closed, expired or evicted), or
   // OUT_OF_RANGE naming "layer_index" for a cache it does not have.
@@ -171,8 +184,8 @@ class SessionStore {
   Activity EndAll(absl::string_view reason);
   // Ends the idle sessions whose idle timeout has passed at `now`; returns how many.
   int ExpireIdle(absl::Time now);
-  // Marks `ids` used now (a call on them ended), which restarts their idle timeouts.
-  void Touch(absl::Span<const std::string> ids);
+  // Marks the sessions of `keys` (SessionKey) used now (a call on them ended), which restarts their idle timeouts.
+  void Touch(absl::Span<const std::string> keys);
 
   int64_t capacity_bytes() const { return pool_capacity_; }
   // Where the cache blocks live, for the log: "host memory", or the arena's CacheArena::describe().
@@ -186,6 +199,7 @@ class SessionStore {
     int64_t length = 0;
   };
   struct Session {
+    std::string key;  // SessionKey(owner, id)
     std::string id;
     std::string owner;
     SessionConfig config;  // max_tokens and idle_timeout resolved
@@ -195,18 +209,18 @@ class SessionStore {
   enum class EndReason { kClosed, kExpired, kEvicted };
   struct End {
     EndReason reason;
-    std::string owner;
     absl::Time when;
     absl::Duration idle_timeout;
   };
 
-  // The caller's session `id`, or NOT_FOUND naming `field` (why, when the caller's session ended recently).
-  absl::StatusOr<Session*> Find(const std::string& id, const SessionCaller& caller, absl::string_view field,
-                                bool admin_may = false) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // A free id for a new session: `wanted` (checked, ALREADY_EXISTS if open) or a random one.
-  absl::StatusOr<std::string> NewId(const std::string& wanted, absl::string_view field) const
+  // Session `id` of `owner`, or NOT_FOUND naming `field` (why, when it ended recently).
+  absl::StatusOr<Session*> Find(const std::string& owner, const std::string& id, absl::string_view field) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  v1::SessionInfo Info(const Session& session) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A free id in `owner`'s scope for a new session: `wanted` (checked, ALREADY_EXISTS if open) or a random one.
+  absl::StatusOr<std::string> NewId(const std::string& owner, const std::string& wanted, absl::string_view field)
+      const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // `with_owner`: SessionInfo.owner filled (for an admin).
+  v1::SessionInfo Info(const Session& session, bool with_owner = false) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Drops the session's blocks and records why it ended.
   void EndSession(std::map<std::string, Session>::iterator it, EndReason reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Evicts the least recently used session not in use; false when there is none.
@@ -223,8 +237,8 @@ class SessionStore {
   mutable absl::Mutex mu_;
   BlockPool pool_ ABSL_GUARDED_BY(mu_);
   const int64_t pool_capacity_;
-  std::map<std::string, Session> sessions_ ABSL_GUARDED_BY(mu_);
-  // The recent ends, for NOT_FOUND's message: at most kRecentEnds, oldest first out.
+  std::map<std::string, Session> sessions_ ABSL_GUARDED_BY(mu_);  // by key
+  // The recent ends by key, for NOT_FOUND's message: at most kRecentEnds, oldest first out.
   static constexpr size_t kRecentEnds = 4096;
   std::map<std::string, End> ended_ ABSL_GUARDED_BY(mu_);
   std::deque<std::string> end_order_ ABSL_GUARDED_BY(mu_);

@@ -246,7 +246,7 @@ absl::StatusOr<ExtendPlan> ValidateExtendHeld(const v1::ExtendRequest& r, const 
     ASSIGN_OR_RETURN(const int64_t n, NewTokens(item, i, views[i]));
     RETURN_IF_ERROR(CheckLength(item, i, views[i], n, r.layer_index()));
     plan.items.push_back({&item, views[i].length, n, Appends(item)});
-    plan.reserve.push_back({item.session_id(), r.layer_index(), Appends(item) ? n : 0});
+    plan.reserve.push_back({item.session_id(), r.layer_index(), Appends(item) ? n : 0, caller.owner});
     const v1::DataType dtype = item.has_x() ? item.x().dtype() : item.q().dtype();
     if (p.input_dtype == v1::FP32 && dtype != v1::FP32) p.input_dtype = dtype;
     p.sequences += 1;

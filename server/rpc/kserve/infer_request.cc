@@ -7,6 +7,7 @@
 #include <limits>
 #include <utility>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -218,17 +219,24 @@ absl::Status ReadVector(const Source& source, std::initializer_list<const char*>
 
 namespace {
 
-// Each input with where its bytes are. INVALID_ARGUMENT for a repeated name, for raw_input_contents whose count is
-// not that of the inputs outside shared memory, and for an input with both a raw entry and typed contents.
+// The most inputs a model takes (the layers': query, key, value, key_lengths, attn_mask, head_mask).
+constexpr int kMaxInputs = 6;
+
+// Each input with where its bytes are. INVALID_ARGUMENT for more inputs than a model takes, for a repeated name, for
+// raw_input_contents whose count is not that of the inputs outside shared memory, and for an input with both a raw
+// entry and typed contents. Linear in the request's size: a client sends as many names as it likes.
 absl::StatusOr<std::vector<Source>> Sources(inference::ModelInferRequest* request) {
+  if (request->inputs_size() > kMaxInputs) {
+    return absl::InvalidArgumentError(absl::StrCat("inputs: ", request->inputs_size(), " given; a model takes at most ",
+                                                   kMaxInputs));
+  }
   std::vector<Source> sources;
+  absl::flat_hash_set<absl::string_view> names;
   int raw_used = 0;
   const bool raw = request->raw_input_contents_size() > 0;
   for (InferInput& input : *request->mutable_inputs()) {
-    for (const Source& seen : sources) {
-      if (seen.input->name() == input.name()) {
-        return absl::InvalidArgumentError(absl::StrCat("inputs: '", input.name(), "' is given twice"));
-      }
+    if (!names.insert(input.name()).second) {
+      return absl::InvalidArgumentError(absl::StrCat("inputs: '", input.name(), "' is given twice"));
     }
     Source source{&input, nullptr};
     if (raw && !InSharedMemory(input)) {
