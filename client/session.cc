@@ -41,7 +41,11 @@ absl::Status Session::Call(const std::function<absl::Status()>& call) {
 
 absl::StatusOr<ExtendOutputs> Session::Run(int layer_index, v1::ExtendItem item, const ExtendOptions& options) {
   item.set_session_id(id());
-  if (options.expected_length.has_value()) item.set_expected_length(*options.expected_length);
+  if (options.expected_length.has_value()) {
+    item.set_expected_length(*options.expected_length);
+  } else if (options.check_length && layer_index >= 0 && layer_index < info_.lengths_size()) {
+    item.set_expected_length(info_.lengths(layer_index));
+  }
   v1::ExtendRequest request;
   request.set_layer_index(layer_index);
   *request.add_items() = std::move(item);

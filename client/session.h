@@ -25,7 +25,11 @@ namespace mha {
 struct ExtendOptions {
   v1::DataType wire_dtype = v1::FP32;  // how the inputs travel; outputs come back fp32
   bool return_attention_weights = false;
-  std::optional<int64_t> expected_length;  // the cache's length before the call, when the caller wants it checked
+  // The cache's length before the call, checked by the server (FAILED_PRECONDITION when it differs). Unset: the
+  // length this handle last saw, so that a step retried after an error that hid its commit (a DEADLINE_EXCEEDED
+  // can) is refused instead of appended twice; check_length = false sends none.
+  std::optional<int64_t> expected_length;
+  bool check_length = true;
   v1::Backend backend = v1::BACKEND_AUTO;
 };
 

@@ -3,6 +3,7 @@
 #include "server/sessions/sequencer.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -12,6 +13,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -194,6 +196,70 @@ TEST_F(SequencerTest, TooManyWaitingCallsAreRefused) {
   Submit("one too many", {"s"});
   ASSERT_EQ(Abandoned().size(), 1u);
   EXPECT_EQ(Abandoned()[0].code(), absl::StatusCode::kResourceExhausted);
+}
+
+// The waiting room bounds calls that wait: one whose sessions are free starts, however many wait (F1 of #54: a
+// caller's queue behind its own busy session refused every other caller's calls, ListSessions included).
+TEST_F(SequencerTest, ACallWhoseSessionsAreFreeStartsWhenTheRoomIsFull) {
+  Submit("hold", {"s"});
+  for (int i = 0; i < 4; ++i) Submit("w", {"s"});
+  Submit("other session", {"t"});
+  Submit("no session", {});
+  EXPECT_TRUE(Abandoned().empty());
+  EXPECT_THAT(Started(), ElementsAre("hold", "other session", "no session"));
+}
+
+// Each owner waits in a room of its own.
+TEST_F(SequencerTest, EachOwnerHasItsOwnWaitingBound) {
+  sequencer_.Submit({"m"}, 1, std::make_unique<Recorder>("mallory holds", &log_), "mallory");
+  for (int i = 0; i < 4; ++i) sequencer_.Submit({"m"}, 1, std::make_unique<Recorder>("m", &log_), "mallory");
+  sequencer_.Submit({"m"}, 1, std::make_unique<Recorder>("m too many", &log_), "mallory");
+  ASSERT_EQ(Abandoned().size(), 1u);
+  EXPECT_THAT(Abandoned()[0].message(), testing::HasSubstr("this caller's session calls"));
+  sequencer_.Submit({"a"}, 1, std::make_unique<Recorder>("alice holds", &log_), "alice");
+  sequencer_.Submit({"a"}, 1, std::make_unique<Recorder>("alice waits", &log_), "alice");
+  EXPECT_EQ(Abandoned().size(), 1u);
+  EXPECT_EQ(sequencer_.waiting(), 5);
+}
+
+// Stands for a call whose client may go away while it waits.
+class Leaver final : public SessionSequencer::Call {
+ public:
+  Leaver(Log* log, const std::atomic<bool>* gone) : log_(log), gone_(gone) {}
+  void Start() override {
+    absl::MutexLock lock(&log_->mu);
+    log_->started.push_back("leaver");
+  }
+  void Abandon(const absl::Status& status) override {
+    absl::MutexLock lock(&log_->mu);
+    log_->abandoned.push_back(status);
+  }
+  absl::Status StillWanted() const override {
+    return gone_->load() ? absl::CancelledError("the client cancelled the call") : absl::OkStatus();
+  }
+
+ private:
+  Log* const log_;
+  const std::atomic<bool>* gone_;
+};
+
+// A waiting call whose client is gone leaves at once (within the sweep), with its reason, and frees its place.
+TEST_F(SequencerTest, AWaitingCallWhoseClientIsGoneLeavesAndFreesItsPlace) {
+  std::atomic<bool> gone{false};
+  Submit("hold", {"s"});
+  for (int i = 0; i < 4; ++i) sequencer_.Submit({"s"}, 1, std::make_unique<Leaver>(&log_, &gone));
+  gone = true;
+  const absl::Time until = absl::Now() + absl::Seconds(10);
+  while (sequencer_.waiting() > 0 && absl::Now() < until) absl::SleepFor(absl::Milliseconds(5));
+  EXPECT_EQ(sequencer_.waiting(), 0);
+  ASSERT_TRUE(sequencer_.AwaitStarted(absl::Seconds(10)));
+  std::vector<absl::Status> abandoned = Abandoned();
+  ASSERT_EQ(abandoned.size(), 4u);
+  for (const absl::Status& status : abandoned) EXPECT_EQ(status.code(), absl::StatusCode::kCancelled);
+  EXPECT_FALSE(sequencer_.InUse("t"));
+  for (int i = 0; i < 4; ++i) Submit("w", {"s"});  // the places are free again
+  EXPECT_EQ(Abandoned().size(), 4u);
+  EXPECT_THAT(Started(), ElementsAre("hold"));
 }
 
 TEST_F(SequencerTest, WaitingBytesAreBounded) {

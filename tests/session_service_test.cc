@@ -8,6 +8,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "proto/mha/v1/tensor_codec.h"
@@ -204,6 +205,15 @@ TEST_F(SessionServiceTest, ATakenIdIsAlreadyExistsAndTheLimitIsResourceExhausted
   ExpectError(Create(LayerSession("taken")), grpc::StatusCode::ALREADY_EXISTS, "taken");
   for (int i = 1; i < 16; ++i) Created(HeadSession());
   ExpectError(Create(HeadSession()), grpc::StatusCode::RESOURCE_EXHAUSTED, "--max_sessions");
+}
+
+// A call naming more sessions than may be open is refused before it waits for any (each name it waits on costs
+// every other session call time while it waits).
+TEST_F(SessionServiceTest, AnExtendNamingMoreSessionsThanMayBeOpenIsRefused) {
+  std::vector<v1::ExtendItem> items;
+  for (int i = 0; i < 17; ++i) items.push_back(XItem(absl::StrCat("s", i), 1));
+  ExpectError(Extend(ExtendOf(items)), grpc::StatusCode::INVALID_ARGUMENT,
+              "items: 17 given; a call names at most 16 sessions");
 }
 
 TEST_F(SessionServiceTest, ExtendRequestErrorsNameTheField) {

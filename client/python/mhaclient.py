@@ -917,10 +917,16 @@ class Session(_ClosedOnExit):
 
     def extend(self, layer_index=0, x=None, q=None, k=None, v=None, expected_length=None, return_weights=False,
                output_dtype="fp32", backend="auto", wire_dtype=None, append=None, return_lse=False,
-               return_head_stats=False, return_row_stats=False, sink_tokens=0):
+               return_head_stats=False, return_row_stats=False, sink_tokens=0, check_length=True):
         """Appends tokens to cache `layer_index` and attends: x [n, d_model] for a layer session, q, k, v for a head
         session. append=False: the tokens attend to the cache without joining it (k, v may be None). The
-        statistics' options as in MhaClient.extend. Returns ExtendResult."""
+        statistics' options as in MhaClient.extend. Returns ExtendResult.
+
+        expected_length (the cache's length before the call, checked by the server) defaults to the length this
+        handle last saw, so that a step retried after an error that hid its commit (DEADLINE_EXCEEDED can) fails
+        with FAILED_PRECONDITION instead of appending twice; check_length=False sends none."""
+        if expected_length is None and check_length and 0 <= int(layer_index) < len(self._lengths):
+            expected_length = self._lengths[int(layer_index)]
         item = {"session": self, "x": x, "q": q, "k": k, "v": v, "expected_length": expected_length,
                 "append": append}
         return self._client.extend([item], layer_index, return_weights, output_dtype, backend, wire_dtype,

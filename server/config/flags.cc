@@ -28,8 +28,11 @@ ABSL_FLAG(int, grpc_memory_mb, kDefaults.grpc_memory_mb,
 ABSL_FLAG(int, log_max_calls_per_s, kDefaults.log_max_calls_per_s,
           "call log lines per second at most; the next line says how many were left out; 0 = every call");
 ABSL_FLAG(int, threads, kDefaults.threads, "compute threads per request; 0 = all cores");
-ABSL_FLAG(int, max_queue_size, kDefaults.max_queue_size, "requests waiting to compute before RESOURCE_EXHAUSTED");
-ABSL_FLAG(int, max_queued_mb, kDefaults.max_queued_mb, "MiB of request data the waiting requests may hold");
+ABSL_FLAG(int, max_queue_size, kDefaults.max_queue_size,
+          "requests waiting to compute before RESOURCE_EXHAUSTED; also each caller's session calls waiting for their "
+          "sessions");
+ABSL_FLAG(int, max_queued_mb, kDefaults.max_queued_mb,
+          "MiB of request data the waiting requests may hold (and each caller's waiting session calls)");
 ABSL_FLAG(int, max_layer_mb, kDefaults.max_layer_mb, "total fp32 MiB of registered layers");
 ABSL_FLAG(int, max_layers, kDefaults.max_layers, "registered layers at most, demo included");
 ABSL_FLAG(int, max_shared_memory_regions, kDefaults.max_shared_memory_regions,

@@ -62,6 +62,7 @@ class SequencedCall final : public SessionSequencer::Call {
     FinishUnheld(call_, ids_, status);
   }
   void Abandon(const absl::Status& status) override { FinishUnheld(call_, ids_, status); }
+  absl::Status StillWanted() const override { return call_.StillWanted(kWaited); }
 
  private:
   ::mha::Call call_;
@@ -90,10 +91,12 @@ grpc::ServerUnaryReactor* Sequenced(Call call, SessionStore* sessions, Ids ids, 
   }
   std::vector<std::string> keys = Keys(scope, *names);
   std::vector<std::string> held = keys;
+  const std::string caller = call.caller().owner;
   sessions->sequencer().Submit(std::move(held), bytes,
                                std::make_unique<SequencedCall<Request, Response, Handle>>(
                                    std::move(call), std::move(request), *std::move(names), std::move(keys),
-                                   sessions, std::move(handle)));
+                                   sessions, std::move(handle)),
+                               caller);
   return reactor;
 }
 
@@ -227,6 +230,7 @@ class ExtendCall final : public SessionSequencer::Call {
                                                           *std::move(reservation), std::move(hold), parts_));
   }
   void Abandon(const absl::Status& status) override { FinishUnheld(call_, ids_, status); }
+  absl::Status StillWanted() const override { return call_.StillWanted(kWaited); }
 
  private:
   ::mha::Call call_;
@@ -243,14 +247,16 @@ grpc::ServerUnaryReactor* SessionService::Extend(Call call) {
   auto request = std::make_unique<v1::ExtendRequest>();
   const absl::Status status = call.Admit(Role::kCompute, request.get());
   absl::StatusOr<std::vector<std::string>> ids =
-      status.ok() ? ValidateExtendRequest(*request) : absl::StatusOr<std::vector<std::string>>(status);
+      status.ok() ? ValidateExtendRequest(*request, parts_.sessions->options().max_sessions) : absl::StatusOr<std::vector<std::string>>(status);
   if (!ids.ok()) return call.Finish(ids.status());
   const int64_t bytes = call.request_bytes();
   std::vector<std::string> keys = Keys(call.caller().owner, *ids);
   std::vector<std::string> held = keys;
+  const std::string caller = call.caller().owner;
   parts_.sessions->sequencer().Submit(
       std::move(held), bytes,
-      std::make_unique<ExtendCall>(std::move(call), std::move(request), *std::move(ids), std::move(keys), parts_));
+      std::make_unique<ExtendCall>(std::move(call), std::move(request), *std::move(ids), std::move(keys), parts_),
+      caller);
   return reactor;
 }
 

@@ -45,9 +45,7 @@ ExtendSteps::ExtendSteps(const ExtendPlan& plan, const ExtendReservation& reserv
                          ? 0
                          : max_step_rows) {
   const PagedProblem& p = plan.paged;
-  const HeadSpec& h = p.heads;
   whole_.resize(plan.items.size());
-  stats_.reserve(plan.items.size());
   for (size_t i = 0; i < plan.items.size(); ++i) {
     const ExtendPlan::Item& item = plan.items[i];
     const v1::ExtendItem& request = *item.request;
@@ -56,8 +54,6 @@ ExtendSteps::ExtendSteps(const ExtendPlan& plan, const ExtendReservation& reserv
     seq.length = item.length;
     seq.new_tokens = item.new_tokens;
     seq.append = item.append;
-    stats_.emplace_back(plan.stats, 1, h.num_heads, item.new_tokens, /*has_w_o=*/p.d_model > 0);
-    seq.stats = stats_.back().View();
     if (p.d_model > 0) {
       seq.x = View(request.x());
     } else {
@@ -67,7 +63,20 @@ ExtendSteps::ExtendSteps(const ExtendPlan& plan, const ExtendReservation& reserv
         seq.v = View(request.v());
       }
     }
-    v1::ExtendResult* result = response->add_results();
+  }
+  response->set_backend(std::string(plan.backend->name()));
+}
+
+void ExtendSteps::AllocateOutputs() {
+  const PagedProblem& p = plan_.paged;
+  const HeadSpec& h = p.heads;
+  stats_.reserve(plan_.items.size());
+  for (size_t i = 0; i < plan_.items.size(); ++i) {
+    const ExtendPlan::Item& item = plan_.items[i];
+    PagedSequence& seq = whole_[i];
+    stats_.emplace_back(plan_.stats, 1, h.num_heads, item.new_tokens, /*has_w_o=*/p.d_model > 0);
+    seq.stats = stats_.back().View();
+    v1::ExtendResult* result = response_->add_results();
     result->set_length(item.length + (item.append ? item.new_tokens : 0));
     seq.out = p.d_model > 0 ? Allocate({item.new_tokens, p.d_model}, p.output_dtype, result->mutable_output())
                             : Allocate({item.new_tokens, h.num_heads, h.head_dim}, p.output_dtype,
@@ -77,7 +86,7 @@ ExtendSteps::ExtendSteps(const ExtendPlan& plan, const ExtendReservation& reserv
                              result->mutable_attention_weights());
     }
   }
-  response->set_backend(std::string(plan.backend->name()));
+  allocated_ = true;
 }
 
 template <typename Visit>
@@ -121,6 +130,7 @@ double ExtendSteps::NextFlops() const {
 }
 
 void ExtendSteps::TakeNext(std::vector<PagedSequence>* sequences) {
+  if (!allocated_) AllocateOutputs();
   const PagedProblem& p = plan_.paged;
   const HeadSpec& h = p.heads;
   const int64_t out_width = p.d_model > 0 ? p.d_model : h.q_width();

@@ -27,8 +27,9 @@ namespace mha {
 // thread-safe.
 class ExtendSteps {
  public:
-  // Sets up response->results (one per item: the cache's length after the call, output and weights allocated) and
-  // response->backend.
+  // Sets response->backend. The results (one per item: the cache's length after the call, output and weights
+  // allocated) and the statistics' buffers come with the first TakeNext: a call holds their bytes only once the
+  // scheduler admitted it against --max_inflight_mb (they are in its plan's response_bytes).
   ExtendSteps(const ExtendPlan& plan, const ExtendReservation& reservation, int64_t max_step_rows,
               v1::ExtendResponse* response);
   ExtendSteps(const ExtendSteps&) = delete;
@@ -51,6 +52,7 @@ class ExtendSteps {
   // Visits the items' parts of the next step: visit(item index, first new token, tokens).
   template <typename Visit>
   void ForNext(Visit visit) const;
+  void AllocateOutputs();
 
   const ExtendPlan& plan_;
   v1::ExtendResponse* const response_;
@@ -61,6 +63,7 @@ class ExtendSteps {
   size_t next_item_ = 0;    // the first item with tokens left
   int64_t next_token_ = 0;  // its first token left
   int64_t steps_ = 0;
+  bool allocated_ = false;
 };
 
 // Computes `sequences` (steps of Extend calls whose plans share `plan`'s batch key: backend, heads, cache layout,

@@ -1,6 +1,7 @@
 #include "server/sessions/sequencer.h"
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 
 namespace mha {
 
@@ -16,28 +17,30 @@ SessionSequencer::~SessionSequencer() {
   starter_.join();
 }
 
-void SessionSequencer::Submit(std::vector<std::string> ids, int64_t bytes, std::unique_ptr<Call> call) {
+void SessionSequencer::Submit(std::vector<std::string> ids, int64_t bytes, std::unique_ptr<Call> call,
+                              const std::string& owner) {
   absl::Status refused;
   {
     absl::MutexLock lock(&mu_);
+    bool free = true;
+    for (const std::string& id : ids) free = free && held_.count(id) == 0 && wanted_.count(id) == 0;
+    const auto share = shares_.find(owner);
+    const Share mine = share != shares_.end() ? share->second : Share();
     if (shut_down_) {
       refused = absl::UnavailableError("server is shutting down");
-    } else if (static_cast<int>(waiting_.size()) >= max_waiting_ ||
-               (!waiting_.empty() && waiting_bytes_ + bytes > max_waiting_bytes_)) {
+    } else if (free) {
+      // Its turn already: it starts here, below, holding its sessions.
+      held_.insert(ids.begin(), ids.end());
+    } else if (mine.calls >= max_waiting_ || (mine.calls > 0 && mine.bytes + bytes > max_waiting_bytes_)) {
       refused = absl::ResourceExhaustedError(absl::StrCat(
-          "too many session calls wait for sessions that other calls hold (", waiting_.size(), " calls, ",
-          waiting_bytes_, " bytes; --max_queue_size, --max_queued_mb); retry later"));
+          "too many of this caller's session calls wait for sessions that its other calls hold (", mine.calls,
+          " calls, ", mine.bytes, " bytes; --max_queue_size, --max_queued_mb); retry later"));
     } else {
-      bool free = true;
-      for (const std::string& id : ids) free = free && held_.count(id) == 0 && wanted_.count(id) == 0;
-      if (free) {
-        // Its turn already: it starts here, below, holding its sessions.
-        held_.insert(ids.begin(), ids.end());
-      } else {
-        for (const std::string& id : ids) ++wanted_[id];
-        waiting_bytes_ += bytes;
-        waiting_.push_back({std::move(ids), bytes, std::move(call)});
-      }
+      for (const std::string& id : ids) ++wanted_[id];
+      Share& grown = shares_[owner];
+      grown.calls += 1;
+      grown.bytes += bytes;
+      waiting_.push_back({std::move(ids), bytes, std::move(call), owner});
     }
   }
   if (!refused.ok()) {
@@ -71,9 +74,33 @@ void SessionSequencer::Shutdown() {
     shut_down_ = true;
     abandoned.swap(waiting_);
     wanted_.clear();
-    waiting_bytes_ = 0;
+    shares_.clear();
   }
   for (Waiting& w : abandoned) w.call->Abandon(absl::UnavailableError("server is shutting down"));
+}
+
+std::deque<SessionSequencer::Waiting>::iterator SessionSequencer::Remove(std::deque<Waiting>::iterator it) {
+  for (const std::string& id : it->ids) {
+    if (--wanted_[id] == 0) wanted_.erase(id);
+  }
+  const auto share = shares_.find(it->owner);
+  share->second.calls -= 1;
+  share->second.bytes -= it->bytes;
+  if (share->second.calls == 0) shares_.erase(share);
+  return waiting_.erase(it);
+}
+
+void SessionSequencer::SweepGone(std::vector<std::pair<std::unique_ptr<Call>, absl::Status>>* gone) {
+  for (auto it = waiting_.begin(); it != waiting_.end();) {
+    absl::Status wanted = it->call->StillWanted();
+    if (wanted.ok()) {
+      ++it;
+      continue;
+    }
+    gone->emplace_back(std::move(it->call), std::move(wanted));
+    it = Remove(it);
+  }
+  if (!gone->empty()) TakeStartable();  // a call behind a gone one may start now
 }
 
 int SessionSequencer::waiting() const {
@@ -91,28 +118,35 @@ void SessionSequencer::TakeStartable() {
       ++it;
       continue;
     }
-    for (const std::string& id : it->ids) {
-      held_.insert(id);
-      if (--wanted_[id] == 0) wanted_.erase(id);
-    }
-    waiting_bytes_ -= it->bytes;
+    held_.insert(it->ids.begin(), it->ids.end());
     ready_.push_back(std::move(it->call));
-    it = waiting_.erase(it);
+    it = Remove(it);
   }
 }
 
 void SessionSequencer::StartReady() {
   for (;;) {
     std::unique_ptr<Call> call;
+    std::vector<std::pair<std::unique_ptr<Call>, absl::Status>> gone;
+    bool done = false;
     {
       absl::MutexLock lock(&mu_);
       const auto has_work = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !ready_.empty() || destroying_; };
-      mu_.Await(absl::Condition(&has_work));
-      if (ready_.empty()) return;  // destroying, and nothing left to start
-      call = std::move(ready_.front());
-      ready_.pop_front();
-      ++starting_;
+      // Waiting calls are swept while nothing is ready (and between starts when calls keep coming).
+      if (!mu_.AwaitWithTimeout(absl::Condition(&has_work), kSweepPeriod) || absl::Now() >= next_sweep_) {
+        next_sweep_ = absl::Now() + kSweepPeriod;
+        SweepGone(&gone);
+      }
+      if (!ready_.empty()) {
+        call = std::move(ready_.front());
+        ready_.pop_front();
+        ++starting_;
+      }
+      done = call == nullptr && destroying_;  // nothing left to start
     }
+    for (auto& [waiter, status] : gone) waiter->Abandon(status);
+    if (done) return;
+    if (call == nullptr) continue;
     call->Start();
     call.reset();
     absl::MutexLock lock(&mu_);

@@ -17,8 +17,11 @@
 //      calls' turn: their Start (step 3, and the whole of a Fork, Truncate, Close or List) runs on the starter
 //      thread, never on the compute thread, so that a queue of waiting session calls cannot stall compute.
 //
-// Bounded: at most max_waiting calls, holding max_waiting_bytes of requests together, wait for their turn; one more
-// is abandoned with RESOURCE_EXHAUSTED. Thread-safe.
+// Bounded per principal: at most max_waiting calls of one owner (a token's id; every caller is the one owner ""
+// without tokens), holding max_waiting_bytes of requests together, wait for their turn; one more is abandoned with
+// RESOURCE_EXHAUSTED. A call whose sessions are free starts whatever waits, so one caller's queue behind its own
+// busy session never refuses another's calls. A waiting call whose client is gone (Call::StillWanted) leaves within
+// kSweepPeriod, abandoned with its reason, and frees its place. Thread-safe.
 #ifndef MHA_SERVER_SESSIONS_SEQUENCER_H_
 #define MHA_SERVER_SESSIONS_SEQUENCER_H_
 
@@ -29,6 +32,7 @@
 #include <set>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -47,9 +51,16 @@ class SessionSequencer {
     // The call's turn: its sessions are held for it until Release(ids). Runs on the thread that submitted the call
     // when its sessions were free, else on the sequencer's starter thread; never under the sequencer's lock.
     virtual void Start() = 0;
-    // The call will never start (too many wait, or shutdown): finish it with `status`. Its sessions are not held.
+    // The call will never start (too many wait, its client is gone, or shutdown): finish it with `status`. Its
+    // sessions are not held.
     virtual void Abandon(const absl::Status& status) = 0;
+    // OK while the call's client still waits for it; else why not (cancelled, past its deadline). Called on the
+    // starter thread while the call waits.
+    virtual absl::Status StillWanted() const { return absl::OkStatus(); }
   };
+
+  // How often the starter thread looks for waiting calls whose clients are gone.
+  static constexpr absl::Duration kSweepPeriod = absl::Milliseconds(20);
 
   SessionSequencer(int max_waiting, int64_t max_waiting_bytes);
   // Starts the calls whose turn has come, then ends the starter thread; calls still waiting are abandoned
@@ -58,9 +69,10 @@ class SessionSequencer {
   SessionSequencer(const SessionSequencer&) = delete;
   SessionSequencer& operator=(const SessionSequencer&) = delete;
 
-  // Takes `call`, which names the distinct session ids `ids` and holds `bytes` of request while it waits: starts
-  // it now on this thread if its sessions are free, else keeps it until its turn.
-  void Submit(std::vector<std::string> ids, int64_t bytes, std::unique_ptr<Call> call);
+  // Takes `call` of `owner`, which names the distinct session ids `ids` and holds `bytes` of request while it
+  // waits: starts it now on this thread if its sessions are free, else keeps it until its turn (or abandons it
+  // when the owner's waiting calls are at their bound).
+  void Submit(std::vector<std::string> ids, int64_t bytes, std::unique_ptr<Call> call, const std::string& owner = "");
   // The calls holding `ids` ended: frees them. The waiting calls whose turn it is now start on the starter thread,
   // not on this one.
   void Release(const std::vector<std::string>& ids);
@@ -78,7 +90,16 @@ class SessionSequencer {
     std::vector<std::string> ids;
     int64_t bytes = 0;
     std::unique_ptr<Call> call;
+    std::string owner;
   };
+  struct Share {  // what one owner's waiting calls hold
+    int calls = 0;
+    int64_t bytes = 0;
+  };
+  // Takes `it` out of waiting_, with its share and its wanted_ counts; returns the next.
+  std::deque<Waiting>::iterator Remove(std::deque<Waiting>::iterator it) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Moves the waiting calls whose clients are gone to `gone`, then starts what that frees.
+  void SweepGone(std::vector<std::pair<std::unique_ptr<Call>, absl::Status>>* gone) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Moves the waiting calls that may start now, in order, to ready_, holding their sessions.
   void TakeStartable() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The starter thread: starts the calls in ready_, in order, until the sequencer is destroyed.
@@ -88,11 +109,12 @@ class SessionSequencer {
   const int64_t max_waiting_bytes_;
   mutable absl::Mutex mu_;
   std::deque<Waiting> waiting_ ABSL_GUARDED_BY(mu_);
-  int64_t waiting_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  std::map<std::string, Share> shares_ ABSL_GUARDED_BY(mu_);  // by owner, of the waiting calls
   std::set<std::string> held_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, int> wanted_ ABSL_GUARDED_BY(mu_);  // by waiting calls: how many name each id
   std::deque<std::unique_ptr<Call>> ready_ ABSL_GUARDED_BY(mu_);  // their turn came; the starter starts them
   int starting_ ABSL_GUARDED_BY(mu_) = 0;  // taken from ready_, Start not yet returned
+  absl::Time next_sweep_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
   bool shut_down_ ABSL_GUARDED_BY(mu_) = false;
   bool destroying_ ABSL_GUARDED_BY(mu_) = false;
   std::thread starter_;  // last: started once everything above is

@@ -181,8 +181,12 @@ absl::StatusOr<SessionConfig> ValidateCreateSession(const v1::CreateSessionReque
   return config;
 }
 
-absl::StatusOr<std::vector<std::string>> ValidateExtendRequest(const v1::ExtendRequest& r) {
+absl::StatusOr<std::vector<std::string>> ValidateExtendRequest(const v1::ExtendRequest& r, int max_items) {
   if (r.items_size() == 0) return Invalid("items must hold at least one session's new tokens");
+  if (r.items_size() > max_items) {
+    return absl::InvalidArgumentError(absl::StrCat("items: ", r.items_size(), " given; a call names at most ",
+                                                   max_items, " sessions, as many as may be open (--max_sessions)"));
+  }
   if (r.layer_index() < 0) return Invalid("layer_index must be >= 0, got ", absl::StrCat(r.layer_index()));
   if (!v1::DataType_IsValid(r.output_dtype())) {
     return Invalid("output_dtype must be DATA_TYPE_UNSPECIFIED, FP32, FP16 or BF16, got ",

@@ -26,9 +26,10 @@ inline constexpr int kMaxSessionCaches = 1024;
 absl::StatusOr<SessionConfig> ValidateCreateSession(const v1::CreateSessionRequest& request,
                                                     const ValidationContext& context);
 
-// The session ids an Extend names, checked (well-formed, each once), with every present tensor's encoding and
-// values, and which kind of session its items are for (the same for all).
-absl::StatusOr<std::vector<std::string>> ValidateExtendRequest(const v1::ExtendRequest& request);
+// The session ids an Extend names, checked (well-formed, each once, at most `max_items` of them: no call names more
+// sessions than may be open, --max_sessions), with every present tensor's encoding and values, and which kind of
+// session its items are for (the same for all).
+absl::StatusOr<std::vector<std::string>> ValidateExtendRequest(const v1::ExtendRequest& request, int max_items);
 
 // INVALID_ARGUMENT naming the field for kinds, layers, configurations, dtypes and shapes that do not match the
 // sessions; FAILED_PRECONDITION for an expected_length that differs or a layer unloaded since; OUT_OF_RANGE past

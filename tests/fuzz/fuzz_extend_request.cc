@@ -77,7 +77,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   v1::ExtendRequest request;
   if (!request.ParseFromArray(data, static_cast<int>(size))) return -1;
   Count(Stage::kParsed);
-  absl::StatusOr<std::vector<std::string>> ids = ValidateExtendRequest(request);
+  absl::StatusOr<std::vector<std::string>> ids = ValidateExtendRequest(request, /*max_items=*/1024);
   if (!ids.ok()) {
     CheckRefusal(ids.status(), {absl::StatusCode::kInvalidArgument});
     return 0;
