@@ -247,7 +247,8 @@ grpc::ServerUnaryReactor* SessionService::Extend(Call call) {
   auto request = std::make_unique<v1::ExtendRequest>();
   const absl::Status status = call.Admit(Role::kCompute, request.get());
   absl::StatusOr<std::vector<std::string>> ids =
-      status.ok() ? ValidateExtendRequest(*request, parts_.sessions->options().max_sessions) : absl::StatusOr<std::vector<std::string>>(status);
+      status.ok() ? ValidateExtendRequest(*request, parts_.sessions->options().max_sessions)
+                  : absl::StatusOr<std::vector<std::string>>(status);
   if (!ids.ok()) return call.Finish(ids.status());
   const int64_t bytes = call.request_bytes();
   std::vector<std::string> keys = Keys(call.caller().owner, *ids);
