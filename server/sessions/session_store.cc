@@ -171,7 +171,6 @@ absl::StatusOr<v1::SessionInfo> SessionStore::Create(const SessionConfig& given,
   }
   const std::string key = SessionKey(caller.owner, session_id);
   Session& s = sessions_[key];
-  s.key = key;
   s.id = session_id;
   s.owner = caller.owner;
   s.config = std::move(config);
@@ -194,12 +193,11 @@ absl::StatusOr<v1::SessionInfo> SessionStore::Fork(const std::string& id, const 
   source->last_used = absl::Now();
   Session copy = *source;  // before the insertion below, which may move nothing but is clearer so
   copy.id = fork_id;
-  copy.key = SessionKey(copy.owner, fork_id);
   for (Cache& cache : copy.caches) {
     for (char* block : cache.blocks) pool_.Ref(block);
   }
-  ended_.erase(copy.key);
-  const std::string key = copy.key;
+  const std::string key = SessionKey(copy.owner, fork_id);
+  ended_.erase(key);
   Session& fork = sessions_[key] = std::move(copy);
   Publish();
   return Info(fork);
@@ -228,7 +226,7 @@ absl::Status SessionStore::Close(const std::string& id, const SessionCaller& cal
   }
   absl::MutexLock lock(&mu_);
   ASSIGN_OR_RETURN(Session* s, Find(owner.empty() ? caller.owner : owner, id, "session_id"));
-  EndSession(sessions_.find(s->key), EndReason::kClosed);
+  EndSession(sessions_.find(SessionKey(s->owner, s->id)), EndReason::kClosed);
   Publish();
   return absl::OkStatus();
 }
@@ -360,8 +358,9 @@ void SessionStore::EndSession(std::map<std::string, Session>::iterator it, EndRe
     ended_.erase(end_order_.front());
     end_order_.pop_front();
   }
-  if (ended_.count(s.key) == 0) end_order_.push_back(s.key);
-  ended_[s.key] = {reason, absl::Now(), s.config.idle_timeout};
+  const std::string& key = it->first;
+  if (ended_.count(key) == 0) end_order_.push_back(key);
+  ended_[key] = {reason, absl::Now(), s.config.idle_timeout};
   if (reason != EndReason::kClosed && metrics_ != nullptr) {
     metrics_->RecordEviction(reason == EndReason::kExpired ? "idle_timeout" : "cache_full");
   }

@@ -199,7 +199,6 @@ class SessionStore {
     int64_t length = 0;
   };
   struct Session {
-    std::string key;  // SessionKey(owner, id)
     std::string id;
     std::string owner;
     SessionConfig config;  // max_tokens and idle_timeout resolved
