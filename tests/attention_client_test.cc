@@ -222,6 +222,32 @@ TEST_F(AttentionClientTest, ASessionHandleCreatesExtendsForksTruncatesAndCloses)
   EXPECT_TRUE(fork->Close().ok());
 }
 
+// A step retried after an error that hid its commit must not append twice: the handle sends the length it last saw.
+TEST_F(AttentionClientTest, ASessionHandleChecksTheLengthItLastSaw) {
+  v1::CreateSessionRequest create;
+  create.mutable_heads()->set_num_heads(4);
+  create.mutable_heads()->set_num_kv_heads(2);
+  create.mutable_heads()->set_head_dim(16);
+  absl::StatusOr<Session> session = Session::Create(client_.get(), create);
+  ASSERT_TRUE(session.ok()) << session.status();
+  std::vector<Array> step = HeadTokens(1, 3);
+  ASSERT_TRUE(session->Extend(0, step[0], step[1], step[2]).ok());
+  v1::ExtendRequest unseen;  // a step whose answer the handle never saw
+  v1::ExtendItem* item = unseen.add_items();
+  item->set_session_id(session->id());
+  FloatsToTensor(step[0].values, step[0].shape, v1::FP32, item->mutable_q());
+  FloatsToTensor(step[1].values, step[1].shape, v1::FP32, item->mutable_k());
+  FloatsToTensor(step[2].values, step[2].shape, v1::FP32, item->mutable_v());
+  ASSERT_TRUE(client_->Extend(unseen).ok());
+  EXPECT_EQ(session->Extend(0, step[0], step[1], step[2]).status().code(), absl::StatusCode::kFailedPrecondition);
+  ExtendOptions unchecked;
+  unchecked.check_length = false;
+  absl::StatusOr<ExtendOutputs> out = session->Extend(0, step[0], step[1], step[2], unchecked);
+  ASSERT_TRUE(out.ok()) << out.status();
+  EXPECT_EQ(out->length, 3);
+  EXPECT_TRUE(session->Close().ok());
+}
+
 v1::CreateSessionRequest RecoveryTestSession(const std::string& id) {
   v1::CreateSessionRequest create;
   create.set_session_id(id);

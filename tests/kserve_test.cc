@@ -235,6 +235,13 @@ INSTANTIATE_TEST_SUITE_P(
                 "query: shared_memory_byte_size must be 12288 (the shape's bytes), not absent"},
         Refusal{"unknown_parameter", [](ModelInferRequest* r) { SetParam(r, "causl", StringParam("x")); },
                 "parameters: 'causl' is not taken"},
+        Refusal{"scale_below_float",
+                [](ModelInferRequest* r) {
+                  inference::InferParameter p;
+                  p.set_double_param(1e-300);
+                  SetParam(r, "scale", p);
+                },
+                "parameters: 'scale' is 1e-300, outside float's range"},
         Refusal{"parameter_type", [](ModelInferRequest* r) { SetParam(r, "causal", StringParam("yes")); },
                 "parameters: 'causal' must be a bool"},
         Refusal{"heads_on_a_layer", [](ModelInferRequest* r) { SetParam(r, "num_heads", StringParam("8")); },

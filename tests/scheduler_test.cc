@@ -211,31 +211,45 @@ TEST(Scheduler, ShutdownRunsWhatIsQueuedOnEveryThread) {
   EXPECT_EQ(cpu_probe.finished(), 3);
 }
 
-// A call of `steps` steps that logs "name:step" for each, in the order computed.
+// A call of `steps` steps that logs "name:step" for each, in the order computed. Given `rejected`, its client
+// cancels it after its first step, and *rejected receives the status it was rejected with.
 class SteppedItem final : public WorkItem {
  public:
-  SteppedItem(Backend* backend, std::string name, int steps, std::vector<std::string>* log, absl::Mutex* mu)
-      : WorkItem(0, absl::Now(), absl::InfiniteFuture()), name_(std::move(name)), steps_(steps), log_(log), mu_(mu) {
+  SteppedItem(Backend* backend, std::string name, int steps, std::vector<std::string>* log, absl::Mutex* mu,
+              absl::Status* rejected = nullptr)
+      : WorkItem(0, absl::Now(), absl::InfiniteFuture()), name_(std::move(name)), steps_(steps), log_(log), mu_(mu),
+        rejected_(rejected) {
     plan_.backend = backend;
     plan_.flops = 1e12;
   }
   const AttentionPlan& plan() const override { return plan_; }
-  bool IsCancelled() const override { return false; }
-  bool Unfinished() const override { return done_ < steps_; }
+  bool IsCancelled() const override {
+    absl::MutexLock lock(mu_);
+    return rejected_ != nullptr && done_ >= 1;
+  }
+  bool Unfinished() const override {
+    absl::MutexLock lock(mu_);
+    return done_ < steps_;
+  }
   absl::Status Run(absl::Duration) override {
     absl::MutexLock lock(mu_);
     log_->push_back(absl::StrCat(name_, ":", ++done_));
     return absl::OkStatus();
   }
-  void Reject(const absl::Status& status) override { ADD_FAILURE() << "rejected: " << status; }
+  void Reject(const absl::Status& status) override {
+    absl::MutexLock lock(mu_);
+    if (rejected_ == nullptr) ADD_FAILURE() << "rejected: " << status;
+    if (rejected_ != nullptr) *rejected_ = status;
+  }
 
  private:
   AttentionPlan plan_;
   const std::string name_;
   const int steps_;
-  int done_ = 0;
+  int done_ ABSL_GUARDED_BY(mu_) = 0;
   std::vector<std::string>* const log_;
   absl::Mutex* const mu_;
+  absl::Status* const rejected_;
 };
 
 TEST(Scheduler, ASmallCallInStepsTakesThemAllInline) {
@@ -264,6 +278,25 @@ TEST(Scheduler, ACallInStepsLetsTheCallsQueuedMeanwhileRunBetweenItsSteps) {
   ASSERT_TRUE(scheduler.AwaitIdle(kPatience));
   absl::MutexLock lock(&mu);
   EXPECT_EQ(log, (std::vector<std::string>{"prefill:1", "decode:1", "prefill:2", "prefill:3"}));
+}
+
+// A call cancelled between its steps says so (not "before compute started").
+TEST(Scheduler, ACallCancelledBetweenItsStepsSaysSo) {
+  FakeBackend cpu(1);
+  Probe probe;
+  absl::Mutex mu;
+  std::vector<std::string> log;
+  absl::Status rejected;
+  Scheduler scheduler(Options(0), nullptr);
+  scheduler.Submit(std::make_unique<FakeItem>(&cpu, &probe));
+  ASSERT_TRUE(probe.AwaitRunning(1));
+  scheduler.Submit(std::make_unique<SteppedItem>(&cpu, "prefill", 3, &log, &mu, &rejected));
+  probe.release.Notify();
+  ASSERT_TRUE(scheduler.AwaitIdle(kPatience));
+  absl::MutexLock lock(&mu);
+  EXPECT_EQ(log, (std::vector<std::string>{"prefill:1"}));
+  EXPECT_EQ(rejected.code(), absl::StatusCode::kCancelled);
+  EXPECT_EQ(rejected.message(), "the client cancelled the call between its compute steps");
 }
 
 }  // namespace

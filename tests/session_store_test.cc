@@ -377,6 +377,22 @@ TEST_F(TightStoreTest, SessionsInUseAreNotEvictedAndTheCallIsRefusedSayingHowFul
   EXPECT_EQ(InfoOf(b).cache_bytes(), 1000 * kBlockBytes);  // the refused call gave back what it took
 }
 
+// Calls that merely wait for a session do not pin it (F9 of #54): an idle session that a queued call names is
+// evicted like any idle one, and the queued call later finds it gone.
+TEST_F(TightStoreTest, ASessionCallsOnlyWaitForIsEvictedWhenIdle) {
+  const std::string waited = Create(), busy = Create(), current = Create();
+  ASSERT_OK(Extend(waited, 1000 * kTokens));
+  ASSERT_OK(Extend(current, 1000 * kTokens));
+  const SessionHold hold = HoldSessions(store_, {busy});
+  // A call naming busy and waited waits (busy is held); waited is named by it, held by nobody.
+  store_.sequencer().Submit({busy, waited}, 0, std::make_unique<Holder>());
+  ASSERT_TRUE(store_.sequencer().InUse(waited));
+  ASSERT_FALSE(store_.sequencer().Held(waited));
+  ASSERT_OK(Extend(current, 100 * kTokens));
+  EXPECT_THAT(store_.View(waited, 0, {}, "session_id").status().message(), HasSubstr("evicted"));
+  store_.sequencer().Shutdown();  // abandons the waiting call
+}
+
 TEST_F(TightStoreTest, NeverPastThePool) {
   std::vector<std::string> ids;
   for (int i = 0; i < 8; ++i) ids.push_back(Create());

@@ -209,9 +209,9 @@ void Scheduler::Compute(Queued first, std::vector<Queued> batch, std::list<Runni
   std::vector<Queued> live;
   for (Queued& q : calls) {
     if (absl::Status stop = q.item->Check(); !stop.ok()) {
-      q.item->Reject(stop.code() == absl::StatusCode::kCancelled
-                         ? absl::CancelledError("the client cancelled the call before compute started")
-                         : stop);
+      q.item->Reject(stop.code() != absl::StatusCode::kCancelled ? stop
+                     : q.stepped ? absl::CancelledError("the client cancelled the call between its compute steps")
+                                 : absl::CancelledError("the client cancelled the call before compute started"));
     } else {
       live.push_back(std::move(q));
     }
@@ -246,6 +246,7 @@ void Scheduler::Compute(Queued first, std::vector<Queued> batch, std::list<Runni
   for (Queued& q : live) {
     if (!q.item->Unfinished()) continue;
     q.queued_at = absl::Now();
+    q.stepped = true;
     q.estimate_s = EstimateSeconds(*q.item, q.item->NextFlops());  // the next step's, not the rest's
     queued_bytes_ += q.item->request_bytes();
     queued_seconds_ += q.estimate_s;

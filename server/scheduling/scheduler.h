@@ -133,6 +133,7 @@ class Scheduler {
     std::unique_ptr<WorkItem> item;
     absl::Time queued_at;
     double estimate_s;  // EstimateSeconds when queued
+    bool stepped = false;  // back in the queue after a step of its compute
   };
   std::deque<Queued> queue_ ABSL_GUARDED_BY(mu_);
   int64_t queued_bytes_ ABSL_GUARDED_BY(mu_) = 0;

@@ -67,6 +67,11 @@ bool SessionSequencer::InUse(const std::string& id) const {
   return held_.count(id) > 0 || wanted_.count(id) > 0;
 }
 
+bool SessionSequencer::Held(const std::string& id) const {
+  absl::MutexLock lock(&mu_);
+  return held_.count(id) > 0;
+}
+
 void SessionSequencer::Shutdown() {
   std::deque<Waiting> abandoned;
   {

@@ -81,6 +81,8 @@ class SessionSequencer {
   bool AwaitStarted(absl::Duration timeout) const;
   // Whether a started call holds `id` or a waiting call names it.
   bool InUse(const std::string& id) const;
+  // Whether a started call holds `id`.
+  bool Held(const std::string& id) const;
   // Abandons every waiting call, and every later one, with UNAVAILABLE. Started calls are left to end.
   void Shutdown();
   int waiting() const;

@@ -310,7 +310,7 @@ absl::StatusOr<ExtendReservation> SessionStore::Reserve(absl::Span<const Reserve
   }
   if (needed == 0) return reservation;
   int in_use = 0;
-  for (const auto& [key, s] : sessions_) in_use += sequencer_.InUse(key) ? 1 : 0;
+  for (const auto& [key, s] : sessions_) in_use += sequencer_.Held(key) ? 1 : 0;
   const std::string message = absl::StrCat(
       "the KV cache is full: ", pool_.used_bytes(), " of ", pool_capacity_, " bytes (--kv_cache_mb) in blocks of ",
       sessions_.size(), " sessions, all ", in_use, " left in use by calls; this call needs at least ", needed,
@@ -376,7 +376,7 @@ void SessionStore::EndSession(std::map<std::string, Session>::iterator it, EndRe
 bool SessionStore::EvictOne() {
   auto victim = sessions_.end();
   for (auto it = sessions_.begin(); it != sessions_.end(); ++it) {
-    if (sequencer_.InUse(it->first)) continue;
+    if (sequencer_.Held(it->first)) continue;
     if (victim == sessions_.end() || it->second.last_used < victim->second.last_used) victim = it;
   }
   if (victim == sessions_.end()) return false;

@@ -4,9 +4,10 @@
 //
 // Who may end what: a session ends by its owner's Close (or an admin's), by expiry after idle_timeout without a
 // call, or by eviction, least recently used first among idle sessions, when an Extend needs blocks the pool does not
-// have. A block is freed by its last reference (forks share blocks). A session in use (SessionSequencer::InUse: held
-// by a call, or waited for) is never evicted or expired, and only the call holding it changes it, so the blocks an
-// Extend writes stay its own until it commits.
+// have. A block is freed by its last reference (forks share blocks). A session held by a call (SessionSequencer::Held)
+// is never evicted, and only the call holding it changes it, so the blocks an Extend writes stay its own until it
+// commits. One that calls merely wait for may be evicted (they then find it gone, NOT_FOUND saying so), so that
+// calls queued behind a busy session cannot pin idle ones; it does not expire while they wait (InUse).
 //
 // Extend is reserve, compute, commit: Reserve gives each item the blocks covering its cache and new tokens (fresh
 // blocks for new slots; a copy of the last block when it is shared and the new tokens land in it), the backend

@@ -276,6 +276,19 @@ def test_session_errors_keep_their_codes(client):
     assert client.health() == "SERVING"
 
 
+def test_a_session_handle_checks_the_length_it_last_saw(client):
+    # A step retried after an error that hid its commit must not append twice: the handle sends expected_length.
+    s = client.create_session(num_heads=2, head_dim=8)
+    qkv = {name: np.zeros((1, 2, 8), np.float32) for name in ("q", "k", "v")}
+    assert s.extend(**qkv).length == 1
+    client.extend([dict(session=s.id, **qkv)])  # a step the handle never saw answered (by id, not by the handle)
+    with pytest.raises(grpc.RpcError) as err:
+        s.extend(**qkv)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert s.extend(check_length=False, **qkv).length == 3
+    s.close()
+
+
 def rss_bytes(pid):
     with open("/proc/%d/status" % pid) as f:
         for line in f:

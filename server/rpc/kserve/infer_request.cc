@@ -1,6 +1,7 @@
 #include "server/rpc/kserve/infer_request.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <functional>
@@ -326,8 +327,15 @@ absl::Status ReadParameters(const Parameters& params, bool sdpa, v1::HeadConfig*
       return absl::InvalidArgumentError(absl::StrCat("parameters: '", name, "' is ", value.int64_param(),
                                                      ", outside [0, 2^31)"));
     }
+    // The wire's scale is a float: a double that does not survive the conversion (0 or inf from a nonzero finite
+    // number) would silently become the default scale, or an error that names no cause.
+    const float narrowed = static_cast<float>(number);
+    if (name == "scale" && number != 0 && std::isfinite(number) && (narrowed == 0 || !std::isfinite(narrowed))) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("parameters: 'scale' is ", number, ", outside float's range (0 means the default)"));
+    }
     if (name == "causal") heads->set_causal(value.bool_param());
-    if (name == "scale") heads->set_scale(static_cast<float>(number));
+    if (name == "scale") heads->set_scale(narrowed);
     if (name == "rope_theta") heads->set_rope_theta(number);
     if (name == "rope_dim") heads->set_rope_dim(static_cast<int32_t>(value.int64_param()));
     if (name == "rope_interleaved") heads->set_rope_interleaved(value.bool_param());
