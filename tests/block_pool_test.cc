@@ -65,14 +65,28 @@ TEST(BlockPool, TheLastReferenceFreesABlock) {
   pool.Ref(block);
   EXPECT_EQ(pool.RefCount(block), 3);
   EXPECT_EQ(pool.shared_blocks(), 1);
-  pool.Unref(block);
-  pool.Unref(block);
+  EXPECT_FALSE(pool.Unref(block));
+  EXPECT_FALSE(pool.Unref(block));
   EXPECT_EQ(pool.RefCount(block), 1);
   EXPECT_EQ(pool.shared_blocks(), 0);
   EXPECT_EQ(pool.used_bytes(), 4096);
-  pool.Unref(block);
+  EXPECT_TRUE(pool.Unref(block));
   EXPECT_EQ(pool.used_bytes(), 0);
   EXPECT_EQ(pool.chunks_in_use(), 0);
+}
+
+// Bytes spent outside the blocks (the store's block tables) count against the capacity: blocks fill only the rest.
+TEST(BlockPool, ReservedBytesLeaveLessForBlocks) {
+  BlockPool pool(kChunk);
+  pool.set_reserved_bytes(kChunk - 8192);
+  EXPECT_NE(pool.Allocate(4096), nullptr);
+  EXPECT_NE(pool.Allocate(4096), nullptr);
+  EXPECT_FALSE(pool.HasRoom(4096));
+  EXPECT_EQ(pool.Allocate(4096), nullptr);
+  pool.set_reserved_bytes(kChunk);  // past what is free: nothing more until blocks go
+  EXPECT_EQ(pool.Allocate(64), nullptr);
+  pool.set_reserved_bytes(0);
+  EXPECT_NE(pool.Allocate(4096), nullptr);
 }
 
 TEST(BlockPool, AFreedBlockIsReusedBeforeAFreshChunk) {

@@ -408,6 +408,151 @@ TEST_F(TightStoreTest, NeverPastThePool) {
   EXPECT_LE(bytes, BlockPool::kChunkBytes);
 }
 
+// Block tables count against the pool (F4 of #54): forks share blocks, but each one's table is new memory, so
+// forking a long session over and over evicts older forks instead of growing the heap past --kv_cache_mb.
+TEST(SessionStoreTables, ForksBlockTablesCountAgainstThePool) {
+  SessionStoreOptions options;
+  options.capacity_bytes = BlockPool::kChunkBytes;  // 2048 blocks of 1 KiB
+  options.block_tokens = kTokens;
+  options.max_sessions = 1000;
+  options.max_tokens = 1000 * kTokens;
+  SessionStore store(options, nullptr);
+  const std::string source = store.Create(HeadSession(), "source", {})->session_id();
+  const SessionHold hold = HoldSessions(store, {source});  // as the forks' calls do
+  const ReserveItem item{source, 0, 1000 * kTokens};
+  absl::StatusOr<ExtendReservation> r = store.Reserve({&item, 1});
+  ASSERT_OK(r.status());
+  r->Commit();
+  int refused = 0;
+  for (int i = 0; i < 300; ++i) {
+    const absl::StatusOr<v1::SessionInfo> fork = store.Fork(source, "", {});
+    if (!fork.ok()) {
+      EXPECT_EQ(fork.status().code(), absl::StatusCode::kResourceExhausted) << fork.status();
+      ++refused;
+    }
+    const SessionStore::Activity now = store.activity();
+    ASSERT_LE(now.cache_bytes + now.table_bytes, BlockPool::kChunkBytes) << "after " << i + 1 << " forks";
+  }
+  const SessionStore::Activity now = store.activity();
+  EXPECT_EQ(refused, 0);  // older idle forks made room
+  EXPECT_LT(now.open, 200);  // each fork's table is about 8 KiB of the 1 MiB the source left
+  EXPECT_GT(now.table_bytes, 1000 * 8 * (now.open - 1));
+  EXPECT_EQ(store.View(source, 0, {}, "session_id")->length, 1000 * kTokens);
+}
+
+// Several tokens share the pool and the session limit (F7 of #54): each one's share is an equal part while
+// several hold sessions.
+SessionStoreOptions SharedOptions() {
+  SessionStoreOptions options;
+  options.capacity_bytes = BlockPool::kChunkBytes;  // 2048 blocks of 1 KiB
+  options.block_tokens = kTokens;
+  options.max_sessions = 8;
+  options.max_tokens = 2048 * kTokens;
+  return options;
+}
+
+class SharedStoreTest : public ::testing::Test {
+ protected:
+  SharedStoreTest() : store_(SharedOptions(), nullptr) {}
+
+  std::string Create(const SessionCaller& who, const std::string& id) {
+    absl::StatusOr<v1::SessionInfo> info = store_.Create(HeadSession(), id, who);
+    EXPECT_OK(info.status());
+    return id;
+  }
+
+  // Appends `blocks` blocks of tokens to `who`'s session `id`, holding it as a call does.
+  absl::Status Extend(const SessionCaller& who, const std::string& id, int64_t blocks) {
+    const SessionHold hold = HoldSessions(store_, {SessionKey(who.owner, id)});
+    const ReserveItem item{id, 0, blocks * kTokens, who.owner};
+    absl::StatusOr<ExtendReservation> r = store_.Reserve({&item, 1});
+    if (!r.ok()) return r.status();
+    r->Commit();
+    return absl::OkStatus();
+  }
+
+  absl::Status Look(const SessionCaller& who, const std::string& id) {
+    return store_.View(id, 0, who, "session_id").status();
+  }
+
+  const SessionCaller alice_{"alice", false}, bob_{"bob", false};
+  SessionStore store_;
+};
+
+TEST_F(SharedStoreTest, OneTokenAloneMayFillThePool) {
+  Create(alice_, "a1");
+  Create(alice_, "a2");
+  ASSERT_OK(Extend(alice_, "a1", 1000));
+  ASSERT_OK(Extend(alice_, "a2", 1000));
+  EXPECT_OK(Look(alice_, "a1"));
+}
+
+TEST_F(SharedStoreTest, ATokenPastItsShareEvictsOnlyItsOwnIdleSessions) {
+  Create(alice_, "a1");
+  Create(alice_, "a2");
+  Create(bob_, "b1");
+  ASSERT_OK(Extend(bob_, "b1", 400));  // bob's is the least recently used idle session
+  ASSERT_OK(Extend(alice_, "a1", 1500));
+  ASSERT_OK(Extend(alice_, "a2", 200));  // past its half: makes room from its own a1, never from bob's b1
+  EXPECT_THAT(Look(alice_, "a1").message(), HasSubstr("evicted"));
+  EXPECT_OK(Look(bob_, "b1"));
+}
+
+TEST_F(SharedStoreTest, ATokenPastItsShareIsRefusedRatherThanEvictAnothers) {
+  Create(alice_, "a1");
+  Create(bob_, "b1");
+  ASSERT_OK(Extend(bob_, "b1", 400));
+  ASSERT_OK(Extend(alice_, "a1", 1500));
+  const absl::Status refused = Extend(alice_, "a1", 200);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(refused.message(), HasSubstr("may not evict"));
+  EXPECT_THAT(refused.message(), HasSubstr("share"));
+  EXPECT_OK(Look(bob_, "b1"));
+}
+
+TEST_F(SharedStoreTest, ATokenWithinItsShareEvictsIdleSessionsOfOnePastIts) {
+  Create(alice_, "a1");
+  Create(bob_, "b1");
+  Create(bob_, "b2");
+  ASSERT_OK(Extend(bob_, "b2", 10));  // bob's b2 is the least recently used idle session, yet alice's a1 goes
+  ASSERT_OK(Extend(alice_, "a1", 1600));
+  ASSERT_OK(Extend(bob_, "b1", 100));
+  ASSERT_OK(Extend(bob_, "b1", 500));
+  EXPECT_THAT(Look(alice_, "a1").message(), HasSubstr("evicted"));
+  EXPECT_OK(Look(bob_, "b2"));
+}
+
+TEST_F(SharedStoreTest, AtMaxSessionsATokenBelowItsShareDisplacesAnIdleSessionOfOneAbove) {
+  for (int i = 0; i < 8; ++i) Create(alice_, "a" + std::to_string(i));
+  for (int i = 0; i < 4; ++i) Create(bob_, "b" + std::to_string(i));  // bob's share of 8 is 4
+  EXPECT_THAT(Look(alice_, "a0").message(), HasSubstr("session limit"));
+  EXPECT_OK(Look(alice_, "a4"));
+  const absl::Status refused = store_.Create(HeadSession(), "b4", bob_).status();
+  EXPECT_EQ(refused.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(refused.message(), HasSubstr("--max_sessions"));
+  EXPECT_THAT(refused.message(), HasSubstr("share"));
+  // Nor may alice, at its share now, displace bob's.
+  EXPECT_EQ(store_.Create(HeadSession(), "a9", alice_).status().code(), absl::StatusCode::kResourceExhausted);
+}
+
+TEST(SessionStoreCaps, ATokensSessionsAndBytesMayBeCapped) {
+  SessionStoreOptions options = SharedOptions();
+  options.max_sessions_per_owner = 2;
+  options.max_bytes_per_owner = 300 * kBlockBytes;
+  SessionStore store(options, nullptr);
+  const SessionCaller alice{"alice", false};
+  ASSERT_OK(store.Create(HeadSession(), "a1", alice).status());
+  ASSERT_OK(store.Create(HeadSession(), "a2", alice).status());
+  const absl::Status third = store.Create(HeadSession(), "a3", alice).status();
+  EXPECT_EQ(third.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(third.message(), HasSubstr("--max_sessions_per_token"));
+  const SessionHold hold = HoldSessions(store, {SessionKey("alice", "a1")});
+  const ReserveItem item{"a1", 0, 400 * kTokens, "alice"};
+  const absl::Status past = store.Reserve({&item, 1}).status();
+  EXPECT_EQ(past.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(past.message(), HasSubstr("--kv_cache_mb_per_token"));
+}
+
 // A backend's arena as the store sees one: host memory here, which says when it is released.
 class FakeArena final : public CacheArena {
  public:

@@ -27,6 +27,8 @@ absl::Status CheckSessionOptions(const ServerOptions& o) {
         absl::StrCat("--kv_cache_memory must be auto, host or cuda, got '", o.kv_cache_memory, "'"));
   }
   RETURN_IF_ERROR(in("max_sessions", o.max_sessions, 1, 1 << 20));
+  RETURN_IF_ERROR(in("max_sessions_per_token", o.max_sessions_per_token, 0, o.max_sessions));
+  RETURN_IF_ERROR(in("kv_cache_mb_per_token", o.kv_cache_mb_per_token, 0, o.kv_cache_mb));
   RETURN_IF_ERROR(in("max_session_tokens", o.max_session_tokens, 1, 1 << 24));
   RETURN_IF_ERROR(in("session_idle_s", o.session_idle_s, 1, 30 * 86400));
   return in("max_session_idle_s", o.max_session_idle_s, o.session_idle_s, 30 * 86400);
@@ -118,6 +120,8 @@ SessionStoreOptions SessionOptionsOf(const ServerOptions& o) {
   s.capacity_bytes = static_cast<int64_t>(o.kv_cache_mb) << 20;
   s.block_tokens = o.kv_block_tokens;
   s.max_sessions = o.max_sessions;
+  s.max_sessions_per_owner = o.max_sessions_per_token;
+  s.max_bytes_per_owner = static_cast<int64_t>(o.kv_cache_mb_per_token) << 20;
   s.max_tokens = o.max_session_tokens;
   s.idle_timeout = absl::Seconds(o.session_idle_s);
   s.max_idle_timeout = absl::Seconds(o.max_session_idle_s);

@@ -94,6 +94,12 @@ ABSL_FLAG(std::string, kv_cache_memory, kDefaults.kv_cache_memory,
 ABSL_FLAG(int, kv_block_tokens, kDefaults.kv_block_tokens,
           "tokens per KV-cache block (multiples of 16 take the decode kernels)");
 ABSL_FLAG(int, max_sessions, kDefaults.max_sessions, "KV-cache sessions open at once at most");
+ABSL_FLAG(int, max_sessions_per_token, kDefaults.max_sessions_per_token,
+          "sessions one token may hold open at most; 0: no cap, but while several tokens hold sessions one below "
+          "its equal share of --max_sessions may evict idle sessions of one above its share");
+ABSL_FLAG(int, kv_cache_mb_per_token, kDefaults.kv_cache_mb_per_token,
+          "MiB of the KV-cache pool one token's sessions may hold at most; 0: no cap, but while several tokens hold "
+          "sessions one past its equal share of the pool evicts only its own idle sessions");
 ABSL_FLAG(int, max_session_tokens, kDefaults.max_session_tokens,
           "tokens per session cache at most (a session's max_tokens default and limit)");
 ABSL_FLAG(int, session_idle_s, kDefaults.session_idle_s,
@@ -151,6 +157,8 @@ ServerOptions ServerOptionsFromFlags() {
   options.kv_cache_memory = absl::GetFlag(FLAGS_kv_cache_memory);
   options.kv_block_tokens = absl::GetFlag(FLAGS_kv_block_tokens);
   options.max_sessions = absl::GetFlag(FLAGS_max_sessions);
+  options.max_sessions_per_token = absl::GetFlag(FLAGS_max_sessions_per_token);
+  options.kv_cache_mb_per_token = absl::GetFlag(FLAGS_kv_cache_mb_per_token);
   options.max_session_tokens = absl::GetFlag(FLAGS_max_session_tokens);
   options.session_idle_s = absl::GetFlag(FLAGS_session_idle_s);
   options.max_session_idle_s = absl::GetFlag(FLAGS_max_session_idle_s);

@@ -131,6 +131,10 @@ struct ServerOptions {
   std::string kv_cache_memory = "auto";
   int kv_block_tokens = 32;
   int max_sessions = 1024;
+  // Per token (--auth_tokens_file): its sessions and MiB of the pool at most; 0 leaves each token an equal share of
+  // what several tokens contend for (see SessionStore), and no cap beyond it.
+  int max_sessions_per_token = 0;
+  int kv_cache_mb_per_token = 0;
   int max_session_tokens = 32768;
   int session_idle_s = 300;
   int max_session_idle_s = 3600;

@@ -76,15 +76,16 @@ ServerMetrics::ServerMetrics()
                            .Add({})),
       evictions_(prometheus::BuildCounter()
                      .Name("mha_session_evictions_total")
-                     .Help("Sessions the server ended, by reason: idle_timeout, or cache_full (least recently used "
-                           "idle sessions evicted to make room)")
+                     .Help("Sessions the server ended, by reason: idle_timeout, cache_full (least recently used "
+                           "idle sessions evicted to make room), or session_limit (evicted at --max_sessions for a "
+                           "token below its share)")
                      .Register(*registry_)),
       extend_items_(prometheus::BuildHistogram()
                         .Name("mha_extend_items")
                         .Help("Items (sessions) per Extend call")
                         .Register(*registry_)
                         .Add({}, prometheus::Histogram::BucketBoundaries{1, 2, 4, 8, 16, 32, 64, 128, 256})) {
-  for (const char* reason : {"idle_timeout", "cache_full"}) evictions_.Add({{"reason", reason}});
+  for (const char* reason : {"idle_timeout", "cache_full", "session_limit"}) evictions_.Add({{"reason", reason}});
 }
 
 absl::Status ServerMetrics::Serve(const std::string& address) {

@@ -11,7 +11,8 @@
 //   mha_kv_cache_used_bytes, mha_kv_cache_capacity_bytes  the sessions' block pool: bytes of blocks in use, of all
 //   mha_kv_cache_shared_blocks                      blocks referenced by more than one session (forks)
 //   mha_session_tokens_appended_total               tokens Extend calls appended to caches
-//   mha_session_evictions_total{reason}             sessions ended by the server: idle_timeout, cache_full, shutdown
+//   mha_session_evictions_total{reason}             sessions ended by the server: idle_timeout, cache_full,
+//                                                   session_limit, shutdown
 //   mha_extend_items                                items (sessions) per Extend call
 #ifndef MHA_SERVER_METRICS_METRICS_H_
 #define MHA_SERVER_METRICS_METRICS_H_
@@ -50,7 +51,7 @@ class ServerMetrics {
   // The session store's state after a change.
   void SetSessions(int open, int64_t used_bytes, int64_t capacity_bytes, int64_t shared_blocks);
   void RecordTokensAppended(int64_t tokens);
-  // A session the server ended: `reason` is "idle_timeout", "cache_full" or "shutdown".
+  // A session the server ended: `reason` is "idle_timeout", "cache_full", "session_limit" or "shutdown".
   void RecordEviction(absl::string_view reason);
   void RecordExtendItems(int items);
 

@@ -49,6 +49,7 @@ BlockPool::~BlockPool() {
 
 bool BlockPool::HasRoom(int64_t bytes) const {
   if (bytes < 1 || bytes > kChunkBytes) return false;
+  if (used_bytes_ + reserved_bytes_ + Rounded(bytes) > capacity_bytes()) return false;
   const auto partial = partial_chunks_.find(Rounded(bytes));
   return !free_chunks_.empty() || !resident_chunks_.empty() ||
          (partial != partial_chunks_.end() && !partial->second.empty());
@@ -57,6 +58,7 @@ bool BlockPool::HasRoom(int64_t bytes) const {
 char* BlockPool::Allocate(int64_t bytes) {
   if (bytes < 1 || bytes > kChunkBytes) return nullptr;
   const int64_t size = Rounded(bytes);
+  if (used_bytes_ + reserved_bytes_ + size > capacity_bytes()) return nullptr;
   std::set<int64_t>& partial = partial_chunks_[size];
   if (partial.empty()) {
     std::vector<int64_t>& source = !resident_chunks_.empty() ? resident_chunks_ : free_chunks_;
@@ -89,17 +91,17 @@ void BlockPool::Ref(char* block) {
   if (++refs == 2) ++shared_blocks_;
 }
 
-void BlockPool::Unref(char* block) {
+bool BlockPool::Unref(char* block) {
   const int64_t c = ChunkOf(block);
   Chunk& chunk = chunks_[c];
   const int32_t index = IndexOf(block, chunk);
   int32_t& refs = chunk.refs[index];
   if (--refs == 1) --shared_blocks_;
-  if (refs > 0) return;
+  if (refs > 0) return false;
   used_bytes_ -= chunk.block_bytes;
   if (chunk.free.empty()) partial_chunks_[chunk.block_bytes].insert(c);
   chunk.free.push_back(index);
-  if (--chunk.used > 0) return;
+  if (--chunk.used > 0) return true;
   // The chunk is empty: it may serve another block size; its pages stay for the next blocks, or go back to the
   // system beyond what the pool keeps.
   partial_chunks_[chunk.block_bytes].erase(c);
@@ -107,10 +109,11 @@ void BlockPool::Unref(char* block) {
   --chunks_in_use_;
   if (!owns_arena_ || static_cast<int64_t>(resident_chunks_.size()) < keep_resident_) {
     resident_chunks_.push_back(c);
-    return;
+    return true;
   }
   madvise(base_ + c * kChunkBytes, kChunkBytes, MADV_DONTNEED);
   free_chunks_.push_back(c);
+  return true;
 }
 
 int BlockPool::RefCount(const char* block) const {

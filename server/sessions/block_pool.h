@@ -41,12 +41,18 @@ class BlockPool {
   BlockPool& operator=(const BlockPool&) = delete;
 
   // A block of `bytes` (1..kChunkBytes) with one reference, its contents unspecified; nullptr when no chunk has a
-  // free block of that size and no chunk is free.
+  // free block of that size and no chunk is free, or when the block would take the blocks' bytes and the reserved
+  // bytes past the capacity.
   char* Allocate(int64_t bytes);
   // Adds a reference to a block that has one.
   void Ref(char* block);
-  // Drops a reference; the last one frees the block, and the last block of a chunk frees the chunk.
-  void Unref(char* block);
+  // Drops a reference; the last one frees the block (true), and the last block of a chunk frees the chunk.
+  bool Unref(char* block);
+  // Bytes of the capacity spent outside the blocks (the store's block tables, which live on the heap): blocks are
+  // allocated only while used_bytes() + reserved_bytes() stays within the capacity. May be set past what is free;
+  // Allocate then refuses until blocks are freed.
+  void set_reserved_bytes(int64_t bytes) { reserved_bytes_ = bytes; }
+  int64_t reserved_bytes() const { return reserved_bytes_; }
   int RefCount(const char* block) const;
 
   int64_t capacity_bytes() const { return static_cast<int64_t>(chunks_.size()) * kChunkBytes; }
@@ -80,6 +86,7 @@ class BlockPool {
   const int64_t keep_resident_;           // chunks resident_chunks_ may hold (all of them in a lent arena)
   std::map<int64_t, std::set<int64_t>> partial_chunks_;  // by block size: chunks in use with a free block
   int64_t used_bytes_ = 0;
+  int64_t reserved_bytes_ = 0;
   int64_t chunks_in_use_ = 0;
   int64_t shared_blocks_ = 0;
 };

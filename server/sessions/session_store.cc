@@ -94,6 +94,10 @@ absl::StatusOr<SessionStore::Session*> SessionStore::Find(const std::string& own
         return absl::NotFoundError(absl::StrCat(
             field, ": session '", id, "' was evicted ", Seconds(ago),
             " ago: the KV cache was full and it was the least recently used idle session (--kv_cache_mb)"));
+      case EndReason::kDisplaced:
+        return absl::NotFoundError(absl::StrCat(
+            field, ": session '", id, "' was evicted ", Seconds(ago),
+            " ago: the server was at its session limit (--max_sessions) and its token held more than its share"));
     }
   }
   return absl::NotFoundError(absl::StrCat(field, ": no session '", id,
@@ -165,20 +169,52 @@ absl::StatusOr<v1::SessionInfo> SessionStore::Create(const SessionConfig& given,
   }
   absl::MutexLock lock(&mu_);
   ASSIGN_OR_RETURN(std::string session_id, NewId(caller.owner, id, "session_id"));
-  if (static_cast<int>(sessions_.size()) >= options_.max_sessions) {
-    return absl::ResourceExhaustedError(absl::StrCat(sessions_.size(), " sessions are open, the server's limit "
-                                                     "(--max_sessions); close one, or let idle ones expire"));
-  }
-  const std::string key = SessionKey(caller.owner, session_id);
-  Session& s = sessions_[key];
+  RETURN_IF_ERROR(RoomForSession(caller.owner));
+  Session s;
   s.id = session_id;
   s.owner = caller.owner;
   s.config = std::move(config);
   s.caches = std::move(caches);
   s.last_used = absl::Now();
-  ended_.erase(key);  // a new session of that id: the old one's end no longer explains anything
+  const Session& created = Insert(SessionKey(caller.owner, session_id), std::move(s));
   Publish();
-  return Info(s);
+  return Info(created);
+}
+
+SessionStore::Session& SessionStore::Insert(const std::string& key, Session session) {
+  ended_.erase(key);  // a new session of that id: the old one's end no longer explains anything
+  Session& s = sessions_[key] = std::move(session);
+  ++owners_[s.owner].sessions;
+  Recharge(&s);
+  return s;
+}
+
+absl::Status SessionStore::RoomForSession(const std::string& owner) {
+  const OwnerUse mine = UseOf(owner);
+  if (options_.max_sessions_per_owner > 0 && mine.sessions >= options_.max_sessions_per_owner) {
+    return absl::ResourceExhaustedError(absl::StrCat("this token has ", mine.sessions, " sessions open, its limit "
+                                                     "(--max_sessions_per_token); close one, or let idle ones expire"));
+  }
+  if (static_cast<int>(sessions_.size()) < options_.max_sessions) return absl::OkStatus();
+  const int owners = OwnersWith(owner);
+  const int share = std::max(1, options_.max_sessions / owners);
+  if (mine.sessions < share) {
+    auto victim = sessions_.end();
+    for (auto it = sessions_.begin(); it != sessions_.end(); ++it) {
+      if (owners_.at(it->second.owner).sessions <= share || sequencer_.Held(it->first)) continue;
+      if (victim == sessions_.end() || it->second.last_used < victim->second.last_used) victim = it;
+    }
+    if (victim != sessions_.end()) {
+      EndSession(victim, EndReason::kDisplaced);
+      return absl::OkStatus();
+    }
+  }
+  return absl::ResourceExhaustedError(absl::StrCat(
+      sessions_.size(), " sessions are open, the server's limit (--max_sessions); ",
+      owners > 1 ? absl::StrCat("this token holds ", mine.sessions, ", its share while ", owners,
+                                " tokens hold sessions is ", share, "; ")
+                 : "",
+      "close one, or let idle ones expire"));
 }
 
 absl::StatusOr<v1::SessionInfo> SessionStore::Fork(const std::string& id, const std::string& new_id,
@@ -186,19 +222,24 @@ absl::StatusOr<v1::SessionInfo> SessionStore::Fork(const std::string& id, const 
   absl::MutexLock lock(&mu_);
   ASSIGN_OR_RETURN(Session* source, Find(caller.owner, id, "session_id"));
   ASSIGN_OR_RETURN(std::string fork_id, NewId(caller.owner, new_id, "new_session_id"));
-  if (static_cast<int>(sessions_.size()) >= options_.max_sessions) {
-    return absl::ResourceExhaustedError(absl::StrCat(sessions_.size(), " sessions are open, the server's limit "
-                                                     "(--max_sessions); close one, or let idle ones expire"));
-  }
+  RETURN_IF_ERROR(RoomForSession(caller.owner));  // may evict, but not the source: the fork's call holds it
   source->last_used = absl::Now();
-  Session copy = *source;  // before the insertion below, which may move nothing but is clearer so
+  Session copy = *source;
   copy.id = fork_id;
+  copy.table_bytes = 0;
+  const std::string key = SessionKey(copy.owner, fork_id);
+  // Its block tables are new memory though its blocks are shared: they count against the pool like blocks.
+  const int64_t tables = TableBytes(key, copy);
+  if (!FitTables(tables, caller.owner)) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "the KV cache is full: a fork's block tables take ", tables, " bytes of it (--kv_cache_mb), and ",
+        pool_.used_bytes() + table_bytes_, " of ", pool_capacity_,
+        " bytes are in use by sessions this token may not evict"));
+  }
   for (Cache& cache : copy.caches) {
     for (char* block : cache.blocks) pool_.Ref(block);
   }
-  const std::string key = SessionKey(copy.owner, fork_id);
-  ended_.erase(key);
-  Session& fork = sessions_[key] = std::move(copy);
+  const Session& fork = Insert(key, std::move(copy));
   Publish();
   return Info(fork);
 }
@@ -212,9 +253,11 @@ absl::StatusOr<v1::SessionInfo> SessionStore::Truncate(const std::string& id, in
     if (length >= cache.length) continue;
     cache.length = length;
     const size_t keep = static_cast<size_t>(CeilDiv(length, cache.layout.block_tokens));
-    for (size_t b = keep; b < cache.blocks.size(); ++b) pool_.Unref(cache.blocks[b]);
+    for (size_t b = keep; b < cache.blocks.size(); ++b) Unref(cache.blocks[b], cache.layout.BlockBytes(), s->owner);
     cache.blocks.resize(keep);
+    cache.blocks.shrink_to_fit();
   }
+  Recharge(s);
   s->last_used = absl::Now();
   Publish();
   return Info(*s);
@@ -232,10 +275,21 @@ absl::Status SessionStore::Close(const std::string& id, const SessionCaller& cal
 }
 
 std::vector<v1::SessionInfo> SessionStore::List(const SessionCaller& caller) const {
-  absl::MutexLock lock(&mu_);
+  // One session at a time under the lock: a session's Info reads its whole block table, and a list of every one
+  // at once held the lock for 0.8 s (F4 of #54). A session ending between the two steps is left out.
+  std::vector<std::string> keys;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [key, s] : sessions_) {
+      if (caller.admin || s.owner == caller.owner) keys.push_back(key);
+    }
+  }
   std::vector<v1::SessionInfo> list;
-  for (const auto& [key, s] : sessions_) {
-    if (caller.admin || s.owner == caller.owner) list.push_back(Info(s, /*with_owner=*/caller.admin));
+  for (const std::string& key : keys) {
+    absl::MutexLock lock(&mu_);
+    if (const auto it = sessions_.find(key); it != sessions_.end()) {
+      list.push_back(Info(it->second, /*with_owner=*/caller.admin));
+    }
   }
   // By key is by owner, then id: an admin's list is ordered by id (then owner) as everyone's.
   std::sort(list.begin(), list.end(), [](const v1::SessionInfo& a, const v1::SessionInfo& b) {
@@ -265,27 +319,78 @@ absl::StatusOr<CacheView> SessionStore::View(const std::string& id, int64_t cach
   return view;
 }
 
-char* SessionStore::AllocateEvicting(int64_t bytes) {
+char* SessionStore::AllocateEvicting(int64_t bytes, const std::string& owner) {
   for (;;) {
-    if (char* block = pool_.Allocate(bytes); block != nullptr) return block;
-    if (!EvictOne()) return nullptr;
+    if (!PastByteCap(owner, bytes)) {
+      if (char* block = pool_.Allocate(bytes); block != nullptr) {
+        owners_[owner].bytes += bytes;
+        return block;
+      }
+    }
+    if (!EvictFor(owner, bytes)) return nullptr;
   }
+}
+
+bool SessionStore::FitTables(int64_t bytes, const std::string& owner) {
+  while (PastByteCap(owner, bytes) || pool_.used_bytes() + table_bytes_ + bytes > pool_capacity_) {
+    if (!EvictFor(owner, bytes)) return false;
+  }
+  return true;
+}
+
+SessionStore::OwnerUse SessionStore::UseOf(const std::string& owner) const {
+  const auto it = owners_.find(owner);
+  return it != owners_.end() ? it->second : OwnerUse{};
+}
+
+int SessionStore::OwnersWith(const std::string& owner) const {
+  return static_cast<int>(owners_.size()) + (owners_.count(owner) == 0 ? 1 : 0);
+}
+
+bool SessionStore::PastByteCap(const std::string& owner, int64_t bytes) const {
+  return options_.max_bytes_per_owner > 0 && UseOf(owner).bytes + bytes > options_.max_bytes_per_owner;
+}
+
+bool SessionStore::EvictFor(const std::string& owner, int64_t bytes) {
+  const int64_t share = pool_capacity_ / OwnersWith(owner);
+  const bool within_share = !PastByteCap(owner, bytes) && UseOf(owner).bytes + bytes <= share;
+  // The least recently used idle session among those `eligible` accepts.
+  const auto lru = [&](auto eligible) {
+    auto victim = sessions_.end();
+    for (auto it = sessions_.begin(); it != sessions_.end(); ++it) {
+      if (!eligible(it->second) || sequencer_.Held(it->first)) continue;
+      if (victim == sessions_.end() || it->second.last_used < victim->second.last_used) victim = it;
+    }
+    return victim;
+  };
+  auto victim = sessions_.end();
+  if (within_share) {
+    victim = lru([&](const Session& s) { return s.owner != owner && owners_.at(s.owner).bytes > share; });
+  }
+  if (victim == sessions_.end()) victim = lru([&](const Session& s) { return s.owner == owner; });
+  // Nobody over a share, yet no room (blocks of other sizes hold the chunks): anyone's, for an owner within its.
+  if (victim == sessions_.end() && within_share) victim = lru([](const Session&) { return true; });
+  if (victim == sessions_.end()) return false;
+  EndSession(victim, EndReason::kEvicted);
+  return true;
 }
 
 absl::StatusOr<ExtendReservation> SessionStore::Reserve(absl::Span<const ReserveItem> items) {
   absl::MutexLock lock(&mu_);
   ExtendReservation reservation;
   reservation.store_ = this;
-  int64_t needed = 0;  // blocks still wanted when the pool ran out
+  int64_t needed = 0;       // blocks still wanted when the pool ran out
+  int64_t block_bytes = 0;  // of the cache that wanted them
   for (const ReserveItem& want : items) {
     const auto found = sessions_.find(SessionKey(want.owner, want.id));
     if (found == sessions_.end()) return absl::InternalError("a held session vanished");
     const Cache& cache = found->second.caches[want.cache];
     const int64_t tb = cache.layout.block_tokens, bytes = cache.layout.BlockBytes();
+    block_bytes = bytes;
     ExtendReservation::Item item{found->first, want.cache, cache.length, want.new_tokens, cache.blocks, {}, nullptr};
     // The new tokens' first slots lie in the last block when it is partly filled: a shared one is copied first.
     if (want.new_tokens > 0 && cache.length % tb != 0 && pool_.RefCount(cache.blocks.back()) > 1) {
-      char* copy = AllocateEvicting(bytes);
+      char* copy = AllocateEvicting(bytes, want.owner);
       if (copy == nullptr) {
         needed = 1 + CeilDiv(cache.length + want.new_tokens, tb) - static_cast<int64_t>(cache.blocks.size());
         reservation.items_.push_back(std::move(item));
@@ -297,7 +402,7 @@ absl::StatusOr<ExtendReservation> SessionStore::Reserve(absl::Span<const Reserve
       item.fresh.push_back(copy);
     }
     while (static_cast<int64_t>(item.blocks.size()) * tb < cache.length + want.new_tokens) {
-      char* block = AllocateEvicting(bytes);
+      char* block = AllocateEvicting(bytes, want.owner);
       if (block == nullptr) {
         needed = CeilDiv(cache.length + want.new_tokens, tb) - static_cast<int64_t>(item.blocks.size());
         break;
@@ -305,22 +410,48 @@ absl::StatusOr<ExtendReservation> SessionStore::Reserve(absl::Span<const Reserve
       item.blocks.push_back(block);
       item.fresh.push_back(block);
     }
+    const int64_t growth = static_cast<int64_t>(item.blocks.capacity() - cache.blocks.capacity()) *
+                           static_cast<int64_t>(sizeof(char*));
+    if (needed == 0 && growth > 0) {
+      if (FitTables(growth, want.owner)) {
+        item.table_growth = growth;
+        ChargeTables(want.owner, growth);
+      } else {
+        needed = 1;
+      }
+    }
     reservation.items_.push_back(std::move(item));
     if (needed > 0) break;
   }
   if (needed == 0) return reservation;
-  int in_use = 0;
-  for (const auto& [key, s] : sessions_) in_use += sequencer_.Held(key) ? 1 : 0;
-  const std::string message = absl::StrCat(
-      "the KV cache is full: ", pool_.used_bytes(), " of ", pool_capacity_, " bytes (--kv_cache_mb) in blocks of ",
-      sessions_.size(), " sessions, all ", in_use, " left in use by calls; this call needs at least ", needed,
-      " more block(s)");
-  for (ExtendReservation::Item& item : reservation.items_) {
-    for (char* block : item.fresh) pool_.Unref(block);
-  }
-  reservation.items_.clear();
-  Publish();
+  const std::string message = FullMessage(items.front().owner, needed, block_bytes);
+  Release(&reservation);
   return absl::ResourceExhaustedError(message);
+}
+
+std::string SessionStore::FullMessage(const std::string& owner, int64_t needed, int64_t block_bytes) const {
+  if (PastByteCap(owner, block_bytes)) {
+    return absl::StrCat("this token's sessions hold ", UseOf(owner).bytes, " bytes of the KV cache, its limit "
+                        "(--kv_cache_mb_per_token) being ", options_.max_bytes_per_owner, "; this call needs at "
+                        "least ", needed, " more block(s) of ", block_bytes, " bytes");
+  }
+  int in_use = 0, idle_of_others = 0;
+  for (const auto& [key, s] : sessions_) {
+    const bool held = sequencer_.Held(key);
+    in_use += held ? 1 : 0;
+    idle_of_others += !held && s.owner != owner ? 1 : 0;
+  }
+  const int owners = OwnersWith(owner);
+  std::string message = absl::StrCat("the KV cache is full: ", pool_.used_bytes() + table_bytes_, " of ",
+                                     pool_capacity_, " bytes (--kv_cache_mb) in blocks and tables of ",
+                                     sessions_.size(), " sessions, ", in_use, " in use by calls");
+  if (idle_of_others > 0) {
+    absl::StrAppend(&message, ", ", idle_of_others, " idle of other tokens, which this one may not evict: it holds ",
+                    UseOf(owner).bytes, " bytes, and its share while ", owners, " tokens hold sessions is ",
+                    pool_capacity_ / owners);
+  }
+  absl::StrAppend(&message, "; this call needs at least ", needed, " more block(s)");
+  return message;
 }
 
 void SessionStore::Commit(ExtendReservation* reservation) {
@@ -331,7 +462,9 @@ void SessionStore::Commit(ExtendReservation* reservation) {
     Cache& cache = s.caches[item.cache];
     cache.blocks = std::move(item.blocks);
     cache.length = item.length + item.new_tokens;
-    if (item.replaced != nullptr) pool_.Unref(item.replaced);
+    if (item.replaced != nullptr) Unref(item.replaced, cache.layout.BlockBytes(), s.owner);
+    ChargeTables(s.owner, -item.table_growth);  // charged at reservation; now the table itself counts
+    Recharge(&s);
     s.last_used = absl::Now();
     tokens += item.new_tokens;
   }
@@ -342,18 +475,53 @@ void SessionStore::Commit(ExtendReservation* reservation) {
 
 void SessionStore::Abort(ExtendReservation* reservation) {
   absl::MutexLock lock(&mu_);
+  Release(reservation);
+}
+
+void SessionStore::Release(ExtendReservation* reservation) {
   for (ExtendReservation::Item& item : reservation->items_) {
-    for (char* block : item.fresh) pool_.Unref(block);
+    const Session& s = sessions_.at(item.key);  // held by the call: still there
+    for (char* block : item.fresh) Unref(block, s.caches[item.cache].layout.BlockBytes(), s.owner);
+    ChargeTables(s.owner, -item.table_growth);
   }
   reservation->items_.clear();
   Publish();
 }
 
+int64_t SessionStore::TableBytes(const std::string& key, const Session& s) {
+  // The map's node (its links and the pair), the strings' characters, and every vector's capacity.
+  int64_t bytes = static_cast<int64_t>(sizeof(std::pair<const std::string, Session>)) + 32;
+  bytes += static_cast<int64_t>(key.size() + s.id.size() + s.owner.size());
+  bytes += static_cast<int64_t>(s.caches.capacity() * sizeof(Cache));
+  for (const Cache& cache : s.caches) bytes += static_cast<int64_t>(cache.blocks.capacity() * sizeof(char*));
+  bytes += static_cast<int64_t>(s.config.layers.capacity() * sizeof(SessionLayer));
+  for (const SessionLayer& layer : s.config.layers) bytes += static_cast<int64_t>(layer.name.size());
+  return bytes;
+}
+
+void SessionStore::ChargeTables(const std::string& owner, int64_t bytes) {
+  table_bytes_ += bytes;
+  owners_[owner].bytes += bytes;
+  pool_.set_reserved_bytes(table_bytes_);
+}
+
+void SessionStore::Recharge(Session* s) {
+  const int64_t now = TableBytes(SessionKey(s->owner, s->id), *s);
+  ChargeTables(s->owner, now - s->table_bytes);
+  s->table_bytes = now;
+}
+
+void SessionStore::Unref(char* block, int64_t bytes, const std::string& owner) {
+  if (pool_.Unref(block)) owners_[owner].bytes -= bytes;
+}
+
 void SessionStore::EndSession(std::map<std::string, Session>::iterator it, EndReason reason) {
   Session& s = it->second;
   for (Cache& cache : s.caches) {
-    for (char* block : cache.blocks) pool_.Unref(block);
+    for (char* block : cache.blocks) Unref(block, cache.layout.BlockBytes(), s.owner);
   }
+  ChargeTables(s.owner, -s.table_bytes);
+  if (--owners_[s.owner].sessions == 0) owners_.erase(s.owner);
   if (ended_.size() >= kRecentEnds) {
     ended_.erase(end_order_.front());
     end_order_.pop_front();
@@ -362,26 +530,21 @@ void SessionStore::EndSession(std::map<std::string, Session>::iterator it, EndRe
   if (ended_.count(key) == 0) end_order_.push_back(key);
   ended_[key] = {reason, absl::Now(), s.config.idle_timeout};
   if (reason != EndReason::kClosed && metrics_ != nullptr) {
-    metrics_->RecordEviction(reason == EndReason::kExpired ? "idle_timeout" : "cache_full");
+    metrics_->RecordEviction(reason == EndReason::kExpired     ? "idle_timeout"
+                             : reason == EndReason::kDisplaced ? "session_limit"
+                                                               : "cache_full");
   }
   if (reason == EndReason::kExpired) {
     spdlog::info("session {} expired: idle for more than {}", s.id, Seconds(s.config.idle_timeout));
   } else if (reason == EndReason::kEvicted) {
     spdlog::warn("session {} evicted to make room in the KV cache (least recently used, idle {}; {} of {} bytes "
-                 "in use)", s.id, Seconds(absl::Now() - s.last_used), pool_.used_bytes(), pool_capacity_);
+                 "in use)", s.id, Seconds(absl::Now() - s.last_used), pool_.used_bytes() + table_bytes_,
+                 pool_capacity_);
+  } else if (reason == EndReason::kDisplaced) {
+    spdlog::warn("session {} evicted to make room for a session of a token below its share of --max_sessions "
+                 "(least recently used of a token over its share, idle {})", s.id, Seconds(absl::Now() - s.last_used));
   }
   sessions_.erase(it);
-}
-
-bool SessionStore::EvictOne() {
-  auto victim = sessions_.end();
-  for (auto it = sessions_.begin(); it != sessions_.end(); ++it) {
-    if (sequencer_.Held(it->first)) continue;
-    if (victim == sessions_.end() || it->second.last_used < victim->second.last_used) victim = it;
-  }
-  if (victim == sessions_.end()) return false;
-  EndSession(victim, EndReason::kEvicted);
-  return true;
 }
 
 int SessionStore::ExpireIdle(absl::Time now) {
@@ -416,6 +579,7 @@ SessionStore::Activity SessionStore::activity() const {
     a.in_use += sequencer_.InUse(key) ? 1 : 0;
   }
   a.cache_bytes = pool_.used_bytes();
+  a.table_bytes = table_bytes_;
   return a;
 }
 

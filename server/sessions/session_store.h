@@ -4,10 +4,19 @@
 //
 // Who may end what: a session ends by its owner's Close (or an admin's), by expiry after idle_timeout without a
 // call, or by eviction, least recently used first among idle sessions, when an Extend needs blocks the pool does not
-// have. A block is freed by its last reference (forks share blocks). A session held by a call (SessionSequencer::Held)
-// is never evicted, and only the call holding it changes it, so the blocks an Extend writes stay its own until it
-// commits. One that calls merely wait for may be evicted (they then find it gone, NOT_FOUND saying so), so that
-// calls queued behind a busy session cannot pin idle ones; it does not expire while they wait (InUse).
+// have. A block is freed by its last reference (forks share blocks). A session held by a call
+// (SessionSequencer::Held) is never evicted, and only the call holding it changes it, so the blocks an Extend writes
+// stay its own until it commits. One that calls merely wait for may be evicted (they then find it gone, NOT_FOUND
+// saying so), so that calls queued behind a busy session cannot pin idle ones; it does not expire while they wait
+// (InUse).
+//
+// Shares between owners (tokens): an owner's bytes are its sessions' blocks and their bookkeeping (block tables,
+// which count against the pool though they live on the heap, so that forks cannot grow memory past it). While
+// several owners hold sessions, each one's share is an equal part of the pool and of max_sessions. An owner within
+// its share makes room by evicting idle sessions of owners over theirs first, then its own; an owner at or past its
+// share only ever evicts its own. At max_sessions, a Create or Fork of an owner below its share evicts the least
+// recently used idle session of an owner over its share; others are refused. Hard per-owner caps are optional
+// (max_sessions_per_owner, max_bytes_per_owner). With one owner (no tokens) all of this is plain LRU eviction.
 //
 // Extend is reserve, compute, commit: Reserve gives each item the blocks covering its cache and new tokens (fresh
 // blocks for new slots; a copy of the last block when it is shared and the new tokens land in it), the backend
@@ -50,6 +59,8 @@ struct SessionStoreOptions {
   int64_t max_tokens = 32768;                 // per cache, default and limit (--max_session_tokens)
   absl::Duration idle_timeout = absl::Seconds(300);      // when a session asks for none (--session_idle_s)
   absl::Duration max_idle_timeout = absl::Seconds(3600);  // the cap (--max_session_idle_s)
+  int max_sessions_per_owner = 0;   // a token's sessions at most; 0: its share only (--max_sessions_per_token)
+  int64_t max_bytes_per_owner = 0;  // a token's bytes of the pool at most; 0: its share only (--kv_cache_mb_per_token)
   int max_waiting = 64;                      // session calls waiting for their sessions at most (--max_queue_size)
   int64_t max_waiting_bytes = int64_t{1} << 30;  // their requests' bytes (--max_queued_mb)
 };
@@ -119,6 +130,7 @@ class ExtendReservation {
     std::vector<char*> blocks;    // covering [0, length + new_tokens)
     std::vector<char*> fresh;     // of blocks, those this reservation allocated (a copy included)
     char* replaced = nullptr;     // the shared block the copy stands for, dropped by the cache at commit
+    int64_t table_growth = 0;     // bytes the cache's block table grows by at commit, charged meanwhile
   };
 
   ExtendReservation() = default;
@@ -179,6 +191,7 @@ class SessionStore {
     int in_use = 0;  // of those, sessions a call is using now
     absl::Time last_used = absl::InfinitePast();
     int64_t cache_bytes = 0;
+    int64_t table_bytes = 0;  // the sessions' bookkeeping, counted against the pool
   };
   Activity activity() const;
   // Ends every open session (the server stops), counted as evictions for `reason`; returns what they were.
@@ -205,8 +218,16 @@ class SessionStore {
     SessionConfig config;  // max_tokens and idle_timeout resolved
     std::vector<Cache> caches;
     absl::Time last_used;
+    int64_t table_bytes = 0;  // its bookkeeping as last charged (TableBytes)
   };
-  enum class EndReason { kClosed, kExpired, kEvicted };
+  // What one owner holds: sessions, and bytes (blocks it allocated that are still referenced, plus its sessions'
+  // table bytes). Only owners with open sessions have one.
+  struct OwnerUse {
+    int sessions = 0;
+    int64_t bytes = 0;
+  };
+  // kDisplaced: evicted at max_sessions for an owner below its share.
+  enum class EndReason { kClosed, kExpired, kEvicted, kDisplaced };
   struct End {
     EndReason reason;
     absl::Time when;
@@ -223,12 +244,41 @@ class SessionStore {
   v1::SessionInfo Info(const Session& session, bool with_owner = false) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Drops the session's blocks and records why it ended.
   void EndSession(std::map<std::string, Session>::iterator it, EndReason reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Evicts the least recently used session not in use; false when there is none.
-  bool EvictOne() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // A block of `bytes`, evicting while the pool has none; nullptr when nothing more can be evicted.
-  char* AllocateEvicting(int64_t bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The bytes a session's bookkeeping holds on the heap: its map entry, ids, caches and block tables (an estimate
+  // of the allocations, by their sizes and capacities).
+  static int64_t TableBytes(const std::string& key, const Session& session);
+  // Charges the session's bookkeeping anew (after its tables changed) to its owner and the pool.
+  void Recharge(Session* session) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Adds `bytes` (may be negative) of bookkeeping to `owner` and the pool's reserved bytes.
+  void ChargeTables(const std::string& owner, int64_t bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Drops a reference to `block` of `bytes` held by `owner`'s session; the owner is charged no more once it is free.
+  void Unref(char* block, int64_t bytes, const std::string& owner) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // What `owner` holds now (zero when it holds no session), and how many owners hold sessions, it counted.
+  OwnerUse UseOf(const std::string& owner) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  int OwnersWith(const std::string& owner) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Whether `owner` may grow by `bytes`: within --kv_cache_mb_per_token, and (for evicting others) within its share.
+  bool PastByteCap(const std::string& owner, int64_t bytes) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Evicts one idle session to make room for `bytes` more of `owner` (see the shares above); false when it may
+  // evict none.
+  bool EvictFor(const std::string& owner, int64_t bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A block of `bytes` for `owner`, charged to it, evicting while there is no room; nullptr when nothing more may
+  // be evicted.
+  char* AllocateEvicting(int64_t bytes, const std::string& owner) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Room for `bytes` more bookkeeping of `owner` in the pool, evicting while there is none; false if it cannot.
+  bool FitTables(int64_t bytes, const std::string& owner) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Room for one more session of `owner` (max_sessions, its share, its cap): OK, possibly after evicting an idle
+  // session of an owner over its share; RESOURCE_EXHAUSTED naming the limit otherwise.
+  absl::Status RoomForSession(const std::string& owner) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Inserts a new session under `key`, counted for its owner and charged.
+  Session& Insert(const std::string& key, Session session) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Commit(ExtendReservation* reservation);
   void Abort(ExtendReservation* reservation);
+  // Gives back what the reservation took.
+  void Release(ExtendReservation* reservation) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // RESOURCE_EXHAUSTED's message for `owner`'s call that still needs `needed` blocks of `block_bytes`: how full,
+  // and why nothing more could be evicted.
+  std::string FullMessage(const std::string& owner, int64_t needed, int64_t block_bytes) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Publish() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const SessionStoreOptions options_;
@@ -238,6 +288,8 @@ class SessionStore {
   BlockPool pool_ ABSL_GUARDED_BY(mu_);
   const int64_t pool_capacity_;
   std::map<std::string, Session> sessions_ ABSL_GUARDED_BY(mu_);  // by key
+  std::map<std::string, OwnerUse> owners_ ABSL_GUARDED_BY(mu_);  // by owner, those with sessions
+  int64_t table_bytes_ ABSL_GUARDED_BY(mu_) = 0;                 // every session's TableBytes
   // The recent ends by key, for NOT_FOUND's message: at most kRecentEnds, oldest first out.
   static constexpr size_t kRecentEnds = 4096;
   std::map<std::string, End> ended_ ABSL_GUARDED_BY(mu_);

@@ -375,8 +375,7 @@ EXTEND_CALLS = ("prefill", "decode", "fork_decode", "after_truncate", "after_int
                 "past_deadline", "retried")
 # Statuses a session call may end with besides OK, and when (SessionWorker.expected_error says it precisely).
 EVICTED = re.compile(r"session '([A-Za-z0-9._-]+)' was evicted .*the KV cache was full")
-POOL_FULL = re.compile(r"the KV cache is full: (\d+) of (\d+) bytes .* in blocks of (\d+) sessions, all (\d+) left in "
-                       r"use by calls")
+POOL_FULL = re.compile(r"the KV cache is full: (\d+) of (\d+) bytes .* of (\d+) sessions, (\d+) in use by calls")
 
 
 class Soak:
