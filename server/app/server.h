@@ -74,6 +74,9 @@ class MhaServer {
   // With sessions open and --drain_idle_s > 0: readiness NOT_SERVING at once, every call still served, until no
   // session is open, none was called for --drain_idle_s, or `deadline`.
   void DrainSessions(absl::Time deadline);
+  // Beside gRPC's Shutdown, until `drained`: closes the connections once no call is in progress; at `deadline`
+  // ends what still waits or computes.
+  void StopWhenIdle(absl::Time deadline, absl::Notification* drained);
   // Sets health service `service` of both servers (the main one and --health_listen's).
   void SetServing(const std::string& service, bool serving);
 

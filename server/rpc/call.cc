@@ -65,6 +65,22 @@ constexpr size_t kReadInPiecesBytes = 64 << 10;
 // How close to its deadline a call that ended without a request message counts as having reached it (Admit).
 constexpr absl::Duration kDeadlineSlack = absl::Milliseconds(100);
 
+// gRPC's default unary reactor, but counted in progress until gRPC is done with the call (OnDone: its status sent,
+// or the call cancelled), then deleted by itself.
+class CountedReactor final : public grpc::ServerUnaryReactor {
+ public:
+  explicit CountedReactor(std::shared_ptr<std::atomic<int64_t>> in_progress) : in_progress_(std::move(in_progress)) {
+    in_progress_->fetch_add(1, std::memory_order_acq_rel);
+  }
+  void OnDone() override {
+    in_progress_->fetch_sub(1, std::memory_order_acq_rel);
+    delete this;
+  }
+
+ private:
+  const std::shared_ptr<std::atomic<int64_t>> in_progress_;
+};
+
 }  // namespace
 
 CallEdge::CallEdge(const TokenAuth* auth, ServerMetrics* metrics, int log_max_calls_per_s,
@@ -81,7 +97,7 @@ Call::Call(CallEdge* edge, const char* rpc, grpc::CallbackServerContext* context
     : edge_(edge),
       rpc_(rpc),
       context_(context),
-      reactor_(context->DefaultReactor()),
+      reactor_(new CountedReactor(edge->calls_in_progress_)),
       request_(request),
       response_(response),
       received_(absl::Now()),

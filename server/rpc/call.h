@@ -7,6 +7,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -35,6 +36,9 @@ class CallEdge {
 
   // "<host name>/<random per process>": GetServerInfo's instance_id and every response's mha-instance-id metadata.
   const std::string& instance_id() const { return instance_id_; }
+  // Calls begun and not yet done with: from a Call's construction until gRPC has sent its status (or the call
+  // ended unsent), so that a shutdown knows when nothing is left to wait for but idle connections.
+  int64_t calls_in_progress() const { return calls_in_progress_->load(std::memory_order_acquire); }
 
  private:
   friend class Call;
@@ -46,6 +50,8 @@ class CallEdge {
   const std::string id_prefix_;  // random per process, so that ids of restarted replicas do not collide
   const std::string instance_id_;
   std::atomic<uint64_t> next_request_id_{1};
+  // Shared with every call's reactor, which may be done after the edge is gone.
+  const std::shared_ptr<std::atomic<int64_t>> calls_in_progress_ = std::make_shared<std::atomic<int64_t>>(0);
 };
 
 // What a finished call did, for its log line and its metrics.
