@@ -216,13 +216,14 @@ TEST(Scheduler, ShutdownRunsWhatIsQueuedOnEveryThread) {
 class SteppedItem final : public WorkItem {
  public:
   SteppedItem(Backend* backend, std::string name, int steps, std::vector<std::string>* log, absl::Mutex* mu,
-              absl::Status* rejected = nullptr)
+              absl::Status* rejected = nullptr, std::string owner = "")
       : WorkItem(0, absl::Now(), absl::InfiniteFuture()), name_(std::move(name)), steps_(steps), log_(log), mu_(mu),
-        rejected_(rejected) {
+        rejected_(rejected), owner_(std::move(owner)) {
     plan_.backend = backend;
     plan_.flops = 1e12;
   }
   const AttentionPlan& plan() const override { return plan_; }
+  const std::string& owner() const override { return owner_; }
   bool IsCancelled() const override {
     absl::MutexLock lock(mu_);
     return rejected_ != nullptr && done_ >= 1;
@@ -250,6 +251,7 @@ class SteppedItem final : public WorkItem {
   std::vector<std::string>* const log_;
   absl::Mutex* const mu_;
   absl::Status* const rejected_;
+  const std::string owner_;
 };
 
 TEST(Scheduler, ASmallCallInStepsTakesThemAllInline) {
@@ -278,6 +280,44 @@ TEST(Scheduler, ACallInStepsLetsTheCallsQueuedMeanwhileRunBetweenItsSteps) {
   ASSERT_TRUE(scheduler.AwaitIdle(kPatience));
   absl::MutexLock lock(&mu);
   EXPECT_EQ(log, (std::vector<std::string>{"prefill:1", "decode:1", "prefill:2", "prefill:3"}));
+}
+
+// Owners take turns by the compute each has had: one owner's queue of calls delays another's call by the one
+// computation under way, not by all of them (#54: a victim's decode step behind an attacker's prefills).
+TEST(Scheduler, AnOwnersCallsWaitBehindOneComputationOfAnotherOwnersNotAllOfThem) {
+  FakeBackend cpu(1);
+  Probe probe;
+  absl::Mutex mu;
+  std::vector<std::string> log;
+  Scheduler scheduler(Options(0), nullptr);
+  scheduler.Submit(std::make_unique<FakeItem>(&cpu, &probe));
+  ASSERT_TRUE(probe.AwaitRunning(1));
+  for (const char* name : {"a1", "a2", "a3"}) {
+    scheduler.Submit(std::make_unique<SteppedItem>(&cpu, name, 1, &log, &mu, nullptr, "alice"));
+  }
+  scheduler.Submit(std::make_unique<SteppedItem>(&cpu, "prefill", 3, &log, &mu, nullptr, "alice"));
+  scheduler.Submit(std::make_unique<SteppedItem>(&cpu, "b1", 1, &log, &mu, nullptr, "bob"));
+  probe.release.Notify();
+  ASSERT_TRUE(scheduler.AwaitIdle(kPatience));
+  absl::MutexLock lock(&mu);
+  EXPECT_EQ(log, (std::vector<std::string>{"a1:1", "b1:1", "a2:1", "a3:1", "prefill:1", "prefill:2", "prefill:3"}));
+}
+
+TEST(Scheduler, WithOneOwnerCallsRunInArrivalOrder) {
+  FakeBackend cpu(1);
+  Probe probe;
+  absl::Mutex mu;
+  std::vector<std::string> log;
+  Scheduler scheduler(Options(0), nullptr);
+  scheduler.Submit(std::make_unique<FakeItem>(&cpu, &probe));
+  ASSERT_TRUE(probe.AwaitRunning(1));
+  for (const char* name : {"c1", "c2", "c3", "c4"}) {
+    scheduler.Submit(std::make_unique<SteppedItem>(&cpu, name, 1, &log, &mu, nullptr, "carol"));
+  }
+  probe.release.Notify();
+  ASSERT_TRUE(scheduler.AwaitIdle(kPatience));
+  absl::MutexLock lock(&mu);
+  EXPECT_EQ(log, (std::vector<std::string>{"c1:1", "c2:1", "c3:1", "c4:1"}));
 }
 
 // A call cancelled between its steps says so (not "before compute started").

@@ -75,6 +75,7 @@ class ComputeCall final : public WorkItem {
 
   const AttentionPlan& plan() const override { return plan_; }
   bool IsCancelled() const override { return call_.IsCancelled(); }
+  const std::string& owner() const override { return call_.caller().owner; }
 
   absl::Status Run(absl::Duration waited) override {
     const absl::Time started = absl::Now();

@@ -122,6 +122,7 @@ class ExtendWork final : public WorkItem {
 
   const AttentionPlan& plan() const override { return plan_; }
   bool IsCancelled() const override { return call_.IsCancelled(); }
+  const std::string& owner() const override { return call_.caller().owner; }
   bool Unfinished() const override { return !finished_; }
   int64_t NextRows() const override { return steps_.NextRows(); }
   double NextFlops() const override { return steps_.NextFlops(); }

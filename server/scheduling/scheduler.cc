@@ -35,16 +35,40 @@ bool Scheduler::OnComputeThread(const WorkItem& item) const {
 }
 
 std::deque<Scheduler::Queued>::iterator Scheduler::NextFor(bool compute_thread) {
+  // The eligible item of the owner served least so far, the earliest of its items (queue order breaks ties).
+  auto next = queue_.end();
+  double next_served = 0;
   for (auto it = queue_.begin(); it != queue_.end(); ++it) {
     const WorkItem& item = *it->item;
     if (OnComputeThread(item) != compute_thread) continue;
-    if (compute_thread) return it;  // one thread: the item's backend runs nothing else here
-    const Backend* backend = item.plan().backend;
-    const auto running = std::count_if(running_.begin(), running_.end(),
-                                       [backend](const Running& r) { return r.backend == backend; });
-    if (running < backend->concurrent_calls()) return it;
+    if (!compute_thread) {  // a concurrent thread: only a backend with a free slot
+      const Backend* backend = item.plan().backend;
+      const auto running = std::count_if(running_.begin(), running_.end(),
+                                         [backend](const Running& r) { return r.backend == backend; });
+      if (running >= backend->concurrent_calls()) continue;
+    }
+    const auto found = served_.find(item.owner());
+    const double served = found != served_.end() ? found->second : 0;
+    if (next == queue_.end() || served < next_served) {
+      next = it;
+      next_served = served;
+    }
   }
-  return queue_.end();
+  return next;
+}
+
+void Scheduler::Activate(const WorkItem& item) {
+  if (active_[item.owner()]++ > 0) return;
+  double& served = served_[item.owner()];
+  served = std::max(served, virtual_now_);
+}
+
+void Scheduler::Charge(const std::vector<std::pair<std::string, double>>& flops_of, double seconds) {
+  double flops = 0;
+  for (const auto& [owner, f] : flops_of) flops += f;
+  for (const auto& [owner, f] : flops_of) {
+    served_[owner] += seconds * (flops > 0 ? f / flops : 1.0 / static_cast<double>(flops_of.size()));
+  }
 }
 
 bool Scheduler::RunsInline(const WorkItem& item) const {
@@ -114,6 +138,7 @@ void Scheduler::Submit(std::unique_ptr<WorkItem> item) {
       item->hold_ = InflightHold(ledger_, item->memory_bytes());
       ++inflight_;
       queued_seconds_ += estimate;
+      Activate(*item);
       queue_.push_back({std::move(item), absl::Now(), estimate});
       SetDepth();
     }
@@ -205,6 +230,10 @@ void Scheduler::Compute(Queued first, std::vector<Queued> batch, std::list<Runni
   std::vector<Queued> calls;
   calls.push_back(std::move(first));
   for (Queued& q : batch) calls.push_back(std::move(q));
+  std::vector<std::string> owners;
+  for (const Queued& q : calls) owners.push_back(q.item->owner());
+  double seconds = 0;                                  // computing
+  std::vector<std::pair<std::string, double>> flops_of;  // each computed item's owner and FLOPs
   // Calls whose clients gave up while they waited end here, uncomputed.
   std::vector<Queued> live;
   for (Queued& q : calls) {
@@ -220,7 +249,10 @@ void Scheduler::Compute(Queued first, std::vector<Queued> batch, std::list<Runni
     const absl::Time start = absl::Now();
     absl::Status status;
     double flops = 0;
-    for (const Queued& q : live) flops += q.item->NextFlops();
+    for (const Queued& q : live) {
+      flops += q.item->NextFlops();
+      flops_of.emplace_back(q.item->owner(), std::isfinite(q.item->NextFlops()) ? q.item->NextFlops() : 0.0);
+    }
     // Recorded before the calls finish, so that a client that sees its answer sees its batch counted.
     if (metrics_ != nullptr && std::isfinite(flops)) metrics_->RecordBatch(static_cast<int>(live.size()));
     if (live.size() == 1) {
@@ -234,14 +266,19 @@ void Scheduler::Compute(Queued first, std::vector<Queued> batch, std::list<Runni
       }
       status = live[0].item->RunBatch(others, waited);
     }
+    seconds = absl::ToDoubleSeconds(absl::Now() - start);
     if (status.ok() && flops >= kRateSampleFlops && std::isfinite(flops)) {
-      ObserveRate(live[0].item->plan().backend, flops, absl::ToDoubleSeconds(absl::Now() - start));
+      ObserveRate(live[0].item->plan().backend, flops, seconds);
     }
   }
   // The calls' holds go back as `calls` is destroyed, but for what their responses took along (TakeResponseHold).
   // A call with steps left waits again, behind what arrived meanwhile, still admitted.
   absl::MutexLock lock(&mu_);
   running_.erase(running);
+  Charge(flops_of, seconds);
+  for (const std::string& owner : owners) {
+    if (--active_[owner] == 0) active_.erase(owner);
+  }
   int requeued = 0;
   for (Queued& q : live) {
     if (!q.item->Unfinished()) continue;
@@ -250,6 +287,7 @@ void Scheduler::Compute(Queued first, std::vector<Queued> batch, std::list<Runni
     q.estimate_s = EstimateSeconds(*q.item, q.item->NextFlops());  // the next step's, not the rest's
     queued_bytes_ += q.item->request_bytes();
     queued_seconds_ += q.estimate_s;
+    ++active_[q.item->owner()];
     queue_.push_back(std::move(q));
     ++requeued;
   }
@@ -272,6 +310,7 @@ void Scheduler::Run(bool compute_thread) {
       mu_.Await(absl::Condition(&ready));
       const auto it = NextFor(compute_thread);
       if (it == queue_.end()) return;  // stopping and drained
+      virtual_now_ = std::max(virtual_now_, served_[it->item->owner()]);
       next = std::move(*it);
       queue_.erase(it);
       // Counted as running from here on, through the batching wait below, so that no other thread takes a call

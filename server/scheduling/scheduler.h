@@ -12,6 +12,11 @@
 //    decode steps from many clients run as one ragged paged call (continuous batching);
 //  - steps: a call that computes in steps (a prefill in chunks, WorkItem::Unfinished) goes back in the queue after
 //    each, behind what waits, so that decode steps run (or join its batch) between its chunks;
+//  - shares: the waiting items of several owners (tokens, WorkItem::owner) take turns by the compute time each
+//    owner has had (start-time fair queueing: an owner whose work arrives after an idle spell starts level with
+//    the owners being served, never ahead by its idle time), in arrival order within an owner; so that one owner's
+//    queued prefills and large calls delay another's decode step by the one computation under way, not by all of
+//    them. With one owner this is the arrival order;
 //  - queue: everything else waits in a bounded FIFO for one dedicated compute thread, so that gRPC's threads stay
 //    responsive (health checks answer while a long request computes) and concurrent calls do not each start
 //    OpenMP teams on the same cores. A full queue refuses new work instead of buffering requests without limit;
@@ -29,7 +34,9 @@
 #include <list>
 #include <map>
 #include <memory>
+#include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -101,6 +108,12 @@ class Scheduler {
   double EstimateSeconds(const WorkItem& item, double flops) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // OK, or why `item` cannot be queued now.
   absl::Status Admit(const WorkItem& item) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Counts `item` as its owner's work waiting or running; an owner idle until now starts level (shares).
+  void Activate(const WorkItem& item) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Charges `seconds` of compute to the owners in `flops_of` (owner, FLOPs of its item in the computation), in
+  // proportion to their FLOPs (equally without any).
+  void Charge(const std::vector<std::pair<std::string, double>>& flops_of, double seconds)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Publishes the queue's length; under mu_, so that the gauge follows the queue's order of events.
   void SetDepth() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   struct Queued;
@@ -145,6 +158,11 @@ class Scheduler {
   std::list<Running> running_ ABSL_GUARDED_BY(mu_);  // the computations under way
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::map<const Backend*, double> rates_ ABSL_GUARDED_BY(mu_);  // FLOP/s
+  // Shares: the compute seconds each owner has been charged (its virtual time), the items each has waiting or
+  // running, and the virtual time of the item last started (where an owner becoming active starts).
+  std::map<std::string, double> served_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, int> active_ ABSL_GUARDED_BY(mu_);
+  double virtual_now_ ABSL_GUARDED_BY(mu_) = 0;
   std::vector<std::thread> threads_;  // the compute thread first, then the concurrent threads
 };
 

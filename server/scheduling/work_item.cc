@@ -18,6 +18,11 @@ absl::Status WorkItem::Check() const {
   return absl::OkStatus();
 }
 
+const std::string& WorkItem::owner() const {
+  static const std::string* const kNobody = new std::string();
+  return *kNobody;
+}
+
 absl::Status BatchStop::Check() const {
   for (const WorkItem* item : items_) {
     if (item->Check().ok()) return absl::OkStatus();

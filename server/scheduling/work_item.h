@@ -6,6 +6,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <string>
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
@@ -31,6 +32,9 @@ class WorkItem : public StopSignal {
   int64_t memory_bytes() const { return request_bytes_ + plan().response_bytes + plan().workspace_bytes; }
   absl::Time received() const { return received_; }  // when the call reached the handler
   absl::Time deadline() const { return deadline_; }
+  // Whose call it is (a token's identity; empty without tokens, or for the server's own work): the unit the
+  // scheduler shares its compute thread between.
+  virtual const std::string& owner() const;
 
   // True once the client cancelled (or gRPC cancelled the call). Thread-safe.
   virtual bool IsCancelled() const = 0;
