@@ -89,6 +89,38 @@ TEST(BlockPool, ReservedBytesLeaveLessForBlocks) {
   EXPECT_NE(pool.Allocate(4096), nullptr);
 }
 
+// Compaction: a block moves with its bytes and references into another chunk of its size, and the chunk it leaves
+// is free for any size once empty.
+TEST(BlockPool, ARelocatedBlockKeepsItsBytesAndReferencesAndEmptiesItsChunk) {
+  BlockPool pool(2 * kChunk);
+  std::vector<char*> first;
+  for (int i = 0; i < 512; ++i) first.push_back(pool.Allocate(4096));  // chunk A, full
+  char* lone = pool.Allocate(4096);                                     // chunk B
+  pool.Unref(first[7]);                                                 // a free block in A
+  std::memset(lone, 0x5a, 4096);
+  pool.Ref(lone);
+  char* moved = pool.Relocate(lone);
+  ASSERT_NE(moved, nullptr);
+  EXPECT_EQ(moved, first[7]);  // the free block of the other chunk
+  EXPECT_EQ(moved[0], 0x5a);
+  EXPECT_EQ(moved[4095], 0x5a);
+  EXPECT_EQ(pool.RefCount(moved), 2);
+  EXPECT_EQ(pool.shared_blocks(), 1);
+  EXPECT_EQ(pool.used_bytes(), 512 * 4096);
+  EXPECT_EQ(pool.chunks_in_use(), 1);  // B is empty: a block of another size may take it
+  EXPECT_NE(pool.Allocate(kChunk), nullptr);
+}
+
+TEST(BlockPool, ABlockWithNoOtherChunkOfItsSizeStays) {
+  BlockPool pool(2 * kChunk);
+  char* block = pool.Allocate(4096);
+  pool.Allocate(8192);
+  EXPECT_EQ(pool.Relocate(block), nullptr);
+  EXPECT_EQ(pool.RefCount(block), 1);
+  ASSERT_EQ(pool.ChunksInUse().size(), 2u);
+  EXPECT_EQ(pool.BlocksIn(pool.ChunksInUse()[0].index).size(), 1u);
+}
+
 TEST(BlockPool, AFreedBlockIsReusedBeforeAFreshChunk) {
   BlockPool pool(2 * kChunk);
   char* a = pool.Allocate(4096);

@@ -440,6 +440,85 @@ TEST(SessionStoreTables, ForksBlockTablesCountAgainstThePool) {
   EXPECT_EQ(store.View(source, 0, {}, "session_id")->length, 1000 * kTokens);
 }
 
+// A block size no chunk holds yet, with the pool half empty in chunks of another size (F10 of #54): those chunks
+// are merged by moving idle sessions' blocks, bytes and all, and nobody is evicted.
+TEST(SessionStoreCompaction, ANewBlockSizeMergesPartlyFreeChunksInsteadOfEvicting) {
+  SessionStoreOptions options;
+  options.capacity_bytes = 2 * BlockPool::kChunkBytes;  // two chunks of 2048 blocks of 1 KiB
+  options.block_tokens = kTokens;
+  options.max_sessions = 16;
+  options.max_tokens = 1000 * kTokens;
+  SessionStore store(options, nullptr);
+  const auto extend = [&store](const std::string& id, int64_t tokens, char fill) {
+    const SessionHold hold = HoldSessions(store, {id});
+    const ReserveItem item{id, 0, tokens};
+    absl::StatusOr<ExtendReservation> r = store.Reserve({&item, 1});
+    if (!r.ok()) return r.status();
+    for (char* block : r->items()[0].fresh) std::memset(block, fill, static_cast<size_t>(kBlockBytes));
+    r->Commit();
+    return absl::OkStatus();
+  };
+  std::vector<std::string> ids;
+  for (int i = 0; i < 6; ++i) {
+    ids.push_back(store.Create(HeadSession(), "s" + std::to_string(i), {})->session_id());
+    ASSERT_OK(extend(ids.back(), 500 * kTokens, static_cast<char>('a' + i)));
+  }
+  ASSERT_OK(store.Close("s0", {}));  // 1000 free blocks in the first chunk, 952 in use in the second
+  ASSERT_OK(store.Close("s1", {}));
+  SessionConfig wide = HeadSession();
+  wide.heads.num_kv_heads = 2;
+  wide.heads.head_dim = 64;  // blocks of 2 * 2 * 64 * 16 * 4 = 16 KiB
+  ASSERT_OK(store.Create(wide, "wide", {}).status());
+  ASSERT_OK(extend("wide", 1, 'w'));
+  for (int i = 2; i < 6; ++i) {
+    ASSERT_OK(store.View(ids[i], 0, {}, "session_id").status());
+    // Every block of the session still holds what was written into it.
+    const SessionHold hold = HoldSessions(store, {ids[i]});
+    const ReserveItem item{ids[i], 0, 0};
+    absl::StatusOr<ExtendReservation> r = store.Reserve({&item, 1});
+    ASSERT_OK(r.status());
+    for (const char* block : r->items()[0].blocks) {
+      ASSERT_EQ(block[0], 'a' + i);
+      ASSERT_EQ(block[kBlockBytes - 1], 'a' + i);
+    }
+  }
+}
+
+// When chunks cannot be merged (each size has one), the chunk emptied is the one that costs fewest sessions, not
+// whatever the least recently used sessions happen to hold.
+TEST(SessionStoreCompaction, WithoutAMergeTheChunkEmptiedIsTheOneCostingFewestSessions) {
+  SessionStoreOptions options;
+  options.capacity_bytes = 3 * BlockPool::kChunkBytes;
+  options.block_tokens = kTokens;
+  options.max_sessions = 16;
+  SessionStore store(options, nullptr);
+  const auto config = [](int64_t head_dim) {  // blocks of 2 * 1 * head_dim * 16 * 4 bytes
+    SessionConfig c = HeadSession();
+    c.heads.head_dim = head_dim;
+    return c;
+  };
+  const auto extend = [&store](const std::string& id, int64_t tokens) {
+    const ReserveItem item{id, 0, tokens};
+    absl::StatusOr<ExtendReservation> r = store.Reserve({&item, 1});
+    if (!r.ok()) return r.status();
+    r->Commit();
+    return absl::OkStatus();
+  };
+  for (const char* id : {"a1", "a2", "a3", "a4"}) {  // the oldest: 1 KiB blocks, all in the first chunk
+    ASSERT_OK(store.Create(config(8), id, {}).status());
+    ASSERT_OK(extend(id, 100 * kTokens));
+  }
+  ASSERT_OK(store.Create(config(32), "b", {}).status());  // 4 KiB blocks: the second chunk, one session
+  ASSERT_OK(extend("b", kTokens));
+  ASSERT_OK(store.Create(config(64), "c", {}).status());  // 8 KiB blocks: the third chunk, held by a call below
+  ASSERT_OK(extend("c", kTokens));
+  ASSERT_OK(store.Create(config(128), "wide", {}).status());  // 16 KiB blocks: no chunk left for them
+  const SessionHold hold = HoldSessions(store, {"c", "wide"});
+  ASSERT_OK(extend("wide", 1));
+  EXPECT_THAT(store.View("b", 0, {}, "session_id").status().message(), HasSubstr("evicted"));
+  for (const char* id : {"a1", "a2", "a3", "a4", "c"}) EXPECT_TRUE(store.View(id, 0, {}, "session_id").ok()) << id;
+}
+
 // Several tokens share the pool and the session limit (F7 of #54): each one's share is an equal part while
 // several hold sessions.
 SessionStoreOptions SharedOptions() {

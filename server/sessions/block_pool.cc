@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 
 namespace mha {
 
@@ -114,6 +115,50 @@ bool BlockPool::Unref(char* block) {
   madvise(base_ + c * kChunkBytes, kChunkBytes, MADV_DONTNEED);
   free_chunks_.push_back(c);
   return true;
+}
+
+std::vector<BlockPool::ChunkUse> BlockPool::ChunksInUse() const {
+  std::vector<ChunkUse> in_use;
+  for (int64_t c = 0; c < static_cast<int64_t>(chunks_.size()); ++c) {
+    const Chunk& chunk = chunks_[c];
+    if (chunk.used == 0) continue;
+    in_use.push_back({c, chunk.block_bytes, chunk.used, static_cast<int32_t>(chunk.refs.size())});
+  }
+  return in_use;
+}
+
+std::vector<char*> BlockPool::BlocksIn(int64_t index) const {
+  std::vector<char*> blocks;
+  const Chunk& chunk = chunks_[index];
+  for (size_t b = 0; b < chunk.refs.size(); ++b) {
+    if (chunk.refs[b] > 0) blocks.push_back(base_ + index * kChunkBytes + static_cast<int64_t>(b) * chunk.block_bytes);
+  }
+  return blocks;
+}
+
+char* BlockPool::Relocate(char* block) {
+  const int64_t from = ChunkOf(block);
+  const int64_t size = chunks_[from].block_bytes;
+  int64_t to = -1;
+  for (const int64_t c : partial_chunks_[size]) {
+    if (c != from && (to < 0 || chunks_[c].used > chunks_[to].used)) to = c;
+  }
+  if (to < 0) return nullptr;
+  Chunk& target = chunks_[to];
+  const int32_t index = target.free.back();
+  target.free.pop_back();
+  ++target.used;
+  if (target.free.empty()) partial_chunks_[size].erase(to);
+  char* moved = base_ + to * kChunkBytes + static_cast<int64_t>(index) * size;
+  std::memcpy(moved, block, static_cast<size_t>(size));
+  Chunk& source = chunks_[from];
+  const int32_t refs = source.refs[IndexOf(block, source)];
+  target.refs[index] = refs;
+  used_bytes_ += size;
+  // The references went with the bytes (a shared block stays one shared block): the old one is freed.
+  source.refs[IndexOf(block, source)] = 1;
+  Unref(block);
+  return moved;
 }
 
 int BlockPool::RefCount(const char* block) const {

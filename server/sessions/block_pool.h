@@ -2,7 +2,9 @@
 // as address space only. A page is backed by memory when a block on it is first written, and a chunk whose blocks
 // are all free goes back to the system (madvise), so the process holds at most the capacity, and about what the
 // blocks in use need. Each chunk of kChunkBytes holds blocks of one size (a slab), so caches of different head
-// configurations and dtypes share the pool. Blocks are reference counted: forks share them copy-on-write.
+// configurations and dtypes share the pool; chunks of one size that are each partly free can be merged by moving
+// blocks (Relocate, which the store uses on idle sessions' blocks). Blocks are reference counted: forks share them
+// copy-on-write.
 //
 // Or the arena is memory the caller lends (a backend's CacheArena: CUDA managed memory, which GPU kernels read in
 // place): the same blocks and chunks, but the pool neither advises nor unmaps that memory; an emptied chunk simply
@@ -53,6 +55,23 @@ class BlockPool {
   // Allocate then refuses until blocks are freed.
   void set_reserved_bytes(int64_t bytes) { reserved_bytes_ = bytes; }
   int64_t reserved_bytes() const { return reserved_bytes_; }
+
+  // Compaction: what a chunk in use holds, and a block moved to another chunk of its size, so that chunks of a
+  // size that are each partly free can be merged and the emptied one serve another size. The caller moves only
+  // blocks nobody reads or writes meanwhile, and repoints every reference to the block.
+  struct ChunkUse {
+    int64_t index = 0;
+    int64_t block_bytes = 0;  // the (rounded) size of its blocks
+    int32_t used = 0;         // blocks allocated
+    int32_t blocks = 0;       // blocks it can hold
+  };
+  std::vector<ChunkUse> ChunksInUse() const;
+  // The blocks allocated in chunk `index`.
+  std::vector<char*> BlocksIn(int64_t index) const;
+  // Moves `block` (its bytes and references) into a free block of another chunk of its size, the fullest such
+  // chunk; returns its new address, or nullptr when no other chunk of its size has a free block. The old block is
+  // freed (and its chunk, when it was the chunk's last).
+  char* Relocate(char* block);
   int RefCount(const char* block) const;
 
   int64_t capacity_bytes() const { return static_cast<int64_t>(chunks_.size()) * kChunkBytes; }

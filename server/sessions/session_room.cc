@@ -4,8 +4,11 @@
 #include "server/sessions/session_store.h"
 
 #include <algorithm>
+#include <map>
+#include <set>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 
@@ -46,9 +49,88 @@ char* SessionStore::AllocateEvicting(int64_t bytes, const std::string& owner) {
         owners_[owner].bytes += bytes;
         return block;
       }
+      // The bytes are there, in chunks of other sizes: merge chunks, or else empty the one that costs fewest
+      // sessions, rather than evict by age until some chunk happens to empty.
+      if (Compact(bytes) || EvictChunkFor(owner, bytes)) continue;
     }
     if (!EvictFor(owner, bytes)) return nullptr;
   }
+}
+
+bool SessionStore::Fragmented(int64_t bytes) const {
+  const int64_t rounded = (bytes + BlockPool::kAlignment - 1) / BlockPool::kAlignment * BlockPool::kAlignment;
+  return pool_.used_bytes() + pool_.reserved_bytes() + rounded <= pool_.capacity_bytes();
+}
+
+bool SessionStore::EvictChunkFor(const std::string& owner, int64_t bytes) {
+  if (!Fragmented(bytes)) return false;
+  const int64_t share = pool_capacity_ / OwnersWith(owner);
+  const bool within_share = !PastByteCap(owner, bytes) && UseOf(owner).bytes + bytes <= share;
+  // The references to each block from idle sessions this owner may evict (EvictFor's first two tiers).
+  std::map<const char*, std::vector<const std::string*>> refs;
+  for (const auto& [key, s] : sessions_) {
+    if (sequencer_.Held(key)) continue;
+    if (s.owner != owner && !(within_share && owners_.at(s.owner).bytes > share)) continue;
+    for (const Cache& cache : s.caches) {
+      for (const char* block : cache.blocks) refs[block].push_back(&key);
+    }
+  }
+  // The chunk whose blocks those sessions alone hold, emptied by evicting the fewest of them.
+  std::set<std::string> cheapest;
+  bool found = false;
+  for (const BlockPool::ChunkUse& chunk : pool_.ChunksInUse()) {
+    std::set<std::string> victims;
+    bool freeable = true;
+    for (const char* block : pool_.BlocksIn(chunk.index)) {
+      const auto it = refs.find(block);
+      if (it == refs.end() || static_cast<int>(it->second.size()) != pool_.RefCount(block)) {
+        freeable = false;
+        break;
+      }
+      for (const std::string* key : it->second) victims.insert(*key);
+    }
+    if (freeable && (!found || victims.size() < cheapest.size())) {
+      cheapest = std::move(victims);
+      found = true;
+    }
+  }
+  if (!found) return false;
+  for (const std::string& key : cheapest) EndSession(sessions_.find(key), EndReason::kEvicted);
+  return true;
+}
+
+bool SessionStore::Compact(int64_t bytes) {
+  if (!Fragmented(bytes)) return false;  // truly full
+  // Where each block of an idle session is referenced; a block is movable when those are all its references.
+  std::map<char*, std::vector<char**>> refs;
+  for (auto& [key, s] : sessions_) {
+    if (sequencer_.Held(key)) continue;
+    for (Cache& cache : s.caches) {
+      for (char*& block : cache.blocks) refs[block].push_back(&block);
+    }
+  }
+  std::vector<BlockPool::ChunkUse> chunks = pool_.ChunksInUse();
+  std::map<int64_t, int64_t> free_of_size;  // free blocks in the chunks in use, by block size
+  for (const BlockPool::ChunkUse& c : chunks) free_of_size[c.block_bytes] += c.blocks - c.used;
+  std::sort(chunks.begin(), chunks.end(),
+            [](const BlockPool::ChunkUse& a, const BlockPool::ChunkUse& b) { return a.used < b.used; });
+  for (const BlockPool::ChunkUse& chunk : chunks) {
+    // The emptiest chunk whose blocks the other chunks of its size can take, and which holds only movable ones.
+    if (free_of_size[chunk.block_bytes] - (chunk.blocks - chunk.used) < chunk.used) continue;
+    const std::vector<char*> blocks = pool_.BlocksIn(chunk.index);
+    const bool movable = std::all_of(blocks.begin(), blocks.end(), [&](char* block) {
+      const auto found = refs.find(block);
+      return found != refs.end() && static_cast<int>(found->second.size()) == pool_.RefCount(block);
+    });
+    if (!movable) continue;
+    for (char* block : blocks) {
+      char* moved = pool_.Relocate(block);
+      if (moved == nullptr) return false;  // cannot happen: the other chunks had the room (counted above)
+      for (char** ref : refs[block]) *ref = moved;
+    }
+    return true;
+  }
+  return false;
 }
 
 bool SessionStore::FitTables(int64_t bytes, const std::string& owner) {
@@ -115,6 +197,10 @@ std::string SessionStore::FullMessage(const std::string& owner, int64_t needed, 
     absl::StrAppend(&message, ", ", idle_of_others, " idle of other tokens, which this one may not evict: it holds ",
                     UseOf(owner).bytes, " bytes, and its share while ", owners, " tokens hold sessions is ",
                     pool_capacity_ / owners);
+  }
+  if (Fragmented(block_bytes)) {
+    absl::StrAppend(&message, "; the bytes are free, but in chunks (", BlockPool::kChunkBytes,
+                    " bytes, one block size each) that blocks of other sizes in use by calls hold");
   }
   absl::StrAppend(&message, "; this call needs at least ", needed, " more block(s)");
   return message;

@@ -264,6 +264,15 @@ class SessionStore {
   // A block of `bytes` for `owner`, charged to it, evicting while there is no room; nullptr when nothing more may
   // be evicted.
   char* AllocateEvicting(int64_t bytes, const std::string& owner) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Merges two partly free chunks of one block size by moving the blocks of idle sessions, when the pool has room
+  // for `bytes` but no chunk that a block of that size could come from; true if a chunk was emptied. Blocks of
+  // sessions a call holds (and of reservations) never move: their calls use them without the store's lock.
+  bool Compact(int64_t bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Whether the pool has the bytes for a block of `bytes` (though maybe no chunk a block of that size fits in).
+  bool Fragmented(int64_t bytes) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // When the pool has the bytes but no chunk for a block of `bytes`: evicts the idle sessions that hold one whole
+  // chunk, the fewest such, among those `owner` may evict (see the shares above); false if none can be emptied so.
+  bool EvictChunkFor(const std::string& owner, int64_t bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Room for `bytes` more bookkeeping of `owner` in the pool, evicting while there is none; false if it cannot.
   bool FitTables(int64_t bytes, const std::string& owner) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Room for one more session of `owner` (max_sessions, its share, its cap): OK, possibly after evicting an idle
