@@ -59,7 +59,8 @@ def test_a_hostile_token_neither_fails_nor_evicts_a_well_behaved_one(tmp_path, s
     tokens = tmp_path / "tokens"
     tokens.write_text("%s\n%s\n" % (VICTIM_TOKEN, ATTACKER_TOKEN))
     with run_server(tmp_path, "--auth_tokens_file", str(tokens), "--kv_cache_mb", str(KV_CACHE_MB),
-                    "--max_inflight_mb", str(INFLIGHT_MB), "--grpc_memory_mb", str(GRPC_MB), "--max_message_mb", str(MESSAGE_MB),
+                    "--max_inflight_mb", str(INFLIGHT_MB), "--grpc_memory_mb", str(GRPC_MB),
+                    "--max_message_mb", str(MESSAGE_MB),
                     "--max_sessions", "64",
                     "--log_max_calls_per_s", "50") as server:
         rng = np.random.default_rng(0)
