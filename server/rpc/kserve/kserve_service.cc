@@ -259,6 +259,10 @@ grpc::ServerUnaryReactor* KServeService::ModelInfer(grpc::CallbackServerContext*
     return name == kSdpaModel || parts_.layers->Get(name).ok();
   });
   absl::StatusOr<KServeCall> translated = TranslateInferRequest(&request);
+  // A client gone while its request was translated (a pass over its bytes) ends here, not after validation.
+  if (translated.ok()) {
+    if (absl::Status wanted = call.StillWanted("was translated from KServe"); !wanted.ok()) translated = wanted;
+  }
   if (!translated.ok()) {
     return SubmitCompute(std::move(call), translated.status(), std::make_unique<v1::MultiHeadAttentionRequest>(), {},
                          kMhaRoute, std::make_unique<KServeEncoder<MhaResponse>>(&stats_, model, request.id(),
