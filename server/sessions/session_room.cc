@@ -43,6 +43,7 @@ absl::Status SessionStore::RoomForSession(const std::string& owner) {
 }
 
 char* SessionStore::AllocateEvicting(int64_t bytes, const std::string& owner) {
+  bool rearranged = false;  // Compact and EvictChunkFor read every table: tried once per block, not per eviction
   for (;;) {
     if (!PastByteCap(owner, bytes)) {
       if (char* block = pool_.Allocate(bytes); block != nullptr) {
@@ -51,7 +52,10 @@ char* SessionStore::AllocateEvicting(int64_t bytes, const std::string& owner) {
       }
       // The bytes are there, in chunks of other sizes: merge chunks, or else empty the one that costs fewest
       // sessions, rather than evict by age until some chunk happens to empty.
-      if (Compact(bytes) || EvictChunkFor(owner, bytes)) continue;
+      if (!rearranged) {
+        rearranged = true;
+        if (Compact(bytes) || EvictChunkFor(owner, bytes)) continue;
+      }
     }
     if (!EvictFor(owner, bytes)) return nullptr;
   }
