@@ -89,6 +89,20 @@ TEST(BlockPool, ReservedBytesLeaveLessForBlocks) {
   EXPECT_NE(pool.Allocate(4096), nullptr);
 }
 
+TEST(BlockPool, ASmallPoolTakesSmallerChunks) {
+  EXPECT_EQ(BlockPool::ChunkBytesFor(int64_t{1} << 30), BlockPool::kChunkBytes);
+  EXPECT_EQ(BlockPool::ChunkBytesFor(int64_t{64} << 20), BlockPool::kChunkBytes);
+  EXPECT_EQ(BlockPool::ChunkBytesFor(int64_t{32} << 20), int64_t{1} << 20);
+  EXPECT_EQ(BlockPool::ChunkBytesFor(int64_t{4} << 20), BlockPool::kMinChunkBytes);
+  BlockPool pool(int64_t{4} << 20, 0, BlockPool::ChunkBytesFor(int64_t{4} << 20));
+  EXPECT_EQ(pool.capacity_bytes(), int64_t{4} << 20);
+  for (const int64_t bytes : {65536, 4096, 16384, 8192, 1024}) {
+    ASSERT_NE(pool.Allocate(bytes), nullptr) << bytes;  // a chunk each
+  }
+  EXPECT_EQ(pool.chunks_in_use(), 5);
+  EXPECT_EQ(pool.Allocate(BlockPool::kMinChunkBytes + 64), nullptr);  // larger than its chunks
+}
+
 // Compaction: a block moves with its bytes and references into another chunk of its size, and the chunk it leaves
 // is free for any size once empty.
 TEST(BlockPool, ARelocatedBlockKeepsItsBytesAndReferencesAndEmptiesItsChunk) {

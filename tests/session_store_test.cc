@@ -445,6 +445,7 @@ TEST(SessionStoreTables, ForksBlockTablesCountAgainstThePool) {
 TEST(SessionStoreCompaction, ANewBlockSizeMergesPartlyFreeChunksInsteadOfEvicting) {
   SessionStoreOptions options;
   options.capacity_bytes = 2 * BlockPool::kChunkBytes;  // two chunks of 2048 blocks of 1 KiB
+  options.chunk_bytes = BlockPool::kChunkBytes;
   options.block_tokens = kTokens;
   options.max_sessions = 16;
   options.max_tokens = 1000 * kTokens;
@@ -488,7 +489,8 @@ TEST(SessionStoreCompaction, ANewBlockSizeMergesPartlyFreeChunksInsteadOfEvictin
 // whatever the least recently used sessions happen to hold.
 TEST(SessionStoreCompaction, WithoutAMergeTheChunkEmptiedIsTheOneCostingFewestSessions) {
   SessionStoreOptions options;
-  options.capacity_bytes = 3 * BlockPool::kChunkBytes;
+  options.capacity_bytes = 3 * BlockPool::kChunkBytes;  // three chunks, one per block size
+  options.chunk_bytes = BlockPool::kChunkBytes;
   options.block_tokens = kTokens;
   options.max_sessions = 16;
   SessionStore store(options, nullptr);
@@ -517,6 +519,38 @@ TEST(SessionStoreCompaction, WithoutAMergeTheChunkEmptiedIsTheOneCostingFewestSe
   ASSERT_OK(extend("wide", 1));
   EXPECT_THAT(store.View("b", 0, {}, "session_id").status().message(), HasSubstr("evicted"));
   for (const char* id : {"a1", "a2", "a3", "a4", "c"}) EXPECT_TRUE(store.View(id, 0, {}, "session_id").ok()) << id;
+}
+
+// A small pool has small chunks, so that it holds several block sizes at once (F10 of #54: a 4 MiB pool of two
+// 2 MiB chunks, and caches of 64, 4 and 16 KiB blocks, evicted all ten idle sessions and still refused).
+TEST(SessionStoreCompaction, ASmallPoolHoldsSeveralBlockSizesAtOnce) {
+  SessionStoreOptions options;
+  options.capacity_bytes = 4 << 20;
+  options.block_tokens = kTokens;
+  options.max_sessions = 16;
+  SessionStore store(options, nullptr);
+  const auto config = [](int64_t kv_heads, int64_t head_dim) {  // blocks of 2 * kv_heads * head_dim * 16 * 4 bytes
+    SessionConfig c = HeadSession();
+    c.heads.num_heads = 2 * kv_heads;
+    c.heads.num_kv_heads = kv_heads;
+    c.heads.head_dim = head_dim;
+    return c;
+  };
+  const SessionConfig sizes[] = {config(2, 128), config(1, 16), config(1, 64)};  // 64, 4 and 16 KiB blocks
+  for (int i = 0; i < 10; ++i) {
+    const std::string id = "s" + std::to_string(i);
+    ASSERT_OK(store.Create(sizes[i % 3], id, {}).status());
+    const SessionHold hold = HoldSessions(store, {id});
+    const ReserveItem item{id, 0, 2 * kTokens};
+    absl::StatusOr<ExtendReservation> r = store.Reserve({&item, 1});
+    ASSERT_OK(r.status());
+    r->Commit();
+  }
+  ASSERT_OK(store.Create(config(1, 32), "new", {}).status());  // a fourth size: 8 KiB blocks
+  const SessionHold hold = HoldSessions(store, {"new"});
+  const ReserveItem item{"new", 0, 8 * kTokens};
+  ASSERT_OK(store.Reserve({&item, 1}).status());
+  EXPECT_EQ(store.activity().open, 11);  // nobody evicted
 }
 
 // Several tokens share the pool and the session limit (F7 of #54): each one's share is an equal part while

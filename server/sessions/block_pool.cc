@@ -10,20 +10,26 @@
 
 namespace mha {
 
-BlockPool::BlockPool(int64_t capacity_bytes, int64_t keep_resident_bytes)
-    : owns_arena_(true), keep_resident_(keep_resident_bytes / kChunkBytes) {
-  const int64_t chunks = std::max<int64_t>(1, capacity_bytes / kChunkBytes);
+int64_t BlockPool::ChunkBytesFor(int64_t capacity_bytes) {
+  int64_t chunk = kChunkBytes;
+  while (chunk > kMinChunkBytes && chunk * 32 > capacity_bytes) chunk /= 2;
+  return chunk;
+}
+
+BlockPool::BlockPool(int64_t capacity_bytes, int64_t keep_resident_bytes, int64_t chunk_bytes)
+    : owns_arena_(true), chunk_bytes_(chunk_bytes), keep_resident_(keep_resident_bytes / chunk_bytes) {
+  const int64_t chunks = std::max<int64_t>(1, capacity_bytes / chunk_bytes_);
   // Address space only: MAP_NORESERVE commits nothing, pages are backed when first written.
-  void* base = mmap(nullptr, chunks * kChunkBytes, PROT_READ | PROT_WRITE,
+  void* base = mmap(nullptr, chunks * chunk_bytes_, PROT_READ | PROT_WRITE,
                     MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
   if (base == MAP_FAILED) {
     std::fprintf(stderr, "BlockPool: cannot reserve %lld bytes of address space\n",
-                 static_cast<long long>(chunks * kChunkBytes));
+                 static_cast<long long>(chunks * chunk_bytes_));
     std::abort();
   }
   // Transparent huge pages where the system allows them (THP "madvise"): decode streams whole blocks, and 2 MiB
   // pages spare it a TLB miss every 4 KiB. Advice only; without it the pool works the same.
-  madvise(base, chunks * kChunkBytes, MADV_HUGEPAGE);
+  madvise(base, chunks * chunk_bytes_, MADV_HUGEPAGE);
   base_ = static_cast<char*>(base);
   chunks_.resize(chunks);
   // Lowest chunks first, so that a lightly used pool touches few of them.
@@ -31,15 +37,16 @@ BlockPool::BlockPool(int64_t capacity_bytes, int64_t keep_resident_bytes)
 }
 
 // The lender's memory is not ours to advise or give back: every emptied chunk stays resident.
-BlockPool::BlockPool(char* base, int64_t bytes) : owns_arena_(false), keep_resident_(bytes / kChunkBytes) {
-  if (base == nullptr || reinterpret_cast<uintptr_t>(base) % kAlignment != 0 || bytes < kChunkBytes) {
+BlockPool::BlockPool(char* base, int64_t bytes, int64_t chunk_bytes)
+    : owns_arena_(false), chunk_bytes_(chunk_bytes), keep_resident_(bytes / chunk_bytes) {
+  if (base == nullptr || reinterpret_cast<uintptr_t>(base) % kAlignment != 0 || bytes < chunk_bytes_) {
     std::fprintf(stderr, "BlockPool: a lent arena needs a %lld-aligned base and at least %lld bytes, got %p, %lld\n",
-                 static_cast<long long>(kAlignment), static_cast<long long>(kChunkBytes), static_cast<void*>(base),
+                 static_cast<long long>(kAlignment), static_cast<long long>(chunk_bytes_), static_cast<void*>(base),
                  static_cast<long long>(bytes));
     std::abort();
   }
   base_ = base;
-  const int64_t chunks = bytes / kChunkBytes;
+  const int64_t chunks = bytes / chunk_bytes_;
   chunks_.resize(chunks);
   for (int64_t c = chunks - 1; c >= 0; --c) free_chunks_.push_back(c);
 }
@@ -49,7 +56,7 @@ BlockPool::~BlockPool() {
 }
 
 bool BlockPool::HasRoom(int64_t bytes) const {
-  if (bytes < 1 || bytes > kChunkBytes) return false;
+  if (bytes < 1 || bytes > chunk_bytes_) return false;
   if (used_bytes_ + reserved_bytes_ + Rounded(bytes) > capacity_bytes()) return false;
   const auto partial = partial_chunks_.find(Rounded(bytes));
   return !free_chunks_.empty() || !resident_chunks_.empty() ||
@@ -57,7 +64,7 @@ bool BlockPool::HasRoom(int64_t bytes) const {
 }
 
 char* BlockPool::Allocate(int64_t bytes) {
-  if (bytes < 1 || bytes > kChunkBytes) return nullptr;
+  if (bytes < 1 || bytes > chunk_bytes_) return nullptr;
   const int64_t size = Rounded(bytes);
   if (used_bytes_ + reserved_bytes_ + size > capacity_bytes()) return nullptr;
   std::set<int64_t>& partial = partial_chunks_[size];
@@ -67,7 +74,7 @@ char* BlockPool::Allocate(int64_t bytes) {
     const int64_t c = source.back();
     source.pop_back();
     Chunk& chunk = chunks_[c];
-    const int32_t blocks = static_cast<int32_t>(kChunkBytes / size);
+    const int32_t blocks = static_cast<int32_t>(chunk_bytes_ / size);
     chunk.block_bytes = size;
     chunk.refs.assign(blocks, 0);
     chunk.free.clear();
@@ -83,7 +90,7 @@ char* BlockPool::Allocate(int64_t bytes) {
   ++chunk.used;
   if (chunk.free.empty()) partial.erase(c);
   used_bytes_ += size;
-  return base_ + c * kChunkBytes + index * size;
+  return base_ + c * chunk_bytes_ + index * size;
 }
 
 void BlockPool::Ref(char* block) {
@@ -112,7 +119,7 @@ bool BlockPool::Unref(char* block) {
     resident_chunks_.push_back(c);
     return true;
   }
-  madvise(base_ + c * kChunkBytes, kChunkBytes, MADV_DONTNEED);
+  madvise(base_ + c * chunk_bytes_, chunk_bytes_, MADV_DONTNEED);
   free_chunks_.push_back(c);
   return true;
 }
@@ -131,7 +138,7 @@ std::vector<char*> BlockPool::BlocksIn(int64_t index) const {
   std::vector<char*> blocks;
   const Chunk& chunk = chunks_[index];
   for (size_t b = 0; b < chunk.refs.size(); ++b) {
-    if (chunk.refs[b] > 0) blocks.push_back(base_ + index * kChunkBytes + static_cast<int64_t>(b) * chunk.block_bytes);
+    if (chunk.refs[b] > 0) blocks.push_back(base_ + index * chunk_bytes_ + static_cast<int64_t>(b) * chunk.block_bytes);
   }
   return blocks;
 }
@@ -149,7 +156,7 @@ char* BlockPool::Relocate(char* block) {
   target.free.pop_back();
   ++target.used;
   if (target.free.empty()) partial_chunks_[size].erase(to);
-  char* moved = base_ + to * kChunkBytes + static_cast<int64_t>(index) * size;
+  char* moved = base_ + to * chunk_bytes_ + static_cast<int64_t>(index) * size;
   std::memcpy(moved, block, static_cast<size_t>(size));
   Chunk& source = chunks_[from];
   const int32_t refs = source.refs[IndexOf(block, source)];

@@ -1,10 +1,10 @@
 // The memory of the sessions' KV caches: fixed-size blocks carved from one arena of capacity_bytes, reserved at start
 // as address space only. A page is backed by memory when a block on it is first written, and a chunk whose blocks
 // are all free goes back to the system (madvise), so the process holds at most the capacity, and about what the
-// blocks in use need. Each chunk of kChunkBytes holds blocks of one size (a slab), so caches of different head
-// configurations and dtypes share the pool; chunks of one size that are each partly free can be merged by moving
-// blocks (Relocate, which the store uses on idle sessions' blocks). Blocks are reference counted: forks share them
-// copy-on-write.
+// blocks in use need. Each chunk (kChunkBytes, or smaller in a small pool) holds blocks of one size (a slab), so
+// caches of different head configurations and dtypes share the pool; chunks of one size that are each partly free
+// can be merged by moving blocks (Relocate, which the store uses on idle sessions' blocks). Blocks are reference
+// counted: forks share them copy-on-write.
 //
 // Or the arena is memory the caller lends (a backend's CacheArena: CUDA managed memory, which GPU kernels read in
 // place): the same blocks and chunks, but the pool neither advises nor unmaps that memory; an emptied chunk simply
@@ -24,8 +24,13 @@ namespace mha {
 
 class BlockPool {
  public:
-  // Chunks are huge-page sized, so that the kernel may back a chunk full of blocks with one page.
+  // Chunks are huge-page sized, so that the kernel may back a chunk full of blocks with one page: the default, and
+  // the largest. A small pool takes smaller ones (ChunkBytesFor), so that it holds several block sizes at once.
   static constexpr int64_t kChunkBytes = int64_t{2} << 20;
+  static constexpr int64_t kMinChunkBytes = int64_t{256} << 10;
+  // The chunk size for a pool of `capacity_bytes`: a 32nd of it rounded down to a power of two, within
+  // [kMinChunkBytes, kChunkBytes] (pools of 64 MiB and more: kChunkBytes).
+  static int64_t ChunkBytesFor(int64_t capacity_bytes);
   // Block sizes are rounded up to a multiple of this, so that every block starts on a cache line.
   static constexpr int64_t kAlignment = 64;
 
@@ -33,16 +38,17 @@ class BlockPool {
   // chunks stay backed by memory for the next blocks (faulting 4 MiB of pages in again cost a 512-token prefill a
   // tenth of its time); the rest go back to the system at once. Aborts if the address space cannot be reserved
   // (the server checks --kv_cache_mb before).
-  explicit BlockPool(int64_t capacity_bytes, int64_t keep_resident_bytes = int64_t{64} << 20);
+  explicit BlockPool(int64_t capacity_bytes, int64_t keep_resident_bytes = int64_t{64} << 20,
+                     int64_t chunk_bytes = kChunkBytes);
   // An arena of the caller's memory: `bytes` from `base` rounded down to whole chunks. The caller keeps the memory
   // and must keep it until the pool is destroyed. Aborts unless base is kAlignment-aligned and bytes holds a chunk
   // (programming errors: the server sizes the arena from --kv_cache_mb, at least 2 MiB).
-  BlockPool(char* base, int64_t bytes);
+  BlockPool(char* base, int64_t bytes, int64_t chunk_bytes = kChunkBytes);
   ~BlockPool();
   BlockPool(const BlockPool&) = delete;
   BlockPool& operator=(const BlockPool&) = delete;
 
-  // A block of `bytes` (1..kChunkBytes) with one reference, its contents unspecified; nullptr when no chunk has a
+  // A block of `bytes` (1..chunk_bytes()) with one reference, its contents unspecified; nullptr when no chunk has a
   // free block of that size and no chunk is free, or when the block would take the blocks' bytes and the reserved
   // bytes past the capacity.
   char* Allocate(int64_t bytes);
@@ -74,7 +80,8 @@ class BlockPool {
   char* Relocate(char* block);
   int RefCount(const char* block) const;
 
-  int64_t capacity_bytes() const { return static_cast<int64_t>(chunks_.size()) * kChunkBytes; }
+  int64_t capacity_bytes() const { return static_cast<int64_t>(chunks_.size()) * chunk_bytes_; }
+  int64_t chunk_bytes() const { return chunk_bytes_; }  // the largest block it holds
   // Whether the arena is the caller's memory (the second constructor) rather than the pool's own mapping.
   bool external_arena() const { return !owns_arena_; }
   int64_t used_bytes() const { return used_bytes_; }        // allocated blocks' (rounded) sizes
@@ -92,13 +99,14 @@ class BlockPool {
   };
   static int64_t Rounded(int64_t bytes) { return (bytes + kAlignment - 1) / kAlignment * kAlignment; }
   // The chunk holding `block` and the block's index in it.
-  int64_t ChunkOf(const char* block) const { return (block - base_) / kChunkBytes; }
+  int64_t ChunkOf(const char* block) const { return (block - base_) / chunk_bytes_; }
   int32_t IndexOf(const char* block, const Chunk& chunk) const {
-    return static_cast<int32_t>((block - base_) % kChunkBytes / chunk.block_bytes);
+    return static_cast<int32_t>((block - base_) % chunk_bytes_ / chunk.block_bytes);
   }
 
   char* base_ = nullptr;
   const bool owns_arena_;  // mmap'd by the pool: advised, given back and unmapped by it
+  const int64_t chunk_bytes_;
   std::vector<Chunk> chunks_;
   std::vector<int64_t> free_chunks_;      // chunks holding no block, their pages given back
   std::vector<int64_t> resident_chunks_;  // chunks holding no block, their pages kept; taken first

@@ -203,7 +203,7 @@ std::string SessionStore::FullMessage(const std::string& owner, int64_t needed, 
                     pool_capacity_ / owners);
   }
   if (Fragmented(block_bytes)) {
-    absl::StrAppend(&message, "; the bytes are free, but in chunks (", BlockPool::kChunkBytes,
+    absl::StrAppend(&message, "; the bytes are free, but in chunks (", pool_chunk_bytes_,
                     " bytes, one block size each) that blocks of other sizes in use by calls hold");
   }
   absl::StrAppend(&message, "; this call needs at least ", needed, " more block(s)");

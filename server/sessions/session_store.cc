@@ -31,6 +31,11 @@ std::string RandomId() {
   return absl::BytesToHexString(absl::string_view(reinterpret_cast<const char*>(bytes), sizeof(bytes)));
 }
 
+// The chunk size of a pool of `bytes` for the store's options.
+int64_t ChunkBytesOf(const SessionStoreOptions& options, int64_t bytes) {
+  return options.chunk_bytes > 0 ? options.chunk_bytes : BlockPool::ChunkBytesFor(bytes);
+}
+
 // "12 s" for a duration, to the second.
 std::string Seconds(absl::Duration d) { return absl::StrCat(absl::ToInt64Seconds(d), " s"); }
 
@@ -68,8 +73,11 @@ SessionStore::SessionStore(const SessionStoreOptions& options, ServerMetrics* me
     : options_(options),
       metrics_(metrics),
       arena_(std::move(arena)),
-      pool_(arena_ != nullptr ? BlockPool(arena_->base(), arena_->bytes()) : BlockPool(options.capacity_bytes)),
+      pool_(arena_ != nullptr
+                ? BlockPool(arena_->base(), arena_->bytes(), ChunkBytesOf(options, arena_->bytes()))
+                : BlockPool(options.capacity_bytes, int64_t{64} << 20, ChunkBytesOf(options, options.capacity_bytes))),
       pool_capacity_(pool_.capacity_bytes()),
+      pool_chunk_bytes_(pool_.chunk_bytes()),
       sequencer_(options.max_waiting, options.max_waiting_bytes) {
   absl::MutexLock lock(&mu_);
   Publish();
@@ -160,11 +168,12 @@ absl::StatusOr<v1::SessionInfo> SessionStore::Create(const SessionConfig& given,
   for (int64_t c = 0; c < config.num_caches; ++c) {
     const HeadSpec& heads = config.is_layer_session() ? config.layers[c].heads : config.heads;
     caches[c].layout = {heads.num_kv_heads, heads.head_dim, options_.block_tokens, config.cache_dtype};
-    if (caches[c].layout.BlockBytes() > BlockPool::kChunkBytes) {
+    if (caches[c].layout.BlockBytes() > pool_chunk_bytes_) {
       return absl::InvalidArgumentError(absl::StrCat(
           "a cache block of ", config.is_layer_session() ? "layer '" + config.layers[c].name + "'" : "these heads",
           " would take ", caches[c].layout.BlockBytes(), " bytes (2 Hkv d_k --kv_block_tokens sizeof(cache_dtype)), "
-          "more than the pool's ", BlockPool::kChunkBytes, "-byte chunks; the server needs a smaller --kv_block_tokens"));
+          "more than the pool's ", pool_chunk_bytes_, "-byte chunks; the server needs a smaller --kv_block_tokens (or, "
+          "below 64 MiB, whose chunks are a 32nd of it, a larger --kv_cache_mb)"));
     }
   }
   absl::MutexLock lock(&mu_);

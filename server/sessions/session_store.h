@@ -54,6 +54,7 @@ namespace mha {
 
 struct SessionStoreOptions {
   int64_t capacity_bytes = int64_t{1} << 30;  // the block pool (--kv_cache_mb)
+  int64_t chunk_bytes = 0;  // the pool's chunks, the largest block it holds; 0: BlockPool::ChunkBytesFor the pool
   int64_t block_tokens = 32;                  // tokens per block (--kv_block_tokens)
   int max_sessions = 1024;                    // open at once (--max_sessions)
   int64_t max_tokens = 32768;                 // per cache, default and limit (--max_session_tokens)
@@ -296,6 +297,7 @@ class SessionStore {
   mutable absl::Mutex mu_;
   BlockPool pool_ ABSL_GUARDED_BY(mu_);
   const int64_t pool_capacity_;
+  const int64_t pool_chunk_bytes_;
   std::map<std::string, Session> sessions_ ABSL_GUARDED_BY(mu_);  // by key
   std::map<std::string, OwnerUse> owners_ ABSL_GUARDED_BY(mu_);  // by owner, those with sessions
   int64_t table_bytes_ ABSL_GUARDED_BY(mu_) = 0;                 // every session's TableBytes
