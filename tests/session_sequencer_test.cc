@@ -249,8 +249,11 @@ TEST_F(SequencerTest, AWaitingCallWhoseClientIsGoneLeavesAndFreesItsPlace) {
   Submit("hold", {"s"});
   for (int i = 0; i < 4; ++i) sequencer_.Submit({"s"}, 1, std::make_unique<Leaver>(&log_, &gone));
   gone = true;
+  // The starter thread takes them off the waiting list, then abandons them outside its lock: wait for both.
   const absl::Time until = absl::Now() + absl::Seconds(10);
-  while (sequencer_.waiting() > 0 && absl::Now() < until) absl::SleepFor(absl::Milliseconds(5));
+  while ((sequencer_.waiting() > 0 || Abandoned().size() < 4) && absl::Now() < until) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
   EXPECT_EQ(sequencer_.waiting(), 0);
   ASSERT_TRUE(sequencer_.AwaitStarted(absl::Seconds(10)));
   std::vector<absl::Status> abandoned = Abandoned();
