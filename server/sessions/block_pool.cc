@@ -57,7 +57,7 @@ BlockPool::~BlockPool() {
 
 bool BlockPool::HasRoom(int64_t bytes) const {
   if (bytes < 1 || bytes > chunk_bytes_) return false;
-  if (used_bytes_ + reserved_bytes_ + Rounded(bytes) > capacity_bytes()) return false;
+  if (!HasBytesFor(bytes)) return false;
   const auto partial = partial_chunks_.find(Rounded(bytes));
   return !free_chunks_.empty() || !resident_chunks_.empty() ||
          (partial != partial_chunks_.end() && !partial->second.empty());
@@ -66,7 +66,7 @@ bool BlockPool::HasRoom(int64_t bytes) const {
 char* BlockPool::Allocate(int64_t bytes) {
   if (bytes < 1 || bytes > chunk_bytes_) return nullptr;
   const int64_t size = Rounded(bytes);
-  if (used_bytes_ + reserved_bytes_ + size > capacity_bytes()) return nullptr;
+  if (!HasBytesFor(size)) return nullptr;
   std::set<int64_t>& partial = partial_chunks_[size];
   if (partial.empty()) {
     std::vector<int64_t>& source = !resident_chunks_.empty() ? resident_chunks_ : free_chunks_;

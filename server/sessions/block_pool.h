@@ -87,6 +87,9 @@ class BlockPool {
   int64_t used_bytes() const { return used_bytes_; }        // allocated blocks' (rounded) sizes
   int64_t chunks_in_use() const { return chunks_in_use_; }  // chunks holding at least one block
   int64_t shared_blocks() const { return shared_blocks_; }  // blocks with more than one reference
+  // Whether the capacity has the bytes for a block of `bytes` beside the blocks and the reserved bytes (though
+  // maybe no chunk that a block of that size could come from).
+  bool HasBytesFor(int64_t bytes) const { return used_bytes_ + reserved_bytes_ + Rounded(bytes) <= capacity_bytes(); }
   // Whether Allocate(bytes) would succeed now.
   bool HasRoom(int64_t bytes) const;
 

@@ -61,13 +61,8 @@ char* SessionStore::AllocateEvicting(int64_t bytes, const std::string& owner) {
   }
 }
 
-bool SessionStore::Fragmented(int64_t bytes) const {
-  const int64_t rounded = (bytes + BlockPool::kAlignment - 1) / BlockPool::kAlignment * BlockPool::kAlignment;
-  return pool_.used_bytes() + pool_.reserved_bytes() + rounded <= pool_.capacity_bytes();
-}
-
 bool SessionStore::EvictChunkFor(const std::string& owner, int64_t bytes) {
-  if (!Fragmented(bytes)) return false;
+  if (!pool_.HasBytesFor(bytes)) return false;
   const int64_t share = pool_capacity_ / OwnersWith(owner);
   const bool within_share = !PastByteCap(owner, bytes) && UseOf(owner).bytes + bytes <= share;
   // The references to each block from idle sessions this owner may evict (EvictFor's first two tiers).
@@ -104,7 +99,7 @@ bool SessionStore::EvictChunkFor(const std::string& owner, int64_t bytes) {
 }
 
 bool SessionStore::Compact(int64_t bytes) {
-  if (!Fragmented(bytes)) return false;  // truly full
+  if (!pool_.HasBytesFor(bytes)) return false;  // truly full
   // Where each block of an idle session is referenced; a block is movable when those are all its references.
   std::map<char*, std::vector<char**>> refs;
   for (auto& [key, s] : sessions_) {
@@ -202,7 +197,7 @@ std::string SessionStore::FullMessage(const std::string& owner, int64_t needed, 
                     UseOf(owner).bytes, " bytes, and its share while ", owners, " tokens hold sessions is ",
                     pool_capacity_ / owners);
   }
-  if (Fragmented(block_bytes)) {
+  if (pool_.HasBytesFor(block_bytes)) {
     absl::StrAppend(&message, "; the bytes are free, but in chunks (", pool_chunk_bytes_,
                     " bytes, one block size each) that blocks of other sizes in use by calls hold");
   }

@@ -269,8 +269,6 @@ class SessionStore {
   // for `bytes` but no chunk that a block of that size could come from; true if a chunk was emptied. Blocks of
   // sessions a call holds (and of reservations) never move: their calls use them without the store's lock.
   bool Compact(int64_t bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Whether the pool has the bytes for a block of `bytes` (though maybe no chunk a block of that size fits in).
-  bool Fragmented(int64_t bytes) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // When the pool has the bytes but no chunk for a block of `bytes`: evicts the idle sessions that hold one whole
   // chunk, the fewest such, among those `owner` may evict (see the shares above); false if none can be emptied so.
   bool EvictChunkFor(const std::string& owner, int64_t bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
