@@ -17,19 +17,13 @@ import numpy as np
 
 import mhaclient
 from conftest import STARTUP_TIMEOUT_S, run_server
+from session_attacks import HEADS, qkv
 
 VICTIM_TOKEN = "victim-token-0123456789"
 ATTACKER_TOKEN = "attacker-token-012345678"
-HEADS = dict(num_heads=4, num_kv_heads=2, head_dim=16)
 KV_CACHE_MB, INFLIGHT_MB, GRPC_MB, MESSAGE_MB = 16, 64, 128, 64
 ATTACK_SECONDS = 8.0
 ONLY = [os.environ["MHA_ATTACKS"]] if os.environ.get("MHA_ATTACKS") else []  # by hand: one attack's share
-
-
-def qkv(rng, n):
-    return {"q": rng.standard_normal((n, 4, 16)).astype(np.float32),
-            "k": rng.standard_normal((n, 2, 16)).astype(np.float32),
-            "v": rng.standard_normal((n, 2, 16)).astype(np.float32)}
 
 
 def status_mib(pid, name):
