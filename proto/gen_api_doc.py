@@ -14,7 +14,13 @@ import sys
 
 FIELD = re.compile(r"^((?:repeated|optional)\s+)?([\w.]+)\s+(\w+)\s*=\s*(\d+);")
 ENUM_VALUE = re.compile(r"^(\w+)\s*=\s*(-?\d+);")
-RPC = re.compile(r"^rpc\s+(\w+)\((\w+)\)\s+returns\s+\((\w+)\);")
+RPC = re.compile(r"^rpc\s+(\w+)\(((?:stream\s+)?\w+)\)\s+returns\s+\(((?:stream\s+)?\w+)\);")
+
+
+def link(type_name):
+    """A message type as a link to its section; a streamed one as "stream <link>"."""
+    words = type_name.split()
+    return " ".join(words[:-1] + [f"[{words[-1]}](#{words[-1].lower()})"])
 
 
 def parse(text):
@@ -95,8 +101,8 @@ def render(header, blocks, source):
         if block["kind"] == "service":
             out += [f"## service {block['name']}", "", block["doc"], "", "| rpc | request | response | what |",
                     "| --- | --- | --- | --- |"]
-            out += [f"| `{m['name']}` | [{m['request']}](#{m['request'].lower()}) | "
-                    f"[{m['response']}](#{m['response'].lower()}) | {cell(m['doc'])} |" for m in block["members"]]
+            out += [f"| `{m['name']}` | {link(m['request'])} | {link(m['response'])} | {cell(m['doc'])} |"
+                    for m in block["members"]]
             out.append("")
     for block in blocks:
         if block["kind"] == "message":

@@ -348,6 +348,16 @@ TEST_F(TokenTest, ASessionBelongsToTheTokenThatCreatedIt) {
     v1::ExtendResponse response;
     return stub->Extend(&context, extend, &response);
   };
+  // The same step on a stream, with the token (none when null) on the stream.
+  const auto stream_extend = [&](const char* token) {
+    grpc::ClientContext context;
+    if (token != nullptr) with(&context, token);
+    auto stream = stub->ExtendStream(&context);
+    v1::ExtendResponse response;
+    if (stream->Write(extend)) stream->Read(&response);
+    stream->WritesDone();
+    return stream->Finish();
+  };
   const auto listed = [&](const char* token) {
     grpc::ClientContext context;
     with(&context, token);
@@ -370,6 +380,9 @@ TEST_F(TokenTest, ASessionBelongsToTheTokenThatCreatedIt) {
   EXPECT_EQ(other.error_code(), grpc::StatusCode::NOT_FOUND);
   EXPECT_THAT(other.error_message(), HasSubstr("no session 'mine'"));
   EXPECT_EQ(call_extend(kAdminToken).error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_TRUE(stream_extend(kComputeToken).ok());
+  EXPECT_EQ(stream_extend(kOtherToken).error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_EQ(stream_extend(nullptr).error_code(), grpc::StatusCode::UNAUTHENTICATED);
   EXPECT_EQ(list(kComputeToken), 1);
   EXPECT_EQ(list(kOtherToken), 0);
   const v1::ListSessionsResponse all = listed(kAdminToken);

@@ -85,6 +85,11 @@ absl::Status CheckOptions(ServerOptions* options) {
     ASSIGN_OR_RETURN(const ListenAddress address, ParseListenAddress(flag, text));
     RETURN_IF_ERROR(CheckCanBind(flag, address));
   }
+  if (!options->listen_unix.empty()) {
+    ASSIGN_OR_RETURN(const ListenAddress address,
+                     ParseListenAddress("--listen_unix", absl::StrCat("unix:", options->listen_unix)));
+    RETURN_IF_ERROR(CheckCanBind("--listen_unix", address));
+  }
   return absl::OkStatus();
 }
 

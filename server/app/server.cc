@@ -134,9 +134,15 @@ absl::Status MhaServer::StartPorts() {
     builder.AddListeningPort(options_.listen,
                              tls_ != nullptr ? tls_->credentials() : grpc::InsecureServerCredentials(), &port_);
   }
+  if (!options_.listen_unix.empty()) {
+    builder.AddListeningPort("unix:" + options_.listen_unix, grpc::InsecureServerCredentials(), &unix_bound_);
+  }
   builder.RegisterService(service_.get());
   builder.RegisterService(kserve_.get());
   server_ = builder.BuildAndStart();
+  if (server_ != nullptr && !options_.listen_unix.empty() && unix_bound_ == 0) {
+    return absl::UnavailableError(absl::StrCat("--listen_unix ", options_.listen_unix, ": gRPC could not serve there"));
+  }
   if (server_ == nullptr || (!options_.listen.empty() && port_ == 0)) {
     // CheckOptions found the address free: another process took the port since, or gRPC refused the address (it
     // logs why).

@@ -97,6 +97,7 @@ class MhaServer {
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<HealthOnlyPort> health_;  // --health_listen
   int port_ = 0;
+  int unix_bound_ = 0;  // 1 once --listen_unix is bound (gRPC reports a Unix socket as port 1)
   bool shut_down_ = false;
   // What SetServing last set for "" and mha.v1.Attention, for KServe's ServerLive and ServerReady.
   std::atomic<bool> live_{false}, ready_{false};

@@ -11,6 +11,8 @@ const mha::ServerOptions kDefaults;
 // The help texts are what `mha_server --helpfull` prints and docs/SERVER.md's flag table repeats (tests/flags_doc_test.py
 // keeps the two in step).
 ABSL_FLAG(std::string, listen, kDefaults.listen, "host:port to serve on; port 0 picks a free one");
+ABSL_FLAG(std::string, listen_unix, kDefaults.listen_unix,
+          "also serve on this Unix socket path, for callers on the same host (plaintext; tokens as on --listen)");
 ABSL_FLAG(std::string, port_file, kDefaults.port_file, "write the bound port to this file once serving");
 ABSL_FLAG(std::string, metrics_listen, kDefaults.metrics_listen,
           "serve Prometheus metrics at http://HOST:PORT/metrics; :PORT = on --listen's host; empty = off");
@@ -112,6 +114,7 @@ namespace mha {
 ServerOptions ServerOptionsFromFlags() {
   ServerOptions options;
   options.listen = absl::GetFlag(FLAGS_listen);
+  options.listen_unix = absl::GetFlag(FLAGS_listen_unix);
   options.port_file = absl::GetFlag(FLAGS_port_file);
   options.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
   options.layers_dir = absl::GetFlag(FLAGS_layers_dir);

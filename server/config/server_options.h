@@ -11,6 +11,10 @@ namespace mha {
 struct ServerOptions {
   // host:port to listen on. Port 0 picks a free port (see port_file).
   std::string listen = "127.0.0.1:50051";
+  // When non-empty, the same service is also served on this Unix socket (a path), for callers on the same host (a
+  // model runner beside the server): no TCP stack on the way, no TLS (the socket file's permissions guard it),
+  // tokens as on --listen.
+  std::string listen_unix;
   // When non-empty, the bound port is written to this file once the server accepts calls.
   std::string port_file;
   // When non-empty, Prometheus metrics are served over HTTP at http://<metrics_listen>/metrics (host:port; port 0

@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <string_view>
 
 #include "absl/random/random.h"
@@ -97,6 +98,12 @@ CallEdge::CallEdge(const TokenAuth* auth, ServerMetrics* metrics, int log_max_ca
       id_prefix_(absl::StrFormat("%08x", absl::Uniform<uint32_t>(absl::BitGen()))),
       instance_id_(InstanceId(id_prefix_)) {}
 
+std::string CallEdge::RequestId(const grpc::CallbackServerContext& context) {
+  const absl::string_view given = Metadata(context, "x-request-id");
+  if (UsableRequestId(given)) return std::string(given);
+  return absl::StrFormat("%s-%x", id_prefix_, next_request_id_++);
+}
+
 Call::Call(CallEdge* edge, const char* rpc, grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
            grpc::ByteBuffer* response)
     : edge_(edge),
@@ -107,16 +114,33 @@ Call::Call(CallEdge* edge, const char* rpc, grpc::CallbackServerContext* context
       response_(response),
       received_(absl::Now()),
       request_bytes_(static_cast<int64_t>(request->Length())) {
-  const absl::string_view given = Metadata(*context, "x-request-id");
-  const std::string id = UsableRequestId(given) ? std::string(given)
-                                                : absl::StrFormat("%s-%x", edge->id_prefix_, edge->next_request_id_++);
+  const std::string id = edge->RequestId(*context);
   context->AddInitialMetadata("x-request-id", id);
   context->AddInitialMetadata("mha-instance-id", edge->instance_id_);
-  const absl::string_view trace = TraceId(Metadata(*context, "traceparent"));
-  ids_ = trace.empty() ? absl::StrCat("rid=", id) : absl::StrCat("rid=", id, " trace=", trace);
+  SetIds(id);
   // gRPC reports "no deadline" as the clock's far end.
   const absl::Time deadline = absl::FromChrono(context->deadline());
   deadline_ = deadline - received_ > absl::Hours(24 * 365) ? received_ + edge->default_deadline_ : deadline;
+}
+
+Call::Call(CallEdge* edge, const char* rpc, grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+           grpc::ByteBuffer* response, CallEnd* end, absl::string_view request_id)
+    : edge_(edge),
+      rpc_(rpc),
+      context_(context),
+      reactor_(nullptr),
+      end_(end),
+      request_(request),
+      response_(response),
+      received_(absl::Now()),
+      request_bytes_(static_cast<int64_t>(request->Length())) {
+  SetIds(request_id);
+  deadline_ = std::min(absl::FromChrono(context->deadline()), received_ + edge->default_deadline_);
+}
+
+void Call::SetIds(absl::string_view request_id) {
+  const absl::string_view trace = TraceId(Metadata(*context_, "traceparent"));
+  ids_ = trace.empty() ? absl::StrCat("rid=", request_id) : absl::StrCat("rid=", request_id, " trace=", trace);
 }
 
 Call::Call(Call&& other) noexcept
@@ -124,6 +148,7 @@ Call::Call(Call&& other) noexcept
       rpc_(other.rpc_),
       context_(other.context_),
       reactor_(other.reactor_),
+      end_(other.end_),
       request_(other.request_),
       response_(other.response_),
       ids_(std::move(other.ids_)),
@@ -214,7 +239,11 @@ grpc::ServerUnaryReactor* Call::Finish(const absl::Status& status, const CallOut
                    absl::StatusCodeToString(status.code()), latency_us, LogSafe(status.message(), 1024), note);
     }
   }
-  reactor_->Finish(ToGrpcStatus(status));
+  if (end_ != nullptr) {
+    end_->End(ToGrpcStatus(status));
+  } else {
+    reactor_->Finish(ToGrpcStatus(status));
+  }
   return reactor_;
 }
 

@@ -39,6 +39,12 @@ class CallEdge {
   // Calls begun and not yet done with: from a Call's construction until gRPC has sent its status (or the call
   // ended unsent), so that a shutdown knows when nothing is left to wait for but idle connections.
   int64_t calls_in_progress() const { return calls_in_progress_->load(std::memory_order_acquire); }
+  // The request id of a call on `context`: the client's x-request-id when it is 1..128 of [A-Za-z0-9._:/-], else a
+  // new one. Thread-safe.
+  std::string RequestId(const grpc::CallbackServerContext& context);
+  // A shared count of calls in progress, for a reactor that counts itself (a stream while a step is in flight).
+  const std::shared_ptr<std::atomic<int64_t>>& in_progress_counter() const { return calls_in_progress_; }
+  absl::Duration default_deadline() const { return default_deadline_; }
 
  private:
   friend class Call;
@@ -52,6 +58,14 @@ class CallEdge {
   std::atomic<uint64_t> next_request_id_{1};
   // Shared with every call's reactor, which may be done after the edge is gone.
   const std::shared_ptr<std::atomic<int64_t>> calls_in_progress_ = std::make_shared<std::atomic<int64_t>>(0);
+};
+
+// Where a call that is not unary ends: one step of a stream (server/rpc/extend_stream.h) takes its status, and on OK
+// the response the call serialized into its response buffer. Called once per call, from any thread.
+class CallEnd {
+ public:
+  virtual ~CallEnd() = default;
+  virtual void End(const grpc::Status& status) = 0;
 };
 
 // What a finished call did, for its log line and its metrics.
@@ -72,6 +86,11 @@ class Call {
   // `rpc` is static; `context`, `request` and `response` are gRPC's and live until the reactor finishes.
   Call(CallEdge* edge, const char* rpc, grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
        grpc::ByteBuffer* response);
+  // One step of a stream on `context`: request id `request_id` (the stream's, with the step's number), no initial
+  // metadata of its own (the stream sent it), a deadline at the stream's or --default_deadline_s from now,
+  // whichever comes first, and its end at `end` (borrowed; it must outlive the call) instead of a unary reactor.
+  Call(CallEdge* edge, const char* rpc, grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+       grpc::ByteBuffer* response, CallEnd* end, absl::string_view request_id);
   Call(Call&& other) noexcept;
   Call& operator=(Call&&) = delete;
   Call(const Call&) = delete;
@@ -105,13 +124,18 @@ class Call {
   // Returns the reactor, for a handler that ends the call at once to return. Once: a second call is logged as an
   // error and changes nothing.
   grpc::ServerUnaryReactor* Finish(const absl::Status& status, const CallOutcome& outcome = CallOutcome());
+  // The unary call's reactor; null for a stream's step.
   grpc::ServerUnaryReactor* reactor() const { return reactor_; }
 
  private:
+  // Sets ids_ from the request id and the context's traceparent.
+  void SetIds(absl::string_view request_id);
+
   CallEdge* edge_;
   const char* rpc_;
   grpc::CallbackServerContext* context_;
-  grpc::ServerUnaryReactor* reactor_;
+  grpc::ServerUnaryReactor* reactor_;  // a unary call's; null for a step
+  CallEnd* end_ = nullptr;             // a step's; null for a unary call
   const grpc::ByteBuffer* request_;
   grpc::ByteBuffer* response_;
   std::string ids_;  // "rid=<id>[ trace=<trace id>]", for the log line

@@ -166,6 +166,10 @@ grpc::ServerUnaryReactor* AttentionService::Extend(Context* context, const grpc:
   return sessions_.Extend(Start("Extend", context, request, response));
 }
 
+grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* AttentionService::ExtendStream(Context* context) {
+  return StartExtendStream(context, parts_.edge, &extend_step_);
+}
+
 grpc::ServerUnaryReactor* AttentionService::ForkSession(Context* context, const grpc::ByteBuffer* request,
                                                         grpc::ByteBuffer* response) {
   return sessions_.ForkSession(Start("ForkSession", context, request, response));

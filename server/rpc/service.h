@@ -1,11 +1,15 @@
 // The native front door: mha.v1.Attention on gRPC's callback API. Stateless compute calls are validated on the
 // handler's thread and computed by the scheduler (compute_call.h); layer, info and shared-memory calls answer at
-// once; the session RPCs are SessionService's (session_service.h). Every call goes through one Call (call.h).
+// once; the session RPCs are SessionService's (session_service.h), ExtendStream's steps too (extend_stream.h).
+// Every call, and every step of a stream, goes through one Call (call.h).
 #ifndef MHA_SERVER_RPC_SERVICE_H_
 #define MHA_SERVER_RPC_SERVICE_H_
 
+#include <utility>
+
 #include "grpcpp/grpcpp.h"
 #include "proto/mha/v1/attention.grpc.pb.h"
+#include "server/rpc/extend_stream.h"
 #include "server/rpc/service_parts.h"
 #include "server/rpc/session_service.h"
 
@@ -15,9 +19,10 @@ namespace mha {
 // INVALID_ARGUMENT and a log line (gRPC's own parsing answers UNIMPLEMENTED with no message), and so that the token
 // check comes before any parsing.
 using RawSessionService = v1::Attention::WithRawCallbackMethod_CreateSession<
-    v1::Attention::WithRawCallbackMethod_Extend<v1::Attention::WithRawCallbackMethod_ForkSession<
-        v1::Attention::WithRawCallbackMethod_TruncateSession<v1::Attention::WithRawCallbackMethod_CloseSession<
-            v1::Attention::WithRawCallbackMethod_ListSessions<v1::Attention::Service>>>>>>;
+    v1::Attention::WithRawCallbackMethod_Extend<v1::Attention::WithRawCallbackMethod_ExtendStream<
+        v1::Attention::WithRawCallbackMethod_ForkSession<v1::Attention::WithRawCallbackMethod_TruncateSession<
+            v1::Attention::WithRawCallbackMethod_CloseSession<
+                v1::Attention::WithRawCallbackMethod_ListSessions<v1::Attention::Service>>>>>>>;
 using RawAttentionService = v1::Attention::WithRawCallbackMethod_MultiHeadAttention<
     v1::Attention::WithRawCallbackMethod_ScaledDotProductAttention<v1::Attention::WithRawCallbackMethod_LoadLayer<
         v1::Attention::WithRawCallbackMethod_UnloadLayer<v1::Attention::WithRawCallbackMethod_ListLayers<
@@ -49,6 +54,7 @@ class AttentionService final : public RawAttentionService {
   // The session RPCs, SessionService's.
   Reactor* CreateSession(Context* context, const grpc::ByteBuffer* request, grpc::ByteBuffer* response) override;
   Reactor* Extend(Context* context, const grpc::ByteBuffer* request, grpc::ByteBuffer* response) override;
+  grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* ExtendStream(Context* context) override;
   Reactor* ForkSession(Context* context, const grpc::ByteBuffer* request, grpc::ByteBuffer* response) override;
   Reactor* TruncateSession(Context* context, const grpc::ByteBuffer* request, grpc::ByteBuffer* response) override;
   Reactor* CloseSession(Context* context, const grpc::ByteBuffer* request, grpc::ByteBuffer* response) override;
@@ -62,6 +68,7 @@ class AttentionService final : public RawAttentionService {
 
   const ServiceParts parts_;
   SessionService sessions_;
+  const StepRunner extend_step_ = [this](Call step) { sessions_.ExtendStep(std::move(step)); };
 };
 
 }  // namespace mha

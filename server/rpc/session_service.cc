@@ -245,12 +245,20 @@ class ExtendCall final : public SessionSequencer::Call {
 
 grpc::ServerUnaryReactor* SessionService::Extend(Call call) {
   grpc::ServerUnaryReactor* reactor = call.reactor();
+  ExtendStep(std::move(call));
+  return reactor;
+}
+
+void SessionService::ExtendStep(Call call) {
   auto request = std::make_unique<v1::ExtendRequest>();
   const absl::Status status = call.Admit(Role::kCompute, request.get());
   absl::StatusOr<std::vector<std::string>> ids =
       status.ok() ? ValidateExtendRequest(*request, parts_.sessions->options().max_sessions)
                   : absl::StatusOr<std::vector<std::string>>(status);
-  if (!ids.ok()) return call.Finish(ids.status());
+  if (!ids.ok()) {
+    call.Finish(ids.status());
+    return;
+  }
   const int64_t bytes = call.request_bytes();
   std::vector<std::string> keys = Keys(call.caller().owner, *ids);
   std::vector<std::string> held = keys;
@@ -259,7 +267,6 @@ grpc::ServerUnaryReactor* SessionService::Extend(Call call) {
       std::move(held), bytes,
       std::make_unique<ExtendCall>(std::move(call), std::move(request), *std::move(ids), std::move(keys), parts_),
       caller);
-  return reactor;
 }
 
 grpc::ServerUnaryReactor* SessionService::CreateSession(Call call) {

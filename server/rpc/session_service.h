@@ -20,6 +20,8 @@ class SessionService {
   // Each takes its call from the handler and returns its reactor.
   grpc::ServerUnaryReactor* CreateSession(Call call);
   grpc::ServerUnaryReactor* Extend(Call call);
+  // An Extend that is one step of a stream (extend_stream.h): the same trip, ending through the step's Call.
+  void ExtendStep(Call call);
   grpc::ServerUnaryReactor* ForkSession(Call call);
   grpc::ServerUnaryReactor* TruncateSession(Call call);
   grpc::ServerUnaryReactor* CloseSession(Call call);
