@@ -3,6 +3,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
+#include "client/extend_stepper.h"
 #include "grpcpp/support/client_interceptor.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "proto/mha/v1/tensor_codec.h"
@@ -71,7 +72,12 @@ AttentionClient::AttentionClient(const ClientOptions& options)
     : options_(options),
       channel_(CreateAttentionChannel(options)),
       stub_(v1::Attention::NewStub(channel_)),
-      generic_stub_(std::make_unique<grpc::GenericStub>(channel_)) {}
+      generic_stub_(std::make_unique<grpc::GenericStub>(channel_)),
+      extend_streams_(options.max_extend_streams > 0
+                          ? std::make_unique<ExtendStreams>(this, options.max_extend_streams)
+                          : nullptr) {}
+
+AttentionClient::~AttentionClient() = default;  // the streams end first (members go in reverse)
 
 namespace {
 
@@ -250,6 +256,13 @@ absl::StatusOr<v1::CreateSessionResponse> AttentionClient::CreateSession(const v
 }
 
 absl::StatusOr<v1::ExtendResponse> AttentionClient::Extend(const v1::ExtendRequest& request) {
+  if (extend_streams_ != nullptr) return extend_streams_->Extend(request);
+  return ExtendUnary(request);
+}
+
+bool AttentionClient::streams_extends() const { return extend_streams_ != nullptr && extend_streams_->streaming(); }
+
+absl::StatusOr<v1::ExtendResponse> AttentionClient::ExtendUnary(const v1::ExtendRequest& request) {
   const std::string id = request.items_size() > 0 ? request.items(0).session_id() : "";
   return Unary(stub_.get(), &v1::Attention::Stub::Extend, request, options_.timeout, id);
 }

@@ -39,7 +39,12 @@ struct ClientOptions {
   std::string tls_server_name;
   // Sent with every call as "authorization: Bearer <token>" when non-empty (servers with --auth_tokens_file).
   std::string token;
+  // Extend calls go over ExtendStream (a decoder's per-layer steps without a new HTTP/2 stream each), on up to
+  // this many streams at once, kept open between steps (client/extend_stepper.h); 0: every Extend is unary.
+  int max_extend_streams = 8;
 };
+
+class ExtendStreams;
 
 // A channel to options.target with the options' message limits, load-balancing policy, connection sharing,
 // transport security and token.
@@ -78,6 +83,7 @@ absl::Status FromGrpcStatus(const grpc::Status& status);
 class AttentionClient {
  public:
   explicit AttentionClient(const ClientOptions& options);
+  ~AttentionClient();
 
   absl::StatusOr<v1::MultiHeadAttentionResponse> MultiHeadAttention(const v1::MultiHeadAttentionRequest& request);
   // The same call on plain arrays: fp32 in and out, no protobuf in sight. See MhaInputs. The arrays' bytes are
@@ -104,19 +110,28 @@ class AttentionClient {
   // chose one, the source's for ForkSession, the first item's for Extend), so that a proxy can route every call of
   // a session to the replica that holds it. client/session.h wraps them in a handle.
   absl::StatusOr<v1::CreateSessionResponse> CreateSession(const v1::CreateSessionRequest& request);
+  // Over one of the client's streams (ClientOptions::max_extend_streams), unary where the server has no
+  // ExtendStream or every stream is stepping; ExtendUnary always as one unary call.
   absl::StatusOr<v1::ExtendResponse> Extend(const v1::ExtendRequest& request);
+  absl::StatusOr<v1::ExtendResponse> ExtendUnary(const v1::ExtendRequest& request);
+  // Whether Extend goes over streams: false with max_extend_streams 0, or once the server showed it has none.
+  bool streams_extends() const;
   absl::StatusOr<v1::ForkSessionResponse> ForkSession(const v1::ForkSessionRequest& request);
   absl::StatusOr<v1::TruncateSessionResponse> TruncateSession(const v1::TruncateSessionRequest& request);
   absl::Status CloseSession(const std::string& session_id);
   absl::StatusOr<v1::ListSessionsResponse> ListSessions();
 
   const std::shared_ptr<grpc::Channel>& channel() const { return channel_; }
+  const ClientOptions& options() const { return options_; }
+  // The generated stub, for the streaming calls (ExtendStepper).
+  v1::Attention::Stub* stub() const { return stub_.get(); }
 
  private:
   ClientOptions options_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Attention::Stub> stub_;
   std::unique_ptr<grpc::GenericStub> generic_stub_;  // for calls whose tensors travel outside the message
+  std::unique_ptr<ExtendStreams> extend_streams_;    // null with max_extend_streams 0
 };
 
 }  // namespace mha

@@ -3,6 +3,7 @@
 // --check compares session 0 with a reference; --stateless resends the history instead, for comparison; --shards
 // spreads each session's context over several servers and merges every step's outputs by their lse; --recover
 // rebuilds a session that was lost (a restarted server, a dead replica behind a proxy) from what it was fed.
+#include <algorithm>
 #include <cstdio>
 #include <memory>
 #include <string>
@@ -33,6 +34,9 @@ ABSL_FLAG(int, shards, 1,
           "decode: spread each head session's context over this many sessions, one per shard, in contiguous parts; "
           "--target then lists the shards' servers, comma-separated (shard i on server i % count); each step asks "
           "every shard (append=false but the last) and merges the outputs by their lse. Needs --rope_theta 0");
+ABSL_FLAG(std::string, transport, "stream",
+          "decode: how the Extends go: stream (one ExtendStream per thread, unary where the server has none), unary, "
+          "or both (every other step each way; the report gives each one's percentiles)");
 ABSL_FLAG(bool, recover, false,
           "decode: record what each session was fed; a call that finds its sessions lost (NOT_FOUND, or UNAVAILABLE: "
           "a restarted server, an evicted session, a dead replica behind a proxy) re-creates them under the same id, "
@@ -98,6 +102,9 @@ int RunDecode(const ClientOptions& options) {
   o.seed = static_cast<uint32_t>(absl::GetFlag(FLAGS_seed));
   o.shards = absl::GetFlag(FLAGS_shards);
   o.recover = absl::GetFlag(FLAGS_recover);
+  absl::StatusOr<DecodeOptions::Transport> transport = ParseTransport(absl::GetFlag(FLAGS_transport));
+  if (!transport.ok()) return UsageError(transport.status());
+  o.transport = *transport;
   absl::StatusOr<v1::DataType> cache = ParseDtype(absl::GetFlag(FLAGS_cache_dtype), "cache_dtype");
   if (!cache.ok()) return UsageError(cache.status());
   o.cache_dtype = *cache;
@@ -118,7 +125,8 @@ int RunDecode(const ClientOptions& options) {
 
   std::vector<std::unique_ptr<AttentionClient>> clients;
   std::vector<AttentionClient*> shard_clients;
-  for (const ClientOptions& server : *servers) {
+  for (ClientOptions server : *servers) {
+    server.max_extend_streams = std::max(server.max_extend_streams, o.concurrency);  // a stream per thread
     clients.push_back(std::make_unique<AttentionClient>(server));
     shard_clients.push_back(clients.back().get());
   }

@@ -7,6 +7,7 @@
 #include <mutex>
 #include <random>
 #include <thread>
+#include <tuple>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -142,6 +143,7 @@ class DecodeRun {
   DecodeRun(std::vector<AttentionClient*> clients, const DecodeOptions& o, const Shape& s)
       : clients_(std::move(clients)), o_(o), s_(s), ids_(o.shards),
         run_tag_(absl::StrFormat("%08x", std::random_device()())), rows_(o.sessions) {
+
     // The steps' tokens come from a pool drawn once, so that the steps time the calls, not a random generator.
     std::mt19937 rng(o.seed + 1);
     for (int i = 0; i < kPoolTokens; ++i) pool_.push_back(Random(rng, s_.width(), o_.wire_dtype));
@@ -173,7 +175,11 @@ class DecodeRun {
 
   // One decode step of sessions [first, last), every layer: one token each. Adds the bytes it sent to *bytes and,
   // when first is 0, puts session 0's layer-0 output into *session0.
-  absl::Status Step(int first, int last, std::mt19937& rng, int64_t* bytes, std::vector<float>* session0) {
+  // `unary`: its Extends go unary even where the client streams them. Sets *streamed to whether they went over
+  // streams.
+  absl::Status Step(int first, int last, std::mt19937& rng, int64_t* bytes, std::vector<float>* session0, bool unary,
+                    bool* streamed) {
+    unary = unary || o_.transport == DecodeOptions::Transport::kUnary || o_.shards > 1;
     std::vector<const std::vector<float>*> rows;
     for (int i = first; i < last; ++i) {
       rows.push_back(&pool_[rng() % pool_.size()]);
@@ -181,9 +187,11 @@ class DecodeRun {
     }
     for (int64_t layer = 0; layer < s_.caches; ++layer) {
       std::vector<float>* out = layer == 0 && first == 0 ? session0 : nullptr;
-      absl::Status status = o_.stateless ? Resend(first, last, bytes, out) : Extend(layer, first, rows, bytes, out);
+      absl::Status status =
+          o_.stateless ? Resend(first, last, bytes, out) : Extend(layer, first, rows, bytes, out, unary);
       if (!status.ok()) return status;
     }
+    *streamed = !unary && !o_.stateless && clients_[0]->streams_extends();
     return absl::OkStatus();
   }
 
@@ -210,7 +218,8 @@ class DecodeRun {
         v1::ExtendRequest request = Request(layer);
         *request.add_items() =
             Item(s_, ids_[shard][i], rows.data() + (begin - t0) * s_.width(), end - begin, o_.wire_dtype);
-        absl::StatusOr<v1::ExtendResponse> response = Send(*clients_[shard], request, i);
+        absl::StatusOr<v1::ExtendResponse> response =
+            Send(*clients_[shard], request, i, o_.transport == DecodeOptions::Transport::kUnary);
         if (!response.ok()) return response.status();
         report->prefill_tokens += end - begin;
       }
@@ -244,14 +253,16 @@ class DecodeRun {
     return request;
   }
 
-  // An Extend whose items are sessions [first, ...) in order: recovered with their records under --recover.
-  absl::StatusOr<v1::ExtendResponse> Send(AttentionClient& client, const v1::ExtendRequest& request, int first) {
-    if (!o_.recover) return client.Extend(request);
+  // An Extend whose items are sessions [first, ...) in order, over the client's streams unless `unary`: recovered
+  // with their records under --recover.
+  absl::StatusOr<v1::ExtendResponse> Send(AttentionClient& client, const v1::ExtendRequest& request, int first,
+                                          bool unary) {
+    if (!o_.recover) return unary ? client.ExtendUnary(request) : client.Extend(request);
     std::vector<SessionRecord*> records;
     for (int i = first; i < first + request.items_size(); ++i) records.push_back(&records_[i]);
     int64_t rebuilt = 0;
     absl::StatusOr<v1::ExtendResponse> response =
-        ExtendRecovering(client, request, records, RecoveryOptions(), &rebuilt);
+        ExtendRecovering(client, request, records, RecoveryOptions(), &rebuilt, unary);
     recoveries_ += rebuilt;
     return response;
   }
@@ -261,14 +272,14 @@ class DecodeRun {
   }
 
   absl::Status Extend(int64_t layer, int first, const std::vector<const std::vector<float>*>& rows, int64_t* bytes,
-                      std::vector<float>* session0) {
+                      std::vector<float>* session0, bool unary) {
     if (o_.shards > 1) return ExtendAcrossShards(layer, first, rows, bytes, session0);
     v1::ExtendRequest request = Request(layer);
     for (int i = first; i < first + static_cast<int>(rows.size()); ++i) {
       *request.add_items() = Item(s_, ids_[0][i], rows[i - first]->data(), 1, o_.wire_dtype);
     }
     *bytes += static_cast<int64_t>(request.ByteSizeLong());
-    absl::StatusOr<v1::ExtendResponse> response = Send(*clients_[0], request, first);
+    absl::StatusOr<v1::ExtendResponse> response = Send(*clients_[0], request, first, unary);
     if (!response.ok()) return response.status();
     if (session0 != nullptr) *session0 = TensorToFloats(response->results(0).output());
     return absl::OkStatus();
@@ -363,6 +374,7 @@ class DecodeRun {
 // Decode steps timed: batched (one thread, every session per call) or per session (C threads, each its sessions).
 struct Timed {
   std::vector<double> step_seconds;
+  std::vector<double> by_transport[2];  // the same, of the steps over a stream [0] and unary [1]
   double seconds = 0;
   int64_t bytes = 0;
   int64_t tokens = 0;  // of the calls that succeeded: the failed ones' are neither counted nor timed
@@ -380,17 +392,21 @@ Timed RunSteps(DecodeRun& run, const DecodeOptions& o) {
   for (int w = 0; w < threads; ++w) {
     workers.emplace_back([&, w] {
       std::mt19937 rng(o.seed * 7919 + w + 1);
-      std::vector<double> steps;
+      std::vector<double> steps, by_transport[2];
       std::vector<float> session0;
       int64_t bytes = 0, errors = 0, tokens = 0;
       std::string first_error;
       for (int step = 0; step < o.steps; ++step) {
         for (int i = w; i < (o.per_session ? o.sessions : 1); i += threads) {
           const int first = o.per_session ? i : 0, last = o.per_session ? i + 1 : o.sessions;
+          const bool unary = o.transport == DecodeOptions::Transport::kBoth && step % 2 == 1;
+          bool streamed = false;
           const auto at = Clock::now();
-          const absl::Status status = run.Step(first, last, rng, &bytes, first == 0 ? &session0 : nullptr);
+          const absl::Status status =
+              run.Step(first, last, rng, &bytes, first == 0 ? &session0 : nullptr, unary, &streamed);
           if (status.ok()) {
             steps.push_back(Since(at));
+            by_transport[streamed ? 0 : 1].push_back(steps.back());
             tokens += last - first;
           } else if (errors++ == 0) {
             first_error = status.ToString();
@@ -399,6 +415,9 @@ Timed RunSteps(DecodeRun& run, const DecodeOptions& o) {
       }
       std::lock_guard<std::mutex> lock(mu);
       timed.step_seconds.insert(timed.step_seconds.end(), steps.begin(), steps.end());
+      for (int t = 0; t < 2; ++t) {
+        timed.by_transport[t].insert(timed.by_transport[t].end(), by_transport[t].begin(), by_transport[t].end());
+      }
       timed.bytes += bytes;
       timed.tokens += tokens;
       timed.errors += errors;
@@ -498,6 +517,13 @@ absl::Status ValidateDecodeOptions(const DecodeOptions& o) {
   return o.shards > 1 ? ValidateShards(o) : absl::OkStatus();
 }
 
+absl::StatusOr<DecodeOptions::Transport> ParseTransport(absl::string_view name) {
+  if (name == "stream") return DecodeOptions::Transport::kStream;
+  if (name == "unary") return DecodeOptions::Transport::kUnary;
+  if (name == "both") return DecodeOptions::Transport::kBoth;
+  return absl::InvalidArgumentError(absl::StrCat("--transport must be stream, unary or both; got \"", name, "\""));
+}
+
 absl::StatusOr<DecodeReport> RunDecode(AttentionClient& client, const DecodeOptions& o) {
   return RunDecode(std::vector<AttentionClient*>{&client}, o);
 }
@@ -533,6 +559,10 @@ absl::StatusOr<DecodeReport> RunDecode(const std::vector<AttentionClient*>& clie
   report.errors = timed.errors;
   report.first_error = timed.first_error;
   report.step = SummarizeLatencies(timed.step_seconds);
+  report.stream_step = SummarizeLatencies(timed.by_transport[0]);
+  report.unary_step = SummarizeLatencies(timed.by_transport[1]);
+  report.stream_steps = static_cast<int64_t>(timed.by_transport[0].size());
+  report.unary_steps = static_cast<int64_t>(timed.by_transport[1].size());
   report.request_bytes_per_step = timed.bytes / o.steps;
   // Each step's attention reads every cached token of every session and layer once, K and V of each KV head.
   HeadSpec heads;
@@ -579,8 +609,14 @@ std::string FormatDecodePretty(const DecodeReport& r) {
   absl::StrAppendFormat(&text, "  prefill   %d tokens in %.3f s\n", r.prefill_tokens, r.prefill_seconds);
   absl::StrAppendFormat(&text, "  decode    %.1f tokens/s (%d tokens in %.3f s), %d errors\n", r.tokens_per_second,
                         r.decode_tokens, r.decode_seconds, r.errors);
-  absl::StrAppendFormat(&text, "  per step  p50 %.2f ms, p90 %.2f ms, p99 %.2f ms, max %.2f ms\n", r.step.p50 * 1e3,
+  absl::StrAppendFormat(&text, "  per step  p50 %.3f ms, p90 %.3f ms, p99 %.3f ms, max %.3f ms\n", r.step.p50 * 1e3,
                         r.step.p90 * 1e3, r.step.p99 * 1e3, r.step.slowest * 1e3);
+  for (const auto& [name, count, s] : {std::make_tuple("stream", r.stream_steps, &r.stream_step),
+                                       std::make_tuple("unary ", r.unary_steps, &r.unary_step)}) {
+    if (count == 0) continue;
+    absl::StrAppendFormat(&text, "    %s  p50 %.3f ms, p90 %.3f ms, p99 %.3f ms, max %.3f ms (%d steps)\n", name,
+                          s->p50 * 1e3, s->p90 * 1e3, s->p99 * 1e3, s->slowest * 1e3, count);
+  }
   absl::StrAppendFormat(&text, "  KV read   %.2f GB/s (%.3f GB); sent %.1f KiB per step\n", r.kv_bytes_per_second / 1e9,
                         r.kv_bytes_read / 1e9, r.request_bytes_per_step / 1024.0);
   if (o.recover) {
@@ -619,6 +655,11 @@ std::string FormatDecodeJson(const DecodeReport& r) {
   j["tokens_per_second"] = r.tokens_per_second;
   j["step_ms"] = {{"p50", r.step.p50 * 1e3}, {"p90", r.step.p90 * 1e3}, {"p99", r.step.p99 * 1e3},
                   {"mean", r.step.mean * 1e3}, {"max", r.step.slowest * 1e3}};
+  for (const auto& [name, count, s] : {std::make_tuple("stream", r.stream_steps, &r.stream_step),
+                                       std::make_tuple("unary", r.unary_steps, &r.unary_step)}) {
+    j["transport"][name] = {{"steps", count}, {"p50", s->p50 * 1e3}, {"p90", s->p90 * 1e3},
+                            {"p99", s->p99 * 1e3}, {"mean", s->mean * 1e3}, {"max", s->slowest * 1e3}};
+  }
   j["kv_bytes_read"] = r.kv_bytes_read;
   j["kv_bytes_per_second"] = r.kv_bytes_per_second;
   j["request_bytes_per_step"] = r.request_bytes_per_step;

@@ -9,7 +9,8 @@
 // that many sessions on the clients given (client/decode_shards.h) and every step's outputs merge by their lse. With
 // `recover` each session records what it was fed and a call that finds it lost (NOT_FOUND, UNAVAILABLE) rebuilds it
 // and is sent again (client/session_recovery.h). The sessions are named "decode-<8 hex digits per run>-<i>" (the
-// client chooses, so that a proxy hashing on mha-session-id routes even their CreateSession).
+// client chooses, so that a proxy hashing on mha-session-id routes even their CreateSession). Extends go over the
+// client's streams or unary as `transport` says (client/extend_stepper.h).
 #ifndef MHA_CLIENT_DECODE_H_
 #define MHA_CLIENT_DECODE_H_
 
@@ -46,7 +47,15 @@ struct DecodeOptions {
   // Sessions only (not stateless), one shard: record each session's tokens; a step or prefill call that finds its
   // sessions lost rebuilds them (CreateSession under the same id, the record replayed) and is sent again.
   bool recover = false;
+  // How the Extends go: over the client's ExtendStreams while the server has them, as unary calls, or both, every
+  // other step each way (so that the two are timed under the same conditions). Sharded steps are unary either way
+  // (each goes to several servers at once).
+  enum class Transport { kStream, kUnary, kBoth };
+  Transport transport = Transport::kStream;
 };
+
+// "stream", "unary" or "both"; INVALID_ARGUMENT otherwise.
+absl::StatusOr<DecodeOptions::Transport> ParseTransport(absl::string_view name);
 
 // INVALID_ARGUMENT naming the option when out of range.
 absl::Status ValidateDecodeOptions(const DecodeOptions& options);
@@ -62,6 +71,10 @@ struct DecodeReport {
   double decode_seconds = 0;
   double tokens_per_second = 0;   // decode_tokens / decode_seconds
   LatencySummary step;            // one session's step over every layer (per_session), or every session's (batched)
+  // The same, of the steps that went over a stream and of those sent unary, and how many each (a server without
+  // ExtendStream takes every step unary).
+  LatencySummary stream_step, unary_step;
+  int64_t stream_steps = 0, unary_steps = 0;
   double kv_bytes_read = 0;       // cache bytes the steps' attention read (2 Hkv d_k sizeof(cache) per token)
   double kv_bytes_per_second = 0;
   int64_t request_bytes_per_step = 0;  // what one step sent (all sessions, all layers)

@@ -1,6 +1,7 @@
 // A KV-cache session on the server as a handle (mha.v1 CreateSession and the calls after it): create it, then per
 // layer and step Extend it with the new tokens' inputs, fork, truncate, close. fp32 arrays in and out. Every call
-// sends the session's id as "mha-session-id" metadata (AttentionClient does), for proxies that route by it.
+// sends the session's id as "mha-session-id" metadata (AttentionClient does), for proxies that route by it. Extend
+// goes over the client's ExtendStreams where the server has them (ClientOptions::max_extend_streams).
 //
 // CreateRecovering makes a handle that records what the session is fed and rebuilds it when it is lost (NOT_FOUND
 // or UNAVAILABLE: a restarted server, an eviction, a dead replica behind a proxy), then retries the call, so that

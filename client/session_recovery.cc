@@ -212,7 +212,8 @@ absl::Status CallRecovering(AttentionClient& client, const std::function<absl::S
 
 absl::StatusOr<v1::ExtendResponse> ExtendRecovering(AttentionClient& client, const v1::ExtendRequest& request,
                                                     absl::Span<SessionRecord* const> records,
-                                                    const RecoveryOptions& options, int64_t* recoveries) {
+                                                    const RecoveryOptions& options, int64_t* recoveries,
+                                                    bool unary) {
   if (static_cast<int>(records.size()) != request.items_size()) {
     return absl::InvalidArgumentError(
         absl::StrCat("ExtendRecovering needs one record per item; got ", records.size(), " for ",
@@ -221,7 +222,8 @@ absl::StatusOr<v1::ExtendResponse> ExtendRecovering(AttentionClient& client, con
   absl::StatusOr<v1::ExtendResponse> response;
   const std::vector<const SessionRecord*> kept(records.begin(), records.end());
   const absl::Status status = CallRecovering(
-      client, [&] { return (response = client.Extend(request)).status(); }, kept, options, recoveries);
+      client, [&] { return (response = unary ? client.ExtendUnary(request) : client.Extend(request)).status(); },
+      kept, options, recoveries);
   if (!status.ok()) return status;
   for (int i = 0; i < request.items_size(); ++i) {
     records[i]->Append(request.layer_index(), request.items(i), request.backend());

@@ -106,9 +106,11 @@ absl::Status RebuildSessions(AttentionClient& client, absl::Span<const SessionRe
 // sessions are rebuilt (RebuildSessions) and the call sent again, up to options.max_attempts times, waiting as
 // RecoveryOptions says after UNAVAILABLE; *recoveries grows by the sessions rebuilt. Any other error, and the last
 // one when the attempts run out, is returned unchanged. INVALID_ARGUMENT if records and items differ in number.
+// `unary`: the Extend goes as a unary call even where the client streams Extends.
 absl::StatusOr<v1::ExtendResponse> ExtendRecovering(AttentionClient& client, const v1::ExtendRequest& request,
                                                     absl::Span<SessionRecord* const> records,
-                                                    const RecoveryOptions& options, int64_t* recoveries);
+                                                    const RecoveryOptions& options, int64_t* recoveries,
+                                                    bool unary = false);
 
 // Any other session call (fork, truncate) with the same recovery: `call` runs, and after a lost-session failure the
 // sessions of `records` are rebuilt and `call` runs again, as ExtendRecovering does.

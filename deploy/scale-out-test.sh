@@ -236,7 +236,7 @@ recover() {
   decode_pid=$!
   # Past the prefill (a call per session and layer) and a few steps of each session.
   for _ in $(seq 500); do
-    calls=$(cat "${replica_logs[@]}" | grep -c 'rpc=Extend .*status=OK' || true)
+    calls=$(cat "${replica_logs[@]}" | grep -cE 'rpc=Extend(Stream)? .*status=OK' || true)
     [[ $calls -ge $((sessions * 2 * 6)) ]] && break
     sleep 0.02
   done

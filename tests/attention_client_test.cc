@@ -408,13 +408,51 @@ TEST(SessionMetadata, EverySessionCallCarriesItsSessionId) {
   truncate.set_session_id("s-1");
   EXPECT_FALSE(client.TruncateSession(truncate).ok());
   EXPECT_FALSE(client.CloseSession("s-1").ok());
+  EXPECT_FALSE(client.Extend(extend).ok());
   EXPECT_THAT(recorder.seen(),
               ::testing::ElementsAre(::testing::Pair("/mha.v1.Attention/CreateSession", "s-1"),
+                                     // refused before any metadata, as by a server without streams: then unary
+                                     ::testing::Pair("/mha.v1.Attention/ExtendStream", "s-1"),
                                      ::testing::Pair("/mha.v1.Attention/Extend", "s-1"),
                                      ::testing::Pair("/mha.v1.Attention/ForkSession", "s-1"),
                                      ::testing::Pair("/mha.v1.Attention/TruncateSession", "s-1"),
-                                     ::testing::Pair("/mha.v1.Attention/CloseSession", "s-1")));
+                                     ::testing::Pair("/mha.v1.Attention/CloseSession", "s-1"),
+                                     ::testing::Pair("/mha.v1.Attention/Extend", "s-1")));  // unary from then on
+  EXPECT_FALSE(client.streams_extends());
   server->Shutdown();
+}
+
+TEST_F(AttentionClientTest, ExtendsGoOverStreamsAndGoOnAfterAFailedStep) {
+  v1::CreateSessionRequest create;
+  create.mutable_heads()->set_num_heads(4);
+  create.mutable_heads()->set_num_kv_heads(2);
+  create.mutable_heads()->set_head_dim(16);
+  absl::StatusOr<v1::CreateSessionResponse> created = client_->CreateSession(create);
+  ASSERT_TRUE(created.ok()) << created.status();
+  const auto step = [&](const std::string& id, uint32_t seed) {
+    std::vector<Array> token = HeadTokens(1, seed);
+    v1::ExtendRequest request;
+    v1::ExtendItem* item = request.add_items();
+    item->set_session_id(id);
+    FloatsToTensor(token[0].values, token[0].shape, v1::FP32, item->mutable_q());
+    FloatsToTensor(token[1].values, token[1].shape, v1::FP32, item->mutable_k());
+    FloatsToTensor(token[2].values, token[2].shape, v1::FP32, item->mutable_v());
+    return client_->Extend(request);
+  };
+  const std::string id = created->session().session_id();
+  for (int i = 1; i <= 3; ++i) {
+    absl::StatusOr<v1::ExtendResponse> response = step(id, i);
+    ASSERT_TRUE(response.ok()) << response.status();
+    EXPECT_EQ(response->results(0).length(), i);
+  }
+  EXPECT_EQ(step("missing", 4).status().code(), absl::StatusCode::kNotFound);
+  absl::StatusOr<v1::ExtendResponse> after = step(id, 5);
+  ASSERT_TRUE(after.ok()) << after.status();
+  EXPECT_EQ(after->results(0).length(), 4);
+  EXPECT_TRUE(client_->streams_extends());
+  const std::string metrics = server_->metrics().Text();
+  EXPECT_THAT(metrics, ::testing::HasSubstr("rpc=\"ExtendStream\""));
+  EXPECT_THAT(metrics, ::testing::Not(::testing::HasSubstr("rpc=\"Extend\"")));
 }
 
 }  // namespace

@@ -16,7 +16,7 @@ SESSIONS = 3
 
 def _extend_calls(log_path):
     with open(log_path, errors="replace") as log:
-        return sum(1 for line in log if "rpc=Extend " in line)
+        return sum(1 for line in log if "rpc=Extend " in line or "rpc=ExtendStream " in line)
 
 
 @pytest.mark.parametrize("mode", [[], ["--per_session", "-c", "2"]], ids=["batched", "per_session"])

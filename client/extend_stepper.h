@@ -1,0 +1,75 @@
+// Extend steps over ExtendStream (a decoder's per-layer round trips without a new HTTP/2 stream each), with the
+// unary Extend as the fallback: a server without ExtendStream (UNIMPLEMENTED before it sent any metadata) is asked
+// by unary calls from then on.
+//
+// ExtendStepper is one stream. Each step has the client's timeout at least: the stream is opened with a deadline of
+// twice the timeout and reopened between steps once less than one timeout is left. A failed step ends the stream
+// (the server's contract); the next step opens a new one, so that a caller's retry or recovery works as with unary
+// calls. Thread-compatible: one step at a time.
+//
+// ExtendStreams is what AttentionClient::Extend uses: steppers shared by the client's threads, each step taking an
+// idle one (or opening one, up to a cap) and putting it back, so that a client holds as many streams as it has
+// steps in flight at once, not one per session (a server caps the streams of a connection,
+// --max_streams_per_connection). Past the cap a step goes unary. Thread-safe.
+#ifndef MHA_CLIENT_EXTEND_STEPPER_H_
+#define MHA_CLIENT_EXTEND_STEPPER_H_
+
+#include <atomic>
+#include <memory>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "client/attention_client.h"
+
+namespace mha {
+
+class ExtendStepper {
+ public:
+  // Borrows `client`, which must outlive the stepper.
+  explicit ExtendStepper(AttentionClient* client);
+  ExtendStepper(ExtendStepper&&) noexcept;
+  ExtendStepper& operator=(ExtendStepper&&) noexcept;
+  // Ends an open stream (between steps: nothing is lost).
+  ~ExtendStepper();
+
+  // One Extend on the stream, or unary once the server showed it has none. Its errors are the server's.
+  absl::StatusOr<v1::ExtendResponse> Step(const v1::ExtendRequest& request);
+  // False once the server showed it has no ExtendStream.
+  bool streaming() const { return streaming_; }
+
+ private:
+  struct Open;
+  // Opens a stream for `request` (its first item's session id as mha-session-id, for proxies that route by it).
+  void OpenFor(const v1::ExtendRequest& request);
+  // Ends the open stream, between steps.
+  void Close();
+
+  AttentionClient* client_;
+  bool streaming_ = true;
+  std::unique_ptr<Open> open_;
+};
+
+class ExtendStreams {
+ public:
+  // At most `max_streams` streams at once; borrows `client`.
+  ExtendStreams(AttentionClient* client, int max_streams) : client_(client), max_streams_(max_streams) {}
+
+  absl::StatusOr<v1::ExtendResponse> Extend(const v1::ExtendRequest& request);
+  // False once the server showed it has no ExtendStream.
+  bool streaming() const { return streaming_.load(std::memory_order_relaxed); }
+
+ private:
+  AttentionClient* const client_;
+  const int max_streams_;
+  std::atomic<bool> streaming_{true};
+  absl::Mutex mu_;
+  std::vector<std::unique_ptr<ExtendStepper>> idle_ ABSL_GUARDED_BY(mu_);
+  int opened_ ABSL_GUARDED_BY(mu_) = 0;  // steppers made: idle or stepping
+};
+
+}  // namespace mha
+
+#endif  // MHA_CLIENT_EXTEND_STEPPER_H_
