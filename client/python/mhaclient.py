@@ -79,6 +79,9 @@ Example::
 
 import collections
 import concurrent.futures
+import math
+import queue
+import threading
 import time
 
 import grpc
@@ -370,12 +373,15 @@ class MhaClient:
     Transport security (servers with --tls_cert): tls_ca (PEM bytes or a path) verifies the server, None with
     tls=True uses the default roots; tls_cert and tls_key (PEM bytes or paths) are this client's identity for
     mutual TLS; tls_server_name overrides the name checked in the server's certificate. token: a bearer token sent
-    with every call (servers with --auth_tokens_file).
+    with every call (servers with --auth_tokens_file). max_extend_streams: Extend calls (MhaClient.extend,
+    Session.extend) go over ExtendStream, on up to this many streams kept open between steps (one per step in
+    flight, each with a sending thread of grpcio's), unary where the server has none; 0 = always unary. A target
+    "unix:/path" reaches a server's --listen_unix socket.
     All RPC errors are raised as grpc.RpcError (see the module docstring).
     """
 
     def __init__(self, target, timeout=30.0, max_message_mb=256, tls=False, tls_ca=None, tls_cert=None,
-                 tls_key=None, tls_server_name=None, token=None):
+                 tls_key=None, tls_server_name=None, token=None, max_extend_streams=8):
         attention_pb2, attention_pb2_grpc, health_pb2, health_pb2_grpc = _stubs()
         self._pb = attention_pb2
         self._health_pb = health_pb2
@@ -397,8 +403,10 @@ class MhaClient:
         self._stub = attention_pb2_grpc.AttentionStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._regions = {}  # SharedMemoryRegion objects of this client by name
+        self._streams = _ExtendStreams(self, int(max_extend_streams))
 
     def close(self):
+        self._streams.close()
         self._channel.close()
 
     def __enter__(self):
@@ -637,7 +645,7 @@ class MhaClient:
         recording = [session for session in sessions if session is not None and session._record is not None]
 
         def call():
-            return self._call(self._stub.Extend, req, req.items[0].session_id if req.items else None)
+            return self._streams.extend(req, req.items[0].session_id if req.items else None)
 
         resp = self._recovering(call, recording) if recording and len(recording) == len(sessions) else call()
         for session, item in zip(sessions, req.items):
@@ -728,6 +736,90 @@ class MhaClient:
         """grpc.health.v1 Check: the status name, e.g. "SERVING" (service "" = the whole server)."""
         resp = self._call(self._health.Check, self._health_pb.HealthCheckRequest(service=service))
         return self._health_pb.HealthCheckResponse.ServingStatus.Name(resp.status)
+
+
+class _ExtendStream:
+    """One ExtendStream call: each step's request goes through a queue that grpcio's sending thread reads, and its
+    answer is the next response. Opened with a deadline of twice the client's timeout and replaced between steps once
+    less than one timeout is left, so that every step has the timeout at least. A failed step ends the stream (the
+    server's contract). One step at a time."""
+
+    def __init__(self, client, session_id):
+        self._requests = queue.SimpleQueue()
+        timeout = client.timeout
+        self.expires = math.inf if timeout is None else time.monotonic() + timeout
+        metadata = client._metadata + ((("mha-session-id", session_id),) if session_id else ())
+        self._responses = client._stub.ExtendStream(iter(self._requests.get, None),
+                                                    timeout=None if timeout is None else 2 * timeout,
+                                                    metadata=metadata)
+
+    def step(self, req):
+        self._requests.put(req)
+        try:
+            return next(self._responses)
+        except StopIteration:
+            raise RuntimeError("the server ended the stream without answering the step") from None
+
+    def close(self):
+        self._requests.put(None)  # lets the sending thread end
+        self._responses.cancel()
+
+
+class _ExtendStreams:
+    """A client's ExtendStream calls, shared by its threads: a step takes an idle stream (or opens one, up to
+    max_streams) and puts it back, so that a client holds a stream per step in flight, not per session. Past the
+    cap, and for good once the server shows it has no ExtendStream (UNIMPLEMENTED before any metadata), steps go
+    unary. Thread-safe."""
+
+    def __init__(self, client, max_streams):
+        self._client = client
+        self._max = max_streams
+        self._lock = threading.Lock()
+        self._idle = []
+        self._opened = 0
+        self.streaming = max_streams > 0
+
+    def extend(self, req, session_id):
+        client = self._client
+        stream = self._take()
+        if stream is None:
+            return client._call(client._stub.Extend, req, session_id)
+        if stream is True or stream.expires < time.monotonic():
+            if stream is not True:
+                stream.close()
+            stream = _ExtendStream(client, session_id)
+        try:
+            resp = stream.step(req)
+        except grpc.RpcError as e:
+            stream.close()
+            with self._lock:
+                self._opened -= 1
+            if e.code() == grpc.StatusCode.UNIMPLEMENTED and not e.initial_metadata():
+                self.streaming = False
+                return client._call(client._stub.Extend, req, session_id)
+            raise
+        with self._lock:
+            self._idle.append(stream)
+        return resp
+
+    def _take(self):
+        """An idle stream, True where one may be opened, or None (go unary)."""
+        if not self.streaming:
+            return None
+        with self._lock:
+            if self._idle:
+                return self._idle.pop()
+            if self._opened < self._max:
+                self._opened += 1
+                return True
+        return None
+
+    def close(self):
+        with self._lock:
+            idle, self._idle = self._idle, []
+            self._max = 0
+        for stream in idle:
+            stream.close()
 
 
 ExtendResult = collections.namedtuple("ExtendResult", ["output", "attention_weights", "length", "backend", "lse",

@@ -104,3 +104,20 @@ def test_sigterm_with_an_idle_connected_client_exits_within_two_seconds_every_ti
                 assert time.monotonic() - start < 2, "run %d" % run
         assert server.proc.returncode == 0
 
+
+
+def test_sigterm_with_an_idle_extend_stream_open_exits_within_two_seconds(stubs_dir, tmp_path):
+    # A stream counts as a call in progress only while a step is in flight: an idle one is ended with the rest.
+    rng = np.random.default_rng(3)
+    with run_server(tmp_path, "--shutdown_grace_s", "20") as server:
+        with mhaclient.MhaClient(server.target, timeout=10.0) as c:
+            c.wait_ready(timeout=STARTUP_TIMEOUT_S)
+            s = c.create_session(**HEADS)
+            s.extend(**qkv(rng, 4))
+            s.close()
+            assert c._streams._opened == 1 and len(c._streams._idle) == 1  # the step's stream, open and idle
+            start = time.monotonic()
+            server.proc.send_signal(signal.SIGTERM)
+            server.proc.wait(timeout=10)
+            assert time.monotonic() - start < 2
+    assert server.proc.returncode == 0

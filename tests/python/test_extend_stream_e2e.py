@@ -1,0 +1,106 @@
+"""The Python client's Extends over ExtendStream: a session's steps share one stream and answer as unary calls do,
+a failed step costs only its stream, threads hold a stream each at most, a server without the method is asked by
+unary calls, and a client on the same host reaches the server's --listen_unix socket.
+"""
+
+import os
+import re
+import threading
+from concurrent import futures
+
+import grpc
+import numpy as np
+import pytest
+
+import mhaclient
+from conftest import STARTUP_TIMEOUT_S, run_server
+
+HEADS = dict(num_heads=4, num_kv_heads=2, head_dim=16)
+
+
+def qkv(n, seed):
+    rng = np.random.default_rng(seed)
+    return dict(q=rng.standard_normal((n, 4, 16), dtype=np.float32),
+                k=rng.standard_normal((n, 2, 16), dtype=np.float32),
+                v=rng.standard_normal((n, 2, 16), dtype=np.float32))
+
+
+def stream_steps(log_path, session_id):
+    with open(log_path, errors="replace") as log:
+        return sum(1 for line in log if re.search(r"rpc=ExtendStream .*session=%s " % session_id, line))
+
+
+def test_a_sessions_steps_go_over_one_stream_and_answer_as_unary_calls(stubs_dir, server):
+    with mhaclient.MhaClient(server.target) as streamed, \
+            mhaclient.MhaClient(server.target, max_extend_streams=0) as unary:
+        a, b = streamed.create_session(**HEADS), unary.create_session(**HEADS)
+        for i, n in enumerate([9, 1, 1, 4, 1]):
+            got, want = a.extend(**qkv(n, i)), b.extend(**qkv(n, i))
+            assert got.length == want.length
+            np.testing.assert_array_equal(got.output, want.output)
+        assert streamed._streams._opened == 1
+        assert stream_steps(server.log_path, a.id) == 5
+        assert stream_steps(server.log_path, b.id) == 0
+
+
+def test_a_failed_step_ends_only_its_stream(stubs_dir, server):
+    with mhaclient.MhaClient(server.target) as client:
+        session = client.create_session(**HEADS)
+        session.extend(**qkv(2, 1))
+        with pytest.raises(grpc.RpcError) as error:
+            client.extend([dict(session="no-such-session", **qkv(1, 2))])
+        assert error.value.code() == grpc.StatusCode.NOT_FOUND
+        assert "no-such-session" in error.value.details()
+        assert session.extend(**qkv(1, 3)).length == 3
+
+
+def test_threads_hold_a_stream_each_at_most(stubs_dir, server):
+    with mhaclient.MhaClient(server.target, max_extend_streams=3) as client:
+        sessions = [client.create_session(**HEADS) for _ in range(6)]
+
+        def decode(session):
+            for step in range(20):
+                assert session.extend(**qkv(1, step)).length == step + 1
+
+        with futures.ThreadPoolExecutor(6) as pool:
+            list(pool.map(decode, sessions))
+        assert client._streams._opened <= 3
+        assert threading.active_count() < 20  # no thread left behind per session
+
+
+def test_a_server_without_extend_stream_is_asked_by_unary_calls(stubs_dir):
+    from mha.v1 import attention_pb2
+
+    calls = []
+
+    def extend(request, context):
+        calls.append(request.items[0].session_id)
+        return attention_pb2.ExtendResponse(results=[attention_pb2.ExtendResult(length=7)])
+
+    handler = grpc.method_handlers_generic_handler("mha.v1.Attention", {
+        "Extend": grpc.unary_unary_rpc_method_handler(
+            extend, request_deserializer=attention_pb2.ExtendRequest.FromString,
+            response_serializer=attention_pb2.ExtendResponse.SerializeToString)})
+    fake = grpc.server(futures.ThreadPoolExecutor(2))
+    fake.add_generic_rpc_handlers((handler,))
+    port = fake.add_insecure_port("127.0.0.1:0")
+    fake.start()
+    try:
+        with mhaclient.MhaClient("127.0.0.1:%d" % port) as client:
+            for _ in range(2):
+                assert client.extend([dict(session="s", **qkv(1, 0))])[0].length == 7
+            assert calls == ["s", "s"]
+            assert not client._streams.streaming
+    finally:
+        fake.stop(0)
+
+
+def test_a_client_on_the_same_host_reaches_the_unix_socket(stubs_dir, tmp_path):
+    socket = str(tmp_path / "mha.sock")
+    with run_server(tmp_path, "--listen_unix", socket) as s:
+        with mhaclient.MhaClient("unix:" + socket) as local, mhaclient.MhaClient(s.target) as remote:
+            local.wait_ready(timeout=STARTUP_TIMEOUT_S)
+            session = local.create_session(**HEADS)
+            session.extend(**qkv(3, 0))
+            assert [info["session_id"] for info in remote.list_sessions()] == [session.id]
+            assert os.stat(socket).st_mode & 0o170000 == 0o140000  # a socket
