@@ -173,12 +173,17 @@ class DecodeRun {
     return absl::OkStatus();
   }
 
+  // What a step says of itself besides its status.
+  struct StepInfo {
+    bool streamed = false;      // its Extends went over the client's streams
+    double server_seconds = 0;  // the server's time in its calls (Timing.handler_us), Extends of one shard only
+  };
+
   // One decode step of sessions [first, last), every layer: one token each. Adds the bytes it sent to *bytes and,
-  // when first is 0, puts session 0's layer-0 output into *session0.
-  // `unary`: its Extends go unary even where the client streams them. Sets *streamed to whether they went over
-  // streams.
+  // when first is 0, puts session 0's layer-0 output into *session0. `unary`: its Extends go unary even where the
+  // client streams them.
   absl::Status Step(int first, int last, std::mt19937& rng, int64_t* bytes, std::vector<float>* session0, bool unary,
-                    bool* streamed) {
+                    StepInfo* info) {
     unary = unary || o_.transport == DecodeOptions::Transport::kUnary || o_.shards > 1;
     std::vector<const std::vector<float>*> rows;
     for (int i = first; i < last; ++i) {
@@ -188,10 +193,11 @@ class DecodeRun {
     for (int64_t layer = 0; layer < s_.caches; ++layer) {
       std::vector<float>* out = layer == 0 && first == 0 ? session0 : nullptr;
       absl::Status status =
-          o_.stateless ? Resend(first, last, bytes, out) : Extend(layer, first, rows, bytes, out, unary);
+          o_.stateless ? Resend(first, last, bytes, out)
+                       : Extend(layer, first, rows, bytes, out, unary, &info->server_seconds);
       if (!status.ok()) return status;
     }
-    *streamed = !unary && !o_.stateless && clients_[0]->streams_extends();
+    info->streamed = !unary && !o_.stateless && clients_[0]->streams_extends();
     return absl::OkStatus();
   }
 
@@ -271,8 +277,9 @@ class DecodeRun {
     if (o_.stateless || (i == 0 && o_.check)) rows_[i].insert(rows_[i].end(), rows.begin(), rows.end());
   }
 
+  // Adds the server's time in the call to *server_seconds (unsharded).
   absl::Status Extend(int64_t layer, int first, const std::vector<const std::vector<float>*>& rows, int64_t* bytes,
-                      std::vector<float>* session0, bool unary) {
+                      std::vector<float>* session0, bool unary, double* server_seconds) {
     if (o_.shards > 1) return ExtendAcrossShards(layer, first, rows, bytes, session0);
     v1::ExtendRequest request = Request(layer);
     for (int i = first; i < first + static_cast<int>(rows.size()); ++i) {
@@ -281,6 +288,7 @@ class DecodeRun {
     *bytes += static_cast<int64_t>(request.ByteSizeLong());
     absl::StatusOr<v1::ExtendResponse> response = Send(*clients_[0], request, first, unary);
     if (!response.ok()) return response.status();
+    *server_seconds += static_cast<double>(response->timing().handler_us()) * 1e-6;
     if (session0 != nullptr) *session0 = TensorToFloats(response->results(0).output());
     return absl::OkStatus();
   }
@@ -375,6 +383,7 @@ class DecodeRun {
 struct Timed {
   std::vector<double> step_seconds;
   std::vector<double> by_transport[2];  // the same, of the steps over a stream [0] and unary [1]
+  std::vector<double> server_seconds;   // the server's time in each step's calls
   double seconds = 0;
   int64_t bytes = 0;
   int64_t tokens = 0;  // of the calls that succeeded: the failed ones' are neither counted nor timed
@@ -392,7 +401,7 @@ Timed RunSteps(DecodeRun& run, const DecodeOptions& o) {
   for (int w = 0; w < threads; ++w) {
     workers.emplace_back([&, w] {
       std::mt19937 rng(o.seed * 7919 + w + 1);
-      std::vector<double> steps, by_transport[2];
+      std::vector<double> steps, by_transport[2], server;
       std::vector<float> session0;
       int64_t bytes = 0, errors = 0, tokens = 0;
       std::string first_error;
@@ -400,13 +409,14 @@ Timed RunSteps(DecodeRun& run, const DecodeOptions& o) {
         for (int i = w; i < (o.per_session ? o.sessions : 1); i += threads) {
           const int first = o.per_session ? i : 0, last = o.per_session ? i + 1 : o.sessions;
           const bool unary = o.transport == DecodeOptions::Transport::kBoth && step % 2 == 1;
-          bool streamed = false;
+          DecodeRun::StepInfo info;
           const auto at = Clock::now();
           const absl::Status status =
-              run.Step(first, last, rng, &bytes, first == 0 ? &session0 : nullptr, unary, &streamed);
+              run.Step(first, last, rng, &bytes, first == 0 ? &session0 : nullptr, unary, &info);
           if (status.ok()) {
             steps.push_back(Since(at));
-            by_transport[streamed ? 0 : 1].push_back(steps.back());
+            by_transport[info.streamed ? 0 : 1].push_back(steps.back());
+            server.push_back(info.server_seconds);
             tokens += last - first;
           } else if (errors++ == 0) {
             first_error = status.ToString();
@@ -415,6 +425,7 @@ Timed RunSteps(DecodeRun& run, const DecodeOptions& o) {
       }
       std::lock_guard<std::mutex> lock(mu);
       timed.step_seconds.insert(timed.step_seconds.end(), steps.begin(), steps.end());
+      timed.server_seconds.insert(timed.server_seconds.end(), server.begin(), server.end());
       for (int t = 0; t < 2; ++t) {
         timed.by_transport[t].insert(timed.by_transport[t].end(), by_transport[t].begin(), by_transport[t].end());
       }
@@ -563,6 +574,7 @@ absl::StatusOr<DecodeReport> RunDecode(const std::vector<AttentionClient*>& clie
   report.unary_step = SummarizeLatencies(timed.by_transport[1]);
   report.stream_steps = static_cast<int64_t>(timed.by_transport[0].size());
   report.unary_steps = static_cast<int64_t>(timed.by_transport[1].size());
+  if (!o.stateless && o.shards == 1) report.server_step = SummarizeLatencies(timed.server_seconds);
   report.request_bytes_per_step = timed.bytes / o.steps;
   // Each step's attention reads every cached token of every session and layer once, K and V of each KV head.
   HeadSpec heads;
@@ -617,6 +629,10 @@ std::string FormatDecodePretty(const DecodeReport& r) {
     absl::StrAppendFormat(&text, "    %s  p50 %.3f ms, p90 %.3f ms, p99 %.3f ms, max %.3f ms (%d steps)\n", name,
                           s->p50 * 1e3, s->p90 * 1e3, s->p99 * 1e3, s->slowest * 1e3, count);
   }
+  if (r.server_step.p50 > 0) {
+    absl::StrAppendFormat(&text, "    server  p50 %.3f ms, p99 %.3f ms (its handler time in the step's calls)\n",
+                          r.server_step.p50 * 1e3, r.server_step.p99 * 1e3);
+  }
   absl::StrAppendFormat(&text, "  KV read   %.2f GB/s (%.3f GB); sent %.1f KiB per step\n", r.kv_bytes_per_second / 1e9,
                         r.kv_bytes_read / 1e9, r.request_bytes_per_step / 1024.0);
   if (o.recover) {
@@ -660,6 +676,7 @@ std::string FormatDecodeJson(const DecodeReport& r) {
     j["transport"][name] = {{"steps", count}, {"p50", s->p50 * 1e3}, {"p90", s->p90 * 1e3},
                             {"p99", s->p99 * 1e3}, {"mean", s->mean * 1e3}, {"max", s->slowest * 1e3}};
   }
+  j["server_step_ms"] = {{"p50", r.server_step.p50 * 1e3}, {"p99", r.server_step.p99 * 1e3}};
   j["kv_bytes_read"] = r.kv_bytes_read;
   j["kv_bytes_per_second"] = r.kv_bytes_per_second;
   j["request_bytes_per_step"] = r.request_bytes_per_step;

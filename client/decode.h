@@ -75,6 +75,9 @@ struct DecodeReport {
   // ExtendStream takes every step unary).
   LatencySummary stream_step, unary_step;
   int64_t stream_steps = 0, unary_steps = 0;
+  // The server's own time in each step's calls (their Timing.handler_us: from the call's start in the server to its
+  // answer), so that a step's round trip minus it is the transport and the client; zero stateless or sharded.
+  LatencySummary server_step;
   double kv_bytes_read = 0;       // cache bytes the steps' attention read (2 Hkv d_k sizeof(cache) per token)
   double kv_bytes_per_second = 0;
   int64_t request_bytes_per_step = 0;  // what one step sent (all sessions, all layers)
