@@ -39,9 +39,10 @@ struct ClientOptions {
   std::string tls_server_name;
   // Sent with every call as "authorization: Bearer <token>" when non-empty (servers with --auth_tokens_file).
   std::string token;
-  // Extend calls go over ExtendStream (a decoder's per-layer steps without a new HTTP/2 stream each), on up to
-  // this many streams at once, kept open between steps (client/extend_stepper.h); 0: every Extend is unary.
-  int max_extend_streams = 8;
+  // Extend calls go over ExtendStream (a decoder's per-layer steps without a new HTTP/2 stream each), a stream per
+  // session stepping, kept open between steps, up to this many at once (client/extend_stepper.h); past them, and
+  // with 0, Extends are unary. Keep it well under the server's --max_streams_per_connection (100).
+  int max_extend_streams = 16;
 };
 
 class ExtendStreams;

@@ -126,7 +126,8 @@ int RunDecode(const ClientOptions& options) {
   std::vector<std::unique_ptr<AttentionClient>> clients;
   std::vector<AttentionClient*> shard_clients;
   for (ClientOptions server : *servers) {
-    server.max_extend_streams = std::max(server.max_extend_streams, o.concurrency);  // a stream per thread
+    // A stream per session stepping (per session, up to 64 of them; batched, one for all).
+    if (o.per_session) server.max_extend_streams = std::max(server.max_extend_streams, std::min(o.sessions, 64));
     clients.push_back(std::make_unique<AttentionClient>(server));
     shard_clients.push_back(clients.back().get());
   }

@@ -5,17 +5,23 @@
 // ExtendStepper is one stream. Each step has the client's timeout at least: the stream is opened with a deadline of
 // twice the timeout and reopened between steps once less than one timeout is left. A failed step ends the stream
 // (the server's contract); the next step opens a new one, so that a caller's retry or recovery works as with unary
-// calls. Thread-compatible: one step at a time.
+// calls. A stream that ended while idle (a server restarted, a connection lost) does not fail the step it would
+// have carried: that step, unsent, goes on a new stream. Thread-compatible: one step at a time.
 //
-// ExtendStreams is what AttentionClient::Extend uses: steppers shared by the client's threads, each step taking an
-// idle one (or opening one, up to a cap) and putting it back, so that a client holds as many streams as it has
-// steps in flight at once, not one per session (a server caps the streams of a connection,
-// --max_streams_per_connection). Past the cap a step goes unary. Thread-safe.
+// ExtendStreams is what AttentionClient::Extend uses: steppers shared by the client's threads, keyed by the session
+// a step names first (a routing proxy sends a whole stream where its mha-session-id hashes, so a stream carries
+// the steps of the session it was opened for). A step takes an idle stepper of its session, or opens one while
+// fewer than the cap are open, or takes the place of one idle for kStaleAfter (a session no longer stepping);
+// else it goes unary. So a client holds at most the cap of streams (a server caps the streams of a connection,
+// --max_streams_per_connection, and every call needs one), and a decoder stepping more sessions than that sends
+// the rest unary. Thread-safe.
 #ifndef MHA_CLIENT_EXTEND_STEPPER_H_
 #define MHA_CLIENT_EXTEND_STEPPER_H_
 
 #include <atomic>
+#include <map>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -54,19 +60,32 @@ class ExtendStepper {
 
 class ExtendStreams {
  public:
+  // An idle stream this old gives its place to another session's.
+  static constexpr absl::Duration kStaleAfter = absl::Seconds(1);
+
   // At most `max_streams` streams at once; borrows `client`.
   ExtendStreams(AttentionClient* client, int max_streams) : client_(client), max_streams_(max_streams) {}
 
   absl::StatusOr<v1::ExtendResponse> Extend(const v1::ExtendRequest& request);
   // False once the server showed it has no ExtendStream.
   bool streaming() const { return streaming_.load(std::memory_order_relaxed); }
+  // Streams open (idle or stepping). For tests.
+  int open_streams() const;
 
  private:
+  struct Idle {
+    std::unique_ptr<ExtendStepper> stepper;
+    absl::Time since;
+  };
+  // A stepper for `key`'s step: its idle one, a new one, or one in a stale one's place (that one in *stale, to
+  // close outside the lock); null when the cap is reached.
+  std::unique_ptr<ExtendStepper> Take(const std::string& key, std::unique_ptr<ExtendStepper>* stale);
+
   AttentionClient* const client_;
   const int max_streams_;
   std::atomic<bool> streaming_{true};
-  absl::Mutex mu_;
-  std::vector<std::unique_ptr<ExtendStepper>> idle_ ABSL_GUARDED_BY(mu_);
+  mutable absl::Mutex mu_;
+  std::map<std::string, std::vector<Idle>> idle_ ABSL_GUARDED_BY(mu_);  // by session id
   int opened_ ABSL_GUARDED_BY(mu_) = 0;  // steppers made: idle or stepping
 };
 

@@ -8,10 +8,14 @@
 #include <fstream>
 #include <memory>
 #include <string>
+#include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
 #include "client/bench.h"
+#include "client/extend_stepper.h"
 #include "client/session.h"
 #include "client/session_recovery.h"
 #include "gmock/gmock.h"
@@ -321,6 +325,30 @@ TEST_F(AttentionClientTest, ARecordingSessionGoesOnOnARestartedServer) {
   EXPECT_EQ(got, want);
 }
 
+// A stream idle while its server restarted ended with it; the next step, which it never sent, goes on a new one.
+TEST_F(AttentionClientTest, AStreamThatEndedWhileIdleDoesNotFailTheNextStep) {
+  const int port = server_->port();
+  absl::StatusOr<Session> before = Session::Create(client_.get(), RecoveryTestSession("same-id"));
+  ASSERT_TRUE(before.ok()) << before.status();
+  std::vector<std::vector<Array>> tokens = {HeadTokens(8, 1), HeadTokens(1, 5)};
+  std::vector<std::vector<float>> got;
+  Feed(*before, tokens, 0, 1, &got);
+  server_->Shutdown(absl::ZeroDuration());
+  server_.reset();
+  ServerOptions options;
+  options.listen = absl::StrCat("127.0.0.1:", port);
+  options.threads = 2;
+  absl::StatusOr<std::unique_ptr<MhaServer>> again = MhaServer::Start(options);
+  ASSERT_TRUE(again.ok()) << again.status();
+  server_ = *std::move(again);
+  ASSERT_TRUE(client_->GetServerInfo().ok());  // the channel has reconnected
+  absl::StatusOr<Session> after = Session::Create(client_.get(), RecoveryTestSession("same-id"));
+  ASSERT_TRUE(after.ok()) << after.status();
+  Feed(*after, tokens, 0, 2, &got);  // on the new server: no error from the stream that ended
+  EXPECT_EQ(after->info().lengths(0), 9);
+  EXPECT_THAT(server_->metrics().Text(), ::testing::HasSubstr("rpc=\"ExtendStream\""));
+}
+
 TEST_F(AttentionClientTest, ExtendRecoveringRebuildsOnlyTheLostSessionsOfABatch) {
   std::vector<SessionRecord> records;
   for (const char* id : {"batch-0", "batch-1"}) {
@@ -453,6 +481,55 @@ TEST_F(AttentionClientTest, ExtendsGoOverStreamsAndGoOnAfterAFailedStep) {
   const std::string metrics = server_->metrics().Text();
   EXPECT_THAT(metrics, ::testing::HasSubstr("rpc=\"ExtendStream\""));
   EXPECT_THAT(metrics, ::testing::Not(::testing::HasSubstr("rpc=\"Extend\"")));
+}
+
+// Calls of `rpc` that ended OK, from the server's metrics.
+int64_t OkCalls(const std::string& metrics, const std::string& rpc) {
+  int64_t total = 0;
+  for (absl::string_view line : absl::StrSplit(metrics, '\n')) {
+    if (absl::StartsWith(line, "mha_requests_total{") && absl::StrContains(line, "code=\"OK\"") &&
+        absl::StrContains(line, absl::StrCat("rpc=\"", rpc, "\""))) {
+      total += std::stoll(std::string(line.substr(line.rfind(' ') + 1)));
+    }
+  }
+  return total;
+}
+
+// A routing proxy sends a stream where its session's id hashes, so a stream carries one session's steps; past the
+// cap a session steps unary, until a stream idle for kStaleAfter gives it its place.
+TEST_F(AttentionClientTest, StreamsAreOnePerSessionUpToTheCap) {
+  ClientOptions options = client_->options();
+  options.max_extend_streams = 2;
+  AttentionClient client(options);
+  v1::CreateSessionRequest create;
+  create.mutable_heads()->set_num_heads(4);
+  create.mutable_heads()->set_num_kv_heads(2);
+  create.mutable_heads()->set_head_dim(16);
+  std::vector<std::string> ids;
+  for (int i = 0; i < 3; ++i) {
+    absl::StatusOr<v1::CreateSessionResponse> created = client.CreateSession(create);
+    ASSERT_TRUE(created.ok()) << created.status();
+    ids.push_back(created->session().session_id());
+  }
+  const auto step = [&](const std::string& id) {
+    std::vector<Array> token = HeadTokens(1, 3);
+    v1::ExtendRequest request;
+    v1::ExtendItem* item = request.add_items();
+    item->set_session_id(id);
+    FloatsToTensor(token[0].values, token[0].shape, v1::FP32, item->mutable_q());
+    FloatsToTensor(token[1].values, token[1].shape, v1::FP32, item->mutable_k());
+    FloatsToTensor(token[2].values, token[2].shape, v1::FP32, item->mutable_v());
+    absl::StatusOr<v1::ExtendResponse> response = client.Extend(request);
+    EXPECT_TRUE(response.ok()) << response.status();
+  };
+  for (int round = 0; round < 3; ++round) {
+    for (const std::string& id : ids) step(id);
+  }
+  EXPECT_EQ(OkCalls(server_->metrics().Text(), "ExtendStream"), 6);  // the first two sessions, on a stream each
+  EXPECT_EQ(OkCalls(server_->metrics().Text(), "Extend"), 3);        // the third, unary
+  absl::SleepFor(ExtendStreams::kStaleAfter + absl::Milliseconds(100));
+  step(ids[2]);  // takes the place of a stream idle since
+  EXPECT_EQ(OkCalls(server_->metrics().Text(), "ExtendStream"), 7);
 }
 
 }  // namespace

@@ -374,14 +374,14 @@ class MhaClient:
     tls=True uses the default roots; tls_cert and tls_key (PEM bytes or paths) are this client's identity for
     mutual TLS; tls_server_name overrides the name checked in the server's certificate. token: a bearer token sent
     with every call (servers with --auth_tokens_file). max_extend_streams: Extend calls (MhaClient.extend,
-    Session.extend) go over ExtendStream, on up to this many streams kept open between steps (one per step in
-    flight, each with a sending thread of grpcio's), unary where the server has none; 0 = always unary. A target
+    Session.extend) go over ExtendStream, a stream per session stepping (each with a sending thread of grpcio's),
+    kept open between steps, up to this many; past them, where the server has none, and with 0, unary. A target
     "unix:/path" reaches a server's --listen_unix socket.
     All RPC errors are raised as grpc.RpcError (see the module docstring).
     """
 
     def __init__(self, target, timeout=30.0, max_message_mb=256, tls=False, tls_ca=None, tls_cert=None,
-                 tls_key=None, tls_server_name=None, token=None, max_extend_streams=8):
+                 tls_key=None, tls_server_name=None, token=None, max_extend_streams=16):
         attention_pb2, attention_pb2_grpc, health_pb2, health_pb2_grpc = _stubs()
         self._pb = attention_pb2
         self._health_pb = health_pb2
@@ -753,6 +753,9 @@ class _ExtendStream:
                                                     timeout=None if timeout is None else 2 * timeout,
                                                     metadata=metadata)
 
+    def ended(self):
+        return self._responses.done()
+
     def step(self, req):
         self._requests.put(req)
         try:
@@ -765,26 +768,59 @@ class _ExtendStream:
         self._responses.cancel()
 
 
+class _StreamReset(grpc.RpcError):
+    """A stream reset on its way (RST_STREAM, which grpcio reports as INTERNAL "Received RST_STREAM with error code
+    N"): cut by a hop, since the server never resets a stream (a proxy whose upstream died resets the streams it
+    carried, where a unary call would have got UNAVAILABLE). Raised as UNAVAILABLE, as the unary call's error would
+    be, for retries and session recovery alike (the step may or may not have reached the server)."""
+
+    def __init__(self, reset):
+        super().__init__()
+        self._details = "the stream was reset on its way to the server (%s)" % reset.details()
+
+    def code(self):
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self):
+        return self._details
+
+    def initial_metadata(self):
+        return ()
+
+    def trailing_metadata(self):
+        return ()
+
+    def __str__(self):
+        return "StatusCode.UNAVAILABLE: " + self._details
+
+
 class _ExtendStreams:
-    """A client's ExtendStream calls, shared by its threads: a step takes an idle stream (or opens one, up to
-    max_streams) and puts it back, so that a client holds a stream per step in flight, not per session. Past the
-    cap, and for good once the server shows it has no ExtendStream (UNIMPLEMENTED before any metadata), steps go
-    unary. Thread-safe."""
+    """A client's ExtendStream calls, shared by its threads and keyed by the session a step names first (a routing
+    proxy sends a whole stream where its mha-session-id hashes, so a stream carries its own session's steps). A step
+    takes an idle stream of its session, or opens one while fewer than max_streams are open, or takes the place of
+    one idle for STALE_S (a session no longer stepping); else, and for good once the server shows it has no
+    ExtendStream (UNIMPLEMENTED before any metadata), it goes unary. Thread-safe."""
+
+    STALE_S = 1.0
 
     def __init__(self, client, max_streams):
         self._client = client
         self._max = max_streams
         self._lock = threading.Lock()
-        self._idle = []
+        self._idle = {}  # session id -> [(stream, idle since)]
         self._opened = 0
         self.streaming = max_streams > 0
 
     def extend(self, req, session_id):
         client = self._client
-        stream = self._take()
+        stream, stale = self._take(session_id)
+        if stale is not None:
+            stale.close()
         if stream is None:
             return client._call(client._stub.Extend, req, session_id)
-        if stream is True or stream.expires < time.monotonic():
+        # A stream that ended while idle (a server restarted, a connection lost) is replaced before the step, which
+        # it would fail unsent.
+        if stream is True or stream.expires < time.monotonic() or stream.ended():
             if stream is not True:
                 stream.close()
             stream = _ExtendStream(client, session_id)
@@ -797,29 +833,43 @@ class _ExtendStreams:
             if e.code() == grpc.StatusCode.UNIMPLEMENTED and not e.initial_metadata():
                 self.streaming = False
                 return client._call(client._stub.Extend, req, session_id)
+            if e.code() == grpc.StatusCode.INTERNAL and (e.details() or "").startswith("Received RST_STREAM"):
+                raise _StreamReset(e) from e
             raise
         with self._lock:
-            self._idle.append(stream)
+            self._idle.setdefault(session_id, []).append((stream, time.monotonic()))
         return resp
 
-    def _take(self):
-        """An idle stream, True where one may be opened, or None (go unary)."""
+    def _take(self, session_id):
+        """(stream, stale): the session's idle stream, True where one may be opened, or None (go unary); and a stale
+        stream whose place it takes, to close, or None."""
         if not self.streaming:
-            return None
+            return None, None
         with self._lock:
-            if self._idle:
-                return self._idle.pop()
+            mine = self._idle.get(session_id)
+            if mine:
+                stream = mine.pop()[0]
+                if not mine:
+                    del self._idle[session_id]
+                return stream, None
             if self._opened < self._max:
                 self._opened += 1
-                return True
-        return None
+                return True, None
+            oldest = min(self._idle, key=lambda key: self._idle[key][0][1], default=None)
+            if oldest is None or time.monotonic() - self._idle[oldest][0][1] < self.STALE_S:
+                return None, None
+            stale = self._idle[oldest].pop(0)[0]
+            if not self._idle[oldest]:
+                del self._idle[oldest]
+            return True, stale
 
     def close(self):
         with self._lock:
-            idle, self._idle = self._idle, []
+            idle, self._idle = self._idle, {}
             self._max = 0
-        for stream in idle:
-            stream.close()
+        for streams in idle.values():
+            for stream, _ in streams:
+                stream.close()
 
 
 ExtendResult = collections.namedtuple("ExtendResult", ["output", "attention_weights", "length", "backend", "lse",

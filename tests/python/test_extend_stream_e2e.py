@@ -1,6 +1,7 @@
 """The Python client's Extends over ExtendStream: a session's steps share one stream and answer as unary calls do,
-a failed step costs only its stream, threads hold a stream each at most, a server without the method is asked by
-unary calls, and a client on the same host reaches the server's --listen_unix socket.
+a stream carries one session's steps (for proxies that route by session), a failed step costs only its stream, a
+client holds at most its cap of streams, a server without the method is asked by unary calls, and a client on the
+same host reaches the server's --listen_unix socket.
 """
 
 import os
@@ -43,6 +44,23 @@ def test_a_sessions_steps_go_over_one_stream_and_answer_as_unary_calls(stubs_dir
         assert stream_steps(server.log_path, b.id) == 0
 
 
+def test_a_stream_carries_one_sessions_steps(stubs_dir, server):
+    # A routing proxy sends a whole stream where its mha-session-id hashes: another session's step must not ride it.
+    with mhaclient.MhaClient(server.target) as client:
+        sessions = [client.create_session(**HEADS) for _ in range(3)]
+        for step in range(4):
+            for session in sessions:
+                session.extend(**qkv(1, step))
+        assert client._streams._opened == 3
+    carried = {}
+    with open(server.log_path, errors="replace") as log:
+        for line in log:
+            m = re.search(r"rid=(\S+)\.\d+ rpc=ExtendStream .*session=(\S+) ", line)
+            if m and m.group(2) in {s.id for s in sessions}:
+                carried.setdefault(m.group(1), set()).add(m.group(2))
+    assert len(carried) == 3 and all(len(ids) == 1 for ids in carried.values()), carried
+
+
 def test_a_failed_step_ends_only_its_stream(stubs_dir, server):
     with mhaclient.MhaClient(server.target) as client:
         session = client.create_session(**HEADS)
@@ -54,7 +72,7 @@ def test_a_failed_step_ends_only_its_stream(stubs_dir, server):
         assert session.extend(**qkv(1, 3)).length == 3
 
 
-def test_threads_hold_a_stream_each_at_most(stubs_dir, server):
+def test_a_client_holds_at_most_its_cap_of_streams(stubs_dir, server):
     with mhaclient.MhaClient(server.target, max_extend_streams=3) as client:
         sessions = [client.create_session(**HEADS) for _ in range(6)]
 
@@ -104,3 +122,16 @@ def test_a_client_on_the_same_host_reaches_the_unix_socket(stubs_dir, tmp_path):
             session.extend(**qkv(3, 0))
             assert [info["session_id"] for info in remote.list_sessions()] == [session.id]
             assert os.stat(socket).st_mode & 0o170000 == 0o140000  # a socket
+
+
+def test_a_stream_that_ended_while_idle_does_not_fail_the_next_step(stubs_dir, tmp_path):
+    (tmp_path / "first").mkdir()
+    (tmp_path / "again").mkdir()
+    with run_server(tmp_path / "first") as first:
+        port = first.port
+        client = mhaclient.MhaClient(first.target)
+        client.create_session(session_id="same-id", **HEADS).extend(**qkv(4, 0))
+    with client, run_server(tmp_path / "again", listen="127.0.0.1:%d" % port):
+        client.wait_ready(timeout=STARTUP_TIMEOUT_S)
+        session = client.create_session(session_id="same-id", **HEADS)
+        assert session.extend(**qkv(4, 1)).length == 4  # not the ended stream's UNAVAILABLE
