@@ -45,6 +45,19 @@ class AttentionClientTest : public ::testing::Test {
     client_ = std::make_unique<AttentionClient>(client_options);
   }
 
+  // Stops the server and starts another on the same port, as a restarted server comes back.
+  void RestartServer() {
+    const int port = server_->port();
+    server_->Shutdown(absl::ZeroDuration());
+    server_.reset();
+    ServerOptions options;
+    options.listen = absl::StrCat("127.0.0.1:", port);
+    options.threads = 2;
+    absl::StatusOr<std::unique_ptr<MhaServer>> again = MhaServer::Start(options);
+    ASSERT_TRUE(again.ok()) << again.status();
+    server_ = *std::move(again);
+  }
+
   std::unique_ptr<MhaServer> server_;
   std::unique_ptr<AttentionClient> client_;
 };
@@ -252,6 +265,18 @@ TEST_F(AttentionClientTest, ASessionHandleChecksTheLengthItLastSaw) {
   EXPECT_TRUE(session->Close().ok());
 }
 
+// A one-token Extend of head session `id` (H=4, Hkv=2, d_k=16), its values drawn from `seed`.
+v1::ExtendRequest OneTokenStep(const std::string& id, uint32_t seed) {
+  std::vector<Array> token = HeadTokens(1, seed);
+  v1::ExtendRequest request;
+  v1::ExtendItem* item = request.add_items();
+  item->set_session_id(id);
+  FloatsToTensor(token[0].values, token[0].shape, v1::FP32, item->mutable_q());
+  FloatsToTensor(token[1].values, token[1].shape, v1::FP32, item->mutable_k());
+  FloatsToTensor(token[2].values, token[2].shape, v1::FP32, item->mutable_v());
+  return request;
+}
+
 v1::CreateSessionRequest RecoveryTestSession(const std::string& id) {
   v1::CreateSessionRequest create;
   create.set_session_id(id);
@@ -301,20 +326,12 @@ TEST_F(AttentionClientTest, ARecordingSessionClosedBehindItsBackIsRebuiltWithIts
 }
 
 TEST_F(AttentionClientTest, ARecordingSessionGoesOnOnARestartedServer) {
-  const int port = server_->port();
   absl::StatusOr<Session> session = Session::CreateRecovering(client_.get(), RecoveryTestSession("restarted"));
   ASSERT_TRUE(session.ok()) << session.status();
   std::vector<std::vector<Array>> tokens = {HeadTokens(8, 1), HeadTokens(1, 5), HeadTokens(1, 9)};
   std::vector<std::vector<float>> got;
   Feed(*session, tokens, 0, 2, &got);
-  server_->Shutdown(absl::ZeroDuration());
-  server_.reset();
-  ServerOptions options;
-  options.listen = absl::StrCat("127.0.0.1:", port);
-  options.threads = 2;
-  absl::StatusOr<std::unique_ptr<MhaServer>> again = MhaServer::Start(options);
-  ASSERT_TRUE(again.ok()) << again.status();
-  server_ = *std::move(again);
+  ASSERT_NO_FATAL_FAILURE(RestartServer());
   Feed(*session, tokens, 2, 3, &got);  // UNAVAILABLE or NOT_FOUND first, then rebuilt
   EXPECT_EQ(session->recoveries(), 1);
   EXPECT_EQ(session->info().lengths(0), 10);
@@ -327,20 +344,12 @@ TEST_F(AttentionClientTest, ARecordingSessionGoesOnOnARestartedServer) {
 
 // A stream idle while its server restarted ended with it; the next step, which it never sent, goes on a new one.
 TEST_F(AttentionClientTest, AStreamThatEndedWhileIdleDoesNotFailTheNextStep) {
-  const int port = server_->port();
   absl::StatusOr<Session> before = Session::Create(client_.get(), RecoveryTestSession("same-id"));
   ASSERT_TRUE(before.ok()) << before.status();
   std::vector<std::vector<Array>> tokens = {HeadTokens(8, 1), HeadTokens(1, 5)};
   std::vector<std::vector<float>> got;
   Feed(*before, tokens, 0, 1, &got);
-  server_->Shutdown(absl::ZeroDuration());
-  server_.reset();
-  ServerOptions options;
-  options.listen = absl::StrCat("127.0.0.1:", port);
-  options.threads = 2;
-  absl::StatusOr<std::unique_ptr<MhaServer>> again = MhaServer::Start(options);
-  ASSERT_TRUE(again.ok()) << again.status();
-  server_ = *std::move(again);
+  ASSERT_NO_FATAL_FAILURE(RestartServer());
   ASSERT_TRUE(client_->GetServerInfo().ok());  // the channel has reconnected
   absl::StatusOr<Session> after = Session::Create(client_.get(), RecoveryTestSession("same-id"));
   ASSERT_TRUE(after.ok()) << after.status();
@@ -457,16 +466,7 @@ TEST_F(AttentionClientTest, ExtendsGoOverStreamsAndGoOnAfterAFailedStep) {
   create.mutable_heads()->set_head_dim(16);
   absl::StatusOr<v1::CreateSessionResponse> created = client_->CreateSession(create);
   ASSERT_TRUE(created.ok()) << created.status();
-  const auto step = [&](const std::string& id, uint32_t seed) {
-    std::vector<Array> token = HeadTokens(1, seed);
-    v1::ExtendRequest request;
-    v1::ExtendItem* item = request.add_items();
-    item->set_session_id(id);
-    FloatsToTensor(token[0].values, token[0].shape, v1::FP32, item->mutable_q());
-    FloatsToTensor(token[1].values, token[1].shape, v1::FP32, item->mutable_k());
-    FloatsToTensor(token[2].values, token[2].shape, v1::FP32, item->mutable_v());
-    return client_->Extend(request);
-  };
+  const auto step = [&](const std::string& id, uint32_t seed) { return client_->Extend(OneTokenStep(id, seed)); };
   const std::string id = created->session().session_id();
   for (int i = 1; i <= 3; ++i) {
     absl::StatusOr<v1::ExtendResponse> response = step(id, i);
@@ -512,14 +512,7 @@ TEST_F(AttentionClientTest, StreamsAreOnePerSessionUpToTheCap) {
     ids.push_back(created->session().session_id());
   }
   const auto step = [&](const std::string& id) {
-    std::vector<Array> token = HeadTokens(1, 3);
-    v1::ExtendRequest request;
-    v1::ExtendItem* item = request.add_items();
-    item->set_session_id(id);
-    FloatsToTensor(token[0].values, token[0].shape, v1::FP32, item->mutable_q());
-    FloatsToTensor(token[1].values, token[1].shape, v1::FP32, item->mutable_k());
-    FloatsToTensor(token[2].values, token[2].shape, v1::FP32, item->mutable_v());
-    absl::StatusOr<v1::ExtendResponse> response = client.Extend(request);
+    absl::StatusOr<v1::ExtendResponse> response = client.Extend(OneTokenStep(id, 3));
     EXPECT_TRUE(response.ok()) << response.status();
   };
   for (int round = 0; round < 3; ++round) {
