@@ -7,6 +7,7 @@ same host reaches the server's --listen_unix socket.
 import os
 import re
 import threading
+import time
 from concurrent import futures
 
 import grpc
@@ -135,3 +136,34 @@ def test_a_stream_that_ended_while_idle_does_not_fail_the_next_step(stubs_dir, t
         client.wait_ready(timeout=STARTUP_TIMEOUT_S)
         session = client.create_session(session_id="same-id", **HEADS)
         assert session.extend(**qkv(4, 1)).length == 4  # not the ended stream's UNAVAILABLE
+
+
+def test_bytes_that_do_not_parse_end_the_stream_and_the_server_serves_on(stubs_dir, server):
+    with grpc.insecure_channel(server.target) as channel:
+        raw = channel.stream_stream("/mha.v1.Attention/ExtendStream", request_serializer=None,
+                                    response_deserializer=None)
+        with pytest.raises(grpc.RpcError) as error:
+            list(raw(iter([b"\xff\xff\xff\xff not a message"]), timeout=10))
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "does not parse as mha.v1.ExtendRequest" in error.value.details()
+    with mhaclient.MhaClient(server.target) as client:
+        assert client.create_session(**HEADS).extend(**qkv(2, 0)).length == 2
+
+
+def test_a_client_that_writes_ahead_and_never_reads_is_held_back(stubs_dir, server):
+    # Each answer carries the weights over an 8192-token cache (128 KiB): answers the client does not read fill the
+    # transport's windows, the server's write waits, and it takes no further step meanwhile (the steps the client
+    # sent wait in gRPC's transport, within its flow-control window and --grpc_memory_mb).
+    with mhaclient.MhaClient(server.target) as client:
+        session = client.create_session(**HEADS)
+        session.extend(**qkv(8192, 0))
+        pb = client._pb
+        step = pb.ExtendRequest(return_attention_weights=True, items=[pb.ExtendItem(
+            session_id=session.id, append=False, q=mhaclient.to_tensor(qkv(1, 1)["q"]))])
+        call = client._stub.ExtendStream(iter([step] * 400), timeout=30)
+        time.sleep(3)
+        with open(server.log_path, errors="replace") as log:
+            answered = sum(1 for line in log if "rpc=ExtendStream" in line and session.id in line)
+        call.cancel()
+        assert answered < 200, answered  # bounded by the windows' bytes, not by what the client sent
+        assert session.extend(**qkv(1, 2)).length == 8193  # the session serves on
