@@ -35,8 +35,9 @@ ABSL_FLAG(int, shards, 1,
           "--target then lists the shards' servers, comma-separated (shard i on server i % count); each step asks "
           "every shard (append=false but the last) and merges the outputs by their lse. Needs --rope_theta 0");
 ABSL_FLAG(std::string, transport, "stream",
-          "decode: how the Extends go: stream (one ExtendStream per thread, unary where the server has none), unary, "
-          "or both (every other step each way; the report gives each one's percentiles)");
+          "decode: how the Extends go: stream (over ExtendStream, a stream per session stepping, batched: one; unary "
+          "where the server has none), unary, or both (every other step each way; the report gives each one's "
+          "percentiles)");
 ABSL_FLAG(bool, recover, false,
           "decode: record what each session was fed; a call that finds its sessions lost (NOT_FOUND, or UNAVAILABLE: "
           "a restarted server, an evicted session, a dead replica behind a proxy) re-creates them under the same id, "

@@ -818,18 +818,22 @@ class _ExtendStreams:
             stale.close()
         if stream is None:
             return client._call(client._stub.Extend, req, session_id)
-        # A stream that ended while idle (a server restarted, a connection lost) is replaced before the step, which
-        # it would fail unsent.
-        if stream is True or stream.expires < time.monotonic() or stream.ended():
-            if stream is not True:
-                stream.close()
-            stream = _ExtendStream(client, session_id)
         try:
+            # A stream that ended while idle (a server restarted, a connection lost) is replaced before the step,
+            # which it would fail unsent.
+            if stream is True or stream.expires < time.monotonic() or stream.ended():
+                if stream is not True:
+                    stream.close()
+                stream = None
+                stream = _ExtendStream(client, session_id)
             resp = stream.step(req)
-        except grpc.RpcError as e:
-            stream.close()
+        except BaseException as e:  # the stream is done with, whatever ended the step: its place is freed
+            if stream is not None:
+                stream.close()
             with self._lock:
                 self._opened -= 1
+            if not isinstance(e, grpc.RpcError):
+                raise
             if e.code() == grpc.StatusCode.UNIMPLEMENTED and not e.initial_metadata():
                 self.streaming = False
                 return client._call(client._stub.Extend, req, session_id)

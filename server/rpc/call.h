@@ -44,7 +44,6 @@ class CallEdge {
   std::string RequestId(const grpc::CallbackServerContext& context);
   // A shared count of calls in progress, for a reactor that counts itself (a stream while a step is in flight).
   const std::shared_ptr<std::atomic<int64_t>>& in_progress_counter() const { return calls_in_progress_; }
-  absl::Duration default_deadline() const { return default_deadline_; }
 
  private:
   friend class Call;

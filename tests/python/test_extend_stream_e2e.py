@@ -167,3 +167,20 @@ def test_a_client_that_writes_ahead_and_never_reads_is_held_back(stubs_dir, serv
         call.cancel()
         assert answered < 200, answered  # bounded by the windows' bytes, not by what the client sent
         assert session.extend(**qkv(1, 2)).length == 8193  # the session serves on
+
+
+def test_a_step_that_raises_anything_gives_its_streams_place_back(stubs_dir, server, monkeypatch):
+    with mhaclient.MhaClient(server.target, max_extend_streams=1) as client:
+        session = client.create_session(**HEADS)
+        session.extend(**qkv(2, 0))
+
+        def interrupted(self, req):
+            raise KeyboardInterrupt
+
+        with monkeypatch.context() as patch:
+            patch.setattr(mhaclient._ExtendStream, "step", interrupted)
+            with pytest.raises(KeyboardInterrupt):
+                session.extend(**qkv(1, 1))
+        assert client._streams._opened == 0
+        assert session.extend(**qkv(1, 2)).length == 3
+        assert client._streams._opened == 1
