@@ -143,7 +143,6 @@ class DecodeRun {
   DecodeRun(std::vector<AttentionClient*> clients, const DecodeOptions& o, const Shape& s)
       : clients_(std::move(clients)), o_(o), s_(s), ids_(o.shards),
         run_tag_(absl::StrFormat("%08x", std::random_device()())), rows_(o.sessions) {
-
     // The steps' tokens come from a pool drawn once, so that the steps time the calls, not a random generator.
     std::mt19937 rng(o.seed + 1);
     for (int i = 0; i < kPoolTokens; ++i) pool_.push_back(Random(rng, s_.width(), o_.wire_dtype));

@@ -44,11 +44,25 @@ def test_decode_pretty_report_names_what_it_measured(server, run_cli):
         assert piece in result.stdout
 
 
+@pytest.mark.parametrize("mode", [[], ["--per_session", "-c", "2"]])
+def test_decode_both_transports_time_every_other_step_each_way(server, run_cli, mode):
+    report = decode(run_cli, server, "--sessions", "2", "--context", "40", "--steps", "6", "--heads", "4",
+                    "--kv_heads", "2", "--head_dim", "16", "--transport", "both", "--check", *mode)
+    steps = 6 if mode else 3  # per session and step when each session is its own call, else one call per step
+    assert report["transport"]["stream"]["steps"] == steps and report["transport"]["unary"]["steps"] == steps
+    assert 0 < report["server_step_ms"]["p50"] <= report["step_ms"]["max"]
+    assert report["check"]["max_error"] <= report["check"]["tolerance"]
+    unary = decode(run_cli, server, "--sessions", "2", "--context", "40", "--steps", "2", "--heads", "4",
+                   "--kv_heads", "2", "--head_dim", "16", "--transport", "unary", *mode)
+    assert unary["transport"]["stream"]["steps"] == 0 and unary["transport"]["unary"]["steps"] == (4 if mode else 2)
+
+
 @pytest.mark.parametrize("args,message", [
     (["--sessions", "0"], "--sessions"),
     (["--heads", "8", "--kv_heads", "3"], "--kv_heads"),
     (["--cache_dtype", "int8"], "cache_dtype"),
     (["-O", "csv"], "-O"),
+    (["--transport", "udp"], "--transport must be stream, unary or both"),
 ])
 def test_decode_usage_errors_exit_2(server, run_cli, args, message):
     result = run_cli("decode", "--target", server.target, *args)
