@@ -30,8 +30,6 @@ absl::Status ReportedReset(const absl::Status& status) {
 }  // namespace
 
 ExtendStepper::ExtendStepper(AttentionClient* client) : client_(client) {}
-ExtendStepper::ExtendStepper(ExtendStepper&&) noexcept = default;
-ExtendStepper& ExtendStepper::operator=(ExtendStepper&&) noexcept = default;
 
 ExtendStepper::~ExtendStepper() {
   if (open_ != nullptr) Close();

@@ -36,8 +36,6 @@ class ExtendStepper {
  public:
   // Borrows `client`, which must outlive the stepper.
   explicit ExtendStepper(AttentionClient* client);
-  ExtendStepper(ExtendStepper&&) noexcept;
-  ExtendStepper& operator=(ExtendStepper&&) noexcept;
   // Ends an open stream (between steps: nothing is lost).
   ~ExtendStepper();
 

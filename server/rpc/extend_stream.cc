@@ -1,9 +1,7 @@
 #include "server/rpc/extend_stream.h"
 
 #include <atomic>
-#include <memory>
 #include <string>
-#include <utility>
 
 #include "absl/strings/str_cat.h"
 
