@@ -1033,6 +1033,37 @@ std::vector<SessionCase> SessionCases() {
     pairs.steps = {{70, 1}, {1, 1}, {1, 3}, {1, 1}};
     cases.push_back(pairs);
   }
+  // The prefill path (more query rows per KV head than decode's, no weights): tiles of new tokens over the blocks in
+  // place, causal within the chunk, chunks deep into the cache; blocks of 32 (the AVX-512 prefill kernels' 32-key
+  // steps) and 48 (16-key steps), one KV head per query head and eight query heads per KV head.
+  for (v1::DataType cache : {v1::FP32, v1::FP16, v1::BF16}) {
+    SessionCase prefill = SessionCase();
+    prefill.name = "session_heads_prefill_block32_cache_" + DTypeName(cache);
+    prefill.layer = false;
+    prefill.heads = 8;
+    prefill.kv_heads = 2;
+    prefill.head_dim = 64;
+    prefill.block_tokens = 32;
+    prefill.cache_dtype = cache;
+    prefill.rope_theta = 10000;
+    prefill.steps = {{300, 70}, {64, 1}, {1, 129}, {2, 2}};
+    cases.push_back(prefill);
+  }
+  c = SessionCase();
+  c.name = "session_heads_prefill_mha_block48";
+  c.layer = false;
+  c.heads = c.kv_heads = 4;
+  c.head_dim = 32;
+  c.block_tokens = 48;
+  c.steps = {{100}, {50}, {20}};
+  cases.push_back(c);
+  c.name = "session_heads_prefill_mqa_group8";
+  c.heads = 8;
+  c.kv_heads = 1;
+  c.head_dim = 16;
+  c.block_tokens = 16;
+  c.steps = {{40}, {33}, {3}};
+  cases.push_back(c);
   // Every statistic of every call, contribution included, for a layer and for head sessions.
   for (const char* name : {"session_layer_chunks_gqa_rope", "session_heads_decode_gqa4"}) {
     for (const SessionCase& known : std::vector<SessionCase>(cases)) {
@@ -1132,7 +1163,7 @@ INSTANTIATE_TEST_SUITE_P(Backends, SessionConformanceTest,
                          TestName<SessionConformanceTest::ParamType>);
 
 // ---------------------------------------------------------------------------------------------------------------
-// Softmax statistics of paged calls (the decode path of few rows, the gather path of many) and new tokens that
+// Softmax statistics of paged calls (the decode path of few rows, the prefill path of many) and new tokens that
 // attend to a cache without joining it (ExtendItem.append = false), every backend against the reference.
 
 struct PagedStatsCase {
@@ -1225,9 +1256,12 @@ TEST_P(PagedStatsTest, MatchesTheReference) {
 
 std::vector<PagedStatsCase> PagedStatsCases() {
   return {{"decode_step", 1, true, v1::FP32},          {"decode_step_bf16_cache", 1, true, v1::BF16},
-          {"chunk_gather_path", 20, true, v1::FP32},   {"decode_without_append", 1, false, v1::FP32},
+          {"chunk_prefill_path", 20, true, v1::FP32},  {"decode_without_append", 1, false, v1::FP32},
           {"chunk_without_append", 20, false, v1::FP32}, {"decode_without_append_bf16", 2, false, v1::BF16},
-          {"decode_split_cache", 1, true, v1::FP32, 2000}, {"decode_split_cache_without_append", 1, false, v1::BF16, 2000}};
+          {"decode_split_cache", 1, true, v1::FP32, 2000}, {"decode_split_cache_without_append", 1, false, v1::BF16, 2000},
+          // The prefill path deep into a cache: several steps of its online softmax, each over many blocks.
+          {"chunk_prefill_path_deep_fp16", 20, true, v1::FP16, 2000},
+          {"chunk_without_append_deep_bf16", 20, false, v1::BF16, 2000}};
 }
 
 INSTANTIATE_TEST_SUITE_P(Backends, PagedStatsTest,

@@ -5,6 +5,7 @@
 //  - prefill chunks through Extend (paged attention) against the same stateless causal call.
 // Rounds interleave the probe and every case (this VM's neighbours move its bandwidth); best and median are printed.
 //   build/bin/decode_bench [--rounds 3] [--seconds 0.5] [--filter decode_1x8192] [--warm] [--json results.jsonl]
+//                          [--isa avx2]
 #include <omp.h>
 
 #include <algorithm>
@@ -151,27 +152,39 @@ class DecodeCase {
   std::vector<float> q_, kv_, out_;
 };
 
-// A prefill chunk of n tokens through Extend onto a cache of `cached` tokens, and the stateless causal call over the
-// same n queries and cached + n keys: ScaledDotProductAttention for a head session; for a layer session (`layer`,
-// d_model = H d_k, random weights), MultiHeadAttention, which projects every key again where Extend projects only the
-// new ones.
+// n new tokens through Extend onto a cache of `cached` tokens (in calls of `chunk` tokens; 0: one call), and the
+// stateless causal call over the same n queries and cached + n keys: ScaledDotProductAttention for a head session,
+// its q, k and v in the cache's dtype (the bf16 tile kernels take a bf16 call); for a layer session (`layer`,
+// d_model = H d_k, random weights, fp32 cache), MultiHeadAttention, which projects every key again where Extend
+// projects only the new ones. The cached tokens are written into the blocks, not computed (what the timed calls
+// read is the same either way), so a 32K-token history costs its bytes only.
 class PrefillCase {
  public:
-  PrefillCase(std::string name, int64_t n, int64_t cached, HeadSpec heads, bool layer = false)
-      : name_(std::move(name)), n_(n), cached_(cached), heads_(heads), layer_(layer) {}
+  PrefillCase(std::string name, int64_t n, int64_t cached, HeadSpec heads, v1::DataType dtype = v1::FP32,
+              int64_t chunk = 0, bool layer = false)
+      : name_(std::move(name)), n_(n), cached_(cached), chunk_(chunk > 0 ? chunk : n), heads_(heads), dtype_(dtype),
+        layer_(layer) {}
   const std::string& name() const { return name_; }
 
   void Prepare(CpuBackend* backend) {
     backend_ = backend;
     SessionStoreOptions options;
-    options.capacity_bytes = (cached_ + n_) * 2 * heads_.kv_width() * 4 * 3 + (int64_t{64} << 20);
+    options.capacity_bytes = KvCacheBytes(heads_, cached_ + n_, DTypeSize(dtype_)) * 3 + (int64_t{64} << 20);
     options.max_tokens = 1 << 20;
     store_ = std::make_unique<SessionStore>(options, nullptr);
     const int64_t T = cached_ + n_;
     q_ = Random(T * heads_.q_width(), 3);
     k_ = Random(T * heads_.kv_width(), 4);
     v_ = Random(T * heads_.kv_width(), 5);
+    for (const std::vector<float>* from : {&q_, &k_, &v_}) {
+      wire_.emplace_back(from->size() * DTypeSize(dtype_), '\0');
+      EncodeFromFloat(dtype_, from->data(), from->size(), wire_.back().data());
+    }
     out_.resize(T * heads_.q_width());
+    const KvCacheLayout layout{heads_.num_kv_heads, heads_.head_dim, options.block_tokens, dtype_};
+    const std::vector<float> values = Random(layout.BlockElements(), 7);
+    block_bytes_.assign(layout.BlockBytes(), '\0');
+    EncodeFromFloat(dtype_, values.data(), values.size(), block_bytes_.data());
     if (layer_) {
       const int64_t d = heads_.q_width();
       x_ = Random(T * d, 6);
@@ -185,13 +198,21 @@ class PrefillCase {
     }
   }
 
-  // A fresh session holding `cached` tokens, then the timed Extend of n more.
+  // A fresh session holding `cached` tokens, then the timed Extends of n more: the sum of the calls' times.
   double Extend() {
     SessionConfig config;
     config.heads = heads_;
+    config.cache_dtype = dtype_;
     const std::string id = store_->Create(config, "", {})->session_id();
-    if (cached_ > 0) Run(id, 0, cached_);
-    const double seconds = Run(id, cached_, n_);
+    if (cached_ > 0) {
+      ExtendReservation r = *store_->Reserve({ReserveItem{id, 0, cached_}});
+      for (char* block : r.items()[0].blocks) std::memcpy(block, block_bytes_.data(), block_bytes_.size());
+      r.Commit();
+    }
+    double seconds = 0;
+    for (int64_t first = cached_; first < cached_ + n_; first += chunk_) {
+      seconds += Run(id, first, std::min(chunk_, cached_ + n_ - first));
+    }
     store_->Close(id, {}).IgnoreError();
     return seconds;
   }
@@ -231,14 +252,15 @@ class PrefillCase {
   }
 
   double StatelessHeads() {
+    const int64_t element = static_cast<int64_t>(DTypeSize(dtype_));
     SdpaArgs a;
     a.shape.batch = 1;
     a.shape.q_len = n_;
     a.shape.kv_len = cached_ + n_;
     a.shape.heads = heads_;
-    a.q = {q_.data() + cached_ * heads_.q_width(), v1::FP32};
-    a.k = {k_.data(), v1::FP32};
-    a.v = {v_.data(), v1::FP32};
+    a.q = {wire_[0].data() + cached_ * heads_.q_width() * element, dtype_};
+    a.k = {wire_[1].data(), dtype_};
+    a.v = {wire_[2].data(), dtype_};
     a.out = {out_.data(), v1::FP32};
     const auto start = Clock::now();
     const absl::Status status = backend_->ScaledDotProductAttention(a);
@@ -266,7 +288,7 @@ class PrefillCase {
       args.problem.d_model = heads_.q_width();
       args.weights = Weights();
     }
-    args.problem.cache = {heads_.num_kv_heads, heads_.head_dim, store_->options().block_tokens, v1::FP32};
+    args.problem.cache = {heads_.num_kv_heads, heads_.head_dim, store_->options().block_tokens, dtype_};
     args.problem.sequences = 1;
     args.problem.new_tokens = args.problem.max_new_tokens = n;
     args.problem.max_length = first + n;
@@ -280,12 +302,15 @@ class PrefillCase {
   }
 
   const std::string name_;
-  const int64_t n_, cached_;
+  const int64_t n_, cached_, chunk_;
   const HeadSpec heads_;
+  const v1::DataType dtype_;
   const bool layer_;
   CpuBackend* backend_ = nullptr;
   std::unique_ptr<SessionStore> store_;
   std::vector<float> q_, k_, v_, out_;
+  std::vector<std::string> wire_;  // q, k, v in the cache's dtype, for the stateless call
+  std::string block_bytes_;        // a block of random keys and values in the cache's dtype
   std::vector<float> x_, w_q_, w_k_, w_v_, w_o_;  // a layer's input and weights
 };
 
@@ -297,6 +322,7 @@ struct Flags {
   // ceiling rather than the memory's.
   bool warm = false;
   std::string json_out;  // also write the results here as JSON lines
+  std::string isa = "auto";  // the CPU backend's kernel set (tile_kernels.h): avx2, avx512, ... as this CPU runs
 };
 
 Flags Parse(int argc, char** argv) {
@@ -310,6 +336,7 @@ Flags Parse(int argc, char** argv) {
     if (name == "--seconds") flags.seconds = std::atof(argv[i + 1]);
     if (name == "--filter") flags.filter = argv[i + 1];
     if (name == "--json") flags.json_out = argv[i + 1];
+    if (name == "--isa") flags.isa = argv[i + 1];
   }
   return flags;
 }
@@ -339,7 +366,7 @@ void WriteJson(const std::string& path, const Stats& probe, const std::vector<De
 
 int Main(int argc, char** argv) {
   const Flags flags = Parse(argc, argv);
-  auto backend = CpuBackend::Create();
+  auto backend = CpuBackend::Create(flags.isa);
   if (!backend.ok()) {
     std::fprintf(stderr, "%s\n", backend.status().ToString().c_str());
     return 1;
@@ -365,10 +392,25 @@ int Main(int argc, char** argv) {
     decodes.emplace_back(absl::StrCat("decode_1x8192_fp32_block", tb), 1, 8191, Heads(32, 8, 128), v1::FP32, tb);
   }
   std::vector<PrefillCase> prefills;
-  prefills.reserve(4);
+  prefills.reserve(32);
   prefills.emplace_back("prefill_512_empty", 512, 0, Heads(32, 8, 128));
   prefills.emplace_back("prefill_512_after_3584", 512, 3584, Heads(32, 8, 128));
-  prefills.emplace_back("prefill_512_layer_empty", 512, 0, Heads(32, 8, 128), true);
+  prefills.emplace_back("prefill_512_layer_empty", 512, 0, Heads(32, 8, 128), v1::FP32, 0, true);
+  // A 2K-token prompt whole and in chunks (Extend calls of that many tokens, as --max_prefill_chunk makes them).
+  for (v1::DataType dtype : {v1::FP32, v1::BF16, v1::FP16}) {
+    for (int64_t chunk : {0, 512, 128, 64}) {
+      if (dtype == v1::FP16 && (chunk == 512 || chunk == 128)) continue;
+      prefills.emplace_back(absl::StrCat("prefill_2048_", DTypeName(dtype), chunk == 0 ? "_whole" : "_chunk",
+                                         chunk == 0 ? "" : std::to_string(chunk)),
+                            2048, 0, Heads(32, 8, 128), dtype, chunk);
+    }
+  }
+  // A chunk deep into a long context.
+  for (v1::DataType dtype : {v1::FP32, v1::BF16, v1::FP16}) {
+    prefills.emplace_back(absl::StrCat("prefill_128_after_32K_", DTypeName(dtype)), 128, 32768 - 128,
+                          Heads(32, 8, 128), dtype);
+  }
+  prefills.emplace_back("prefill_64_after_32K_bf16", 64, 32768 - 64, Heads(32, 8, 128), v1::BF16);
   const auto wanted = [&](const std::string& name) {
     return flags.filter.empty() || name.find(flags.filter) != std::string::npos;
   };
@@ -417,14 +459,15 @@ int Main(int argc, char** argv) {
                 100 * s.median / p.median);
   }
   if (!flags.json_out.empty()) WriteJson(flags.json_out, p, decodes, decode_rates, prefills, extend_s, stateless_s);
-  std::printf("%-24s %10s %10s %10s %10s %9s %9s\n", "prefill (fp32 cache)", "Extend ms", "med", "SDPA ms", "med",
-              "ratio", "ratio md");
+  std::printf("%-28s %10s %10s %10s %10s %7s %7s %8s %7s %7s\n", "prefill (H=32 Hkv=8 dk=128)", "Extend ms", "med",
+              "SDPA ms", "med", "ratio", "md", "GFLOP/s", "%peak", "SDPA%");
   for (size_t i = 0; i < prefills.size(); ++i) {
     if (extend_s[i].empty()) continue;
     const Stats e = Of(extend_s[i], false), st = Of(stateless_s[i], false);
-    std::printf("%-24s %10.2f %10.2f %10.2f %10.2f %9.2f %9.2f   (%.0f GFLOP/s Extend best)\n",
-                prefills[i].name().c_str(), e.best * 1e3, e.median * 1e3, st.best * 1e3, st.median * 1e3,
-                st.best / e.best, st.median / e.median, prefills[i].Flops() / e.best / 1e9);
+    const double rate = prefills[i].Flops() / e.best / 1e9, stateless = prefills[i].Flops() / st.best / 1e9;
+    std::printf("%-28s %10.2f %10.2f %10.2f %10.2f %7.2f %7.2f %8.0f %6.0f%% %6.0f%%\n", prefills[i].name().c_str(),
+                e.best * 1e3, e.median * 1e3, st.best * 1e3, st.median * 1e3, st.best / e.best, st.median / e.median,
+                rate, 100 * rate / peak.gflops, 100 * stateless / peak.gflops);
   }
   return 0;
 }

@@ -11,9 +11,10 @@
 
 #include "proto/mha/v1/tensor_codec.h"
 #include "server/backends/cpu/attention_core.h"
+#include "server/backends/cpu/paged_merge.h"
+#include "server/backends/cpu/paged_prefill.h"
 #include "server/backends/cpu/scratch.h"
 #include "server/backends/float_io.h"
-#include "server/backends/row_stats.h"
 
 namespace mha::cpu {
 namespace {
@@ -173,47 +174,15 @@ void MergeHead(const PagedProblem& p, const DecodePlan& plan, int64_t begin, int
                const PagedSequence& seq, int64_t first_row, const float* partials, float* heads, int64_t ldh) {
   const HeadSpec& h = p.heads;
   const int64_t dk = h.head_dim, G = h.group_size(), rows = G * seq.new_tokens;
-  const auto weight = [&](float x) { return plan.log2_units ? std::exp2(x) : std::exp(x); };
-  const auto head_of = [&](int64_t u) { return partials + plan.units[u].partial + g * HeadPartial(h, rows); };
-  const bool stats = seq.stats.softmax();  // accumulators beyond max and sum: zero for lse alone
+  std::vector<SplitRow> splits(end - begin);
   for (int64_t r = 0; r < rows; ++r) {
-    float* out = heads + (first_row + r / G) * ldh + (g * G + r % G) * dk;
+    for (int64_t u = begin; u < end; ++u) {
+      const float* acc = partials + plan.units[u].partial + g * HeadPartial(h, rows);
+      splits[u - begin] = {acc + r * dk, acc[rows * dk + r], acc[rows * dk + rows + r],
+                           acc + rows * (dk + 2) + r * kernels::kStatsPerRow};
+    }
     const int64_t stats_row = (g * G + r % G) * seq.new_tokens + r / G;  // in the sequence's [H, n]
-    float max = kNegInf, sum = 0.0f;
-    bool nan = false;
-    for (int64_t u = begin; u < end; ++u) {
-      max = std::max(max, head_of(u)[rows * dk + r]);
-      nan |= std::isnan(head_of(u)[rows * dk + rows + r]);
-    }
-    if (max == kNegInf || nan) {  // nothing visible: zeros; a NaN score: NaN, as the stateless paths give
-      std::fill_n(out, dk, nan ? std::numeric_limits<float>::quiet_NaN() : 0.0f);
-      RowSums none;
-      none.sum = nan ? std::numeric_limits<double>::quiet_NaN() : 0.0;
-      if (stats) WriteRowStats(seq.stats, stats_row, none, 1.0);
-      continue;
-    }
-    std::fill_n(out, dk, 0.0f);
-    RowSums sums;
-    sums.max = max;
-    for (int64_t u = begin; u < end; ++u) {
-      const float* acc = head_of(u);
-      const float m = acc[rows * dk + r];
-      if (m == kNegInf) continue;
-      const float w = weight(m - max);
-      const float unit_sum = acc[rows * dk + rows + r];
-      sum += w * unit_sum;
-      for (int64_t d = 0; d < dk; ++d) out[d] += w * acc[r * dk + d];
-      if (!stats) continue;
-      // A split's sums are relative to its own max: rescaled to the merged one as the online softmax does.
-      const float* split = acc + rows * (dk + 2) + r * kernels::kStatsPerRow;
-      sums.entropy_sum += w * (split[0] + unit_sum * (m - max));
-      sums.distance_sum += w * split[1];
-      sums.sink_sum += w * split[2];
-    }
-    const float inverse = 1.0f / sum;
-    for (int64_t d = 0; d < dk; ++d) out[d] *= inverse;
-    sums.sum = sum;
-    if (stats) WriteRowStats(seq.stats, stats_row, sums, plan.log2_units ? M_LN2 : 1.0);
+    MergeRow(splits, dk, plan.log2_units, seq, stats_row, heads + (first_row + r / G) * ldh + (g * G + r % G) * dk);
   }
 }
 
@@ -380,8 +349,13 @@ absl::Status PagedAttend(const kernels::TileKernels& fp32_tiles, const kernels::
       !status.ok()) {
     return status;
   }
+  if (absl::Status status = PrefillSequences(fp32_tiles, decode, p, sequences, rows.first_row, qkv.q, qkv.ldq, heads,
+                                             ldh, stop);
+      !status.ok()) {
+    return status;
+  }
   for (size_t s = 0; s < sequences.size(); ++s) {
-    if (TakesDecodePath(p, sequences[s])) continue;
+    if (TakesDecodePath(p, sequences[s]) || TakesPrefillPath(p, sequences[s])) continue;
     absl::Status status = GatherSequence(fp32_tiles, p, sequences[s], rows.first_row[s], qkv, heads, ldh, stop);
     if (!status.ok()) return status;
   }
@@ -393,9 +367,14 @@ int64_t PagedAttendBytes(const kernels::TileKernels& fp32_tiles, const PagedProb
   const int64_t dk = h.head_dim;
   // Decode: partial results of up to kUnitsPerThread * threads splits per pair, and each thread's scratch.
   const int64_t splits = std::max<int64_t>(1, kUnitsPerThread * threads);
-  const int64_t decode = p.sequences * h.num_kv_heads * splits * kDecodeRows * (dk + 2) +
+  const int64_t decode = p.sequences * h.num_kv_heads * splits * HeadPartial(h, kDecodeRows) +
                          threads * kDecodeRows * (h.num_kv_heads * dk + p.cache.block_tokens + 1);
-  // Gather: one sequence's cache in fp32, its weights before encoding, the tile kernels' scratch.
+  const int64_t prefill = threads * PrefillBytesPerThread(p);
+  // Gather (weights asked for, or blocks no paged kernel takes): one sequence's cache in fp32, its weights before
+  // encoding, the tile kernels' scratch.
+  if (!p.return_weights && p.cache.block_tokens % 16 == 0) {
+    return decode * static_cast<int64_t>(sizeof(float)) + prefill;
+  }
   AttentionShape s;
   s.batch = 1;
   s.q_len = p.max_new_tokens;
@@ -403,7 +382,7 @@ int64_t PagedAttendBytes(const kernels::TileKernels& fp32_tiles, const PagedProb
   s.heads = h;
   const int64_t gather = 2 * p.max_length * h.kv_width() +
                          (p.return_weights ? h.num_heads * p.max_new_tokens * p.max_length : 0);
-  return (decode + gather) * static_cast<int64_t>(sizeof(float)) +
+  return (decode + gather) * static_cast<int64_t>(sizeof(float)) + prefill +
          threads * AttendScratchBytesPerThread(fp32_tiles, s);
 }
 

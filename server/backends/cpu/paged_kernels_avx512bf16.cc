@@ -212,7 +212,8 @@ void Values(int64_t rows, int64_t keys, int64_t width, const float* p, int64_t l
 }  // namespace
 
 // The fp32 and fp16 caches' kernels are the avx512 set's; tile_kernels.cc puts this one beside them.
-extern const PagedKernels kBf16PagedKernels = {&Scores, &Values};
+// Its register blocks serve many rows as well as few: a prefill tile takes the same ones.
+extern const PagedKernels kBf16PagedKernels = {&Scores, &Values, &Scores, &Values};
 
 }  // namespace avx512bf16
 }  // namespace mha::kernels

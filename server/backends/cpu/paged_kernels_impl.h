@@ -3,7 +3,9 @@
 //   LoadHalf(p) / LoadBf16(p): kLanes fp16 / bf16 elements at p widened to fp32;
 //   kPagedVectors: vectors of 16 keys; kPagedMaxVectors: the widest group of key vectors a scores block takes (a
 //   power of two times kPagedVectors); kPagedAccumulators: the vectors of accumulators a scores block may hold;
-//   kPagedValueRows x kPagedValueVectors: the values' register block.
+//   kPagedValueRows x kPagedValueVectors: the values' register block;
+//   kPrefillScoreRows x kPrefillScoreVectors and kPrefillValueRows x kPrefillValueVectors: the register blocks of a
+//   prefill tile's many rows (PagedKernels' prefill_scores and prefill_values).
 // Free of standard-library templates, like the tile kernels (compiled with this TU's -m flags).
 
 // Cache element types: fp32, and the 16-bit ones as tags over their bits.
@@ -98,18 +100,18 @@ inline void PagedScoreBlock(int64_t depth, const float* q, int64_t ldq, const E*
   }
 }
 
-// Every row block of `keys` keys (a multiple of kVectors vectors) in groups of kVectors vectors.
-template <typename E, int kVectors>
+// Every row block of `keys` keys (a multiple of kVectors vectors) in groups of kVectors vectors, kBudget vectors of
+// accumulators: as many rows as fill it.
+template <typename E, int kVectors, int kBudget = Isa::kPagedAccumulators>
 inline void PagedScoreGroups(int64_t rows, int64_t keys, int64_t depth, const float* q, int64_t ldq, const E* kt,
                              int64_t ldk, float* s, int64_t lds, Ahead& ahead) {
-  // As many rows as fill the register budget: kPagedAccumulators vectors of accumulators.
-  constexpr int kRows = Isa::kPagedAccumulators / kVectors;
+  constexpr int kRows = kBudget / kVectors;
   for (int64_t j = 0; j < keys; j += kVectors * Isa::kLanes) {
     for (int64_t i = 0; i < rows; i += kRows) {
       WithRows<kRows>(rows - i < kRows ? rows - i : kRows, [&](auto height) {
         constexpr int kHeight = decltype(height)::kValue;
         // A short block splits its depths to keep the budget's FMA chains in flight (up to 4 sets).
-        constexpr int kFree = Isa::kPagedAccumulators / (kHeight * kVectors);
+        constexpr int kFree = kBudget / (kHeight * kVectors);
         constexpr int kSets = kFree >= 4 ? 4 : kFree >= 2 ? 2 : 1;
         PagedScoreBlock<E, kHeight, kVectors, kSets>(depth, q + i * ldq, ldq, kt + j, ldk, s + i * lds + j, lds,
                                                      ahead);
@@ -176,17 +178,17 @@ inline void PagedValueBlock(int64_t keys, int64_t width, const float* p, int64_t
   }
 }
 
-// Every row block of one column panel of up to kVectors vectors (`vectors` of them).
-template <typename E, int kVectors>
+// Every row block (of kRows rows) of one column panel of up to kVectors vectors (`vectors` of them).
+template <typename E, int kRows, int kVectors>
 inline void PagedValuePanel(int64_t vectors, int64_t rows, int64_t keys, int64_t width, const float* p, int64_t ldp,
                             const E* v, const float* o_scale, float* o, int64_t ldo, int last_lanes, Ahead& ahead) {
   if constexpr (kVectors > 1) {
     if (vectors < kVectors) {
-      PagedValuePanel<E, kVectors - 1>(vectors, rows, keys, width, p, ldp, v, o_scale, o, ldo, last_lanes, ahead);
+      PagedValuePanel<E, kRows, kVectors - 1>(vectors, rows, keys, width, p, ldp, v, o_scale, o, ldo, last_lanes,
+                                              ahead);
       return;
     }
   }
-  constexpr int64_t kRows = Isa::kPagedValueRows;
   for (int64_t i = 0; i < rows; i += kRows) {
     WithRows<kRows>(rows - i < kRows ? rows - i : kRows, [&](auto height) {
       PagedValueBlock<E, decltype(height)::kValue, kVectors>(keys, width, p + i * ldp, ldp, v, o_scale + i,
@@ -195,22 +197,44 @@ inline void PagedValuePanel(int64_t vectors, int64_t rows, int64_t keys, int64_t
   }
 }
 
-template <typename E>
+// PagedKernels::values with a register block of kRows rows and up to kVectors vectors of columns.
+template <typename E, int kRows = Isa::kPagedValueRows, int kVectors = Isa::kPagedValueVectors>
 void PagedValues(int64_t rows, int64_t keys, int64_t width, const float* p, int64_t ldp, const void* v_bytes,
                  const float* o_scale, float* o, int64_t ldo, const void* ahead_bytes, int64_t ahead_size) {
   const E* v = static_cast<const E*>(v_bytes);
-  constexpr int64_t kPanel = Isa::kPagedValueVectors * Isa::kLanes;
-  const int64_t row_blocks = (rows + Isa::kPagedValueRows - 1) / Isa::kPagedValueRows;
+  constexpr int64_t kPanel = kVectors * Isa::kLanes;
+  const int64_t row_blocks = (rows + kRows - 1) / kRows;
   Ahead ahead(ahead_bytes, ahead_size, keys * ((width + kPanel - 1) / kPanel) * row_blocks);
   for (int64_t c = 0; c < width; c += kPanel) {
     const int64_t left = width - c;
-    const int64_t vectors = left >= kPanel ? Isa::kPagedValueVectors : (left + Isa::kLanes - 1) / Isa::kLanes;
+    const int64_t vectors = left >= kPanel ? kVectors : (left + Isa::kLanes - 1) / Isa::kLanes;
     const int64_t last = left - (vectors - 1) * Isa::kLanes;
-    PagedValuePanel<E, Isa::kPagedValueVectors>(vectors, rows, keys, width, p, ldp, v + c, o_scale, o + c, ldo,
-                                                static_cast<int>(last < Isa::kLanes ? last : Isa::kLanes), ahead);
+    PagedValuePanel<E, kRows, kVectors>(vectors, rows, keys, width, p, ldp, v + c, o_scale, o + c, ldo,
+                                        static_cast<int>(last < Isa::kLanes ? last : Isa::kLanes), ahead);
   }
 }
 
-extern const PagedKernels kPagedKernels[3] = {{&PagedScores<float>, &PagedValues<float>},
-                                              {&PagedScores<Half>, &PagedValues<Half>},
-                                              {&PagedScores<Bf16>, &PagedValues<Bf16>}};
+// PagedKernels::prefill_scores: register blocks of kPrefillScoreRows rows of kPrefillScoreVectors vectors of keys, or
+// of one vector (as many rows) when a block's keys are not a multiple of that.
+template <typename E>
+void PrefillScores(int64_t rows, int64_t keys, int64_t depth, const float* q, int64_t ldq, const void* kt_bytes,
+                   int64_t ldk, float* s, int64_t lds, const void* ahead_bytes, int64_t ahead_size) {
+  const E* kt = static_cast<const E*>(kt_bytes);
+  constexpr int kVectors = Isa::kPrefillScoreVectors, kBudget = Isa::kPrefillScoreRows * kVectors;
+  const bool wide = keys % (kVectors * Isa::kLanes) == 0;
+  const int vectors = wide ? kVectors : 1;
+  const int64_t row_blocks = (rows + kBudget / vectors - 1) / (kBudget / vectors);
+  Ahead ahead(ahead_bytes, ahead_size, keys / (vectors * Isa::kLanes) * row_blocks * depth / 2);
+  if (wide) {
+    PagedScoreGroups<E, kVectors, kBudget>(rows, keys, depth, q, ldq, kt, ldk, s, lds, ahead);
+  } else {
+    PagedScoreGroups<E, 1, Isa::kPrefillScoreRows>(rows, keys, depth, q, ldq, kt, ldk, s, lds, ahead);
+  }
+}
+
+// Decode: the kPaged register blocks; prefill: the kPrefill ones.
+template <typename E>
+constexpr PagedKernels KernelsOf() {
+  return {&PagedScores<E>, &PagedValues<E>, &PrefillScores<E>, &PagedValues<E, Isa::kPrefillValueRows, Isa::kPrefillValueVectors>};
+}
+extern const PagedKernels kPagedKernels[3] = {KernelsOf<float>(), KernelsOf<Half>(), KernelsOf<Bf16>()};

@@ -38,6 +38,13 @@ struct PagedKernels {
   // r < rows and c < width, v a block's V (keys rows of width elements).
   void (*values)(int64_t rows, int64_t keys, int64_t width, const float* p, int64_t ldp, const void* v,
                  const float* o_scale, float* o, int64_t ldo, const void* ahead, int64_t ahead_bytes);
+  // The same for a prefill tile's many rows (paged_prefill.h): register blocks that serve more rows from each
+  // vector of K^T or V they load, as the tile kernels' do (a decode's few rows take the ones above, which keep more
+  // chains of accumulation in flight for them).
+  void (*prefill_scores)(int64_t rows, int64_t keys, int64_t depth, const float* q, int64_t ldq, const void* kt,
+                         int64_t ldk, float* s, int64_t lds, const void* ahead, int64_t ahead_bytes);
+  void (*prefill_values)(int64_t rows, int64_t keys, int64_t width, const float* p, int64_t ldp, const void* v,
+                         const float* o_scale, float* o, int64_t ldo, const void* ahead, int64_t ahead_bytes);
 };
 
 // The softmax statistics (attention.proto's HeadStats) that online_softmax_stats and softmax_stats keep beside each
