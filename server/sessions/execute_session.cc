@@ -9,6 +9,12 @@
 namespace mha {
 namespace {
 
+// The depth at which a step of max_step_rows rows reaches its work bound; past it a prefill's steps take fewer
+// rows. Every step pays its hand-off and a read of the cache it sees: a bound at depth 0 cut a long prompt into
+// hundreds of steps of a few tokens, each far below the kernels' rate. At 512 a step stays a fraction of a decode
+// step of a batch of long sessions (docs/DESIGN.md has the numbers).
+constexpr double kStepDepth = 512;
+
 ConstTensor View(const v1::Tensor& t) { return {t.data().data(), t.dtype()}; }
 
 // Makes `tensor` shaped `shape` in `dtype` with zeroed bytes; returns the view the backend writes into.
@@ -95,11 +101,12 @@ void ExtendSteps::ForNext(Visit visit) const {
     for (size_t i = next_item_; i < whole_.size(); ++i) visit(i, int64_t{0}, whole_[i].new_tokens);
     return;
   }
-  // Rows and (query, key) pairs per head: a step does at most the attention of max_step_rows tokens on an empty
-  // cache, so that a chunk deep into a long prefill (whose rows each see the whole cache) takes no longer than the
-  // first one did (unless relaxed); every step takes at least one token.
+  // Rows and (query, key) pairs per head: a step does at most the attention of max_step_rows tokens after
+  // kStepDepth cached ones, so that a chunk deep into a long prefill (whose rows each see the whole cache) takes no
+  // longer than that (unless relaxed); every step takes at least one token.
   int64_t rows = max_step_rows_;
-  double pairs = 0.5 * static_cast<double>(max_step_rows_) * static_cast<double>(max_step_rows_ + 1);
+  const double most = static_cast<double>(max_step_rows_);
+  double pairs = most * (kStepDepth + 0.5 * (most + 1));
   int64_t first = next_token_;
   for (size_t i = next_item_; i < whole_.size() && rows > 0; ++i, first = 0) {
     const double seen = static_cast<double>(whole_[i].length + first) + 0.5;  // a row sees seen + r / 2 keys, mean

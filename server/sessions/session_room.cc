@@ -201,7 +201,7 @@ std::string SessionStore::FullMessage(const std::string& owner, int64_t needed, 
     absl::StrAppend(&message, "; the bytes are free, but in chunks (", pool_chunk_bytes_,
                     " bytes, one block size each) that blocks of other sizes in use by calls hold");
   }
-  absl::StrAppend(&message, "; this call needs at least ", needed, " more block(s)");
+  absl::StrAppend(&message, "; this call needs at least ", needed, " more block(s) of ", block_bytes, " bytes");
   return message;
 }
 

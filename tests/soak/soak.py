@@ -6,7 +6,8 @@ pass their deadline, close), in a cache pool that sessions left open keep full, 
 What passes:
 - every call ends with a status its kind allows (stateless: ALLOWED; sessions: SessionWorker's docstring); a session
   may be evicted only as docs/SERVER.md says (NOT_FOUND saying so, counted in the server's metrics exactly as often
-  as the clients met it), and an Extend refused for room only when every session left holds a call;
+  as the clients met it), and an Extend refused for room only when every session left holds a call and the pool
+  is full (95% of its bytes in use, or no room for the call's blocks beside them);
 - a sample of every stateless kind, and of every (session kind, call kind), is compared with a reference: the
   reference backend for stateless calls, numpy in float64 from the session's own recorded history for sessions
   (the first of each and then one in SESSION_CHECK_EVERY); a cancelled Extend left its session either before or
@@ -375,7 +376,11 @@ EXTEND_CALLS = ("prefill", "decode", "fork_decode", "after_truncate", "after_int
                 "past_deadline", "retried")
 # Statuses a session call may end with besides OK, and when (SessionWorker.expected_error says it precisely).
 EVICTED = re.compile(r"session '([A-Za-z0-9._-]+)' was evicted .*the KV cache was full")
-POOL_FULL = re.compile(r"the KV cache is full: (\d+) of (\d+) bytes .* of (\d+) sessions, (\d+) in use by calls")
+POOL_FULL = re.compile(r"the KV cache is full: (\d+) of (\d+) bytes .* of (\d+) sessions, (\d+) in use by calls"
+                       r".*needs at least (\d+) more block\(s\) of (\d+) bytes")
+# A refusal for room with less of the pool in use fails the run, unless the call's blocks would not fit beside what
+# is in use anyway (#52: whatever the mix of block sizes, the pool refuses only when it is full).
+FULL_POOL_SHARE = 0.95
 
 
 class Soak:
@@ -543,8 +548,8 @@ class SessionWorker:
     Every Extend sends expected_length. Statuses besides OK: CANCELLED or DEADLINE_EXCEEDED for an interrupted
     Extend; NOT_FOUND on any call of a session the server evicted, saying so (the session is then dropped); and
     RESOURCE_EXHAUSTED for an Extend when the pool is full, only if every session left holds a call (the server
-    evicts the least recently used idle ones first; "full" for the block size wanted: each 2 MiB chunk holds blocks
-    of one size, so a small pool of three sizes can refuse with half its bytes free, which the summary shows).
+    evicts the least recently used idle ones first) and the pool is really full: FULL_POOL_SHARE of its bytes in
+    use, or the call's blocks not fitting beside them, whatever the mix of block sizes.
     Anything else, FAILED_PRECONDITION on an Extend whose
     expected_length the client knew included, is a failure."""
 
@@ -579,9 +584,13 @@ class SessionWorker:
         if code == grpc.StatusCode.RESOURCE_EXHAUSTED and call in EXTEND_CALLS:
             match = POOL_FULL.search(details)
             if match and match.group(3) == match.group(4):
+                used, capacity = int(match.group(1)), int(match.group(2))
+                wanted = int(match.group(5)) * int(match.group(6))
                 with self.soak.lock:
-                    self.soak.pool_full_refusals.append(int(match.group(1)) / int(match.group(2)))
-                return True
+                    self.soak.pool_full_refusals.append(used / capacity)
+                if used >= FULL_POOL_SHARE * capacity or used + wanted > capacity:
+                    return True
+                details += " (refused with %.0f%% of the pool in use and room for the call)" % (100 * used / capacity)
         if code == grpc.StatusCode.DEADLINE_EXCEEDED:
             details += " (no answer within the client's %g s: a call the server never finished?)" % SESSION_TIMEOUT_S
         self.soak.fail("%s session %s: %s ended %s: %s" % (record.kind.name, record.id, call, code.name, details))
