@@ -1258,7 +1258,8 @@ std::vector<PagedStatsCase> PagedStatsCases() {
   return {{"decode_step", 1, true, v1::FP32},          {"decode_step_bf16_cache", 1, true, v1::BF16},
           {"chunk_prefill_path", 20, true, v1::FP32},  {"decode_without_append", 1, false, v1::FP32},
           {"chunk_without_append", 20, false, v1::FP32}, {"decode_without_append_bf16", 2, false, v1::BF16},
-          {"decode_split_cache", 1, true, v1::FP32, 2000}, {"decode_split_cache_without_append", 1, false, v1::BF16, 2000},
+          {"decode_split_cache", 1, true, v1::FP32, 2000},
+          {"decode_split_cache_without_append", 1, false, v1::BF16, 2000},
           // The prefill path deep into a cache: several steps of its online softmax, each over many blocks.
           {"chunk_prefill_path_deep_fp16", 20, true, v1::FP16, 2000},
           {"chunk_without_append_deep_bf16", 20, false, v1::BF16, 2000}};

@@ -1,6 +1,6 @@
-// The sessions' block pool: blocks from one arena, never past it; reference counts; chunks of one block size that
-// go back to the system when empty and then serve another size; and the same over memory a backend lends (a
-// CacheArena), which the pool never gives back or unmaps.
+// The sessions' block pool: blocks from one arena, never past it; reference counts; blocks of every size sharing
+// chunks, refused only when no free run fits them; chunks that go back to the system when empty; and the same over
+// memory a backend lends (a CacheArena), which the pool never gives back or unmaps.
 #include "server/sessions/block_pool.h"
 
 #include <cstdint>
@@ -32,7 +32,7 @@ TEST(BlockPool, AllocatesUpToItsCapacityThenRefuses) {
   }
   EXPECT_FALSE(pool.HasRoom(kChunk / 4));
   EXPECT_EQ(pool.Allocate(kChunk / 4), nullptr);
-  EXPECT_EQ(pool.Allocate(64), nullptr);  // no chunk is free for another size either
+  EXPECT_EQ(pool.Allocate(64), nullptr);  // nor a block of any other size: the bytes are all used
   EXPECT_EQ(pool.used_bytes(), 2 * kChunk);
   EXPECT_EQ(std::set<char*>(blocks.begin(), blocks.end()).size(), blocks.size());
 }
@@ -97,42 +97,42 @@ TEST(BlockPool, ASmallPoolTakesSmallerChunks) {
   BlockPool pool(int64_t{4} << 20, 0, BlockPool::ChunkBytesFor(int64_t{4} << 20));
   EXPECT_EQ(pool.capacity_bytes(), int64_t{4} << 20);
   for (const int64_t bytes : {65536, 4096, 16384, 8192, 1024}) {
-    ASSERT_NE(pool.Allocate(bytes), nullptr) << bytes;  // a chunk each
+    ASSERT_NE(pool.Allocate(bytes), nullptr) << bytes;
   }
-  EXPECT_EQ(pool.chunks_in_use(), 5);
+  EXPECT_EQ(pool.chunks_in_use(), 1);  // sizes share a chunk
   EXPECT_EQ(pool.Allocate(BlockPool::kMinChunkBytes + 64), nullptr);  // larger than its chunks
 }
 
-// Compaction: a block moves with its bytes and references into another chunk of its size, and the chunk it leaves
-// is free for any size once empty.
+// Compaction: a block moves with its bytes and references into a free run of another chunk, and the chunk it
+// leaves is free for a block of any size once empty.
 TEST(BlockPool, ARelocatedBlockKeepsItsBytesAndReferencesAndEmptiesItsChunk) {
   BlockPool pool(2 * kChunk);
   std::vector<char*> first;
   for (int i = 0; i < 512; ++i) first.push_back(pool.Allocate(4096));  // chunk A, full
   char* lone = pool.Allocate(4096);                                     // chunk B
-  pool.Unref(first[7]);                                                 // a free block in A
+  pool.Unref(first[7]);                                                 // a free run in A
   std::memset(lone, 0x5a, 4096);
   pool.Ref(lone);
   char* moved = pool.Relocate(lone);
   ASSERT_NE(moved, nullptr);
-  EXPECT_EQ(moved, first[7]);  // the free block of the other chunk
+  EXPECT_EQ(moved, first[7]);  // the free run of the other chunk
   EXPECT_EQ(moved[0], 0x5a);
   EXPECT_EQ(moved[4095], 0x5a);
   EXPECT_EQ(pool.RefCount(moved), 2);
   EXPECT_EQ(pool.shared_blocks(), 1);
   EXPECT_EQ(pool.used_bytes(), 512 * 4096);
-  EXPECT_EQ(pool.chunks_in_use(), 1);  // B is empty: a block of another size may take it
+  EXPECT_EQ(pool.chunks_in_use(), 1);  // B is empty: a block of any size may take it
   EXPECT_NE(pool.Allocate(kChunk), nullptr);
 }
 
-TEST(BlockPool, ABlockWithNoOtherChunkOfItsSizeStays) {
+TEST(BlockPool, ABlockNoOtherChunkHasARunForStays) {
   BlockPool pool(2 * kChunk);
   char* block = pool.Allocate(4096);
   pool.Allocate(8192);
-  EXPECT_EQ(pool.Relocate(block), nullptr);
+  EXPECT_EQ(pool.Relocate(block), nullptr);  // its own chunk is the only one in use
   EXPECT_EQ(pool.RefCount(block), 1);
-  ASSERT_EQ(pool.ChunksInUse().size(), 2u);
-  EXPECT_EQ(pool.BlocksIn(pool.ChunksInUse()[0].index).size(), 1u);
+  ASSERT_EQ(pool.ChunksInUse().size(), 1u);
+  EXPECT_EQ(pool.BlocksIn(pool.ChunksInUse()[0].index).size(), 2u);
 }
 
 TEST(BlockPool, AFreedBlockIsReusedBeforeAFreshChunk) {
@@ -140,21 +140,51 @@ TEST(BlockPool, AFreedBlockIsReusedBeforeAFreshChunk) {
   char* a = pool.Allocate(4096);
   char* b = pool.Allocate(4096);
   pool.Unref(a);
-  EXPECT_EQ(pool.Allocate(4096), a);
+  EXPECT_EQ(pool.Allocate(4096), a);  // the run that fits it most tightly
   EXPECT_EQ(pool.chunks_in_use(), 1);
   pool.Unref(b);
 }
 
-TEST(BlockPool, SizesTakeChunksOfTheirOwnAndAnEmptyChunkServesAnyOfThem) {
+TEST(BlockPool, BlocksOfEverySizeShareAChunk) {
   BlockPool pool(2 * kChunk);
   char* small = pool.Allocate(1024);
-  char* large = pool.Allocate(kChunk);  // the second chunk
+  char* medium = pool.Allocate(16384);
+  char* large = pool.Allocate(kChunk - 1024 - 16384);
   ASSERT_NE(small, nullptr);
+  ASSERT_NE(medium, nullptr);
   ASSERT_NE(large, nullptr);
-  EXPECT_EQ(pool.chunks_in_use(), 2);
-  EXPECT_EQ(pool.Allocate(kChunk), nullptr);  // the small block's chunk is taken by its size
-  pool.Unref(small);
   EXPECT_EQ(pool.chunks_in_use(), 1);
+  EXPECT_NE(pool.Allocate(kChunk), nullptr);  // the second chunk, whole
+  EXPECT_EQ(pool.chunks_in_use(), 2);
+}
+
+// The one way it refuses with bytes free: no run of any chunk is as long as the block.
+TEST(BlockPool, ABlockIsRefusedOnlyWhenNoFreeRunFitsIt) {
+  BlockPool pool(kChunk);
+  std::vector<char*> blocks;
+  for (int i = 0; i < 512; ++i) blocks.push_back(pool.Allocate(4096));
+  for (int i = 0; i < 512; i += 2) pool.Unref(blocks[i]);  // half free, in runs of 4 KiB
+  EXPECT_TRUE(pool.HasBytesFor(8192));
+  EXPECT_FALSE(pool.HasRoom(8192));
+  EXPECT_EQ(pool.Allocate(8192), nullptr);
+  EXPECT_NE(pool.Allocate(4096), nullptr);
+  pool.Unref(blocks[3]);  // runs on either side coalesce: 4 + 4 + 4 KiB
+  char* wide = pool.Allocate(12288);
+  EXPECT_EQ(wide, blocks[2]);
+}
+
+// Blocks of several sizes, freed in any order, leave the chunk whole again.
+TEST(BlockPool, FreedRunsCoalesceIntoAWholeChunk) {
+  BlockPool pool(2 * kChunk);
+  std::vector<char*> blocks;
+  for (int i = 0; i < 60; ++i) blocks.push_back(pool.Allocate(1024 * (1 + i % 5)));
+  ASSERT_EQ(pool.chunks_in_use(), 1);
+  char* other = pool.Allocate(kChunk);  // keeps the second chunk busy, so the first must be reused whole
+  ASSERT_NE(other, nullptr);
+  for (int i = 0; i < 60; i += 2) pool.Unref(blocks[i]);
+  for (int i = 59; i > 0; i -= 2) pool.Unref(blocks[i]);
+  EXPECT_EQ(pool.chunks_in_use(), 1);
+  EXPECT_EQ(pool.used_bytes(), kChunk);
   EXPECT_NE(pool.Allocate(kChunk), nullptr);
 }
 

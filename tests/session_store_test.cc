@@ -440,9 +440,9 @@ TEST(SessionStoreTables, ForksBlockTablesCountAgainstThePool) {
   EXPECT_EQ(store.View(source, 0, {}, "session_id")->length, 1000 * kTokens);
 }
 
-// A block size no chunk holds yet, with the pool half empty in chunks of another size (F10 of #54): those chunks
-// are merged by moving idle sessions' blocks, bytes and all, and nobody is evicted.
-TEST(SessionStoreCompaction, ANewBlockSizeMergesPartlyFreeChunksInsteadOfEvicting) {
+// A block size new to the pool, with the pool half empty around blocks of another size (F10 of #54): it takes the
+// free runs between them, and nobody is evicted.
+TEST(SessionStoreCompaction, ANewBlockSizeTakesFreeRunsBetweenOtherSizesInsteadOfEvicting) {
   SessionStoreOptions options;
   options.capacity_bytes = 2 * BlockPool::kChunkBytes;  // two chunks of 2048 blocks of 1 KiB
   options.chunk_bytes = BlockPool::kChunkBytes;
@@ -485,40 +485,69 @@ TEST(SessionStoreCompaction, ANewBlockSizeMergesPartlyFreeChunksInsteadOfEvictin
   }
 }
 
-// When chunks cannot be merged (each size has one), the chunk emptied is the one that costs fewest sessions, not
-// whatever the least recently used sessions happen to hold.
-TEST(SessionStoreCompaction, WithoutAMergeTheChunkEmptiedIsTheOneCostingFewestSessions) {
+// No free run fits the block, so idle sessions' blocks move into the runs of other chunks to empty one (nobody is
+// evicted); and where they cannot, the chunk emptied is the one that costs fewest sessions, not whatever the least
+// recently used sessions happen to hold.
+SessionConfig BlocksOf(int64_t kv_heads, int64_t head_dim) {  // blocks of 2 * kv_heads * head_dim * 16 * 4 bytes
+  SessionConfig c = HeadSession();
+  c.heads.num_heads = c.heads.num_kv_heads = kv_heads;
+  c.heads.head_dim = head_dim;
+  return c;
+}
+
+absl::Status ExtendBy(SessionStore& store, const std::string& id, int64_t tokens) {
+  const ReserveItem item{id, 0, tokens};
+  absl::StatusOr<ExtendReservation> r = store.Reserve({&item, 1});
+  if (!r.ok()) return r.status();
+  r->Commit();
+  return absl::OkStatus();
+}
+
+SessionStoreOptions ThreeChunks() {
   SessionStoreOptions options;
-  options.capacity_bytes = 3 * BlockPool::kChunkBytes;  // three chunks, one per block size
+  options.capacity_bytes = 3 * BlockPool::kChunkBytes;
   options.chunk_bytes = BlockPool::kChunkBytes;
   options.block_tokens = kTokens;
   options.max_sessions = 16;
-  SessionStore store(options, nullptr);
-  const auto config = [](int64_t head_dim) {  // blocks of 2 * 1 * head_dim * 16 * 4 bytes
-    SessionConfig c = HeadSession();
-    c.heads.head_dim = head_dim;
-    return c;
-  };
-  const auto extend = [&store](const std::string& id, int64_t tokens) {
-    const ReserveItem item{id, 0, tokens};
-    absl::StatusOr<ExtendReservation> r = store.Reserve({&item, 1});
-    if (!r.ok()) return r.status();
-    r->Commit();
-    return absl::OkStatus();
-  };
-  for (const char* id : {"a1", "a2", "a3", "a4"}) {  // the oldest: 1 KiB blocks, all in the first chunk
-    ASSERT_OK(store.Create(config(8), id, {}).status());
-    ASSERT_OK(extend(id, 100 * kTokens));
+  return options;
+}
+
+TEST(SessionStoreCompaction, IdleBlocksMoveToEmptyAChunkForABlockNoRunFits) {
+  SessionStore store(ThreeChunks(), nullptr);
+  for (const char* id : {"a1", "a2", "a3", "a4"}) {  // 1 KiB blocks: 2000 KiB of the first chunk
+    ASSERT_OK(store.Create(BlocksOf(1, 8), id, {}).status());
+    ASSERT_OK(ExtendBy(store, id, 500 * kTokens));
   }
-  ASSERT_OK(store.Create(config(32), "b", {}).status());  // 4 KiB blocks: the second chunk, one session
-  ASSERT_OK(extend("b", kTokens));
-  ASSERT_OK(store.Create(config(64), "c", {}).status());  // 8 KiB blocks: the third chunk, held by a call below
-  ASSERT_OK(extend("c", kTokens));
-  ASSERT_OK(store.Create(config(128), "wide", {}).status());  // 16 KiB blocks: no chunk left for them
+  ASSERT_OK(store.Create(BlocksOf(32, 256), "b", {}).status());  // a 1 MiB block: the second chunk
+  ASSERT_OK(ExtendBy(store, "b", 1));
+  ASSERT_OK(store.Create(BlocksOf(32, 256), "c", {}).status());  // another: the third, held by a call below
+  ASSERT_OK(ExtendBy(store, "c", 1));
+  ASSERT_OK(store.Create(BlocksOf(64, 256), "wide", {}).status());  // a 2 MiB block: no run fits it
   const SessionHold hold = HoldSessions(store, {"c", "wide"});
-  ASSERT_OK(extend("wide", 1));
+  ASSERT_OK(ExtendBy(store, "wide", 1));  // b's block moved beside c's
+  for (const char* id : {"a1", "a2", "a3", "a4", "b", "c"}) EXPECT_TRUE(store.View(id, 0, {}, "session_id").ok()) << id;
+}
+
+TEST(SessionStoreCompaction, WithoutRoomToMoveTheChunkEmptiedIsTheOneCostingFewestSessions) {
+  SessionStoreOptions options = ThreeChunks();
+  options.capacity_bytes = 4 * BlockPool::kChunkBytes;
+  SessionStore store(options, nullptr);
+  for (const char* id : {"a1", "a2", "a3", "a4"}) {  // the oldest: 1 KiB blocks, 1900 KiB of the first chunk
+    ASSERT_OK(store.Create(BlocksOf(1, 8), id, {}).status());
+    ASSERT_OK(ExtendBy(store, id, 475 * kTokens));
+  }
+  for (const char* id : {"b", "c", "d"}) {  // a 1.5 MiB block each, a chunk each; c and d held by calls below
+    ASSERT_OK(store.Create(BlocksOf(48, 256), id, {}).status());
+    ASSERT_OK(ExtendBy(store, id, 1));
+  }
+  // 1 MiB: the bytes are free, no run fits it, and neither a's blocks nor b's fit in the others' runs.
+  ASSERT_OK(store.Create(BlocksOf(32, 256), "wide", {}).status());
+  const SessionHold hold = HoldSessions(store, {"c", "d", "wide"});
+  ASSERT_OK(ExtendBy(store, "wide", 1));
   EXPECT_THAT(store.View("b", 0, {}, "session_id").status().message(), HasSubstr("evicted"));
-  for (const char* id : {"a1", "a2", "a3", "a4", "c"}) EXPECT_TRUE(store.View(id, 0, {}, "session_id").ok()) << id;
+  for (const char* id : {"a1", "a2", "a3", "a4", "c", "d"}) {
+    EXPECT_TRUE(store.View(id, 0, {}, "session_id").ok()) << id;
+  }
 }
 
 // A small pool has small chunks, so that it holds several block sizes at once (F10 of #54: a 4 MiB pool of two

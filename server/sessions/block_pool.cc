@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <iterator>
 
 namespace mha {
 
@@ -58,119 +59,151 @@ BlockPool::~BlockPool() {
 bool BlockPool::HasRoom(int64_t bytes) const {
   if (bytes < 1 || bytes > chunk_bytes_) return false;
   if (!HasBytesFor(bytes)) return false;
-  const auto partial = partial_chunks_.find(Rounded(bytes));
-  return !free_chunks_.empty() || !resident_chunks_.empty() ||
-         (partial != partial_chunks_.end() && !partial->second.empty());
+  return !free_chunks_.empty() || !resident_chunks_.empty() || TightestChunk(Rounded(bytes), -1) >= 0;
+}
+
+int64_t BlockPool::TightestChunk(int64_t size, int64_t except) const {
+  for (auto it = by_largest_.lower_bound({size, -1}); it != by_largest_.end(); ++it) {
+    if (it->second != except) return it->second;
+  }
+  return -1;
+}
+
+void BlockPool::SetLargest(int64_t c, int64_t largest) {
+  Chunk& chunk = chunks_[c];
+  if (chunk.largest > 0) by_largest_.erase({chunk.largest, c});
+  chunk.largest = largest;
+  if (largest > 0) by_largest_.insert({largest, c});
+}
+
+int64_t BlockPool::OpenChunk() {
+  std::vector<int64_t>& source = !resident_chunks_.empty() ? resident_chunks_ : free_chunks_;
+  if (source.empty()) return -1;
+  const int64_t c = source.back();
+  source.pop_back();
+  chunks_[c].runs = {{0, chunk_bytes_}};
+  SetLargest(c, chunk_bytes_);
+  ++chunks_in_use_;
+  return c;
+}
+
+char* BlockPool::Carve(int64_t c, int64_t size, int32_t refs) {
+  Chunk& chunk = chunks_[c];
+  auto best = chunk.runs.end();
+  for (auto it = chunk.runs.begin(); it != chunk.runs.end(); ++it) {
+    if (it->second >= size && (best == chunk.runs.end() || it->second < best->second)) best = it;
+  }
+  const int64_t offset = best->first, left = best->second - size;
+  const bool was_largest = best->second == chunk.largest;
+  chunk.runs.erase(best);
+  if (left > 0) chunk.runs[offset + size] = left;
+  if (was_largest) {
+    int64_t largest = 0;
+    for (const auto& [start, length] : chunk.runs) largest = std::max(largest, length);
+    SetLargest(c, largest);
+  }
+  chunk.blocks[offset] = {size, refs};
+  chunk.used_bytes += size;
+  used_bytes_ += size;
+  return base_ + c * chunk_bytes_ + offset;
 }
 
 char* BlockPool::Allocate(int64_t bytes) {
   if (bytes < 1 || bytes > chunk_bytes_) return nullptr;
   const int64_t size = Rounded(bytes);
   if (!HasBytesFor(size)) return nullptr;
-  std::set<int64_t>& partial = partial_chunks_[size];
-  if (partial.empty()) {
-    std::vector<int64_t>& source = !resident_chunks_.empty() ? resident_chunks_ : free_chunks_;
-    if (source.empty()) return nullptr;
-    const int64_t c = source.back();
-    source.pop_back();
-    Chunk& chunk = chunks_[c];
-    const int32_t blocks = static_cast<int32_t>(chunk_bytes_ / size);
-    chunk.block_bytes = size;
-    chunk.refs.assign(blocks, 0);
-    chunk.free.clear();
-    for (int32_t b = blocks - 1; b >= 0; --b) chunk.free.push_back(b);
-    partial.insert(c);
-    ++chunks_in_use_;
-  }
-  const int64_t c = *partial.begin();
-  Chunk& chunk = chunks_[c];
-  const int32_t index = chunk.free.back();
-  chunk.free.pop_back();
-  chunk.refs[index] = 1;
-  ++chunk.used;
-  if (chunk.free.empty()) partial.erase(c);
-  used_bytes_ += size;
-  return base_ + c * chunk_bytes_ + index * size;
+  int64_t c = TightestChunk(size, -1);
+  if (c < 0) c = OpenChunk();
+  if (c < 0) return nullptr;
+  return Carve(c, size, 1);
 }
 
 void BlockPool::Ref(char* block) {
-  Chunk& chunk = chunks_[ChunkOf(block)];
-  int32_t& refs = chunk.refs[IndexOf(block, chunk)];
-  if (++refs == 2) ++shared_blocks_;
+  if (++BlockAt(block).refs == 2) ++shared_blocks_;
 }
 
 bool BlockPool::Unref(char* block) {
-  const int64_t c = ChunkOf(block);
-  Chunk& chunk = chunks_[c];
-  const int32_t index = IndexOf(block, chunk);
-  int32_t& refs = chunk.refs[index];
+  int32_t& refs = BlockAt(block).refs;
   if (--refs == 1) --shared_blocks_;
   if (refs > 0) return false;
-  used_bytes_ -= chunk.block_bytes;
-  if (chunk.free.empty()) partial_chunks_[chunk.block_bytes].insert(c);
-  chunk.free.push_back(index);
-  if (--chunk.used > 0) return true;
-  // The chunk is empty: it may serve another block size; its pages stay for the next blocks, or go back to the
-  // system beyond what the pool keeps.
-  partial_chunks_[chunk.block_bytes].erase(c);
-  chunk = Chunk();
-  --chunks_in_use_;
-  if (!owns_arena_ || static_cast<int64_t>(resident_chunks_.size()) < keep_resident_) {
-    resident_chunks_.push_back(c);
-    return true;
-  }
-  madvise(base_ + c * chunk_bytes_, chunk_bytes_, MADV_DONTNEED);
-  free_chunks_.push_back(c);
+  Release(block);
   return true;
+}
+
+void BlockPool::Release(char* block) {
+  const int64_t c = ChunkOf(block);
+  Chunk& chunk = chunks_[c];
+  int64_t offset = OffsetOf(block);
+  const auto found = chunk.blocks.find(offset);
+  int64_t length = found->second.bytes;
+  chunk.blocks.erase(found);
+  chunk.used_bytes -= length;
+  used_bytes_ -= length;
+  if (chunk.blocks.empty()) {
+    // The chunk is empty: its pages stay for the next blocks, or go back to the system beyond what the pool keeps.
+    SetLargest(c, 0);
+    chunk.runs.clear();
+    --chunks_in_use_;
+    if (!owns_arena_ || static_cast<int64_t>(resident_chunks_.size()) < keep_resident_) {
+      resident_chunks_.push_back(c);
+      return;
+    }
+    madvise(base_ + c * chunk_bytes_, chunk_bytes_, MADV_DONTNEED);
+    free_chunks_.push_back(c);
+    return;
+  }
+  // Coalesced with the free runs on either side.
+  auto next = chunk.runs.lower_bound(offset);
+  if (next != chunk.runs.end() && next->first == offset + length) {
+    length += next->second;
+    next = chunk.runs.erase(next);
+  }
+  if (next != chunk.runs.begin()) {
+    auto previous = std::prev(next);
+    if (previous->first + previous->second == offset) {
+      offset = previous->first;
+      length += previous->second;
+      chunk.runs.erase(previous);
+    }
+  }
+  chunk.runs[offset] = length;
+  if (length > chunk.largest) SetLargest(c, length);
 }
 
 std::vector<BlockPool::ChunkUse> BlockPool::ChunksInUse() const {
   std::vector<ChunkUse> in_use;
   for (int64_t c = 0; c < static_cast<int64_t>(chunks_.size()); ++c) {
     const Chunk& chunk = chunks_[c];
-    if (chunk.used == 0) continue;
-    in_use.push_back({c, chunk.block_bytes, chunk.used, static_cast<int32_t>(chunk.refs.size())});
+    if (chunk.blocks.empty()) continue;
+    in_use.push_back({c, static_cast<int32_t>(chunk.blocks.size()), chunk.used_bytes, chunk.largest});
   }
   return in_use;
 }
 
 std::vector<char*> BlockPool::BlocksIn(int64_t index) const {
-  std::vector<char*> blocks;
-  const Chunk& chunk = chunks_[index];
-  for (size_t b = 0; b < chunk.refs.size(); ++b) {
-    if (chunk.refs[b] > 0) blocks.push_back(base_ + index * chunk_bytes_ + static_cast<int64_t>(b) * chunk.block_bytes);
+  std::vector<std::pair<int64_t, char*>> sized;
+  for (const auto& [offset, block] : chunks_[index].blocks) {
+    sized.push_back({block.bytes, base_ + index * chunk_bytes_ + offset});
   }
+  std::stable_sort(sized.begin(), sized.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+  std::vector<char*> blocks;
+  for (const auto& [bytes, block] : sized) blocks.push_back(block);
   return blocks;
 }
 
 char* BlockPool::Relocate(char* block) {
-  const int64_t from = ChunkOf(block);
-  const int64_t size = chunks_[from].block_bytes;
-  int64_t to = -1;
-  for (const int64_t c : partial_chunks_[size]) {
-    if (c != from && (to < 0 || chunks_[c].used > chunks_[to].used)) to = c;
-  }
+  const Block moving = BlockAt(block);
+  const int64_t to = TightestChunk(moving.bytes, ChunkOf(block));
   if (to < 0) return nullptr;
-  Chunk& target = chunks_[to];
-  const int32_t index = target.free.back();
-  target.free.pop_back();
-  ++target.used;
-  if (target.free.empty()) partial_chunks_[size].erase(to);
-  char* moved = base_ + to * chunk_bytes_ + static_cast<int64_t>(index) * size;
-  std::memcpy(moved, block, static_cast<size_t>(size));
-  Chunk& source = chunks_[from];
-  const int32_t refs = source.refs[IndexOf(block, source)];
-  target.refs[index] = refs;
-  used_bytes_ += size;
-  // The references went with the bytes (a shared block stays one shared block): the old one is freed.
-  source.refs[IndexOf(block, source)] = 1;
-  Unref(block);
+  // The references go with the bytes (a shared block stays one shared block): the old one is released as it is.
+  char* moved = Carve(to, moving.bytes, moving.refs);
+  std::memcpy(moved, block, static_cast<size_t>(moving.bytes));
+  Release(block);
   return moved;
 }
 
-int BlockPool::RefCount(const char* block) const {
-  const Chunk& chunk = chunks_[ChunkOf(block)];
-  return chunk.refs[IndexOf(block, chunk)];
-}
+int BlockPool::RefCount(const char* block) const { return BlockAt(block).refs; }
+
+int64_t BlockPool::BlockBytes(const char* block) const { return BlockAt(block).bytes; }
 
 }  // namespace mha

@@ -1,10 +1,12 @@
-// The memory of the sessions' KV caches: fixed-size blocks carved from one arena of capacity_bytes, reserved at start
-// as address space only. A page is backed by memory when a block on it is first written, and a chunk whose blocks
-// are all free goes back to the system (madvise), so the process holds at most the capacity, and about what the
-// blocks in use need. Each chunk (kChunkBytes, or smaller in a small pool) holds blocks of one size (a slab), so
-// caches of different head configurations and dtypes share the pool; chunks of one size that are each partly free
-// can be merged by moving blocks (Relocate, which the store uses on idle sessions' blocks). Blocks are reference
-// counted: forks share them copy-on-write.
+// The memory of the sessions' KV caches: blocks carved from one arena of capacity_bytes, reserved at start as
+// address space only. A page is backed by memory when a block on it is first written, and a chunk whose blocks are
+// all free goes back to the system (madvise), so the process holds at most the capacity, and about what the blocks
+// in use need. Blocks of any size (a cache's block size follows its head configuration and dtype) share every
+// chunk: a block is a run of bytes in one chunk, taken from the chunk in use whose longest free run fits it most
+// tightly, so that the pool refuses a block only when no chunk has a run that long, not when its size has no chunk
+// of its own (one size per chunk refused calls with most of the pool free while sessions of other sizes held a
+// little of every chunk). Blocks can be moved into other chunks (Relocate, which the store uses on idle sessions'
+// blocks) to empty a chunk. Blocks are reference counted: forks share them copy-on-write.
 //
 // Or the arena is memory the caller lends (a backend's CacheArena: CUDA managed memory, which GPU kernels read in
 // place): the same blocks and chunks, but the pool neither advises nor unmaps that memory; an emptied chunk simply
@@ -18,6 +20,7 @@
 #include <cstdint>
 #include <map>
 #include <set>
+#include <utility>
 #include <vector>
 
 namespace mha {
@@ -48,8 +51,8 @@ class BlockPool {
   BlockPool(const BlockPool&) = delete;
   BlockPool& operator=(const BlockPool&) = delete;
 
-  // A block of `bytes` (1..chunk_bytes()) with one reference, its contents unspecified; nullptr when no chunk has a
-  // free block of that size and no chunk is free, or when the block would take the blocks' bytes and the reserved
+  // A block of `bytes` (1..chunk_bytes()) with one reference, its contents unspecified; nullptr when no chunk in use
+  // has a free run that long and no chunk is free, or when the block would take the blocks' bytes and the reserved
   // bytes past the capacity.
   char* Allocate(int64_t bytes);
   // Adds a reference to a block that has one.
@@ -62,23 +65,24 @@ class BlockPool {
   void set_reserved_bytes(int64_t bytes) { reserved_bytes_ = bytes; }
   int64_t reserved_bytes() const { return reserved_bytes_; }
 
-  // Compaction: what a chunk in use holds, and a block moved to another chunk of its size, so that chunks of a
-  // size that are each partly free can be merged and the emptied one serve another size. The caller moves only
-  // blocks nobody reads or writes meanwhile, and repoints every reference to the block.
+  // Compaction: what a chunk in use holds, and a block moved to another chunk, so that a chunk can be emptied for a
+  // block that no free run fits. The caller moves only blocks nobody reads or writes meanwhile, and repoints every
+  // reference to the block.
   struct ChunkUse {
     int64_t index = 0;
-    int64_t block_bytes = 0;  // the (rounded) size of its blocks
     int32_t used = 0;         // blocks allocated
-    int32_t blocks = 0;       // blocks it can hold
+    int64_t used_bytes = 0;   // their (rounded) sizes
+    int64_t largest_free = 0; // its longest free run
   };
   std::vector<ChunkUse> ChunksInUse() const;
-  // The blocks allocated in chunk `index`.
+  // The blocks allocated in chunk `index`, largest first.
   std::vector<char*> BlocksIn(int64_t index) const;
-  // Moves `block` (its bytes and references) into a free block of another chunk of its size, the fullest such
-  // chunk; returns its new address, or nullptr when no other chunk of its size has a free block. The old block is
-  // freed (and its chunk, when it was the chunk's last).
+  // Moves `block` (its bytes and references) into a free run of another chunk in use (the one whose longest run
+  // fits it most tightly); returns its new address, or nullptr when no other chunk in use has a run that long. The
+  // old block is freed (and its chunk, when it was the chunk's last).
   char* Relocate(char* block);
   int RefCount(const char* block) const;
+  int64_t BlockBytes(const char* block) const;  // its (rounded) size
 
   int64_t capacity_bytes() const { return static_cast<int64_t>(chunks_.size()) * chunk_bytes_; }
   int64_t chunk_bytes() const { return chunk_bytes_; }  // the largest block it holds
@@ -88,24 +92,36 @@ class BlockPool {
   int64_t chunks_in_use() const { return chunks_in_use_; }  // chunks holding at least one block
   int64_t shared_blocks() const { return shared_blocks_; }  // blocks with more than one reference
   // Whether the capacity has the bytes for a block of `bytes` beside the blocks and the reserved bytes (though
-  // maybe no chunk that a block of that size could come from).
+  // maybe in no run that long).
   bool HasBytesFor(int64_t bytes) const { return used_bytes_ + reserved_bytes_ + Rounded(bytes) <= capacity_bytes(); }
   // Whether Allocate(bytes) would succeed now.
   bool HasRoom(int64_t bytes) const;
 
  private:
+  struct Block {
+    int64_t bytes = 0;  // rounded
+    int32_t refs = 0;
+  };
   struct Chunk {
-    int64_t block_bytes = 0;      // 0 while the chunk is free
-    int32_t used = 0;             // blocks allocated
-    std::vector<int32_t> free;    // indices of free blocks
-    std::vector<int32_t> refs;    // per block; 0 when free
+    std::map<int64_t, Block> blocks;   // by offset in the chunk
+    std::map<int64_t, int64_t> runs;   // free runs, coalesced: offset -> length; empty while the chunk is not in use
+    int64_t used_bytes = 0;
+    int64_t largest = 0;               // its longest free run
   };
   static int64_t Rounded(int64_t bytes) { return (bytes + kAlignment - 1) / kAlignment * kAlignment; }
-  // The chunk holding `block` and the block's index in it.
   int64_t ChunkOf(const char* block) const { return (block - base_) / chunk_bytes_; }
-  int32_t IndexOf(const char* block, const Chunk& chunk) const {
-    return static_cast<int32_t>((block - base_) % chunk_bytes_ / chunk.block_bytes);
-  }
+  int64_t OffsetOf(const char* block) const { return (block - base_) % chunk_bytes_; }
+  Block& BlockAt(const char* block) { return chunks_[ChunkOf(block)].blocks.at(OffsetOf(block)); }
+  const Block& BlockAt(const char* block) const { return chunks_[ChunkOf(block)].blocks.at(OffsetOf(block)); }
+  // The chunk in use, other than `except`, whose longest free run fits `size` most tightly; -1 when none.
+  int64_t TightestChunk(int64_t size, int64_t except) const;
+  // A free chunk (resident ones first) put in use as one free run; -1 when none is free.
+  int64_t OpenChunk();
+  // A block of `size` from chunk c's free run that fits it most tightly, with `refs` references; c has such a run.
+  char* Carve(int64_t c, int64_t size, int32_t refs);
+  // Returns the block's bytes to its chunk's free runs (the chunk is freed with its last block).
+  void Release(char* block);
+  void SetLargest(int64_t c, int64_t largest);
 
   char* base_ = nullptr;
   const bool owns_arena_;  // mmap'd by the pool: advised, given back and unmapped by it
@@ -114,7 +130,7 @@ class BlockPool {
   std::vector<int64_t> free_chunks_;      // chunks holding no block, their pages given back
   std::vector<int64_t> resident_chunks_;  // chunks holding no block, their pages kept; taken first
   const int64_t keep_resident_;           // chunks resident_chunks_ may hold (all of them in a lent arena)
-  std::map<int64_t, std::set<int64_t>> partial_chunks_;  // by block size: chunks in use with a free block
+  std::set<std::pair<int64_t, int64_t>> by_largest_;  // (longest free run, chunk) of the chunks in use with one
   int64_t used_bytes_ = 0;
   int64_t reserved_bytes_ = 0;
   int64_t chunks_in_use_ = 0;

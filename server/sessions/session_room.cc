@@ -109,25 +109,35 @@ bool SessionStore::Compact(int64_t bytes) {
     }
   }
   std::vector<BlockPool::ChunkUse> chunks = pool_.ChunksInUse();
-  std::map<int64_t, int64_t> free_of_size;  // free blocks in the chunks in use, by block size
-  for (const BlockPool::ChunkUse& c : chunks) free_of_size[c.block_bytes] += c.blocks - c.used;
-  std::sort(chunks.begin(), chunks.end(),
-            [](const BlockPool::ChunkUse& a, const BlockPool::ChunkUse& b) { return a.used < b.used; });
+  int64_t free_in_use = 0;  // free bytes of the chunks in use
+  for (const BlockPool::ChunkUse& c : chunks) free_in_use += pool_.chunk_bytes() - c.used_bytes;
+  std::sort(chunks.begin(), chunks.end(), [](const BlockPool::ChunkUse& a, const BlockPool::ChunkUse& b) {
+    return a.used_bytes < b.used_bytes;
+  });
   for (const BlockPool::ChunkUse& chunk : chunks) {
-    // The emptiest chunk whose blocks the other chunks of its size can take, and which holds only movable ones.
-    if (free_of_size[chunk.block_bytes] - (chunk.blocks - chunk.used) < chunk.used) continue;
+    // The emptiest chunk whose blocks the other chunks' free bytes could take, and which holds only movable ones;
+    // its blocks move largest first into the runs that fit them most tightly. One that finds no run stays (what
+    // moved stays moved: the same blocks elsewhere), and the next chunk is tried.
+    if (free_in_use - (pool_.chunk_bytes() - chunk.used_bytes) < chunk.used_bytes) continue;
     const std::vector<char*> blocks = pool_.BlocksIn(chunk.index);
     const bool movable = std::all_of(blocks.begin(), blocks.end(), [&](char* block) {
       const auto found = refs.find(block);
       return found != refs.end() && static_cast<int>(found->second.size()) == pool_.RefCount(block);
     });
     if (!movable) continue;
+    bool emptied = true;
     for (char* block : blocks) {
       char* moved = pool_.Relocate(block);
-      if (moved == nullptr) return false;  // cannot happen: the other chunks had the room (counted above)
-      for (char** ref : refs[block]) *ref = moved;
+      if (moved == nullptr) {
+        emptied = false;
+        break;
+      }
+      std::vector<char**> to_repoint = std::move(refs[block]);
+      refs.erase(block);
+      for (char** ref : to_repoint) *ref = moved;
+      refs[moved] = std::move(to_repoint);
     }
-    return true;
+    if (emptied) return true;
   }
   return false;
 }
@@ -198,8 +208,8 @@ std::string SessionStore::FullMessage(const std::string& owner, int64_t needed, 
                     pool_capacity_ / owners);
   }
   if (pool_.HasBytesFor(block_bytes)) {
-    absl::StrAppend(&message, "; the bytes are free, but in chunks (", pool_chunk_bytes_,
-                    " bytes, one block size each) that blocks of other sizes in use by calls hold");
+    absl::StrAppend(&message, "; the bytes are free, but in runs shorter than a block between blocks in use by "
+                    "calls");
   }
   absl::StrAppend(&message, "; this call needs at least ", needed, " more block(s) of ", block_bytes, " bytes");
   return message;

@@ -453,7 +453,7 @@ class Soak:
         evicted to make room), and leaves them open and idle, as clients that went away leave theirs: every chunk
         of the pool has then been written and stays resident (up to BlockPool's keep_resident_bytes), so that the
         warm RSS reading holds the pool whole, and the run's sessions must have these evicted to find room (all of
-        one block size, so that other sizes need whole chunks freed). Returns the pool's use in bytes when it was
+        one block size, so that other sizes find runs of the lengths these leave). Returns the pool's use in bytes when it was
         full, from the metrics, and the sessions (SessionRecords of kind "fill"), for close_left_open."""
         kind = SESSION_KINDS[0]._replace(name="fill")
         rng = np.random.default_rng(self.seed)

@@ -235,6 +235,7 @@ void PrefillScores(int64_t rows, int64_t keys, int64_t depth, const float* q, in
 // Decode: the kPaged register blocks; prefill: the kPrefill ones.
 template <typename E>
 constexpr PagedKernels KernelsOf() {
-  return {&PagedScores<E>, &PagedValues<E>, &PrefillScores<E>, &PagedValues<E, Isa::kPrefillValueRows, Isa::kPrefillValueVectors>};
+  return {&PagedScores<E>, &PagedValues<E>, &PrefillScores<E>,
+          &PagedValues<E, Isa::kPrefillValueRows, Isa::kPrefillValueVectors>};
 }
 extern const PagedKernels kPagedKernels[3] = {KernelsOf<float>(), KernelsOf<Half>(), KernelsOf<Bf16>()};

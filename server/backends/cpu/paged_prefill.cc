@@ -130,7 +130,8 @@ void RunUnit(const kernels::TileKernels& tiles, const kernels::PagedKernels& ker
     if (live == 0) continue;
     float* s = scores + first * lds;
     for (int64_t b = b0; b < b1; ++b) {
-      kernels.prefill_scores(live, tb, dk, queries + first * dk, dk, Part(b), tb, s + (b - b0) * tb, lds, Part(b + 1), half);
+      kernels.prefill_scores(live, tb, dk, queries + first * dk, dk, Part(b), tb, s + (b - b0) * tb, lds, Part(b + 1),
+                             half);
     }
     if (stats) {
       const kernels::SoftmaxStatsBlock block{b0 * tb, query_pos + first, seq.stats.sink_tokens,

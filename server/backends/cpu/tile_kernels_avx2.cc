@@ -17,7 +17,8 @@ struct Isa {
   static constexpr int kPagedVectors = 2, kPagedMaxVectors = 4, kPagedAccumulators = 8;
   static constexpr int kPagedValueRows = 4, kPagedValueVectors = 2;
   // A prefill tile's (many rows): the tile kernels' 12 accumulators, each loaded vector serving 6 rows.
-  static constexpr int kPrefillScoreRows = 6, kPrefillScoreVectors = 2, kPrefillValueRows = 6, kPrefillValueVectors = 2;
+  static constexpr int kPrefillScoreRows = 6, kPrefillScoreVectors = 2;
+  static constexpr int kPrefillValueRows = 6, kPrefillValueVectors = 2;
   static V Zero() { return _mm256_setzero_ps(); }
   // F16C's conversion: every AVX2 CPU has it (TileKernelsFor checks).
   static V LoadHalf(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }

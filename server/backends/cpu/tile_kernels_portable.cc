@@ -19,7 +19,8 @@ struct Isa {
   // The sessions' decode kernels (paged_kernels_impl.h): 4 accumulators of scores (2 rows of 16 keys), 3 of values.
   static constexpr int kPagedVectors = 2, kPagedMaxVectors = 2, kPagedAccumulators = 4;
   static constexpr int kPagedValueRows = 3, kPagedValueVectors = 1;
-  static constexpr int kPrefillScoreRows = 6, kPrefillScoreVectors = 1, kPrefillValueRows = 6, kPrefillValueVectors = 1;
+  static constexpr int kPrefillScoreRows = 6, kPrefillScoreVectors = 1;  // a prefill tile's: the tile kernels'
+  static constexpr int kPrefillValueRows = 6, kPrefillValueVectors = 1;
   static V Zero() { return V{}; }
   static V LoadHalf(const uint16_t* p) {
     V v;
