@@ -53,10 +53,10 @@ emulated_cuda_targets() {  # emulated_cuda_targets <dir>
 # Under ASan the emulation runs about 10 times slower: its slowest conformance cases (the demo-sized layers, the
 # bf16 cases at Tk = 600, the head_dim 128 layer, the fp32 cases at Tk = 301 and Tk = 1100, one dtype of the
 # head_dim 128 core, two contract tests that repeat calls; the session cases with 600- to 2000-token prefills, a
-# minute to three each) and the emulated server's rehearsal (its warm-up alone took minutes) run in the plain build
+# minute to four each) and the emulated server's rehearsal (its warm-up alone took minutes) run in the plain build
 # only; every kernel variant and the backend's host paths still run here. ctest's names of parameterized cases end
 # in "  # GetParam() = ...", hence the "( |$)" after a whole case name.
-slow_emulated='^emulated_cuda:.*(demo_sized|bf16_core|dk16_causal_mask_lengths|sdpa_dk128_partial_tiles_masks_fp16|causal_long_keys|ScratchFromALargeCall|ConcurrentCalls|session_heads_long_cache_split_kv|session_heads_decode_cache_(fp16|bf16)(_wire)?_cuda( |$)|decode_split_cache)|^cuda_server_emulated$|^paged_bench_emulated$'
+slow_emulated='^emulated_cuda:.*(demo_sized|bf16_core|dk16_causal_mask_lengths|sdpa_dk128_partial_tiles_masks_fp16|causal_long_keys|ScratchFromALargeCall|ConcurrentCalls|session_heads_long_cache_split_kv|session_heads_decode_cache_(fp16|bf16)(_wire)?_cuda( |$)|decode_split_cache|_deep_)|^cuda_server_emulated$|^paged_bench_emulated$'
 
 run_asan() {
   configure build-asan address,undefined
