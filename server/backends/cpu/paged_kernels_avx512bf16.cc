@@ -143,28 +143,42 @@ void Scores(int64_t rows, int64_t keys, int64_t depth, const float* q, int64_t l
   }
 }
 
-// kRows rows of (up to) 64 columns of o (`width` left from v's column 0): o_scale o + p V, from the rows' p in bf16
-// (pb, kMaxElements apart) over `keys` rows of v (row stride ldv).
+// The V parts a values kernel reads (tile_kernels.h's prefill_values): `blocks` parts of block_keys keys each but the
+// last, of last_keys; columns from `column` on.
+struct ValueParts {
+  const void* const* parts;
+  int64_t blocks, block_keys, last_keys, column;
+  const uint16_t* Part(int64_t b) const { return static_cast<const uint16_t*>(parts[b]) + column; }
+  int64_t Keys(int64_t b) const { return b + 1 < blocks ? block_keys : last_keys; }
+};
+
+// kRows rows of (up to) 64 columns of o (`width` left from the parts' column): o_scale o + p V over every part, from
+// the rows' p in bf16 (pb, kMaxElements apart; part b's keys from column b block_keys), each part's rows of ldv.
 template <int kRows>
-void ValueBlock(int64_t keys, const uint16_t* pb, const uint16_t* v, int64_t ldv, int64_t width,
-                const float* o_scale, float* o, int64_t ldo, Ahead& ahead) {
+void ValueBlock(const ValueParts& v, const uint16_t* pb, int64_t ldv, int64_t width, const float* o_scale, float* o,
+                int64_t ldo, Ahead& ahead) {
   __m512 acc[kRows][kValueChunks][2];
   MHA_UNROLL for (int r = 0; r < kRows; ++r) {
     MHA_UNROLL for (int x = 0; x < kValueChunks; ++x) acc[r][x][0] = acc[r][x][1] = _mm512_setzero_ps();
   }
   const __mmask32 masks[kValueChunks] = {Words(width), Words(width - 32)};
-  for (int64_t m = 0; m < (keys + 1) / 2; ++m) {
-    ahead.Step();
-    const int64_t j = 2 * m;
-    __m512i lo[kValueChunks], hi[kValueChunks];
-    MHA_UNROLL for (int x = 0; x < kValueChunks; ++x) {
-      LoadPairs(v + j * ldv + 32 * x, j + 1 < keys ? v + (j + 1) * ldv + 32 * x : nullptr, masks[x], &lo[x], &hi[x]);
-    }
-    MHA_UNROLL for (int r = 0; r < kRows; ++r) {
-      const __m512bh p = PairAt(pb + r * kMaxElements, m);
+  for (int64_t part = 0; part < v.blocks; ++part) {
+    const uint16_t* rows = v.Part(part);
+    const int64_t keys = v.Keys(part), first_pair = part * v.block_keys / 2;  // block_keys is even
+    for (int64_t m = 0; m < (keys + 1) / 2; ++m) {
+      ahead.Step();
+      const int64_t j = 2 * m;
+      __m512i lo[kValueChunks], hi[kValueChunks];
       MHA_UNROLL for (int x = 0; x < kValueChunks; ++x) {
-        acc[r][x][0] = _mm512_dpbf16_ps(acc[r][x][0], p, AsPairs(lo[x]));
-        acc[r][x][1] = _mm512_dpbf16_ps(acc[r][x][1], p, AsPairs(hi[x]));
+        LoadPairs(rows + j * ldv + 32 * x, j + 1 < keys ? rows + (j + 1) * ldv + 32 * x : nullptr, masks[x], &lo[x],
+                  &hi[x]);
+      }
+      MHA_UNROLL for (int r = 0; r < kRows; ++r) {
+        const __m512bh p = PairAt(pb + r * kMaxElements, first_pair + m);
+        MHA_UNROLL for (int x = 0; x < kValueChunks; ++x) {
+          acc[r][x][0] = _mm512_dpbf16_ps(acc[r][x][0], p, AsPairs(lo[x]));
+          acc[r][x][1] = _mm512_dpbf16_ps(acc[r][x][1], p, AsPairs(hi[x]));
+        }
       }
     }
   }
@@ -183,14 +197,16 @@ void ValueBlock(int64_t keys, const uint16_t* pb, const uint16_t* v, int64_t ldv
   }
 }
 
-// PagedKernels::values for a bf16 V.
-void Values(int64_t rows, int64_t keys, int64_t width, const float* p, int64_t ldp, const void* v_bytes,
-            const float* o_scale, float* o, int64_t ldo, const void* ahead_bytes, int64_t ahead_size) {
-  if (keys > kMaxElements) {
-    avx512::kPagedKernels[2].values(rows, keys, width, p, ldp, v_bytes, o_scale, o, ldo, ahead_bytes, ahead_size);
+// PagedKernels::prefill_values for bf16 V parts (and ::values, one part).
+void ValuesOverParts(int64_t rows, const void* const* parts, int64_t blocks, int64_t block_keys, int64_t last_keys,
+                     int64_t width, const float* p, int64_t ldp, const float* o_scale, float* o, int64_t ldo,
+                     const void* ahead_bytes, int64_t ahead_size) {
+  const int64_t keys = (blocks - 1) * block_keys + last_keys;
+  if (keys > kMaxElements || (blocks > 1 && block_keys % 2 != 0)) {
+    avx512::kPagedKernels[2].prefill_values(rows, parts, blocks, block_keys, last_keys, width, p, ldp, o_scale, o,
+                                            ldo, ahead_bytes, ahead_size);
     return;
   }
-  const uint16_t* v = static_cast<const uint16_t*>(v_bytes);
   alignas(64) uint16_t pb[kValueRows * kMaxElements];
   constexpr int64_t kPanel = 32 * kValueChunks;
   const int64_t row_blocks = (rows + kValueRows - 1) / kValueRows;
@@ -201,19 +217,29 @@ void Values(int64_t rows, int64_t keys, int64_t width, const float* p, int64_t l
       ToBf16(p + (i + r) * ldp, keys, (keys + 31) / 32 * 32, 1.0f, pb + r * kMaxElements);
     }
     for (int64_t c = 0; c < width; c += kPanel) {
+      const ValueParts v{parts, blocks, block_keys, last_keys, c};
       WithRows<kValueRows>(height, [&](auto block) {
-        ValueBlock<decltype(block)::kValue>(keys, pb, v + c, width, width - c, o_scale + i, o + i * ldo + c, ldo,
-                                           ahead);
+        ValueBlock<decltype(block)::kValue>(v, pb, width, width - c, o_scale + i, o + i * ldo + c, ldo, ahead);
       });
     }
   }
+}
+
+// PagedKernels::values for a bf16 V.
+void Values(int64_t rows, int64_t keys, int64_t width, const float* p, int64_t ldp, const void* v_bytes,
+            const float* o_scale, float* o, int64_t ldo, const void* ahead_bytes, int64_t ahead_size) {
+  if (keys > kMaxElements) {
+    avx512::kPagedKernels[2].values(rows, keys, width, p, ldp, v_bytes, o_scale, o, ldo, ahead_bytes, ahead_size);
+    return;
+  }
+  ValuesOverParts(rows, &v_bytes, 1, keys, keys, width, p, ldp, o_scale, o, ldo, ahead_bytes, ahead_size);
 }
 
 }  // namespace
 
 // The fp32 and fp16 caches' kernels are the avx512 set's; tile_kernels.cc puts this one beside them.
 // Its register blocks serve many rows as well as few: a prefill tile takes the same ones.
-extern const PagedKernels kBf16PagedKernels = {&Scores, &Values, &Scores, &Values};
+extern const PagedKernels kBf16PagedKernels = {&Scores, &Values, &Scores, &ValuesOverParts};
 
 }  // namespace avx512bf16
 }  // namespace mha::kernels

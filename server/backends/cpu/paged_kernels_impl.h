@@ -140,32 +140,52 @@ void PagedScores(int64_t rows, int64_t keys, int64_t depth, const float* q, int6
   }
 }
 
-// kRows rows of kVectors vectors of o (the last holding last_lanes columns), rescaled by o_scale, plus p V.
-template <typename E, int kRows, int kVectors>
-inline void PagedValueBlock(int64_t keys, int64_t width, const float* p, int64_t ldp, const E* v,
-                            const float* o_scale, float* o, int64_t ldo, int last_lanes, Ahead& ahead) {
+// The V parts a values kernel reads: `blocks` parts (each a block's V of one KV head, rows of `width` elements) of
+// block_keys keys each but the last, of last_keys; column `column` of each row on. Key j of part b is p's column
+// b block_keys + j.
+template <typename E>
+struct ValueParts {
+  const void* const* parts;
+  int64_t blocks, block_keys, last_keys, column;
+  const E* Part(int64_t b) const { return static_cast<const E*>(parts[b]) + column; }
+  int64_t Keys(int64_t b) const { return b + 1 < blocks ? block_keys : last_keys; }
+};
+
+// kRows rows of kVectors vectors of o (the last holding last_lanes columns), rescaled by o_scale, plus p V over
+// every part: the accumulators stay in registers from the first part's first key to the last part's last.
+template <typename E, int kRows, int kVectors, bool kMulti>
+inline void PagedValueBlock(const ValueParts<E>& v, int64_t width, const float* p, int64_t ldp, const float* o_scale,
+                            float* o, int64_t ldo, int last_lanes, Ahead& ahead) {
   using V = Isa::V;
   V acc[kRows][kVectors];
   MHA_UNROLL for (int r = 0; r < kRows; ++r) {
-    const V factor = Isa::Broadcast(o_scale + r);
+    const V factor = o_scale != nullptr ? Isa::Broadcast(o_scale + r) : Isa::Splat(1.0f);
     MHA_UNROLL for (int x = 0; x < kVectors; ++x) {
       const float* old = o + r * ldo + x * Isa::kLanes;
       const bool partial = x == kVectors - 1 && last_lanes < Isa::kLanes;
       acc[r][x] = Isa::Mul(factor, partial ? Isa::LoadPartial(old, last_lanes, 0.0f) : Isa::Load(old));
     }
   }
-  for (int64_t j = 0; j < keys; ++j) {
-    ahead.Step();
-    V b[kVectors];
-    MHA_UNROLL for (int x = 0; x < kVectors; ++x) {
-      const E* row = v + j * width + x * Isa::kLanes;
-      b[x] = x == kVectors - 1 && last_lanes < Isa::kLanes ? LoadElementsPartial(row, last_lanes)
-                                                            : LoadElements(row);
+  const auto part = [&](const E* rows, const float* pp, int64_t keys) {
+    for (int64_t j = 0; j < keys; ++j) {
+      ahead.Step();
+      V b[kVectors];
+      MHA_UNROLL for (int x = 0; x < kVectors; ++x) {
+        const E* row = rows + j * width + x * Isa::kLanes;
+        b[x] = x == kVectors - 1 && last_lanes < Isa::kLanes ? LoadElementsPartial(row, last_lanes)
+                                                              : LoadElements(row);
+      }
+      MHA_UNROLL for (int r = 0; r < kRows; ++r) {
+        const V a = Isa::Broadcast(pp + r * ldp + j);
+        MHA_UNROLL for (int x = 0; x < kVectors; ++x) acc[r][x] = Isa::Fma(a, b[x], acc[r][x]);
+      }
     }
-    MHA_UNROLL for (int r = 0; r < kRows; ++r) {
-      const V a = Isa::Broadcast(p + r * ldp + j);
-      MHA_UNROLL for (int x = 0; x < kVectors; ++x) acc[r][x] = Isa::Fma(a, b[x], acc[r][x]);
-    }
+  };
+  // One part without the loop over parts: on AVX2 its bookkeeping took registers the accumulators need.
+  if constexpr (kMulti) {
+    for (int64_t k = 0; k < v.blocks; ++k) part(v.Part(k), p + k * v.block_keys, v.Keys(k));
+  } else {
+    part(v.Part(0), p, v.Keys(0));
   }
   MHA_UNROLL for (int r = 0; r < kRows; ++r) {
     MHA_UNROLL for (int x = 0; x < kVectors; ++x) {
@@ -179,39 +199,58 @@ inline void PagedValueBlock(int64_t keys, int64_t width, const float* p, int64_t
 }
 
 // Every row block (of kRows rows) of one column panel of up to kVectors vectors (`vectors` of them).
-template <typename E, int kRows, int kVectors>
-inline void PagedValuePanel(int64_t vectors, int64_t rows, int64_t keys, int64_t width, const float* p, int64_t ldp,
-                            const E* v, const float* o_scale, float* o, int64_t ldo, int last_lanes, Ahead& ahead) {
+template <typename E, int kRows, int kVectors, bool kMulti>
+inline void PagedValuePanel(int64_t vectors, int64_t rows, const ValueParts<E>& v, int64_t width, const float* p,
+                            int64_t ldp, const float* o_scale, float* o, int64_t ldo, int last_lanes, Ahead& ahead) {
   if constexpr (kVectors > 1) {
     if (vectors < kVectors) {
-      PagedValuePanel<E, kRows, kVectors - 1>(vectors, rows, keys, width, p, ldp, v, o_scale, o, ldo, last_lanes,
-                                              ahead);
+      PagedValuePanel<E, kRows, kVectors - 1, kMulti>(vectors, rows, v, width, p, ldp, o_scale, o, ldo, last_lanes,
+                                                      ahead);
       return;
     }
   }
   for (int64_t i = 0; i < rows; i += kRows) {
     WithRows<kRows>(rows - i < kRows ? rows - i : kRows, [&](auto height) {
-      PagedValueBlock<E, decltype(height)::kValue, kVectors>(keys, width, p + i * ldp, ldp, v, o_scale + i,
-                                                             o + i * ldo, ldo, last_lanes, ahead);
+      PagedValueBlock<E, decltype(height)::kValue, kVectors, kMulti>(v, width, p + i * ldp, ldp,
+                                                             o_scale == nullptr ? nullptr : o_scale + i, o + i * ldo,
+                                                             ldo, last_lanes, ahead);
     });
   }
 }
 
-// PagedKernels::values with a register block of kRows rows and up to kVectors vectors of columns.
-template <typename E, int kRows = Isa::kPagedValueRows, int kVectors = Isa::kPagedValueVectors>
-void PagedValues(int64_t rows, int64_t keys, int64_t width, const float* p, int64_t ldp, const void* v_bytes,
-                 const float* o_scale, float* o, int64_t ldo, const void* ahead_bytes, int64_t ahead_size) {
-  const E* v = static_cast<const E*>(v_bytes);
+// The values over `blocks` V parts (ValueParts) with a register block of kRows rows and up to kVectors vectors of
+// columns, panel after panel of columns, kParts parts at a time: each row block keeps its outputs in registers over
+// that many parts, and every row block passes over them (on AVX2 one part at a time, which stays in L1, is faster).
+template <typename E, int kRows, int kVectors, int kParts>
+void ValuesOverParts(int64_t rows, const void* const* parts, int64_t blocks, int64_t block_keys, int64_t last_keys,
+                     int64_t width, const float* p, int64_t ldp, const float* o_scale, float* o, int64_t ldo,
+                     const void* ahead_bytes, int64_t ahead_size) {
   constexpr int64_t kPanel = kVectors * Isa::kLanes;
+  const int64_t keys = (blocks - 1) * block_keys + last_keys;
   const int64_t row_blocks = (rows + kRows - 1) / kRows;
   Ahead ahead(ahead_bytes, ahead_size, keys * ((width + kPanel - 1) / kPanel) * row_blocks);
-  for (int64_t c = 0; c < width; c += kPanel) {
-    const int64_t left = width - c;
-    const int64_t vectors = left >= kPanel ? kVectors : (left + Isa::kLanes - 1) / Isa::kLanes;
-    const int64_t last = left - (vectors - 1) * Isa::kLanes;
-    PagedValuePanel<E, kRows, kVectors>(vectors, rows, keys, width, p, ldp, v + c, o_scale, o + c, ldo,
-                                        static_cast<int>(last < Isa::kLanes ? last : Isa::kLanes), ahead);
+  for (int64_t g = 0; g < blocks; g += kParts) {
+    const int64_t count = blocks - g < kParts ? blocks - g : kParts;
+    const int64_t last = g + count == blocks ? last_keys : block_keys;
+    for (int64_t c = 0; c < width; c += kPanel) {
+      const int64_t left = width - c;
+      const int64_t vectors = left >= kPanel ? kVectors : (left + Isa::kLanes - 1) / Isa::kLanes;
+      const int64_t lanes = left - (vectors - 1) * Isa::kLanes;
+      const ValueParts<E> v{parts + g, count, block_keys, last, c};
+      // The first parts rescale the outputs; the later ones add to them.
+      PagedValuePanel<E, kRows, kVectors, (kParts > 1)>(vectors, rows, v, width, p + g * block_keys, ldp,
+                                          g == 0 ? o_scale : nullptr, o + c, ldo,
+                                          static_cast<int>(lanes < Isa::kLanes ? lanes : Isa::kLanes), ahead);
+    }
   }
+}
+
+// PagedKernels::values: one block's V.
+template <typename E>
+void PagedValues(int64_t rows, int64_t keys, int64_t width, const float* p, int64_t ldp, const void* v_bytes,
+                 const float* o_scale, float* o, int64_t ldo, const void* ahead_bytes, int64_t ahead_size) {
+  ValuesOverParts<E, Isa::kPagedValueRows, Isa::kPagedValueVectors, 1>(rows, &v_bytes, 1, keys, keys, width, p,
+                                                                       ldp, o_scale, o, ldo, ahead_bytes, ahead_size);
 }
 
 // PagedKernels::prefill_scores: register blocks of kPrefillScoreRows rows of kPrefillScoreVectors vectors of keys, or
@@ -236,6 +275,6 @@ void PrefillScores(int64_t rows, int64_t keys, int64_t depth, const float* q, in
 template <typename E>
 constexpr PagedKernels KernelsOf() {
   return {&PagedScores<E>, &PagedValues<E>, &PrefillScores<E>,
-          &PagedValues<E, Isa::kPrefillValueRows, Isa::kPrefillValueVectors>};
+          &ValuesOverParts<E, Isa::kPrefillValueRows, Isa::kPrefillValueVectors, Isa::kPrefillValueParts>};
 }
 extern const PagedKernels kPagedKernels[3] = {KernelsOf<float>(), KernelsOf<Half>(), KernelsOf<Bf16>()};

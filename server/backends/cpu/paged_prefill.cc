@@ -65,7 +65,7 @@ std::vector<Unit> PlanUnits(const PagedProblem& p, absl::Span<const PagedSequenc
 
 // A thread's buffers for one unit: its rows' scaled queries, one block's scores, and their online softmax state.
 struct PrefillScratch {
-  ScratchVector<float> queries, scores, acc, max, sum, stats, factor, ones, query_pos;
+  ScratchVector<float> queries, scores, acc, max, sum, stats, factor, query_pos;
   ScratchVector<int64_t> visible, block_visible;
 };
 
@@ -101,8 +101,7 @@ void RunUnit(const kernels::TileKernels& tiles, const kernels::PagedKernels& ker
   int64_t* visible = Grown(t.visible, rows);
   int64_t* block_visible = Grown(t.block_visible, rows);
   const int64_t tokens = seq.Keys(), blocks = (PagedVisibleKeys(seq, unit.i1 - 1) + tb - 1) / tb;
-  float* ones = Grown(t.ones, rows);
-  std::fill_n(ones, rows, 1.0f);
+  const void* values[kSpanKeys / 16];  // a span's V parts (blocks of at least 16 tokens)
   // KV head g's part of block b (its K^T, then V `half` bytes on); null past the unit's last block.
   const auto Part = [&](int64_t b) -> const char* {
     return b < blocks ? seq.blocks[b] + c.KeyOffset(unit.g) * element : nullptr;
@@ -142,13 +141,13 @@ void RunUnit(const kernels::TileKernels& tiles, const kernels::PagedKernels& ker
       tiles.online_softmax(live, keys, block_visible + first, s, lds, max + first, sum + first, factor + first,
                            units.log2);
     }
-    // The first block's values rescale the rows' outputs by the softmax's factors; the others add to them.
-    for (int64_t b = b0; b < b1 && (b - b0) * tb < seen; ++b) {
-      const char* next = Part(b + 1);
-      kernels.prefill_values(live, std::min(tb, seen - (b - b0) * tb), dk, s + (b - b0) * tb, lds, Part(b) + half,
-                     b == b0 ? factor + first : ones, acc + first * dk, dk, next == nullptr ? nullptr : next + half,
-                     half);
-    }
+    // The blocks' values at once (each row's outputs rescaled by its softmax factor, then summed over them in
+    // registers): the blocks up to the last key any row sees.
+    const int64_t seen_blocks = (seen + tb - 1) / tb;
+    for (int64_t b = 0; b < seen_blocks; ++b) values[b] = Part(b0 + b) + half;
+    const char* next = Part(b0 + seen_blocks);
+    kernels.prefill_values(live, values, seen_blocks, tb, seen - (seen_blocks - 1) * tb, dk, s, lds, factor + first,
+                           acc + first * dk, dk, next == nullptr ? nullptr : next + half, half);
   }
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t i = unit.i0 + r / G, head = unit.g * G + r % G;

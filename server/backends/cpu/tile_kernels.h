@@ -43,8 +43,12 @@ struct PagedKernels {
   // chains of accumulation in flight for them).
   void (*prefill_scores)(int64_t rows, int64_t keys, int64_t depth, const float* q, int64_t ldq, const void* kt,
                          int64_t ldk, float* s, int64_t lds, const void* ahead, int64_t ahead_bytes);
-  void (*prefill_values)(int64_t rows, int64_t keys, int64_t width, const float* p, int64_t ldp, const void* v,
-                         const float* o_scale, float* o, int64_t ldo, const void* ahead, int64_t ahead_bytes);
+  // prefill_values reads several blocks' V at once (v[b] for b < blocks, each of block_keys keys but the last, of
+  // last_keys; key j of block b is p's column b block_keys + j), so that each row's outputs stay in registers
+  // across them.
+  void (*prefill_values)(int64_t rows, const void* const* v, int64_t blocks, int64_t block_keys, int64_t last_keys,
+                         int64_t width, const float* p, int64_t ldp, const float* o_scale, float* o, int64_t ldo,
+                         const void* ahead, int64_t ahead_bytes);
 };
 
 // The softmax statistics (attention.proto's HeadStats) that online_softmax_stats and softmax_stats keep beside each

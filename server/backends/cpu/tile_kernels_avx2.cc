@@ -19,6 +19,7 @@ struct Isa {
   // A prefill tile's (many rows): the tile kernels' 12 accumulators, each loaded vector serving 6 rows.
   static constexpr int kPrefillScoreRows = 6, kPrefillScoreVectors = 2;
   static constexpr int kPrefillValueRows = 6, kPrefillValueVectors = 2;
+  static constexpr int kPrefillValueParts = 1;  // blocks one pass of the values keeps in registers
   static V Zero() { return _mm256_setzero_ps(); }
   // F16C's conversion: every AVX2 CPU has it (TileKernelsFor checks).
   static V LoadHalf(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }

@@ -21,6 +21,7 @@ struct Isa {
   // A prefill tile's: the same blocks (12 rows of 32 keys and of 32 columns, the tile kernels', measured 9% slower).
   static constexpr int kPrefillScoreRows = 8, kPrefillScoreVectors = 2;
   static constexpr int kPrefillValueRows = 4, kPrefillValueVectors = 4;
+  static constexpr int kPrefillValueParts = 8;  // blocks one pass of the values keeps in registers
   static V Zero() { return _mm512_setzero_ps(); }
   static V LoadHalf(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
   // 16 bf16 -> fp32 in one shuffle (vpermw placing word i at word 2i + 1, the even words zeroed) where widening

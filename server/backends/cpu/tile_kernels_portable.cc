@@ -21,6 +21,7 @@ struct Isa {
   static constexpr int kPagedValueRows = 3, kPagedValueVectors = 1;
   static constexpr int kPrefillScoreRows = 6, kPrefillScoreVectors = 1;  // a prefill tile's: the tile kernels'
   static constexpr int kPrefillValueRows = 6, kPrefillValueVectors = 1;
+  static constexpr int kPrefillValueParts = 1;  // blocks one pass of the values keeps in registers
   static V Zero() { return V{}; }
   static V LoadHalf(const uint16_t* p) {
     V v;
