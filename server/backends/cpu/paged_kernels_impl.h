@@ -226,12 +226,13 @@ void ValuesOverParts(int64_t rows, const void* const* parts, int64_t blocks, int
                      int64_t width, const float* p, int64_t ldp, const float* o_scale, float* o, int64_t ldo,
                      const void* ahead_bytes, int64_t ahead_size) {
   constexpr int64_t kPanel = kVectors * Isa::kLanes;
-  const int64_t keys = (blocks - 1) * block_keys + last_keys;
-  const int64_t row_blocks = (rows + kRows - 1) / kRows;
-  Ahead ahead(ahead_bytes, ahead_size, keys * ((width + kPanel - 1) / kPanel) * row_blocks);
+  const int64_t row_blocks = (rows + kRows - 1) / kRows, panels = (width + kPanel - 1) / kPanel;
   for (int64_t g = 0; g < blocks; g += kParts) {
     const int64_t count = blocks - g < kParts ? blocks - g : kParts;
     const int64_t last = g + count == blocks ? last_keys : block_keys;
+    // The next group's first part (as long as `ahead`, a part's V) streams in while this group computes.
+    Ahead ahead(g + count < blocks ? parts[g + count] : ahead_bytes, ahead_size,
+                ((count - 1) * block_keys + last) * panels * row_blocks);
     for (int64_t c = 0; c < width; c += kPanel) {
       const int64_t left = width - c;
       const int64_t vectors = left >= kPanel ? kVectors : (left + Isa::kLanes - 1) / Isa::kLanes;
