@@ -6,9 +6,10 @@
 //    path: work units of (sequence, KV head, range of blocks), each streaming its KV head's part of its blocks once
 //    from memory for every query row of the head's group, through the decode kernels (tile_kernels.h's
 //    PagedKernels) with FlashAttention's online softmax; a long cache is split over the threads (flash-decoding)
-//    and the splits are merged by their log-sum-exp, so one long session uses every core. Every other sequence (a
-//    prefill, or weights asked for) gathers its cache into fp32 rows and runs the tile kernels' Attend, whose
-//    register blocking the decode kernels cannot match on many rows.
+//    and the splits are merged by their log-sum-exp, so one long session uses every core. A sequence with more
+//    rows (a prefill's chunk) takes the prefill path (paged_prefill.h), over the blocks in place as well; one that
+//    asks for its weights, or a cache whose blocks no paged kernel takes, gathers its cache into fp32 rows and runs
+//    the tile kernels' Attend (the gather path).
 //
 // Thread-safe: scratch belongs to the calling OpenMP threads; parallel over the calling thread's team.
 #ifndef MHA_SERVER_BACKENDS_CPU_PAGED_ATTENTION_H_

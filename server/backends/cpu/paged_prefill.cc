@@ -63,7 +63,7 @@ std::vector<Unit> PlanUnits(const PagedProblem& p, absl::Span<const PagedSequenc
   return units;
 }
 
-// A thread's buffers for one unit: its rows' scaled queries, one block's scores, and their online softmax state.
+// A thread's buffers for one unit: its rows' scaled queries, a span's scores, and their online softmax state.
 struct PrefillScratch {
   ScratchVector<float> queries, scores, acc, max, sum, stats, factor, query_pos;
   ScratchVector<int64_t> visible, block_visible;
@@ -75,14 +75,14 @@ PrefillScratch& ThreadPrefillScratch() {
 }
 
 // The score and softmax settings of a call: scores in log2 units where the scale allows (tile_kernels.h).
-struct Units {
+struct Scaling {
   bool log2 = true;
   float q_scale = 0.0f;
 };
 
 // One unit: row r = (i - i0) G + j is new token i of query head g G + j, block after block of its cache.
 void RunUnit(const kernels::TileKernels& tiles, const kernels::PagedKernels& kernels, const PagedProblem& p,
-             const Units& units, const PagedSequence& seq, int64_t first_row, const float* q, int64_t ldq,
+             const Scaling& scaling, const PagedSequence& seq, int64_t first_row, const float* q, int64_t ldq,
              const Unit& unit, float* heads, int64_t ldh) {
   const KvCacheLayout& c = p.cache;
   const int64_t dk = p.heads.head_dim, tb = c.block_tokens, G = p.heads.group_size();
@@ -108,7 +108,7 @@ void RunUnit(const kernels::TileKernels& tiles, const kernels::PagedKernels& ker
   };
   for (int64_t i = unit.i0; i < unit.i1; ++i) {
     const int64_t r = (i - unit.i0) * G;
-    tiles.copy_scaled(G, dk, units.q_scale, q + (first_row + i) * ldq + unit.g * G * dk, dk, queries + r * dk, dk);
+    tiles.copy_scaled(G, dk, scaling.q_scale, q + (first_row + i) * ldq + unit.g * G * dk, dk, queries + r * dk, dk);
     std::fill_n(visible + r, G, PagedVisibleKeys(seq, i));
     std::fill_n(query_pos + r, G, static_cast<float>(seq.length + i));
   }
@@ -118,7 +118,7 @@ void RunUnit(const kernels::TileKernels& tiles, const kernels::PagedKernels& ker
   std::fill_n(stat, rows * kernels::kStatsPerRow, 0.0f);
   const int64_t span = SpanBlocks(tb), lds = span * tb;
   for (int64_t b0 = 0; b0 < blocks; b0 += span) {
-    const int64_t b1 = std::min(blocks, b0 + span), keys = std::min(lds, tokens - b0 * tb);
+    const int64_t b1 = std::min(blocks, b0 + span), keys = std::min((b1 - b0) * tb, tokens - b0 * tb);
     // Rows see more keys the later their token: those that see none of these blocks come first and sit them out.
     int64_t first = rows;
     for (int64_t r = rows - 1; r >= 0; --r) {
@@ -136,10 +136,10 @@ void RunUnit(const kernels::TileKernels& tiles, const kernels::PagedKernels& ker
       const kernels::SoftmaxStatsBlock block{b0 * tb, query_pos + first, seq.stats.sink_tokens,
                                              stat + first * kernels::kStatsPerRow};
       tiles.online_softmax_stats(live, keys, block_visible + first, s, lds, max + first, sum + first, factor + first,
-                                 units.log2, block);
+                                 scaling.log2, block);
     } else {
       tiles.online_softmax(live, keys, block_visible + first, s, lds, max + first, sum + first, factor + first,
-                           units.log2);
+                           scaling.log2);
     }
     // The blocks' values at once (each row's outputs rescaled by its softmax factor, then summed over them in
     // registers): the blocks up to the last key any row sees.
@@ -152,7 +152,7 @@ void RunUnit(const kernels::TileKernels& tiles, const kernels::PagedKernels& ker
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t i = unit.i0 + r / G, head = unit.g * G + r % G;
     const SplitRow split{acc + r * dk, max[r], sum[r], stat + r * kernels::kStatsPerRow};
-    MergeRow({&split, 1}, dk, units.log2, seq, head * seq.new_tokens + i, heads + (first_row + i) * ldh + head * dk);
+    MergeRow({&split, 1}, dk, scaling.log2, seq, head * seq.new_tokens + i, heads + (first_row + i) * ldh + head * dk);
   }
 }
 
@@ -168,7 +168,7 @@ absl::Status PrefillSequences(const kernels::TileKernels& tiles, const kernels::
                               int64_t ldh, const StopSignal* stop) {
   const std::vector<Unit> units = PlanUnits(p, sequences, omp_get_max_threads());
   if (units.empty()) return absl::OkStatus();
-  Units settings;
+  Scaling settings;
   settings.log2 = std::isfinite(p.heads.scale * kernels::kLog2e);
   settings.q_scale = settings.log2 ? p.heads.scale * kernels::kLog2e : p.heads.scale;
   std::atomic<bool> stopped{false};
