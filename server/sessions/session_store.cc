@@ -335,8 +335,10 @@ absl::StatusOr<ExtendReservation> SessionStore::Reserve(absl::Span<const Reserve
       item.blocks.push_back(block);
       item.fresh.push_back(block);
     }
-    const int64_t growth = static_cast<int64_t>(item.blocks.capacity() - cache.blocks.capacity()) *
-                           static_cast<int64_t>(sizeof(char*));
+    // Signed: the copy may hold less capacity than the table it copied.
+    const int64_t growth =
+        (static_cast<int64_t>(item.blocks.capacity()) - static_cast<int64_t>(cache.blocks.capacity())) *
+        static_cast<int64_t>(sizeof(char*));
     if (needed == 0 && growth > 0) {
       if (FitTables(growth, want.owner)) {
         item.table_growth = growth;
