@@ -174,7 +174,8 @@ void MergeHead(const PagedProblem& p, const DecodePlan& plan, int64_t begin, int
                const PagedSequence& seq, int64_t first_row, const float* partials, float* heads, int64_t ldh) {
   const HeadSpec& h = p.heads;
   const int64_t dk = h.head_dim, G = h.group_size(), rows = G * seq.new_tokens;
-  std::vector<SplitRow> splits(end - begin);
+  thread_local std::vector<SplitRow> splits;  // reused: a decode step merges every (sequence, KV head) pair
+  splits.resize(end - begin);
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t u = begin; u < end; ++u) {
       const float* acc = partials + plan.units[u].partial + g * HeadPartial(h, rows);

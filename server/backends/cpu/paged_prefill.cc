@@ -189,7 +189,8 @@ absl::Status PrefillSequences(const kernels::TileKernels& tiles, const kernels::
 
 int64_t PrefillBytesPerThread(const PagedProblem& p) {
   const int64_t rows = kPrefillTileRows + p.heads.group_size();  // a tile of G rows per token at most
-  const int64_t floats = rows * (2 * p.heads.head_dim + p.cache.block_tokens + 5 + kernels::kStatsPerRow);
+  const int64_t span_keys = SpanBlocks(p.cache.block_tokens) * p.cache.block_tokens;  // a span's scores per row
+  const int64_t floats = rows * (2 * p.heads.head_dim + span_keys + 4 + kernels::kStatsPerRow);
   return floats * static_cast<int64_t>(sizeof(float)) + 2 * rows * static_cast<int64_t>(sizeof(int64_t));
 }
 
