@@ -23,6 +23,9 @@ class ExtendStreamTest : public SessionTest {
     spdlog::set_level(spdlog::level::warn);
     ServerOptions options;
     options.inline_max_mflop = 0;  // every step through the queue, where batching happens
+    // The blockers' estimated work at a sanitizer's pace (the backend's measured rate fell to 10 GFLOP/s under TSan)
+    // passed the default 120 s, and the steps queued behind them were refused at arrival.
+    options.default_deadline_s = 3600;
     StartServer(options);
   }
 
