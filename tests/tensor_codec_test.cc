@@ -13,6 +13,23 @@ namespace {
 
 using ::testing::HasSubstr;
 
+// INT8, FP8_E4M3 and FP8_E5M2 are what a KV cache stores (CreateSessionRequest.cache_dtype), never a tensor.
+TEST(TensorCodec, TheCacheOnlyDtypesAreRefusedOnTensorsSayingSo) {
+  for (v1::DataType dtype : {v1::INT8, v1::FP8_E4M3, v1::FP8_E5M2}) {
+    v1::Tensor t;
+    t.add_shape(4);
+    t.set_dtype(dtype);
+    t.set_data(std::string(4, '\0'));
+    const absl::StatusOr<int64_t> count = CheckTensor(t, "query");
+    EXPECT_EQ(count.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(std::string(count.status().message()),
+                ::testing::HasSubstr("query.dtype " + DTypeName(dtype) + " is for KV caches only"));
+    EXPECT_EQ(DTypeSize(dtype), 0u);
+    EXPECT_TRUE(IsCacheOnlyDType(dtype));
+  }
+  EXPECT_FALSE(IsCacheOnlyDType(v1::BF16));
+}
+
 TEST(TensorCodec, HalfRoundTripsEveryFiniteHalf) {
   for (uint32_t bits = 0; bits < 0x10000; ++bits) {
     const uint16_t h = static_cast<uint16_t>(bits);

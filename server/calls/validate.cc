@@ -134,6 +134,10 @@ absl::Status ValidateCommon(const Request& request, const ValidationContext& con
     plan->attn_mask_keep = request.attn_mask_type() == v1::MASK_KEEP;
   }
 
+  if (IsCacheOnlyDType(request.output_dtype())) {
+    return Invalid("output_dtype ", DTypeName(request.output_dtype()),
+                   " is for KV caches only (CreateSessionRequest.cache_dtype); outputs are FP32, FP16 or BF16");
+  }
   if (!v1::DataType_IsValid(request.output_dtype())) {
     return Invalid("output_dtype must be DATA_TYPE_UNSPECIFIED, FP32, FP16 or BF16, got ",
                    absl::StrCat(request.output_dtype()));

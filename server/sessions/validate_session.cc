@@ -137,7 +137,8 @@ absl::StatusOr<SessionConfig> ValidateCreateSession(const v1::CreateSessionReque
                    "in, the heads out)");
   }
   if (!v1::DataType_IsValid(r.cache_dtype())) {
-    return Invalid("cache_dtype must be FP32, FP16 or BF16, got ", absl::StrCat(r.cache_dtype()));
+    return Invalid("cache_dtype must be FP32, FP16, BF16, INT8, FP8_E4M3 or FP8_E5M2, got ",
+                   absl::StrCat(r.cache_dtype()));
   }
   config.cache_dtype = r.cache_dtype() == v1::DATA_TYPE_UNSPECIFIED ? v1::FP32 : r.cache_dtype();
   if (r.max_tokens() < 0) return Invalid("max_tokens must be >= 0, got ", absl::StrCat(r.max_tokens()));
@@ -188,6 +189,10 @@ absl::StatusOr<std::vector<std::string>> ValidateExtendRequest(const v1::ExtendR
                                                    max_items, " sessions, as many as may be open (--max_sessions)"));
   }
   if (r.layer_index() < 0) return Invalid("layer_index must be >= 0, got ", absl::StrCat(r.layer_index()));
+  if (IsCacheOnlyDType(r.output_dtype())) {
+    return Invalid("output_dtype ", DTypeName(r.output_dtype()),
+                   " is for KV caches only (CreateSessionRequest.cache_dtype); outputs are FP32, FP16 or BF16");
+  }
   if (!v1::DataType_IsValid(r.output_dtype())) {
     return Invalid("output_dtype must be DATA_TYPE_UNSPECIFIED, FP32, FP16 or BF16, got ",
                    absl::StrCat(r.output_dtype()));

@@ -40,6 +40,8 @@ size_t DTypeSize(int dtype) {
   }
 }
 
+bool IsCacheOnlyDType(int dtype) { return dtype == v1::INT8 || dtype == v1::FP8_E4M3 || dtype == v1::FP8_E5M2; }
+
 std::string DTypeName(int dtype) {
   switch (dtype) {
     case v1::DATA_TYPE_UNSPECIFIED:
@@ -50,6 +52,12 @@ std::string DTypeName(int dtype) {
       return "fp16";
     case v1::BF16:
       return "bf16";
+    case v1::INT8:
+      return "int8";
+    case v1::FP8_E4M3:
+      return "fp8_e4m3";
+    case v1::FP8_E5M2:
+      return "fp8_e5m2";
     default:
       return absl::StrCat("dtype(", dtype, ")");
   }
@@ -185,6 +193,11 @@ absl::StatusOr<int64_t> CheckTensor(const v1::Tensor& tensor, absl::string_view 
 
 absl::StatusOr<int64_t> CheckTensorHeader(const v1::Tensor& tensor, absl::string_view field) {
   const size_t dtype_size = DTypeSize(tensor.dtype());
+  if (IsCacheOnlyDType(tensor.dtype())) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ".dtype ", DTypeName(tensor.dtype()),
+                                                   " is for KV caches only (CreateSessionRequest.cache_dtype); "
+                                                   "tensors are FP32, FP16 or BF16"));
+  }
   if (dtype_size == 0) {
     return absl::InvalidArgumentError(absl::StrCat(field, ".dtype must be FP32, FP16 or BF16, got ",
                                                    DTypeName(tensor.dtype())));

@@ -18,9 +18,12 @@
 
 namespace mha {
 
-// Bytes per element; 0 for DATA_TYPE_UNSPECIFIED and for values outside the enum.
+// Bytes per element of a tensor on the wire; 0 for DATA_TYPE_UNSPECIFIED, for the cache-only dtypes (INT8,
+// FP8_E4M3, FP8_E5M2) and for values outside the enum.
 size_t DTypeSize(int dtype);
-// "fp32", "fp16", "bf16", "unspecified" or "dtype(<n>)".
+// Whether `dtype` is one of the 8-bit dtypes that only a KV cache stores (CreateSessionRequest.cache_dtype).
+bool IsCacheOnlyDType(int dtype);
+// "fp32", "fp16", "bf16", "int8", "fp8_e4m3", "fp8_e5m2", "unspecified" or "dtype(<n>)".
 std::string DTypeName(int dtype);
 
 uint16_t FloatToHalf(float value);
