@@ -1035,8 +1035,9 @@ std::vector<SessionCase> SessionCases() {
   }
   // The prefill path (more query rows per KV head than decode's, no weights): tiles of new tokens over the blocks in
   // place, causal within the chunk, chunks deep into the cache; blocks of 32 (the AVX-512 prefill kernels' 32-key
-  // steps) and 48 (16-key steps), one KV head per query head and eight query heads per KV head.
-  for (v1::DataType cache : {v1::FP32, v1::FP16, v1::BF16}) {
+  // steps) and 48 (16-key steps), one KV head per query head and eight query heads per KV head (the 8-bit caches
+  // gather).
+  for (v1::DataType cache : {v1::FP32, v1::FP16, v1::BF16, v1::INT8, v1::FP8_E4M3, v1::FP8_E5M2}) {
     SessionCase prefill = SessionCase();
     prefill.name = "session_heads_prefill_block32_cache_" + DTypeName(cache);
     prefill.layer = false;
@@ -1064,8 +1065,57 @@ std::vector<SessionCase> SessionCases() {
   c.block_tokens = 16;
   c.steps = {{40}, {33}, {3}};
   cases.push_back(c);
+  // 8-bit caches (quantized_cache.h): decode steps on the kernels that compute on the codes, weights (and prefill,
+  // below) on the gather path, keys whose block scales grow token by token (requantizing the block's earlier keys),
+  // an odd head_dim (a padding depth), truncation back into a block, forks that diverge in a shared block.
+  for (v1::DataType cache : {v1::INT8, v1::FP8_E4M3, v1::FP8_E5M2}) {
+    SessionCase heads = SessionCase();
+    heads.name = "session_heads_decode_cache_" + DTypeName(cache);
+    heads.layer = false;
+    heads.heads = 8;
+    heads.kv_heads = 2;
+    heads.head_dim = 64;
+    heads.block_tokens = 32;
+    heads.cache_dtype = cache;
+    heads.rope_theta = 10000;
+    heads.steps = {{600, 1}, {1, 1}, {1, 30}, {1, 1}, {1, 1}, {1, 1}};
+    cases.push_back(heads);
+    heads.name += "_wire_bf16";
+    heads.input_dtype = heads.output_dtype = v1::BF16;
+    cases.push_back(heads);
+    SessionCase odd = SessionCase();
+    odd.name = "session_heads_decode_dk81_mha_cache_" + DTypeName(cache);
+    odd.layer = false;
+    odd.heads = odd.kv_heads = 2;
+    odd.head_dim = 81;
+    odd.cache_dtype = cache;
+    odd.steps = {{20, 3}, {1, 1}, {1, 14}, {1, 1}, {1, 1}};
+    cases.push_back(odd);
+    SessionCase layer = SessionCase();
+    layer.name = "session_layer_truncate_cache_" + DTypeName(cache);
+    layer.d_model = 64;
+    layer.cache_dtype = cache;
+    layer.bias = true;
+    layer.steps = {{40}, {1}, {1}};
+    layer.plot = SessionPlot::kTruncateExtend;
+    cases.push_back(layer);
+    SessionCase fork = SessionCase();
+    fork.name = "session_heads_fork_diverge_cache_" + DTypeName(cache);
+    fork.layer = false;
+    fork.heads = 4;
+    fork.kv_heads = 1;
+    fork.head_dim = 32;
+    fork.cache_dtype = cache;
+    fork.steps = {{19}, {1}};
+    fork.plot = SessionPlot::kForkDiverge;
+    cases.push_back(fork);
+    fork.name += "_weights";
+    fork.weights = true;
+    cases.push_back(fork);
+  }
   // Every statistic of every call, contribution included, for a layer and for head sessions.
-  for (const char* name : {"session_layer_chunks_gqa_rope", "session_heads_decode_gqa4"}) {
+  for (const char* name : {"session_layer_chunks_gqa_rope", "session_heads_decode_gqa4",
+                           "session_heads_decode_cache_int8"}) {
     for (const SessionCase& known : std::vector<SessionCase>(cases)) {
       if (known.name != name) continue;
       SessionCase with = known;
@@ -1094,11 +1144,17 @@ std::vector<SessionCase> SessionCases() {
 // the stateless call, whose K and V are never rounded.
 double BackendTolerance(const SessionCase& c) {
   double tolerance = c.cache_dtype == v1::BF16 ? 1e-2 : c.cache_dtype == v1::FP16 ? 2e-3 : 2e-5;
+  // The 8-bit caches: the same codes, products on them rounded (an INT8 decode step's q to int16, its probabilities
+  // to 7 bits per block), and a key on a code's rounding boundary may land one code apart.
+  if (IsCacheOnlyDType(c.cache_dtype)) tolerance = 5e-3;
   if (c.output_dtype == v1::BF16) tolerance = std::max(tolerance, 8e-3);
   if (c.output_dtype == v1::FP16) tolerance = std::max(tolerance, 1e-3);
   return tolerance;
 }
 double StatelessTolerance(const SessionCase& c) {
+  // The 8-bit caches' codes against never-rounded K and V, element by element (their error over whole outputs is
+  // quantized_cache_test's): a few percent of the values' range.
+  if (IsCacheOnlyDType(c.cache_dtype)) return c.cache_dtype == v1::FP8_E5M2 ? 0.25 : 0.12;
   return std::max(BackendTolerance(c), c.cache_dtype == v1::BF16 ? 3e-2 : c.cache_dtype == v1::FP16 ? 4e-3 : 2e-5);
 }
 

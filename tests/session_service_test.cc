@@ -200,6 +200,37 @@ TEST_F(SessionServiceTest, CreateErrorsNameTheField) {
   ExpectError(Create(rope), grpc::StatusCode::INVALID_ARGUMENT, "heads.rope_dim");
 }
 
+// An 8-bit cache (blocks of 32 tokens, d_k 8): per KV head and block, 8 x 32 key codes and 8 bf16 key scales,
+// 32 x 8 value codes and 32 bf16 value scales; its session decodes like any other.
+TEST_F(SessionServiceTest, An8BitCacheStoresAByteAnElementPlusItsScales) {
+  for (v1::DataType dtype : {v1::INT8, v1::FP8_E4M3, v1::FP8_E5M2}) {
+    v1::CreateSessionRequest r = HeadSession();
+    r.set_cache_dtype(dtype);
+    v1::SessionInfo info;
+    ASSERT_TRUE(Create(r, &info).ok()) << v1::DataType_Name(dtype);
+    EXPECT_EQ(info.cache_dtype(), dtype);
+    v1::ExtendResponse response;
+    ASSERT_TRUE(Extend(ExtendOf({QkvItem(info.session_id(), 20)}), &response).ok());
+    ASSERT_TRUE(Extend(ExtendOf({QkvItem(info.session_id(), 1, 7)}), &response).ok());
+    for (const v1::SessionInfo& listed : List()) {
+      if (listed.session_id() != info.session_id()) continue;
+      EXPECT_EQ(listed.cache_bytes(), 2 * (8 * 32 + 2 * 8 + 32 * 8 + 2 * 32));
+    }
+    ASSERT_TRUE(Close(info.session_id()).ok());
+  }
+}
+
+TEST_F(SessionServiceTest, The8BitDtypesAreForCachesOnly) {
+  const std::string id = Created(HeadSession());
+  v1::ExtendItem item = QkvItem(id, 1);
+  item.mutable_k()->set_dtype(v1::INT8);
+  ExpectError(Extend(ExtendOf({item})), grpc::StatusCode::INVALID_ARGUMENT, "for KV caches only");
+  v1::ExtendRequest out = ExtendOf({QkvItem(id, 1)});
+  out.set_output_dtype(v1::FP8_E4M3);
+  ExpectError(Extend(out), grpc::StatusCode::INVALID_ARGUMENT, "output_dtype fp8_e4m3 is for KV caches only");
+  EXPECT_EQ(Length(id), 0) << "nothing refused was appended";
+}
+
 TEST_F(SessionServiceTest, ATakenIdIsAlreadyExistsAndTheLimitIsResourceExhausted) {
   Created(LayerSession("taken"));
   ExpectError(Create(LayerSession("taken")), grpc::StatusCode::ALREADY_EXISTS, "taken");

@@ -5,7 +5,17 @@
 
 namespace mha {
 
-int64_t KvCacheLayout::BlockBytes() const { return BlockElements() * static_cast<int64_t>(DTypeSize(dtype)); }
+int64_t KvCacheLayout::KeyBytes() const {
+  if (!Quantized()) return head_dim * block_tokens * static_cast<int64_t>(DTypeSize(dtype));
+  const int64_t depth = (head_dim + 1) / 2 * 2;  // quantized_cache.h: codes, then a bf16 scale per channel
+  return depth * block_tokens + 2 * depth;
+}
+
+int64_t KvCacheLayout::ValueBytes() const {
+  if (!Quantized()) return head_dim * block_tokens * static_cast<int64_t>(DTypeSize(dtype));
+  const int64_t tokens = (block_tokens + 3) / 4 * 4;  // codes, then a bf16 scale per token
+  return tokens * head_dim + 2 * tokens;
+}
 
 absl::Status Backend::SupportsPaged(const PagedProblem&) const {
   return absl::UnimplementedError(absl::StrCat("sessions (paged attention over a KV cache) are not implemented on "

@@ -151,20 +151,31 @@ struct MhaArgs {
 };
 
 // A session's KV cache as the kernels read it (the session store owns the blocks and lends them for one call): the
-// tokens in blocks of block_tokens, token t in block t / block_tokens at slot t % block_tokens. A block holds, in
-// dtype, for each KV head g: K transposed [head_dim][block_tokens], then V [block_tokens][head_dim]; so that the
+// tokens in blocks of block_tokens, token t in block t / block_tokens at slot t % block_tokens. A block holds, for
+// each KV head g, its K part then its V part (HeadBytes() per head). In the 16- and 32-bit dtypes the K part is K
+// transposed [head_dim][block_tokens] and the V part V [block_tokens][head_dim], elements of dtype; so that the
 // scores of a block vectorise across its keys, its values across head_dim, and each KV head's part is one run of
-// memory streamed once for every query head of its group.
+// memory streamed once for every query head of its group. The 8-bit dtypes add their scales to each part
+// (quantized_cache.h has their layout).
 struct KvCacheLayout {
   int64_t num_kv_heads = 0;
   int64_t head_dim = 0;
   int64_t block_tokens = 0;
-  v1::DataType dtype = v1::FP32;  // FP32, FP16 or BF16
+  v1::DataType dtype = v1::FP32;  // FP32, FP16, BF16, or the 8-bit INT8, FP8_E4M3, FP8_E5M2
 
+  bool Quantized() const { return dtype == v1::INT8 || dtype == v1::FP8_E4M3 || dtype == v1::FP8_E5M2; }
+  // Bytes of one KV head's K part and V part, of both, of a block.
+  int64_t KeyBytes() const;
+  int64_t ValueBytes() const;
+  int64_t HeadBytes() const { return KeyBytes() + ValueBytes(); }
+  int64_t BlockBytes() const { return num_kv_heads * HeadBytes(); }
+  // Byte offsets in a block of KV head g's K part and V part.
+  int64_t KeyPart(int64_t g) const { return g * HeadBytes(); }
+  int64_t ValuePart(int64_t g) const { return g * HeadBytes() + KeyBytes(); }
+
+  // The 16- and 32-bit dtypes: element offsets in a block of KV head g's K^T and V.
   int64_t HeadElements() const { return 2 * head_dim * block_tokens; }  // one KV head's K^T and V
   int64_t BlockElements() const { return num_kv_heads * HeadElements(); }
-  int64_t BlockBytes() const;  // BlockElements() * sizeof(dtype)
-  // Element offsets in a block of KV head g's K^T and V.
   int64_t KeyOffset(int64_t g) const { return g * HeadElements(); }
   int64_t ValueOffset(int64_t g) const { return g * HeadElements() + head_dim * block_tokens; }
 };
@@ -175,7 +186,8 @@ struct KvCacheLayout {
 struct PagedSequence {
   // blocks[b] holds tokens [b block_tokens, (b + 1) block_tokens), for every token below length + n. The backend
   // writes the new tokens' keys and values (after RoPE, rounded to the cache's dtype) into their slots, which
-  // belong to this call alone, and reads positions 0..length-1 as they are.
+  // belong to this call alone, and reads positions 0..length-1 as they are; an 8-bit cache's last block, which
+  // this call alone holds too, may also have its earlier keys requantized (quantized_cache.h).
   absl::Span<char* const> blocks;
   int64_t length = 0;  // tokens cached before this call
   int64_t new_tokens = 0;

@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
+#include "proto/mha/v1/tensor_codec.h"
 
 namespace mha {
 namespace {
@@ -157,6 +158,13 @@ double ExtendFlops(const HeadSpec& heads, int64_t d_model, int64_t cached, int64
 double KvCacheBytes(const HeadSpec& heads, int64_t tokens, int64_t element_bytes) {
   return 2.0 * static_cast<double>(heads.kv_width()) * static_cast<double>(tokens) *
          static_cast<double>(element_bytes);
+}
+
+double KvCacheBytes(const HeadSpec& heads, int64_t tokens, int cache_dtype, int64_t block_tokens) {
+  if (!IsCacheOnlyDType(cache_dtype)) return KvCacheBytes(heads, tokens, static_cast<int64_t>(DTypeSize(cache_dtype)));
+  const int64_t d = heads.head_dim, depth = (d + 1) / 2 * 2, padded = (block_tokens + 3) / 4 * 4;
+  const double head_block = static_cast<double>(depth * block_tokens + 2 * depth + padded * d + 2 * padded);
+  return head_block / static_cast<double>(block_tokens) * static_cast<double>(heads.num_kv_heads * tokens);
 }
 
 std::string AttentionShapeString(const AttentionShape& s) {

@@ -82,6 +82,10 @@ double ExtendFlops(const HeadSpec& heads, int64_t d_model, int64_t cached, int64
 // Bytes of K and V that `tokens` tokens of one cache hold in elements of `element_bytes`: 2 Hkv d_k each. A decode
 // step reads this for every cache it attends to.
 double KvCacheBytes(const HeadSpec& heads, int64_t tokens, int64_t element_bytes);
+// The same for a cache of `cache_dtype` (the proto's DataType) in blocks of `block_tokens`: the 8-bit dtypes hold a
+// byte per element plus their bf16 scales (a key scale per channel and block, a value scale per token; the layout
+// of server/backends/quantized_cache.h), the others their element size.
+double KvCacheBytes(const HeadSpec& heads, int64_t tokens, int cache_dtype, int64_t block_tokens);
 
 // "B=1 Tq=16 Tk=16 d_model=512 H=8 Hkv=8 d_k=64" plus " causal" when causal (d_model and the rest only when set).
 std::string AttentionShapeString(const AttentionShape& shape);

@@ -15,11 +15,13 @@
 #include "server/backends/cpu/paged_prefill.h"
 #include "server/backends/cpu/scratch.h"
 #include "server/backends/float_io.h"
+#include "server/backends/quantized_cache.h"
 
 namespace mha::cpu {
 namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+static_assert(kDecodeRows <= kernels::kQuantizedMaxRows, "the 8-bit decode kernels' row buffers");
 // A split of a long cache covers at least this many keys: a shorter one costs more in its merge than it saves.
 constexpr int64_t kMinSplitKeys = 512;
 // Work units per thread the decode path aims for, so that an uneven unit or a slow thread evens out.
@@ -98,11 +100,19 @@ int64_t LookaheadParts(int64_t half) { return std::max<int64_t>(1, kLookaheadByt
 // The address of part k of a unit (k = (block - b0) Hkv + KV head), or past its end, of the next unit's first
 // block (`after`, may be null); null past that.
 const char* PartAhead(const KvCacheLayout& c, const PagedSequence& seq, const Unit& unit, const char* after,
-                      int64_t element, int64_t k) {
+                      int64_t k) {
   const int64_t Hkv = c.num_kv_heads, parts = (unit.b1 - unit.b0) * Hkv;
-  if (k < parts) return seq.blocks[unit.b0 + k / Hkv] + c.KeyOffset(k % Hkv) * element;
-  if (after != nullptr && k - parts < Hkv) return after + c.KeyOffset(k - parts) * element;
+  if (k < parts) return seq.blocks[unit.b0 + k / Hkv] + c.KeyPart(k % Hkv);
+  if (after != nullptr && k - parts < Hkv) return after + c.KeyPart(k - parts);
   return nullptr;
+}
+
+// An 8-bit cache's scales in a KV head's K part and V part (null for the other dtypes).
+const uint16_t* KeyScales(const KvCacheLayout& c, const char* key_part) {
+  return c.Quantized() ? reinterpret_cast<const uint16_t*>(key_part + quant::KeyScalesOffset(c)) : nullptr;
+}
+const uint16_t* ValueScales(const KvCacheLayout& c, const char* value_part) {
+  return c.Quantized() ? reinterpret_cast<const uint16_t*>(value_part + quant::ValueScalesOffset(c)) : nullptr;
 }
 
 // One unit of the decode path into its partial result: block after block, KV head after KV head, each head's part
@@ -114,9 +124,8 @@ void RunUnit(const kernels::TileKernels& tiles, const kernels::PagedKernels& dec
   const HeadSpec& h = p.heads;
   const KvCacheLayout& c = p.cache;
   const int64_t dk = h.head_dim, tb = c.block_tokens, G = h.group_size(), n = seq.new_tokens, rows = G * n;
-  const int64_t Hkv = h.num_kv_heads, element = static_cast<int64_t>(DTypeSize(c.dtype));
-  const int64_t half = c.HeadElements() / 2 * element;  // bytes of a head's K^T, and of its V
-  const int64_t distance = LookaheadParts(half);
+  const int64_t Hkv = h.num_kv_heads, key_bytes = c.KeyBytes(), value_bytes = c.ValueBytes();
+  const int64_t distance = LookaheadParts(key_bytes);
   DecodeScratch& t = ThreadDecodeScratch();
   float* queries = Grown(t.queries, Hkv * rows * dk);
   float* scores = Grown(t.scores, rows * tb);
@@ -149,12 +158,14 @@ void RunUnit(const kernels::TileKernels& tiles, const kernels::PagedKernels& dec
       seen = std::max(seen, block_visible[r]);
     }
     for (int64_t g = 0; g < Hkv; ++g) {
-      const char* part = seq.blocks[b] + c.KeyOffset(g) * element;
+      const char* part = seq.blocks[b] + c.KeyPart(g);
+      const char* value_part = part + key_bytes;
       // The next part: this block's next head, or the next block's first; its K^T streams in during these
       // scores, its V during these values.
-      const char* next = PartAhead(c, seq, unit, after, element, (b - unit.b0) * Hkv + g + distance);
+      const char* next = PartAhead(c, seq, unit, after, (b - unit.b0) * Hkv + g + distance);
       float* acc = part_of_unit + g * HeadPartial(h, rows);
-      decode.scores(rows, tb, dk, queries + g * rows * dk, dk, part, tb, scores, tb, next, half);
+      decode.scores(rows, tb, dk, queries + g * rows * dk, dk, part, tb, KeyScales(c, part), scores, tb, next,
+                    key_bytes);
       if (seq.stats.entropy != nullptr) {  // lse alone comes from the plain kernel's max and sum
         const kernels::SoftmaxStatsBlock stats{b * tb, query_pos, seq.stats.sink_tokens, acc + rows * (dk + 2)};
         tiles.online_softmax_stats(rows, keys, block_visible, scores, tb, acc + rows * dk, acc + rows * dk + rows,
@@ -163,8 +174,8 @@ void RunUnit(const kernels::TileKernels& tiles, const kernels::PagedKernels& dec
         tiles.online_softmax(rows, keys, block_visible, scores, tb, acc + rows * dk, acc + rows * dk + rows, factor,
                              plan.log2_units);
       }
-      decode.values(rows, seen, dk, scores, tb, part + half, factor, acc, dk,
-                    next == nullptr ? nullptr : next + half, half);
+      decode.values(rows, seen, dk, scores, tb, value_part, ValueScales(c, value_part), factor, acc, dk,
+                    next == nullptr ? nullptr : next + key_bytes, value_bytes);
     }
   }
 }
@@ -222,17 +233,20 @@ absl::Status DecodeSequences(const kernels::TileKernels& tiles, const kernels::P
   return absl::OkStatus();
 }
 
-// The gather path's copy of one sequence's history: fp32 head-packed k and v [length, Hkv d_k] of its cache.
-void GatherHistory(const KvCacheLayout& c, const PagedSequence& seq, float* k, float* v) {
+// The gather path's copy of the first `tokens` of one sequence's cache: fp32 head-packed k and v [tokens, Hkv d_k].
+void GatherHistory(const KvCacheLayout& c, const PagedSequence& seq, int64_t tokens, float* k, float* v) {
   const int64_t dk = c.head_dim, tb = c.block_tokens, width = c.num_kv_heads * dk;
-  const int64_t tokens = seq.length, blocks = (tokens + tb - 1) / tb;
+  const int64_t blocks = (tokens + tb - 1) / tb;
   const size_t element = DTypeSize(c.dtype);
 #pragma omp parallel for schedule(static) if (tokens * width > (1 << 16))
   for (int64_t b = 0; b < blocks; ++b) {
     const char* block = seq.blocks[b];
     const int64_t keys = std::min(tb, tokens - b * tb);
     std::vector<float> column(tb);
-    for (int64_t g = 0; g < c.num_kv_heads; ++g) {
+    for (int64_t g = 0; g < c.num_kv_heads && c.Quantized(); ++g) {
+      quant::ReadTokens(c, block, g, keys, k + b * tb * width + g * dk, width, v + b * tb * width + g * dk, width);
+    }
+    for (int64_t g = 0; g < c.num_kv_heads && !c.Quantized(); ++g) {
       for (int64_t d = 0; d < dk; ++d) {
         DecodeToFloat(c.dtype, block + (c.KeyOffset(g) + d * tb) * element, keys, column.data());
         for (int64_t t = 0; t < keys; ++t) k[(b * tb + t) * width + g * dk + d] = column[t];
@@ -284,8 +298,9 @@ absl::Status GatherSequence(const kernels::TileKernels& tiles, const PagedProble
   if (!seq.append || seq.length > 0 || p.cache.dtype != v1::FP32) {
     float* k = Grown(scratch.keys, std::max<int64_t>(s.kv_len, 1) * width);
     float* v = Grown(scratch.values, std::max<int64_t>(s.kv_len, 1) * width);
-    GatherHistory(p.cache, seq, k, v);
-    if (seq.append) {
+    // An 8-bit cache's new tokens as it holds them depend on the block's scales: read back with the history.
+    GatherHistory(p.cache, seq, p.cache.Quantized() ? seq.Keys() : seq.length, k, v);
+    if (seq.append && !p.cache.Quantized()) {
       AsCached(p.cache.dtype, keys.data, seq.new_tokens, width, keys.row_stride, k + seq.length * width);
       AsCached(p.cache.dtype, values.data, seq.new_tokens, width, values.row_stride, v + seq.length * width);
     }
@@ -307,8 +322,13 @@ absl::Status GatherSequence(const kernels::TileKernels& tiles, const PagedProble
 }  // namespace
 
 bool TakesDecodePath(const PagedProblem& problem, const PagedSequence& seq) {
+  const KvCacheLayout& c = problem.cache;
+  if (c.Quantized() &&
+      (c.head_dim > kernels::kQuantizedMaxElements || c.block_tokens > kernels::kQuantizedMaxElements)) {
+    return false;  // beyond the 8-bit kernels' stack buffers
+  }
   return !seq.weights.requested() && problem.heads.group_size() * seq.new_tokens <= kDecodeRows &&
-         problem.cache.block_tokens % 16 == 0;
+         c.block_tokens % 16 == 0;
 }
 
 void WriteTokens(const KvCacheLayout& c, absl::Span<const PagedSequence> sequences, const PagedRows& rows,
@@ -325,6 +345,12 @@ void WriteTokens(const KvCacheLayout& c, absl::Span<const PagedSequence> sequenc
       const int64_t t0 = std::max(seq.length, b * tb), t1 = std::min(seq.length + seq.new_tokens, (b + 1) * tb);
       const int64_t row0 = rows.first_row[s] + t0 - seq.length, slot0 = t0 - b * tb, n = t1 - t0;
       char* block = seq.blocks[b];
+      if (c.Quantized()) {  // each head's new tokens of this block in one write, as every backend writes them
+        for (int64_t g = 0; g < Hkv; ++g) {
+          quant::WriteTokens(c, block, g, slot0, n, k + row0 * ldk + g * dk, ldk, v + row0 * ldv + g * dk, ldv);
+        }
+        continue;
+      }
       // A head's rows copied together first, then transposed from there: read column by column from the projections,
       // each element would lie a page away from the last.
       std::vector<float> rows_of_head(n * dk), run(n);

@@ -20,7 +20,7 @@
 
 namespace mha::kernels {
 namespace avx512 {
-extern const PagedKernels kPagedKernels[3];
+extern const PagedKernels kPagedKernels[kPagedDtypes];
 }
 
 namespace avx512bf16 {
@@ -120,9 +120,11 @@ void ScoreBlock(int64_t depth, const uint16_t* qb, const uint16_t* kt, int64_t l
 
 // PagedKernels::scores for a bf16 K^T.
 void Scores(int64_t rows, int64_t keys, int64_t depth, const float* q, int64_t ldq, const void* kt_bytes,
-            int64_t ldk, float* s, int64_t lds, const void* ahead_bytes, int64_t ahead_size) {
+            int64_t ldk, const uint16_t* key_scales, float* s, int64_t lds, const void* ahead_bytes,
+            int64_t ahead_size) {
   if (depth > kMaxElements) {
-    avx512::kPagedKernels[2].scores(rows, keys, depth, q, ldq, kt_bytes, ldk, s, lds, ahead_bytes, ahead_size);
+    avx512::kPagedKernels[2].scores(rows, keys, depth, q, ldq, kt_bytes, ldk, key_scales, s, lds, ahead_bytes,
+                                    ahead_size);
     return;
   }
   const uint16_t* kt = static_cast<const uint16_t*>(kt_bytes);
@@ -227,9 +229,11 @@ void ValuesOverParts(int64_t rows, const void* const* parts, int64_t blocks, int
 
 // PagedKernels::values for a bf16 V.
 void Values(int64_t rows, int64_t keys, int64_t width, const float* p, int64_t ldp, const void* v_bytes,
-            const float* o_scale, float* o, int64_t ldo, const void* ahead_bytes, int64_t ahead_size) {
+            const uint16_t* value_scales, const float* o_scale, float* o, int64_t ldo, const void* ahead_bytes,
+            int64_t ahead_size) {
   if (keys > kMaxElements) {
-    avx512::kPagedKernels[2].values(rows, keys, width, p, ldp, v_bytes, o_scale, o, ldo, ahead_bytes, ahead_size);
+    avx512::kPagedKernels[2].values(rows, keys, width, p, ldp, v_bytes, value_scales, o_scale, o, ldo, ahead_bytes,
+                                    ahead_size);
     return;
   }
   ValuesOverParts(rows, &v_bytes, 1, keys, keys, width, p, ldp, o_scale, o, ldo, ahead_bytes, ahead_size);

@@ -16,9 +16,49 @@ struct Bf16 {
   uint16_t bits;
 };
 
+// FP8 codes (quantized_cache.h), widened through fp16's bits: an E5M2 code is the top byte of the fp16 of its value;
+// an E4M3 code's exponent and mantissa bits, placed in fp16's, read 2^-8 of its value (the kernels fold the 256 into
+// the scales).
+struct E4m3 {
+  uint8_t bits;
+};
+struct E5m2 {
+  uint8_t bits;
+};
+inline uint16_t HalfBits(E4m3 x) {
+  return static_cast<uint16_t>(((x.bits & 0x80u) << 8) | ((x.bits & 0x7fu) << 7));
+}
+inline uint16_t HalfBits(E5m2 x) { return static_cast<uint16_t>(x.bits << 8); }
+template <typename E>
+inline constexpr bool kIsFp8 = sizeof(E) == 1;
+// The factor an FP8 element's widened value is short of the code's value.
+constexpr float WidenedFactor(E4m3) { return 256.0f; }
+constexpr float WidenedFactor(E5m2) { return 1.0f; }
+
 inline Isa::V LoadElements(const float* p) { return Isa::Load(p); }
 inline Isa::V LoadElements(const Half* p) { return Isa::LoadHalf(&p->bits); }
 inline Isa::V LoadElements(const Bf16* p) { return Isa::LoadBf16(&p->bits); }
+template <typename E, typename = decltype(HalfBits(E{}))>
+inline Isa::V LoadElements(const E* p) {
+  constexpr bool kE4m3 = WidenedFactor(E{}) != 1.0f;
+#if defined(__AVX512F__)
+  const __m256i x = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i bits = kE4m3 ? _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x80)), 8),
+                                               _mm256_slli_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x7f)), 7))
+                             : _mm256_slli_epi16(x, 8);
+  return _mm512_cvtph_ps(bits);
+#elif defined(__AVX2__)
+  const __m128i x = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m128i bits = kE4m3 ? _mm_or_si128(_mm_slli_epi16(_mm_and_si128(x, _mm_set1_epi16(0x80)), 8),
+                                            _mm_slli_epi16(_mm_and_si128(x, _mm_set1_epi16(0x7f)), 7))
+                             : _mm_slli_epi16(x, 8);
+  return _mm256_cvtph_ps(bits);
+#else
+  uint16_t halves[Isa::kLanes];
+  for (int i = 0; i < Isa::kLanes; ++i) halves[i] = HalfBits(p[i]);
+  return Isa::LoadHalf(halves);
+#endif
+}
 
 inline float Widen(float x) { return x; }
 inline float Widen(Half x) {
@@ -41,6 +81,8 @@ inline float Widen(Half x) {
   __builtin_memcpy(&f, &bits, sizeof(f));
   return f;
 }
+inline float Widen(E4m3 x) { return Widen(Half{HalfBits(x)}); }
+inline float Widen(E5m2 x) { return Widen(Half{HalfBits(x)}); }
 inline float Widen(Bf16 x) {
   const uint32_t bits = static_cast<uint32_t>(x.bits) << 16;
   float f;
@@ -57,6 +99,7 @@ inline Isa::V LoadElementsPartial(const E* p, int n) {
 }
 
 #include "server/backends/cpu/paged_kernels_common.h"  // Ahead, WithRows
+#include "server/backends/cpu/paged_kernels_int8.h"    // Int8Scores, Int8Values, ScaleOf
 
 // kRows rows of scores for kVectors vectors of keys, the whole depth in registers; depths c with c % kSets apart in
 // kSets sets of accumulators (more independent FMA chains when the block is small: 16 on AVX-512 cover the FMA
@@ -122,8 +165,18 @@ inline void PagedScoreGroups(int64_t rows, int64_t keys, int64_t depth, const fl
 
 template <typename E>
 void PagedScores(int64_t rows, int64_t keys, int64_t depth, const float* q, int64_t ldq, const void* kt_bytes,
-                 int64_t ldk, float* s, int64_t lds, const void* ahead_bytes, int64_t ahead_size) {
+                 int64_t ldk, const uint16_t* key_scales, float* s, int64_t lds, const void* ahead_bytes,
+                 int64_t ahead_size) {
   const E* kt = static_cast<const E*>(kt_bytes);
+  // An FP8 block's q times its key scales, per channel (each row's zeros past depth reach into the next row's).
+  float scaled[kInt8MaxRows * kInt8MaxDepth + 16];
+  if constexpr (kIsFp8<E>) {
+    for (int64_t r = 0; r < rows; ++r) {
+      ScaledRow(q + r * ldq, key_scales, depth, scaled + r * depth, WidenedFactor(E{}));
+    }
+    q = scaled;
+    ldq = depth;
+  }
   // The widest group of keys that divides the block: each q value loaded then feeds that many vectors.
   constexpr int kGroup = Isa::kPagedMaxVectors, kMid = kGroup > 1 ? kGroup / 2 : 1;
   const int vectors = keys % (kGroup * Isa::kLanes) == 0 ? kGroup
@@ -249,7 +302,16 @@ void ValuesOverParts(int64_t rows, const void* const* parts, int64_t blocks, int
 // PagedKernels::values: one block's V.
 template <typename E>
 void PagedValues(int64_t rows, int64_t keys, int64_t width, const float* p, int64_t ldp, const void* v_bytes,
-                 const float* o_scale, float* o, int64_t ldo, const void* ahead_bytes, int64_t ahead_size) {
+                 const uint16_t* value_scales, const float* o_scale, float* o, int64_t ldo, const void* ahead_bytes,
+                 int64_t ahead_size) {
+  float scaled[kInt8MaxRows * kInt8MaxKeys + 16];  // an FP8 block's p times its value scales, per token
+  if constexpr (kIsFp8<E>) {
+    for (int64_t r = 0; r < rows; ++r) {
+      ScaledRow(p + r * ldp, value_scales, keys, scaled + r * keys, WidenedFactor(E{}));
+    }
+    p = scaled;
+    ldp = keys;
+  }
   ValuesOverParts<E, Isa::kPagedValueRows, Isa::kPagedValueVectors, 1>(rows, &v_bytes, 1, keys, keys, width, p,
                                                                        ldp, o_scale, o, ldo, ahead_bytes, ahead_size);
 }
@@ -258,7 +320,8 @@ void PagedValues(int64_t rows, int64_t keys, int64_t width, const float* p, int6
 // of one vector (as many rows) when a block's keys are not a multiple of that.
 template <typename E>
 void PrefillScores(int64_t rows, int64_t keys, int64_t depth, const float* q, int64_t ldq, const void* kt_bytes,
-                   int64_t ldk, float* s, int64_t lds, const void* ahead_bytes, int64_t ahead_size) {
+                   int64_t ldk, const uint16_t* /*key_scales: none*/, float* s, int64_t lds, const void* ahead_bytes,
+                   int64_t ahead_size) {
   const E* kt = static_cast<const E*>(kt_bytes);
   constexpr int kVectors = Isa::kPrefillScoreVectors, kBudget = Isa::kPrefillScoreRows * kVectors;
   const bool wide = keys % (kVectors * Isa::kLanes) == 0;
@@ -272,10 +335,18 @@ void PrefillScores(int64_t rows, int64_t keys, int64_t depth, const float* q, in
   }
 }
 
-// Decode: the kPaged register blocks; prefill: the kPrefill ones.
+// Decode: the kPaged register blocks; prefill: the kPrefill ones. The 8-bit caches have decode kernels only (their
+// prefill takes the gather path).
 template <typename E>
 constexpr PagedKernels KernelsOf() {
-  return {&PagedScores<E>, &PagedValues<E>, &PrefillScores<E>,
-          &ValuesOverParts<E, Isa::kPrefillValueRows, Isa::kPrefillValueVectors, Isa::kPrefillValueParts>};
+  if constexpr (kIsFp8<E>) {
+    return {&PagedScores<E>, &PagedValues<E>, nullptr, nullptr};
+  } else {
+    return {&PagedScores<E>, &PagedValues<E>, &PrefillScores<E>,
+            &ValuesOverParts<E, Isa::kPrefillValueRows, Isa::kPrefillValueVectors, Isa::kPrefillValueParts>};
+  }
 }
-extern const PagedKernels kPagedKernels[3] = {KernelsOf<float>(), KernelsOf<Half>(), KernelsOf<Bf16>()};
+// By cache dtype - 1 (FP32, FP16, BF16, INT8, FP8_E4M3, FP8_E5M2).
+extern const PagedKernels kPagedKernels[kPagedDtypes] = {
+    KernelsOf<float>(), KernelsOf<Half>(),  KernelsOf<Bf16>(),
+    {&Int8Scores, &Int8Values, nullptr, nullptr}, KernelsOf<E4m3>(), KernelsOf<E5m2>()};

@@ -86,8 +86,8 @@ void RunUnit(const kernels::TileKernels& tiles, const kernels::PagedKernels& ker
              const Unit& unit, float* heads, int64_t ldh) {
   const KvCacheLayout& c = p.cache;
   const int64_t dk = p.heads.head_dim, tb = c.block_tokens, G = p.heads.group_size();
-  const int64_t rows = G * (unit.i1 - unit.i0), element = static_cast<int64_t>(DTypeSize(c.dtype));
-  const int64_t half = c.HeadElements() / 2 * element;  // bytes of a head's K^T, and of its V
+  const int64_t rows = G * (unit.i1 - unit.i0);
+  const int64_t half = c.KeyBytes();  // bytes of a head's K^T, and of its V
   const bool stats = seq.stats.entropy != nullptr;     // lse alone comes from the plain softmax's max and sum
   PrefillScratch& t = ThreadPrefillScratch();
   float* queries = Grown(t.queries, rows * dk);
@@ -104,7 +104,7 @@ void RunUnit(const kernels::TileKernels& tiles, const kernels::PagedKernels& ker
   const void* values[kSpanKeys / 16];  // a span's V parts (blocks of at least 16 tokens)
   // KV head g's part of block b (its K^T, then V `half` bytes on); null past the unit's last block.
   const auto Part = [&](int64_t b) -> const char* {
-    return b < blocks ? seq.blocks[b] + c.KeyOffset(unit.g) * element : nullptr;
+    return b < blocks ? seq.blocks[b] + c.KeyPart(unit.g) : nullptr;
   };
   for (int64_t i = unit.i0; i < unit.i1; ++i) {
     const int64_t r = (i - unit.i0) * G;
@@ -129,8 +129,8 @@ void RunUnit(const kernels::TileKernels& tiles, const kernels::PagedKernels& ker
     if (live == 0) continue;
     float* s = scores + first * lds;
     for (int64_t b = b0; b < b1; ++b) {
-      kernels.prefill_scores(live, tb, dk, queries + first * dk, dk, Part(b), tb, s + (b - b0) * tb, lds, Part(b + 1),
-                             half);
+      kernels.prefill_scores(live, tb, dk, queries + first * dk, dk, Part(b), tb, /*key_scales=*/nullptr,
+                             s + (b - b0) * tb, lds, Part(b + 1), half);
     }
     if (stats) {
       const kernels::SoftmaxStatsBlock block{b0 * tb, query_pos + first, seq.stats.sink_tokens,
@@ -159,7 +159,9 @@ void RunUnit(const kernels::TileKernels& tiles, const kernels::PagedKernels& ker
 }  // namespace
 
 bool TakesPrefillPath(const PagedProblem& problem, const PagedSequence& seq) {
-  return !TakesDecodePath(problem, seq) && !seq.weights.requested() && problem.cache.block_tokens % 16 == 0;
+  // The 8-bit caches have no prefill kernels yet: their prefill gathers the cache (paged_attention.h).
+  return !TakesDecodePath(problem, seq) && !seq.weights.requested() && problem.cache.block_tokens % 16 == 0 &&
+         !problem.cache.Quantized();
 }
 
 absl::Status PrefillSequences(const kernels::TileKernels& tiles, const kernels::PagedKernels& kernels,

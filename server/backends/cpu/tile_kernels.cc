@@ -64,7 +64,8 @@ bool CpuHasF16c() {
 // bf16's precision only: its products round the weights to bf16. Its decode kernels: the AVX-512 set's for fp32
 // and fp16 caches, AVX512-BF16's dot products for bf16 caches.
 TileKernels Bf16Set(TileKernels k) {
-  static const PagedKernels kPaged[3] = {k.paged[0], k.paged[1], avx512bf16::kBf16PagedKernels};
+  static const PagedKernels kPaged[kPagedDtypes] = {k.paged[0], k.paged[1], avx512bf16::kBf16PagedKernels,
+                                                    k.paged[3], k.paged[4], k.paged[5]};
   k.online_softmax = avx512::kBf16OnlineSoftmax;
   k.online_softmax_stats = avx512::kBf16OnlineSoftmaxStats;
   k.paged = kPaged;

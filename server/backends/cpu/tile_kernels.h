@@ -31,25 +31,37 @@ inline constexpr float kLog2e = 1.44269504088896341f;
 // prefetches at once fills the line-fill buffers and stalls the core instead.
 struct PagedKernels {
   // s[r, j] (row stride lds) = sum over c < depth of q[r, c] (fp32, row stride ldq) * kt[c, j] for r < rows and
-  // j < keys, kt a block's K^T (depth rows of ldk elements); keys a multiple of 16.
+  // j < keys, kt a block's K^T (depth rows of ldk elements); keys a multiple of 16. An 8-bit cache's kt is its K
+  // part's codes (quantized_cache.h) and key_scales its bf16 scales per channel (null for the other dtypes); its
+  // rows at most kQuantizedMaxRows, depth and keys at most kQuantizedMaxElements.
   void (*scores)(int64_t rows, int64_t keys, int64_t depth, const float* q, int64_t ldq, const void* kt,
-                 int64_t ldk, float* s, int64_t lds, const void* ahead, int64_t ahead_bytes);
+                 int64_t ldk, const uint16_t* key_scales, float* s, int64_t lds, const void* ahead,
+                 int64_t ahead_bytes);
   // o[r, c] (row stride ldo) = o_scale[r] * o[r, c] + sum over j < keys of p[r, j] (row stride ldp) * v[j, c] for
-  // r < rows and c < width, v a block's V (keys rows of width elements).
+  // r < rows and c < width, v a block's V (keys rows of width elements); an 8-bit cache's V codes and bf16 scales
+  // per token, as for scores.
   void (*values)(int64_t rows, int64_t keys, int64_t width, const float* p, int64_t ldp, const void* v,
-                 const float* o_scale, float* o, int64_t ldo, const void* ahead, int64_t ahead_bytes);
+                 const uint16_t* value_scales, const float* o_scale, float* o, int64_t ldo, const void* ahead,
+                 int64_t ahead_bytes);
   // The same for a prefill tile's many rows (paged_prefill.h): register blocks that serve more rows from each
   // vector of K^T or V they load, as the tile kernels' do (a decode's few rows take the ones above, which keep more
   // chains of accumulation in flight for them).
   void (*prefill_scores)(int64_t rows, int64_t keys, int64_t depth, const float* q, int64_t ldq, const void* kt,
-                         int64_t ldk, float* s, int64_t lds, const void* ahead, int64_t ahead_bytes);
+                         int64_t ldk, const uint16_t* key_scales, float* s, int64_t lds, const void* ahead,
+                         int64_t ahead_bytes);
   // prefill_values reads several blocks' V at once (v[b] for b < blocks, each of block_keys keys but the last, of
   // last_keys; key j of block b is p's column b block_keys + j), so that each row's outputs stay in registers
   // across them.
   void (*prefill_values)(int64_t rows, const void* const* v, int64_t blocks, int64_t block_keys, int64_t last_keys,
                          int64_t width, const float* p, int64_t ldp, const float* o_scale, float* o, int64_t ldo,
                          const void* ahead, int64_t ahead_bytes);
+  // (The 8-bit caches' sets have no prefill kernels: null.)
 };
+
+// Kernel sets per cache dtype, indexed by dtype - 1: FP32, FP16, BF16, INT8, FP8_E4M3, FP8_E5M2.
+inline constexpr int kPagedDtypes = 6;
+// The 8-bit caches' decode kernels keep per-row buffers on the stack: rows, and depth or block keys, up to these.
+inline constexpr int64_t kQuantizedMaxRows = 16, kQuantizedMaxElements = 256;
 
 // The softmax statistics (attention.proto's HeadStats) that online_softmax_stats and softmax_stats keep beside each
 // row's max and sum, in the scores' units (natural or log2) and rescaled with the sum, kStatsPerRow floats per row

@@ -389,6 +389,11 @@ absl::Status CudaBackend::Impl::FinishPaged(const PagedArgs& a, PagedCall& c, cu
 
 absl::Status CudaBackend::SupportsPaged(const PagedProblem& problem) const {
   const HeadSpec& h = problem.heads;
+  if (problem.cache.Quantized()) {
+    return absl::UnimplementedError(absl::StrCat("the CUDA paged kernels read fp32, fp16 and bf16 caches; a ",
+                                                 DTypeName(problem.cache.dtype),
+                                                 " cache is computed on the CPU (BACKEND_AUTO picks it)"));
+  }
   if (h.head_dim > cuda::kMaxHeadDim) {
     return absl::UnimplementedError(
         absl::StrCat("the CUDA paged kernels compute head_dim up to ", cuda::kMaxHeadDim, ", got ", h.head_dim));

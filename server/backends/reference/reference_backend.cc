@@ -9,6 +9,7 @@
 
 #include "proto/mha/v1/tensor_codec.h"
 #include "server/backends/float_io.h"
+#include "server/backends/quantized_cache.h"
 #include "server/backends/synthetic.h"
 #include "server/base/status_macros.h"
 
@@ -285,8 +286,27 @@ void SetCacheElement(const KvCacheLayout& c, char* block, int64_t index, double 
   EncodeFromFloat(c.dtype, &narrowed, 1, block + index * DTypeSize(c.dtype));
 }
 
+// An 8-bit cache's new tokens, block by block (each block's tokens in one write, as every backend writes them, so
+// that its scales grow alike), through fp32 as the other backends' projections arrive.
+void WriteQuantized(const KvCacheLayout& c, const PagedSequence& seq, const double* k, const double* v) {
+  const int64_t dk = c.head_dim, tb = c.block_tokens, Hkv = c.num_kv_heads;
+  const std::vector<float> kf(k, k + seq.new_tokens * Hkv * dk), vf(v, v + seq.new_tokens * Hkv * dk);
+  for (int64_t t0 = seq.length; t0 < seq.length + seq.new_tokens;) {
+    const int64_t t1 = std::min(seq.length + seq.new_tokens, (t0 / tb + 1) * tb), i = t0 - seq.length;
+    for (int64_t g = 0; g < Hkv; ++g) {
+      quant::WriteTokens(c, seq.blocks[t0 / tb], g, t0 % tb, t1 - t0, &kf[(i * Hkv + g) * dk], Hkv * dk,
+                         &vf[(i * Hkv + g) * dk], Hkv * dk);
+    }
+    t0 = t1;
+  }
+}
+
 // Writes the new tokens' k and v [n, Hkv, d_k] into their slots, positions length.., rounded to the cache's dtype.
 void WriteTokens(const KvCacheLayout& c, const PagedSequence& seq, const double* k, const double* v) {
+  if (c.Quantized()) {
+    WriteQuantized(c, seq, k, v);
+    return;
+  }
   const int64_t dk = c.head_dim, tb = c.block_tokens;
   for (int64_t i = 0; i < seq.new_tokens; ++i) {
     const int64_t t = seq.length + i;
@@ -308,7 +328,11 @@ void ReadCache(const KvCacheLayout& c, const PagedSequence& seq, std::vector<dou
   for (int64_t t = 0; t < tokens; ++t) {
     const char* block = seq.blocks[t / tb];
     for (int64_t g = 0; g < c.num_kv_heads; ++g) {
-      for (int64_t d = 0; d < dk; ++d) {
+      for (int64_t d = 0; d < dk && c.Quantized(); ++d) {
+        (*k)[(t * c.num_kv_heads + g) * dk + d] = quant::KeyAt(c, block, g, t % tb, d);
+        (*v)[(t * c.num_kv_heads + g) * dk + d] = quant::ValueAt(c, block, g, t % tb, d);
+      }
+      for (int64_t d = 0; d < dk && !c.Quantized(); ++d) {
         (*k)[(t * c.num_kv_heads + g) * dk + d] = CacheElement(c, block, c.KeyOffset(g) + d * tb + t % tb);
         (*v)[(t * c.num_kv_heads + g) * dk + d] = CacheElement(c, block, c.ValueOffset(g) + (t % tb) * dk + d);
       }
