@@ -23,7 +23,8 @@ ABSL_FLAG(int, steps, 32, "decode: decode steps, one new token per session and l
 ABSL_FLAG(std::string, session_layers, "",
           "decode: registered layers of layer sessions, comma-separated (x in); empty = head sessions (q, k, v in)");
 ABSL_FLAG(int, num_layers, 1, "decode: caches per head session (layers of the model)");
-ABSL_FLAG(std::string, cache_dtype, "bf16", "decode: what the caches store: fp32, fp16 or bf16");
+ABSL_FLAG(std::string, cache_dtype, "bf16",
+          "decode: what the caches store: fp32, fp16, bf16, int8, fp8_e4m3 or fp8_e5m2");
 ABSL_FLAG(double, rope_theta, 500000, "decode: head sessions' RoPE base; 0 = none");
 ABSL_FLAG(bool, per_session, false, "decode: one call per session and layer, -c calls in flight (default: batched)");
 ABSL_FLAG(int64_t, prefill_chunk, 1024, "decode: tokens per prefill call");
@@ -106,7 +107,7 @@ int RunDecode(const ClientOptions& options) {
   absl::StatusOr<DecodeOptions::Transport> transport = ParseTransport(absl::GetFlag(FLAGS_transport));
   if (!transport.ok()) return UsageError(transport.status());
   o.transport = *transport;
-  absl::StatusOr<v1::DataType> cache = ParseDtype(absl::GetFlag(FLAGS_cache_dtype), "cache_dtype");
+  absl::StatusOr<v1::DataType> cache = ParseCacheDtype(absl::GetFlag(FLAGS_cache_dtype), "cache_dtype");
   if (!cache.ok()) return UsageError(cache.status());
   o.cache_dtype = *cache;
   const std::string wire = absl::GetFlag(FLAGS_dtype);

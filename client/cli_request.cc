@@ -117,6 +117,14 @@ absl::StatusOr<v1::DataType> ParseDtype(const std::string& name, const std::stri
   return Usage(absl::StrCat("--", flag, " must be fp32, fp16 or bf16; got '", name, "'"));
 }
 
+absl::StatusOr<v1::DataType> ParseCacheDtype(const std::string& name, const std::string& flag) {
+  if (name == "int8") return v1::INT8;
+  if (name == "fp8_e4m3") return v1::FP8_E4M3;
+  if (name == "fp8_e5m2") return v1::FP8_E5M2;
+  if (name == "fp32" || name == "fp16" || name == "bf16") return ParseDtype(name, flag);
+  return Usage(absl::StrCat("--", flag, " must be fp32, fp16, bf16, int8, fp8_e4m3 or fp8_e5m2; got '", name, "'"));
+}
+
 absl::StatusOr<RequestFlags> RequestFlagsFromCommandLine() {
   RequestFlags f;
   f.query_path = absl::GetFlag(FLAGS_query);

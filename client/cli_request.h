@@ -55,6 +55,8 @@ absl::StatusOr<PreparedRequest> PrepareRequest(const RequestFlags& flags, Attent
 // Fills v1::Backend / v1::DataType from the flag spellings ("auto", "cpu", ...; "fp32", "fp16", "bf16").
 absl::StatusOr<v1::Backend> ParseBackend(const std::string& name);
 absl::StatusOr<v1::DataType> ParseDtype(const std::string& name, const std::string& flag);
+// The same for a cache's dtype, which may also be int8, fp8_e4m3 or fp8_e5m2.
+absl::StatusOr<v1::DataType> ParseCacheDtype(const std::string& name, const std::string& flag);
 
 }  // namespace mha::cli
 

@@ -130,6 +130,18 @@ def _stubs():
 _DTYPE_NAMES = {"fp32": 1, "float32": 1, "fp16": 2, "float16": 2, "half": 2, "bf16": 3, "bfloat16": 3}
 
 
+_CACHE_DTYPE_NAMES = {"int8": 4, "fp8_e4m3": 5, "fp8_e5m2": 6}
+
+
+def _cache_dtype_enum(dtype):
+    """A cache_dtype: what _dtype_enum takes, or 'int8' / 'fp8_e4m3' / 'fp8_e5m2' (4..6), which only a cache stores."""
+    if isinstance(dtype, str) and dtype.lower() in _CACHE_DTYPE_NAMES:
+        return _CACHE_DTYPE_NAMES[dtype.lower()]
+    if isinstance(dtype, (int, np.integer)) and not isinstance(dtype, bool) and int(dtype) in (4, 5, 6):
+        return int(dtype)
+    return _dtype_enum(dtype)
+
+
 def _dtype_enum(dtype):
     """Maps None / 'fp32' / 'fp16' / 'bf16' / np.float32 / np.float16 / enum value to the DataType number."""
     if dtype is None:
@@ -592,12 +604,13 @@ class MhaClient:
                        idle_timeout_s=0, session_id="", recover=False):
         """CreateSession: a KV cache the server keeps. layers: names of registered layers (a layer session: x in,
         the layer's output out, one cache per layer); otherwise a head session of num_heads / num_kv_heads /
-        head_dim (q, k, v in, the heads out) with num_layers caches (0 = 1). cache_dtype: None ('fp32'), 'fp16' or
-        'bf16'. max_tokens 0 / idle_timeout_s 0: the server's defaults. session_id "": the server picks one.
+        head_dim (q, k, v in, the heads out) with num_layers caches (0 = 1). cache_dtype: None ('fp32'), 'fp16',
+        'bf16', or the 8-bit 'int8', 'fp8_e4m3', 'fp8_e5m2' (a byte per element, scales computed by the server).
+        max_tokens 0 / idle_timeout_s 0: the server's defaults. session_id "": the server picks one.
         recover: True (or a Recovery) records what the session is fed and rebuilds it when it is lost (see
         Recovery); choose session_id when a proxy routes by it. Returns a Session."""
         req = self._pb.CreateSessionRequest(session_id=session_id, num_layers=int(num_layers),
-                                            cache_dtype=_dtype_enum(cache_dtype), max_tokens=int(max_tokens),
+                                            cache_dtype=_cache_dtype_enum(cache_dtype), max_tokens=int(max_tokens),
                                             idle_timeout_s=int(idle_timeout_s))
         if layers:
             req.layers.extend(list(layers))

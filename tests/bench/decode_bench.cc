@@ -21,6 +21,7 @@
 #include "absl/strings/str_cat.h"
 #include "proto/mha/v1/tensor_codec.h"
 #include "server/backends/cpu/cpu_backend.h"
+#include "server/backends/quantized_cache.h"
 #include "server/sessions/session_store.h"
 #include "tests/bench/fma_probe.h"
 #include "tests/bench/memory_probe.h"
@@ -70,7 +71,7 @@ class DecodeCase {
 
   const std::string& name() const { return name_; }
   int64_t BytesPerCall() const {
-    return sessions_ * static_cast<int64_t>(KvCacheBytes(heads_, length_ + 1, DTypeSize(dtype_)));
+    return sessions_ * static_cast<int64_t>(KvCacheBytes(heads_, length_ + 1, dtype_, block_tokens_));
   }
 
   // Sessions in `copies` groups, caches filled with `length` tokens of random keys and values (written, not
@@ -91,7 +92,15 @@ class DecodeCase {
     const KvCacheLayout layout{heads_.num_kv_heads, heads_.head_dim, options.block_tokens, dtype_};
     const std::vector<float> values = Random(layout.BlockElements(), 7);
     std::string block_bytes(layout.BlockBytes(), '\0');
-    EncodeFromFloat(dtype_, values.data(), values.size(), block_bytes.data());
+    if (layout.Quantized()) {  // a whole block of tokens per KV head, quantized as the server writes them
+      const int64_t dk = heads_.head_dim;
+      for (int64_t g = 0; g < heads_.num_kv_heads; ++g) {
+        const float* k = values.data() + g * 2 * dk * block_tokens_;
+        quant::WriteTokens(layout, block_bytes.data(), g, 0, block_tokens_, k, dk, k + dk * block_tokens_, dk);
+      }
+    } else {
+      EncodeFromFloat(dtype_, values.data(), values.size(), block_bytes.data());
+    }
     for (int i = 0; i < copies_ * sessions_; ++i) {
       ids_.push_back(store_->Create(config, "", {})->session_id());
       ExtendReservation r = *store_->Reserve({ReserveItem{ids_.back(), 0, length_}});
@@ -373,7 +382,7 @@ int Main(int argc, char** argv) {
   }
   const int threads = omp_get_max_threads();
   std::vector<DecodeCase> decodes;
-  decodes.reserve(16);
+  decodes.reserve(32);
   decodes.emplace_back("decode_1x8192_bf16", 1, 8191, Heads(32, 8, 128), v1::BF16);
   decodes.emplace_back("decode_1x8192_fp32", 1, 8191, Heads(32, 8, 128), v1::FP32);
   decodes.emplace_back("decode_32x1024_bf16", 32, 1023, Heads(32, 8, 128), v1::BF16);
@@ -382,6 +391,14 @@ int Main(int argc, char** argv) {
   // fp16 caches, as llama.cpp's CPU flash attention decodes by default.
   decodes.emplace_back("decode_1x8192_fp16", 1, 8191, Heads(32, 8, 128), v1::FP16);
   decodes.emplace_back("decode_32x1024_fp16", 32, 1023, Heads(32, 8, 128), v1::FP16);
+  // 8-bit caches (a byte per element plus bf16 scales): against bf16 at the same shapes, and a 16K context.
+  for (v1::DataType dtype : {v1::INT8, v1::FP8_E4M3}) {
+    decodes.emplace_back(absl::StrCat("decode_1x8192_", DTypeName(dtype)), 1, 8191, Heads(32, 8, 128), dtype);
+    decodes.emplace_back(absl::StrCat("decode_32x2048_", DTypeName(dtype)), 32, 2047, Heads(32, 8, 128), dtype);
+  }
+  for (v1::DataType dtype : {v1::BF16, v1::INT8, v1::FP8_E4M3}) {
+    decodes.emplace_back(absl::StrCat("decode_1x16384_", DTypeName(dtype)), 1, 16383, Heads(32, 8, 128), dtype);
+  }
   // Caches that stay in a 32 MiB L3 under --warm (8 and 16 MiB): the kernels' ceiling on CPUs whose last level is
   // that small (one Zen 4 or 5 CCD).
   decodes.emplace_back("decode_1x2048_bf16", 1, 2047, Heads(32, 8, 128), v1::BF16);

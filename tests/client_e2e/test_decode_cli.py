@@ -37,6 +37,17 @@ def test_decode_layer_sessions_check_against_a_stateless_call(server, run_cli):
     assert report["check"]["max_error"] <= 1e-4
 
 
+@pytest.mark.parametrize("dtype", ["int8", "fp8_e4m3", "fp8_e5m2"])
+def test_decode_through_an_8_bit_cache_checks_and_counts_its_scales(server, run_cli, dtype):
+    report = decode(run_cli, server, "--sessions", "2", "--context", "64", "--steps", "3", "--heads", "8",
+                    "--kv_heads", "2", "--head_dim", "32", "--cache_dtype", dtype, "--check")
+    assert report["cache_dtype"] == dtype
+    assert report["check"]["max_error"] <= report["check"]["tolerance"]
+    # Per token and KV head: 32 key and 32 value codes, a value scale, and the key scales' share of a 32-token block.
+    per_token = 2 * (32 + 32 + 2 + 2 * 32 / 32)
+    assert report["kv_bytes_read"] == pytest.approx(2 * sum(64 + s + 1 for s in range(3)) * per_token)  # 2 sessions
+
+
 def test_decode_pretty_report_names_what_it_measured(server, run_cli):
     result = run_cli("decode", "--target", server.target, "--sessions", "2", "--context", "32", "--steps", "2")
     assert result.returncode == 0, result.stderr
@@ -60,7 +71,7 @@ def test_decode_both_transports_time_every_other_step_each_way(server, run_cli, 
 @pytest.mark.parametrize("args,message", [
     (["--sessions", "0"], "--sessions"),
     (["--heads", "8", "--kv_heads", "3"], "--kv_heads"),
-    (["--cache_dtype", "int8"], "cache_dtype"),
+    (["--cache_dtype", "int4"], "cache_dtype"),
     (["-O", "csv"], "-O"),
     (["--transport", "udp"], "--transport must be stream, unary or both"),
 ])

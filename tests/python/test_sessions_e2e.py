@@ -217,6 +217,21 @@ def test_16_bit_caches_round_keys_and_values_once(client, cache):
     session.close()
 
 
+@pytest.mark.parametrize("cache,bound", [("int8", 0.03), ("fp8_e4m3", 0.06), ("fp8_e5m2", 0.12)])
+def test_8_bit_caches_keep_a_decodes_relative_error_within_bound(client, cache, bound):
+    rng = rng_for("cache", cache)
+    H, Hkv, dk = 8, 2, 64
+    session = client.create_session(num_heads=H, num_kv_heads=Hkv, head_dim=dk, rope_theta=10000.0,
+                                    cache_dtype=cache)
+    ref = TorchDecoder(H, Hkv, dk, 10000.0)  # never rounded: the error is the cache's
+    for n in [40, 1, 1, 1]:
+        q, k, v = f32(rng, n, H, dk), f32(rng, n, Hkv, dk), f32(rng, n, Hkv, dk)
+        got, want = session.extend(0, q=q, k=k, v=v).output, ref.step_heads(q, k, v).numpy()
+        assert np.linalg.norm(got - want) <= bound * np.linalg.norm(want)
+    assert session.info["cache_dtype"] == cache.upper()
+    session.close()
+
+
 def test_fork_and_truncate_follow_the_torch_caches(client):
     rng = rng_for("fork")
     H, Hkv, dk = 4, 2, 16
