@@ -1035,8 +1035,8 @@ std::vector<SessionCase> SessionCases() {
   }
   // The prefill path (more query rows per KV head than decode's, no weights): tiles of new tokens over the blocks in
   // place, causal within the chunk, chunks deep into the cache; blocks of 32 (the AVX-512 prefill kernels' 32-key
-  // steps) and 48 (16-key steps), one KV head per query head and eight query heads per KV head (the 8-bit caches
-  // gather).
+  // steps) and 48 (16-key steps), one KV head per query head and eight query heads per KV head (the 8-bit caches:
+  // their decode kernels over groups of the tile's rows).
   for (v1::DataType cache : {v1::FP32, v1::FP16, v1::BF16, v1::INT8, v1::FP8_E4M3, v1::FP8_E5M2}) {
     SessionCase prefill = SessionCase();
     prefill.name = "session_heads_prefill_block32_cache_" + DTypeName(cache);
@@ -1065,8 +1065,8 @@ std::vector<SessionCase> SessionCases() {
   c.block_tokens = 16;
   c.steps = {{40}, {33}, {3}};
   cases.push_back(c);
-  // 8-bit caches (quantized_cache.h): decode steps on the kernels that compute on the codes, weights (and prefill,
-  // below) on the gather path, keys whose block scales grow token by token (requantizing the block's earlier keys),
+  // 8-bit caches (quantized_cache.h): decode steps on the kernels that compute on the codes (and prefill, below),
+  // weights on the gather path, keys whose block scales grow token by token (requantizing the block's earlier keys),
   // an odd head_dim (a padding depth), truncation back into a block, forks that diverge in a shared block.
   for (v1::DataType cache : {v1::INT8, v1::FP8_E4M3, v1::FP8_E5M2}) {
     SessionCase heads = SessionCase();
@@ -1318,7 +1318,11 @@ std::vector<PagedStatsCase> PagedStatsCases() {
           {"decode_split_cache_without_append", 1, false, v1::BF16, 2000},
           // The prefill path deep into a cache: several steps of its online softmax, each over many blocks.
           {"chunk_prefill_path_deep_fp16", 20, true, v1::FP16, 2000},
-          {"chunk_without_append_deep_bf16", 20, false, v1::BF16, 2000}};
+          {"chunk_without_append_deep_bf16", 20, false, v1::BF16, 2000},
+          // 8-bit caches: their decode kernels split over the threads, and over groups of a prefill tile's rows.
+          {"decode_split_cache_int8", 1, true, v1::INT8, 2000},
+          {"chunk_prefill_path_deep_int8", 20, true, v1::INT8, 2000},
+          {"chunk_without_append_deep_fp8_e4m3", 20, false, v1::FP8_E4M3, 2000}};
 }
 
 INSTANTIATE_TEST_SUITE_P(Backends, PagedStatsTest,

@@ -13,6 +13,7 @@
 
 #include "proto/mha/v1/tensor_codec.h"
 #include "server/backends/backend.h"
+#include "server/backends/cpu/tile_kernels.h"
 #include "server/backends/registry.h"
 
 namespace mha {
@@ -125,6 +126,76 @@ TEST_P(QuantizedBlockTest, SlotZeroForgetsTheBlocksOldScales) {
 
 INSTANTIATE_TEST_SUITE_P(Dtypes, QuantizedBlockTest, ::testing::Values(v1::INT8, v1::FP8_E4M3, v1::FP8_E5M2),
                          [](const auto& info) { return DTypeName(info.param); });
+
+// ---------------------------------------------------------------------------------------------------------------
+// The INT8 decode kernels of every instruction set this CPU runs sum the same integers: equal scores, and values
+// equal but for the last rounding (a fused multiply-add or not). The AVX-512 set's kernels without VNNI are reached
+// here directly, since where VNNI exists the server takes VNNI's.
+
+}  // namespace
+namespace kernels {
+namespace avx512 {
+extern const PagedKernels kPagedKernels[kPagedDtypes];
+}
+namespace avx2 {
+extern const PagedKernels kPagedKernels[kPagedDtypes];
+}
+namespace portable {
+extern const PagedKernels kPagedKernels[kPagedDtypes];
+}
+namespace avx512vnni {
+extern const PagedKernels kInt8PagedKernels;
+}
+}  // namespace kernels
+namespace {
+
+struct Int8Set {
+  const char* name;
+  const kernels::PagedKernels* kernels;
+  bool runs;
+};
+
+std::vector<Int8Set> Int8Sets() {
+  __builtin_cpu_init();
+  const bool avx512 = kernels::TileKernelsFor("avx512") != nullptr;
+  return {{"portable", &kernels::portable::kPagedKernels[v1::INT8 - 1], true},
+          {"avx2", &kernels::avx2::kPagedKernels[v1::INT8 - 1], kernels::TileKernelsFor("avx2") != nullptr},
+          {"avx512", &kernels::avx512::kPagedKernels[v1::INT8 - 1], avx512},
+          {"avx512vnni", &kernels::avx512vnni::kInt8PagedKernels,
+           avx512 && __builtin_cpu_supports("avx512vnni")}};
+}
+
+TEST(Int8Kernels, EverySetComputesTheSameSums) {
+  const KvCacheLayout c{1, 80, 32, v1::INT8};  // 80: a partial vector of columns on every set
+  std::vector<char> block(c.BlockBytes());
+  std::mt19937 rng(5);
+  std::normal_distribution<float> normal;
+  std::vector<float> k(32 * 80), v(32 * 80), q(5 * 80), p(5 * 32);
+  for (auto* x : {&k, &v, &q}) {
+    for (float& e : *x) e = normal(rng);
+  }
+  for (float& e : p) e = std::fabs(normal(rng));
+  quant::WriteTokens(c, block.data(), 0, 0, 32, k.data(), 80, v.data(), 80);
+  const char* key_part = block.data() + c.KeyPart(0);
+  const char* value_part = block.data() + c.ValuePart(0);
+  const auto* key_scales = reinterpret_cast<const uint16_t*>(key_part + quant::KeyScalesOffset(c));
+  const auto* value_scales = reinterpret_cast<const uint16_t*>(value_part + quant::ValueScalesOffset(c));
+  const std::vector<float> o_scale = {0.5f, 1.0f, 2.0f, 0.0f, 1.5f};
+  std::vector<float> want_s, want_o;
+  for (const Int8Set& set : Int8Sets()) {
+    if (!set.runs) continue;
+    std::vector<float> s(5 * 32), o(5 * 80, 1.0f);
+    set.kernels->scores(5, 32, 80, q.data(), 80, key_part, 32, key_scales, s.data(), 32, nullptr, 0);
+    set.kernels->values(5, 29, 80, p.data(), 32, value_part, value_scales, o_scale.data(), o.data(), 80, nullptr, 0);
+    if (want_s.empty()) {
+      want_s = s;
+      want_o = o;
+      continue;
+    }
+    EXPECT_EQ(s, want_s) << set.name;
+    for (size_t i = 0; i < o.size(); ++i) EXPECT_NEAR(o[i], want_o[i], 1e-5 * (1 + std::fabs(want_o[i]))) << set.name;
+  }
+}
 
 // ---------------------------------------------------------------------------------------------------------------
 // Accuracy of a decode token (GQA groups of 4, d_k 128, 2048 cached tokens written one at a time as a decode writes

@@ -107,13 +107,7 @@ const char* PartAhead(const KvCacheLayout& c, const PagedSequence& seq, const Un
   return nullptr;
 }
 
-// An 8-bit cache's scales in a KV head's K part and V part (null for the other dtypes).
-const uint16_t* KeyScales(const KvCacheLayout& c, const char* key_part) {
-  return c.Quantized() ? reinterpret_cast<const uint16_t*>(key_part + quant::KeyScalesOffset(c)) : nullptr;
-}
-const uint16_t* ValueScales(const KvCacheLayout& c, const char* value_part) {
-  return c.Quantized() ? reinterpret_cast<const uint16_t*>(value_part + quant::ValueScalesOffset(c)) : nullptr;
-}
+
 
 // One unit of the decode path into its partial result: block after block, KV head after KV head, each head's part
 // streamed once for its G n query rows, the next part prefetched while this one computes; during its last part,
@@ -321,14 +315,22 @@ absl::Status GatherSequence(const kernels::TileKernels& tiles, const PagedProble
 
 }  // namespace
 
+const uint16_t* KeyScales(const KvCacheLayout& c, const char* key_part) {
+  return c.Quantized() ? reinterpret_cast<const uint16_t*>(key_part + quant::KeyScalesOffset(c)) : nullptr;
+}
+
+const uint16_t* ValueScales(const KvCacheLayout& c, const char* value_part) {
+  return c.Quantized() ? reinterpret_cast<const uint16_t*>(value_part + quant::ValueScalesOffset(c)) : nullptr;
+}
+
+bool QuantizedKernelsTake(const KvCacheLayout& c) {
+  return !c.Quantized() ||
+         (c.head_dim <= kernels::kQuantizedMaxElements && c.block_tokens <= kernels::kQuantizedMaxElements);
+}
+
 bool TakesDecodePath(const PagedProblem& problem, const PagedSequence& seq) {
-  const KvCacheLayout& c = problem.cache;
-  if (c.Quantized() &&
-      (c.head_dim > kernels::kQuantizedMaxElements || c.block_tokens > kernels::kQuantizedMaxElements)) {
-    return false;  // beyond the 8-bit kernels' stack buffers
-  }
   return !seq.weights.requested() && problem.heads.group_size() * seq.new_tokens <= kDecodeRows &&
-         c.block_tokens % 16 == 0;
+         problem.cache.block_tokens % 16 == 0 && QuantizedKernelsTake(problem.cache);
 }
 
 void WriteTokens(const KvCacheLayout& c, absl::Span<const PagedSequence> sequences, const PagedRows& rows,

@@ -30,6 +30,13 @@ inline constexpr int64_t kDecodeRows = 16;
 // Whether `seq` of a call of `problem` takes the decode path.
 bool TakesDecodePath(const PagedProblem& problem, const PagedSequence& seq);
 
+// An 8-bit cache's scales in a KV head's K part and V part (quantized_cache.h; null for the other dtypes).
+const uint16_t* KeyScales(const KvCacheLayout& cache, const char* key_part);
+const uint16_t* ValueScales(const KvCacheLayout& cache, const char* value_part);
+// Whether the paged kernels take `cache`'s blocks as far as its dtype goes: an 8-bit cache's head_dim and block up to
+// kernels::kQuantizedMaxElements (their kernels' stack buffers); every other cache.
+bool QuantizedKernelsTake(const KvCacheLayout& cache);
+
 // Rows of the new tokens of every sequence, one after another: sequence s's token i is row first_row[s] + i.
 struct PagedRows {
   absl::Span<const int64_t> first_row;

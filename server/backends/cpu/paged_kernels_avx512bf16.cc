@@ -200,13 +200,13 @@ void ValueBlock(const ValueParts& v, const uint16_t* pb, int64_t ldv, int64_t wi
 }
 
 // PagedKernels::prefill_values for bf16 V parts (and ::values, one part).
-void ValuesOverParts(int64_t rows, const void* const* parts, int64_t blocks, int64_t block_keys, int64_t last_keys,
-                     int64_t width, const float* p, int64_t ldp, const float* o_scale, float* o, int64_t ldo,
-                     const void* ahead_bytes, int64_t ahead_size) {
+void ValuesOverParts(int64_t rows, const void* const* parts, const uint16_t* const* value_scales, int64_t blocks,
+                     int64_t block_keys, int64_t last_keys, int64_t width, const float* p, int64_t ldp,
+                     const float* o_scale, float* o, int64_t ldo, const void* ahead_bytes, int64_t ahead_size) {
   const int64_t keys = (blocks - 1) * block_keys + last_keys;
   if (keys > kMaxElements || (blocks > 1 && block_keys % 2 != 0)) {
-    avx512::kPagedKernels[2].prefill_values(rows, parts, blocks, block_keys, last_keys, width, p, ldp, o_scale, o,
-                                            ldo, ahead_bytes, ahead_size);
+    avx512::kPagedKernels[2].prefill_values(rows, parts, value_scales, blocks, block_keys, last_keys, width, p, ldp,
+                                            o_scale, o, ldo, ahead_bytes, ahead_size);
     return;
   }
   alignas(64) uint16_t pb[kValueRows * kMaxElements];
@@ -236,7 +236,7 @@ void Values(int64_t rows, int64_t keys, int64_t width, const float* p, int64_t l
                                     ahead_size);
     return;
   }
-  ValuesOverParts(rows, &v_bytes, 1, keys, keys, width, p, ldp, o_scale, o, ldo, ahead_bytes, ahead_size);
+  ValuesOverParts(rows, &v_bytes, nullptr, 1, keys, keys, width, p, ldp, o_scale, o, ldo, ahead_bytes, ahead_size);
 }
 
 }  // namespace

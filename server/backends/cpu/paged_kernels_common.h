@@ -1,5 +1,6 @@
 // What the decode kernels of every instruction set share: Ahead, their prefetches of the next part of a cache block
-// spread over a loop's steps, and WithRows, the register block height as a constant. Included inside a kernel set's
+// spread over a loop's steps; WithRows, the register block height as a constant; and the 8-bit caches' prefill
+// kernels made of their decode kernels. Included inside a kernel set's
 // namespace (paged_kernels_impl.h, paged_kernels_avx512bf16.cc), like the kernels it serves. Free of standard-library
 // templates.
 
@@ -34,4 +35,34 @@ inline void WithRows(int64_t rows, F&& f) {
     }
   }
   f(RowCount<kMax>{});
+}
+
+// PagedKernels::prefill_scores of an 8-bit cache: its decode kernel over groups of kQuantizedMaxRows rows (the size
+// of its per-row buffers).
+template <auto kScores>
+void ScoresInRowGroups(int64_t rows, int64_t keys, int64_t depth, const float* q, int64_t ldq, const void* kt,
+                       int64_t ldk, const uint16_t* key_scales, float* s, int64_t lds, const void* ahead,
+                       int64_t ahead_size) {
+  for (int64_t r = 0; r < rows; r += kQuantizedMaxRows) {
+    const int64_t n = rows - r < kQuantizedMaxRows ? rows - r : kQuantizedMaxRows;
+    kScores(n, keys, depth, q + r * ldq, ldq, kt, ldk, key_scales, s + r * lds, lds, r == 0 ? ahead : nullptr,
+            ahead_size);
+  }
+}
+
+// PagedKernels::prefill_values of an 8-bit cache: its decode kernel part after part (the first rescaling the
+// outputs, the later adding to them), over groups of kQuantizedMaxRows rows.
+template <auto kValues>
+void ValuesPartByPart(int64_t rows, const void* const* parts, const uint16_t* const* value_scales, int64_t blocks,
+                      int64_t block_keys, int64_t last_keys, int64_t width, const float* p, int64_t ldp,
+                      const float* o_scale, float* o, int64_t ldo, const void* ahead, int64_t ahead_size) {
+  for (int64_t b = 0; b < blocks; ++b) {
+    const void* next = b + 1 < blocks ? parts[b + 1] : ahead;
+    for (int64_t r = 0; r < rows; r += kQuantizedMaxRows) {
+      const int64_t n = rows - r < kQuantizedMaxRows ? rows - r : kQuantizedMaxRows;
+      kValues(n, b + 1 < blocks ? block_keys : last_keys, width, p + r * ldp + b * block_keys, ldp, parts[b],
+              value_scales[b], b == 0 && o_scale != nullptr ? o_scale + r : nullptr, o + r * ldo, ldo,
+              r == 0 ? next : nullptr, ahead_size);
+    }
+  }
 }

@@ -275,9 +275,9 @@ inline void PagedValuePanel(int64_t vectors, int64_t rows, const ValueParts<E>& 
 // columns, panel after panel of columns, kParts parts at a time: each row block keeps its outputs in registers over
 // that many parts, and every row block passes over them (on AVX2 one part at a time, which stays in L1, is faster).
 template <typename E, int kRows, int kVectors, int kParts>
-void ValuesOverParts(int64_t rows, const void* const* parts, int64_t blocks, int64_t block_keys, int64_t last_keys,
-                     int64_t width, const float* p, int64_t ldp, const float* o_scale, float* o, int64_t ldo,
-                     const void* ahead_bytes, int64_t ahead_size) {
+void ValuesOverParts(int64_t rows, const void* const* parts, const uint16_t* const* /*value_scales: none*/,
+                     int64_t blocks, int64_t block_keys, int64_t last_keys, int64_t width, const float* p, int64_t ldp,
+                     const float* o_scale, float* o, int64_t ldo, const void* ahead_bytes, int64_t ahead_size) {
   constexpr int64_t kPanel = kVectors * Isa::kLanes;
   const int64_t row_blocks = (rows + kRows - 1) / kRows, panels = (width + kPanel - 1) / kPanel;
   for (int64_t g = 0; g < blocks; g += kParts) {
@@ -312,8 +312,9 @@ void PagedValues(int64_t rows, int64_t keys, int64_t width, const float* p, int6
     p = scaled;
     ldp = keys;
   }
-  ValuesOverParts<E, Isa::kPagedValueRows, Isa::kPagedValueVectors, 1>(rows, &v_bytes, 1, keys, keys, width, p,
-                                                                       ldp, o_scale, o, ldo, ahead_bytes, ahead_size);
+  ValuesOverParts<E, Isa::kPagedValueRows, Isa::kPagedValueVectors, 1>(rows, &v_bytes, nullptr, 1, keys, keys, width,
+                                                                       p, ldp, o_scale, o, ldo, ahead_bytes,
+                                                                       ahead_size);
 }
 
 // PagedKernels::prefill_scores: register blocks of kPrefillScoreRows rows of kPrefillScoreVectors vectors of keys, or
@@ -335,12 +336,13 @@ void PrefillScores(int64_t rows, int64_t keys, int64_t depth, const float* q, in
   }
 }
 
-// Decode: the kPaged register blocks; prefill: the kPrefill ones. The 8-bit caches have decode kernels only (their
-// prefill takes the gather path).
+// Decode: the kPaged register blocks; prefill: the kPrefill ones. The 8-bit caches' prefill runs their decode
+// kernels over groups of rows.
 template <typename E>
 constexpr PagedKernels KernelsOf() {
   if constexpr (kIsFp8<E>) {
-    return {&PagedScores<E>, &PagedValues<E>, nullptr, nullptr};
+    return {&PagedScores<E>, &PagedValues<E>, &ScoresInRowGroups<&PagedScores<E>>,
+            &ValuesPartByPart<&PagedValues<E>>};
   } else {
     return {&PagedScores<E>, &PagedValues<E>, &PrefillScores<E>,
             &ValuesOverParts<E, Isa::kPrefillValueRows, Isa::kPrefillValueVectors, Isa::kPrefillValueParts>};
@@ -349,4 +351,5 @@ constexpr PagedKernels KernelsOf() {
 // By cache dtype - 1 (FP32, FP16, BF16, INT8, FP8_E4M3, FP8_E5M2).
 extern const PagedKernels kPagedKernels[kPagedDtypes] = {
     KernelsOf<float>(), KernelsOf<Half>(),  KernelsOf<Bf16>(),
-    {&Int8Scores, &Int8Values, nullptr, nullptr}, KernelsOf<E4m3>(), KernelsOf<E5m2>()};
+    {&Int8Scores, &Int8Values, &ScoresInRowGroups<&Int8Scores>, &ValuesPartByPart<&Int8Values>},
+    KernelsOf<E4m3>(), KernelsOf<E5m2>()};

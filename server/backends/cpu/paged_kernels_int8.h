@@ -16,7 +16,7 @@ inline constexpr int64_t kInt8MaxDepth = kQuantizedMaxElements, kInt8MaxKeys = k
 inline constexpr int64_t kInt8MaxRows = kQuantizedMaxRows;
 
 #if defined(__AVX512BW__)
-struct I8 {
+struct I8Avx512 {
   using W = __m512i;
   static constexpr int kLanes = 16;
   static W Zero() { return _mm512_setzero_si512(); }
@@ -24,15 +24,8 @@ struct I8 {
   static W KeyPairs(const int8_t* p) {
     return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
-  static W AddPairs(W acc, int32_t pair, W k) {
-    return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_set1_epi32(pair), k));
-  }
   // kLanes columns' quads of keys (4 kLanes codes).
   static W ValueQuads(const int8_t* p) { return _mm512_loadu_si512(p); }
-  static W AddQuads(W acc, int32_t quad, W v) {
-    const W pairs = _mm512_maddubs_epi16(_mm512_set1_epi32(quad), v);
-    return _mm512_add_epi32(acc, _mm512_madd_epi16(pairs, _mm512_set1_epi16(1)));
-  }
   static void StoreScaled(float* out, W acc, float scale) {
     _mm512_storeu_ps(out, _mm512_mul_ps(_mm512_cvtepi32_ps(acc), _mm512_set1_ps(scale)));
   }
@@ -40,7 +33,7 @@ struct I8 {
     const __m512 old = _mm512_mul_ps(_mm512_loadu_ps(o), _mm512_set1_ps(factor));
     _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_set1_ps(scale), old));
   }
-  // 16 values times `mul`, rounded to nearest even, as int16 and as bytes (each within the type's range).
+  // kLanes values times `mul`, rounded to nearest even, as int16 and as bytes (each within the type's range).
   static void ToInt16(const float* x, float mul, int16_t* out) {
     const __m512i n = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x), _mm512_set1_ps(mul)));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtepi32_epi16(n));
@@ -50,6 +43,23 @@ struct I8 {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtepi32_epi8(n));
   }
 };
+#if defined(__AVX512VNNI__)
+// AVX512-VNNI: vpdpwssd and vpdpbusd add the pairs' and quads' products into the accumulator in one instruction.
+struct I8 : I8Avx512 {
+  static W AddPairs(W acc, int32_t pair, W k) { return _mm512_dpwssd_epi32(acc, _mm512_set1_epi32(pair), k); }
+  static W AddQuads(W acc, int32_t quad, W v) { return _mm512_dpbusd_epi32(acc, _mm512_set1_epi32(quad), v); }
+};
+#else
+struct I8 : I8Avx512 {
+  static W AddPairs(W acc, int32_t pair, W k) {
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_set1_epi32(pair), k));
+  }
+  static W AddQuads(W acc, int32_t quad, W v) {
+    const W pairs = _mm512_maddubs_epi16(_mm512_set1_epi32(quad), v);
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(pairs, _mm512_set1_epi16(1)));
+  }
+};
+#endif
 #elif defined(__AVX2__)
 struct I8 {
   using W = __m256i;

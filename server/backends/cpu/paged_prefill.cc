@@ -101,7 +101,8 @@ void RunUnit(const kernels::TileKernels& tiles, const kernels::PagedKernels& ker
   int64_t* visible = Grown(t.visible, rows);
   int64_t* block_visible = Grown(t.block_visible, rows);
   const int64_t tokens = seq.Keys(), blocks = (PagedVisibleKeys(seq, unit.i1 - 1) + tb - 1) / tb;
-  const void* values[kSpanKeys / 16];  // a span's V parts (blocks of at least 16 tokens)
+  const void* values[kSpanKeys / 16];  // a span's V parts (blocks of at least 16 tokens), and their scales
+  const uint16_t* value_scales[kSpanKeys / 16];
   // KV head g's part of block b (its K^T, then V `half` bytes on); null past the unit's last block.
   const auto Part = [&](int64_t b) -> const char* {
     return b < blocks ? seq.blocks[b] + c.KeyPart(unit.g) : nullptr;
@@ -129,7 +130,7 @@ void RunUnit(const kernels::TileKernels& tiles, const kernels::PagedKernels& ker
     if (live == 0) continue;
     float* s = scores + first * lds;
     for (int64_t b = b0; b < b1; ++b) {
-      kernels.prefill_scores(live, tb, dk, queries + first * dk, dk, Part(b), tb, /*key_scales=*/nullptr,
+      kernels.prefill_scores(live, tb, dk, queries + first * dk, dk, Part(b), tb, KeyScales(c, Part(b)),
                              s + (b - b0) * tb, lds, Part(b + 1), half);
     }
     if (stats) {
@@ -144,10 +145,13 @@ void RunUnit(const kernels::TileKernels& tiles, const kernels::PagedKernels& ker
     // The blocks' values at once (each row's outputs rescaled by its softmax factor, then summed over them in
     // registers): the blocks up to the last key any row sees.
     const int64_t seen_blocks = (seen + tb - 1) / tb;
-    for (int64_t b = 0; b < seen_blocks; ++b) values[b] = Part(b0 + b) + half;
+    for (int64_t b = 0; b < seen_blocks; ++b) {
+      values[b] = Part(b0 + b) + half;
+      value_scales[b] = ValueScales(c, Part(b0 + b) + half);
+    }
     const char* next = Part(b0 + seen_blocks);
-    kernels.prefill_values(live, values, seen_blocks, tb, seen - (seen_blocks - 1) * tb, dk, s, lds, factor + first,
-                           acc + first * dk, dk, next == nullptr ? nullptr : next + half, half);
+    kernels.prefill_values(live, values, value_scales, seen_blocks, tb, seen - (seen_blocks - 1) * tb, dk, s, lds,
+                           factor + first, acc + first * dk, dk, next == nullptr ? nullptr : next + half, half);
   }
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t i = unit.i0 + r / G, head = unit.g * G + r % G;
@@ -159,9 +163,8 @@ void RunUnit(const kernels::TileKernels& tiles, const kernels::PagedKernels& ker
 }  // namespace
 
 bool TakesPrefillPath(const PagedProblem& problem, const PagedSequence& seq) {
-  // The 8-bit caches have no prefill kernels yet: their prefill gathers the cache (paged_attention.h).
   return !TakesDecodePath(problem, seq) && !seq.weights.requested() && problem.cache.block_tokens % 16 == 0 &&
-         !problem.cache.Quantized();
+         QuantizedKernelsTake(problem.cache);
 }
 
 absl::Status PrefillSequences(const kernels::TileKernels& tiles, const kernels::PagedKernels& kernels,

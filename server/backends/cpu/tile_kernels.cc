@@ -25,6 +25,9 @@ namespace avx512bf16 {
 TileKernels MakeKernels(const TileKernels& avx512);
 extern const PagedKernels kBf16PagedKernels;
 }
+namespace avx512vnni {
+extern const PagedKernels kInt8PagedKernels;
+}
 
 namespace {
 
@@ -60,12 +63,32 @@ bool CpuHasF16c() {
   return __get_cpuid(1, &a, &b, &c, &d) && ((c >> 29) & 1);
 }
 
+// AVX512-VNNI (CPUID leaf 7, ECX bit 11), asked where the AVX-512 sets already run.
+bool CpuHasAvx512Vnni() {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  return __get_cpuid_count(7, 0, &a, &b, &c, &d) && ((c >> 11) & 1);
+}
+
+// The INT8 caches' decode kernels of a set over the AVX-512 set's: VNNI's where the CPU has it.
+PagedKernels Avx512Int8(const PagedKernels& plain) {
+  return CpuHasAvx512Vnni() ? avx512vnni::kInt8PagedKernels : plain;
+}
+
+// The AVX-512 set, its INT8 caches' decode kernels VNNI's where the CPU has it.
+TileKernels Avx512Set() {
+  const PagedKernels* p = avx512::kKernels.paged;
+  static const PagedKernels kPaged[kPagedDtypes] = {p[0], p[1], p[2], Avx512Int8(p[3]), p[4], p[5]};
+  TileKernels k = avx512::kKernels;
+  k.paged = kPaged;
+  return k;
+}
+
 // A bf16 set (its packing and products over the AVX-512 set's kernels) with the online softmax whose exps keep
 // bf16's precision only: its products round the weights to bf16. Its decode kernels: the AVX-512 set's for fp32
-// and fp16 caches, AVX512-BF16's dot products for bf16 caches.
+// and fp16 caches (and 8-bit ones, VNNI's for INT8 where the CPU has it), AVX512-BF16's dot products for bf16.
 TileKernels Bf16Set(TileKernels k) {
   static const PagedKernels kPaged[kPagedDtypes] = {k.paged[0], k.paged[1], avx512bf16::kBf16PagedKernels,
-                                                    k.paged[3], k.paged[4], k.paged[5]};
+                                                    Avx512Int8(k.paged[3]), k.paged[4], k.paged[5]};
   k.online_softmax = avx512::kBf16OnlineSoftmax;
   k.online_softmax_stats = avx512::kBf16OnlineSoftmaxStats;
   k.paged = kPaged;
@@ -85,7 +108,8 @@ const TileKernels* TileKernelsFor(const char* isa) {
     return &kAvx512Bf16;
   }
   if (std::strcmp(isa, "avx512") == 0 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")) {
-    return &avx512::kKernels;
+    static const TileKernels kAvx512 = Avx512Set();
+    return &kAvx512;
   }
   if (std::strcmp(isa, "avx2") == 0 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
       CpuHasF16c()) {

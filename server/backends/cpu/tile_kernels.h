@@ -51,11 +51,11 @@ struct PagedKernels {
                          int64_t ahead_bytes);
   // prefill_values reads several blocks' V at once (v[b] for b < blocks, each of block_keys keys but the last, of
   // last_keys; key j of block b is p's column b block_keys + j), so that each row's outputs stay in registers
-  // across them.
-  void (*prefill_values)(int64_t rows, const void* const* v, int64_t blocks, int64_t block_keys, int64_t last_keys,
-                         int64_t width, const float* p, int64_t ldp, const float* o_scale, float* o, int64_t ldo,
-                         const void* ahead, int64_t ahead_bytes);
-  // (The 8-bit caches' sets have no prefill kernels: null.)
+  // across them; an 8-bit cache's value_scales[b] are block b's (null for the other dtypes). The 8-bit caches' take
+  // their decode kernels over groups of kQuantizedMaxRows rows, a part at a time.
+  void (*prefill_values)(int64_t rows, const void* const* v, const uint16_t* const* value_scales, int64_t blocks,
+                         int64_t block_keys, int64_t last_keys, int64_t width, const float* p, int64_t ldp,
+                         const float* o_scale, float* o, int64_t ldo, const void* ahead, int64_t ahead_bytes);
 };
 
 // Kernel sets per cache dtype, indexed by dtype - 1: FP32, FP16, BF16, INT8, FP8_E4M3, FP8_E5M2.
