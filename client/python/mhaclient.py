@@ -362,7 +362,9 @@ def _to_dict(msg):
                 return field.enum_type.values_by_number[v].name if v in field.enum_type.values_by_number else v
             return v
 
-        if field.label == field.LABEL_REPEATED:
+        # protobuf 6 and later say is_repeated; FieldDescriptor.label is gone from 7.
+        repeated = field.is_repeated if hasattr(field, "is_repeated") else field.label == field.LABEL_REPEATED
+        if repeated:
             out[field.name] = [conv(v) for v in value]
         else:
             out[field.name] = conv(value)

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Makes (once) the virtual environment the model checks (tests/models) run in: transformers, grpcio and protobuf at
+# pinned versions from the Python package index, over the benchmark peers' environment (tests/bench/peers-env.sh),
+# whose PyTorch and numpy it reads through a .pth file instead of installing them again. Neither the product nor
+# the test suite uses it.
+#   tests/models/env.sh     prints the command to run Python in it (its last line)
+# Idempotent: a complete environment at these versions is reused. Environment:
+#   MHA_MODELS_VENV   where (default ~/.cache/mhaserve/models-venv, outside the source tree)
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+peers_python=$("$here/../bench/peers-env.sh" | tail -1)  # the peers' launcher (their CUDA library path set)
+peers_venv=$(dirname "$(dirname "$peers_python")")
+venv=${MHA_MODELS_VENV:-$HOME/.cache/mhaserve/models-venv}
+packages=(transformers==5.25.0 grpcio==1.85.3 protobuf==7.36.2)
+versions="${packages[*]} over $peers_venv"
+launcher=$venv/bin/models-python
+if [[ -x $launcher && "$(cat "$venv/.complete" 2>/dev/null)" == "$versions" ]]; then
+  echo "$launcher"
+  exit 0
+fi
+rm -rf "$venv"
+"$peers_venv/bin/python" -m venv "$venv" >&2
+site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+"$peers_venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])' >"$site/peers.pth"
+"$venv/bin/python" -m pip --disable-pip-version-check -q install --no-cache-dir "${packages[@]}" >&2
+# The peers' launcher sets the library path torch needs; this one does the same for this venv's Python.
+sed "s#$peers_venv/bin/python#$venv/bin/python#" "$peers_python" >"$launcher"
+chmod +x "$launcher"
+"$launcher" -c 'import torch, transformers, grpc' >&2
+echo "$versions" >"$venv/.complete"
+echo "$launcher"
