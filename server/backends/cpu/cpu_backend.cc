@@ -453,10 +453,10 @@ absl::StatusOr<std::unique_ptr<CpuBackend>> CpuBackend::Create(absl::string_view
                                                    "\"; expected auto, amx, avx512bf16, avx512, avx2 or portable"));
   }
   const bool bf16_projections = bf16 && !cpu::NativeBf16Matmul().empty();
-  // bf16 caches decode on the bf16 set's dot products where its attention core serves bf16 requests (the device
-  // string says "bf16 attention on ..." then).
+  // bf16 and FP8 caches decode on the bf16 set's dot products where its attention core serves bf16 requests (the
+  // device string says "bf16 attention on ..." then).
   if (!bf16_projections) bf16_tiles = nullptr;
-  const kernels::PagedKernels* bf16_cache_decode = bf16_tiles != nullptr ? &bf16_tiles->paged[v1::BF16 - 1] : nullptr;
+  const kernels::PagedKernels* bf16_cache_decode = bf16_tiles != nullptr ? bf16_tiles->paged : nullptr;
   return std::unique_ptr<CpuBackend>(
       new CpuBackend(std::move(tiles), bf16_tiles, bf16_projections, bf16_cache_decode));
 }
@@ -485,7 +485,8 @@ const kernels::TileKernels& CpuBackend::KernelsFor(int64_t head_dim, bool bf16_o
 
 const kernels::PagedKernels& CpuBackend::DecodeKernelsFor(const kernels::TileKernels& tiles,
                                                           v1::DataType dtype) const {
-  if (dtype == v1::BF16 && bf16_cache_decode_ != nullptr) return *bf16_cache_decode_;
+  const bool on_bf16 = dtype == v1::BF16 || dtype == v1::FP8_E4M3 || dtype == v1::FP8_E5M2;
+  if (on_bf16 && bf16_cache_decode_ != nullptr) return bf16_cache_decode_[dtype - 1];
   return tiles.paged[dtype - 1];
 }
 

@@ -82,8 +82,9 @@ class CpuBackend final : public Backend {
   const std::vector<const kernels::TileKernels*> tile_kernels_;  // in order of preference; never empty
   const kernels::TileKernels* const bf16_tiles_;  // amx or avx512bf16, for bf16 calls; null when off or not here
   const bool bf16_;  // bf16 requests project in bf16
-  // A bf16 set's decode kernels for bf16 caches (dot products on bf16 pairs: q and the weights rounded to bf16);
-  // null where no bf16 set runs or an fp32 set was named, and bf16 caches are widened to fp32.
+  // A bf16 set's decode kernels by cache dtype (tile_kernels.h's kPagedDtypes), which take bf16 and FP8 caches
+  // (dot products on bf16 pairs: q and the weights rounded to bf16); null where no bf16 set runs or an fp32 set was
+  // named, and those caches are widened to fp32.
   const kernels::PagedKernels* const bf16_cache_decode_;
 };
 

@@ -239,11 +239,87 @@ void Values(int64_t rows, int64_t keys, int64_t width, const float* p, int64_t l
   ValuesOverParts(rows, &v_bytes, nullptr, 1, keys, keys, width, p, ldp, o_scale, o, ldo, ahead_bytes, ahead_size);
 }
 
+// FP8 caches on the same dot products: a part's codes become bf16 in a stack buffer, its scales folded into q or
+// the weights, and the kernels above run on it. The codes' exponent and mantissa bits placed in bf16's read 2^-120
+// (E4M3) or 2^-112 (E5M2) of their value, which the scales take too. Exact but for FP8's subnormal codes, which
+// vdpbf16ps reads as zero: under 2^-6 of a code unit, a 28672th of the channel's or token's largest value (E4M3).
+constexpr int64_t kFp8MaxPart = 16384;  // codes of one part converted on the stack (32 KiB of bf16)
+constexpr int kFp8E4m3Index = 4, kFp8E5m2Index = 5;  // in a set's kernels by cache dtype (tile_kernels.h)
+
+template <bool kE4m3>
+constexpr float kFp8Unit = kE4m3 ? 0x1p120f : 0x1p112f;
+
+template <bool kE4m3>
+void Fp8ToBf16(const uint8_t* src, int64_t n, uint16_t* dst) {
+  constexpr int kShift = kE4m3 ? 4 : 5;
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    const __m512i x = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i)));
+    const __m512i sign = _mm512_slli_epi16(_mm512_and_si512(x, _mm512_set1_epi16(0x80)), 8);
+    const __m512i rest = _mm512_slli_epi16(_mm512_and_si512(x, _mm512_set1_epi16(0x7f)), kShift);
+    _mm512_storeu_si512(dst + i, _mm512_or_si512(sign, rest));
+  }
+  for (; i < n; ++i) dst[i] = static_cast<uint16_t>(((src[i] & 0x80u) << 8) | ((src[i] & 0x7fu) << kShift));
+}
+
+// out[i] = x[i] times the bf16 scale[i] times `unit`, for i < n.
+void TimesScales(const float* x, const uint16_t* scale, int64_t n, float unit, float* out) {
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = Mask(n - i);
+    const __m512i words = _mm512_maskz_loadu_epi16(static_cast<__mmask32>(m), scale + i);
+    const __m512i bits = _mm512_cvtepu16_epi32(_mm512_castsi512_si256(words));
+    const __m512 s = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(bits, 16)), _mm512_set1_ps(unit));
+    _mm512_mask_storeu_ps(out + i, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + i), s));
+  }
+}
+
+template <bool kE4m3>
+void Fp8Scores(int64_t rows, int64_t keys, int64_t depth, const float* q, int64_t ldq, const void* kt_bytes,
+               int64_t ldk, const uint16_t* key_scales, float* s, int64_t lds, const void* ahead_bytes,
+               int64_t ahead_size) {
+  if (depth * ldk > kFp8MaxPart || depth > kQuantizedMaxElements || rows > kQuantizedMaxRows) {
+    avx512::kPagedKernels[kE4m3 ? kFp8E4m3Index : kFp8E5m2Index].scores(
+        rows, keys, depth, q, ldq, kt_bytes, ldk, key_scales, s, lds, ahead_bytes, ahead_size);
+    return;
+  }
+  alignas(64) uint16_t kb[kFp8MaxPart];
+  alignas(64) float scaled[kQuantizedMaxRows * kQuantizedMaxElements];
+  Fp8ToBf16<kE4m3>(static_cast<const uint8_t*>(kt_bytes), depth * ldk, kb);
+  for (int64_t r = 0; r < rows; ++r) TimesScales(q + r * ldq, key_scales, depth, kFp8Unit<kE4m3>, scaled + r * depth);
+  Scores(rows, keys, depth, scaled, depth, kb, ldk, nullptr, s, lds, ahead_bytes, ahead_size);
+}
+
+template <bool kE4m3>
+void Fp8Values(int64_t rows, int64_t keys, int64_t width, const float* p, int64_t ldp, const void* v_bytes,
+               const uint16_t* value_scales, const float* o_scale, float* o, int64_t ldo, const void* ahead_bytes,
+               int64_t ahead_size) {
+  if (keys * width > kFp8MaxPart || keys > kQuantizedMaxElements || rows > kQuantizedMaxRows) {
+    avx512::kPagedKernels[kE4m3 ? kFp8E4m3Index : kFp8E5m2Index].values(
+        rows, keys, width, p, ldp, v_bytes, value_scales, o_scale, o, ldo, ahead_bytes, ahead_size);
+    return;
+  }
+  alignas(64) uint16_t vb[kFp8MaxPart];
+  alignas(64) float scaled[kQuantizedMaxRows * kQuantizedMaxElements];
+  Fp8ToBf16<kE4m3>(static_cast<const uint8_t*>(v_bytes), keys * width, vb);
+  for (int64_t r = 0; r < rows; ++r) TimesScales(p + r * ldp, value_scales, keys, kFp8Unit<kE4m3>, scaled + r * keys);
+  // The bf16 kernels rescale by o_scale always; a later part of a prefill's span passes none (keep the outputs).
+  float ones[kQuantizedMaxRows];
+  for (int64_t r = 0; o_scale == nullptr && r < rows; ++r) ones[r] = 1.0f;
+  Values(rows, keys, width, scaled, keys, vb, nullptr, o_scale != nullptr ? o_scale : ones, o, ldo, ahead_bytes,
+         ahead_size);
+}
+
 }  // namespace
 
 // The fp32 and fp16 caches' kernels are the avx512 set's; tile_kernels.cc puts this one beside them.
 // Its register blocks serve many rows as well as few: a prefill tile takes the same ones.
 extern const PagedKernels kBf16PagedKernels = {&Scores, &Values, &Scores, &ValuesOverParts};
+// The FP8 caches' (E4M3, E5M2), whose prefill runs them over groups of rows (paged_kernels_common.h).
+extern const PagedKernels kFp8PagedKernels[2] = {
+    {&Fp8Scores<true>, &Fp8Values<true>, &ScoresInRowGroups<&Fp8Scores<true>>,
+     &ValuesPartByPart<&Fp8Values<true>>},
+    {&Fp8Scores<false>, &Fp8Values<false>, &ScoresInRowGroups<&Fp8Scores<false>>,
+     &ValuesPartByPart<&Fp8Values<false>>}};
 
 }  // namespace avx512bf16
 }  // namespace mha::kernels

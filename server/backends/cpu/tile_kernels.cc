@@ -24,6 +24,7 @@ TileKernels MakeKernels(const TileKernels& avx512);
 namespace avx512bf16 {
 TileKernels MakeKernels(const TileKernels& avx512);
 extern const PagedKernels kBf16PagedKernels;
+extern const PagedKernels kFp8PagedKernels[2];  // E4M3, E5M2
 }
 namespace avx512vnni {
 extern const PagedKernels kInt8PagedKernels;
@@ -85,10 +86,14 @@ TileKernels Avx512Set() {
 
 // A bf16 set (its packing and products over the AVX-512 set's kernels) with the online softmax whose exps keep
 // bf16's precision only: its products round the weights to bf16. Its decode kernels: the AVX-512 set's for fp32
-// and fp16 caches (and 8-bit ones, VNNI's for INT8 where the CPU has it), AVX512-BF16's dot products for bf16.
+// and fp16 caches (and INT8, VNNI's where the CPU has it), AVX512-BF16's dot products for bf16 and FP8 caches.
 TileKernels Bf16Set(TileKernels k) {
-  static const PagedKernels kPaged[kPagedDtypes] = {k.paged[0], k.paged[1], avx512bf16::kBf16PagedKernels,
-                                                    Avx512Int8(k.paged[3]), k.paged[4], k.paged[5]};
+  static const PagedKernels kPaged[kPagedDtypes] = {k.paged[0],
+                                                    k.paged[1],
+                                                    avx512bf16::kBf16PagedKernels,
+                                                    Avx512Int8(k.paged[3]),
+                                                    avx512bf16::kFp8PagedKernels[0],
+                                                    avx512bf16::kFp8PagedKernels[1]};
   k.online_softmax = avx512::kBf16OnlineSoftmax;
   k.online_softmax_stats = avx512::kBf16OnlineSoftmaxStats;
   k.paged = kPaged;
