@@ -1,8 +1,11 @@
 // mha_client health and info: the server's health status, and its version, backends, limits, sessions, layers and
 // shared-memory regions.
 #include <cstdio>
+#include <string>
 
+#include "absl/strings/str_cat.h"
 #include "client/cli.h"
+#include "proto/mha/v1/tensor_codec.h"
 
 namespace mha::cli {
 
@@ -23,6 +26,9 @@ int RunInfo(const ClientOptions& options) {
   for (const auto& b : info->backends()) {
     std::printf("  backend %-9s %s %s\n", b.name().c_str(), b.available() ? "available  " : "unavailable",
                 b.available() ? b.device().c_str() : b.detail().c_str());
+    std::string dtypes;
+    for (int dtype : b.cache_dtypes()) absl::StrAppend(&dtypes, dtypes.empty() ? "" : ", ", DTypeName(dtype));
+    if (!dtypes.empty()) std::printf("    session caches: %s\n", dtypes.c_str());
   }
   const auto& l = info->limits();
   std::printf("limits: max_message %lld MiB, queue %d, compute threads %d, layers %lld MiB, scratch %lld MiB, "

@@ -14,7 +14,9 @@ source "$(dirname "$0")/server_lib.sh"
 start_server "$server"
 
 "$client" health --target "$target" --timeout_s 5
-"$client" info --target "$target" | grep -q "layer demo"
+"$client" info --target "$target" >"$work/info"
+grep -q "layer demo" "$work/info"
+grep -q "session caches: fp32, fp16, bf16, int8, fp8_e4m3, fp8_e5m2" "$work/info"
 "$client" call --target "$target" --batch 2 --seq 32 --causal --key_lengths 32,5 --weights --check
 "$client" call --target "$target" --seq 8 --dtype fp16 --check
 if "$client" call --target "$target" --layer nope 2>"$work/err"; then

@@ -428,6 +428,21 @@ TEST_F(SessionServiceTest, ServerInfoListsTheSessionLimits) {
   EXPECT_EQ(info.limits().max_session_idle_s(), 3600);
 }
 
+TEST_F(SessionServiceTest, ServerInfoListsTheCacheDtypesOfEachBackend) {
+  grpc::ClientContext context;
+  v1::GetServerInfoResponse info;
+  ASSERT_TRUE(stub_->GetServerInfo(&context, v1::GetServerInfoRequest(), &info).ok());
+  for (const v1::BackendInfo& backend : info.backends()) {
+    if (!backend.available()) {
+      EXPECT_EQ(backend.cache_dtypes_size(), 0) << backend.name();
+      continue;
+    }
+    std::vector<int> want = {v1::FP32, v1::FP16, v1::BF16, v1::INT8, v1::FP8_E4M3, v1::FP8_E5M2};
+    if (backend.name() == "cuda") want.resize(3);
+    EXPECT_THAT(backend.cache_dtypes(), ::testing::ElementsAreArray(want)) << backend.name();
+  }
+}
+
 TEST_F(SessionServiceTest, MetricsCountSessionsBytesAndTokens) {
   const std::string id = Created(HeadSession());
   ASSERT_TRUE(Extend(ExtendOf({QkvItem(id, 33)})).ok());  // two blocks of 32

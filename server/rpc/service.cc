@@ -71,6 +71,21 @@ grpc::ServerUnaryReactor* AttentionService::ListLayers(grpc::CallbackServerConte
       });
 }
 
+namespace {
+
+// A small session call with a cache of `dtype`: what GetServerInfo asks each backend about.
+PagedProblem CacheProbe(v1::DataType dtype, int64_t block_tokens) {
+  PagedProblem p;
+  p.heads.num_heads = p.heads.num_kv_heads = 1;
+  p.heads.head_dim = 64;
+  p.heads.causal = true;
+  p.cache = {1, 64, block_tokens, dtype};
+  p.sequences = p.new_tokens = p.max_new_tokens = p.max_length = 1;
+  return p;
+}
+
+}  // namespace
+
 grpc::ServerUnaryReactor* AttentionService::GetServerInfo(grpc::CallbackServerContext* context,
                                                           const grpc::ByteBuffer* request,
                                                           grpc::ByteBuffer* response) {
@@ -85,7 +100,13 @@ grpc::ServerUnaryReactor* AttentionService::GetServerInfo(grpc::CallbackServerCo
           info->set_device(entry.device);
           info->set_available(entry.available());
           info->set_detail(entry.detail);
-          if (entry.available()) info->set_gflops(parts_.scheduler->Rate(entry.backend.get()) / 1e9);
+          if (!entry.available()) continue;
+          info->set_gflops(parts_.scheduler->Rate(entry.backend.get()) / 1e9);
+          for (v1::DataType dtype : {v1::FP32, v1::FP16, v1::BF16, v1::INT8, v1::FP8_E4M3, v1::FP8_E5M2}) {
+            if (entry.backend->SupportsPaged(CacheProbe(dtype, parts_.sessions->options().block_tokens)).ok()) {
+              info->add_cache_dtypes(dtype);
+            }
+          }
         }
         response->set_default_backend(parts_.backends->NameFor(v1::BACKEND_AUTO));
         v1::ServerLimits* limits = response->mutable_limits();
