@@ -171,8 +171,9 @@ absl::StatusOr<v1::SessionInfo> SessionStore::Create(const SessionConfig& given,
     if (caches[c].layout.BlockBytes() > pool_chunk_bytes_) {
       return absl::InvalidArgumentError(absl::StrCat(
           "a cache block of ", config.is_layer_session() ? "layer '" + config.layers[c].name + "'" : "these heads",
-          " would take ", caches[c].layout.BlockBytes(), " bytes (2 Hkv d_k --kv_block_tokens sizeof(cache_dtype)), "
-          "more than the pool's ", pool_chunk_bytes_, "-byte chunks; the server needs a smaller --kv_block_tokens (or, "
+          " would take ", caches[c].layout.BlockBytes(),
+          " bytes (2 Hkv d_k --kv_block_tokens sizeof(cache_dtype), and an 8-bit cache's scales), more than the pool's ",
+          pool_chunk_bytes_, "-byte chunks; the server needs a smaller --kv_block_tokens (or, "
           "below 64 MiB, whose chunks are a 32nd of it, a larger --kv_cache_mb)"));
     }
   }

@@ -107,8 +107,6 @@ const char* PartAhead(const KvCacheLayout& c, const PagedSequence& seq, const Un
   return nullptr;
 }
 
-
-
 // One unit of the decode path into its partial result: block after block, KV head after KV head, each head's part
 // streamed once for its G n query rows, the next part prefetched while this one computes; during its last part,
 // `after` (the next unit's first block, which this thread takes next if no other one does; may be null).
