@@ -19,6 +19,8 @@ inline constexpr int64_t kInt8MaxRows = kQuantizedMaxRows;
 struct I8Avx512 {
   using W = __m512i;
   static constexpr int kLanes = 16;
+  static constexpr int kScoreRows = 8;  // rows of a scores block (of two vectors of keys: 16 accumulators)
+  static constexpr int kValueRows = 4;  // rows of a values block (of four vectors of columns: 16 accumulators)
   static W Zero() { return _mm512_setzero_si512(); }
   // kLanes keys' pairs of depths (2 kLanes codes) sign-extended to int16.
   static W KeyPairs(const int8_t* p) {
@@ -64,6 +66,7 @@ struct I8 : I8Avx512 {
 struct I8 {
   using W = __m256i;
   static constexpr int kLanes = 8;
+  static constexpr int kScoreRows = 4, kValueRows = 2;
   static W Zero() { return _mm256_setzero_si256(); }
   static W KeyPairs(const int8_t* p) {
     return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -97,6 +100,7 @@ struct I8 {
 #else
 struct I8 {
   static constexpr int kLanes = 8;
+  static constexpr int kScoreRows = 4, kValueRows = 2;
   struct W {
     int32_t x[kLanes];
   };
@@ -161,18 +165,27 @@ inline float ScaledRow(const float* x, const uint16_t* scale, int64_t n, float* 
   return m;
 }
 
-// kRows rows' scores for kLanes keys from column j on: the whole depth in registers.
-template <int kRows>
+// kRows rows' scores for kVectors vectors of keys from column j on: the whole depth in registers, kRows kVectors
+// independent chains of accumulation (a decode's 4 rows of one vector kept the products' latency exposed).
+template <int kRows, int kVectors>
 inline void Int8ScoreBlock(int64_t pairs, const int32_t* q, const float* q_scale, const int8_t* kt, int64_t ldk,
                            float* s, int64_t lds, Ahead& ahead) {
-  typename I8::W acc[kRows];
-  MHA_UNROLL for (int r = 0; r < kRows; ++r) acc[r] = I8::Zero();
+  typename I8::W acc[kRows][kVectors];
+  MHA_UNROLL for (int r = 0; r < kRows; ++r) {
+    MHA_UNROLL for (int v = 0; v < kVectors; ++v) acc[r][v] = I8::Zero();
+  }
   for (int64_t i = 0; i < pairs; ++i) {
     if ((i & 3) == 0) ahead.Step();
-    const auto k = I8::KeyPairs(kt + i * 2 * ldk);
-    MHA_UNROLL for (int r = 0; r < kRows; ++r) acc[r] = I8::AddPairs(acc[r], q[r * kInt8MaxDepth / 2 + i], k);
+    decltype(I8::KeyPairs(kt)) k[kVectors];
+    MHA_UNROLL for (int v = 0; v < kVectors; ++v) k[v] = I8::KeyPairs(kt + i * 2 * ldk + v * 2 * I8::kLanes);
+    MHA_UNROLL for (int r = 0; r < kRows; ++r) {
+      const int32_t pair = q[r * kInt8MaxDepth / 2 + i];
+      MHA_UNROLL for (int v = 0; v < kVectors; ++v) acc[r][v] = I8::AddPairs(acc[r][v], pair, k[v]);
+    }
   }
-  MHA_UNROLL for (int r = 0; r < kRows; ++r) I8::StoreScaled(s + r * lds, acc[r], q_scale[r]);
+  MHA_UNROLL for (int r = 0; r < kRows; ++r) {
+    MHA_UNROLL for (int v = 0; v < kVectors; ++v) I8::StoreScaled(s + r * lds + v * I8::kLanes, acc[r][v], q_scale[r]);
+  }
 }
 
 // PagedKernels::scores over an INT8 block (keys a multiple of 16, depth up to kInt8MaxDepth, rows up to
@@ -195,13 +208,21 @@ void Int8Scores(int64_t rows, int64_t keys, int64_t depth, const float* q, int64
       I8::ToInt16(scaled + c, amax > 0 ? q_max / amax : 0.0f, row + c);
   }
   const int8_t* kt = static_cast<const int8_t*>(kt_bytes);
-  constexpr int kRows = 8;
-  Ahead ahead(ahead_bytes, ahead_size, keys / I8::kLanes * ((rows + kRows - 1) / kRows) * pairs / 4);
-  for (int64_t j = 0; j < keys; j += I8::kLanes) {
+  // Two vectors of keys where the block has them (16 accumulators on AVX-512, 8 on AVX2), else one.
+  constexpr int kRows = I8::kScoreRows;
+  const bool two = keys % (2 * I8::kLanes) == 0;
+  const int64_t step = two ? 2 * I8::kLanes : I8::kLanes;
+  Ahead ahead(ahead_bytes, ahead_size, keys / step * ((rows + kRows - 1) / kRows) * pairs / 4);
+  for (int64_t j = 0; j < keys; j += step) {
     for (int64_t r = 0; r < rows; r += kRows) {
       WithRows<kRows>(rows - r < kRows ? rows - r : kRows, [&](auto height) {
-        Int8ScoreBlock<decltype(height)::kValue>(pairs, codes + r * kInt8MaxDepth / 2, q_scale + r, kt + 2 * j, ldk,
-                                                 s + r * lds + j, lds, ahead);
+        constexpr int kHeight = decltype(height)::kValue;
+        const int32_t* qr = codes + r * kInt8MaxDepth / 2;
+        if (two) {
+          Int8ScoreBlock<kHeight, 2>(pairs, qr, q_scale + r, kt + 2 * j, ldk, s + r * lds + j, lds, ahead);
+        } else {
+          Int8ScoreBlock<kHeight, 1>(pairs, qr, q_scale + r, kt + 2 * j, ldk, s + r * lds + j, lds, ahead);
+        }
       });
     }
   }
@@ -263,7 +284,7 @@ void Int8Values(int64_t rows, int64_t keys, int64_t width, const float* p, int64
       I8::ToBytes(scaled + j, amax > 0 ? 127.0f / amax : 0.0f, row + j);
   }
   const int8_t* v = static_cast<const int8_t*>(v_bytes);
-  constexpr int kRows = 2, kVectors = 4;
+  constexpr int kRows = I8::kValueRows, kVectors = 4;
   const int64_t whole = width / I8::kLanes;
   Ahead ahead(ahead_bytes, ahead_size, quads * ((whole + kVectors - 1) / kVectors) * ((rows + kRows - 1) / kRows));
   for (int64_t x = 0; x < whole; x += kVectors) {
