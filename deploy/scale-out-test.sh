@@ -226,7 +226,7 @@ stop_replicas
 # live is killed (by its PID): their calls fail (UNAVAILABLE in flight, NOT_FOUND where nginx now sends them), and
 # the client re-creates each under its id on the replica the hash picks next, replays its record and retries.
 recover() {
-  local t0=$SECONDS sessions=8 steps=300 replica_logs=() victim="" calls status
+  local t0=$SECONDS sessions=8 steps=1500 replica_logs=() victim="" calls status
   start_replicas recover
   for r in $(seq "$replicas"); do replica_logs+=("$logs$r.log"); done
   start_nginx
