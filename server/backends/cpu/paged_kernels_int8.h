@@ -1,10 +1,10 @@
 // The sessions' decode kernels for INT8 caches (tile_kernels.h's PagedKernels::scores and values), which multiply
-// the cache's codes in integers instead of widening each to fp32: included by paged_kernels_impl.h inside namespace
-// mha::kernels::<isa>, after Ahead and WithRows, with the instruction set's integer operations below (AVX-512BW,
-// AVX2, or plain loops). The block layout is quantized_cache.h's.
+// the cache's codes in integers instead of widening each to fp32: included inside namespace mha::kernels::<isa>,
+// after Ahead and WithRows, by paged_kernels_impl.h (AVX-512BW, AVX2 or plain loops, by the TU's flags) and by
+// paged_kernels_int8_vnni.cc (AVX512-VNNI). The block layout is quantized_cache.h's.
 //
-// Scores: q times the block's key scales (per channel), rounded to int16 per row (its scale: the row's max over
-// kQueryMax), against the keys' int8 codes: vpmaddwd adds the products of two depths of one key into its 32-bit lane,
+// Scores: q times the block's key scales (per channel), rounded to int16 per row (its scale: the row's largest value
+// over the largest code whose sums stay within int32), against the keys' int8 codes: vpmaddwd adds the products of two depths of one key into its 32-bit lane,
 // exactly. Values: the probabilities times the value scales (per token), rounded to 7 bits per row (p >= 0, so
 // [0, 127]), against the values' codes: vpmaddubsw adds two keys' products of one column into 16 bits (at most
 // 2 x 127 x 127, no saturation), vpmaddwd two of those. Sums are exact integers; each row's result is converted to
