@@ -403,6 +403,10 @@ int Main(int argc, char** argv) {
   // that small (one Zen 4 or 5 CCD).
   decodes.emplace_back("decode_1x2048_bf16", 1, 2047, Heads(32, 8, 128), v1::BF16);
   decodes.emplace_back("decode_1x2048_fp32", 1, 2047, Heads(32, 8, 128), v1::FP32);
+  // The 8-bit caches' ceiling from L3 (4 MiB under --warm): where a set is bound by arithmetic, its rate there is
+  // its roofline, and no memory makes it faster.
+  decodes.emplace_back("decode_1x2048_int8", 1, 2047, Heads(32, 8, 128), v1::INT8);
+  decodes.emplace_back("decode_1x2048_fp8_e4m3", 1, 2047, Heads(32, 8, 128), v1::FP8_E4M3);
   // The block size (--kv_block_tokens): the layout's one free parameter.
   for (int64_t tb : {16, 64, 128}) {
     decodes.emplace_back(absl::StrCat("decode_1x8192_bf16_block", tb), 1, 8191, Heads(32, 8, 128), v1::BF16, tb);
