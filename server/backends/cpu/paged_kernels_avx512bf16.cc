@@ -38,10 +38,29 @@ constexpr int kScoreRows = 8, kValueRows = 4, kValueChunks = 2;
 
 __m512bh AsPairs(__m512i x) { return reinterpret_cast<__m512bh>(x); }
 
-// Two rows of 32 bf16 (the first `mask` words of each; `b` null: zero) interleaved into 16 pairs each.
-inline void LoadPairs(const uint16_t* a, const uint16_t* b, __mmask32 mask, __m512i* lo, __m512i* hi) {
-  const __m512i x = _mm512_maskz_loadu_epi16(mask, a);
-  const __m512i y = b == nullptr ? _mm512_setzero_si512() : _mm512_maskz_loadu_epi16(mask, b);
+// An FP8 cache's codes (E4M3 or E5M2), which the kernels below read as bf16: a code's exponent and mantissa bits
+// placed in bf16's read 2^-120 (E4M3) or 2^-112 (E5M2) of its value (the callers fold that into the scales). Exact
+// but for FP8's subnormal codes, which vdpbf16ps reads as zero: under 2^-6 of a code unit, a 28672th of the
+// channel's or token's largest value (E4M3).
+template <bool kE4m3>
+struct Fp8 {
+  uint8_t bits;
+};
+
+// 32 elements as bf16 words (the first `mask` of them; the rest zero).
+inline __m512i Words32(const uint16_t* p, __mmask32 mask) { return _mm512_maskz_loadu_epi16(mask, p); }
+template <bool kE4m3>
+inline __m512i Words32(const Fp8<kE4m3>* p, __mmask32 mask) {
+  const __m512i x = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(_mm512_maskz_loadu_epi8(mask, p)));
+  const __m512i sign = _mm512_slli_epi16(_mm512_and_si512(x, _mm512_set1_epi16(0x80)), 8);
+  return _mm512_or_si512(sign, _mm512_slli_epi16(_mm512_and_si512(x, _mm512_set1_epi16(0x7f)), kE4m3 ? 4 : 5));
+}
+
+// Two rows of 32 elements (the first `mask` of each; `b` null: zero) interleaved into 16 bf16 pairs each.
+template <typename E>
+inline void LoadPairs(const E* a, const E* b, __mmask32 mask, __m512i* lo, __m512i* hi) {
+  const __m512i x = Words32(a, mask);
+  const __m512i y = b == nullptr ? _mm512_setzero_si512() : Words32(b, mask);
   *lo = _mm512_unpacklo_epi16(x, y);
   *hi = _mm512_unpackhi_epi16(x, y);
 }
@@ -71,9 +90,9 @@ inline __m512bh PairAt(const uint16_t* row, int64_t m) {
 constexpr int SetsFor(int64_t rows) { return rows <= 2 ? 4 : rows <= 4 ? 2 : 1; }
 
 // kRows rows of scores for the (up to) 32 keys at kt, from the rows' q in bf16 (qb, kMaxElements apart).
-template <int kRows>
-void ScoreBlock(int64_t depth, const uint16_t* qb, const uint16_t* kt, int64_t ldk, int64_t keys, float* s,
-                int64_t lds, Ahead& ahead) {
+template <int kRows, typename E>
+void ScoreBlock(int64_t depth, const uint16_t* qb, const E* kt, int64_t ldk, int64_t keys, float* s, int64_t lds,
+                Ahead& ahead) {
   constexpr int kSets = SetsFor(kRows);
   __m512 acc[kSets][kRows][2];
   MHA_UNROLL for (int h = 0; h < kSets; ++h) {
@@ -118,16 +137,23 @@ void ScoreBlock(int64_t depth, const uint16_t* qb, const uint16_t* kt, int64_t l
   }
 }
 
-// PagedKernels::scores for a bf16 K^T.
-void Scores(int64_t rows, int64_t keys, int64_t depth, const float* q, int64_t ldq, const void* kt_bytes,
-            int64_t ldk, const uint16_t* key_scales, float* s, int64_t lds, const void* ahead_bytes,
-            int64_t ahead_size) {
+// The AVX-512 set's kernels for the same cache (by cache dtype - 1: BF16, FP8_E4M3, FP8_E5M2), which widen to fp32
+// exactly: where these kernels' stack buffers are too small.
+constexpr int FallbackIndex(const uint16_t*) { return 2; }
+constexpr int FallbackIndex(const Fp8<true>*) { return 4; }
+constexpr int FallbackIndex(const Fp8<false>*) { return 5; }
+
+// PagedKernels::scores for a K^T of bf16 (or FP8 codes, q already times their scales).
+template <typename E>
+void ScoresOf(int64_t rows, int64_t keys, int64_t depth, const float* q, int64_t ldq, const void* kt_bytes,
+              int64_t ldk, const uint16_t* key_scales, float* s, int64_t lds, const void* ahead_bytes,
+              int64_t ahead_size) {
+  const E* kt = static_cast<const E*>(kt_bytes);
   if (depth > kMaxElements) {
-    avx512::kPagedKernels[2].scores(rows, keys, depth, q, ldq, kt_bytes, ldk, key_scales, s, lds, ahead_bytes,
-                                    ahead_size);
+    avx512::kPagedKernels[FallbackIndex(kt)].scores(rows, keys, depth, q, ldq, kt_bytes, ldk, key_scales, s, lds,
+                                                   ahead_bytes, ahead_size);
     return;
   }
-  const uint16_t* kt = static_cast<const uint16_t*>(kt_bytes);
   alignas(64) uint16_t qb[kScoreRows * kMaxElements];
   const int64_t row_blocks = (rows + kScoreRows - 1) / kScoreRows;
   const int64_t sets = SetsFor(rows < kScoreRows ? rows : kScoreRows);
@@ -147,25 +173,26 @@ void Scores(int64_t rows, int64_t keys, int64_t depth, const float* q, int64_t l
 
 // The V parts a values kernel reads (tile_kernels.h's prefill_values): `blocks` parts of block_keys keys each but the
 // last, of last_keys; columns from `column` on.
+template <typename E>
 struct ValueParts {
   const void* const* parts;
   int64_t blocks, block_keys, last_keys, column;
-  const uint16_t* Part(int64_t b) const { return static_cast<const uint16_t*>(parts[b]) + column; }
+  const E* Part(int64_t b) const { return static_cast<const E*>(parts[b]) + column; }
   int64_t Keys(int64_t b) const { return b + 1 < blocks ? block_keys : last_keys; }
 };
 
 // kRows rows of (up to) 64 columns of o (`width` left from the parts' column): o_scale o + p V over every part, from
 // the rows' p in bf16 (pb, kMaxElements apart; part b's keys from column b block_keys), each part's rows of ldv.
-template <int kRows>
-void ValueBlock(const ValueParts& v, const uint16_t* pb, int64_t ldv, int64_t width, const float* o_scale, float* o,
-                int64_t ldo, Ahead& ahead) {
+template <int kRows, typename E>
+void ValueBlock(const ValueParts<E>& v, const uint16_t* pb, int64_t ldv, int64_t width, const float* o_scale,
+                float* o, int64_t ldo, Ahead& ahead) {
   __m512 acc[kRows][kValueChunks][2];
   MHA_UNROLL for (int r = 0; r < kRows; ++r) {
     MHA_UNROLL for (int x = 0; x < kValueChunks; ++x) acc[r][x][0] = acc[r][x][1] = _mm512_setzero_ps();
   }
   const __mmask32 masks[kValueChunks] = {Words(width), Words(width - 32)};
   for (int64_t part = 0; part < v.blocks; ++part) {
-    const uint16_t* rows = v.Part(part);
+    const E* rows = v.Part(part);
     const int64_t keys = v.Keys(part), first_pair = part * v.block_keys / 2;  // block_keys is even
     for (int64_t m = 0; m < (keys + 1) / 2; ++m) {
       ahead.Step();
@@ -199,14 +226,17 @@ void ValueBlock(const ValueParts& v, const uint16_t* pb, int64_t ldv, int64_t wi
   }
 }
 
-// PagedKernels::prefill_values for bf16 V parts (and ::values, one part).
-void ValuesOverParts(int64_t rows, const void* const* parts, const uint16_t* const* value_scales, int64_t blocks,
-                     int64_t block_keys, int64_t last_keys, int64_t width, const float* p, int64_t ldp,
-                     const float* o_scale, float* o, int64_t ldo, const void* ahead_bytes, int64_t ahead_size) {
+// PagedKernels::prefill_values for bf16 V parts (or FP8 codes, p already times their scales; and ::values, one
+// part).
+template <typename E>
+void ValuesOverPartsOf(int64_t rows, const void* const* parts, const uint16_t* const* value_scales, int64_t blocks,
+                       int64_t block_keys, int64_t last_keys, int64_t width, const float* p, int64_t ldp,
+                       const float* o_scale, float* o, int64_t ldo, const void* ahead_bytes, int64_t ahead_size) {
   const int64_t keys = (blocks - 1) * block_keys + last_keys;
   if (keys > kMaxElements || (blocks > 1 && block_keys % 2 != 0)) {
-    avx512::kPagedKernels[2].prefill_values(rows, parts, value_scales, blocks, block_keys, last_keys, width, p, ldp,
-                                            o_scale, o, ldo, ahead_bytes, ahead_size);
+    avx512::kPagedKernels[FallbackIndex(static_cast<const E*>(nullptr))].prefill_values(
+        rows, parts, value_scales, blocks, block_keys, last_keys, width, p, ldp, o_scale, o, ldo, ahead_bytes,
+        ahead_size);
     return;
   }
   alignas(64) uint16_t pb[kValueRows * kMaxElements];
@@ -219,7 +249,7 @@ void ValuesOverParts(int64_t rows, const void* const* parts, const uint16_t* con
       ToBf16(p + (i + r) * ldp, keys, (keys + 31) / 32 * 32, 1.0f, pb + r * kMaxElements);
     }
     for (int64_t c = 0; c < width; c += kPanel) {
-      const ValueParts v{parts, blocks, block_keys, last_keys, c};
+      const ValueParts<E> v{parts, blocks, block_keys, last_keys, c};
       WithRows<kValueRows>(height, [&](auto block) {
         ValueBlock<decltype(block)::kValue>(v, pb, width, width - c, o_scale + i, o + i * ldo + c, ldo, ahead);
       });
@@ -227,39 +257,18 @@ void ValuesOverParts(int64_t rows, const void* const* parts, const uint16_t* con
   }
 }
 
-// PagedKernels::values for a bf16 V.
-void Values(int64_t rows, int64_t keys, int64_t width, const float* p, int64_t ldp, const void* v_bytes,
-            const uint16_t* value_scales, const float* o_scale, float* o, int64_t ldo, const void* ahead_bytes,
-            int64_t ahead_size) {
+// PagedKernels::values for a bf16 V (or FP8 codes, as above).
+template <typename E>
+void ValuesOf(int64_t rows, int64_t keys, int64_t width, const float* p, int64_t ldp, const void* v_bytes,
+              const uint16_t* value_scales, const float* o_scale, float* o, int64_t ldo, const void* ahead_bytes,
+              int64_t ahead_size) {
   if (keys > kMaxElements) {
-    avx512::kPagedKernels[2].values(rows, keys, width, p, ldp, v_bytes, value_scales, o_scale, o, ldo, ahead_bytes,
-                                    ahead_size);
+    avx512::kPagedKernels[FallbackIndex(static_cast<const E*>(nullptr))].values(
+        rows, keys, width, p, ldp, v_bytes, value_scales, o_scale, o, ldo, ahead_bytes, ahead_size);
     return;
   }
-  ValuesOverParts(rows, &v_bytes, nullptr, 1, keys, keys, width, p, ldp, o_scale, o, ldo, ahead_bytes, ahead_size);
-}
-
-// FP8 caches on the same dot products: a part's codes become bf16 in a stack buffer, its scales folded into q or
-// the weights, and the kernels above run on it. The codes' exponent and mantissa bits placed in bf16's read 2^-120
-// (E4M3) or 2^-112 (E5M2) of their value, which the scales take too. Exact but for FP8's subnormal codes, which
-// vdpbf16ps reads as zero: under 2^-6 of a code unit, a 28672th of the channel's or token's largest value (E4M3).
-constexpr int64_t kFp8MaxPart = 16384;  // codes of one part converted on the stack (32 KiB of bf16)
-constexpr int kFp8E4m3Index = 4, kFp8E5m2Index = 5;  // in a set's kernels by cache dtype (tile_kernels.h)
-
-template <bool kE4m3>
-constexpr float kFp8Unit = kE4m3 ? 0x1p120f : 0x1p112f;
-
-template <bool kE4m3>
-void Fp8ToBf16(const uint8_t* src, int64_t n, uint16_t* dst) {
-  constexpr int kShift = kE4m3 ? 4 : 5;
-  int64_t i = 0;
-  for (; i + 32 <= n; i += 32) {
-    const __m512i x = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i)));
-    const __m512i sign = _mm512_slli_epi16(_mm512_and_si512(x, _mm512_set1_epi16(0x80)), 8);
-    const __m512i rest = _mm512_slli_epi16(_mm512_and_si512(x, _mm512_set1_epi16(0x7f)), kShift);
-    _mm512_storeu_si512(dst + i, _mm512_or_si512(sign, rest));
-  }
-  for (; i < n; ++i) dst[i] = static_cast<uint16_t>(((src[i] & 0x80u) << 8) | ((src[i] & 0x7fu) << kShift));
+  ValuesOverPartsOf<E>(rows, &v_bytes, nullptr, 1, keys, keys, width, p, ldp, o_scale, o, ldo, ahead_bytes,
+                       ahead_size);
 }
 
 // out[i] = x[i] times the bf16 scale[i] times `unit`, for i < n.
@@ -274,46 +283,48 @@ void TimesScales(const float* x, const uint16_t* scale, int64_t n, float unit, f
 }
 
 template <bool kE4m3>
+constexpr float kFp8Unit = kE4m3 ? 0x1p120f : 0x1p112f;  // Fp8's codes read as bf16 are this much short
+
+// The FP8 caches on the same dot products, their codes read as bf16 as they are loaded (Fp8): q and the weights
+// times the block's scales first (on the stack: rows and depth or keys up to the 8-bit caches' limits).
+template <bool kE4m3>
 void Fp8Scores(int64_t rows, int64_t keys, int64_t depth, const float* q, int64_t ldq, const void* kt_bytes,
                int64_t ldk, const uint16_t* key_scales, float* s, int64_t lds, const void* ahead_bytes,
                int64_t ahead_size) {
-  if (depth * ldk > kFp8MaxPart || depth > kQuantizedMaxElements || rows > kQuantizedMaxRows) {
-    avx512::kPagedKernels[kE4m3 ? kFp8E4m3Index : kFp8E5m2Index].scores(
+  if (depth > kQuantizedMaxElements || rows > kQuantizedMaxRows) {
+    avx512::kPagedKernels[FallbackIndex(static_cast<const Fp8<kE4m3>*>(nullptr))].scores(
         rows, keys, depth, q, ldq, kt_bytes, ldk, key_scales, s, lds, ahead_bytes, ahead_size);
     return;
   }
-  alignas(64) uint16_t kb[kFp8MaxPart];
   alignas(64) float scaled[kQuantizedMaxRows * kQuantizedMaxElements];
-  Fp8ToBf16<kE4m3>(static_cast<const uint8_t*>(kt_bytes), depth * ldk, kb);
   for (int64_t r = 0; r < rows; ++r) TimesScales(q + r * ldq, key_scales, depth, kFp8Unit<kE4m3>, scaled + r * depth);
-  Scores(rows, keys, depth, scaled, depth, kb, ldk, nullptr, s, lds, ahead_bytes, ahead_size);
+  ScoresOf<Fp8<kE4m3>>(rows, keys, depth, scaled, depth, kt_bytes, ldk, nullptr, s, lds, ahead_bytes, ahead_size);
 }
 
 template <bool kE4m3>
 void Fp8Values(int64_t rows, int64_t keys, int64_t width, const float* p, int64_t ldp, const void* v_bytes,
                const uint16_t* value_scales, const float* o_scale, float* o, int64_t ldo, const void* ahead_bytes,
                int64_t ahead_size) {
-  if (keys * width > kFp8MaxPart || keys > kQuantizedMaxElements || rows > kQuantizedMaxRows) {
-    avx512::kPagedKernels[kE4m3 ? kFp8E4m3Index : kFp8E5m2Index].values(
+  if (keys > kQuantizedMaxElements || rows > kQuantizedMaxRows) {
+    avx512::kPagedKernels[FallbackIndex(static_cast<const Fp8<kE4m3>*>(nullptr))].values(
         rows, keys, width, p, ldp, v_bytes, value_scales, o_scale, o, ldo, ahead_bytes, ahead_size);
     return;
   }
-  alignas(64) uint16_t vb[kFp8MaxPart];
   alignas(64) float scaled[kQuantizedMaxRows * kQuantizedMaxElements];
-  Fp8ToBf16<kE4m3>(static_cast<const uint8_t*>(v_bytes), keys * width, vb);
   for (int64_t r = 0; r < rows; ++r) TimesScales(p + r * ldp, value_scales, keys, kFp8Unit<kE4m3>, scaled + r * keys);
-  // The bf16 kernels rescale by o_scale always; a later part of a prefill's span passes none (keep the outputs).
+  // The kernels above rescale by o_scale always; a later part of a prefill's span passes none (keep the outputs).
   float ones[kQuantizedMaxRows];
   for (int64_t r = 0; o_scale == nullptr && r < rows; ++r) ones[r] = 1.0f;
-  Values(rows, keys, width, scaled, keys, vb, nullptr, o_scale != nullptr ? o_scale : ones, o, ldo, ahead_bytes,
-         ahead_size);
+  ValuesOf<Fp8<kE4m3>>(rows, keys, width, scaled, keys, v_bytes, nullptr, o_scale != nullptr ? o_scale : ones, o, ldo,
+                       ahead_bytes, ahead_size);
 }
 
 }  // namespace
 
 // The fp32 and fp16 caches' kernels are the avx512 set's; tile_kernels.cc puts this one beside them.
 // Its register blocks serve many rows as well as few: a prefill tile takes the same ones.
-extern const PagedKernels kBf16PagedKernels = {&Scores, &Values, &Scores, &ValuesOverParts};
+extern const PagedKernels kBf16PagedKernels = {&ScoresOf<uint16_t>, &ValuesOf<uint16_t>, &ScoresOf<uint16_t>,
+                                               &ValuesOverPartsOf<uint16_t>};
 // The FP8 caches' (E4M3, E5M2), whose prefill runs them over groups of rows (paged_kernels_common.h).
 extern const PagedKernels kFp8PagedKernels[2] = {
     {&Fp8Scores<true>, &Fp8Values<true>, &ScoresInRowGroups<&Fp8Scores<true>>,
