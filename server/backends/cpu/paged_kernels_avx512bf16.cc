@@ -1,5 +1,6 @@
-// The decode kernels for bf16 caches on AVX512-BF16's dot products (compiled with -mavx512f -mavx512bw
-// -mavx512bf16; used by the avx512bf16 and amx sets, whose CPUs have the instruction).
+// The decode kernels for bf16 caches, and for FP8 caches read as bf16 as they are loaded (Fp8 below), on
+// AVX512-BF16's dot products (compiled with -mavx512f -mavx512bw -mavx512bf16; used by the avx512bf16 and amx sets,
+// whose CPUs have the instruction).
 //
 // Why: a bf16 cache carries twice the elements per byte of an fp32 one, and widening each to fp32 for an FMA made
 // the decode compute-bound before it was memory-bound (G = 4 query rows per KV head: four FMA lanes per element).
