@@ -213,7 +213,7 @@ void ValueBlock(const ValueParts<E>& v, const uint16_t* pb, int64_t ldv, int64_t
     }
   }
   MHA_UNROLL for (int r = 0; r < kRows; ++r) {
-    const __m512 factor = _mm512_set1_ps(o_scale[r]);
+    const __m512 factor = _mm512_set1_ps(o_scale != nullptr ? o_scale[r] : 1.0f);
     MHA_UNROLL for (int x = 0; x < kValueChunks; ++x) {
       __m512 sums[2];
       InOrder(acc[r][x][0], acc[r][x][1], &sums[0], &sums[1]);
@@ -252,7 +252,8 @@ void ValuesOverPartsOf(int64_t rows, const void* const* parts, const uint16_t* c
     for (int64_t c = 0; c < width; c += kPanel) {
       const ValueParts<E> v{parts, blocks, block_keys, last_keys, c};
       WithRows<kValueRows>(height, [&](auto block) {
-        ValueBlock<decltype(block)::kValue>(v, pb, width, width - c, o_scale + i, o + i * ldo + c, ldo, ahead);
+        ValueBlock<decltype(block)::kValue>(v, pb, width, width - c, o_scale == nullptr ? nullptr : o_scale + i,
+                                            o + i * ldo + c, ldo, ahead);
       });
     }
   }
@@ -313,11 +314,7 @@ void Fp8Values(int64_t rows, int64_t keys, int64_t width, const float* p, int64_
   }
   alignas(64) float scaled[kQuantizedMaxRows * kQuantizedMaxElements];
   for (int64_t r = 0; r < rows; ++r) TimesScales(p + r * ldp, value_scales, keys, kFp8Unit<kE4m3>, scaled + r * keys);
-  // The kernels above rescale by o_scale always; a later part of a prefill's span passes none (keep the outputs).
-  float ones[kQuantizedMaxRows];
-  for (int64_t r = 0; o_scale == nullptr && r < rows; ++r) ones[r] = 1.0f;
-  ValuesOf<Fp8<kE4m3>>(rows, keys, width, scaled, keys, v_bytes, nullptr, o_scale != nullptr ? o_scale : ones, o, ldo,
-                       ahead_bytes, ahead_size);
+  ValuesOf<Fp8<kE4m3>>(rows, keys, width, scaled, keys, v_bytes, nullptr, o_scale, o, ldo, ahead_bytes, ahead_size);
 }
 
 }  // namespace
