@@ -26,6 +26,15 @@ deploy/install-deps.sh --container
 state=${MHA_CONTAINER_DIR:-$root/build/containers}
 mkdir -p "$state"
 state=$(cd "$state" && pwd)
+# Both variants' layers (the cuda build copies cuBLAS in) need a few GiB; a full disk fails deep inside podman with
+# "no space left on device", so say it first.
+need_gib=${MHA_CONTAINER_FREE_GIB:-4}
+free_gib=$(df --output=avail -B1G "$state" | tail -1 | tr -d ' ')
+[[ $free_gib -ge $need_gib ]] || {
+  echo "container-test: FAILED: ${free_gib} GiB free under $state; the two images' builds need ${need_gib} GiB" \
+    "(old checkouts' build/containers/ hold about 4 GiB each)" >&2
+  exit 1
+}
 # The run root (locks, mount state; on tmpfs, so that a reboot clears it) is this storage's own: two checkouts'
 # storages must not share one.
 cat >"$state/storage.conf" <<EOF
