@@ -27,8 +27,12 @@ using quant::EncodeE5m2;
 TEST(Fp8, EveryFiniteCodeDecodesAndEncodesBackToItself) {
   for (int code = 0; code < 256; ++code) {
     const uint8_t c = static_cast<uint8_t>(code);
-    if ((c & 0x7f) != 0x7f) EXPECT_EQ(EncodeE4m3(DecodeE4m3(c)), c == 0x80 ? 0x80 : c) << code;
-    if ((c & 0x7f) < 0x7c) EXPECT_EQ(EncodeE5m2(DecodeE5m2(c)), c) << code;
+    if ((c & 0x7f) != 0x7f) {
+      EXPECT_EQ(EncodeE4m3(DecodeE4m3(c)), c == 0x80 ? 0x80 : c) << code;
+    }
+    if ((c & 0x7f) < 0x7c) {
+      EXPECT_EQ(EncodeE5m2(DecodeE5m2(c)), c) << code;
+    }
   }
 }
 

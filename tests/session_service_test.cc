@@ -490,6 +490,9 @@ TEST_F(SessionServiceTest, CancelledAndTimedOutCallsChangeNoSession) {
   v1::ExtendRequest slow = ExtendOf({XItem(id, 2000)});
   slow.set_backend(v1::BACKEND_REFERENCE);  // seconds of plain loops
   grpc::ClientContext slow_context;
+  // Far enough that admission never refuses it at arrival: under a sanitizer on a loaded machine the reference
+  // backend's measured rate once made its estimate exceed the default 120 s deadline.
+  slow_context.set_deadline(std::chrono::system_clock::now() + std::chrono::hours(1));
   v1::ExtendResponse slow_response;
   auto slow_call = std::async(std::launch::async, [&] { return stub_->Extend(&slow_context, slow, &slow_response); });
   ASSERT_TRUE(server_->scheduler().AwaitRunning(absl::Seconds(30)));

@@ -40,7 +40,7 @@ inline Isa::V LoadElements(const Half* p) { return Isa::LoadHalf(&p->bits); }
 inline Isa::V LoadElements(const Bf16* p) { return Isa::LoadBf16(&p->bits); }
 template <typename E, typename = decltype(HalfBits(E{}))>
 inline Isa::V LoadElements(const E* p) {
-  constexpr bool kE4m3 = WidenedFactor(E{}) != 1.0f;
+  [[maybe_unused]] constexpr bool kE4m3 = WidenedFactor(E{}) != 1.0f;
 #if defined(__AVX512F__)
   const __m256i x = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   const __m256i bits = kE4m3 ? _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x80)), 8),
