@@ -25,6 +25,10 @@ others=(numpy==2.4.6 onnx==1.23.2 onnxruntime==1.32.0 openvino==2026.4.1)
 versions="$torch_pkg ${others[*]}"
 launcher="$venv/bin/peers-python"
 pip=("$venv/bin/python" -m pip --disable-pip-version-check -q install --no-cache-dir)
+# One maker at a time: ctest runs the suites that need this environment side by side.
+mkdir -p "$(dirname "$venv")"
+exec 9>>"$venv.lock"
+flock 9
 
 # pip install, quiet; pip's complaint that torch's CUDA and triton requirements are missing is expected here.
 pip_install() {

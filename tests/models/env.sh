@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Makes (once) the virtual environment the model checks (tests/models) run in: transformers, grpcio and protobuf at
 # pinned versions from the Python package index, over the benchmark peers' environment (tests/bench/peers-env.sh),
-# whose PyTorch and numpy it reads through a .pth file instead of installing them again. Neither the product nor
-# the test suite uses it.
+# whose PyTorch and numpy it reads through a .pth file instead of installing them again. The product does not use
+# it; the test suite runs tests/models/test_*.py in it (tests/models/run.sh) where it is made.
 #   tests/models/env.sh     prints the command to run Python in it (its last line)
 # Idempotent: a complete environment at these versions is reused. Environment:
 #   MHA_MODELS_VENV   where (default ~/.cache/mhaserve/models-venv, outside the source tree)
@@ -11,9 +11,13 @@ here=$(cd "$(dirname "$0")" && pwd)
 peers_python=$("$here/../bench/peers-env.sh" | tail -1)  # the peers' launcher (their CUDA library path set)
 peers_venv=$(dirname "$(dirname "$peers_python")")
 venv=${MHA_MODELS_VENV:-$HOME/.cache/mhaserve/models-venv}
-packages=(transformers==5.25.0 grpcio==1.85.3 protobuf==7.36.2)
+packages=(transformers==5.25.0 grpcio==1.85.3 protobuf==7.36.2 pytest==9.2.0)
 versions="${packages[*]} over $peers_venv"
 launcher=$venv/bin/models-python
+# One maker at a time: ctest runs the suites that need this environment side by side.
+mkdir -p "$(dirname "$venv")"
+exec 9>>"$venv.lock"
+flock 9
 if [[ -x $launcher && "$(cat "$venv/.complete" 2>/dev/null)" == "$versions" ]]; then
   echo "$launcher"
   exit 0
