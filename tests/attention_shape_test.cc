@@ -1,9 +1,14 @@
 // What a call costs, defined once (proto/mha/v1/attention_shape.h): AttentionFlops, VisiblePairs, ExtendFlops and
-// KvCacheBytes, which the scheduler, the metrics, the clients and the benchmarks all count with.
+// KvCacheBytes, which the scheduler, the metrics, the clients and the benchmarks all count with; and how
+// ResolveHeads reads HeadConfig.rope_scaling.
 #include "proto/mha/v1/attention_shape.h"
 
 #include <algorithm>
+#include <cmath>
+#include <functional>
+#include <string>
 #include <utility>
+#include <vector>
 
 #include "gtest/gtest.h"
 
@@ -83,6 +88,189 @@ TEST(KvCacheBytes, IsKAndVOfEveryKvHead) {
   heads.num_kv_heads = 8;
   heads.head_dim = 128;
   EXPECT_DOUBLE_EQ(KvCacheBytes(heads, 2048, 2), 2.0 * 8 * 128 * 2048 * 2);
+}
+
+// --- HeadConfig.rope_scaling ---------------------------------------------------------------------------------
+
+// 4 heads of 16 with RoPE (theta 10000) and `scaling`.
+v1::HeadConfig RopeHeads(const std::string& type) {
+  v1::HeadConfig c;
+  c.set_num_heads(4);
+  c.set_head_dim(16);
+  c.set_rope_theta(10000);
+  c.mutable_rope_scaling()->set_rope_type(type);
+  return c;
+}
+
+struct BadScaling {
+  std::string name;
+  std::function<void(v1::HeadConfig*)> edit;
+  std::string message;  // what the INVALID_ARGUMENT says
+};
+
+std::ostream& operator<<(std::ostream& os, const BadScaling& b) { return os << b.name; }
+
+std::vector<BadScaling> BadScalings() {
+  using C = v1::HeadConfig;
+  const auto r = [](C* c) { return c->mutable_rope_scaling(); };
+  return {
+      {"unknown_type", [&](C* c) { r(c)->set_rope_type("ntk"); },
+       "heads.rope_scaling.rope_type must be one of default, linear, dynamic, yarn, longrope, llama3 (transformers' "
+       "names), got 'ntk'"},
+      {"without_rope_theta", [&](C* c) { c->set_rope_theta(0); },
+       "heads.rope_scaling.rope_type is 'linear' but rope_theta is 0 (no RoPE)"},
+      {"a_field_the_type_does_not_read", [&](C* c) { r(c)->set_beta_fast(16); },
+       "heads.rope_scaling.beta_fast is set, but rope_type 'linear' does not read it"},
+      {"truncate_outside_yarn", [&](C* c) { r(c)->set_truncate(false); },
+       "heads.rope_scaling.truncate is set, but rope_type 'linear' does not read it"},
+      {"linear_without_factor", [&](C* c) { r(c)->clear_factor(); },
+       "heads.rope_scaling.factor is required (rope_type 'linear') and must be > 0"},
+      {"nan_factor", [&](C* c) { r(c)->set_factor(std::nan("")); },
+       "heads.rope_scaling.factor must be finite and >= 0, got nan"},
+      {"negative_factor", [&](C* c) { r(c)->set_factor(-2); },
+       "heads.rope_scaling.factor must be finite and >= 0, got -2"},
+      {"llama3_without_original", [&](C* c) { r(c)->set_rope_type("llama3"); },
+       "heads.rope_scaling.original_max_position_embeddings is required (rope_type 'llama3')"},
+      {"llama3_high_not_above_low",
+       [&](C* c) {
+         r(c)->set_rope_type("llama3");
+         r(c)->set_original_max_position_embeddings(64);
+         r(c)->set_low_freq_factor(4);
+         r(c)->set_high_freq_factor(4);
+       },
+       "heads.rope_scaling.high_freq_factor must satisfy 0 < low_freq_factor < high_freq_factor (rope_type "
+       "'llama3'), got 4 and 4"},
+      {"dynamic_without_max", [&](C* c) { r(c)->set_rope_type("dynamic"); },
+       "heads.rope_scaling.max_position_embeddings is required (rope_type 'dynamic')"},
+      {"dynamic_on_two_dims",
+       [&](C* c) {
+         r(c)->set_rope_type("dynamic");
+         r(c)->set_max_position_embeddings(128);
+         c->set_rope_dim(2);
+       },
+       "heads.rope_scaling.rope_type 'dynamic' needs rope_dim >= 4, got 2"},
+      {"negative_max",
+       [&](C* c) {
+         r(c)->set_rope_type("dynamic");
+         r(c)->set_max_position_embeddings(-1);
+       },
+       "heads.rope_scaling.max_position_embeddings must be >= 0, got -1"},
+      {"yarn_without_factor_or_max",
+       [&](C* c) {
+         r(c)->set_rope_type("yarn");
+         r(c)->clear_factor();
+         r(c)->set_original_max_position_embeddings(64);
+       },
+       "heads.rope_scaling.factor is 0, so max_position_embeddings is required (rope_type 'yarn'): the factor is then "
+       "max_position_embeddings / original_max_position_embeddings"},
+      {"yarn_negative_attention_factor",
+       [&](C* c) {
+         r(c)->set_rope_type("yarn");
+         r(c)->set_original_max_position_embeddings(64);
+         r(c)->set_attention_factor(-1);
+       },
+       "heads.rope_scaling.attention_factor must be finite and >= 0, got -1"},
+      {"longrope_short_list",
+       [&](C* c) {
+         r(c)->set_rope_type("longrope");
+         r(c)->set_original_max_position_embeddings(64);
+         for (int i = 0; i < 7; ++i) r(c)->add_short_factor(1);
+       },
+       "heads.rope_scaling.short_factor must hold rope_dim / 2 = 8 values (rope_type 'longrope'), got 7"},
+      {"longrope_zero_entry",
+       [&](C* c) {
+         r(c)->set_rope_type("longrope");
+         r(c)->set_original_max_position_embeddings(64);
+         for (int i = 0; i < 8; ++i) r(c)->add_short_factor(1);
+         for (int i = 0; i < 8; ++i) r(c)->add_long_factor(i == 3 ? 0 : 2);
+       },
+       "heads.rope_scaling.long_factor[3] must be finite and > 0, got 0"},
+  };
+}
+
+class RopeScalingRefusalTest : public ::testing::TestWithParam<BadScaling> {};
+
+TEST_P(RopeScalingRefusalTest, IsInvalidArgumentNamingTheField) {
+  v1::HeadConfig c = RopeHeads("linear");
+  c.mutable_rope_scaling()->set_factor(4);
+  GetParam().edit(&c);
+  const absl::StatusOr<HeadSpec> h = ResolveHeads(c, HeadSpec(), "", 64, "heads");
+  ASSERT_FALSE(h.ok());
+  EXPECT_EQ(h.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(h.status().message(), GetParam().message);
+}
+
+INSTANTIATE_TEST_SUITE_P(Fields, RopeScalingRefusalTest, ::testing::ValuesIn(BadScalings()),
+                         [](const auto& info) { return info.param.name; });
+
+// One valid configuration of each type, as transformers' configs carry them.
+std::vector<v1::HeadConfig> ValidScalings() {
+  std::vector<v1::HeadConfig> all;
+  v1::HeadConfig c = RopeHeads("linear");
+  c.mutable_rope_scaling()->set_factor(4);
+  all.push_back(c);
+  c = RopeHeads("dynamic");
+  c.mutable_rope_scaling()->set_factor(2);
+  c.mutable_rope_scaling()->set_max_position_embeddings(2048);
+  all.push_back(c);
+  c = RopeHeads("yarn");
+  c.mutable_rope_scaling()->set_factor(4);
+  c.mutable_rope_scaling()->set_original_max_position_embeddings(32768);
+  c.mutable_rope_scaling()->set_truncate(false);
+  all.push_back(c);
+  c = RopeHeads("longrope");
+  c.mutable_rope_scaling()->set_original_max_position_embeddings(4096);
+  c.mutable_rope_scaling()->set_max_position_embeddings(131072);
+  for (int i = 0; i < 8; ++i) c.mutable_rope_scaling()->add_short_factor(1 + i);
+  for (int i = 0; i < 8; ++i) c.mutable_rope_scaling()->add_long_factor(2 + i);
+  all.push_back(c);
+  c = RopeHeads("llama3");
+  c.mutable_rope_scaling()->set_factor(8);
+  c.mutable_rope_scaling()->set_low_freq_factor(1);
+  c.mutable_rope_scaling()->set_high_freq_factor(4);
+  c.mutable_rope_scaling()->set_original_max_position_embeddings(8192);
+  all.push_back(c);
+  return all;
+}
+
+TEST(RopeScaling, EveryTypeResolvesAndSurvivesTheWireForm) {
+  for (const v1::HeadConfig& c : ValidScalings()) {
+    const absl::StatusOr<HeadSpec> h = ResolveHeads(c, HeadSpec(), "", 64, "heads");
+    ASSERT_TRUE(h.ok()) << c.rope_scaling().rope_type() << ": " << h.status();
+    EXPECT_EQ(RopeTypeName(h->rope_scaling.type), c.rope_scaling().rope_type());
+    const absl::StatusOr<HeadSpec> again = ResolveHeads(HeadConfigOf(*h), HeadSpec(), "", 64, "heads");
+    ASSERT_TRUE(again.ok()) << again.status();
+    EXPECT_TRUE(again->rope_scaling == h->rope_scaling) << c.rope_scaling().rope_type();
+  }
+}
+
+TEST(RopeScaling, YarnTakesTransformersDefaultsForItsUnsetFields) {
+  v1::HeadConfig c = RopeHeads("yarn");
+  c.mutable_rope_scaling()->set_factor(4);
+  c.mutable_rope_scaling()->set_original_max_position_embeddings(128);
+  const HeadSpec h = *ResolveHeads(c, HeadSpec(), "", 64, "heads");
+  EXPECT_EQ(h.rope_scaling.beta_fast, 32);
+  EXPECT_EQ(h.rope_scaling.beta_slow, 1);
+  EXPECT_TRUE(h.rope_scaling.truncate);
+}
+
+TEST(RopeScaling, ADefaultTypeIsNoScaling) {
+  for (const std::string type : {"", "default"}) {
+    const absl::StatusOr<HeadSpec> h = ResolveHeads(RopeHeads(type), HeadSpec(), "", 64, "heads");
+    ASSERT_TRUE(h.ok()) << h.status();
+    EXPECT_FALSE(h->rope_scaling.scaled());
+  }
+}
+
+TEST(RopeScaling, ALayersScalingIsInheritedAndMustNotBeContradicted) {
+  const HeadSpec layer = *ResolveHeads(ValidScalings().back(), HeadSpec(), "", 64, "heads");  // llama3
+  v1::HeadConfig call;
+  EXPECT_TRUE(ResolveHeads(call, layer, "layer 'l'", 64, "heads")->rope_scaling == layer.rope_scaling);
+  *call.mutable_rope_scaling() = ValidScalings()[0].rope_scaling();  // linear
+  const absl::StatusOr<HeadSpec> other = ResolveHeads(call, layer, "layer 'l'", 64, "heads");
+  EXPECT_EQ(other.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(other.status().message(),
+            "heads.rope_scaling (linear) disagrees with layer 'l' (llama3); leave it unset to use that");
 }
 
 }  // namespace

@@ -52,6 +52,7 @@ struct Case {
   double rope_theta = 0;     // RoPE's base; 0: none
   int64_t rope_dim = 0;      // with rope_theta: 0 = head_dim
   bool rope_interleaved = false;
+  RopeScaling rope_scaling;  // scaled RoPE frequencies (HeadConfig.rope_scaling); default: none
   float input_bound = 1.0f;  // inputs uniform in +-input_bound
   v1::DataType input_dtype = v1::FP32;
   v1::DataType output_dtype = v1::FP32;
@@ -89,6 +90,7 @@ class Problem {
     s.heads.rope_theta = c.rope_theta;
     s.heads.rope_dim = c.rope_theta != 0 && c.rope_dim == 0 ? c.head_dim : c.rope_dim;
     s.heads.rope_interleaved = c.rope_interleaved;
+    s.heads.rope_scaling = c.rope_scaling;
     const int64_t qw = s.heads.q_width(), kvw = s.heads.kv_width();
     if (c.sdpa) {
       query_ = Encoded(c.batch * c.q_len * qw, 1, c.input_bound, c.input_dtype);
@@ -252,6 +254,28 @@ class Problem {
   std::vector<int32_t> key_lengths_;
   std::vector<float> additive_, head_mask_;
 };
+
+// Scaled RoPE frequencies of each type, with contexts short enough that the cases reach every regime: llama3's
+// three wavelength bands, yarn's ramp, dynamic past its max_position_embeddings, longrope's long factors.
+RopeScaling Scaling(RopeScaling::Type type, int64_t pairs = 0) {
+  RopeScaling r;
+  r.type = type;
+  r.factor = type == RopeScaling::Type::kLlama3 ? 8 : type == RopeScaling::Type::kDynamic ? 2 : 4;
+  if (type == RopeScaling::Type::kLlama3) {
+    r.original_max_position_embeddings = 64;
+    r.low_freq_factor = 1;
+    r.high_freq_factor = 4;
+  } else if (type == RopeScaling::Type::kDynamic) {
+    r.max_position_embeddings = 128;
+  } else {
+    r.original_max_position_embeddings = 128;
+  }
+  for (int64_t i = 0; type == RopeScaling::Type::kLongrope && i < pairs; ++i) {
+    r.short_factor.push_back(1.0 + 0.05 * static_cast<double>(i));
+    r.long_factor.push_back(1.0 + 0.7 * static_cast<double>(i));
+  }
+  return r;
+}
 
 Case Make(std::string name, int64_t b, int64_t tq, int64_t tk, int64_t d, int64_t dkv, int64_t h, int64_t hkv,
           int64_t dk) {
@@ -421,6 +445,33 @@ std::vector<Case> Cases() {
   c.sdpa = true;
   c.rope_theta = 10000;
   c.rope_interleaved = true;
+  cases.push_back(c);
+  // Scaled RoPE (rope_scaling), each type: on layers and on the attention core, partial and interleaved too.
+  c = Make("rope_llama3_causal_gqa_self", 2, 13, 13, 64, 0, 4, 2, 16);
+  c.causal = true;
+  c.rope_theta = 10000;
+  c.rope_scaling = Scaling(RopeScaling::Type::kLlama3);
+  cases.push_back(c);
+  c = Make("sdpa_rope_yarn_long_positions", 1, 3, 700, 0, 0, 4, 4, 32);
+  c.sdpa = true;
+  c.rope_theta = 10000;
+  c.rope_scaling = Scaling(RopeScaling::Type::kYarn);
+  cases.push_back(c);
+  c = Make("sdpa_rope_dynamic_partial_past_max", 1, 5, 300, 0, 0, 4, 2, 32);
+  c.sdpa = true;
+  c.causal = true;
+  c.rope_theta = 10000;
+  c.rope_dim = 16;
+  c.rope_scaling = Scaling(RopeScaling::Type::kDynamic);
+  cases.push_back(c);
+  c = Make("rope_longrope_interleaved_cross_long", 2, 5, 200, 32, 24, 4, 2, 16);
+  c.rope_theta = 10000;
+  c.rope_interleaved = true;
+  c.rope_scaling = Scaling(RopeScaling::Type::kLongrope, 8);
+  cases.push_back(c);
+  c = Make("rope_linear_gqa_self", 1, 9, 9, 64, 0, 4, 2, 16);
+  c.rope_theta = 10000;
+  c.rope_scaling = Scaling(RopeScaling::Type::kLinear);
   cases.push_back(c);
   // 16-bit wire dtypes: decoded by the backend, outputs encoded in the requested dtype.
   for (v1::DataType in : {v1::FP16, v1::BF16}) {
@@ -628,6 +679,10 @@ struct SessionCase {
   double rope_theta = 0;
   int64_t rope_dim = 0;
   bool rope_interleaved = false;
+  RopeScaling rope_scaling;
+  // Chunked Extends equal one stateless call over the whole sequence; not where the frequencies depend on the
+  // sequence's length (dynamic, longrope across its switch): each token's keys keep the rotation of their call.
+  bool stateless_equal = true;
   bool bias = false;
   bool weights = false;
   bool stats = false;        // every call asks for the softmax statistics (and contribution, with a layer)
@@ -718,6 +773,7 @@ class SessionRun {
     problem_.heads.rope_theta = c.rope_theta;
     problem_.heads.rope_dim = c.rope_theta != 0 && c.rope_dim == 0 ? c.head_dim : c.rope_dim;
     problem_.heads.rope_interleaved = c.rope_interleaved;
+    problem_.heads.rope_scaling = c.rope_scaling;
     problem_.d_model = c.layer ? c.d_model : 0;
     problem_.cache = Layout();
     problem_.input_dtype = c.input_dtype;
@@ -984,6 +1040,30 @@ std::vector<SessionCase> SessionCases() {
   c.name = "session_heads_block5_gathers";  // blocks no decode kernel takes: every call gathers
   c.block_tokens = 5;
   cases.push_back(c);
+  // Scaled RoPE: llama3 and yarn are the same at every length; dynamic and longrope change their frequencies as
+  // the session passes max_position_embeddings / original_max_position_embeddings (128) in its second call.
+  c = SessionCase();
+  c.layer = false;
+  c.heads = 8;
+  c.kv_heads = 2;
+  c.head_dim = 16;
+  c.rope_theta = 10000;
+  c.steps = {{100, 40}, {1, 100}, {1, 1}, {30, 1}};
+  for (RopeScaling::Type type : {RopeScaling::Type::kLlama3, RopeScaling::Type::kYarn, RopeScaling::Type::kDynamic,
+                                 RopeScaling::Type::kLongrope}) {
+    c.name = absl::StrCat("session_heads_rope_", RopeTypeName(type));
+    c.rope_scaling = Scaling(type, c.head_dim / 2);
+    c.stateless_equal = type == RopeScaling::Type::kLlama3 || type == RopeScaling::Type::kYarn;
+    cases.push_back(c);
+  }
+  c = SessionCase();
+  c.name = "session_layer_rope_llama3_bf16_cache";
+  c.d_model = 64;
+  c.rope_theta = 500000;
+  c.rope_scaling = Scaling(RopeScaling::Type::kLlama3);
+  c.cache_dtype = v1::BF16;
+  c.steps = {{70}, {1}, {1}};
+  cases.push_back(c);
   c = SessionCase();
   c.name = "session_heads_fork_diverge_weights";
   c.layer = false;
@@ -1211,7 +1291,14 @@ TEST_P(SessionReferenceTest, ExtendsEqualOneStatelessCausalCall) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Reference, SessionReferenceTest, ::testing::ValuesIn(SessionCases()),
+std::vector<SessionCase> StatelessEqualCases() {
+  std::vector<SessionCase> cases = SessionCases();
+  cases.erase(std::remove_if(cases.begin(), cases.end(), [](const SessionCase& c) { return !c.stateless_equal; }),
+              cases.end());
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(Reference, SessionReferenceTest, ::testing::ValuesIn(StatelessEqualCases()),
                          [](const auto& info) { return info.param.name; });
 
 INSTANTIATE_TEST_SUITE_P(Backends, SessionConformanceTest,

@@ -137,6 +137,34 @@ TEST(Safetensors, RejectsMissingTensor) {
   EXPECT_THAT(std::string(s.message()), HasSubstr("missing tensor 'w_k'"));
 }
 
+TEST(Safetensors, ReadsTransformersRopeScalingFromTheMetadata) {
+  // As json.dumps writes config.json's object (transformers 5 keeps rope_theta in it; nulls mean unset).
+  const std::string scaling =
+      R"({\"rope_type\": \"llama3\", \"factor\": 8.0, \"low_freq_factor\": 1.0, \"high_freq_factor\": 4.0, )"
+      R"(\"original_max_position_embeddings\": 8192, \"rope_theta\": 500000.0, \"attention_factor\": null})";
+  const std::string bytes = File(ValidHeader(absl::StrCat(R"({"num_heads":"2","rope_theta":"500000",)",
+                                                          R"("rope_scaling":")", scaling, R"("})")),
+                                 ValidData());
+  absl::StatusOr<SafetensorsLayer> layer = ParseSafetensorsLayer(bytes, "x");
+  ASSERT_TRUE(layer.ok()) << layer.status();
+  const v1::RopeScaling& r = layer->heads.rope_scaling();
+  EXPECT_EQ(r.rope_type(), "llama3");
+  EXPECT_EQ(r.factor(), 8.0);
+  EXPECT_EQ(r.high_freq_factor(), 4.0);
+  EXPECT_EQ(r.original_max_position_embeddings(), 8192);
+  EXPECT_EQ(r.attention_factor(), 0.0);
+}
+
+TEST(Safetensors, RejectsRopeScalingThatIsNotAnObjectOrHasUnknownKeys) {
+  for (const std::string& scaling : {std::string("8"), std::string(R"({\"rope_type\": \"yarn\", \"alpha\": 2})")}) {
+    const std::string bytes =
+        File(ValidHeader(absl::StrCat(R"({"num_heads":"2","rope_scaling":")", scaling, R"("})")), ValidData());
+    const absl::Status s = ParseSafetensorsLayer(bytes, "x").status();
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << scaling;
+    EXPECT_THAT(std::string(s.message()), HasSubstr("__metadata__.rope_scaling")) << scaling;
+  }
+}
+
 TEST(Safetensors, RejectsUnsupportedDtype) {
   std::string header = ValidHeader(R"({"num_heads":"2"})");
   header.replace(header.find("F16"), 3, "I64");

@@ -101,6 +101,7 @@ __all__ = [
     "to_bf16_bytes",
     "from_bf16_bytes",
     "merge_attention",
+    "rope_scaling_message",
     "HEAD_STAT_FIELDS",
     "ShardedSession",
     "Recovery",
@@ -122,6 +123,40 @@ def _stubs():
 
         _stub_modules = (attention_pb2, attention_pb2_grpc, health_pb2, health_pb2_grpc)
     return _stub_modules
+
+
+# --------------------------------------------------------------------------------------------------------------
+# RoPE scaling.
+
+# RopeScaling's fields: transformers' rope_scaling / rope_parameters keys, by the same names.
+_ROPE_SCALING_FIELDS = ("rope_type", "factor", "original_max_position_embeddings", "max_position_embeddings",
+                        "low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow", "attention_factor",
+                        "mscale", "mscale_all_dim", "truncate", "short_factor", "long_factor")
+
+
+def rope_scaling_message(scaling, max_position_embeddings=None):
+    """A RopeScaling message from a transformers rope_scaling dict (config.rope_scaling, or transformers 5's
+    config.rope_parameters): its keys by their names, "type" as an old name of "rope_type"; "rope_theta" and
+    "partial_rotary_factor" are HeadConfig's rope_theta and rope_dim, not part of it, and are skipped. None values are
+    unset. max_position_embeddings: the model's (config.max_position_embeddings), which dynamic needs and from which
+    yarn and longrope derive a missing factor; taken for those types when the dict has none. A RopeScaling message
+    passes through."""
+    pb = _stubs()[0]
+    if isinstance(scaling, pb.RopeScaling):
+        return scaling
+    fields = {}
+    for key, value in dict(scaling).items():
+        key = "rope_type" if key == "type" else key
+        if key in ("rope_theta", "partial_rotary_factor") or value is None:
+            continue
+        if key not in _ROPE_SCALING_FIELDS:
+            raise ValueError("rope_scaling has %r, which RopeScaling does not know; its fields are %s"
+                             % (key, ", ".join(_ROPE_SCALING_FIELDS)))
+        fields[key] = value
+    reads_max = fields.get("rope_type") in ("dynamic", "yarn", "longrope")  # the server refuses unread fields
+    if max_position_embeddings and reads_max and not fields.get("max_position_embeddings"):
+        fields["max_position_embeddings"] = int(max_position_embeddings)
+    return pb.RopeScaling(**fields)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -436,11 +471,14 @@ class MhaClient:
     # ---- helpers -------------------------------------------------------------------------------------------
 
     def _heads(self, num_heads, num_kv_heads, head_dim, causal, scale, rope_theta=0.0, rope_dim=0,
-               rope_interleaved=False):
-        return self._pb.HeadConfig(num_heads=int(num_heads), num_kv_heads=int(num_kv_heads),
-                                   head_dim=int(head_dim), causal=bool(causal), scale=float(scale),
-                                   rope_theta=float(rope_theta), rope_dim=int(rope_dim),
-                                   rope_interleaved=bool(rope_interleaved))
+               rope_interleaved=False, rope_scaling=None):
+        heads = self._pb.HeadConfig(num_heads=int(num_heads), num_kv_heads=int(num_kv_heads),
+                                    head_dim=int(head_dim), causal=bool(causal), scale=float(scale),
+                                    rope_theta=float(rope_theta), rope_dim=int(rope_dim),
+                                    rope_interleaved=bool(rope_interleaved))
+        if rope_scaling is not None:
+            heads.rope_scaling.CopyFrom(rope_scaling_message(rope_scaling))
+        return heads
 
     def _weights(self, weights, wire_dtype):
         if isinstance(weights, self._pb.AttentionWeights):
@@ -461,7 +499,7 @@ class MhaClient:
                              attn_mask=None, head_mask=None, return_weights=False, output_dtype=None,
                              backend="auto", wire_dtype=None, output_shared_memory=None, rope_theta=0.0,
                              rope_dim=0, rope_interleaved=False, return_lse=False, return_head_stats=False,
-                             return_row_stats=False, sink_tokens=0):
+                             return_row_stats=False, sink_tokens=0, rope_scaling=None):
         """Full attention layer: project, attend, concatenate heads, project out.
 
         query [B, Tq, d_model]; key [B, Tk, d_kv_in] (None: self-attention); value [B, Tk, d_v_in] (None: key).
@@ -474,11 +512,12 @@ class MhaClient:
         wire_dtype: send every float tensor as this dtype instead of the arrays' own (see to_tensor).
         output_shared_memory: SharedMemoryRegion.output_at(offset) to have the output written there.
         rope_theta, rope_dim, rope_interleaved: rotary position embeddings (HeadConfig; a layer's own apply anyway).
+        rope_scaling: scaled RoPE frequencies, a transformers rope_scaling dict (see rope_scaling_message).
         return_lse, return_head_stats, return_row_stats, sink_tokens: softmax statistics (module docstring): the
         result's lse [B, H, Tq], head_stats {field: [B, H]} with contribution, row_stats {field: [B, H, Tq]}.
         Returns AttentionResult.
         """
-        rope = (rope_theta, rope_dim, rope_interleaved)
+        rope = (rope_theta, rope_dim, rope_interleaved, rope_scaling)
         if (layer is None) == (weights is None):
             raise ValueError("give exactly one of layer or weights")
         req = self._pb.MultiHeadAttentionRequest(
@@ -493,7 +532,7 @@ class MhaClient:
             req.value.CopyFrom(to_tensor(value, wire_dtype))
         if layer is not None:
             req.layer = layer
-            if num_heads or num_kv_heads or head_dim or causal or scale or any(rope):
+            if num_heads or num_kv_heads or head_dim or causal or scale or any(x is not None and x for x in rope):
                 req.heads.CopyFrom(self._heads(num_heads, num_kv_heads, head_dim, causal, scale, *rope))
         else:
             req.inline_weights.CopyFrom(self._weights(weights, wire_dtype))
@@ -536,10 +575,11 @@ class MhaClient:
                                      return_weights=False, output_dtype=None, backend="auto", wire_dtype=None,
                                      output_shared_memory=None, rope_theta=0.0, rope_dim=0, rope_interleaved=False,
                                      return_lse=False, return_head_stats=False, return_row_stats=False,
-                                     sink_tokens=0):
+                                     sink_tokens=0, rope_scaling=None):
         """Attention core on head-packed tensors: q [B, Tq, H, d_k], k and v [B, Tk, Hkv, d_k] (Hkv divides H).
 
-        rope_theta, rope_dim, rope_interleaved rotate q and k first (HeadConfig's RoPE).
+        rope_theta, rope_dim, rope_interleaved rotate q and k first (HeadConfig's RoPE); rope_scaling scales its
+        frequencies (a transformers rope_scaling dict, see rope_scaling_message).
         return_lse, return_head_stats, return_row_stats, sink_tokens: softmax statistics, as in multi_head_attention
         (no contribution: there is no W_O). Outputs over disjoint key sets merge with merge_attention.
         Returns AttentionResult with output [B, Tq, H, d_k] and, if asked, weights [B, H, Tq, Tk].
@@ -548,7 +588,7 @@ class MhaClient:
             q=to_tensor(q, wire_dtype),
             k=to_tensor(k, wire_dtype),
             v=to_tensor(v, wire_dtype),
-            heads=self._heads(0, 0, 0, causal, scale, rope_theta, rope_dim, rope_interleaved),
+            heads=self._heads(0, 0, 0, causal, scale, rope_theta, rope_dim, rope_interleaved, rope_scaling),
             return_attention_weights=bool(return_weights),
             output_dtype=_dtype_enum(output_dtype),
             backend=_backend_enum(backend),
@@ -565,12 +605,12 @@ class MhaClient:
     # ---- layers -------------------------------------------------------------------------------------------
 
     def load_layer(self, name, weights, num_heads, num_kv_heads=0, head_dim=0, causal=False, scale=0.0,
-                   wire_dtype=None, rope_theta=0.0, rope_dim=0, rope_interleaved=False):
-        """Registers weights (dict as in multi_head_attention) under name, with the layer's RoPE if any. Returns the
-        server's LayerInfo."""
+                   wire_dtype=None, rope_theta=0.0, rope_dim=0, rope_interleaved=False, rope_scaling=None):
+        """Registers weights (dict as in multi_head_attention) under name, with the layer's RoPE if any (and its
+        rope_scaling, a transformers dict). Returns the server's LayerInfo."""
         req = self._pb.LoadLayerRequest(name=name, weights=self._weights(weights, wire_dtype),
                                         heads=self._heads(num_heads, num_kv_heads, head_dim, causal, scale,
-                                                          rope_theta, rope_dim, rope_interleaved))
+                                                          rope_theta, rope_dim, rope_interleaved, rope_scaling))
         return _layer_info(self._call(self._stub.LoadLayer, req).layer)
 
     def unload_layer(self, name):
@@ -603,11 +643,12 @@ class MhaClient:
 
     def create_session(self, layers=None, num_heads=0, num_kv_heads=0, head_dim=0, scale=0.0, rope_theta=0.0,
                        rope_dim=0, rope_interleaved=False, num_layers=0, cache_dtype=None, max_tokens=0,
-                       idle_timeout_s=0, session_id="", recover=False):
+                       idle_timeout_s=0, session_id="", recover=False, rope_scaling=None):
         """CreateSession: a KV cache the server keeps. layers: names of registered layers (a layer session: x in,
         the layer's output out, one cache per layer); otherwise a head session of num_heads / num_kv_heads /
         head_dim (q, k, v in, the heads out) with num_layers caches (0 = 1). cache_dtype: None ('fp32'), 'fp16',
         'bf16', or the 8-bit 'int8', 'fp8_e4m3', 'fp8_e5m2' (a byte per element, scales computed by the server).
+        rope_scaling: a head session's scaled RoPE frequencies (a transformers rope_scaling dict).
         max_tokens 0 / idle_timeout_s 0: the server's defaults. session_id "": the server picks one.
         recover: True (or a Recovery) records what the session is fed and rebuilds it when it is lost (see
         Recovery); choose session_id when a proxy routes by it. Returns a Session."""
@@ -618,7 +659,7 @@ class MhaClient:
             req.layers.extend(list(layers))
         else:
             req.heads.CopyFrom(self._heads(num_heads, num_kv_heads, head_dim, False, scale, rope_theta, rope_dim,
-                                           rope_interleaved))
+                                           rope_interleaved, rope_scaling))
         info = self._call(self._stub.CreateSession, req, session_id or None).session
         if not recover:
             return Session(self, info)

@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "proto/mha/v1/tensor_codec.h"
+#include "server/backends/rope_frequencies.h"
 
 namespace mha {
 namespace {
@@ -19,17 +20,17 @@ void Store(float value, uint16_t* to) { *to = FloatToBf16(value); }
 
 RopeAngles::RopeAngles(const HeadSpec& heads, int64_t first, int64_t count)
     : heads_(heads), first_(first), pairs_(heads.rope_dim / 2), cos_(count * pairs_), sin_(count * pairs_) {
-  std::vector<double> frequency(pairs_);
-  for (int64_t i = 0; i < pairs_; ++i) {
-    frequency[i] = std::pow(heads.rope_theta, -2.0 * static_cast<double>(i) / static_cast<double>(heads.rope_dim));
-  }
+  // The call's sequence ends at its last position (what dynamic and longrope scaling read).
+  const RopeFrequencies f = ComputeRopeFrequencies(heads, first + count);
+  const std::vector<double>& frequency = f.inv_freq;
+  const double factor = f.attention_factor;
 #pragma omp parallel for schedule(static) if (count * pairs_ > kParallelValues)
   for (int64_t t = 0; t < count; ++t) {
     const double position = static_cast<double>(first + t);
     for (int64_t i = 0; i < pairs_; ++i) {
       const double angle = position * frequency[i];
-      cos_[t * pairs_ + i] = static_cast<float>(std::cos(angle));
-      sin_[t * pairs_ + i] = static_cast<float>(std::sin(angle));
+      cos_[t * pairs_ + i] = static_cast<float>(std::cos(angle) * factor);
+      sin_[t * pairs_ + i] = static_cast<float>(std::sin(angle) * factor);
     }
   }
 }

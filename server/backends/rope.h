@@ -14,9 +14,10 @@ namespace mha {
 
 class RopeAngles {
  public:
-  // cos and sin of position * rope_theta^(-2i / rope_dim) for i < rope_dim / 2 and positions
-  // first..first + count - 1 (first may be negative: bottom-right aligned queries of a call with Tq > Tk).
-  // heads.has_rope() must hold. Parallel over the calling thread's OpenMP team for long ranges.
+  // cos and sin of position * inv_freq[i] for i < rope_dim / 2, times the attention factor (rope_frequencies.h, for
+  // a sequence of first + count tokens), for positions first..first + count - 1 (first may be negative: bottom-right
+  // aligned queries of a call with Tq > Tk). heads.has_rope() must hold. Parallel over the calling thread's OpenMP
+  // team for long ranges.
   RopeAngles(const HeadSpec& heads, int64_t first, int64_t count);
 
   // Rotates rows of `heads_per_row` heads of head_dim values each, row r (stride `row_stride` elements) at

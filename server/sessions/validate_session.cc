@@ -25,7 +25,7 @@ bool Appends(const v1::ExtendItem& item) { return !item.has_append() || item.app
 bool SameHeads(const HeadSpec& a, const HeadSpec& b) {
   return a.num_heads == b.num_heads && a.num_kv_heads == b.num_kv_heads && a.head_dim == b.head_dim &&
          a.scale == b.scale && a.rope_theta == b.rope_theta && a.rope_dim == b.rope_dim &&
-         a.rope_interleaved == b.rope_interleaved;
+         a.rope_interleaved == b.rope_interleaved && a.rope_scaling == b.rope_scaling;
 }
 
 // A present tensor's encoding and finite values.
@@ -323,8 +323,9 @@ absl::StatusOr<ExtendPlan> ValidateExtendHeld(const v1::ExtendRequest& r, const 
       "extend|", reinterpret_cast<uintptr_t>(plan.backend), "|", reinterpret_cast<uintptr_t>(plan.layer.get()), "|",
       p.heads.num_heads, "|", p.heads.num_kv_heads, "|", p.heads.head_dim, "|",
       absl::bit_cast<uint32_t>(p.heads.scale), "|", absl::bit_cast<uint64_t>(p.heads.rope_theta), "|",
-      p.heads.rope_dim, "|", p.heads.rope_interleaved, "|", p.cache.dtype, "|", p.cache.block_tokens, "|", p.input_dtype, "|", p.output_dtype, "|", p.return_weights, "|", plan.stats.lse,
-      plan.stats.head_stats, plan.stats.row_stats, "|", plan.stats.sink_tokens);
+      p.heads.rope_dim, "|", p.heads.rope_interleaved, "|", HeadConfigOf(p.heads).rope_scaling().SerializeAsString(),
+      "|", p.cache.dtype, "|", p.cache.block_tokens, "|", p.input_dtype, "|", p.output_dtype, "|", p.return_weights,
+      "|", plan.stats.lse, plan.stats.head_stats, plan.stats.row_stats, "|", plan.stats.sink_tokens);
   plan.shapes = absl::StrCat("items=", p.sequences, " tokens=", p.new_tokens, " max_length=", p.max_length,
                              " layer_index=", r.layer_index(),
                              first.layer_session ? absl::StrCat(" layer=", first.layer.name)

@@ -166,6 +166,39 @@ def test_a_layer_carries_its_rope(client):
         client.unload_layer("rope_layer_e2e")
 
 
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 16, "rope_theta": 10000.0}  # as transformers 5's rope_parameters
+
+
+def test_a_layer_carries_its_rope_scaling(client):
+    """Scaled RoPE's values are tests/models' (against transformers); here: the wire carries it, as a dict."""
+    rng = rng_for("rope-scaling-layer")
+    d, H, Hkv, dk = 64, 4, 2, 16
+    w = make_weights(rng, d, d, d, H, Hkv, dk)
+    x = f32(rng, 1, 40, d)
+    client.load_layer("rope_scaling_e2e", w, H, Hkv, dk, rope_theta=10000.0, rope_scaling=LLAMA3)
+    try:
+        by_layer = client.multi_head_attention(x, layer="rope_scaling_e2e", causal=True).output
+        inline = client.multi_head_attention(x, weights=w, num_heads=H, num_kv_heads=Hkv, head_dim=dk, causal=True,
+                                             rope_theta=10000.0, rope_scaling=LLAMA3).output
+        plain = client.multi_head_attention(x, weights=w, num_heads=H, num_kv_heads=Hkv, head_dim=dk, causal=True,
+                                            rope_theta=10000.0).output
+    finally:
+        client.unload_layer("rope_scaling_e2e")
+    np.testing.assert_array_equal(by_layer, inline)
+    assert np.abs(plain - inline).max() > 1e-3  # the scaling changed the low frequencies
+
+
+def test_rope_scaling_names_what_is_wrong(client):
+    q = np.zeros((1, 4, 2, 8), np.float32)
+    with pytest.raises(ValueError, match="'alpha'"):
+        client.scaled_dot_product_attention(q, q, q, rope_theta=10000.0, rope_scaling={"rope_type": "yarn", "alpha": 1})
+    with pytest.raises(grpc.RpcError) as err:
+        client.scaled_dot_product_attention(q, q, q, rope_theta=10000.0, rope_scaling={"rope_type": "llama3"})
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "heads.rope_scaling.factor is required (rope_type 'llama3')" in err.value.details()
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Sessions against torch's decoding with a KV cache.
 

@@ -8,12 +8,37 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "proto/mha/v1/attention.pb.h"
 
 namespace mha {
+
+// HeadConfig.rope_scaling resolved (the proto documents each field): the defaults that depend on nothing else
+// filled in (beta_fast 32, beta_slow 1, truncate true); factor, attention_factor and original_max_position_embeddings
+// as given (0 = derived when the frequencies are computed: server/backends/rope_frequencies.h).
+struct RopeScaling {
+  enum class Type { kDefault, kLinear, kDynamic, kYarn, kLongrope, kLlama3 };
+  Type type = Type::kDefault;
+  double factor = 0.0;
+  int64_t original_max_position_embeddings = 0;
+  int64_t max_position_embeddings = 0;
+  double low_freq_factor = 0.0, high_freq_factor = 0.0;
+  double beta_fast = 32.0, beta_slow = 1.0;
+  double attention_factor = 0.0;
+  double mscale = 0.0, mscale_all_dim = 0.0;
+  bool truncate = true;
+  std::vector<double> short_factor, long_factor;
+
+  bool scaled() const { return type != Type::kDefault; }
+  bool operator==(const RopeScaling& o) const;
+  bool operator!=(const RopeScaling& o) const { return !(*this == o); }
+};
+
+// "default", "linear", "dynamic", "yarn", "longrope", "llama3".
+const char* RopeTypeName(RopeScaling::Type type);
 
 // A head configuration with every default resolved: num_heads >= 1, num_kv_heads divides it, head_dim >= 1,
 // scale finite and non-zero.
@@ -29,6 +54,7 @@ struct HeadSpec {
   double rope_theta = 0.0;
   int64_t rope_dim = 0;
   bool rope_interleaved = false;
+  RopeScaling rope_scaling = {};  // default (unscaled) without RoPE
 
   bool has_rope() const { return rope_theta > 0.0; }
   int64_t group_size() const { return num_heads / num_kv_heads; }  // query heads per KV head
@@ -54,7 +80,8 @@ struct AttentionShape {
 // `field`.<name> and `known_from` (e.g. "layer 'demo'", "the q and k shapes"). Unfixed zero fields take the
 // defaults: num_kv_heads = num_heads, head_dim = d_model / num_heads (which must divide), scale =
 // 1/sqrt(head_dim), rope_dim = head_dim when rope_theta is set. causal = config.causal OR known.causal, and
-// rope_interleaved likewise. Every error is INVALID_ARGUMENT naming the field.
+// rope_interleaved likewise; rope_scaling, when `known` has one, must be absent or equal. Every error is
+// INVALID_ARGUMENT naming the field.
 absl::StatusOr<HeadSpec> ResolveHeads(const v1::HeadConfig& config, const HeadSpec& known,
                                       absl::string_view known_from, int64_t d_model, absl::string_view field);
 

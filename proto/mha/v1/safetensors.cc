@@ -11,6 +11,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "google/protobuf/util/json_util.h"
 #include "nlohmann/json.hpp"
 #include "proto/mha/v1/tensor_codec.h"
 
@@ -95,8 +96,34 @@ absl::Status MetadataNumber(const nlohmann::json& meta, const char* key, absl::s
   return absl::OkStatus();
 }
 
+// "__metadata__".rope_scaling: a string holding transformers' rope_scaling as JSON (config.json's object, written
+// with json.dumps), into *scaling. "type" is an old name of rope_type; rope_theta and partial_rotary_factor, which
+// transformers 5 keeps there, are HeadConfig's own fields and are skipped, as are nulls. The values are checked
+// where the layer's heads are resolved.
+absl::Status MetadataRopeScaling(const nlohmann::json& meta, absl::string_view origin, v1::HeadConfig* heads) {
+  if (!meta.contains("rope_scaling")) return absl::OkStatus();
+  const auto& text = meta["rope_scaling"];
+  nlohmann::json object = text.is_string() ? nlohmann::json::parse(text.get<std::string>(), nullptr, false)
+                                           : nlohmann::json();
+  if (!object.is_object()) {
+    return Bad(origin, "__metadata__.rope_scaling must be a string holding a JSON object (transformers' rope_scaling)");
+  }
+  nlohmann::json fields = nlohmann::json::object();
+  for (const auto& [key, value] : object.items()) {
+    if (key == "rope_theta" || key == "partial_rotary_factor" || value.is_null()) continue;
+    fields[key == "type" ? "rope_type" : key] = value;
+  }
+  google::protobuf::util::JsonParseOptions options;
+  const auto status =
+      google::protobuf::util::JsonStringToMessage(fields.dump(), heads->mutable_rope_scaling(), options);
+  if (!status.ok()) {
+    return Bad(origin, absl::StrCat("__metadata__.rope_scaling does not read as RopeScaling: ", status.ToString()));
+  }
+  return absl::OkStatus();
+}
+
 // The head configuration of "__metadata__": num_heads (required), num_kv_heads, head_dim, causal, scale,
-// rope_theta, rope_dim, rope_interleaved.
+// rope_theta, rope_dim, rope_interleaved, rope_scaling.
 absl::StatusOr<v1::HeadConfig> MetadataHeads(const nlohmann::json& meta, absl::string_view origin) {
   v1::HeadConfig heads;
   for (const auto& [key, set] : {std::pair{"num_heads", &v1::HeadConfig::set_num_heads},
@@ -123,6 +150,7 @@ absl::StatusOr<v1::HeadConfig> MetadataHeads(const nlohmann::json& meta, absl::s
   heads.set_scale(static_cast<float>(scale));
   heads.set_rope_theta(rope_theta);
   heads.set_rope_interleaved(interleaved);
+  if (absl::Status status = MetadataRopeScaling(meta, origin, &heads); !status.ok()) return status;
   return heads;
 }
 

@@ -4,7 +4,8 @@
 // Tensors: w_q, w_k, w_v, w_o (required) and b_q, b_k, b_v, b_o (optional), dtype F32, F16 or BF16, shapes as in
 // AttentionWeights (Y = X W). The head configuration comes from "__metadata__" (string values, as the format
 // requires): num_heads (required), num_kv_heads, head_dim, causal ("true"/"false"), scale, and RoPE's rope_theta,
-// rope_dim and rope_interleaved ("true"/"false"), as in HeadConfig.
+// rope_dim and rope_interleaved ("true"/"false"), as in HeadConfig, and rope_scaling: transformers' rope_scaling
+// object as JSON text (e.g. "{\"rope_type\": \"llama3\", \"factor\": 8.0, ...}"), read into HeadConfig.rope_scaling.
 //
 // Shared by the server (--layers_dir) and the clients (mha_client call --weights_file), like tensor_codec.h.
 #ifndef MHA_PROTO_SAFETENSORS_H_

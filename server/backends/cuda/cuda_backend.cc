@@ -362,7 +362,17 @@ CudaBackend::~CudaBackend() = default;
 
 std::string CudaBackend::device() const { return impl_->Device(); }
 
+namespace cuda_internal {
+absl::Status CudaRopeSupport(const HeadSpec& h) {
+  if (!h.rope_scaling.scaled()) return absl::OkStatus();
+  return absl::UnimplementedError(absl::StrCat("the CUDA kernels rotate with plain rope_theta frequencies; rope_type '",
+                                               RopeTypeName(h.rope_scaling.type),
+                                               "' is computed on the CPU (BACKEND_AUTO picks it)"));
+}
+}  // namespace cuda_internal
+
 absl::Status CudaBackend::Supports(const AttentionProblem& problem) const {
+  RETURN_IF_ERROR_STATUS(cuda_internal::CudaRopeSupport(problem.shape.heads));
   RETURN_IF_ERROR_STATUS(cuda::CudaSupports(problem));
   const AttentionShape& s = problem.shape;
   // cuBLAS takes 32-bit dimensions: rows of the projections and their widths.

@@ -48,6 +48,9 @@ using cuda::CudaStatus;
     if (absl::Status _status = (expr); !_status.ok()) return _status; \
   } while (0)
 
+// OK, or UNIMPLEMENTED for scaled RoPE frequencies (computed on the host backends only so far).
+absl::Status CudaRopeSupport(const HeadSpec& h);
+
 // Lane buffers above this size are freed when their call ends, so that one huge request does not pin its memory.
 inline constexpr int64_t kKeptLaneBytes = int64_t{1} << 30;
 inline constexpr int64_t kAlignment = 256;

@@ -389,6 +389,7 @@ absl::Status CudaBackend::Impl::FinishPaged(const PagedArgs& a, PagedCall& c, cu
 
 absl::Status CudaBackend::SupportsPaged(const PagedProblem& problem) const {
   const HeadSpec& h = problem.heads;
+  RETURN_IF_ERROR_STATUS(cuda_internal::CudaRopeSupport(h));
   if (problem.cache.Quantized()) {
     return absl::UnimplementedError(absl::StrCat("the CUDA paged kernels read fp32, fp16 and bf16 caches; a ",
                                                  DTypeName(problem.cache.dtype),

@@ -10,6 +10,7 @@
 #include "proto/mha/v1/tensor_codec.h"
 #include "server/backends/float_io.h"
 #include "server/backends/quantized_cache.h"
+#include "server/backends/rope_frequencies.h"
 #include "server/backends/synthetic.h"
 #include "server/base/status_macros.h"
 
@@ -49,20 +50,23 @@ void Store(const std::vector<double>& values, const MutableTensor& tensor) {
 }
 
 // RoPE on head-packed rows x [rows, heads, d_k] in double, row r at position first + r: pair i of the first rope_dim
-// dims, (i, i + rope_dim / 2) or (2i, 2i + 1) when interleaved, turns by position * theta^(-2i / rope_dim).
+// dims, (i, i + rope_dim / 2) or (2i, 2i + 1) when interleaved, turns by position * inv_freq[i] and is multiplied by
+// the attention factor (rope_frequencies.h; the sequence ends at first + rows).
 void Rotate(const HeadSpec& h, int64_t rows, int64_t heads, int64_t first, double* x) {
   if (!h.has_rope()) return;
   const int64_t half = h.rope_dim / 2;
+  const RopeFrequencies f = ComputeRopeFrequencies(h, first + rows);
   for (int64_t r = 0; r < rows; ++r) {
     const double position = static_cast<double>(first + r);
     for (int64_t head = 0; head < heads; ++head) {
       double* v = x + (r * heads + head) * h.head_dim;
       for (int64_t i = 0; i < half; ++i) {
-        const double angle = position * std::pow(h.rope_theta, -2.0 * static_cast<double>(i) / h.rope_dim);
+        const double angle = position * f.inv_freq[i];
+        const double c = std::cos(angle) * f.attention_factor, s = std::sin(angle) * f.attention_factor;
         const int64_t a = h.rope_interleaved ? 2 * i : i, b = h.rope_interleaved ? 2 * i + 1 : i + half;
         const double x0 = v[a], x1 = v[b];
-        v[a] = x0 * std::cos(angle) - x1 * std::sin(angle);
-        v[b] = x1 * std::cos(angle) + x0 * std::sin(angle);
+        v[a] = x0 * c - x1 * s;
+        v[b] = x1 * c + x0 * s;
       }
     }
   }
