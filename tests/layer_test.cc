@@ -59,6 +59,35 @@ INSTANTIATE_TEST_SUITE_P(Layers, LayerSizeTest,
                                            LayerCase{"separate_output_bias", 32, 40, 2, 2, false, true}),
                          [](const auto& info) { return info.param.name; });
 
+// LLaMA-shaped GQA (d_model 512, 8 heads of 64 over 2 KV heads) sent as PyTorch stores nn.Linear weights, [out, in]:
+// w_q and w_o are square and cannot tell, w_k can, and its refusal says what happened.
+TEST(LayerWeights, AnNnLinearWeightIsRefusedWithTheHintToTranspose) {
+  LayerCase c{"gqa", 512, 512, 8, 2, false, false};
+  v1::AttentionWeights w = Weights(c);
+  FloatsToTensor(testing::RandomVector(128 * 512, 2), {128, 512}, v1::BF16, w.mutable_w_k());  // [out, in]
+  v1::HeadConfig heads;
+  heads.set_num_heads(8);
+  heads.set_num_kv_heads(2);
+  const absl::Status s = CheckLayerWeights(w, heads, "weights", nullptr).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(s.message(),
+            "weights.w_k.shape must be [128, 128] (rows: d_kv_in from w_k, 128; columns: num_kv_heads x head_dim = "
+            "2 x 64), got [128, 512]; its rows are the 128 columns expected: an nn.Linear weight is stored [out, in] "
+            "(y = x W^T), and the layer takes W [in, out] (Y = X W): send every weight matrix transposed");
+}
+
+TEST(LayerWeights, AWrongWidthThatIsNoTranspositionGetsNoHint) {
+  LayerCase c{"gqa", 512, 512, 8, 2, false, false};
+  v1::AttentionWeights w = Weights(c);
+  FloatsToTensor(testing::RandomVector(512 * 64, 2), {512, 64}, v1::BF16, w.mutable_w_k());
+  v1::HeadConfig heads;
+  heads.set_num_heads(8);
+  heads.set_num_kv_heads(2);
+  const absl::Status s = CheckLayerWeights(w, heads, "weights", nullptr).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(s.message().find("nn.Linear"), absl::string_view::npos) << s;
+}
+
 TEST(LayerStore, LayerOverTheLimitIsRefusedBeforeDecoding) {
   const LayerCase c{"big", 512, 512, 8, 8, false, false};  // 4 MiB in fp32
   v1::HeadConfig heads;

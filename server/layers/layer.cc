@@ -19,8 +19,15 @@ absl::Status CheckWeight(const v1::Tensor& tensor, absl::string_view field, absl
   RETURN_IF_ERROR(CheckTensor(tensor, full).status());
   const std::vector<int64_t> given(tensor.shape().begin(), tensor.shape().end());
   if (given != shape) {
-    return absl::InvalidArgumentError(absl::StrCat(full, ".shape must be ", ShapeString(shape), " (", why,
-                                                   "), got ", ShapeString(given)));
+    // Rows that are the expected columns, and columns that are not: most likely a PyTorch nn.Linear weight, which
+    // is stored [out, in] (y = x W^T); say so, since square ones pass unnoticed.
+    const bool transposed = given.size() == 2 && shape.size() == 2 && given[0] == shape[1] && given[1] != shape[1];
+    return absl::InvalidArgumentError(absl::StrCat(
+        full, ".shape must be ", ShapeString(shape), " (", why, "), got ", ShapeString(given),
+        transposed ? absl::StrCat("; its rows are the ", shape[1],
+                                  " columns expected: an nn.Linear weight is stored [out, in] (y = x W^T), and the "
+                                  "layer takes W [in, out] (Y = X W): send every weight matrix transposed")
+                   : ""));
   }
   return CheckFinite(tensor, full);
 }
