@@ -53,6 +53,73 @@ TEST_F(SessionServiceTest, AHeadSessionHasNumLayersCachesAndItsResolvedHeads) {
   EXPECT_FLOAT_EQ(info.heads().scale(), 1.0f / std::sqrt(8.0f));
 }
 
+// GPT-2's scale_attn_by_inverse_layer_idx, and a RoPE layer beside a NoPE one: two caches of one head session, each
+// with its own HeadConfig.
+class LayerHeadsTest : public SessionServiceTest {
+ protected:
+  static v1::CreateSessionRequest TwoLayerHeads() {
+    v1::CreateSessionRequest r = HeadSession("", 2);
+    v1::HeadConfig* first = r.add_layer_heads();
+    first->set_scale(0.5f);
+    v1::HeadConfig* second = r.add_layer_heads();
+    second->set_scale(0.125f);
+    second->set_rope_theta(10000);
+    second->mutable_rope_scaling()->set_rope_type("linear");
+    second->mutable_rope_scaling()->set_factor(4);
+    return r;
+  }
+};
+
+TEST_F(LayerHeadsTest, EachCacheComputesWithItsOwnConfiguration) {
+  v1::SessionInfo info;
+  ASSERT_TRUE(Create(TwoLayerHeads(), &info).ok());
+  ASSERT_EQ(info.layer_heads_size(), 2);
+  EXPECT_FLOAT_EQ(info.layer_heads(1).scale(), 0.125f);
+  EXPECT_EQ(info.layer_heads(1).rope_scaling().rope_type(), "linear");
+  EXPECT_EQ(info.layer_heads(0).num_kv_heads(), 2);
+  for (int layer = 0; layer < 2; ++layer) {
+    const v1::ExtendItem item = QkvItem(info.session_id(), 5, 3);
+    v1::ExtendResponse response;
+    ASSERT_TRUE(Extend(ExtendOf({item}, layer), &response).ok());
+    // The same tokens as one causal stateless call with that cache's configuration.
+    v1::ScaledDotProductAttentionRequest sdpa;
+    for (const auto& [from, to] : {std::pair{&item.q(), sdpa.mutable_q()}, std::pair{&item.k(), sdpa.mutable_k()},
+                                   std::pair{&item.v(), sdpa.mutable_v()}}) {
+      *to = *from;
+      to->mutable_shape()->Add(1);  // [n, heads, d_k] -> [1, n, heads, d_k]
+      std::rotate(to->mutable_shape()->begin(), to->mutable_shape()->end() - 1, to->mutable_shape()->end());
+    }
+    *sdpa.mutable_heads() = info.layer_heads(layer);
+    sdpa.mutable_heads()->set_causal(true);
+    grpc::ClientContext context;
+    v1::ScaledDotProductAttentionResponse stateless;
+    ASSERT_TRUE(stub_->ScaledDotProductAttention(&context, sdpa, &stateless).ok());
+    EXPECT_TRUE(AllClose(TensorToFloats(response.results(0).output()), TensorToFloats(stateless.output()), 1e-5,
+                         1e-5))
+        << "layer " << layer;
+  }
+  v1::SessionInfo fork;
+  ASSERT_TRUE(Fork(info.session_id(), "", &fork).ok());
+  EXPECT_EQ(fork.layer_heads_size(), 2);
+}
+
+TEST_F(LayerHeadsTest, AreCheckedEntryByEntry) {
+  v1::CreateSessionRequest wrong_count = TwoLayerHeads();
+  wrong_count.set_num_layers(3);
+  ExpectError(Create(wrong_count), grpc::StatusCode::INVALID_ARGUMENT,
+              "layer_heads has 2 entries; give one per cache (num_layers, 3) or none");
+  v1::CreateSessionRequest other_layout = TwoLayerHeads();
+  other_layout.mutable_layer_heads(1)->set_head_dim(16);
+  ExpectError(Create(other_layout), grpc::StatusCode::INVALID_ARGUMENT,
+              "layer_heads[1].head_dim is 16; it must be 0 or heads.head_dim (8): a session's caches share one layout");
+  v1::CreateSessionRequest bad_rope = TwoLayerHeads();
+  bad_rope.mutable_layer_heads(1)->mutable_rope_scaling()->set_factor(-1);
+  ExpectError(Create(bad_rope), grpc::StatusCode::INVALID_ARGUMENT, "layer_heads[1].rope_scaling.factor must be");
+  v1::CreateSessionRequest layers = LayerSession();
+  *layers.add_layer_heads() = v1::HeadConfig();
+  ExpectError(Create(layers), grpc::StatusCode::INVALID_ARGUMENT, "layer_heads is for head sessions");
+}
+
 TEST_F(SessionServiceTest, ADecodeStepReturnsOneRowAndTheNewLength) {
   const std::string id = Created(LayerSession());
   v1::ExtendResponse response;

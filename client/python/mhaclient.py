@@ -643,12 +643,15 @@ class MhaClient:
 
     def create_session(self, layers=None, num_heads=0, num_kv_heads=0, head_dim=0, scale=0.0, rope_theta=0.0,
                        rope_dim=0, rope_interleaved=False, num_layers=0, cache_dtype=None, max_tokens=0,
-                       idle_timeout_s=0, session_id="", recover=False, rope_scaling=None):
+                       idle_timeout_s=0, session_id="", recover=False, rope_scaling=None, layer_heads=None):
         """CreateSession: a KV cache the server keeps. layers: names of registered layers (a layer session: x in,
         the layer's output out, one cache per layer); otherwise a head session of num_heads / num_kv_heads /
         head_dim (q, k, v in, the heads out) with num_layers caches (0 = 1). cache_dtype: None ('fp32'), 'fp16',
         'bf16', or the 8-bit 'int8', 'fp8_e4m3', 'fp8_e5m2' (a byte per element, scales computed by the server).
         rope_scaling: a head session's scaled RoPE frequencies (a transformers rope_scaling dict).
+        layer_heads: a head session's configuration per cache, num_layers dicts of scale, rope_theta, rope_dim,
+        rope_interleaved and rope_scaling (each a whole configuration: what a dict leaves out takes HeadConfig's
+        default), for models whose scale or RoPE differs by layer.
         max_tokens 0 / idle_timeout_s 0: the server's defaults. session_id "": the server picks one.
         recover: True (or a Recovery) records what the session is fed and rebuilds it when it is lost (see
         Recovery); choose session_id when a proxy routes by it. Returns a Session."""
@@ -660,6 +663,15 @@ class MhaClient:
         else:
             req.heads.CopyFrom(self._heads(num_heads, num_kv_heads, head_dim, False, scale, rope_theta, rope_dim,
                                            rope_interleaved, rope_scaling))
+            for entry in layer_heads or []:
+                unknown = set(entry) - {"scale", "rope_theta", "rope_dim", "rope_interleaved", "rope_scaling"}
+                if unknown:
+                    raise ValueError("layer_heads entries take scale, rope_theta, rope_dim, rope_interleaved and "
+                                     "rope_scaling; got %s" % sorted(unknown))
+                req.layer_heads.add().CopyFrom(self._heads(0, 0, 0, False, entry.get("scale", 0.0),
+                                                           entry.get("rope_theta", 0.0), entry.get("rope_dim", 0),
+                                                           entry.get("rope_interleaved", False),
+                                                           entry.get("rope_scaling")))
         info = self._call(self._stub.CreateSession, req, session_id or None).session
         if not recover:
             return Session(self, info)

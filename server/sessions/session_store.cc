@@ -147,6 +147,7 @@ v1::SessionInfo SessionStore::Info(const Session& s, bool with_owner) const {
     for (const SessionLayer& layer : s.config.layers) info.add_layers(layer.name);
   } else {
     *info.mutable_heads() = HeadConfigOf(s.config.heads);
+    for (const HeadSpec& heads : s.config.layer_heads) *info.add_layer_heads() = HeadConfigOf(heads);
   }
   info.set_idle_timeout_s(static_cast<int32_t>(absl::ToInt64Seconds(s.config.idle_timeout)));
   info.set_idle_s(absl::ToDoubleSeconds(absl::Now() - s.last_used));
@@ -166,7 +167,7 @@ absl::StatusOr<v1::SessionInfo> SessionStore::Create(const SessionConfig& given,
   config.idle_timeout = std::min(config.idle_timeout, options_.max_idle_timeout);
   std::vector<Cache> caches(config.num_caches);
   for (int64_t c = 0; c < config.num_caches; ++c) {
-    const HeadSpec& heads = config.is_layer_session() ? config.layers[c].heads : config.heads;
+    const HeadSpec& heads = config.HeadsOf(c);
     caches[c].layout = {heads.num_kv_heads, heads.head_dim, options_.block_tokens, config.cache_dtype};
     if (caches[c].layout.BlockBytes() > pool_chunk_bytes_) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -293,7 +294,7 @@ absl::StatusOr<CacheView> SessionStore::View(const std::string& id, int64_t cach
   CacheView view;
   view.layer_session = s->config.is_layer_session();
   if (view.layer_session) view.layer = s->config.layers[cache];
-  view.heads = view.layer_session ? view.layer.heads : s->config.heads;
+  view.heads = s->config.HeadsOf(cache);
   view.layout = s->caches[cache].layout;
   view.length = s->caches[cache].length;
   view.max_tokens = s->config.max_tokens;

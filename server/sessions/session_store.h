@@ -90,12 +90,17 @@ struct SessionLayer {
 struct SessionConfig {
   std::vector<SessionLayer> layers;  // a layer session: one cache per layer
   HeadSpec heads;                    // a head session's (num_caches caches); unused with layers
+  std::vector<HeadSpec> layer_heads;  // a head session's per cache (num_caches of them), or empty: `heads` for all
   int64_t num_caches = 1;
   v1::DataType cache_dtype = v1::FP32;
   int64_t max_tokens = 0;  // 0: the store's
   absl::Duration idle_timeout = absl::ZeroDuration();  // zero: the store's; capped by the store's maximum
 
   bool is_layer_session() const { return !layers.empty(); }
+  // Cache `c`'s head configuration: its layer's, its own, or the session's.
+  const HeadSpec& HeadsOf(int64_t c) const {
+    return is_layer_session() ? layers[c].heads : layer_heads.empty() ? heads : layer_heads[c];
+  }
 };
 
 // What an Extend needs to know of one held session's cache to validate its item.

@@ -125,6 +125,39 @@ double CallFlops(const PagedProblem& p, absl::Span<const ExtendPlan::Item> items
   return flops;
 }
 
+// CreateSessionRequest.layer_heads into *out: none, or one whole HeadConfig per cache whose layout fields are 0 or
+// `heads`' (resolved).
+absl::Status ResolveLayerHeads(const v1::CreateSessionRequest& r, const HeadSpec& heads, int64_t caches,
+                               std::vector<HeadSpec>* out) {
+  if (r.layer_heads_size() == 0) return absl::OkStatus();
+  if (r.layer_heads_size() != caches) {
+    return Invalid(absl::StrCat("layer_heads has ", r.layer_heads_size(), " entries; give one per cache (num_layers, ",
+                                caches, ") or none"));
+  }
+  for (int i = 0; i < r.layer_heads_size(); ++i) {
+    const std::string field = absl::StrCat("layer_heads[", i, "]");
+    const v1::HeadConfig& c = r.layer_heads(i);
+    const std::pair<int64_t, int64_t> layout[] = {{c.num_heads(), heads.num_heads},
+                                                  {c.num_kv_heads(), heads.num_kv_heads},
+                                                  {c.head_dim(), heads.head_dim}};
+    const char* names[] = {"num_heads", "num_kv_heads", "head_dim"};
+    for (int k = 0; k < 3; ++k) {
+      if (layout[k].first != 0 && layout[k].first != layout[k].second) {
+        return Invalid(absl::StrCat(field, ".", names[k], " is ", layout[k].first, "; it must be 0 or heads.",
+                                    names[k], " (", layout[k].second, "): a session's caches share one layout"));
+      }
+    }
+    v1::HeadConfig whole = c;
+    whole.set_num_heads(static_cast<int32_t>(heads.num_heads));
+    whole.set_num_kv_heads(static_cast<int32_t>(heads.num_kv_heads));
+    whole.set_head_dim(static_cast<int32_t>(heads.head_dim));
+    ASSIGN_OR_RETURN(HeadSpec resolved, ResolveHeads(whole, HeadSpec(), "", /*d_model=*/0, field));
+    resolved.causal = true;
+    out->push_back(resolved);
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<SessionConfig> ValidateCreateSession(const v1::CreateSessionRequest& r,
@@ -168,6 +201,9 @@ absl::StatusOr<SessionConfig> ValidateCreateSession(const v1::CreateSessionReque
       entry.heads.causal = true;
       config.layers.push_back(std::move(entry));
     }
+    if (r.layer_heads_size() > 0) {
+      return Invalid("layer_heads is for head sessions; a layer session's caches take their layers' configuration");
+    }
     config.num_caches = r.layers_size();
     return config;
   }
@@ -179,6 +215,7 @@ absl::StatusOr<SessionConfig> ValidateCreateSession(const v1::CreateSessionReque
                                 r.num_layers()));
   }
   config.num_caches = std::max(1, r.num_layers());
+  RETURN_IF_ERROR(ResolveLayerHeads(r, config.heads, config.num_caches, &config.layer_heads));
   return config;
 }
 

@@ -199,6 +199,25 @@ def test_rope_scaling_names_what_is_wrong(client):
     assert "heads.rope_scaling.factor is required (rope_type 'llama3')" in err.value.details()
 
 
+def test_one_head_session_carries_each_layers_scale(client):
+    """GPT-2's scale_attn_by_inverse_layer_idx: cache i scales by 1 / (sqrt(d_k) (i + 1))."""
+    rng = rng_for("layer-heads")
+    H, dk, layers = 2, 8, 3
+    session = client.create_session(num_heads=H, head_dim=dk, num_layers=layers,
+                                    layer_heads=[{"scale": dk ** -0.5 / (i + 1)} for i in range(layers)])
+    try:
+        q, k, v = f32(rng, 5, H, dk), f32(rng, 5, H, dk), f32(rng, 5, H, dk)
+        for i in range(layers):
+            got = session.extend(i, q=q, k=k, v=v).output
+            want = client.scaled_dot_product_attention(q[None], k[None], v[None], causal=True,
+                                                       scale=dk ** -0.5 / (i + 1)).output[0]
+            assert_close(got, want)
+    finally:
+        session.close()
+    with pytest.raises(ValueError, match="num_heads"):
+        client.create_session(num_heads=H, head_dim=dk, num_layers=1, layer_heads=[{"num_heads": 2}])
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Sessions against torch's decoding with a KV cache.
 
