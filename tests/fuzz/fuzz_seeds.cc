@@ -263,6 +263,39 @@ void SdpaSeeds(Corpus& c) {
     r.mutable_heads()->set_head_dim(9);
     c.Add("heads_disagree", r);
   }
+  {
+    // Scaled RoPE of each type, valid, for the fuzzer to bend (rope_frequencies.cc's inputs).
+    Req r = base;
+    r.mutable_heads()->set_rope_theta(10000);
+    r.mutable_heads()->set_causal(true);
+    v1::RopeScaling* s = r.mutable_heads()->mutable_rope_scaling();
+    s->set_rope_type("llama3");
+    s->set_factor(8);
+    s->set_low_freq_factor(1);
+    s->set_high_freq_factor(4);
+    s->set_original_max_position_embeddings(4);
+    c.Add("rope_llama3", r);
+    s->Clear();
+    s->set_rope_type("yarn");
+    s->set_factor(4);
+    s->set_original_max_position_embeddings(2);
+    s->set_mscale(1);
+    s->set_mscale_all_dim(0.5);
+    s->set_truncate(false);
+    c.Add("rope_yarn", r);
+    s->Clear();
+    s->set_rope_type("dynamic");
+    s->set_factor(2);
+    s->set_max_position_embeddings(3);
+    c.Add("rope_dynamic", r);
+    s->Clear();
+    s->set_rope_type("longrope");
+    s->set_original_max_position_embeddings(3);
+    s->set_max_position_embeddings(12);
+    for (int i = 0; i < 4; ++i) s->add_short_factor(1 + i);
+    for (int i = 0; i < 4; ++i) s->add_long_factor(2 + i);
+    c.Add("rope_longrope", r);
+  }
   for (auto [tq, tk, h, hkv, dk] : std::vector<std::array<int64_t, 5>>{
            {1, 1, 1, 1, 1}, {7, 3, 2, 2, 67}, {2, 9, 3, 1, 16}, {17, 17, 1, 1, 4}, {3, 2, 6, 3, 5}}) {
     Req r;
