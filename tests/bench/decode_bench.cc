@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "proto/mha/v1/tensor_codec.h"
 #include "server/backends/cpu/cpu_backend.h"
@@ -70,6 +71,12 @@ class DecodeCase {
         block_tokens_(block_tokens) {}
 
   const std::string& name() const { return name_; }
+  v1::DataType dtype() const { return dtype_; }
+  int sessions() const { return sessions_; }
+  // Multiply-adds per call: every cached element (keys and values) against each of its group's H / Hkv query rows.
+  double MacsPerCall() const {
+    return static_cast<double>(sessions_) * (length_ + 1) * 2 * heads_.head_dim * heads_.num_heads;
+  }
   int64_t BytesPerCall() const {
     return sessions_ * static_cast<int64_t>(KvCacheBytes(heads_, length_ + 1, dtype_, block_tokens_));
   }
@@ -103,7 +110,7 @@ class DecodeCase {
     }
     for (int i = 0; i < copies_ * sessions_; ++i) {
       ids_.push_back(store_->Create(config, "", {})->session_id());
-      ExtendReservation r = *store_->Reserve({ReserveItem{ids_.back(), 0, length_}});
+      ExtendReservation r = *store_->Reserve({ReserveItem{ids_.back(), 0, length_, ""}});
       for (char* block : r.items()[0].blocks) std::memcpy(block, block_bytes.data(), block_bytes.size());
       r.Commit();
     }
@@ -116,7 +123,7 @@ class DecodeCase {
   double Call() {
     const int copy = next_++ % copies_;
     std::vector<ReserveItem> items;
-    for (int s = 0; s < sessions_; ++s) items.push_back({ids_[copy * sessions_ + s], 0, 1});
+    for (int s = 0; s < sessions_; ++s) items.push_back({ids_[copy * sessions_ + s], 0, 1, ""});
     ExtendReservation r = *store_->Reserve(items);
     std::vector<PagedSequence> sequences(sessions_);
     PagedArgs args;
@@ -214,7 +221,7 @@ class PrefillCase {
     config.cache_dtype = dtype_;
     const std::string id = store_->Create(config, "", {})->session_id();
     if (cached_ > 0) {
-      ExtendReservation r = *store_->Reserve({ReserveItem{id, 0, cached_}});
+      ExtendReservation r = *store_->Reserve({ReserveItem{id, 0, cached_, ""}});
       for (char* block : r.items()[0].blocks) std::memcpy(block, block_bytes_.data(), block_bytes_.size());
       r.Commit();
     }
@@ -278,7 +285,7 @@ class PrefillCase {
   }
 
   double Run(const std::string& id, int64_t first, int64_t n) {
-    ExtendReservation r = *store_->Reserve({ReserveItem{id, 0, n}});
+    ExtendReservation r = *store_->Reserve({ReserveItem{id, 0, n, ""}});
     PagedSequence seq;
     seq.blocks = r.items()[0].blocks;
     seq.length = first;
@@ -373,14 +380,7 @@ void WriteJson(const std::string& path, const Stats& probe, const std::vector<De
   std::fclose(f);
 }
 
-int Main(int argc, char** argv) {
-  const Flags flags = Parse(argc, argv);
-  auto backend = CpuBackend::Create(flags.isa);
-  if (!backend.ok()) {
-    std::fprintf(stderr, "%s\n", backend.status().ToString().c_str());
-    return 1;
-  }
-  const int threads = omp_get_max_threads();
+std::vector<DecodeCase> DecodeCases() {
   std::vector<DecodeCase> decodes;
   decodes.reserve(32);
   decodes.emplace_back("decode_1x8192_bf16", 1, 8191, Heads(32, 8, 128), v1::BF16);
@@ -403,8 +403,6 @@ int Main(int argc, char** argv) {
   // that small (one Zen 4 or 5 CCD).
   decodes.emplace_back("decode_1x2048_bf16", 1, 2047, Heads(32, 8, 128), v1::BF16);
   decodes.emplace_back("decode_1x2048_fp32", 1, 2047, Heads(32, 8, 128), v1::FP32);
-  // The 8-bit caches' ceiling from L3 (4 MiB under --warm): where a set is bound by arithmetic, its rate there is
-  // its roofline, and no memory makes it faster.
   decodes.emplace_back("decode_1x2048_int8", 1, 2047, Heads(32, 8, 128), v1::INT8);
   decodes.emplace_back("decode_1x2048_fp8_e4m3", 1, 2047, Heads(32, 8, 128), v1::FP8_E4M3);
   // The block size (--kv_block_tokens): the layout's one free parameter.
@@ -412,6 +410,33 @@ int Main(int argc, char** argv) {
     decodes.emplace_back(absl::StrCat("decode_1x8192_bf16_block", tb), 1, 8191, Heads(32, 8, 128), v1::BF16, tb);
     decodes.emplace_back(absl::StrCat("decode_1x8192_fp32_block", tb), 1, 8191, Heads(32, 8, 128), v1::FP32, tb);
   }
+  return decodes;
+}
+
+// The roofline's compute side, one per cache dtype the run decodes: one session of about 16 MiB (2048 to 8192
+// tokens), the same one every call, so that it stays in a 32 MiB L3 and its rate is what the kernels compute when
+// memory is not what waits. (At 2048 tokens the 8-bit calls are short enough, 0.2 ms, that their rate scatters by
+// 1.7x between calls.)
+std::vector<DecodeCase> CeilingCases(const std::vector<DecodeCase>& decodes, const std::vector<bool>& wanted) {
+  std::vector<DecodeCase> ceilings;
+  ceilings.reserve(8);
+  for (size_t i = 0; i < decodes.size(); ++i) {
+    const v1::DataType dtype = decodes[i].dtype();
+    const bool have = std::any_of(ceilings.begin(), ceilings.end(), [&](const DecodeCase& c) {
+      return c.dtype() == dtype;
+    });
+    if (wanted[i] && !have) {
+      const HeadSpec heads = Heads(32, 8, 128);
+      const double per_token = KvCacheBytes(heads, 1024, dtype, 32) / 1024;
+      const int64_t tokens = std::clamp<int64_t>(static_cast<int64_t>((16 << 20) / per_token) / 1024 * 1024, 2048,
+                                                 8192);
+      ceilings.emplace_back(absl::StrCat("ceiling_", DTypeName(dtype)), 1, tokens - 1, heads, dtype);
+    }
+  }
+  return ceilings;
+}
+
+std::vector<PrefillCase> PrefillCases() {
   std::vector<PrefillCase> prefills;
   prefills.reserve(32);
   prefills.emplace_back("prefill_512_empty", 512, 0, Heads(32, 8, 128));
@@ -432,30 +457,118 @@ int Main(int argc, char** argv) {
                           Heads(32, 8, 128), dtype);
   }
   prefills.emplace_back("prefill_64_after_32K_bf16", 64, 32768 - 64, Heads(32, 8, 128), v1::BF16);
+  return prefills;
+}
+
+// Calls `c` for about `seconds`, appending each call's GB/s.
+void TimeDecode(DecodeCase& c, double seconds, std::vector<double>* rates) {
+  c.Call();  // warm: scratch, thread pool
+  for (const auto until = Clock::now() + std::chrono::duration<double>(seconds); Clock::now() < until;) {
+    rates->push_back(c.BytesPerCall() / c.Call() / 1e9);
+  }
+}
+
+void PrintDecodes(const Stats& p, const std::vector<DecodeCase>& decodes,
+                  const std::vector<std::vector<double>>& rates) {
+  std::printf("%-24s %10s %7s %10s %10s %9s %9s\n", "decode (H=32 Hkv=8 dk=128)", "KV MiB", "copies", "GB/s best",
+              "GB/s med", "%probe", "%probe md");
+  for (size_t i = 0; i < decodes.size(); ++i) {
+    if (rates[i].empty()) continue;
+    const Stats s = Of(rates[i], true);
+    std::printf("%-24s %10.1f %7d %10.1f %10.1f %8.0f%% %8.0f%%\n", decodes[i].name().c_str(),
+                decodes[i].BytesPerCall() / 1048576.0, decodes[i].copies(), s.best, s.median, 100 * s.best / p.best,
+                100 * s.median / p.median);
+  }
+}
+
+// Each case's median against its roofline: min(the memory-read probe's median, its dtype's best rate from cache:
+// what the kernels can compute, which this VM's neighbours only ever slow down). A case whose ceiling is under the
+// probe is bound by arithmetic; the ceiling's multiply-adds per second say how hard (against the fp32 FMA peak's,
+// though the 8-bit kernels multiply in integers). Tokens per second against the bf16 cache's at the same shape:
+// what a smaller cache buys.
+void PrintRoofline(const Stats& p, const PeakResult& peak, const std::vector<DecodeCase>& decodes,
+                   const std::vector<std::vector<double>>& rates, const std::vector<DecodeCase>& ceilings,
+                   const std::vector<std::vector<double>>& ceiling_rates) {
+  std::printf("%-10s %8s %12s %11s %8s %8s\n", "ceiling", "KV MiB", "GB/s best", "GB/s med", "GMAC/s", "%FMA");
+  for (size_t c = 0; c < ceilings.size(); ++c) {
+    const Stats s = Of(ceiling_rates[c], true);
+    const double gmacs = s.median * ceilings[c].MacsPerCall() / ceilings[c].BytesPerCall();
+    std::printf("%-10s %8.1f %12.1f %11.1f %8.0f %7.0f%%\n", DTypeName(ceilings[c].dtype()).c_str(),
+                ceilings[c].BytesPerCall() / 1048576.0, s.best, s.median, gmacs, 100 * 2 * gmacs / peak.gflops);
+  }
+  std::printf("%-24s %12s %8s %10s %11s %10s\n", "decode against roofline", "tokens/s md", "x bf16", "roof GB/s",
+              "bound by", "%roof md");
+  const auto median_seconds = [&](size_t i) { return decodes[i].BytesPerCall() / (Of(rates[i], true).median * 1e9); };
+  for (size_t i = 0; i < decodes.size(); ++i) {
+    if (rates[i].empty()) continue;
+    const std::string& name = decodes[i].name();
+    const std::string dtype = DTypeName(decodes[i].dtype());  // "decode_1x8192_" of "decode_1x8192_fp8_e4m3"
+    const std::string shape = absl::EndsWith(name, dtype) ? name.substr(0, name.size() - dtype.size()) : "";
+    double ceiling = 0, bf16_tokens = 0;
+    for (size_t c = 0; c < ceilings.size(); ++c) {
+      if (ceilings[c].dtype() == decodes[i].dtype()) ceiling = Of(ceiling_rates[c], true).best;
+    }
+    for (size_t b = 0; b < decodes.size(); ++b) {
+      if (rates[b].empty() || decodes[b].name() != shape + "bf16") continue;
+      bf16_tokens = decodes[b].sessions() / median_seconds(b);
+    }
+    const double tokens = decodes[i].sessions() / median_seconds(i), roof = std::min(p.median, ceiling);
+    char versus[16] = "-";
+    if (bf16_tokens > 0) std::snprintf(versus, sizeof(versus), "%.2f", tokens / bf16_tokens);
+    std::printf("%-24s %12.0f %8s %10.1f %11s %9.0f%%\n", decodes[i].name().c_str(), tokens, versus, roof,
+                ceiling < p.median ? "arithmetic" : "memory", 100 * Of(rates[i], true).median / roof);
+  }
+}
+
+void PrintPrefills(const PeakResult& peak, const std::vector<PrefillCase>& prefills,
+                   const std::vector<std::vector<double>>& extend_s,
+                   const std::vector<std::vector<double>>& stateless_s) {
+  std::printf("%-28s %10s %10s %10s %10s %7s %7s %8s %7s %7s\n", "prefill (H=32 Hkv=8 dk=128)", "Extend ms", "med",
+              "SDPA ms", "med", "ratio", "md", "GFLOP/s", "%peak", "SDPA%");
+  for (size_t i = 0; i < prefills.size(); ++i) {
+    if (extend_s[i].empty()) continue;
+    const Stats e = Of(extend_s[i], false), st = Of(stateless_s[i], false);
+    const double rate = prefills[i].Flops() / e.best / 1e9, stateless = prefills[i].Flops() / st.best / 1e9;
+    std::printf("%-28s %10.2f %10.2f %10.2f %10.2f %7.2f %7.2f %8.0f %6.0f%% %6.0f%%\n", prefills[i].name().c_str(),
+                e.best * 1e3, e.median * 1e3, st.best * 1e3, st.median * 1e3, st.best / e.best, st.median / e.median,
+                rate, 100 * rate / peak.gflops, 100 * stateless / peak.gflops);
+  }
+}
+
+int Main(int argc, char** argv) {
+  const Flags flags = Parse(argc, argv);
+  auto backend = CpuBackend::Create(flags.isa);
+  if (!backend.ok()) {
+    std::fprintf(stderr, "%s\n", backend.status().ToString().c_str());
+    return 1;
+  }
+  const int threads = omp_get_max_threads();
+  std::vector<DecodeCase> decodes = DecodeCases();
+  std::vector<PrefillCase> prefills = PrefillCases();
   const auto wanted = [&](const std::string& name) {
     return flags.filter.empty() || name.find(flags.filter) != std::string::npos;
   };
+  std::vector<bool> decode_wanted;
+  for (const DecodeCase& c : decodes) decode_wanted.push_back(wanted(c.name()));
+  std::vector<DecodeCase> ceilings = CeilingCases(decodes, decode_wanted);
   std::printf("threads %d, last-level cache %lld MiB; preparing caches...\n", threads,
               static_cast<long long>(LastLevelCacheBytes() >> 20));
-  for (DecodeCase& c : decodes) {
-    if (wanted(c.name())) c.Prepare(backend->get(), flags.warm);
+  for (size_t i = 0; i < decodes.size(); ++i) {
+    if (decode_wanted[i]) decodes[i].Prepare(backend->get(), flags.warm);
   }
+  for (DecodeCase& c : ceilings) c.Prepare(backend->get(), true);
   for (PrefillCase& c : prefills) {
     if (wanted(c.name())) c.Prepare(backend->get());
   }
   std::vector<double> probe;
-  std::vector<std::vector<double>> decode_rates(decodes.size()), extend_s(prefills.size()),
-      stateless_s(prefills.size());
+  std::vector<std::vector<double>> decode_rates(decodes.size()), ceiling_rates(ceilings.size()),
+      extend_s(prefills.size()), stateless_s(prefills.size());
   for (int round = 0; round < flags.rounds; ++round) {
-    const BandwidthResult bw = MeasureReadBandwidth(threads, 4);
-    probe.push_back(bw.gb_per_s);
+    probe.push_back(MeasureReadBandwidth(threads, 4).gb_per_s);
     for (size_t i = 0; i < decodes.size(); ++i) {
-      if (!wanted(decodes[i].name())) continue;
-      decodes[i].Call();  // warm: scratch, thread pool
-      for (const auto until = Clock::now() + std::chrono::duration<double>(flags.seconds); Clock::now() < until;) {
-        decode_rates[i].push_back(decodes[i].BytesPerCall() / decodes[i].Call() / 1e9);
-      }
+      if (decode_wanted[i]) TimeDecode(decodes[i], flags.seconds, &decode_rates[i]);
     }
+    for (size_t c = 0; c < ceilings.size(); ++c) TimeDecode(ceilings[c], flags.seconds / 2, &ceiling_rates[c]);
     for (size_t i = 0; i < prefills.size(); ++i) {
       if (!wanted(prefills[i].name())) continue;
       prefills[i].Stateless();
@@ -470,26 +583,10 @@ int Main(int argc, char** argv) {
   const PeakResult peak = MeasurePeak(threads, 0.3);
   std::printf("memory-read probe: %.1f GB/s best, %.1f median (%d rounds); fp32 FMA peak %.0f GFLOP/s\n", p.best,
               p.median, flags.rounds, peak.gflops);
-  std::printf("%-24s %10s %7s %10s %10s %9s %9s\n", "decode (H=32 Hkv=8 dk=128)", "KV MiB", "copies", "GB/s best",
-              "GB/s med", "%probe", "%probe md");
-  for (size_t i = 0; i < decodes.size(); ++i) {
-    if (decode_rates[i].empty()) continue;
-    const Stats s = Of(decode_rates[i], true);
-    std::printf("%-24s %10.1f %7d %10.1f %10.1f %8.0f%% %8.0f%%\n", decodes[i].name().c_str(),
-                decodes[i].BytesPerCall() / 1048576.0, decodes[i].copies(), s.best, s.median, 100 * s.best / p.best,
-                100 * s.median / p.median);
-  }
+  PrintDecodes(p, decodes, decode_rates);
+  if (!ceilings.empty()) PrintRoofline(p, peak, decodes, decode_rates, ceilings, ceiling_rates);
   if (!flags.json_out.empty()) WriteJson(flags.json_out, p, decodes, decode_rates, prefills, extend_s, stateless_s);
-  std::printf("%-28s %10s %10s %10s %10s %7s %7s %8s %7s %7s\n", "prefill (H=32 Hkv=8 dk=128)", "Extend ms", "med",
-              "SDPA ms", "med", "ratio", "md", "GFLOP/s", "%peak", "SDPA%");
-  for (size_t i = 0; i < prefills.size(); ++i) {
-    if (extend_s[i].empty()) continue;
-    const Stats e = Of(extend_s[i], false), st = Of(stateless_s[i], false);
-    const double rate = prefills[i].Flops() / e.best / 1e9, stateless = prefills[i].Flops() / st.best / 1e9;
-    std::printf("%-28s %10.2f %10.2f %10.2f %10.2f %7.2f %7.2f %8.0f %6.0f%% %6.0f%%\n", prefills[i].name().c_str(),
-                e.best * 1e3, e.median * 1e3, st.best * 1e3, st.median * 1e3, st.best / e.best, st.median / e.median,
-                rate, 100 * rate / peak.gflops, 100 * stateless / peak.gflops);
-  }
+  PrintPrefills(peak, prefills, extend_s, stateless_s);
   return 0;
 }
 
