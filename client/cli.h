@@ -48,6 +48,7 @@ int RunBench(const ClientOptions& options);
 int RunPlot(const ClientOptions& options);
 int RunHeads(const ClientOptions& options);
 int RunDecode(const ClientOptions& options);
+int RunLoad(const ClientOptions& options);
 
 }  // namespace mha::cli
 

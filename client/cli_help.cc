@@ -32,6 +32,7 @@ constexpr FlagGroup kGroups[] = {
     {"client/cli_heads.cc", "heads: per-head statistics ranked by contribution (and -O, above)"},
     {"client/cli_decode.cc",
      "decode: KV-cache sessions (--shards: one context over several servers; --recover: rebuild lost sessions)"},
+    {"client/cli_load.cc", "load: a transformers checkpoint's attention layers"},
 };
 
 // `text` wrapped at `width` columns, each line indented by `indent` spaces.

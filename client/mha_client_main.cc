@@ -6,6 +6,7 @@
 //   mha_client plot [flags]      per-head attention weights as an SVG grid of heatmaps
 //   mha_client heads [flags]     per-head statistics ranked by contribution; --ablate K masks the K least ones
 //   mha_client decode [flags]    KV-cache sessions: prefill, decode steps; tokens/s, step latency, KV bytes/s
+//   mha_client load --checkpoint DIR   registers a transformers checkpoint's attention layers
 // Exit codes: 0 success, 1 failure, 2 usage error (see client/cli.h).
 #include <cstdio>
 #include <iostream>
@@ -23,13 +24,14 @@
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
-      "mha_client health|info|call|bench|plot|heads|decode [--flags]: a client for mha_server\n"
+      "mha_client health|info|call|bench|plot|heads|decode|load [--flags]: a client for mha_server\n"
       "  e.g. mha_client call --query q.npy --output out.npy --weights --weights_output w.npy\n"
       "       mha_client bench -c 4 -z 10s --batch 8 --seq 512\n"
       "       mha_client bench --rps 50 -n 500 -O json\n"
       "       mha_client plot --tokens the,cat,sat,on,the,mat --output heads.svg\n"
       "       mha_client heads --seq 64 --ablate 2\n"
-      "       mha_client decode --sessions 32 --context 2048 --steps 64 --check");
+      "       mha_client decode --sessions 32 --context 2048 --steps 64 --check\n"
+      "       mha_client load --checkpoint ./Llama-3.2-1B --name llama");
   absl::FlagsUsageConfig usage;
   usage.contains_help_flags = [](absl::string_view path) { return absl::StrContains(path, "client/cli"); };
   usage.contains_helpshort_flags = usage.contains_help_flags;
@@ -52,7 +54,7 @@ int main(int argc, char** argv) {
   if (absl::flags_internal::HandleUsageFlags(std::cout, absl::ProgramUsageMessage()) != -1) return mha::cli::kExitOk;
   if (args.size() != 2) {
     std::fprintf(stderr,
-                 "usage: mha_client health|info|call|bench|plot|heads|decode [--flags]  (--help for flags)\n");
+                 "usage: mha_client health|info|call|bench|plot|heads|decode|load [--flags]  (--help for flags)\n");
     return mha::cli::kExitUsage;
   }
   absl::StatusOr<mha::ClientOptions> options = mha::cli::ClientOptionsFromFlags();
@@ -65,7 +67,8 @@ int main(int argc, char** argv) {
   if (command == "plot") return mha::cli::RunPlot(*options);
   if (command == "heads") return mha::cli::RunHeads(*options);
   if (command == "decode") return mha::cli::RunDecode(*options);
-  std::fprintf(stderr, "unknown command '%s'; expected health, info, call, bench, plot, heads or decode\n",
+  if (command == "load") return mha::cli::RunLoad(*options);
+  std::fprintf(stderr, "unknown command '%s'; expected health, info, call, bench, plot, heads, decode or load\n",
                command.c_str());
   return mha::cli::kExitUsage;
 }

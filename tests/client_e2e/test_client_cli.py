@@ -230,7 +230,7 @@ def test_usage_errors_exit_2_before_sending(run_cli, args, message):
 def test_unknown_subcommand_and_missing_subcommand_exit_2(run_cli):
     r = run_cli("frobnicate")
     assert r.returncode == 2
-    assert "unknown command 'frobnicate'; expected health, info, call, bench, plot, heads or decode" in r.stderr
+    assert "unknown command 'frobnicate'; expected health, info, call, bench, plot, heads, decode or load" in r.stderr
     assert run_cli().returncode == 2
 
 

@@ -4,21 +4,13 @@ with the cos and sin that transformers' LlamaRotaryEmbedding returns for the sam
 updates included: a session grows as generate() grows its sequence). Runs in tests/models/env.sh's environment:
 tests/models/run.sh SERVER_BIN (ctest's models_transformers)."""
 
-import os
-import sys
-import tempfile
-
 import numpy as np
 import pytest
 import torch
 import transformers
 from transformers.models.llama import modeling_llama
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "..", "client", "python"))
-sys.path.insert(0, os.path.join(HERE, "..", "bench"))
-import mhaclient  # noqa: E402
-from local_server import local_server  # noqa: E402
+import mhaclient  # on the path through conftest.py
 
 H, HKV, D, THETA = 4, 2, 32, 10000.0
 ATOL = 5e-4  # the server's fp32 against float64 over transformers' fp32 angles, at positions up to 300
@@ -79,17 +71,6 @@ def attention(q, k, v, scale):
     weights = np.exp(scores - scores.max(-1, keepdims=True))
     weights /= weights.sum(-1, keepdims=True)
     return np.einsum("hqk,khd->qhd", weights, v)
-
-
-@pytest.fixture(scope="module")
-def client():
-    server = os.environ["MHA_SERVER_BIN"]
-    with tempfile.TemporaryDirectory() as work, local_server(server, work) as target:
-        sys.path.insert(0, mhaclient.generate_stubs(os.path.join(work, "stubs")))
-        c = mhaclient.MhaClient(target, timeout=60.0)
-        c.wait_ready(timeout=30)
-        yield c
-        c.close()
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))

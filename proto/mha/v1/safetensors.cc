@@ -96,29 +96,14 @@ absl::Status MetadataNumber(const nlohmann::json& meta, const char* key, absl::s
   return absl::OkStatus();
 }
 
-// "__metadata__".rope_scaling: a string holding transformers' rope_scaling as JSON (config.json's object, written
-// with json.dumps), into *scaling. "type" is an old name of rope_type; rope_theta and partial_rotary_factor, which
-// transformers 5 keeps there, are HeadConfig's own fields and are skipped, as are nulls. The values are checked
-// where the layer's heads are resolved.
+// "__metadata__".rope_scaling: a string holding transformers' rope_scaling as JSON, into heads->rope_scaling.
 absl::Status MetadataRopeScaling(const nlohmann::json& meta, absl::string_view origin, v1::HeadConfig* heads) {
   if (!meta.contains("rope_scaling")) return absl::OkStatus();
   const auto& text = meta["rope_scaling"];
-  nlohmann::json object = text.is_string() ? nlohmann::json::parse(text.get<std::string>(), nullptr, false)
-                                           : nlohmann::json();
-  if (!object.is_object()) {
-    return Bad(origin, "__metadata__.rope_scaling must be a string holding a JSON object (transformers' rope_scaling)");
-  }
-  nlohmann::json fields = nlohmann::json::object();
-  for (const auto& [key, value] : object.items()) {
-    if (key == "rope_theta" || key == "partial_rotary_factor" || value.is_null()) continue;
-    fields[key == "type" ? "rope_type" : key] = value;
-  }
-  google::protobuf::util::JsonParseOptions options;
-  const auto status =
-      google::protobuf::util::JsonStringToMessage(fields.dump(), heads->mutable_rope_scaling(), options);
-  if (!status.ok()) {
-    return Bad(origin, absl::StrCat("__metadata__.rope_scaling does not read as RopeScaling: ", status.ToString()));
-  }
+  const absl::Status status = text.is_string()
+                                  ? RopeScalingFromJson(text.get<std::string>(), heads->mutable_rope_scaling())
+                                  : absl::InvalidArgumentError("must be a string holding a JSON object");
+  if (!status.ok()) return Bad(origin, absl::StrCat("__metadata__.rope_scaling: ", status.message()));
   return absl::OkStatus();
 }
 
@@ -203,6 +188,22 @@ absl::Status CheckLayout(const nlohmann::json& header, uint64_t data_size, absl:
 }
 
 }  // namespace
+
+absl::Status RopeScalingFromJson(absl::string_view text, v1::RopeScaling* out) {
+  const nlohmann::json object = nlohmann::json::parse(text.begin(), text.end(), nullptr, /*allow_exceptions=*/false);
+  if (!object.is_object()) return absl::InvalidArgumentError("must hold a JSON object (transformers' rope_scaling)");
+  nlohmann::json fields = nlohmann::json::object();
+  for (const auto& [key, value] : object.items()) {
+    if (key == "rope_theta" || key == "partial_rotary_factor" || value.is_null()) continue;
+    fields[key == "type" ? "rope_type" : key] = value;
+  }
+  google::protobuf::util::JsonParseOptions options;
+  const auto status = google::protobuf::util::JsonStringToMessage(fields.dump(), out, options);
+  if (!status.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("does not read as RopeScaling: ", status.ToString()));
+  }
+  return absl::OkStatus();
+}
 
 absl::StatusOr<SafetensorsLayer> ParseSafetensorsLayer(absl::string_view bytes, absl::string_view origin) {
   if (bytes.size() < 8) return Bad(origin, "shorter than the 8-byte header length");

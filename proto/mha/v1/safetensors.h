@@ -33,6 +33,12 @@ absl::StatusOr<SafetensorsLayer> ReadSafetensorsLayer(const std::string& path);
 // The same from the file's bytes; `origin` names the source in error messages.
 absl::StatusOr<SafetensorsLayer> ParseSafetensorsLayer(absl::string_view bytes, absl::string_view origin);
 
+// transformers' rope_scaling (config.json's object, or transformers 5's rope_parameters) as JSON text, into *out:
+// its keys by their names, "type" as an old name of rope_type; rope_theta and partial_rotary_factor (HeadConfig's own
+// fields) and nulls skipped. INVALID_ARGUMENT for what is not an object or holds a key RopeScaling lacks. The values
+// are checked where the heads are resolved (ResolveHeads).
+absl::Status RopeScalingFromJson(absl::string_view text, v1::RopeScaling* out);
+
 }  // namespace mha
 
 #endif  // MHA_PROTO_SAFETENSORS_H_

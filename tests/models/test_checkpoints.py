@@ -1,0 +1,113 @@
+"""mha_client load against transformers: checkpoints that transformers' own save_pretrained writes (random weights from
+seeded small configs; one sharded, one in bf16) are registered layer by layer, and each registered layer's output
+on the hidden states that layer's attention module saw during the model's forward pass equals that module's output.
+Runs in tests/models/env.sh's environment: tests/models/run.sh SERVER_BIN (ctest's models_transformers)."""
+
+import os
+import subprocess
+import tempfile
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+import mhaclient  # on the path through conftest.py
+
+SMALL = dict(vocab_size=97, num_hidden_layers=2, max_position_embeddings=256)
+
+
+def configs():
+    """model_type -> (config, save_pretrained's extra arguments)."""
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 16, "rope_theta": 10000.0}
+    return {
+        "llama": (transformers.LlamaConfig(hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                                           num_key_value_heads=2, rope_parameters=llama3, **SMALL),
+                  {"max_shard_size": "40KB"}),  # several shards and their index
+        "mistral": (transformers.MistralConfig(hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                                               num_key_value_heads=1, sliding_window=None, **SMALL), {}),
+        "qwen2": (transformers.Qwen2Config(hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                                           num_key_value_heads=2, **SMALL), {}),  # q, k, v biases
+        "phi3": (transformers.Phi3Config(hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                                         num_key_value_heads=2, partial_rotary_factor=0.5, sliding_window=None,
+                                         pad_token_id=0, **SMALL), {}),
+        "gpt2": (transformers.GPT2Config(vocab_size=97, n_embd=64, n_layer=2, n_head=4, n_positions=256,
+                                         scale_attn_by_inverse_layer_idx=True), {}),
+        "gpt_neox": (transformers.GPTNeoXConfig(hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                                                rotary_pct=0.25, **SMALL), {}),
+    }
+
+
+def attention_modules(model):
+    return [m for name, m in model.named_modules() if name.endswith((".self_attn", ".attn", ".attention"))
+            and not name.endswith(".attention.attention")]
+
+
+def captured(model, ids):
+    """Each attention module's hidden-states input and output during one forward pass."""
+    seen = []
+
+    def hook(module, args, kwargs, output):
+        x = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+        seen.append((x[0].detach().float().numpy(), output[0][0].detach().float().numpy()))
+
+    handles = [m.register_forward_hook(hook, with_kwargs=True) for m in attention_modules(model)]
+    with torch.no_grad():
+        model(ids)
+    for h in handles:
+        h.remove()
+    return seen
+
+
+def load(target, folder, name, *extra):
+    client_bin = os.path.join(os.path.dirname(os.environ["MHA_SERVER_BIN"]), "mha_client")
+    return subprocess.run([client_bin, "load", "--target", target, "--checkpoint", folder, "--name", name, *extra],
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("model_type", sorted(configs()))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_each_registered_layer_computes_what_the_models_attention_computes(server, model_type, dtype):
+    target, client = server
+    if dtype == torch.bfloat16 and model_type not in ("llama", "gpt_neox"):
+        pytest.skip("bf16 checkpoints: two architectures suffice")
+    config, save = configs()[model_type]
+    torch.manual_seed(5)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    ids = torch.randint(0, 97, (1, 40))
+    seen = captured(model, ids)  # in fp32, from the weights as they will be stored
+    model = model.to(dtype)
+    seen_stored = captured(model, ids) if dtype != torch.float32 else seen
+    name = "%s_%s" % (model_type, str(dtype).split(".")[-1])
+    with tempfile.TemporaryDirectory() as folder:
+        model.save_pretrained(folder, **save)
+        result = load(target, folder, name)
+        assert result.returncode == 0, result.stderr
+    assert "2 layers of %s" % model_type in result.stdout
+    assert len(seen_stored) == 2
+    tolerance = 2e-4 if dtype == torch.float32 else 3e-2
+    for i, (x, want) in enumerate(seen_stored):
+        got = client.multi_head_attention(x[None].astype(np.float32), layer="%s.%d" % (name, i), causal=True).output[0]
+        np.testing.assert_allclose(got, want, atol=tolerance, rtol=tolerance, err_msg="layer %d" % i)
+        client.unload_layer("%s.%d" % (name, i))
+
+
+def test_an_unknown_architecture_and_a_sliding_window_are_refused_saying_why(server):
+    target, _ = server
+    with tempfile.TemporaryDirectory() as folder:
+        config = transformers.Qwen3Config(hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                                          num_key_value_heads=2, **SMALL)
+        transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+        result = load(target, folder, "qwen3")
+    assert result.returncode == 1
+    assert "model_type 'qwen3' is not one mha_client load reads (llama, mistral, qwen2, phi3, gpt2, gpt_neox)" \
+        in result.stderr
+    with tempfile.TemporaryDirectory() as folder:
+        config = transformers.MistralConfig(hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                                            num_key_value_heads=2, sliding_window=32, **SMALL)
+        transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+        refused = load(target, folder, "windowed")
+        accepted = load(target, folder, "windowed", "--ignore_sliding_window")
+    assert refused.returncode == 1 and "sliding_window is 32" in refused.stderr
+    assert accepted.returncode == 0, accepted.stderr
