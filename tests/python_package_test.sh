@@ -19,8 +19,12 @@ cd "$work"  # not the checkout: the installed package must be what is imported
 "$work/venv/bin/python" - "$target" <<'PY'
 import sys
 import numpy as np
+import importlib.util
 import mhaclient
 assert "/venv/" in mhaclient.__file__, mhaclient.__file__
+# The transformers integration ships in the package (it imports torch and transformers only when used).
+spec = importlib.util.find_spec("mhaclient_transformers")
+assert spec is not None and "/venv/" in spec.origin, spec
 with mhaclient.MhaClient(sys.argv[1]) as c:
     r = c.multi_head_attention(np.ones((1, 4, 512), np.float32), layer="demo")
     assert r.output.shape == (1, 4, 512), r.output.shape
