@@ -5,7 +5,7 @@
 
 #include "absl/flags/flag.h"
 #include "absl/strings/str_cat.h"
-#include "client/checkpoint.h"
+#include "proto/mha/v1/checkpoint.h"
 #include "client/cli.h"
 
 ABSL_FLAG(std::string, checkpoint, "",

@@ -1,7 +1,8 @@
-// mha_client load's checkpoint reader (client/checkpoint.h) on folders that cannot be loaded: each refusal names
-// what is missing or not understood. What it reads from real checkpoints is tests/models/test_checkpoints.py's
-// (transformers' save_pretrained as the writer, its attention modules as the oracle).
-#include "client/checkpoint.h"
+// The checkpoint reader (proto/mha/v1/checkpoint.h: mha_client load, the server's --layers_dir) on folders that
+// cannot be loaded: each refusal names what is missing or not understood; and a folder in --layers_dir registers its
+// layers. What it reads from real checkpoints is tests/models/test_checkpoints.py's (transformers' save_pretrained as
+// the writer, its attention modules as the oracle).
+#include "proto/mha/v1/checkpoint.h"
 
 #include <unistd.h>
 
@@ -11,8 +12,10 @@
 #include <fstream>
 #include <string>
 
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "server/layers/layer_store.h"
 
 namespace mha {
 namespace {
@@ -49,7 +52,7 @@ TEST_F(CheckpointTest, AnArchitectureItDoesNotReadIsNamed) {
   const absl::Status s = ReadCheckpoint(dir_, "m").status();
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(s.message(),
-            "config.json: model_type 'qwen3' is not one mha_client load reads (llama, mistral, qwen2, phi3, gpt2, "
+            "config.json: model_type 'qwen3' is not an architecture mhaserve reads (llama, mistral, qwen2, phi3, gpt2, "
             "gpt_neox)");
 }
 
@@ -79,6 +82,53 @@ TEST_F(CheckpointTest, ARopeScalingItCannotReadIsNamed) {
   const absl::Status s = ReadCheckpoint(dir_, "m").status();
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(s.message()), HasSubstr("config.json: rope_scaling: does not read as RopeScaling"));
+}
+
+// A LLaMA-shaped checkpoint of one layer (d_model 8, 2 heads of 4, F32), written as save_pretrained writes one:
+// [out, in] projections under model.layers.0.self_attn.
+void WriteTinyLlama(const std::string& dir) {
+  std::filesystem::create_directories(dir);
+  std::ofstream(dir + "/config.json") << R"({"model_type": "llama", "num_hidden_layers": 1, "hidden_size": 8,
+      "num_attention_heads": 2, "num_key_value_heads": 2, "rope_theta": 500000.0, "max_position_embeddings": 64})";
+  std::string header = "{", data;
+  const char* names[] = {"q_proj", "k_proj", "v_proj", "o_proj"};
+  for (int k = 0; k < 4; ++k) {
+    const size_t begin = data.size();
+    for (int i = 0; i < 64; ++i) {
+      const float x = 0.01f * static_cast<float>(i * (k + 1) % 17) - 0.08f;
+      data.append(reinterpret_cast<const char*>(&x), 4);
+    }
+    header += absl::StrCat(k ? "," : "", "\"model.layers.0.self_attn.", names[k],
+                           ".weight\":{\"dtype\":\"F32\",\"shape\":[8,8],\"data_offsets\":[", begin, ",",
+                           data.size(), "]}");
+  }
+  header += "}";
+  const uint64_t n = header.size();
+  std::ofstream out(dir + "/model.safetensors", std::ios::binary);
+  out.write(reinterpret_cast<const char*>(&n), 8);
+  out << header << data;
+}
+
+TEST_F(CheckpointTest, AFolderInTheLayersDirectoryRegistersItsLayers) {
+  WriteTinyLlama(dir_ + "/tiny");
+  LayerStore store(int64_t{1} << 30, 16);
+  ASSERT_TRUE(store.LoadDirectory(dir_).ok());
+  absl::StatusOr<std::shared_ptr<const Layer>> layer = store.Get("tiny.0");
+  ASSERT_TRUE(layer.ok()) << layer.status();
+  EXPECT_EQ((*layer)->shape.d_model, 8);
+  EXPECT_EQ((*layer)->shape.heads.num_heads, 2);
+  EXPECT_EQ((*layer)->shape.heads.rope_theta, 500000.0);
+  EXPECT_TRUE((*layer)->shape.heads.causal);
+  EXPECT_EQ((*layer)->source, "checkpoint:" + dir_ + "/tiny");
+}
+
+TEST_F(CheckpointTest, ABadFolderInTheLayersDirectoryStopsTheLoadNamingIt) {
+  std::filesystem::create_directories(dir_ + "/broken");
+  std::ofstream(dir_ + "/broken/config.json") << R"({"model_type": "bert"})";
+  LayerStore store(int64_t{1} << 30, 16);
+  const absl::Status s = store.LoadDirectory(dir_);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(s.message()), HasSubstr(dir_ + "/broken: config.json: model_type 'bert'"));
 }
 
 }  // namespace

@@ -17,7 +17,8 @@ ABSL_FLAG(std::string, port_file, kDefaults.port_file, "write the bound port to 
 ABSL_FLAG(std::string, metrics_listen, kDefaults.metrics_listen,
           "serve Prometheus metrics at http://HOST:PORT/metrics; :PORT = on --listen's host; empty = off");
 ABSL_FLAG(std::string, layers_dir, kDefaults.layers_dir,
-          "register every *.safetensors file in this folder as a layer");
+          "register every *.safetensors file in this folder as a layer, and every transformers checkpoint folder in "
+          "it (config.json and its safetensors) as layers <folder>.<i>");
 ABSL_FLAG(std::string, backend, kDefaults.backend, "what BACKEND_AUTO means: auto, cpu, reference or cuda");
 ABSL_FLAG(int, max_message_mb, kDefaults.max_message_mb, "largest request or response, MiB");
 ABSL_FLAG(bool, accept_compressed, kDefaults.accept_compressed,

@@ -6,6 +6,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
+#include "proto/mha/v1/checkpoint.h"
 #include "proto/mha/v1/safetensors.h"
 #include "server/base/names.h"
 #include "server/base/status_macros.h"
@@ -88,14 +89,37 @@ std::vector<std::shared_ptr<const Layer>> LayerStore::List() const {
   return out;
 }
 
+absl::Status LayerStore::LoadCheckpoint(const std::filesystem::path& folder) {
+  ASSIGN_OR_RETURN(Checkpoint checkpoint, ReadCheckpoint(folder.string(), folder.filename().string()));
+  for (const v1::LoadLayerRequest& request : checkpoint.layers) {
+    absl::StatusOr<std::shared_ptr<const Layer>> layer =
+        Load(request.name(), absl::StrCat("checkpoint:", folder.string()), request.weights(), request.heads(),
+             request.name());
+    if (!layer.ok()) {
+      return absl::Status(layer.status().code(),
+                          absl::StrCat("layer ", request.name(), ": ", layer.status().message()));
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status LayerStore::LoadDirectory(const std::string& dir) {
   std::error_code ec;
-  std::vector<std::filesystem::path> files;
+  std::vector<std::filesystem::path> files, checkpoints;
   for (const auto& entry : std::filesystem::directory_iterator(dir, ec)) {
     if (entry.is_regular_file() && entry.path().extension() == ".safetensors") files.push_back(entry.path());
+    if (entry.is_directory() && std::filesystem::is_regular_file(entry.path() / "config.json")) {
+      checkpoints.push_back(entry.path());
+    }
   }
   if (ec) return absl::NotFoundError(absl::StrCat("--layers_dir ", dir, ": ", ec.message()));
   std::sort(files.begin(), files.end());
+  std::sort(checkpoints.begin(), checkpoints.end());
+  for (const auto& folder : checkpoints) {
+    if (absl::Status s = LoadCheckpoint(folder); !s.ok()) {
+      return absl::Status(s.code(), absl::StrCat(folder.string(), ": ", s.message()));
+    }
+  }
   for (const auto& path : files) {
     ASSIGN_OR_RETURN(SafetensorsLayer file, ReadSafetensorsLayer(path.string()));
     absl::StatusOr<std::shared_ptr<const Layer>> layer =

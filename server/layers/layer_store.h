@@ -4,6 +4,7 @@
 #define MHA_SERVER_LAYERS_LAYER_STORE_H_
 
 #include <cstdint>
+#include <filesystem>
 #include <map>
 #include <memory>
 #include <string>
@@ -37,11 +38,15 @@ class LayerStore {
   int64_t max_total_bytes() const { return max_total_bytes_; }
   int max_layers() const { return max_layers_; }
 
-  // Loads every *.safetensors file in `dir` (sorted by name) as a layer named after the file's stem. Returns the
-  // first error, naming the file.
+  // Loads every *.safetensors file in `dir` (sorted by name) as a layer named after the file's stem, and every
+  // folder in it that holds a transformers checkpoint (config.json; proto/mha/v1/checkpoint.h) as layers
+  // "<folder>.<i>". Returns the first error, naming the file or folder.
   absl::Status LoadDirectory(const std::string& dir);
 
  private:
+  // A checkpoint folder's layers, named "<folder name>.<i>".
+  absl::Status LoadCheckpoint(const std::filesystem::path& folder);
+
   const int64_t max_total_bytes_;
   // RESOURCE_EXHAUSTED (naming the layer) when `count` layers and `bytes` more would pass a limit.
   absl::Status CheckRoom(absl::string_view name, int64_t bytes) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -12,6 +12,8 @@ import pytest
 import torch
 import transformers
 
+import mhaclient
+from local_server import local_server
 from model_configs import SMALL, configs
 
 def attention_modules(model):
@@ -76,7 +78,7 @@ def test_an_unknown_architecture_and_a_sliding_window_are_refused_saying_why(ser
         transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
         result = load(target, folder, "qwen3")
     assert result.returncode == 1
-    assert "model_type 'qwen3' is not one mha_client load reads (llama, mistral, qwen2, phi3, gpt2, gpt_neox)" \
+    assert "model_type 'qwen3' is not an architecture mhaserve reads (llama, mistral, qwen2, phi3, gpt2, gpt_neox)" \
         in result.stderr
     with tempfile.TemporaryDirectory() as folder:
         config = transformers.MistralConfig(hidden_size=64, intermediate_size=96, num_attention_heads=4,
@@ -86,3 +88,20 @@ def test_an_unknown_architecture_and_a_sliding_window_are_refused_saying_why(ser
         accepted = load(target, folder, "windowed", "--ignore_sliding_window")
     assert refused.returncode == 1 and "sliding_window is 32" in refused.stderr
     assert accepted.returncode == 0, accepted.stderr
+
+
+def test_the_server_registers_a_checkpoint_folder_in_its_layers_dir(server):  # (its stubs; a server of its own)
+    config, _ = configs()["qwen2"]
+    torch.manual_seed(9)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    seen = captured(model, torch.randint(0, 97, (1, 30)))
+    with tempfile.TemporaryDirectory() as work:
+        model.save_pretrained(os.path.join(work, "layers", "qwen"))
+        with local_server(os.environ["MHA_SERVER_BIN"], work, "--layers_dir", os.path.join(work, "layers")) as target:
+            with mhaclient.MhaClient(target, timeout=60.0) as client:
+                client.wait_ready(timeout=30)
+                names = sorted(layer.name for layer in client.list_layers())
+                assert names == ["demo", "qwen.0", "qwen.1"], names
+                for i, (x, want) in enumerate(seen):
+                    got = client.multi_head_attention(x[None], layer="qwen.%d" % i, causal=True).output[0]
+                    np.testing.assert_allclose(got, want, atol=2e-4, rtol=2e-4, err_msg="layer %d" % i)

@@ -1,4 +1,4 @@
-#include "client/checkpoint.h"
+#include "proto/mha/v1/checkpoint.h"
 
 #include <algorithm>
 #include <cmath>
@@ -243,8 +243,8 @@ absl::Status CheckWindow(const Json& c, const std::string& type, bool ignore_win
   return Invalid("config.json", absl::StrCat("sliding_window is ", c["sliding_window"].dump(),
                                              ": the model attends within a window of that many tokens, which the "
                                              "service does not compute (its layers see every earlier token); "
-                                             "contexts within the window compute the same: load with "
-                                             "--ignore_sliding_window to accept that"));
+                                             "contexts within the window compute the same (mha_client load "
+                                             "--ignore_sliding_window loads it anyway)"));
 }
 
 // nn.Linear `name` ([out, in], optional bias) as W [in, out] into *w, and its bias, when it has one, into *b.
@@ -367,8 +367,9 @@ absl::StatusOr<Checkpoint> ReadCheckpoint(const std::string& dir, const std::str
   out.model_type = config->value("model_type", std::string());
   const std::vector<std::string>& known = CheckpointModelTypes();
   if (std::find(known.begin(), known.end(), out.model_type) == known.end()) {
-    return Invalid("config.json", absl::StrCat("model_type '", out.model_type, "' is not one mha_client load reads (",
-                                               absl::StrJoin(known, ", "), ")"));
+    return Invalid("config.json", absl::StrCat("model_type '", out.model_type,
+                                               "' is not an architecture mhaserve reads (", absl::StrJoin(known, ", "),
+                                               ")"));
   }
   if (absl::Status s = CheckWindow(*config, out.model_type, ignore_window); !s.ok()) return s;
   absl::StatusOr<int64_t> layers = Count(*config, {"num_hidden_layers", "n_layer"});

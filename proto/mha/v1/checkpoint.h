@@ -5,9 +5,10 @@
 // their biases, and the heads: counts, RoPE (theta, partial rotary, scaling) and the scale as the model computes them.
 // Architectures (config.json's model_type): llama, mistral, qwen2, phi3, gpt2, gpt_neox. Anything else, or a feature
 // the service does not compute (a sliding window), is INVALID_ARGUMENT naming it. Tensors keep their dtype (F32,
-// F16 or BF16) and are read one at a time from the shards.
-#ifndef MHA_CLIENT_CHECKPOINT_H_
-#define MHA_CLIENT_CHECKPOINT_H_
+// F16 or BF16) and are read one at a time from the shards. Shared by the server (--layers_dir's checkpoint folders)
+// and mha_client load, like safetensors.h.
+#ifndef MHA_PROTO_CHECKPOINT_H_
+#define MHA_PROTO_CHECKPOINT_H_
 
 #include <string>
 #include <vector>
@@ -32,4 +33,4 @@ absl::StatusOr<Checkpoint> ReadCheckpoint(const std::string& dir, const std::str
 
 }  // namespace mha
 
-#endif  // MHA_CLIENT_CHECKPOINT_H_
+#endif  // MHA_PROTO_CHECKPOINT_H_
