@@ -48,17 +48,33 @@ def test_the_integration_generates_transformers_tokens(server, model_type):
     assert got == want
 
 
-def test_a_bf16_cache_is_counted_against_fp32(server):
+# A rounded cache's prompt logits against transformers': its largest difference over the largest logit. These random
+# weights' wide spread amplifies every rounding from layer to layer (bf16 1.7%, int8 4-6% measured), so greedy tokens
+# drift apart once two logits are close; the counts are printed.
+CACHE_TOLERANCE = {"bf16": 0.04, "int8": 0.12}
+
+
+@pytest.mark.parametrize("model_type", sorted(configs()))
+@pytest.mark.parametrize("cache_dtype", sorted(CACHE_TOLERANCE))
+def test_a_smaller_cache_is_measured_against_transformers(server, model_type, cache_dtype):
     _, client = server
-    model = seeded_model("llama")
+    model = seeded_model(model_type)
     want = greedy(model)
+    with torch.no_grad():
+        want_logits = model(torch.tensor(PROMPT)).logits[0, -1]
     mhaclient_transformers.register(client)
     model.set_attn_implementation("mhaserve")
-    with mhaclient_transformers.ServiceCache(client, model, cache_dtype="bf16") as cache:
+    with mhaclient_transformers.ServiceCache(client, model, cache_dtype=cache_dtype) as cache:
+        with torch.no_grad():
+            logits = model(torch.tensor(PROMPT), cache=cache, use_cache=True).logits[0, -1]
+    with mhaclient_transformers.ServiceCache(client, model, cache_dtype=cache_dtype) as cache:
         got = greedy(model, cache=cache)
-    same = sum(a == b for a, b in zip(got, want))
-    print("bf16 cache: %d of %d greedy tokens as fp32's" % (same, NEW_TOKENS))
-    assert got[:4] == want[:4]
+    error = ((logits - want_logits).abs().max() / want_logits.abs().max()).item()
+    same = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), NEW_TOKENS)
+    print("%s %s cache: prompt logits %.3f off (relative), the first %d of %d greedy tokens as transformers'"
+          % (model_type, cache_dtype, error, same, NEW_TOKENS))
+    assert len(got) == NEW_TOKENS
+    assert error <= CACHE_TOLERANCE[cache_dtype]
 
 
 def test_an_encoder_runs_through_the_stateless_call_with_its_padding_mask(server):
