@@ -109,6 +109,41 @@ void WriteTinyLlama(const std::string& dir) {
   out << header << data;
 }
 
+// A one-tensor file whose entry for q_proj is `entry` (JSON), followed by 256 bytes of data.
+void WriteOneEntry(const std::string& dir, const std::string& entry) {
+  std::ofstream(dir + "/config.json") << R"({"model_type": "llama", "num_hidden_layers": 1, "hidden_size": 8,
+      "num_attention_heads": 2})";
+  const std::string header = "{\"model.layers.0.self_attn.q_proj.weight\":" + entry + "}";
+  const uint64_t n = header.size();
+  std::ofstream out(dir + "/model.safetensors", std::ios::binary);
+  out.write(reinterpret_cast<const char*>(&n), 8);
+  out << header << std::string(256, '\0');
+}
+
+TEST_F(CheckpointTest, MalformedTensorEntriesAreRefusedNotTrusted) {
+  for (const std::string& entry : {
+           std::string(R"({"dtype":"F32","shape":["8",8],"data_offsets":[0,256]})"),        // a size that is text
+           std::string(R"({"dtype":"F32","shape":[8,8],"data_offsets":[0,1024]})"),          // past the file's end
+           std::string(R"({"dtype":"F32","shape":[8,8],"data_offsets":[256,0]})"),           // backwards
+           std::string(R"({"dtype":"I64","shape":[8,4],"data_offsets":[0,256]})"),           // another dtype
+           std::string(R"({"dtype":"F32","shape":[16777217,1],"data_offsets":[0,256]})"),    // too large
+           std::string(R"("not an object")")}) {
+    WriteOneEntry(dir_, entry);
+    const absl::Status s = ReadCheckpoint(dir_, "m").status();
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << entry << ": " << s;
+    EXPECT_THAT(std::string(s.message()), HasSubstr("model.layers.0.self_attn.q_proj.weight")) << entry;
+  }
+}
+
+TEST_F(CheckpointTest, ConfigValuesOfTheWrongTypeAreNotTrusted) {
+  Write("config.json", R"({"model_type": 7, "num_hidden_layers": 1})");
+  EXPECT_EQ(ReadCheckpoint(dir_, "m").status().code(), absl::StatusCode::kInvalidArgument);
+  Write("config.json", R"({"model_type": "qwen2", "use_sliding_window": "yes", "num_hidden_layers": "2"})");
+  const absl::Status s = ReadCheckpoint(dir_, "m").status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("num_hidden_layers or n_layer must be a positive integer"));
+}
+
 TEST_F(CheckpointTest, AFolderInTheLayersDirectoryRegistersItsLayers) {
   WriteTinyLlama(dir_ + "/tiny");
   LayerStore store(int64_t{1} << 30, 16);

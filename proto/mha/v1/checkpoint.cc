@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <optional>
@@ -23,6 +24,23 @@ constexpr uint64_t kMaxHeaderBytes = 100 << 20;
 
 absl::Status Invalid(absl::string_view where, absl::string_view what) {
   return absl::InvalidArgumentError(absl::StrCat(where, ": ", what));
+}
+
+// Member `key` of `o`, or null when `o` is no object or lacks it (nlohmann's const operator[] must not see a missing
+// key).
+const Json& Field(const Json& o, const char* key) {
+  static const Json kNull;
+  if (!o.is_object()) return kNull;
+  const auto it = o.find(key);
+  return it == o.end() ? kNull : *it;
+}
+std::string String(const Json& o, const char* key, const std::string& fallback) {
+  const Json& v = Field(o, key);
+  return v.is_string() ? v.get<std::string>() : fallback;
+}
+bool Bool(const Json& o, const char* key, bool fallback) {
+  const Json& v = Field(o, key);
+  return v.is_boolean() ? v.get<bool>() : fallback;
 }
 
 // A matrix or vector of one checkpoint tensor, in its stored dtype; a vector is one row.
@@ -126,33 +144,45 @@ absl::StatusOr<const Json*> Shards::Header(const std::string& file) {
   return &(headers_[file] = {std::move(header), length}).first;
 }
 
+// A size of a tensor's shape: an integer in [1, 2^24].
+bool Dim(const Json& v, int64_t* out) {
+  if (!v.is_number_unsigned() || v.get<uint64_t>() < 1 || v.get<uint64_t>() > (uint64_t{1} << 24)) return false;
+  *out = v.get<int64_t>();
+  return true;
+}
+
 absl::StatusOr<Matrix> Shards::Read(const std::string& name) {
   const auto file = file_of_.find(name);
   if (file == file_of_.end()) return absl::NotFoundError(absl::StrCat("the checkpoint has no tensor ", name));
   absl::StatusOr<const Json*> header = Header(file->second);
   if (!header.ok()) return header.status();
-  const std::string where = absl::StrCat(dir_, "/", file->second, ": ", name);
-  const Json& entry = (**header)[name];
+  const std::string path = dir_ + "/" + file->second, where = absl::StrCat(path, ": ", name);
+  const Json& entry = Field(**header, name.c_str());
   const std::map<std::string, v1::DataType> dtypes = {{"F32", v1::FP32}, {"F16", v1::FP16}, {"BF16", v1::BF16}};
-  if (!entry.is_object() || !entry["dtype"].is_string() || !dtypes.count(entry["dtype"].get<std::string>())) {
-    return Invalid(where, "must be F32, F16 or BF16");
-  }
+  const std::string dtype = String(entry, "dtype", "");
+  if (!dtypes.count(dtype)) return Invalid(where, "must be a tensor of the file, F32, F16 or BF16");
   Matrix m;
-  m.dtype = dtypes.at(entry["dtype"].get<std::string>());
-  const Json& shape = entry["shape"];
-  if (!shape.is_array() || shape.empty() || shape.size() > 2) return Invalid(where, "must be 1-d or 2-d");
-  m.rows = shape.size() == 2 ? shape[0].get<int64_t>() : 1;
-  m.cols = shape.back().get<int64_t>();
-  const Json& offsets = entry["data_offsets"];
-  const uint64_t bytes = static_cast<uint64_t>(m.rows * m.cols) * m.element();
-  if (!offsets.is_array() || offsets.size() != 2 || offsets[1].get<uint64_t>() - offsets[0].get<uint64_t>() != bytes) {
-    return Invalid(where, "has data_offsets that do not match its shape");
+  m.dtype = dtypes.at(dtype);
+  const Json& shape = Field(entry, "shape");
+  if (!shape.is_array() || shape.empty() || shape.size() > 2 || !Dim(shape.back(), &m.cols) ||
+      !(shape.size() == 1 ? (m.rows = 1) : Dim(shape[0], &m.rows))) {
+    return Invalid(where, "must be 1-d or 2-d, each size in [1, 2^24]");
   }
-  std::ifstream in(dir_ + "/" + file->second, std::ios::binary);
+  const Json& offsets = Field(entry, "data_offsets");
+  const uint64_t bytes = static_cast<uint64_t>(m.rows * m.cols) * m.element();
+  std::error_code ec;
+  const uint64_t file_bytes = std::filesystem::file_size(path, ec);
+  if (!offsets.is_array() || offsets.size() != 2 || !offsets[0].is_number_unsigned() ||
+      !offsets[1].is_number_unsigned() || offsets[1].get<uint64_t>() < offsets[0].get<uint64_t>() ||
+      offsets[1].get<uint64_t>() - offsets[0].get<uint64_t>() != bytes || ec ||
+      8 + headers_[file->second].second + offsets[1].get<uint64_t>() > file_bytes) {
+    return Invalid(where, "has data_offsets that do not match its shape or lie past the end of its file");
+  }
+  std::ifstream in(path, std::ios::binary);
   in.seekg(static_cast<std::streamoff>(8 + headers_[file->second].second + offsets[0].get<uint64_t>()));
   m.bytes.resize(bytes);
   in.read(m.bytes.data(), static_cast<std::streamsize>(bytes));
-  if (!in) return Invalid(where, "lies past the end of its file");
+  if (!in) return Invalid(where, "could not be read");
   return m;
 }
 
@@ -169,7 +199,7 @@ Matrix JoinColumns(const std::vector<Matrix>& pieces) {
 // config.json's number under the first of `keys` it holds (null counts as absent); `fallback` when none does.
 double Number(const Json& c, std::initializer_list<const char*> keys, double fallback) {
   for (const char* key : keys) {
-    if (c.contains(key) && c[key].is_number()) return c[key].get<double>();
+    if (Field(c, key).is_number()) return Field(c, key).get<double>();
   }
   return fallback;
 }
@@ -186,10 +216,10 @@ absl::StatusOr<int64_t> Count(const Json& c, std::initializer_list<const char*> 
 // rope_parameters, with max_position_embeddings and original_max_position_embeddings filled in as transformers'
 // standardize_rope_params fills them.
 absl::Status RopeScalingOf(const Json& c, v1::RopeScaling* out) {
-  Json scaling = c.contains("rope_scaling") && c["rope_scaling"].is_object() ? c["rope_scaling"]
-                 : c.contains("rope_parameters") && c["rope_parameters"].is_object() ? c["rope_parameters"]
-                                                                                      : Json::object();
-  const std::string type = scaling.value("rope_type", scaling.value("type", std::string("default")));
+  Json scaling = Field(c, "rope_scaling").is_object()      ? Field(c, "rope_scaling")
+                 : Field(c, "rope_parameters").is_object() ? Field(c, "rope_parameters")
+                                                           : Json::object();
+  const std::string type = String(scaling, "rope_type", String(scaling, "type", "default"));
   if (type == "default") return absl::OkStatus();
   const double max_positions = Number(c, {"max_position_embeddings", "n_positions"}, 0);
   if ((type == "dynamic" || type == "yarn" || type == "longrope") && !scaling.contains("max_position_embeddings")) {
@@ -220,12 +250,11 @@ absl::StatusOr<v1::HeadConfig> HeadsOf(const Json& c, const std::string& type, i
   h.set_head_dim(static_cast<int32_t>(head_dim));
   h.set_causal(true);
   if (type == "gpt2") {  // no RoPE; GPT-2's optional scalings of the scores
-    const double scale = c.value("scale_attn_weights", true) ? 1.0 / std::sqrt(static_cast<double>(head_dim)) : 1.0;
-    h.set_scale(static_cast<float>(c.value("scale_attn_by_inverse_layer_idx", false) ? scale / (layer + 1) : scale));
+    const double scale = Bool(c, "scale_attn_weights", true) ? 1.0 / std::sqrt(static_cast<double>(head_dim)) : 1.0;
+    h.set_scale(static_cast<float>(Bool(c, "scale_attn_by_inverse_layer_idx", false) ? scale / (layer + 1) : scale));
     return h;
   }
-  const Json params = c.contains("rope_parameters") && c["rope_parameters"].is_object() ? c["rope_parameters"]
-                                                                                         : Json::object();
+  const Json& params = Field(c, "rope_parameters");  // Number() reads nothing from a null
   h.set_rope_theta(Number(c, {"rope_theta", "rotary_emb_base"}, Number(params, {"rope_theta"}, 10000)));
   const double partial =
       Number(c, {"partial_rotary_factor", "rotary_pct"}, Number(params, {"partial_rotary_factor"}, 1));
@@ -237,10 +266,9 @@ absl::StatusOr<v1::HeadConfig> HeadsOf(const Json& c, const std::string& type, i
 
 // The service attends to every earlier token; a model with a sliding window does not, past the window.
 absl::Status CheckWindow(const Json& c, const std::string& type, bool ignore_window) {
-  const bool windowed = type == "qwen2" ? c.value("use_sliding_window", false)
-                                        : c.contains("sliding_window") && c["sliding_window"].is_number();
+  const bool windowed = type == "qwen2" ? Bool(c, "use_sliding_window", false) : Field(c, "sliding_window").is_number();
   if (!windowed || ignore_window) return absl::OkStatus();
-  return Invalid("config.json", absl::StrCat("sliding_window is ", c["sliding_window"].dump(),
+  return Invalid("config.json", absl::StrCat("sliding_window is ", Field(c, "sliding_window").dump(),
                                              ": the model attends within a window of that many tokens, which the "
                                              "service does not compute (its layers see every earlier token); "
                                              "contexts within the window compute the same (mha_client load "
@@ -364,7 +392,7 @@ absl::StatusOr<Checkpoint> ReadCheckpoint(const std::string& dir, const std::str
   absl::StatusOr<Json> config = ReadJson(dir + "/config.json");
   if (!config.ok()) return config.status();
   Checkpoint out;
-  out.model_type = config->value("model_type", std::string());
+  out.model_type = String(*config, "model_type", "");
   const std::vector<std::string>& known = CheckpointModelTypes();
   if (std::find(known.begin(), known.end(), out.model_type) == known.end()) {
     return Invalid("config.json", absl::StrCat("model_type '", out.model_type,
