@@ -404,6 +404,11 @@ void SafetensorsSeeds(Corpus& c) {
                     data + bias_data));
   c.Add("valid_padded_header", Safetensors(tensors + R"("__metadata__":{"num_heads":"1"}}      )", data));
   c.Add("gqa_mismatch", Safetensors(tensors + R"("__metadata__":{"num_heads":"2","num_kv_heads":"1"}})", data));
+  c.Add("rope_scaling", Safetensors(tensors + R"("__metadata__":{"num_heads":"2","rope_theta":"10000",)"
+                                              R"("rope_scaling":"{\"rope_type\": \"llama3\", \"factor\": 8, )"
+                                              R"(\"low_freq_factor\": 1, \"high_freq_factor\": 4, )"
+                                              R"(\"original_max_position_embeddings\": 16}"}})",
+                                    data));
   c.Add("overlap", Safetensors(R"({"w_q":{"dtype":"F32","shape":[4,4],"data_offsets":[0,64]},)"
                                R"("w_k":{"dtype":"F32","shape":[4,4],"data_offsets":[0,64]},)"
                                R"("w_v":{"dtype":"F32","shape":[4,4],"data_offsets":[64,128]},)"
