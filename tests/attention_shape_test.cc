@@ -119,6 +119,12 @@ std::vector<BadScaling> BadScalings() {
        "names), got 'ntk'"},
       {"without_rope_theta", [&](C* c) { c->set_rope_theta(0); },
        "heads.rope_scaling.rope_type is 'linear' but rope_theta is 0 (no RoPE)"},
+      {"a_default_type_with_a_factor_and_no_rope",
+       [&](C* c) {
+         c->set_rope_theta(0);
+         r(c)->set_rope_type("default");
+       },
+       "heads.rope_scaling.factor is set, but rope_type 'default' does not read it"},
       {"a_field_the_type_does_not_read", [&](C* c) { r(c)->set_beta_fast(16); },
        "heads.rope_scaling.beta_fast is set, but rope_type 'linear' does not read it"},
       {"truncate_outside_yarn", [&](C* c) { r(c)->set_truncate(false); },

@@ -176,9 +176,9 @@ absl::Status ResolveRope(const v1::HeadConfig& c, const HeadSpec& known, absl::s
   h->rope_theta = known.rope_theta != 0 ? known.rope_theta : c.rope_theta();
   h->rope_interleaved = known.rope_interleaved || c.rope_interleaved();
   if (!h->has_rope()) {
-    if (c.has_rope_scaling() && !c.rope_scaling().rope_type().empty() && c.rope_scaling().rope_type() != "default") {
-      return Invalid(field, "rope_scaling.rope_type",
-                     absl::StrCat(" is '", c.rope_scaling().rope_type(), "' but rope_theta is 0 (no RoPE)"));
+    RopeScaling unused;  // a scaled type refused for want of RoPE; the default type's fields checked all the same
+    if (c.has_rope_scaling()) {
+      if (auto s = ResolveRopeScaling(c.rope_scaling(), 0, field, &unused); !s.ok()) return s;
     }
     if (c.rope_dim() != 0 || c.rope_interleaved()) {
       return Invalid(field, c.rope_dim() != 0 ? "rope_dim" : "rope_interleaved",
