@@ -135,6 +135,29 @@ TEST_F(CheckpointTest, MalformedTensorEntriesAreRefusedNotTrusted) {
   }
 }
 
+TEST_F(CheckpointTest, FusedProjectionsOfTheWrongSizeAreRefusedNotSliced) {
+  // GPT-NeoX, 2 heads of 4: query_key_value must have 3 x 2 x 4 = 24 rows; this one has 8, and a bias of 8.
+  std::ofstream(dir_ + "/config.json") << R"({"model_type": "gpt_neox", "num_hidden_layers": 1, "hidden_size": 8,
+      "num_attention_heads": 2})";
+  const std::string header = R"({"gpt_neox.layers.0.attention.query_key_value.weight":)"
+                             R"({"dtype":"F32","shape":[8,8],"data_offsets":[0,256]},)"
+                             R"("gpt_neox.layers.0.attention.query_key_value.bias":)"
+                             R"({"dtype":"F32","shape":[8],"data_offsets":[256,288]},)"
+                             R"("gpt_neox.layers.0.attention.dense.weight":)"
+                             R"({"dtype":"F32","shape":[8,8],"data_offsets":[288,544]}})";
+  const uint64_t n = header.size();
+  std::ofstream out(dir_ + "/model.safetensors", std::ios::binary);
+  out.write(reinterpret_cast<const char*>(&n), 8);
+  out << header << std::string(544, '\0');
+  out.close();
+  const absl::Status s = ReadCheckpoint(dir_, "m").status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_THAT(std::string(s.message()), HasSubstr("query_key_value: must be [3 H d_k, d]"));
+  std::ofstream(dir_ + "/config.json") << R"({"model_type": "llama", "num_hidden_layers": 1, "hidden_size": 8,
+      "num_attention_heads": 2, "head_dim": -4})";
+  EXPECT_EQ(ReadCheckpoint(dir_, "m").status().code(), absl::StatusCode::kInvalidArgument);
+}
+
 TEST_F(CheckpointTest, ConfigValuesOfTheWrongTypeAreNotTrusted) {
   Write("config.json", R"({"model_type": 7, "num_hidden_layers": 1})");
   EXPECT_EQ(ReadCheckpoint(dir_, "m").status().code(), absl::StatusCode::kInvalidArgument);

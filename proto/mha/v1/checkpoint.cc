@@ -244,9 +244,14 @@ absl::StatusOr<v1::HeadConfig> HeadsOf(const Json& c, const std::string& type, i
   absl::StatusOr<int64_t> hidden = Count(c, {"hidden_size", "n_embd"});
   if (!heads.ok()) return heads.status();
   if (!hidden.ok()) return hidden.status();
-  const int64_t head_dim = static_cast<int64_t>(Number(c, {"head_dim"}, static_cast<double>(*hidden / *heads)));
+  const double head_dim = Number(c, {"head_dim"}, static_cast<double>(*hidden / *heads));
+  const double kv_heads = Number(c, {"num_key_value_heads"}, static_cast<double>(*heads));
+  if (*heads > 65536 || !(head_dim >= 1 && head_dim <= 65536) || !(kv_heads >= 1 && kv_heads <= *heads)) {
+    return Invalid("config.json", "num_attention_heads, num_key_value_heads and head_dim must be in [1, 65536] (and "
+                                  "num_key_value_heads at most num_attention_heads)");
+  }
   h.set_num_heads(static_cast<int32_t>(*heads));
-  h.set_num_kv_heads(static_cast<int32_t>(Number(c, {"num_key_value_heads"}, static_cast<double>(*heads))));
+  h.set_num_kv_heads(static_cast<int32_t>(kv_heads));
   h.set_head_dim(static_cast<int32_t>(head_dim));
   h.set_causal(true);
   if (type == "gpt2") {  // no RoPE; GPT-2's optional scalings of the scores
@@ -258,7 +263,7 @@ absl::StatusOr<v1::HeadConfig> HeadsOf(const Json& c, const std::string& type, i
   h.set_rope_theta(Number(c, {"rope_theta", "rotary_emb_base"}, Number(params, {"rope_theta"}, 10000)));
   const double partial =
       Number(c, {"partial_rotary_factor", "rotary_pct"}, Number(params, {"partial_rotary_factor"}, 1));
-  h.set_rope_dim(static_cast<int32_t>(static_cast<double>(head_dim) * partial));  // transformers: int(d * factor)
+  h.set_rope_dim(static_cast<int32_t>(std::clamp(head_dim * partial, 0.0, head_dim)));  // transformers: int(d x factor)
   if (absl::Status s = RopeScalingOf(c, h.mutable_rope_scaling()); !s.ok()) return s;
   if (h.rope_scaling().rope_type().empty()) h.clear_rope_scaling();
   return h;
@@ -335,6 +340,9 @@ absl::StatusOr<v1::AttentionWeights> Gpt2Weights(Shards& shards, const std::stri
     if (!m->ok()) return m->status();
   }
   const int64_t d = qkv->cols / 3;
+  if (qkv->cols % 3 != 0 || bias->rows != 1 || bias->cols != qkv->cols) {
+    return Invalid(prefix + "c_attn", "must be [d, 3 d] with a bias of 3 d");
+  }
   v1::Tensor* weights[] = {w.mutable_w_q(), w.mutable_w_k(), w.mutable_w_v()};
   v1::Tensor* biases[] = {w.mutable_b_q(), w.mutable_b_k(), w.mutable_b_v()};
   for (int k = 0; k < 3; ++k) {
@@ -354,6 +362,9 @@ absl::StatusOr<v1::AttentionWeights> NeoxWeights(Shards& shards, const std::stri
   if (!qkv.ok()) return qkv.status();
   if (!bias.ok()) return bias.status();
   const int64_t dk = h.head_dim();
+  if (qkv->rows != 3 * int64_t{h.num_heads()} * dk || bias->rows != 1 || bias->cols != qkv->rows) {
+    return Invalid(prefix + "query_key_value", "must be [3 H d_k, d] with a bias of 3 H d_k");
+  }
   v1::Tensor* weights[] = {w.mutable_w_q(), w.mutable_w_k(), w.mutable_w_v()};
   v1::Tensor* biases[] = {w.mutable_b_q(), w.mutable_b_k(), w.mutable_b_v()};
   for (int k = 0; k < 3; ++k) {
