@@ -20,8 +20,6 @@ namespace {
 
 using Json = nlohmann::json;
 
-constexpr uint64_t kMaxHeaderBytes = 100 << 20;
-
 absl::Status Invalid(absl::string_view where, absl::string_view what) {
   return absl::InvalidArgumentError(absl::StrCat(where, ": ", what));
 }
@@ -136,12 +134,13 @@ absl::StatusOr<const Json*> Shards::Header(const std::string& file) {
   if (!in) return absl::NotFoundError(absl::StrCat(path, ": cannot be opened"));
   uint64_t length = 0;
   in.read(reinterpret_cast<char*>(&length), 8);
-  if (!in || length > kMaxHeaderBytes) return Invalid(path, "has no safetensors header");
+  if (!in || length > kMaxSafetensorsHeaderBytes) return Invalid(path, "has no safetensors header");
   std::string text(length, '\0');
   in.read(text.data(), static_cast<std::streamsize>(length));
-  Json header = Json::parse(text, nullptr, /*allow_exceptions=*/false);
-  if (!in || !header.is_object()) return Invalid(path, "has no safetensors header");
-  return &(headers_[file] = {std::move(header), length}).first;
+  if (!in) return Invalid(path, "has no safetensors header");
+  absl::StatusOr<Json> header = ParseSafetensorsHeader(text, path);
+  if (!header.ok()) return header.status();
+  return &(headers_[file] = {std::move(*header), length}).first;
 }
 
 // A size of a tensor's shape: an integer in [1, 2^24].
@@ -158,11 +157,9 @@ absl::StatusOr<Matrix> Shards::Read(const std::string& name) {
   if (!header.ok()) return header.status();
   const std::string path = dir_ + "/" + file->second, where = absl::StrCat(path, ": ", name);
   const Json& entry = Field(**header, name.c_str());
-  const std::map<std::string, v1::DataType> dtypes = {{"F32", v1::FP32}, {"F16", v1::FP16}, {"BF16", v1::BF16}};
-  const std::string dtype = String(entry, "dtype", "");
-  if (!dtypes.count(dtype)) return Invalid(where, "must be a tensor of the file, F32, F16 or BF16");
   Matrix m;
-  m.dtype = dtypes.at(dtype);
+  m.dtype = SafetensorsDtype(String(entry, "dtype", ""));
+  if (m.dtype == v1::DATA_TYPE_UNSPECIFIED) return Invalid(where, "must be a tensor of the file, F32, F16 or BF16");
   const Json& shape = Field(entry, "shape");
   if (!shape.is_array() || shape.empty() || shape.size() > 2 || !Dim(shape.back(), &m.cols) ||
       !(shape.size() == 1 ? (m.rows = 1) : Dim(shape[0], &m.rows))) {

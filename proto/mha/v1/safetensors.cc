@@ -18,8 +18,6 @@
 namespace mha {
 namespace {
 
-// A header larger than this is not a layer file (safetensors itself caps it at 100 MB).
-constexpr uint64_t kMaxHeaderBytes = 100 << 20;
 
 // What a header may hold, checked before parsing, since the JSON parser builds a value (tens of bytes) per bracket or
 // element: 10 MB of '[' cost it 783 MB, 10 MB of "0," hundreds. A layer header nests three deep
@@ -189,6 +187,25 @@ absl::Status CheckLayout(const nlohmann::json& header, uint64_t data_size, absl:
 
 }  // namespace
 
+absl::StatusOr<nlohmann::json> ParseSafetensorsHeader(absl::string_view text, absl::string_view origin) {
+  const HeaderExtent extent = Extent(text);
+  if (extent.depth > kMaxHeaderDepth) {
+    return Bad(origin, absl::StrCat("header nests JSON arrays or objects more than ", kMaxHeaderDepth,
+                                    " deep; a layer header needs 3"));
+  }
+  if (extent.values > kMaxHeaderValues) {
+    return Bad(origin, absl::StrCat("header holds more than ", kMaxHeaderValues,
+                                    " JSON values; a layer header needs about 100"));
+  }
+  nlohmann::json header = nlohmann::json::parse(text.begin(), text.end(), nullptr, /*allow_exceptions=*/false);
+  if (!header.is_object()) return Bad(origin, "header is not a JSON object");
+  return header;
+}
+
+v1::DataType SafetensorsDtype(absl::string_view name) {
+  return name == "F32" ? v1::FP32 : name == "F16" ? v1::FP16 : name == "BF16" ? v1::BF16 : v1::DATA_TYPE_UNSPECIFIED;
+}
+
 absl::Status RopeScalingFromJson(absl::string_view text, v1::RopeScaling* out) {
   const nlohmann::json object = nlohmann::json::parse(text.begin(), text.end(), nullptr, /*allow_exceptions=*/false);
   if (!object.is_object()) return absl::InvalidArgumentError("must hold a JSON object (transformers' rope_scaling)");
@@ -209,22 +226,12 @@ absl::StatusOr<SafetensorsLayer> ParseSafetensorsLayer(absl::string_view bytes, 
   if (bytes.size() < 8) return Bad(origin, "shorter than the 8-byte header length");
   uint64_t header_len;
   std::memcpy(&header_len, bytes.data(), 8);
-  if (header_len > kMaxHeaderBytes || header_len > bytes.size() - 8) {
+  if (header_len > kMaxSafetensorsHeaderBytes || header_len > bytes.size() - 8) {
     return Bad(origin, absl::StrCat("header length ", header_len, " exceeds the file (", bytes.size(), " bytes)"));
   }
-  const absl::string_view header_text = bytes.substr(8, header_len);
-  const HeaderExtent extent = Extent(header_text);
-  if (extent.depth > kMaxHeaderDepth) {
-    return Bad(origin, absl::StrCat("header nests JSON arrays or objects more than ", kMaxHeaderDepth,
-                                    " deep; a layer header needs 3"));
-  }
-  if (extent.values > kMaxHeaderValues) {
-    return Bad(origin, absl::StrCat("header holds more than ", kMaxHeaderValues,
-                                    " JSON values; a layer header needs about 100"));
-  }
-  const nlohmann::json header =
-      nlohmann::json::parse(header_text.begin(), header_text.end(), nullptr, /*allow_exceptions=*/false);
-  if (!header.is_object()) return Bad(origin, "header is not a JSON object");
+  absl::StatusOr<nlohmann::json> parsed = ParseSafetensorsHeader(bytes.substr(8, header_len), origin);
+  if (!parsed.ok()) return parsed.status();
+  const nlohmann::json& header = *parsed;
   const absl::string_view body = bytes.substr(8 + header_len);
 
   SafetensorsLayer layer;
@@ -252,13 +259,8 @@ absl::StatusOr<SafetensorsLayer> ParseSafetensorsLayer(absl::string_view bytes, 
                                                                                           : w->mutable_b_o();
     }
     const std::string dtype = entry["dtype"].get<std::string>();
-    if (dtype == "F32") {
-      tensor->set_dtype(v1::FP32);
-    } else if (dtype == "F16") {
-      tensor->set_dtype(v1::FP16);
-    } else if (dtype == "BF16") {
-      tensor->set_dtype(v1::BF16);
-    } else {
+    tensor->set_dtype(SafetensorsDtype(dtype));
+    if (tensor->dtype() == v1::DATA_TYPE_UNSPECIFIED) {
       return Bad(origin, absl::StrCat("tensor '", name, "' has dtype ", dtype, "; expected F32, F16 or BF16"));
     }
     for (const auto& dim : entry["shape"]) {

@@ -11,10 +11,12 @@
 #ifndef MHA_PROTO_SAFETENSORS_H_
 #define MHA_PROTO_SAFETENSORS_H_
 
+#include <cstdint>
 #include <string>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "nlohmann/json_fwd.hpp"
 #include "proto/mha/v1/attention.pb.h"
 
 namespace mha {
@@ -32,6 +34,17 @@ absl::StatusOr<SafetensorsLayer> ReadSafetensorsLayer(const std::string& path);
 
 // The same from the file's bytes; `origin` names the source in error messages.
 absl::StatusOr<SafetensorsLayer> ParseSafetensorsLayer(absl::string_view bytes, absl::string_view origin);
+
+// A header larger than this is not a safetensors file's (safetensors itself caps it at 100 MB).
+inline constexpr uint64_t kMaxSafetensorsHeaderBytes = 100 << 20;
+
+// A safetensors header (the JSON between the length and the data) parsed, once its nesting and count of values are
+// found within bounds that keep the parser's memory to a few MB beyond the text: INVALID_ARGUMENT (prefixed
+// "safetensors <origin>: ") for a header past them or one that is not a JSON object.
+absl::StatusOr<nlohmann::json> ParseSafetensorsHeader(absl::string_view text, absl::string_view origin);
+
+// A tensor dtype of the format as the wire's: F32, F16, BF16; DATA_TYPE_UNSPECIFIED for any other.
+v1::DataType SafetensorsDtype(absl::string_view name);
 
 // transformers' rope_scaling (config.json's object, or transformers 5's rope_parameters) as JSON text, into *out:
 // its keys by their names, "type" as an old name of rope_type; rope_theta and partial_rotary_factor (HeadConfig's own
