@@ -9,6 +9,13 @@ LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_fr
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "rope_theta": 10000.0}
 
 
+def attention_modules(model):
+    """Each decoder layer's attention module, in layer order (LLaMA-likes' self_attn, GPT-2's attn, NeoX's
+    attention)."""
+    return [m for name, m in model.named_modules() if name.endswith((".self_attn", ".attn", ".attention"))
+            and not name.endswith(".attention.attention")]
+
+
 def configs(spread=0.02):
     """model_type -> (config, save_pretrained's extra arguments); `spread`: the weights' initializer_range (a wide
     one keeps greedy decoding of random weights from repeating one token)."""

@@ -15,7 +15,7 @@ import transformers
 from transformers.cache_utils import Cache, DynamicLayer
 
 import mhaclient_transformers  # on the path through conftest.py
-from model_configs import configs
+from model_configs import attention_modules, configs
 
 PROMPT = [[5, 17, 42, 8, 33, 61, 2, 90, 14, 27, 3, 71]]
 NEW_TOKENS = 24
@@ -107,10 +107,6 @@ class _Counter(DynamicLayer):
 
     def get_mask_sizes(self, query_length):
         return self.length + query_length, 0
-
-
-def attention_modules(model):
-    return [m for name, m in model.named_modules() if name.endswith((".self_attn", ".attn", ".attention"))]
 
 
 @pytest.mark.parametrize("model_type", sorted(configs()))
