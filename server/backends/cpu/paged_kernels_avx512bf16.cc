@@ -50,11 +50,14 @@ struct Fp8 {
 
 // 32 elements as bf16 words (the first `mask` of them; the rest zero).
 inline __m512i Words32(const uint16_t* p, __mmask32 mask) { return _mm512_maskz_loadu_epi16(mask, p); }
+// Sign-extended to 16 bits and shifted, a code's sign lands in bf16's sign and the bits above its exponent, which
+// one mask clears: three instructions per 32 codes.
 template <bool kE4m3>
 inline __m512i Words32(const Fp8<kE4m3>* p, __mmask32 mask) {
-  const __m512i x = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(_mm512_maskz_loadu_epi8(mask, p)));
-  const __m512i sign = _mm512_slli_epi16(_mm512_and_si512(x, _mm512_set1_epi16(0x80)), 8);
-  return _mm512_or_si512(sign, _mm512_slli_epi16(_mm512_and_si512(x, _mm512_set1_epi16(0x7f)), kE4m3 ? 4 : 5));
+  const __m256i codes = mask == 0xffffffffu ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
+                                            : _mm512_castsi512_si256(_mm512_maskz_loadu_epi8(mask, p));
+  const __m512i x = _mm512_slli_epi16(_mm512_cvtepi8_epi16(codes), kE4m3 ? 4 : 5);
+  return _mm512_and_si512(x, _mm512_set1_epi16(static_cast<int16_t>(kE4m3 ? 0x87f0 : 0x8fe0)));
 }
 
 // Two rows of 32 elements (the first `mask` of each; `b` null: zero) interleaved into 16 bf16 pairs each.

@@ -42,16 +42,17 @@ template <typename E, typename = decltype(HalfBits(E{}))>
 inline Isa::V LoadElements(const E* p) {
   [[maybe_unused]] constexpr bool kE4m3 = WidenedFactor(E{}) != 1.0f;
 #if defined(__AVX512F__)
-  const __m256i x = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  const __m256i bits = kE4m3 ? _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x80)), 8),
-                                               _mm256_slli_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x7f)), 7))
-                             : _mm256_slli_epi16(x, 8);
+  // E4M3: sign-extended and shifted, the sign lands in fp16's sign and bit 14, which the mask clears.
+  const __m128i codes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m256i bits = kE4m3 ? _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(codes), 7),
+                                                _mm256_set1_epi16(static_cast<int16_t>(0xbf80)))
+                             : _mm256_slli_epi16(_mm256_cvtepu8_epi16(codes), 8);
   return _mm512_cvtph_ps(bits);
 #elif defined(__AVX2__)
-  const __m128i x = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  const __m128i bits = kE4m3 ? _mm_or_si128(_mm_slli_epi16(_mm_and_si128(x, _mm_set1_epi16(0x80)), 8),
-                                            _mm_slli_epi16(_mm_and_si128(x, _mm_set1_epi16(0x7f)), 7))
-                             : _mm_slli_epi16(x, 8);
+  const __m128i codes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  const __m128i bits = kE4m3 ? _mm_and_si128(_mm_slli_epi16(_mm_cvtepi8_epi16(codes), 7),
+                                             _mm_set1_epi16(static_cast<int16_t>(0xbf80)))
+                             : _mm_unpacklo_epi8(_mm_setzero_si128(), codes);
   return _mm256_cvtph_ps(bits);
 #else
   uint16_t halves[Isa::kLanes];
@@ -101,6 +102,46 @@ inline Isa::V LoadElementsPartial(const E* p, int n) {
 #include "server/backends/cpu/paged_kernels_common.h"  // Ahead, WithRows
 #include "server/backends/cpu/paged_kernels_int8.h"    // Int8Scores, Int8Values, ScaleOf
 
+// Paired bf16 (AVX2): 2 kLanes bf16 elements loaded as one vector of pairs, split into their even elements (each
+// pair's low word shifted up) and odd ones (the high word masked): two instructions per 2 kLanes elements where
+// widening each half takes four, which on AVX2 share the ports with the FMAs that bound the 16-bit decode. The
+// kernels below compute in that order (even, odd) and put results back in memory order once per register block.
+template <typename E>
+inline constexpr bool kPaired = false;
+#if defined(__AVX2__) && !defined(__AVX512F__)
+template <>
+inline constexpr bool kPaired<Bf16> = true;
+inline void LoadPaired(const Bf16* p, Isa::V* even, Isa::V* odd) {
+  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  *even = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
+  *odd = _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+}
+// (even, odd) of 16 elements to (elements 0..7, 8..15), and back.
+inline void ToMemoryOrder(Isa::V* a, Isa::V* b) {
+  const __m256 lo = _mm256_unpacklo_ps(*a, *b), hi = _mm256_unpackhi_ps(*a, *b);  // 0-3 8-11, 4-7 12-15
+  *a = _mm256_permute2f128_ps(lo, hi, 0x20);
+  *b = _mm256_permute2f128_ps(lo, hi, 0x31);
+}
+inline void ToPairedOrder(Isa::V* a, Isa::V* b) {
+  const __m256 even = _mm256_shuffle_ps(*a, *b, 0x88), odd = _mm256_shuffle_ps(*a, *b, 0xdd);  // 0 2 8 10 4 6 12 14
+  *a = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(even), 0xd8));
+  *b = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(odd), 0xd8));
+}
+#else
+inline void ToMemoryOrder(Isa::V*, Isa::V*) {}
+inline void ToPairedOrder(Isa::V*, Isa::V*) {}
+#endif
+
+// kVectors vectors of elements from p: in memory order, or in kPaired<E>'s pairs (kVectors even).
+template <typename E, int kVectors>
+inline void LoadVectors(const E* p, Isa::V* b) {
+  if constexpr (kPaired<E> && kVectors % 2 == 0) {
+    MHA_UNROLL for (int v = 0; v < kVectors; v += 2) LoadPaired(p + v * Isa::kLanes, &b[v], &b[v + 1]);
+  } else {
+    MHA_UNROLL for (int v = 0; v < kVectors; ++v) b[v] = LoadElements(p + v * Isa::kLanes);
+  }
+}
+
 // kRows rows of scores for kVectors vectors of keys, the whole depth in registers; depths c with c % kSets apart in
 // kSets sets of accumulators (more independent FMA chains when the block is small: 16 on AVX-512 cover the FMA
 // latency of both ports).
@@ -119,7 +160,7 @@ inline void PagedScoreBlock(int64_t depth, const float* q, int64_t ldq, const E*
     ahead.Step();
     MHA_UNROLL for (int h = 0; h < kSets; ++h) {
       V b[kVectors];
-      MHA_UNROLL for (int v = 0; v < kVectors; ++v) b[v] = LoadElements(kt + (c + h) * ldk + v * Isa::kLanes);
+      LoadVectors<E, kVectors>(kt + (c + h) * ldk, b);
       MHA_UNROLL for (int r = 0; r < kRows; ++r) {
         const V a = Isa::Broadcast(q + r * ldq + c + h);
         MHA_UNROLL for (int v = 0; v < kVectors; ++v) acc[h][r][v] = Isa::Fma(a, b[v], acc[h][r][v]);
@@ -128,18 +169,22 @@ inline void PagedScoreBlock(int64_t depth, const float* q, int64_t ldq, const E*
   }
   for (; c < depth; ++c) {  // an odd depth's last row
     V b[kVectors];
-    MHA_UNROLL for (int v = 0; v < kVectors; ++v) b[v] = LoadElements(kt + c * ldk + v * Isa::kLanes);
+    LoadVectors<E, kVectors>(kt + c * ldk, b);
     MHA_UNROLL for (int r = 0; r < kRows; ++r) {
       const V a = Isa::Broadcast(q + r * ldq + c);
       MHA_UNROLL for (int v = 0; v < kVectors; ++v) acc[0][r][v] = Isa::Fma(a, b[v], acc[0][r][v]);
     }
   }
   MHA_UNROLL for (int r = 0; r < kRows; ++r) {
+    V sums[kVectors];
     MHA_UNROLL for (int v = 0; v < kVectors; ++v) {
-      V sum = acc[0][r][v];
-      MHA_UNROLL for (int h = 1; h < kSets; ++h) sum = Isa::Add(sum, acc[h][r][v]);
-      Isa::Store(s + r * lds + v * Isa::kLanes, sum);
+      sums[v] = acc[0][r][v];
+      MHA_UNROLL for (int h = 1; h < kSets; ++h) sums[v] = Isa::Add(sums[v], acc[h][r][v]);
     }
+    if constexpr (kPaired<E> && kVectors % 2 == 0) {
+      MHA_UNROLL for (int v = 0; v < kVectors; v += 2) ToMemoryOrder(&sums[v], &sums[v + 1]);
+    }
+    MHA_UNROLL for (int v = 0; v < kVectors; ++v) Isa::Store(s + r * lds + v * Isa::kLanes, sums[v]);
   }
 }
 
@@ -205,8 +250,9 @@ struct ValueParts {
 };
 
 // kRows rows of kVectors vectors of o (the last holding last_lanes columns), rescaled by o_scale, plus p V over
-// every part: the accumulators stay in registers from the first part's first key to the last part's last.
-template <typename E, int kRows, int kVectors, bool kMulti>
+// every part: the accumulators stay in registers from the first part's first key to the last part's last. kPairs:
+// the columns in kPaired<E>'s order in between (whole vectors only).
+template <typename E, int kRows, int kVectors, bool kMulti, bool kPairs = false>
 inline void PagedValueBlock(const ValueParts<E>& v, int64_t width, const float* p, int64_t ldp, const float* o_scale,
                             float* o, int64_t ldo, int last_lanes, Ahead& ahead) {
   using V = Isa::V;
@@ -218,15 +264,22 @@ inline void PagedValueBlock(const ValueParts<E>& v, int64_t width, const float* 
       const bool partial = x == kVectors - 1 && last_lanes < Isa::kLanes;
       acc[r][x] = Isa::Mul(factor, partial ? Isa::LoadPartial(old, last_lanes, 0.0f) : Isa::Load(old));
     }
+    if constexpr (kPairs) {
+      MHA_UNROLL for (int x = 0; x < kVectors; x += 2) ToPairedOrder(&acc[r][x], &acc[r][x + 1]);
+    }
   }
   const auto part = [&](const E* rows, const float* pp, int64_t keys) {
     for (int64_t j = 0; j < keys; ++j) {
       ahead.Step();
       V b[kVectors];
-      MHA_UNROLL for (int x = 0; x < kVectors; ++x) {
-        const E* row = rows + j * width + x * Isa::kLanes;
-        b[x] = x == kVectors - 1 && last_lanes < Isa::kLanes ? LoadElementsPartial(row, last_lanes)
-                                                              : LoadElements(row);
+      if constexpr (kPairs) {
+        LoadVectors<E, kVectors>(rows + j * width, b);
+      } else {
+        MHA_UNROLL for (int x = 0; x < kVectors; ++x) {
+          const E* row = rows + j * width + x * Isa::kLanes;
+          b[x] = x == kVectors - 1 && last_lanes < Isa::kLanes ? LoadElementsPartial(row, last_lanes)
+                                                                : LoadElements(row);
+        }
       }
       MHA_UNROLL for (int r = 0; r < kRows; ++r) {
         const V a = Isa::Broadcast(pp + r * ldp + j);
@@ -241,6 +294,9 @@ inline void PagedValueBlock(const ValueParts<E>& v, int64_t width, const float* 
     part(v.Part(0), p, v.Keys(0));
   }
   MHA_UNROLL for (int r = 0; r < kRows; ++r) {
+    if constexpr (kPairs) {
+      MHA_UNROLL for (int x = 0; x < kVectors; x += 2) ToMemoryOrder(&acc[r][x], &acc[r][x + 1]);
+    }
     MHA_UNROLL for (int x = 0; x < kVectors; ++x) {
       if (x == kVectors - 1 && last_lanes < Isa::kLanes) {
         Isa::StorePartial(o + r * ldo + x * Isa::kLanes, acc[r][x], last_lanes);
@@ -262,11 +318,18 @@ inline void PagedValuePanel(int64_t vectors, int64_t rows, const ValueParts<E>& 
       return;
     }
   }
+  const bool pairs = kPaired<E> && kVectors % 2 == 0 && last_lanes == Isa::kLanes;
   for (int64_t i = 0; i < rows; i += kRows) {
     WithRows<kRows>(rows - i < kRows ? rows - i : kRows, [&](auto height) {
-      PagedValueBlock<E, decltype(height)::kValue, kVectors, kMulti>(v, width, p + i * ldp, ldp,
-                                                             o_scale == nullptr ? nullptr : o_scale + i, o + i * ldo,
-                                                             ldo, last_lanes, ahead);
+      constexpr int kHeight = decltype(height)::kValue;
+      const float* factor = o_scale == nullptr ? nullptr : o_scale + i;
+      if (pairs) {
+        PagedValueBlock<E, kHeight, kVectors, kMulti, kPaired<E> && kVectors % 2 == 0>(
+            v, width, p + i * ldp, ldp, factor, o + i * ldo, ldo, last_lanes, ahead);
+      } else {
+        PagedValueBlock<E, kHeight, kVectors, kMulti>(v, width, p + i * ldp, ldp, factor, o + i * ldo, ldo,
+                                                      last_lanes, ahead);
+      }
     });
   }
 }

@@ -14,7 +14,7 @@ struct Isa {
   static constexpr int kValueRows = 6, kValueVectors = 2;
   // The sessions' decode kernels (paged_kernels_impl.h): 8 accumulators of scores (4 rows of 16 keys), 8 of values
   // (4 rows of 16 columns).
-  static constexpr int kPagedVectors = 2, kPagedMaxVectors = 4, kPagedAccumulators = 8;
+  static constexpr int kPagedVectors = 2, kPagedMaxVectors = 2, kPagedAccumulators = 8;
   static constexpr int kPagedValueRows = 4, kPagedValueVectors = 2;
   // A prefill tile's (many rows): the tile kernels' 12 accumulators, each loaded vector serving 6 rows.
   static constexpr int kPrefillScoreRows = 6, kPrefillScoreVectors = 2;
