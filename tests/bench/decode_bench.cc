@@ -85,7 +85,9 @@ class DecodeCase {
   // computed: what decode reads is the same either way).
   void Prepare(CpuBackend* backend, bool warm) {
     backend_ = backend;
-    copies_ = static_cast<int>(std::max<int64_t>(1, (2 * LastLevelCacheBytes() + BytesPerCall() - 1) / BytesPerCall()));
+    // Twice the caches a call could hit in, at least 64 MiB (two vCPUs may sit on two CCXs' L3s).
+    const int64_t evict = 2 * std::max<int64_t>(LastLevelCacheBytes(), int64_t{32} << 20);
+    copies_ = static_cast<int>(std::max<int64_t>(1, (evict + BytesPerCall() - 1) / BytesPerCall()));
     if (warm) copies_ = 1;
     SessionStoreOptions options;
     options.capacity_bytes = (copies_ * BytesPerCall() * 11 / 10) + (int64_t{64} << 20);
@@ -416,7 +418,8 @@ std::vector<DecodeCase> DecodeCases() {
 // The roofline's compute side, one per cache dtype the run decodes: one session of about 16 MiB (2048 to 8192
 // tokens), the same one every call, so that it stays in a 32 MiB L3 and its rate is what the kernels compute when
 // memory is not what waits. (At 2048 tokens the 8-bit calls are short enough, 0.2 ms, that their rate scatters by
-// 1.7x between calls.)
+// 1.7x between calls; a smaller session's call is as much the thread pool's as the kernels'. Where the last-level
+// cache is smaller, PrintRoofline says so.)
 std::vector<DecodeCase> CeilingCases(const std::vector<DecodeCase>& decodes, const std::vector<bool>& wanted) {
   std::vector<DecodeCase> ceilings;
   ceilings.reserve(8);
@@ -490,11 +493,18 @@ void PrintRoofline(const Stats& p, const PeakResult& peak, const std::vector<Dec
                    const std::vector<std::vector<double>>& rates, const std::vector<DecodeCase>& ceilings,
                    const std::vector<std::vector<double>>& ceiling_rates) {
   std::printf("%-10s %8s %12s %11s %8s %8s\n", "ceiling", "KV MiB", "GB/s best", "GB/s med", "GMAC/s", "%FMA");
+  bool larger = false;
   for (size_t c = 0; c < ceilings.size(); ++c) {
     const Stats s = Of(ceiling_rates[c], true);
     const double gmacs = s.median * ceilings[c].MacsPerCall() / ceilings[c].BytesPerCall();
     std::printf("%-10s %8.1f %12.1f %11.1f %8.0f %7.0f%%\n", DTypeName(ceilings[c].dtype()).c_str(),
                 ceilings[c].BytesPerCall() / 1048576.0, s.best, s.median, gmacs, 100 * 2 * gmacs / peak.gflops);
+    larger = larger || ceilings[c].BytesPerCall() > LastLevelCacheBytes();
+  }
+  if (larger) {
+    std::printf("(the ceilings' sessions exceed the %lld MiB last-level cache: they read from memory, so each is a "
+                "lower bound on its kernels' rate)\n",
+                static_cast<long long>(LastLevelCacheBytes() >> 20));
   }
   std::printf("%-24s %12s %8s %10s %11s %10s\n", "decode against roofline", "tokens/s md", "x bf16", "roof GB/s",
               "bound by", "%roof md");

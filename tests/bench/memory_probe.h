@@ -9,7 +9,8 @@
 
 namespace mha::bench {
 
-// The last-level cache's bytes (sysconf), at least 32 MiB when the system does not say.
+// The last-level cache one core reads from (sysfs: a Zen CCX's L3, not the package's total), else sysconf's, at
+// least 32 MiB when neither says.
 int64_t LastLevelCacheBytes();
 
 struct BandwidthResult {
