@@ -70,7 +70,10 @@ int64_t SysfsLastLevelCacheBytes() {
     if (!(level_file >> level) || !(size_file >> size)) continue;
     size_file >> unit;
     const int64_t scaled = unit == 'K' ? size << 10 : unit == 'M' ? size << 20 : size;
-    if (level > best_level) best_level = level, bytes = scaled;
+    if (level > best_level) {
+      best_level = level;
+      bytes = scaled;
+    }
   }
   return bytes;
 }
