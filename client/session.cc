@@ -24,6 +24,11 @@ absl::StatusOr<Session> Session::Create(AttentionClient* client, const v1::Creat
 
 absl::StatusOr<Session> Session::CreateRecovering(AttentionClient* client, const v1::CreateSessionRequest& request,
                                                   const RecoveryOptions& recovery) {
+  if (request.prefix_keys_size() > 0) {
+    return absl::InvalidArgumentError(
+        "prefix_keys: a recording session keeps what this client sends, and tokens attached from the prefix cache are "
+        "never sent, so it could not be rebuilt; record or attach, not both");
+  }
   absl::StatusOr<Session> session = Create(client, request);
   if (!session.ok()) return session;
   v1::CreateSessionRequest named = request;

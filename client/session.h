@@ -47,6 +47,7 @@ class Session {
   static absl::StatusOr<Session> Create(AttentionClient* client, const v1::CreateSessionRequest& request);
   // The same, recording: Extend, Fork and Truncate recover the session when it is lost, as `recovery` says. The
   // record keeps the id the server answered with (choose one in `request` when a proxy routes by it).
+  // INVALID_ARGUMENT for a request with prefix_keys: attached tokens are never sent, so no record could rebuild them.
   static absl::StatusOr<Session> CreateRecovering(AttentionClient* client, const v1::CreateSessionRequest& request,
                                                   const RecoveryOptions& recovery = {});
 

@@ -298,6 +298,15 @@ void Feed(Session& session, const std::vector<std::vector<Array>>& tokens, size_
   }
 }
 
+// Tokens attached from the prefix cache are never sent, so no record could rebuild them.
+TEST_F(AttentionClientTest, ARecordingSessionRefusesPrefixKeys) {
+  v1::CreateSessionRequest request = RecoveryTestSession("attached");
+  request.add_prefix_keys("k0");
+  const absl::StatusOr<Session> session = Session::CreateRecovering(client_.get(), request);
+  EXPECT_EQ(session.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(session.status().message(), ::testing::HasSubstr("prefix_keys"));
+}
+
 TEST_F(AttentionClientTest, ARecordingSessionClosedBehindItsBackIsRebuiltWithItsForkAndTruncation) {
   std::vector<std::vector<Array>> tokens = {HeadTokens(12, 1)};
   for (uint32_t step = 0; step < 6; ++step) tokens.push_back(HeadTokens(1, 10 + 3 * step));

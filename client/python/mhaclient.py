@@ -168,6 +168,28 @@ _DTYPE_NAMES = {"fp32": 1, "float32": 1, "fp16": 2, "float16": 2, "half": 2, "bf
 _CACHE_DTYPE_NAMES = {"int8": 4, "fp8_e4m3": 5, "fp8_e5m2": 6}
 
 
+def prefix_keys(token_ids, block_tokens, extra=b""):
+    """Shared-prefix keys (CreateSessionRequest.prefix_keys) of the full blocks of `token_ids`: key i =
+    SHA-256(key i-1 (none for block 0) | len(extra) as 8 bytes little-endian | extra | block i's ids as 8-byte
+    little-endian integers), 32 bytes each, as the C++ client's mha::PrefixKeys. block_tokens: the server's
+    kv_block_tokens (MhaClient.server_info()["limits"]["kv_block_tokens"]). extra (bytes or str): what else the
+    blocks depend on (the model, a LoRA adapter)."""
+    import hashlib
+    import struct
+
+    if int(block_tokens) < 1:
+        raise ValueError("block_tokens must be >= 1, got %r" % block_tokens)
+    extra = extra.encode() if isinstance(extra, str) else bytes(extra)
+    ids = [int(t) for t in token_ids]
+    keys, parent = [], b""
+    for b in range(len(ids) // int(block_tokens)):
+        block = ids[b * int(block_tokens):(b + 1) * int(block_tokens)]
+        message = parent + struct.pack("<Q", len(extra)) + extra + struct.pack("<%dq" % len(block), *block)
+        parent = hashlib.sha256(message).digest()
+        keys.append(parent)
+    return keys
+
+
 def _cache_dtype_enum(dtype):
     """A cache_dtype: what _dtype_enum takes, or 'int8' / 'fp8_e4m3' / 'fp8_e5m2' (4..6), which only a cache stores."""
     if isinstance(dtype, str) and dtype.lower() in _CACHE_DTYPE_NAMES:
@@ -643,7 +665,8 @@ class MhaClient:
 
     def create_session(self, layers=None, num_heads=0, num_kv_heads=0, head_dim=0, scale=0.0, rope_theta=0.0,
                        rope_dim=0, rope_interleaved=False, num_layers=0, cache_dtype=None, max_tokens=0,
-                       idle_timeout_s=0, session_id="", recover=False, rope_scaling=None, layer_heads=None):
+                       idle_timeout_s=0, session_id="", recover=False, rope_scaling=None, layer_heads=None,
+                       prefix_keys=None, cache_salt=""):
         """CreateSession: a KV cache the server keeps. layers: names of registered layers (a layer session: x in,
         the layer's output out, one cache per layer); otherwise a head session of num_heads / num_kv_heads /
         head_dim (q, k, v in, the heads out) with num_layers caches (0 = 1). cache_dtype: None ('fp32'), 'fp16',
@@ -654,10 +677,17 @@ class MhaClient:
         default), for models whose scale or RoPE differs by layer.
         max_tokens 0 / idle_timeout_s 0: the server's defaults. session_id "": the server picks one.
         recover: True (or a Recovery) records what the session is fed and rebuilds it when it is lost (see
-        Recovery); choose session_id when a proxy routes by it. Returns a Session."""
+        Recovery); choose session_id when a proxy routes by it. prefix_keys (the module's prefix_keys of the
+        prompt's token ids) attaches the blocks the server holds under them: the Session's attached_tokens says how
+        many tokens, and the caller extends from there; the blocks it fills become findable under the rest.
+        cache_salt: part of the keys' scope. Returns a Session."""
+        if recover and prefix_keys:
+            raise ValueError("recover records what this client sends, and attached prefix tokens are never sent: "
+                             "use one or the other")
         req = self._pb.CreateSessionRequest(session_id=session_id, num_layers=int(num_layers),
                                             cache_dtype=_cache_dtype_enum(cache_dtype), max_tokens=int(max_tokens),
-                                            idle_timeout_s=int(idle_timeout_s))
+                                            idle_timeout_s=int(idle_timeout_s), cache_salt=cache_salt)
+        req.prefix_keys.extend([bytes(k) for k in prefix_keys or []])
         if layers:
             req.layers.extend(list(layers))
         else:
@@ -687,8 +717,9 @@ class MhaClient:
         {"session": ..., "q": [n, H, d_k], "k": [n, Hkv, d_k], "v": [n, Hkv, d_k]} for a head session, optionally
         "expected_length" (the cache's length before the call, checked) and "append": False (the tokens attend to
         the cache without joining it; k and v may then be left out of a head session's item: a shard of a context
-        spread over sessions, merged with merge_attention). return_lse, return_head_stats, return_row_stats,
-        sink_tokens: softmax statistics per item (lse [H, n], head_stats {field: [H]}, row_stats {field: [H, n]}).
+        spread over sessions, merged with merge_attention), "prefix_keys" (ExtendItem.prefix_keys). return_lse,
+        return_head_stats, return_row_stats, sink_tokens: softmax statistics per item (lse [H, n], head_stats
+        {field: [H]}, row_stats {field: [H, n]}).
         Returns a list of ExtendResult in order.
 
         Items of recording sessions (create_session(recover=...)) join their records when the call succeeds; when it
@@ -709,6 +740,7 @@ class MhaClient:
                 item.expected_length = int(entry["expected_length"])
             if entry.get("append") is not None:
                 item.append = bool(entry["append"])
+            item.prefix_keys.extend([bytes(k) for k in entry.get("prefix_keys") or []])
             sessions.append(session if isinstance(session, Session) else None)
         recording = [session for session in sessions if session is not None and session._record is not None]
 
@@ -1116,6 +1148,7 @@ class Session(_ClosedOnExit):
         self.id = info.session_id
         self.info = _to_dict(info)
         self._lengths = [int(n) for n in info.lengths]
+        self.attached_tokens = int(info.attached_tokens)  # from the shared-prefix cache at creation
         self._record = record
         self._recovery = recovery
         self.recoveries = 0
@@ -1131,10 +1164,11 @@ class Session(_ClosedOnExit):
 
     def extend(self, layer_index=0, x=None, q=None, k=None, v=None, expected_length=None, return_weights=False,
                output_dtype="fp32", backend="auto", wire_dtype=None, append=None, return_lse=False,
-               return_head_stats=False, return_row_stats=False, sink_tokens=0, check_length=True):
+               return_head_stats=False, return_row_stats=False, sink_tokens=0, check_length=True, prefix_keys=None):
         """Appends tokens to cache `layer_index` and attends: x [n, d_model] for a layer session, q, k, v for a head
         session. append=False: the tokens attend to the cache without joining it (k, v may be None). The
-        statistics' options as in MhaClient.extend. Returns ExtendResult.
+        statistics' options as in MhaClient.extend. prefix_keys: the keys of the blocks the tokens land in, from
+        block length // kv_block_tokens on (ExtendItem.prefix_keys). Returns ExtendResult.
 
         expected_length (the cache's length before the call, checked by the server) defaults to the length this
         handle last saw, so that a step retried after an error that hid its commit (DEADLINE_EXCEEDED can) fails
@@ -1142,7 +1176,7 @@ class Session(_ClosedOnExit):
         if expected_length is None and check_length and 0 <= int(layer_index) < len(self._lengths):
             expected_length = self._lengths[int(layer_index)]
         item = {"session": self, "x": x, "q": q, "k": k, "v": v, "expected_length": expected_length,
-                "append": append}
+                "append": append, "prefix_keys": prefix_keys}
         return self._client.extend([item], layer_index, return_weights, output_dtype, backend, wire_dtype,
                                    return_lse, return_head_stats, return_row_stats, sink_tokens)[0]
 

@@ -26,6 +26,10 @@ absl::Status CheckSessionOptions(const ServerOptions& o) {
     return absl::InvalidArgumentError(
         absl::StrCat("--kv_cache_memory must be auto, host or cuda, got '", o.kv_cache_memory, "'"));
   }
+  if (o.prefix_cache_scope != "token" && o.prefix_cache_scope != "server") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--prefix_cache_scope must be token or server, got '", o.prefix_cache_scope, "'"));
+  }
   RETURN_IF_ERROR(in("max_sessions", o.max_sessions, 1, 1 << 20));
   RETURN_IF_ERROR(in("max_sessions_per_token", o.max_sessions_per_token, 0, o.max_sessions));
   RETURN_IF_ERROR(in("kv_cache_mb_per_token", o.kv_cache_mb_per_token, 0, o.kv_cache_mb));
@@ -132,6 +136,7 @@ SessionStoreOptions SessionOptionsOf(const ServerOptions& o) {
   s.max_idle_timeout = absl::Seconds(o.max_session_idle_s);
   s.max_waiting = o.max_queue_size;
   s.max_waiting_bytes = static_cast<int64_t>(o.max_queued_mb) << 20;
+  s.prefix_scope_server = o.prefix_cache_scope == "server";
   return s;
 }
 

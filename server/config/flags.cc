@@ -107,6 +107,9 @@ ABSL_FLAG(int, max_session_tokens, kDefaults.max_session_tokens,
           "tokens per session cache at most (a session's max_tokens default and limit)");
 ABSL_FLAG(int, session_idle_s, kDefaults.session_idle_s,
           "a session's idle timeout when it asks for none, s; idle sessions expire");
+ABSL_FLAG(std::string, prefix_cache_scope, kDefaults.prefix_cache_scope,
+          "who finds the blocks a session published under prefix keys: token (sessions of the same token and "
+          "cache_salt) or server (every caller with the same cache_salt)");
 ABSL_FLAG(int, max_session_idle_s, kDefaults.max_session_idle_s, "the longest idle timeout a session may ask for, s");
 ABSL_FLAG(std::string, log_level, kDefaults.log_level, "trace, debug, info, warn, error, critical or off");
 
@@ -162,6 +165,7 @@ ServerOptions ServerOptionsFromFlags() {
   options.kv_block_tokens = absl::GetFlag(FLAGS_kv_block_tokens);
   options.max_sessions = absl::GetFlag(FLAGS_max_sessions);
   options.max_sessions_per_token = absl::GetFlag(FLAGS_max_sessions_per_token);
+  options.prefix_cache_scope = absl::GetFlag(FLAGS_prefix_cache_scope);
   options.kv_cache_mb_per_token = absl::GetFlag(FLAGS_kv_cache_mb_per_token);
   options.max_session_tokens = absl::GetFlag(FLAGS_max_session_tokens);
   options.session_idle_s = absl::GetFlag(FLAGS_session_idle_s);

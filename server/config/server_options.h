@@ -142,6 +142,9 @@ struct ServerOptions {
   int max_session_tokens = 32768;
   int session_idle_s = 300;
   int max_session_idle_s = 3600;
+  // Who finds the blocks published under prefix keys: "token" (the caller's token and cache_salt) or "server"
+  // (every caller with the same cache_salt).
+  std::string prefix_cache_scope = "token";
   // spdlog level: trace, debug, info, warn, error, critical or off.
   std::string log_level = "info";
 };

@@ -21,6 +21,10 @@ const prometheus::Histogram::BucketBoundaries& LatencyBuckets() {
 
 std::string Str(absl::string_view s) { return std::string(s.data(), s.size()); }
 
+prometheus::Gauge& AddGauge(prometheus::Registry& registry, const std::string& name, const std::string& help) {
+  return prometheus::BuildGauge().Name(name).Help(help).Register(registry).Add({});
+}
+
 }  // namespace
 
 ServerMetrics::ServerMetrics()
@@ -84,8 +88,24 @@ ServerMetrics::ServerMetrics()
                         .Name("mha_extend_items")
                         .Help("Items (sessions) per Extend call")
                         .Register(*registry_)
-                        .Add({}, prometheus::Histogram::BucketBoundaries{1, 2, 4, 8, 16, 32, 64, 128, 256})) {
+                        .Add({}, prometheus::Histogram::BucketBoundaries{1, 2, 4, 8, 16, 32, 64, 128, 256})),
+      prefix_blocks_(AddGauge(*registry_, "mha_prefix_cache_blocks",
+                              "Cache blocks findable by prefix key (CreateSessionRequest.prefix_keys)")),
+      prefix_bytes_(AddGauge(*registry_, "mha_prefix_cache_bytes", "Bytes of the blocks findable by prefix key")),
+      prefix_idle_bytes_(AddGauge(*registry_, "mha_prefix_cache_idle_bytes",
+                                  "Of those, bytes in blocks no session references (evicted first)")),
+      prefix_tokens_(prometheus::BuildCounter()
+                         .Name("mha_prefix_cache_tokens_total")
+                         .Help("Tokens CreateSession asked for by prefix_keys, by result: hit (attached from the "
+                               "cache) or miss (the client prefills them)")
+                         .Register(*registry_)),
+      prefix_evictions_(prometheus::BuildCounter()
+                            .Name("mha_prefix_cache_evictions_total")
+                            .Help("Idle prefix blocks evicted to make room (least recently used first)")
+                            .Register(*registry_)
+                            .Add({})) {
   for (const char* reason : {"idle_timeout", "cache_full", "session_limit"}) evictions_.Add({{"reason", reason}});
+  for (const char* result : {"hit", "miss"}) prefix_tokens_.Add({{"result", result}});
 }
 
 absl::Status ServerMetrics::Serve(const std::string& address) {
@@ -125,6 +145,19 @@ void ServerMetrics::SetSessions(int open, int64_t used_bytes, int64_t capacity_b
   cache_capacity_.Set(static_cast<double>(capacity_bytes));
   cache_shared_.Set(static_cast<double>(shared_blocks));
 }
+
+void ServerMetrics::SetPrefixCache(int64_t blocks, int64_t bytes, int64_t idle_bytes) {
+  prefix_blocks_.Set(static_cast<double>(blocks));
+  prefix_bytes_.Set(static_cast<double>(bytes));
+  prefix_idle_bytes_.Set(static_cast<double>(idle_bytes));
+}
+
+void ServerMetrics::RecordPrefixLookup(int64_t hit_tokens, int64_t miss_tokens) {
+  prefix_tokens_.Add({{"result", "hit"}}).Increment(static_cast<double>(hit_tokens));
+  prefix_tokens_.Add({{"result", "miss"}}).Increment(static_cast<double>(miss_tokens));
+}
+
+void ServerMetrics::RecordPrefixEviction() { prefix_evictions_.Increment(); }
 
 void ServerMetrics::RecordTokensAppended(int64_t tokens) { tokens_appended_.Increment(static_cast<double>(tokens)); }
 

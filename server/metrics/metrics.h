@@ -54,6 +54,11 @@ class ServerMetrics {
   // A session the server ended: `reason` is "idle_timeout", "cache_full", "session_limit" or "shutdown".
   void RecordEviction(absl::string_view reason);
   void RecordExtendItems(int items);
+  // The prefix index after a change; a CreateSession's prefix_keys found (hit) and not (miss), in tokens; an idle
+  // prefix block evicted.
+  void SetPrefixCache(int64_t blocks, int64_t bytes, int64_t idle_bytes);
+  void RecordPrefixLookup(int64_t hit_tokens, int64_t miss_tokens);
+  void RecordPrefixEviction();
 
   // The current metrics in Prometheus' text format (what /metrics serves).
   std::string Text() const;
@@ -73,6 +78,11 @@ class ServerMetrics {
   prometheus::Counter& tokens_appended_;
   prometheus::Family<prometheus::Counter>& evictions_;
   prometheus::Histogram& extend_items_;
+  prometheus::Gauge& prefix_blocks_;
+  prometheus::Gauge& prefix_bytes_;
+  prometheus::Gauge& prefix_idle_bytes_;
+  prometheus::Family<prometheus::Counter>& prefix_tokens_;
+  prometheus::Counter& prefix_evictions_;
   std::unique_ptr<prometheus::Exposer> exposer_;
   int port_ = 0;
 };

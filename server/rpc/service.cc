@@ -128,6 +128,14 @@ grpc::ServerUnaryReactor* AttentionService::GetServerInfo(grpc::CallbackServerCo
         limits->set_max_session_tokens(sessions.max_tokens);
         limits->set_session_idle_s(static_cast<int32_t>(absl::ToInt64Seconds(sessions.idle_timeout)));
         limits->set_max_session_idle_s(static_cast<int32_t>(absl::ToInt64Seconds(sessions.max_idle_timeout)));
+        // Totals only: they say nothing of which keys any scope holds.
+        const SessionStore::Activity now = parts_.sessions->activity();
+        v1::KvCacheUsage* usage = response->mutable_kv_cache();
+        usage->set_sessions(now.open);
+        usage->set_used_bytes(now.cache_bytes);
+        usage->set_prefix_blocks(now.prefix_blocks);
+        usage->set_prefix_bytes(now.prefix_bytes);
+        usage->set_prefix_idle_bytes(now.prefix_idle_bytes);
         return absl::OkStatus();
       });
 }

@@ -50,6 +50,7 @@ char* SessionStore::AllocateEvicting(int64_t bytes, const std::string& owner) {
         owners_[owner].bytes += bytes;
         return block;
       }
+      if (EvictIdlePrefix()) continue;  // blocks only the prefix index holds go before any session
       // The bytes are there, in chunks of other sizes: merge chunks, or else empty the one that costs fewest
       // sessions, rather than evict by age until some chunk happens to empty.
       if (!rearranged) {
@@ -144,6 +145,7 @@ bool SessionStore::Compact(int64_t bytes) {
 
 bool SessionStore::FitTables(int64_t bytes, const std::string& owner) {
   while (PastByteCap(owner, bytes) || pool_.used_bytes() + table_bytes_ + bytes > pool_capacity_) {
+    if (!PastByteCap(owner, bytes) && EvictIdlePrefix()) continue;
     if (!EvictFor(owner, bytes)) return false;
   }
   return true;
@@ -222,6 +224,8 @@ int64_t SessionStore::TableBytes(const std::string& key, const Session& s) {
   bytes += static_cast<int64_t>(s.caches.capacity() * sizeof(Cache));
   for (const Cache& cache : s.caches) bytes += static_cast<int64_t>(cache.blocks.capacity() * sizeof(char*));
   bytes += static_cast<int64_t>(s.config.layers.capacity() * sizeof(SessionLayer));
+  bytes += static_cast<int64_t>(s.prefix_keys.capacity() * sizeof(std::string) + s.prefix_scope.size());
+  for (const std::string& key : s.prefix_keys) bytes += static_cast<int64_t>(key.size());
   for (const SessionLayer& layer : s.config.layers) bytes += static_cast<int64_t>(layer.name.size());
   return bytes;
 }
@@ -229,7 +233,7 @@ int64_t SessionStore::TableBytes(const std::string& key, const Session& s) {
 void SessionStore::ChargeTables(const std::string& owner, int64_t bytes) {
   table_bytes_ += bytes;
   owners_[owner].bytes += bytes;
-  pool_.set_reserved_bytes(table_bytes_);
+  pool_.set_reserved_bytes(table_bytes_);  // with the prefix index's bytes, which SyncPrefixTables keeps there
 }
 
 void SessionStore::Recharge(Session* s) {
@@ -239,7 +243,15 @@ void SessionStore::Recharge(Session* s) {
 }
 
 void SessionStore::Unref(char* block, int64_t bytes, const std::string& owner) {
-  if (pool_.Unref(block)) owners_[owner].bytes -= bytes;
+  if (pool_.Unref(block)) {
+    owners_[owner].bytes -= bytes;
+    return;
+  }
+  // An indexed block that no session references any more: the index's alone, charged to nobody.
+  if (pool_.RefCount(block) == 1 && prefix_.Contains(block) && !prefix_.IsIdle(block)) {
+    if (const auto it = owners_.find(prefix_.ChargedOwner(block)); it != owners_.end()) it->second.bytes -= bytes;
+    prefix_.MarkIdle(block);
+  }
 }
 
 }  // namespace mha

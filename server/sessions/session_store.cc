@@ -163,6 +163,12 @@ absl::StatusOr<v1::SessionInfo> SessionStore::Create(const SessionConfig& given,
                                                    config.max_tokens));
   }
   if (config.max_tokens == 0) config.max_tokens = options_.max_tokens;
+  if (const int64_t blocks = CeilDiv(config.max_tokens, options_.block_tokens);
+      static_cast<int64_t>(config.prefix_keys.size()) > blocks) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "prefix_keys has ", config.prefix_keys.size(), " keys; a session of max_tokens ", config.max_tokens,
+        " holds at most ", blocks, " blocks of ", options_.block_tokens, " tokens (--kv_block_tokens)"));
+  }
   if (config.idle_timeout <= absl::ZeroDuration()) config.idle_timeout = options_.idle_timeout;
   config.idle_timeout = std::min(config.idle_timeout, options_.max_idle_timeout);
   std::vector<Cache> caches(config.num_caches);
@@ -187,9 +193,22 @@ absl::StatusOr<v1::SessionInfo> SessionStore::Create(const SessionConfig& given,
   s.config = std::move(config);
   s.caches = std::move(caches);
   s.last_used = absl::Now();
-  const Session& created = Insert(SessionKey(caller.owner, session_id), std::move(s));
+  // Keys are scoped by token (unless the server opens them to everyone) and salt, joined unambiguously.
+  const std::string& scope_owner = options_.prefix_scope_server ? std::string() : caller.owner;
+  s.prefix_scope = absl::StrCat(scope_owner.size(), ":", scope_owner, s.config.cache_salt);
+  s.prefix_keys = std::move(s.config.prefix_keys);
+  s.config.prefix_keys.clear();
+  s.config.cache_salt.clear();
+  Session& created = Insert(SessionKey(caller.owner, session_id), std::move(s));
+  const int64_t attached = Attach(&created);
+  if (metrics_ != nullptr && !created.prefix_keys.empty()) {
+    const int64_t asked = static_cast<int64_t>(created.prefix_keys.size()) * options_.block_tokens;
+    metrics_->RecordPrefixLookup(attached, std::max<int64_t>(0, asked - attached));
+  }
   Publish();
-  return Info(created);
+  v1::SessionInfo info = Info(created);
+  info.set_attached_tokens(attached);
+  return info;
 }
 
 SessionStore::Session& SessionStore::Insert(const std::string& key, Session session) {
@@ -234,9 +253,16 @@ absl::StatusOr<v1::SessionInfo> SessionStore::Truncate(const std::string& id, in
   ASSIGN_OR_RETURN(Session* s, Find(caller.owner, id, "session_id"));
   for (Cache& cache : s->caches) {
     if (length >= cache.length) continue;
+    // The block cut into will hold other tokens: its key, and the later ones, no longer describe it.
+    if (s->prefix_keys.size() > static_cast<size_t>(length / cache.layout.block_tokens)) {
+      s->prefix_keys.resize(static_cast<size_t>(length / cache.layout.block_tokens));
+      s->prefix_keys.shrink_to_fit();
+    }
     cache.length = length;
     const size_t keep = static_cast<size_t>(CeilDiv(length, cache.layout.block_tokens));
-    for (size_t b = keep; b < cache.blocks.size(); ++b) Unref(cache.blocks[b], cache.layout.BlockBytes(), s->owner);
+    for (size_t b = cache.blocks.size(); b > keep; --b) {  // last first, as EndSession
+      Unref(cache.blocks[b - 1], cache.layout.BlockBytes(), s->owner);
+    }
     cache.blocks.resize(keep);
     cache.blocks.shrink_to_fit();
   }
@@ -304,17 +330,23 @@ absl::StatusOr<CacheView> SessionStore::View(const std::string& id, int64_t cach
 
 absl::StatusOr<ExtendReservation> SessionStore::Reserve(absl::Span<const ReserveItem> items) {
   absl::MutexLock lock(&mu_);
+  // Keys first, before any block is taken (an error return must not leave a reservation to abort under the lock).
+  for (size_t i = 0; i < items.size(); ++i) {
+    const auto found = sessions_.find(SessionKey(items[i].owner, items[i].id));
+    if (found == sessions_.end()) return absl::InternalError("a held session vanished");
+    RETURN_IF_ERROR(CheckPrefixKeys(found->second, items[i], found->second.caches[items[i].cache].length, i));
+  }
   ExtendReservation reservation;
   reservation.store_ = this;
   int64_t needed = 0;       // blocks still wanted when the pool ran out
   int64_t block_bytes = 0;  // of the cache that wanted them
   for (const ReserveItem& want : items) {
-    const auto found = sessions_.find(SessionKey(want.owner, want.id));
-    if (found == sessions_.end()) return absl::InternalError("a held session vanished");
-    const Cache& cache = found->second.caches[want.cache];
+    const Session& session = sessions_.at(SessionKey(want.owner, want.id));  // found above
+    const Cache& cache = session.caches[want.cache];
     const int64_t tb = cache.layout.block_tokens, bytes = cache.layout.BlockBytes();
     block_bytes = bytes;
-    ExtendReservation::Item item{found->first, want.cache, cache.length, want.new_tokens, cache.blocks, {}, nullptr};
+    ExtendReservation::Item item{SessionKey(want.owner, want.id), want.cache, cache.length, want.new_tokens,
+                                 cache.blocks, {}, nullptr, 0, want.prefix_keys};
     // The new tokens' first slots lie in the last block when it is partly filled: a shared one is copied first.
     if (want.new_tokens > 0 && cache.length % tb != 0 && pool_.RefCount(cache.blocks.back()) > 1) {
       char* copy = AllocateEvicting(bytes, want.owner);
@@ -367,6 +399,12 @@ void SessionStore::Commit(ExtendReservation* reservation) {
     cache.blocks = std::move(item.blocks);
     cache.length = item.length + item.new_tokens;
     if (item.replaced != nullptr) Unref(item.replaced, cache.layout.BlockBytes(), s.owner);
+    const size_t from = static_cast<size_t>(item.length / cache.layout.block_tokens);
+    if (!item.prefix_keys.empty() && s.prefix_keys.size() < from + item.prefix_keys.size()) {
+      s.prefix_keys.resize(from + item.prefix_keys.size());
+    }
+    for (size_t j = 0; j < item.prefix_keys.size(); ++j) s.prefix_keys[from + j] = std::move(item.prefix_keys[j]);
+    PublishFull(s, item.cache, item.length);
     ChargeTables(s.owner, -item.table_growth);  // charged at reservation; now the table itself counts
     Recharge(&s);
     s.last_used = absl::Now();
@@ -394,8 +432,12 @@ void SessionStore::Release(ExtendReservation* reservation) {
 
 void SessionStore::EndSession(std::map<std::string, Session>::iterator it, EndReason reason) {
   Session& s = it->second;
+  // Last block first: indexed blocks turn idle in that order, so a prefix is evicted from its tail, and its first
+  // blocks, which every longer prefix starts with, stay longest.
   for (Cache& cache : s.caches) {
-    for (char* block : cache.blocks) Unref(block, cache.layout.BlockBytes(), s.owner);
+    for (auto block = cache.blocks.rbegin(); block != cache.blocks.rend(); ++block) {
+      Unref(*block, cache.layout.BlockBytes(), s.owner);
+    }
   }
   ChargeTables(s.owner, -s.table_bytes);
   if (--owners_[s.owner].sessions == 0) owners_.erase(s.owner);
@@ -457,6 +499,9 @@ SessionStore::Activity SessionStore::activity() const {
   }
   a.cache_bytes = pool_.used_bytes();
   a.table_bytes = table_bytes_;
+  a.prefix_blocks = prefix_.blocks();
+  a.prefix_bytes = prefix_.bytes();
+  a.prefix_idle_bytes = prefix_.idle_bytes();
   return a;
 }
 
@@ -472,6 +517,7 @@ void SessionStore::Publish() const {
   if (metrics_ == nullptr) return;
   metrics_->SetSessions(static_cast<int>(sessions_.size()), pool_.used_bytes(), pool_capacity_,
                         pool_.shared_blocks());
+  metrics_->SetPrefixCache(prefix_.blocks(), prefix_.bytes(), prefix_.idle_bytes());
 }
 
 }  // namespace mha

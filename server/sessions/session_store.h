@@ -27,6 +27,11 @@
 // (Create, Fork, any call naming an id) answers, waits or takes time differently for the other's ids than for ids
 // that exist nowhere. The store and the sequencer know a session by its key, SessionKey(owner, id).
 //
+// Shared prefixes (prefix_cache.h): a session created with prefix_keys starts with the longest run of leading full
+// blocks the index holds under them in its scope (attached, not copied), and the blocks it fills under keys it was
+// given join the index once full. Blocks only the index references are evicted, least recently used first, before
+// any idle session is. A truncated session forgets the keys of the blocks it cut into.
+//
 // Thread-safe. Session ids in messages are ones that passed CheckName, safe to echo and log.
 #ifndef MHA_SERVER_SESSIONS_SESSION_STORE_H_
 #define MHA_SERVER_SESSIONS_SESSION_STORE_H_
@@ -48,6 +53,7 @@
 #include "server/backends/backend.h"
 #include "server/metrics/metrics.h"
 #include "server/sessions/block_pool.h"
+#include "server/sessions/prefix_cache.h"
 #include "server/sessions/sequencer.h"
 
 namespace mha {
@@ -64,7 +70,12 @@ struct SessionStoreOptions {
   int64_t max_bytes_per_owner = 0;  // a token's bytes of the pool at most; 0: its share only (--kv_cache_mb_per_token)
   int max_waiting = 64;                      // session calls waiting for their sessions at most (--max_queue_size)
   int64_t max_waiting_bytes = int64_t{1} << 30;  // their requests' bytes (--max_queued_mb)
+  bool prefix_scope_server = false;  // prefix keys shared by every caller, not per token (--prefix_cache_scope)
 };
+
+// Prefix keys are 1..kMaxPrefixKeyBytes bytes, cache salts at most kMaxCacheSaltBytes.
+inline constexpr size_t kMaxPrefixKeyBytes = 64;
+inline constexpr size_t kMaxCacheSaltBytes = 256;
 
 // The key of session `id` in the scope of `owner`: the id itself for the empty owner (no tokens), else
 // "owner/id" (ids never hold a '/').
@@ -95,6 +106,8 @@ struct SessionConfig {
   v1::DataType cache_dtype = v1::FP32;
   int64_t max_tokens = 0;  // 0: the store's
   absl::Duration idle_timeout = absl::ZeroDuration();  // zero: the store's; capped by the store's maximum
+  std::vector<std::string> prefix_keys;  // of the leading blocks, each 1..kMaxPrefixKeyBytes bytes
+  std::string cache_salt;                // part of the keys' scope
 
   bool is_layer_session() const { return !layers.empty(); }
   // Cache `c`'s head configuration: its layer's, its own, or the session's.
@@ -121,6 +134,7 @@ struct ReserveItem {
   int64_t cache = 0;
   int64_t new_tokens = 0;
   std::string owner;
+  std::vector<std::string> prefix_keys;  // of the blocks from length / block_tokens on (ExtendItem.prefix_keys)
 };
 
 class SessionStore;
@@ -137,6 +151,7 @@ class ExtendReservation {
     std::vector<char*> fresh;     // of blocks, those this reservation allocated (a copy included)
     char* replaced = nullptr;     // the shared block the copy stands for, dropped by the cache at commit
     int64_t table_growth = 0;     // bytes the cache's block table grows by at commit, charged meanwhile
+    std::vector<std::string> prefix_keys;  // the session's keys from block length / block_tokens on, at commit
   };
 
   ExtendReservation() = default;
@@ -169,9 +184,10 @@ class SessionStore {
   // Orders the calls on each session (every session RPC goes through it).
   SessionSequencer& sequencer() { return sequencer_; }
 
-  // A new session `id` (empty: an unguessable one) owned by caller.owner. ALREADY_EXISTS if the caller has it open,
-  // RESOURCE_EXHAUSTED at max_sessions, INVALID_ARGUMENT naming `field`.max_tokens past the limit or for a cache
-  // whose block would not fit a pool chunk.
+  // A new session `id` (empty: an unguessable one) owned by caller.owner, with the leading blocks the prefix index
+  // holds under config.prefix_keys attached (SessionInfo.attached_tokens). ALREADY_EXISTS if the caller has it open,
+  // RESOURCE_EXHAUSTED at max_sessions, INVALID_ARGUMENT naming max_tokens past the limit, prefix_keys past the
+  // blocks of max_tokens, or a cache whose block would not fit a pool chunk.
   absl::StatusOr<v1::SessionInfo> Create(const SessionConfig& config, const std::string& id,
                                          const SessionCaller& caller);
   // A copy of `id` sharing its blocks, as `new_id` (empty: the store picks one).
@@ -187,8 +203,9 @@ class SessionStore {
   // OUT_OF_RANGE naming "layer_index" for a cache it does not have.
   absl::StatusOr<CacheView> View(const std::string& id, int64_t cache, const SessionCaller& caller,
                                  absl::string_view field) const;
-  // Blocks for `items` (held sessions, distinct), evicting least recently used idle sessions while the pool has no
-  // room; RESOURCE_EXHAUSTED saying how full it is when even that does not make room.
+  // Blocks for `items` (held sessions, distinct), evicting idle prefix blocks, then least recently used idle
+  // sessions while the pool has no room; RESOURCE_EXHAUSTED saying how full it is when even that does not make room,
+  // INVALID_ARGUMENT naming items[i].prefix_keys[j] for a key that differs from the one its block has.
   absl::StatusOr<ExtendReservation> Reserve(absl::Span<const ReserveItem> items);
   // What a shutdown's drain watches: sessions open, when a session call last ended (or a session was created), and
   // the bytes of cache blocks in use.
@@ -197,7 +214,10 @@ class SessionStore {
     int in_use = 0;  // of those, sessions a call is using now
     absl::Time last_used = absl::InfinitePast();
     int64_t cache_bytes = 0;
-    int64_t table_bytes = 0;  // the sessions' bookkeeping, counted against the pool
+    int64_t table_bytes = 0;  // the sessions' bookkeeping (and the prefix index's), counted against the pool
+    int64_t prefix_blocks = 0;      // blocks findable by prefix key
+    int64_t prefix_bytes = 0;       // their bytes
+    int64_t prefix_idle_bytes = 0;  // of those, in blocks no session references
   };
   Activity activity() const;
   // Ends every open session (the server stops), counted as evictions for `reason`; returns what they were.
@@ -225,6 +245,8 @@ class SessionStore {
     std::vector<Cache> caches;
     absl::Time last_used;
     int64_t table_bytes = 0;  // its bookkeeping as last charged (TableBytes)
+    std::string prefix_scope;            // where its prefix keys are looked up and published
+    std::vector<std::string> prefix_keys;  // by block index; empty: none given for that block
   };
   // What one owner holds: sessions, and bytes (blocks it allocated that are still referenced, plus its sessions'
   // table bytes). Only owners with open sessions have one.
@@ -294,6 +316,22 @@ class SessionStore {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Publish() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
+  // Shared prefixes (session_prefix.cc).
+  // The prefix index's configuration key of cache `c`: its layer (as registered) or its cache index and heads, and
+  // the layout.
+  std::string PrefixConfig(const Session& s, int64_t c) const;
+  // Attaches the longest run of leading blocks indexed under s->prefix_keys to every cache; returns its tokens.
+  int64_t Attach(Session* s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Indexes the blocks of cache `c` that became full past `old_length` and have keys.
+  void PublishFull(const Session& s, int64_t c, int64_t old_length) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Frees the least recently used idle prefix block; false when none is idle.
+  bool EvictIdlePrefix() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Counts the prefix index's own bytes (its entries) against the pool beside the block tables.
+  void SyncPrefixTables() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // INVALID_ARGUMENT when a key of item `i` differs from the one its block has already.
+  absl::Status CheckPrefixKeys(const Session& s, const ReserveItem& item, int64_t length, size_t i) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
   const SessionStoreOptions options_;
   ServerMetrics* const metrics_;
   const std::unique_ptr<CacheArena> arena_;  // null: host memory; declared before pool_, so it outlives it
@@ -303,7 +341,9 @@ class SessionStore {
   const int64_t pool_chunk_bytes_;
   std::map<std::string, Session> sessions_ ABSL_GUARDED_BY(mu_);  // by key
   std::map<std::string, OwnerUse> owners_ ABSL_GUARDED_BY(mu_);  // by owner, those with sessions
-  int64_t table_bytes_ ABSL_GUARDED_BY(mu_) = 0;                 // every session's TableBytes
+  int64_t table_bytes_ ABSL_GUARDED_BY(mu_) = 0;                 // every session's TableBytes, and prefix_'s
+  PrefixCache prefix_ ABSL_GUARDED_BY(mu_);
+  int64_t prefix_tables_ ABSL_GUARDED_BY(mu_) = 0;  // prefix_.table_bytes() as counted in table_bytes_
   // The recent ends by key, for NOT_FOUND's message: at most kRecentEnds, oldest first out.
   static constexpr size_t kRecentEnds = 4096;
   std::map<std::string, End> ended_ ABSL_GUARDED_BY(mu_);

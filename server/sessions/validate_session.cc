@@ -116,6 +116,33 @@ absl::Status CheckLength(const v1::ExtendItem& item, int i, const CacheView& vie
   return absl::OkStatus();
 }
 
+// `field`[i] of `keys`, each 1..kMaxPrefixKeyBytes bytes.
+absl::Status CheckPrefixKeyBytes(const google::protobuf::RepeatedPtrField<std::string>& keys,
+                                 absl::string_view field) {
+  for (int j = 0; j < keys.size(); ++j) {
+    if (keys.Get(j).empty() || keys.Get(j).size() > kMaxPrefixKeyBytes) {
+      return Invalid(absl::StrCat(field, "[", j, "] is ", keys.Get(j).size(), " bytes; a prefix key is 1..",
+                                  kMaxPrefixKeyBytes, " bytes (mhaclient.prefix_keys makes 32-byte SHA-256 keys)"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// An Extend item's prefix_keys: at most one per block its new tokens land in, and only when it appends.
+absl::Status CheckItemPrefixKeys(const v1::ExtendItem& item, int i, const CacheView& view, int64_t n) {
+  if (item.prefix_keys_size() == 0) return absl::OkStatus();
+  const std::string field = Item(i) + ".prefix_keys";
+  if (!Appends(item)) return Invalid(field, " names blocks the item fills; with append=false it fills none");
+  const int64_t tb = view.layout.block_tokens;
+  const int64_t blocks = (view.length + n + tb - 1) / tb - view.length / tb;
+  if (item.prefix_keys_size() > blocks) {
+    return Invalid(absl::StrCat(field, " has ", item.prefix_keys_size(), " keys; the item's ", n,
+                                " tokens land in ", blocks, " block(s) of ", tb, " tokens, from block ",
+                                view.length / tb, " (its cache holds ", view.length, ")"));
+  }
+  return CheckPrefixKeyBytes(item.prefix_keys(), field);
+}
+
 // FLOPs of the call: its items' ExtendFlops.
 double CallFlops(const PagedProblem& p, absl::Span<const ExtendPlan::Item> items) {
   double flops = 0;
@@ -184,6 +211,12 @@ absl::StatusOr<SessionConfig> ValidateCreateSession(const v1::CreateSessionReque
   config.max_tokens = r.max_tokens();
   if (r.idle_timeout_s() < 0) return Invalid("idle_timeout_s must be >= 0, got ", absl::StrCat(r.idle_timeout_s()));
   config.idle_timeout = absl::Seconds(r.idle_timeout_s());
+  RETURN_IF_ERROR(CheckPrefixKeyBytes(r.prefix_keys(), "prefix_keys"));
+  config.prefix_keys.assign(r.prefix_keys().begin(), r.prefix_keys().end());
+  if (r.cache_salt().size() > kMaxCacheSaltBytes) {
+    return Invalid(absl::StrCat("cache_salt is ", r.cache_salt().size(), " bytes; at most ", kMaxCacheSaltBytes));
+  }
+  config.cache_salt = r.cache_salt();
   if (layers) {
     if (r.num_layers() != 0) {
       return Invalid("num_layers is for head sessions; a layer session has one cache per entry of layers");
@@ -297,8 +330,10 @@ absl::StatusOr<ExtendPlan> ValidateExtendHeld(const v1::ExtendRequest& r, const 
     RETURN_IF_ERROR(SameCall(item, i, views[i], first));
     ASSIGN_OR_RETURN(const int64_t n, NewTokens(item, i, views[i]));
     RETURN_IF_ERROR(CheckLength(item, i, views[i], n, r.layer_index()));
+    RETURN_IF_ERROR(CheckItemPrefixKeys(item, i, views[i], n));
     plan.items.push_back({&item, views[i].length, n, Appends(item)});
-    plan.reserve.push_back({item.session_id(), r.layer_index(), Appends(item) ? n : 0, caller.owner});
+    plan.reserve.push_back({item.session_id(), r.layer_index(), Appends(item) ? n : 0, caller.owner,
+                            {item.prefix_keys().begin(), item.prefix_keys().end()}});
     const v1::DataType dtype = item.has_x() ? item.x().dtype() : item.q().dtype();
     if (p.input_dtype == v1::FP32 && dtype != v1::FP32) p.input_dtype = dtype;
     p.sequences += 1;
