@@ -45,6 +45,12 @@ ABSL_FLAG(bool, recover, false,
           "replays the record and is sent again, so the outputs stay exact (--check passes); the report counts the "
           "recoveries. Not with --stateless or --shards");
 
+ABSL_FLAG(int64_t, shared_prefix, 0,
+          "decode: the first N context tokens are the same in every session and named by prefix keys: sessions after "
+          "the first attach the prefix's full blocks from the server's prefix cache instead of prefilling them; the "
+          "report says how many tokens were attached and the cache bytes stored once. Not with --stateless, "
+          "--recover or --shards");
+
 ABSL_DECLARE_FLAG(int, c);
 ABSL_DECLARE_FLAG(std::string, O);
 ABSL_DECLARE_FLAG(bool, check);
@@ -104,6 +110,7 @@ int RunDecode(const ClientOptions& options) {
   o.seed = static_cast<uint32_t>(absl::GetFlag(FLAGS_seed));
   o.shards = absl::GetFlag(FLAGS_shards);
   o.recover = absl::GetFlag(FLAGS_recover);
+  o.shared_prefix = absl::GetFlag(FLAGS_shared_prefix);
   absl::StatusOr<DecodeOptions::Transport> transport = ParseTransport(absl::GetFlag(FLAGS_transport));
   if (!transport.ok()) return UsageError(transport.status());
   o.transport = *transport;

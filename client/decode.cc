@@ -13,6 +13,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "client/decode_shards.h"
+#include "client/prefix_keys.h"
 #include "client/session_recovery.h"
 #include "nlohmann/json.hpp"
 #include "proto/mha/v1/tensor_codec.h"
@@ -148,24 +149,32 @@ class DecodeRun {
     for (int i = 0; i < kPoolTokens; ++i) pool_.push_back(Random(rng, s_.width(), o_.wire_dtype));
   }
 
-  // Creates the sessions and prefills their caches, every layer.
+  // Creates the sessions and prefills their caches, every layer (past the tokens a session attached).
   absl::Status Prefill(DecodeReport* report) {
     std::mt19937 rng(o_.seed);
+    if (absl::Status status = PreparePrefix(report); !status.ok()) return status;
     const auto start = Clock::now();
     for (int i = 0; i < o_.sessions; ++i) {
+      int64_t attached = 0;
       for (int shard = 0; !o_.stateless && shard < o_.shards; ++shard) {
         const v1::CreateSessionRequest create = CreateRequest(i, shard);
+        const auto asked = Clock::now();
         absl::StatusOr<v1::CreateSessionResponse> created = clients_[shard]->CreateSession(create);
         if (!created.ok()) return created.status();
         ids_[shard].push_back(created->session().session_id());
+        attached = created->session().attached_tokens();
+        if (attached > 0) report->attach_seconds_max = std::max(report->attach_seconds_max, Since(asked));
         if (o_.recover) records_.emplace_back(create);
       }
+      report->attached_tokens += attached;
       for (int64_t t0 = 0; t0 < o_.context; t0 += o_.prefill_chunk) {
         const int64_t n = std::min(o_.prefill_chunk, o_.context - t0);
-        const std::vector<float> rows = Random(rng, n * s_.width(), o_.wire_dtype);
+        const std::vector<float> rows = ContextRows(rng, t0, n);
         Keep(i, rows);
-        if (o_.stateless) continue;
-        if (absl::Status status = PrefillChunk(i, t0, rows, report); !status.ok()) return status;
+        const int64_t skip = std::clamp<int64_t>(attached - t0, 0, n);
+        if (o_.stateless || skip == n) continue;
+        const std::vector<float> sent(rows.begin() + skip * s_.width(), rows.end());
+        if (absl::Status status = PrefillChunk(i, t0 + skip, sent, report); !status.ok()) return status;
       }
     }
     report->prefill_seconds = Since(start);
@@ -247,6 +256,7 @@ class DecodeRun {
     }
     create.set_cache_dtype(o_.cache_dtype);
     create.set_max_tokens(o_.context + o_.steps);
+    for (const std::string& key : prefix_keys_) create.add_prefix_keys(key);
     return create;
   }
 
@@ -270,6 +280,33 @@ class DecodeRun {
         ExtendRecovering(client, request, records, RecoveryOptions(), &rebuilt, unary);
     recoveries_ += rebuilt;
     return response;
+  }
+
+  // --shared_prefix: the prefix's rows (the same for every session) and its keys, for the server's block size.
+  absl::Status PreparePrefix(DecodeReport* report) {
+    if (o_.shared_prefix == 0) return absl::OkStatus();
+    absl::StatusOr<v1::GetServerInfoResponse> info = clients_[0]->GetServerInfo();
+    if (!info.ok()) return info.status();
+    report->block_tokens = std::max<int64_t>(1, info->limits().kv_block_tokens());
+    std::mt19937 rng(o_.seed + 2);
+    prefix_rows_ = Random(rng, o_.shared_prefix * s_.width(), o_.wire_dtype);
+    std::vector<int64_t> positions(o_.shared_prefix);
+    for (int64_t t = 0; t < o_.shared_prefix; ++t) positions[t] = t;
+    // The rows depend on these: a run of another seed, shape or wire dtype must not find this one's blocks.
+    prefix_keys_ = PrefixKeys(positions, report->block_tokens,
+                              absl::StrCat("mha_client decode|", o_.seed, "|", s_.width(), "|", o_.wire_dtype));
+    return absl::OkStatus();
+  }
+
+  // Context tokens [t0, t0 + n) of a session: the shared prefix's, then its own random ones.
+  std::vector<float> ContextRows(std::mt19937& rng, int64_t t0, int64_t n) {
+    const int64_t shared = std::clamp<int64_t>(o_.shared_prefix - t0, 0, n);
+    if (shared == 0) return Random(rng, n * s_.width(), o_.wire_dtype);
+    std::vector<float> rows(prefix_rows_.begin() + t0 * s_.width(),
+                            prefix_rows_.begin() + (t0 + shared) * s_.width());
+    const std::vector<float> own = Random(rng, (n - shared) * s_.width(), o_.wire_dtype);
+    rows.insert(rows.end(), own.begin(), own.end());
+    return rows;
   }
 
   void Keep(int i, const std::vector<float>& rows) {
@@ -376,6 +413,8 @@ class DecodeRun {
   std::vector<int64_t> session0_lengths_;
   std::vector<std::vector<float>> rows_;
   std::vector<std::vector<float>> pool_;  // [kPoolTokens][width]: the decode steps' inputs
+  std::vector<float> prefix_rows_;        // [shared_prefix][width]
+  std::vector<std::string> prefix_keys_;  // of its full blocks
 };
 
 // Decode steps timed: batched (one thread, every session per call) or per session (C threads, each its sessions).
@@ -527,6 +566,11 @@ absl::Status ValidateDecodeOptions(const DecodeOptions& o) {
   if (o.recover && o.stateless) {
     return absl::InvalidArgumentError("--recover rebuilds lost sessions; --stateless has none");
   }
+  if (absl::Status status = in("shared_prefix", o.shared_prefix, 0, o.context); !status.ok()) return status;
+  if (o.shared_prefix > 0 && (o.stateless || o.recover || o.shards > 1)) {
+    return absl::InvalidArgumentError("--shared_prefix shares session caches: not with --stateless, --recover or "
+                                      "--shards");
+  }
   return o.shards > 1 ? ValidateShards(o) : absl::OkStatus();
 }
 
@@ -603,6 +647,9 @@ absl::StatusOr<DecodeReport> RunDecode(const std::vector<AttentionClient*>& clie
     report.check_tolerance = Tolerance(o);
   }
   if (o.shards > 1) report.shard_lengths = run.Session0ShardLengths();
+  const int64_t block_tokens = std::max<int64_t>(report.block_tokens, 1);
+  report.attached_bytes =
+      static_cast<double>(shape->caches) * KvCacheBytes(heads, report.attached_tokens, cache_dtype, block_tokens);
   run.Close();
   return report;
 }
@@ -623,6 +670,15 @@ std::string FormatDecodePretty(const DecodeReport& r) {
                           o.shards, r.shard_lengths.empty() ? "?" : absl::StrJoin(r.shard_lengths, " + "));
   }
   absl::StrAppendFormat(&text, "  prefill   %d tokens in %.3f s\n", r.prefill_tokens, r.prefill_seconds);
+  if (o.shared_prefix > 0) {
+    const int64_t asked = static_cast<int64_t>(o.sessions) * (o.shared_prefix / r.block_tokens * r.block_tokens);
+    absl::StrAppendFormat(&text,
+                          "  prefix    %d shared tokens: %d of %d tokens attached (%.0f%%, blocks of %d), %.1f MB "
+                          "of cache stored once instead of prefilled; CreateSession attaching them %.2f ms at most\n",
+                          o.shared_prefix, r.attached_tokens, asked,
+                          asked > 0 ? 100.0 * r.attached_tokens / asked : 0.0, r.block_tokens, r.attached_bytes / 1e6,
+                          r.attach_seconds_max * 1e3);
+  }
   absl::StrAppendFormat(&text, "  decode    %.1f tokens/s (%d tokens in %.3f s), %d errors\n", r.tokens_per_second,
                         r.decode_tokens, r.decode_seconds, r.errors);
   absl::StrAppendFormat(&text, "  per step  p50 %.3f ms, p90 %.3f ms, p99 %.3f ms, max %.3f ms\n", r.step.p50 * 1e3,
@@ -689,6 +745,11 @@ std::string FormatDecodeJson(const DecodeReport& r) {
   j["recoveries"] = r.recoveries;
   if (!r.first_error.empty()) j["first_error"] = r.first_error;
   if (r.checked) j["check"] = {{"max_error", r.check_max_error}, {"tolerance", r.check_tolerance}};
+  if (o.shared_prefix > 0) {
+    j["shared_prefix"] = {{"tokens", o.shared_prefix}, {"block_tokens", r.block_tokens},
+                          {"attached_tokens", r.attached_tokens}, {"attached_bytes", r.attached_bytes},
+                          {"attach_ms_max", r.attach_seconds_max * 1e3}};
+  }
   return j.dump(2) + "\n";
 }
 

@@ -52,6 +52,10 @@ struct DecodeOptions {
   // (each goes to several servers at once).
   enum class Transport { kStream, kUnary, kBoth };
   Transport transport = Transport::kStream;
+  // Sessions only, one shard, not recover: the first shared_prefix tokens of every session's context are the same,
+  // named by prefix keys (PrefixKeys of their positions, with the run's seed and shape as extra bytes), so that
+  // sessions after the first attach the prefix's full blocks instead of prefilling them.
+  int64_t shared_prefix = 0;
 };
 
 // "stream", "unary" or "both"; INVALID_ARGUMENT otherwise.
@@ -88,6 +92,12 @@ struct DecodeReport {
   double check_max_error = 0;  // max |got - want| / (1 + |want|) over the checked rows
   double check_tolerance = 0;
   std::vector<int64_t> shard_lengths;  // --shards: session 0's first cache per shard after the last step, as served
+  // shared_prefix: the server's block size, the tokens CreateSession attached over every session (per cache), and
+  // the cache bytes those tokens would have taken over every cache (stored once instead).
+  int64_t block_tokens = 0;
+  int64_t attached_tokens = 0;
+  double attached_bytes = 0;
+  double attach_seconds_max = 0;  // the slowest CreateSession that attached tokens, round trip
 };
 
 // Runs the workload (creating and closing its sessions). Errors of the set-up (CreateSession, a prefill call) are
