@@ -664,6 +664,7 @@ enum class SessionPlot {
   kSteps,           // only the steps
   kForkDiverge,     // after the steps, session 0 is forked and both get different tokens in one call
   kTruncateExtend,  // after the steps, session 0 is cut back into a block and extended with new tokens
+  kCascade,         // after the steps, session 0 is forked three times and the four decode in calls together
 };
 
 struct SessionCase {
@@ -922,6 +923,13 @@ absl::Status Drive(const SessionCase& c, SessionRun& run) {
     run.Fork(0, 99);
     if (absl::Status status = run.Extend({{0, tokens(3, 901)}, {99, tokens(17, 902)}}); !status.ok()) return status;
     return run.Extend({{99, tokens(1, 903)}, {0, tokens(1, 904)}});
+  }
+  if (c.plot == SessionPlot::kCascade) {  // ragged (1 to 3 tokens), in an order other than the forks'
+    for (int64_t id : {1, 2, 99}) run.Fork(0, id);
+    absl::Status status =
+        run.Extend({{2, tokens(1, 911)}, {0, tokens(1, 912)}, {99, tokens(3, 913)}, {1, tokens(2, 914)}});
+    if (status.ok()) status = run.Extend({{99, tokens(1, 915)}, {0, tokens(1, 916)}, {1, tokens(1, 917)}});
+    return status.ok() ? run.Extend({{0, tokens(1, 918)}, {1, tokens(1, 919)}, {2, tokens(1, 920)}}) : status;
   }
   if (c.plot == SessionPlot::kTruncateExtend) {
     const int64_t length = static_cast<int64_t>(run.tokens(0).size()) / run.InputWidth();
@@ -1192,6 +1200,36 @@ std::vector<SessionCase> SessionCases() {
     fork.name += "_weights";
     fork.weights = true;
     cases.push_back(fork);
+  }
+  // Cascade decode: four sessions sharing a prompt's blocks (forks) decode together, every cache dtype; a prompt of
+  // several shared splits; statistics; a layer.
+  for (v1::DataType cache : {v1::FP32, v1::FP16, v1::BF16, v1::INT8, v1::FP8_E4M3, v1::FP8_E5M2}) {
+    SessionCase cascade;
+    cascade.name = "session_heads_cascade_cache_" + DTypeName(cache);
+    cascade.layer = false;
+    cascade.heads = 8;
+    cascade.kv_heads = 2;
+    cascade.head_dim = 64;
+    cascade.cache_dtype = cache;
+    cascade.rope_theta = 10000;
+    cascade.steps = {{200}};
+    cascade.plot = SessionPlot::kCascade;
+    cases.push_back(cascade);
+    if (cache != v1::BF16) continue;
+    cascade.name = "session_heads_cascade_long_bf16";
+    cascade.steps = {{700}, {500}};
+    cases.push_back(cascade);
+    cascade.name = "session_heads_cascade_stats_bf16";
+    cascade.steps = {{200}};
+    cascade.stats = true;
+    cases.push_back(cascade);
+    cascade = SessionCase();
+    cascade.name = "session_layer_cascade_block32";
+    cascade.d_model = 64;
+    cascade.block_tokens = 32;
+    cascade.steps = {{100}};
+    cascade.plot = SessionPlot::kCascade;
+    cases.push_back(cascade);
   }
   // Every statistic of every call, contribution included, for a layer and for head sessions.
   for (const char* name : {"session_layer_chunks_gqa_rope", "session_heads_decode_gqa4",

@@ -24,6 +24,8 @@
 #include "server/backends/cpu/cpu_backend.h"
 #include "server/backends/quantized_cache.h"
 #include "server/sessions/session_store.h"
+#include "tests/bench/bench_util.h"
+#include "tests/bench/decode_step.h"
 #include "tests/bench/fma_probe.h"
 #include "tests/bench/memory_probe.h"
 
@@ -31,36 +33,6 @@ namespace mha::bench {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-std::vector<float> Random(int64_t n, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::uniform_real_distribution<float> uniform(-1.0f, 1.0f);
-  std::vector<float> v(n);
-  for (float& x : v) x = uniform(rng);
-  return v;
-}
-
-HeadSpec Heads(int64_t h, int64_t hkv, int64_t dk) {
-  HeadSpec heads;
-  heads.num_heads = h;
-  heads.num_kv_heads = hkv;
-  heads.head_dim = dk;
-  heads.causal = true;
-  heads.scale = 1.0f / std::sqrt(static_cast<float>(dk));
-  heads.rope_theta = 500000;
-  heads.rope_dim = dk;
-  return heads;
-}
-
-// Best and median of a series.
-struct Stats {
-  double best = 0, median = 0;
-};
-Stats Of(std::vector<double> v, bool higher_is_better) {
-  std::sort(v.begin(), v.end());
-  if (v.empty()) return {};
-  return {higher_is_better ? v.back() : v.front(), v[v.size() / 2]};
-}
 
 // Decode steps of `sessions` head sessions whose caches hold `length` tokens, H/Hkv/d_k, cache dtype.
 class DecodeCase {
@@ -112,7 +84,7 @@ class DecodeCase {
     }
     for (int i = 0; i < copies_ * sessions_; ++i) {
       ids_.push_back(store_->Create(config, "", {})->session_id());
-      ExtendReservation r = *store_->Reserve({ReserveItem{ids_.back(), 0, length_, ""}});
+      ExtendReservation r = *store_->Reserve({ReserveItem{ids_.back(), 0, length_, "", {}}});
       for (char* block : r.items()[0].blocks) std::memcpy(block, block_bytes.data(), block_bytes.size());
       r.Commit();
     }
@@ -124,33 +96,9 @@ class DecodeCase {
   // One call on the next copy's sessions; its seconds.
   double Call() {
     const int copy = next_++ % copies_;
-    std::vector<ReserveItem> items;
-    for (int s = 0; s < sessions_; ++s) items.push_back({ids_[copy * sessions_ + s], 0, 1, ""});
-    ExtendReservation r = *store_->Reserve(items);
-    std::vector<PagedSequence> sequences(sessions_);
-    PagedArgs args;
-    args.problem.heads = heads_;
-    args.problem.cache = {heads_.num_kv_heads, heads_.head_dim, block_tokens_, dtype_};
-    args.problem.sequences = sessions_;
-    args.problem.new_tokens = sessions_;
-    args.problem.max_new_tokens = 1;
-    for (int s = 0; s < sessions_; ++s) {
-      PagedSequence& seq = sequences[s];
-      seq.blocks = r.items()[s].blocks;
-      seq.length = r.items()[s].length;
-      seq.new_tokens = 1;
-      seq.q = {q_.data(), v1::FP32};
-      seq.k = seq.v = {kv_.data(), v1::FP32};
-      seq.out = {out_.data() + s * heads_.q_width(), v1::FP32};
-      args.problem.max_length = std::max(args.problem.max_length, seq.length + 1);
-    }
-    args.sequences = sequences;
-    const auto start = Clock::now();
-    const absl::Status status = backend_->PagedAttention(args);
-    const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
-    if (!status.ok()) std::fprintf(stderr, "%s: %s\n", name_.c_str(), status.ToString().c_str());
-    // The caches stay at their length: the next call on this copy reads as many tokens again.
-    return seconds;
+    return DecodeStep(*backend_, *store_, absl::MakeConstSpan(ids_).subspan(copy * sessions_, sessions_), heads_,
+                      {heads_.num_kv_heads, heads_.head_dim, block_tokens_, dtype_}, q_.data(), kv_.data(),
+                      out_.data(), name_);
   }
 
   int copies() const { return copies_; }
@@ -223,7 +171,7 @@ class PrefillCase {
     config.cache_dtype = dtype_;
     const std::string id = store_->Create(config, "", {})->session_id();
     if (cached_ > 0) {
-      ExtendReservation r = *store_->Reserve({ReserveItem{id, 0, cached_, ""}});
+      ExtendReservation r = *store_->Reserve({ReserveItem{id, 0, cached_, "", {}}});
       for (char* block : r.items()[0].blocks) std::memcpy(block, block_bytes_.data(), block_bytes_.size());
       r.Commit();
     }
@@ -287,7 +235,7 @@ class PrefillCase {
   }
 
   double Run(const std::string& id, int64_t first, int64_t n) {
-    ExtendReservation r = *store_->Reserve({ReserveItem{id, 0, n, ""}});
+    ExtendReservation r = *store_->Reserve({ReserveItem{id, 0, n, "", {}}});
     PagedSequence seq;
     seq.blocks = r.items()[0].blocks;
     seq.length = first;

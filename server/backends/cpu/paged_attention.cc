@@ -11,6 +11,7 @@
 
 #include "proto/mha/v1/tensor_codec.h"
 #include "server/backends/cpu/attention_core.h"
+#include "server/backends/cpu/paged_cascade.h"
 #include "server/backends/cpu/paged_merge.h"
 #include "server/backends/cpu/paged_prefill.h"
 #include "server/backends/cpu/scratch.h"
@@ -35,11 +36,23 @@ struct Unit {
   int64_t seq, b0, b1, partial;
 };
 
-// The decode path's plan: units in sequence order, a sequence's splits next to each other.
+// Blocks [b0, b1) of a group's shared blocks (paged_cascade.h), every KV head, for all its members' rows; its
+// partial states at `partial` floats into the call's buffer.
+struct SharedUnit {
+  int64_t group, b0, b1, partial;
+};
+
+// The decode path's plan: units in sequence order, a sequence's splits next to each other; its own units start
+// after the blocks it shares with a group, whose shared units compute those once for all members.
 struct DecodePlan {
   std::vector<Unit> units;
   std::vector<int64_t> seq_units;  // per decode sequence: its first unit; one more at the end
   std::vector<int64_t> seq_index;  // per decode sequence: its index among the call's sequences
+  std::vector<SharedGroup> groups;
+  std::vector<SharedUnit> shared_units;  // in group order
+  std::vector<int64_t> group_units;      // per group: its first shared unit; one more at the end
+  std::vector<int64_t> group_of;         // per call sequence: its group, or -1
+  std::vector<int64_t> row0_of;          // per call sequence in a group: its first stacked row
   int64_t partial_floats = 0;
   bool log2_units = true;
   float q_scale = 0.0f;
@@ -49,8 +62,26 @@ int64_t Blocks(const KvCacheLayout& cache, const PagedSequence& seq) {
   return (seq.Keys() + cache.block_tokens - 1) / cache.block_tokens;
 }
 
-// Floats of one KV head's part of a unit's partial result.
-int64_t HeadPartial(const HeadSpec& h, int64_t rows) { return rows * (h.head_dim + 2 + kernels::kStatsPerRow); }
+// The groups' shared units: each group's shared blocks split as a long cache is, into splits of at least
+// kMinSplitKeys keys and at most `wanted` per group.
+void PlanShared(const PagedProblem& p, int64_t wanted, DecodePlan* plan) {
+  const int64_t min_blocks = std::max<int64_t>(1, kMinSplitKeys / p.cache.block_tokens);
+  for (size_t k = 0; k < plan->groups.size(); ++k) {
+    const SharedGroup& group = plan->groups[k];
+    plan->group_units.push_back(static_cast<int64_t>(plan->shared_units.size()));
+    const int64_t splits = std::clamp<int64_t>(group.blocks / min_blocks, 1, std::max<int64_t>(wanted, 1));
+    for (int64_t u = 0; u < splits; ++u) {
+      plan->shared_units.push_back({static_cast<int64_t>(k), group.blocks * u / splits,
+                                    group.blocks * (u + 1) / splits, plan->partial_floats});
+      plan->partial_floats += p.heads.num_kv_heads * PartialFloats(p.heads, group.rows);
+    }
+    for (size_t m = 0; m < group.members.size(); ++m) {
+      plan->group_of[group.members[m]] = static_cast<int64_t>(k);
+      plan->row0_of[group.members[m]] = group.row0[m];
+    }
+  }
+  plan->group_units.push_back(static_cast<int64_t>(plan->shared_units.size()));
+}
 
 DecodePlan PlanDecode(const PagedProblem& p, absl::Span<const PagedSequence> sequences, int threads) {
   const HeadSpec& h = p.heads;
@@ -59,20 +90,29 @@ DecodePlan PlanDecode(const PagedProblem& p, absl::Span<const PagedSequence> seq
   plan.q_scale = plan.log2_units ? h.scale * kernels::kLog2e : h.scale;
   int64_t decoding = 0;
   for (const PagedSequence& seq : sequences) decoding += TakesDecodePath(p, seq) ? 1 : 0;
+  plan.groups = FindSharedPrefixes(p, sequences);
+  plan.group_of.assign(sequences.size(), -1);
+  plan.row0_of.assign(sequences.size(), 0);
   // Few sequences split their caches so that every thread has units to take.
-  const int64_t wanted = (kUnitsPerThread * threads + decoding - 1) / std::max<int64_t>(decoding, 1);
+  const int64_t units_wanted = kUnitsPerThread * threads;
+  const int64_t wanted = (units_wanted + decoding - 1) / std::max<int64_t>(decoding, 1);
+  PlanShared(p, (units_wanted + static_cast<int64_t>(plan.groups.size()) - 1) /
+                    std::max<int64_t>(1, static_cast<int64_t>(plan.groups.size())), &plan);
   const int64_t min_blocks = std::max<int64_t>(1, kMinSplitKeys / p.cache.block_tokens);
   for (size_t s = 0; s < sequences.size(); ++s) {
     const PagedSequence& seq = sequences[s];
     if (!TakesDecodePath(p, seq)) continue;
-    const int64_t blocks = Blocks(p.cache, seq), rows = h.group_size() * seq.new_tokens;
-    const int64_t splits = std::clamp<int64_t>(blocks / min_blocks, 1, std::max<int64_t>(wanted, 1));
+    const int64_t group = plan.group_of[s];
+    const int64_t first = group >= 0 ? plan.groups[group].blocks : 0;  // the shared blocks are the group's
+    const int64_t blocks = Blocks(p.cache, seq) - first, rows = h.group_size() * seq.new_tokens;
+    const int64_t splits =
+        blocks == 0 ? 0 : std::clamp<int64_t>(blocks / min_blocks, 1, std::max<int64_t>(wanted, 1));
     plan.seq_units.push_back(static_cast<int64_t>(plan.units.size()));
     plan.seq_index.push_back(static_cast<int64_t>(s));
     for (int64_t k = 0; k < splits; ++k) {
-      plan.units.push_back({static_cast<int64_t>(s), blocks * k / splits, blocks * (k + 1) / splits,
-                            plan.partial_floats});
-      plan.partial_floats += h.num_kv_heads * HeadPartial(h, rows);
+      plan.units.push_back({static_cast<int64_t>(s), first + blocks * k / splits,
+                            first + blocks * (k + 1) / splits, plan.partial_floats});
+      plan.partial_floats += h.num_kv_heads * PartialFloats(h, rows);
     }
   }
   plan.seq_units.push_back(static_cast<int64_t>(plan.units.size()));
@@ -128,7 +168,7 @@ void RunUnit(const kernels::TileKernels& tiles, const kernels::PagedKernels& dec
   float* part_of_unit = partials + unit.partial;
   // Row i G + j of KV head g is new token i of query head g G + j, which sees cache positions 0..length + i.
   for (int64_t g = 0; g < Hkv; ++g) {
-    float* acc = part_of_unit + g * HeadPartial(h, rows);
+    float* acc = part_of_unit + g * PartialFloats(h, rows);
     std::fill_n(acc, rows * dk, 0.0f);
     std::fill_n(acc + rows * dk, rows, kNegInf);
     std::fill_n(acc + rows * dk + rows, rows * (1 + kernels::kStatsPerRow), 0.0f);
@@ -155,7 +195,7 @@ void RunUnit(const kernels::TileKernels& tiles, const kernels::PagedKernels& dec
       // The next part: this block's next head, or the next block's first; its K^T streams in during these
       // scores, its V during these values.
       const char* next = PartAhead(c, seq, unit, after, (b - unit.b0) * Hkv + g + distance);
-      float* acc = part_of_unit + g * HeadPartial(h, rows);
+      float* acc = part_of_unit + g * PartialFloats(h, rows);
       decode.scores(rows, tb, dk, queries + g * rows * dk, dk, part, tb, KeyScales(c, part), scores, tb, next,
                     key_bytes);
       if (seq.stats.entropy != nullptr) {  // lse alone comes from the plain kernel's max and sum
@@ -174,16 +214,28 @@ void RunUnit(const kernels::TileKernels& tiles, const kernels::PagedKernels& dec
 
 // Sequence s's units' partial results for KV head g, merged by their log-sum-exp into its heads' rows.
 void MergeHead(const PagedProblem& p, const DecodePlan& plan, int64_t begin, int64_t end, int64_t g,
-               const PagedSequence& seq, int64_t first_row, const float* partials, float* heads, int64_t ldh) {
+               int64_t seq_index, const PagedSequence& seq, int64_t first_row, const float* partials, float* heads,
+               int64_t ldh) {
   const HeadSpec& h = p.heads;
   const int64_t dk = h.head_dim, G = h.group_size(), rows = G * seq.new_tokens;
   thread_local std::vector<SplitRow> splits;  // reused: a decode step merges every (sequence, KV head) pair
-  splits.resize(end - begin);
+  // Its group's shared units first (their rows row0.. of the stacked ones), then its own.
+  const int64_t group = plan.group_of[seq_index], row0 = plan.row0_of[seq_index];
+  const int64_t shared_begin = group >= 0 ? plan.group_units[group] : 0;
+  const int64_t shared = group >= 0 ? plan.group_units[group + 1] - shared_begin : 0;
+  const int64_t stacked = group >= 0 ? plan.groups[group].rows : 0;
+  splits.resize(shared + end - begin);
   for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t u = 0; u < shared; ++u) {
+      const float* acc = partials + plan.shared_units[shared_begin + u].partial + g * PartialFloats(h, stacked);
+      const int64_t row = row0 + r;
+      splits[u] = {acc + row * dk, acc[stacked * dk + row], acc[stacked * dk + stacked + row],
+                   acc + stacked * (dk + 2) + row * kernels::kStatsPerRow};
+    }
     for (int64_t u = begin; u < end; ++u) {
-      const float* acc = partials + plan.units[u].partial + g * HeadPartial(h, rows);
-      splits[u - begin] = {acc + r * dk, acc[rows * dk + r], acc[rows * dk + rows + r],
-                           acc + rows * (dk + 2) + r * kernels::kStatsPerRow};
+      const float* acc = partials + plan.units[u].partial + g * PartialFloats(h, rows);
+      splits[shared + u - begin] = {acc + r * dk, acc[rows * dk + r], acc[rows * dk + rows + r],
+                                    acc + rows * (dk + 2) + r * kernels::kStatsPerRow};
     }
     const int64_t stats_row = (g * G + r % G) * seq.new_tokens + r / G;  // in the sequence's [H, n]
     MergeRow(splits, dk, plan.log2_units, seq, stats_row, heads + (first_row + r / G) * ldh + (g * G + r % G) * dk);
@@ -194,9 +246,22 @@ absl::Status DecodeSequences(const kernels::TileKernels& tiles, const kernels::P
                              const PagedProblem& p, absl::Span<const PagedSequence> sequences, const PagedRows& rows,
                              const float* q, int64_t ldq, float* heads, int64_t ldh, const StopSignal* stop) {
   const DecodePlan plan = PlanDecode(p, sequences, omp_get_max_threads());
-  if (plan.units.empty()) return absl::OkStatus();
+  if (plan.seq_index.empty()) return absl::OkStatus();
   std::vector<float> partials(plan.partial_floats);
   std::atomic<bool> stopped{false};
+  const int64_t shared_units = static_cast<int64_t>(plan.shared_units.size());
+#pragma omp parallel for schedule(dynamic, 1) if (shared_units > 0)
+  for (int64_t u = 0; u < shared_units; ++u) {
+    if (stopped.load(std::memory_order_relaxed)) continue;
+    if (stop != nullptr && !stop->Check().ok()) {
+      stopped = true;
+      continue;
+    }
+    const SharedUnit& unit = plan.shared_units[u];
+    RunSharedBlocks(tiles, decode, p, plan.groups[unit.group], sequences, rows.first_row, q, ldq, plan.q_scale,
+                    plan.log2_units, unit.b0, unit.b1, partials.data() + unit.partial);
+  }
+  if (stopped) return stop->Check();
   const int64_t units = static_cast<int64_t>(plan.units.size());
   // Round robin, so that a thread knows its next unit and streams its first block in while it ends this one. The
   // units are about equal (whole sequences of a batch, or equal splits of a long one).
@@ -219,7 +284,7 @@ absl::Status DecodeSequences(const kernels::TileKernels& tiles, const kernels::P
 #pragma omp parallel for schedule(static) if (decoding * Hkv > 1)
   for (int64_t pair = 0; pair < decoding * Hkv; ++pair) {
     const int64_t d = pair / Hkv, s = plan.seq_index[d];
-    MergeHead(p, plan, plan.seq_units[d], plan.seq_units[d + 1], pair % Hkv, sequences[s], rows.first_row[s],
+    MergeHead(p, plan, plan.seq_units[d], plan.seq_units[d + 1], pair % Hkv, s, sequences[s], rows.first_row[s],
               partials.data(), heads, ldh);
   }
   return absl::OkStatus();
@@ -394,9 +459,10 @@ int64_t PagedAttendBytes(const kernels::TileKernels& fp32_tiles, const PagedProb
   const int64_t dk = h.head_dim;
   // Decode: partial results of up to kUnitsPerThread * threads splits per pair, and each thread's scratch.
   const int64_t splits = std::max<int64_t>(1, kUnitsPerThread * threads);
-  const int64_t decode = p.sequences * h.num_kv_heads * splits * HeadPartial(h, kDecodeRows) +
+  // The shared blocks' partial states as many again (their stacked rows are the members' rows).
+  const int64_t decode = 2 * p.sequences * h.num_kv_heads * splits * PartialFloats(h, kDecodeRows) +
                          threads * kDecodeRows * (h.num_kv_heads * dk + p.cache.block_tokens + 1);
-  const int64_t prefill = threads * PrefillBytesPerThread(p);
+  const int64_t prefill = threads * (PrefillBytesPerThread(p) + SharedBlocksBytesPerThread(p));
   // Gather (weights asked for, or blocks no paged kernel takes): one sequence's cache in fp32, its weights before
   // encoding, the tile kernels' scratch.
   if (!p.return_weights && p.cache.block_tokens % 16 == 0) {
