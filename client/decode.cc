@@ -178,6 +178,11 @@ class DecodeRun {
       }
     }
     report->prefill_seconds = Since(start);
+    if (o_.shared_prefix == 0) return absl::OkStatus();
+    absl::StatusOr<v1::GetServerInfoResponse> info = clients_[0]->GetServerInfo();
+    if (!info.ok()) return info.status();
+    report->pool_used_bytes = info->kv_cache().used_bytes();
+    report->pool_prefix_bytes = info->kv_cache().prefix_bytes();
     return absl::OkStatus();
   }
 
@@ -678,6 +683,8 @@ std::string FormatDecodePretty(const DecodeReport& r) {
                           o.shared_prefix, r.attached_tokens, asked,
                           asked > 0 ? 100.0 * r.attached_tokens / asked : 0.0, r.block_tokens, r.attached_bytes / 1e6,
                           r.attach_seconds_max * 1e3);
+    absl::StrAppendFormat(&text, "            the server's pool after the prefill: %.1f MB in use, %.1f MB of it findable "
+                          "by prefix key\n", r.pool_used_bytes / 1e6, r.pool_prefix_bytes / 1e6);
   }
   absl::StrAppendFormat(&text, "  decode    %.1f tokens/s (%d tokens in %.3f s), %d errors\n", r.tokens_per_second,
                         r.decode_tokens, r.decode_seconds, r.errors);
@@ -748,7 +755,8 @@ std::string FormatDecodeJson(const DecodeReport& r) {
   if (o.shared_prefix > 0) {
     j["shared_prefix"] = {{"tokens", o.shared_prefix}, {"block_tokens", r.block_tokens},
                           {"attached_tokens", r.attached_tokens}, {"attached_bytes", r.attached_bytes},
-                          {"attach_ms_max", r.attach_seconds_max * 1e3}};
+                          {"attach_ms_max", r.attach_seconds_max * 1e3}, {"pool_used_bytes", r.pool_used_bytes},
+                          {"pool_prefix_bytes", r.pool_prefix_bytes}};
   }
   return j.dump(2) + "\n";
 }

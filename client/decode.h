@@ -98,6 +98,9 @@ struct DecodeReport {
   int64_t attached_tokens = 0;
   double attached_bytes = 0;
   double attach_seconds_max = 0;  // the slowest CreateSession that attached tokens, round trip
+  // The server's pool after the prefill (GetServerInfo.kv_cache, every client's sessions): bytes in use, and of
+  // those in blocks findable by prefix key.
+  int64_t pool_used_bytes = 0, pool_prefix_bytes = 0;
 };
 
 // Runs the workload (creating and closing its sessions). Errors of the set-up (CreateSession, a prefill call) are

@@ -48,6 +48,20 @@ def test_decode_through_an_8_bit_cache_checks_and_counts_its_scales(server, run_
     assert report["kv_bytes_read"] == pytest.approx(2 * sum(64 + s + 1 for s in range(3)) * per_token)  # 2 sessions
 
 
+def test_decode_with_a_shared_prefix_attaches_its_full_blocks_and_checks(server, run_cli):
+    report = decode(run_cli, server, "--sessions", "3", "--context", "100", "--shared_prefix", "70", "--steps", "3",
+                    "--heads", "8", "--kv_heads", "2", "--head_dim", "32", "--num_layers", "2", "--seed", "53",
+                    "--check")
+    shared = report["shared_prefix"]
+    # Blocks of 32: 70 shared tokens are 2 full blocks, which the second and third sessions attach.
+    assert shared["block_tokens"] == 32
+    assert shared["attached_tokens"] == 2 * 64
+    assert report["prefill_tokens"] == (100 + 2 * (100 - 64)) * 2  # per layer
+    assert shared["pool_prefix_bytes"] >= 64 * 2 * (2 * 2 * 32 * 2)  # 64 tokens of 2 layers, bf16 K and V, indexed
+    assert report["errors"] == 0
+    assert report["check"]["max_error"] <= report["check"]["tolerance"]
+
+
 def test_decode_pretty_report_names_what_it_measured(server, run_cli):
     result = run_cli("decode", "--target", server.target, "--sessions", "2", "--context", "32", "--steps", "2")
     assert result.returncode == 0, result.stderr
