@@ -64,6 +64,24 @@ TEST(PrefixKeysTest, ChainSha256OverFullBlocks) {
   EXPECT_TRUE(PrefixKeys(std::vector<int64_t>(31), 32).empty());
 }
 
+// Head sessions of 16 KV heads of 64: a 32-token fp32 block is 256 KiB.
+v1::CreateSessionRequest Big(const std::string& id, const std::vector<std::string>& keys) {
+  v1::CreateSessionRequest r;
+  r.set_session_id(id);
+  r.mutable_heads()->set_num_heads(16);
+  r.mutable_heads()->set_num_kv_heads(16);
+  r.mutable_heads()->set_head_dim(64);
+  return WithKeys(r, keys);
+}
+v1::ExtendItem BigTokens(const std::string& id, int64_t n, uint32_t seed = 1) {
+  v1::ExtendItem item;
+  item.set_session_id(id);
+  SetTensor(item.mutable_q(), {n, 16, 64}, seed);
+  SetTensor(item.mutable_k(), {n, 16, 64}, seed + 1);
+  SetTensor(item.mutable_v(), {n, 16, 64}, seed + 2);
+  return item;
+}
+
 class PrefixCacheTest : public SessionTest {
  protected:
   // A head session created with `keys` (and `salt`); returns its info.
@@ -252,21 +270,6 @@ class PrefixEvictionTest : public PrefixCacheTest {
     options.kv_cache_mb = 2;
     StartServer(options);
   }
-  static v1::CreateSessionRequest Big(const std::string& id, const std::vector<std::string>& keys) {
-    v1::CreateSessionRequest r = WithKeys(HeadSession(id), keys);
-    r.mutable_heads()->set_num_heads(16);
-    r.mutable_heads()->set_num_kv_heads(16);
-    r.mutable_heads()->set_head_dim(64);
-    return r;
-  }
-  static v1::ExtendItem BigTokens(const std::string& id, int64_t n, uint32_t seed = 1) {
-    v1::ExtendItem item;
-    item.set_session_id(id);
-    SetTensor(item.mutable_q(), {n, 16, 64}, seed);
-    SetTensor(item.mutable_k(), {n, 16, 64}, seed + 1);
-    SetTensor(item.mutable_v(), {n, 16, 64}, seed + 2);
-    return item;
-  }
 };
 
 TEST_F(PrefixEvictionTest, IdleBlocksStayAsACacheAndGoBeforeIdleSessions) {
@@ -310,14 +313,21 @@ class PrefixScopeTest : public SessionTest {
 
   void SetUp() override { Start("token"); }
   void TearDown() override { std::filesystem::remove(tokens_); }
-  void Start(const std::string& scope) {
+  void Start(const std::string& scope, ServerOptions options = ServerOptions()) {
     spdlog::set_level(spdlog::level::warn);
     tokens_ = (std::filesystem::temp_directory_path() / ("mha-prefix-tokens-" + std::to_string(getpid()))).string();
     std::ofstream(tokens_) << kAlice << "\n" << kMallory << "\n";
-    ServerOptions options;
     options.auth_tokens_file = tokens_;
     options.prefix_cache_scope = scope;
     StartServer(options);
+  }
+  grpc::Status CloseAs(const char* token, const std::string& id) {
+    grpc::ClientContext context;
+    context.AddMetadata("authorization", std::string("Bearer ") + token);
+    v1::CloseSessionRequest r;
+    r.set_session_id(id);
+    v1::CloseSessionResponse response;
+    return stub_->CloseSession(&context, r, &response);
   }
   grpc::Status CreateAs(const char* token, const v1::CreateSessionRequest& r, v1::SessionInfo* info) {
     grpc::ClientContext context;
@@ -387,6 +397,29 @@ TEST_F(PrefixScopeTest, AServerScopeSharesAcrossTokens) {
   ASSERT_TRUE(ExtendAs(kAlice, ExtendOf({Tokens("a", 0, 64)}), &response).ok());
   EXPECT_EQ(OpenAs(kMallory, "m"), 64);
   EXPECT_EQ(OpenAs(kMallory, "salted", "tenant-b"), 0);
+}
+
+// A block Alice filled stays charged to her while her sessions hold it. When her last session ends while Mallory's
+// (server scope) still holds it, the charge ends with her: coming back, she is held to her cap as anyone new is, not
+// given the block's bytes back when Mallory lets it go.
+TEST_F(PrefixScopeTest, ATokenIsNotUnderchargedForBlocksItsEndedSessionsFilled) {
+  ServerOptions options;
+  options.kv_cache_mb = 2;             // 256 KiB chunks: a block each
+  options.kv_cache_mb_per_token = 1;   // 4 blocks, less the block tables: 3
+  Start("server", options);
+  v1::SessionInfo info;
+  v1::ExtendResponse response;
+  ASSERT_TRUE(CreateAs(kAlice, Big("prompt", Keys(2)), &info).ok());
+  ASSERT_TRUE(ExtendAs(kAlice, ExtendOf({BigTokens("prompt", 64)}), &response).ok());
+  ASSERT_TRUE(CreateAs(kMallory, Big("reader", Keys(2)), &info).ok());
+  ASSERT_EQ(info.attached_tokens(), 64);
+  ASSERT_TRUE(CloseAs(kAlice, "prompt").ok());
+  ASSERT_TRUE(CreateAs(kAlice, Big("again", {}), &info).ok());
+  ASSERT_TRUE(ExtendAs(kAlice, ExtendOf({BigTokens("again", 96)}), &response).ok());
+  ASSERT_TRUE(CloseAs(kMallory, "reader").ok());  // the prompt's blocks turn idle
+  const grpc::Status past_cap = ExtendAs(kAlice, ExtendOf({BigTokens("again", 32)}), &response);
+  EXPECT_EQ(past_cap.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << past_cap.error_message();
+  EXPECT_THAT(past_cap.error_message(), ::testing::HasSubstr("--kv_cache_mb_per_token"));
 }
 
 }  // namespace

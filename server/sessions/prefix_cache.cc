@@ -18,15 +18,22 @@ char* PrefixCache::Find(const std::string& entry) const {
 
 bool PrefixCache::Insert(const std::string& entry, char* block, int64_t bytes, const std::string& owner) {
   if (entries_.count(entry) != 0 || by_block_.count(block) != 0) return false;
-  entries_[entry] = {block, bytes, owner, 0};
+  entries_[entry] = {block, bytes, owner, true, 0};
   by_block_[block] = entry;
   bytes_ += bytes;
   table_bytes_ += EntryBytes(entry);
   return true;
 }
 
-const std::string& PrefixCache::ChargedOwner(const char* block) const {
-  return entries_.at(by_block_.at(block)).owner;
+const std::string* PrefixCache::ChargedOwner(const char* block) const {
+  const Entry& e = entries_.at(by_block_.at(block));
+  return e.charged ? &e.owner : nullptr;
+}
+
+void PrefixCache::ForgetOwner(const std::string& owner) {
+  for (auto& [key, e] : entries_) {
+    if (e.charged && e.owner == owner) e.charged = false;
+  }
 }
 
 bool PrefixCache::IsIdle(const char* block) const {
@@ -38,6 +45,7 @@ void PrefixCache::MarkIdle(const char* block) {
   Entry& e = entries_.at(by_block_.at(block));
   if (e.idle_seq != 0) return;
   e.owner.clear();
+  e.charged = false;
   e.idle_seq = next_seq_++;
   idle_[e.idle_seq] = e.block;
   idle_bytes_ += e.bytes;
@@ -49,6 +57,7 @@ void PrefixCache::MarkUsed(const char* block, const std::string& owner) {
   idle_.erase(e.idle_seq);
   e.idle_seq = 0;
   e.owner = owner;
+  e.charged = true;
   idle_bytes_ -= e.bytes;
 }
 

@@ -33,8 +33,12 @@ class PrefixCache {
   // taken or the block is indexed already. The caller has added the index's reference.
   bool Insert(const std::string& entry, char* block, int64_t bytes, const std::string& owner);
   bool Contains(const char* block) const { return by_block_.count(block) != 0; }
-  // The token charged for an indexed block (empty while idle, or for the token-less server's sole caller).
-  const std::string& ChargedOwner(const char* block) const;
+  // The token charged for an indexed block, if any: none while idle, or once that token's last session ended while
+  // another token's session still holds the block (ForgetOwner).
+  const std::string* ChargedOwner(const char* block) const;
+  // `owner` holds no session any more: the blocks charged to it stay with the sessions of other tokens (a server
+  // scope), charged to nobody, so that a later entry of that token is not undercharged when they turn idle.
+  void ForgetOwner(const std::string& owner);
   // An indexed block is now referenced by the index alone: idle, charged to nobody, last in the LRU order.
   void MarkIdle(const char* block);
   // An idle indexed block is referenced by a session of `owner` again, which it is now charged to.
@@ -54,7 +58,8 @@ class PrefixCache {
   struct Entry {
     char* block = nullptr;
     int64_t bytes = 0;
-    std::string owner;      // charged; empty while idle
+    std::string owner;      // charged, when `charged`
+    bool charged = false;
     uint64_t idle_seq = 0;  // its place in idle_ while idle, else 0
   };
   static int64_t EntryBytes(const std::string& entry) { return static_cast<int64_t>(2 * entry.size() + 160); }

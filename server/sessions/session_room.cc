@@ -249,7 +249,10 @@ void SessionStore::Unref(char* block, int64_t bytes, const std::string& owner) {
   }
   // An indexed block that no session references any more: the index's alone, charged to nobody.
   if (pool_.RefCount(block) == 1 && prefix_.Contains(block) && !prefix_.IsIdle(block)) {
-    if (const auto it = owners_.find(prefix_.ChargedOwner(block)); it != owners_.end()) it->second.bytes -= bytes;
+    const std::string* charged = prefix_.ChargedOwner(block);
+    if (const auto it = charged != nullptr ? owners_.find(*charged) : owners_.end(); it != owners_.end()) {
+      it->second.bytes -= bytes;
+    }
     prefix_.MarkIdle(block);
   }
 }

@@ -440,7 +440,11 @@ void SessionStore::EndSession(std::map<std::string, Session>::iterator it, EndRe
     }
   }
   ChargeTables(s.owner, -s.table_bytes);
-  if (--owners_[s.owner].sessions == 0) owners_.erase(s.owner);
+  if (--owners_[s.owner].sessions == 0) {
+    owners_.erase(s.owner);
+    // Only a server scope shares indexed blocks across tokens: another's sessions may still hold some charged here.
+    if (options_.prefix_scope_server) prefix_.ForgetOwner(s.owner);
+  }
   if (ended_.size() >= kRecentEnds) {
     ended_.erase(end_order_.front());
     end_order_.pop_front();
