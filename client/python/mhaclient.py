@@ -79,8 +79,10 @@ Example::
 
 import collections
 import concurrent.futures
+import hashlib
 import math
 import queue
+import struct
 import threading
 import time
 
@@ -174,9 +176,6 @@ def prefix_keys(token_ids, block_tokens, extra=b""):
     little-endian integers), 32 bytes each, as the C++ client's mha::PrefixKeys. block_tokens: the server's
     kv_block_tokens (MhaClient.server_info()["limits"]["kv_block_tokens"]). extra (bytes or str): what else the
     blocks depend on (the model, a LoRA adapter)."""
-    import hashlib
-    import struct
-
     if int(block_tokens) < 1:
         raise ValueError("block_tokens must be >= 1, got %r" % block_tokens)
     extra = extra.encode() if isinstance(extra, str) else bytes(extra)
