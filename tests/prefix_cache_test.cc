@@ -161,6 +161,19 @@ TEST_F(PrefixCacheTest, EveryCacheAttachesTheSameRun) {
   EXPECT_THAT(third.lengths(), ::testing::ElementsAre(64, 64));
 }
 
+// A fork keeps the keys of its full blocks only: the keys its source was given for later blocks describe the
+// source's tokens to come, not the fork's.
+TEST_F(PrefixCacheTest, AForkDoesNotPublishItsOwnTokensUnderItsSourcesLaterKeys) {
+  Open("source", Keys(3));
+  Fill("source", 0, 40);
+  v1::SessionInfo fork;
+  ASSERT_TRUE(Fork("source", "fork", &fork).ok());
+  Fill("fork", 40, 96, /*prompt=*/9);  // other tokens where the prompt's blocks 1 and 2 go
+  EXPECT_EQ(Open("reader", Keys(3)).attached_tokens(), 32);
+  Fill("source", 40, 96);  // the prompt's own tokens
+  EXPECT_EQ(Open("later", Keys(3)).attached_tokens(), 96);
+}
+
 TEST_F(PrefixCacheTest, KeysGivenByExtendPublishTheBlocksTheyName) {
   Open("first", {});
   v1::ExtendItem item = Tokens("first", 0, 64);

@@ -229,6 +229,11 @@ absl::StatusOr<v1::SessionInfo> SessionStore::Fork(const std::string& id, const 
   Session copy = *source;
   copy.id = fork_id;
   copy.table_bytes = 0;
+  // The keys of the blocks it holds full; those its source was given for later blocks describe the source's tokens
+  // to come, which the fork (beam search, other samples) need not append.
+  int64_t full = static_cast<int64_t>(copy.prefix_keys.size());
+  for (const Cache& cache : copy.caches) full = std::min(full, cache.length / cache.layout.block_tokens);
+  copy.prefix_keys.resize(static_cast<size_t>(full));
   const std::string key = SessionKey(copy.owner, fork_id);
   // Its block tables are new memory though its blocks are shared: they count against the pool like blocks.
   const int64_t tables = TableBytes(key, copy);
