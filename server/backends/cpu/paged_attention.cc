@@ -249,14 +249,16 @@ absl::Status DecodeSequences(const kernels::TileKernels& tiles, const kernels::P
   if (plan.seq_index.empty()) return absl::OkStatus();
   std::vector<float> partials(plan.partial_floats);
   std::atomic<bool> stopped{false};
+  // Polled before each unit: once `stop` says stop, the units left are skipped.
+  const auto Stopping = [&] {
+    if (stopped.load(std::memory_order_relaxed)) return true;
+    if (stop != nullptr && !stop->Check().ok()) stopped = true;
+    return stopped.load(std::memory_order_relaxed);
+  };
   const int64_t shared_units = static_cast<int64_t>(plan.shared_units.size());
 #pragma omp parallel for schedule(dynamic, 1) if (shared_units > 0)
   for (int64_t u = 0; u < shared_units; ++u) {
-    if (stopped.load(std::memory_order_relaxed)) continue;
-    if (stop != nullptr && !stop->Check().ok()) {
-      stopped = true;
-      continue;
-    }
+    if (Stopping()) continue;
     const SharedUnit& unit = plan.shared_units[u];
     RunSharedBlocks(tiles, decode, p, plan.groups[unit.group], sequences, rows.first_row, q, ldq, plan.q_scale,
                     plan.log2_units, unit.b0, unit.b1, partials.data() + unit.partial);
@@ -268,11 +270,7 @@ absl::Status DecodeSequences(const kernels::TileKernels& tiles, const kernels::P
   const int64_t threads = omp_get_max_threads();
 #pragma omp parallel for schedule(static, 1)
   for (int64_t u = 0; u < units; ++u) {
-    if (stopped.load(std::memory_order_relaxed)) continue;
-    if (stop != nullptr && !stop->Check().ok()) {
-      stopped = true;
-      continue;
-    }
+    if (Stopping()) continue;
     const Unit& unit = plan.units[u];
     const char* after = nullptr;
     if (u + threads < units) after = sequences[plan.units[u + threads].seq].blocks[plan.units[u + threads].b0];
