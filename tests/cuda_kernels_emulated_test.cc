@@ -240,28 +240,6 @@ const Case kCases[] = {
 INSTANTIATE_TEST_SUITE_P(Kernels, EmulatedKernelTest, ::testing::ValuesIn(kCases),
                          [](const ::testing::TestParamInfo<Case>& info) { return std::string(info.param.name); });
 
-// RoPE as the reference backend rotates (HeadSpec's definition, in double): rows of `row_stride` values, `heads`
-// heads of head_dim from each row's start, row r of each batch item at position first + r.
-std::vector<float> RotatedInDouble(const std::vector<float>& x, int64_t batch, int64_t rows, int64_t row_stride,
-                                   int64_t heads, int64_t head_dim, int64_t first, double theta, int64_t rope_dim,
-                                   bool interleaved) {
-  std::vector<float> y = x;
-  const int64_t half = rope_dim / 2;
-  for (int64_t row = 0; row < batch * rows; ++row) {
-    const double position = static_cast<double>(first + row % rows);
-    for (int64_t h = 0; h < heads; ++h) {
-      const int64_t base = row * row_stride + h * head_dim;
-      for (int64_t i = 0; i < half; ++i) {
-        const double angle = position * std::pow(theta, -2.0 * static_cast<double>(i) / static_cast<double>(rope_dim));
-        const int64_t a = base + (interleaved ? 2 * i : i), b = base + (interleaved ? 2 * i + 1 : i + half);
-        y[a] = static_cast<float>(x[a] * std::cos(angle) - x[b] * std::sin(angle));
-        y[b] = static_cast<float>(x[b] * std::cos(angle) + x[a] * std::sin(angle));
-      }
-    }
-  }
-  return y;
-}
-
 struct RopeCase {
   const char* name;
   v1::DataType dtype;
@@ -270,9 +248,38 @@ struct RopeCase {
   double theta;
   int64_t rope_dim;
   bool interleaved;
+  // A scaled table's two effects (rope_frequencies.h computes the real ones): every frequency divided by `stretch`,
+  // cos and sin multiplied by `attention_factor`.
+  double stretch = 1.0;
+  double attention_factor = 1.0;
+
+  double InvFreq(int64_t pair) const {
+    return std::pow(theta, -2.0 * static_cast<double>(pair) / static_cast<double>(rope_dim)) / stretch;
+  }
 
   friend std::ostream& operator<<(std::ostream& os, const RopeCase& c) { return os << c.name; }
 };
+
+// RoPE as the reference backend rotates (HeadSpec's definition, in double): rows of `row_stride` values, `heads`
+// heads of head_dim from each row's start, row r of each batch item at position first + r.
+std::vector<float> RotatedInDouble(const std::vector<float>& x, const RopeCase& c, int64_t row_stride) {
+  std::vector<float> y = x;
+  const int64_t half = c.rope_dim / 2;
+  for (int64_t row = 0; row < c.batch * c.rows; ++row) {
+    const double position = static_cast<double>(c.first + row % c.rows);
+    for (int64_t h = 0; h < c.heads; ++h) {
+      const int64_t base = row * row_stride + h * c.head_dim;
+      for (int64_t i = 0; i < half; ++i) {
+        const double angle = position * c.InvFreq(i);
+        const double cosine = std::cos(angle) * c.attention_factor, sine = std::sin(angle) * c.attention_factor;
+        const int64_t a = base + (c.interleaved ? 2 * i : i), b = base + (c.interleaved ? 2 * i + 1 : i + half);
+        y[a] = static_cast<float>(x[a] * cosine - x[b] * sine);
+        y[b] = static_cast<float>(x[b] * cosine + x[a] * sine);
+      }
+    }
+  }
+  return y;
+}
 
 class EmulatedRopeTest : public ::testing::TestWithParam<RopeCase> {};
 
@@ -281,12 +288,16 @@ TEST_P(EmulatedRopeTest, MatchesTheDefinition) {
   const int64_t row_stride = c.heads * c.head_dim + c.extra_columns;
   // The wire's values (rounded to the dtype), so that the only rounding left is the rotated values' own.
   const std::vector<uint8_t> input = Encode(testing::RandomVector(c.batch * c.rows * row_stride, 17), c.dtype);
-  const std::vector<float> want = RotatedInDouble(Decode(input, c.dtype), c.batch, c.rows, row_stride, c.heads,
-                                                  c.head_dim, c.first, c.theta, c.rope_dim, c.interleaved);
+  const std::vector<float> want = RotatedInDouble(Decode(input, c.dtype), c, row_stride);
+  cuda::RopeTable table;
+  for (int64_t i = 0; i < c.rope_dim / 2; ++i) table.inv_freq[i] = c.InvFreq(i);
+  table.attention_factor = c.attention_factor;
+  table.rope_dim = c.rope_dim;
+  table.interleaved = c.interleaved;
   std::vector<uint8_t> x = input;
-  ASSERT_EQ(cuda::LaunchRope(x.data(), c.dtype, c.batch, c.rows, row_stride, c.heads, c.head_dim, c.first, c.theta,
-                             c.rope_dim, c.interleaved, nullptr),
-            cudaSuccess);
+  ASSERT_EQ(
+      cuda::LaunchRope(x.data(), c.dtype, c.batch, c.rows, row_stride, c.heads, c.head_dim, c.first, table, nullptr),
+      cudaSuccess);
   ASSERT_EQ(cudaStreamSynchronize(nullptr), cudaSuccess);
   // fp32: the angle in double shows (fp32 angles are off by 1e-3 rad at position 8192); 16-bit: one rounding.
   const double tolerance = c.dtype == v1::FP32 ? 2e-6 : c.dtype == v1::FP16 ? 1e-3 : 8e-3;
@@ -302,7 +313,25 @@ const RopeCase kRopeCases[] = {
     {"fp32_interleaved_long_positions", v1::FP32, 1, 4, 2, 32, 0, 8190, 10000.0, 32, true},
     {"fp16_half_strided", v1::FP16, 2, 6, 4, 64, 128, 10, 10000.0, 64, false},
     {"bf16_interleaved_partial", v1::BF16, 3, 5, 2, 32, 0, 0, 10000.0, 24, true},
+    {"fp32_scaled_table", v1::FP32, 2, 6, 3, 16, 4, 1000, 10000.0, 12, false, 4.0, 1.3},
+    {"bf16_interleaved_scaled_table", v1::BF16, 1, 5, 2, 32, 0, 300, 500000.0, 32, true, 8.0, 0.9},
+    {"fp32_head_dim_256", v1::FP32, 1, 3, 2, 256, 0, 7, 10000.0, 256, false},
 };
+
+// A table holds kMaxRopePairs frequencies: a wider rotation, an odd or a negative rope_dim, or one past head_dim is
+// refused before anything runs.
+TEST(EmulatedRope, RefusesARopeDimTheTableCannotHold) {
+  std::vector<float> x(2 * 2 * cuda::kMaxHeadDim * 2, 1.0f);
+  for (int64_t rope_dim : {int64_t{2} * cuda::kMaxRopePairs + 2, int64_t{7}, int64_t{-2}, int64_t{34}}) {
+    cuda::RopeTable table;
+    table.rope_dim = rope_dim;
+    const int64_t head_dim = rope_dim == 34 ? 32 : 2 * cuda::kMaxHeadDim;
+    EXPECT_EQ(cuda::LaunchRope(x.data(), cuda::kF32, 1, 2, 2 * head_dim, 2, head_dim, 0, table, nullptr),
+              cudaErrorInvalidValue)
+        << rope_dim;
+  }
+  EXPECT_TRUE(std::all_of(x.begin(), x.end(), [](float v) { return v == 1.0f; }));
+}
 
 INSTANTIATE_TEST_SUITE_P(Rope, EmulatedRopeTest, ::testing::ValuesIn(kRopeCases),
                          [](const ::testing::TestParamInfo<RopeCase>& info) { return std::string(info.param.name); });

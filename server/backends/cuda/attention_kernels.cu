@@ -52,17 +52,17 @@ __device__ __forceinline__ float LoadAsFloat(const void* x, int dtype, int64_t i
 // RoPE (LaunchRope): one thread per rotated pair, grid-stride.
 template <typename T>
 __global__ void Rope(T* x, int64_t batch, int64_t rows, int64_t row_stride, int64_t heads, int64_t head_dim,
-                     int64_t first_position, double theta, int64_t rope_dim, bool interleaved) {
-  const int64_t half = rope_dim / 2;
+                     int64_t first_position, RopeTable table) {
+  const int64_t half = table.rope_dim / 2;
   const int64_t total = batch * rows * heads * half;
   for (int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; idx < total;
        idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t pair = idx % half, head = idx / half % heads, row = idx / (half * heads);  // row: b * rows + r
-    const double angle = static_cast<double>(first_position + row % rows) *
-                         pow(theta, -2.0 * static_cast<double>(pair) / static_cast<double>(rope_dim));
-    const float cosine = static_cast<float>(cos(angle)), sine = static_cast<float>(sin(angle));
+    const double angle = static_cast<double>(first_position + row % rows) * table.inv_freq[pair];
+    const float cosine = static_cast<float>(cos(angle) * table.attention_factor);
+    const float sine = static_cast<float>(sin(angle) * table.attention_factor);
     T* v = x + row * row_stride + head * head_dim;
-    const int64_t a = interleaved ? 2 * pair : pair, b = interleaved ? 2 * pair + 1 : pair + half;
+    const int64_t a = table.interleaved ? 2 * pair : pair, b = table.interleaved ? 2 * pair + 1 : pair + half;
     const float x0 = ToFloat(v[a]), x1 = ToFloat(v[b]);
     v[a] = FromFloat<T>(x0 * cosine - x1 * sine);
     v[b] = FromFloat<T>(x1 * cosine + x0 * sine);
@@ -194,22 +194,24 @@ cudaError_t LaunchAttentionWeights(const AttentionParams& p, void* weights, int 
 }
 
 cudaError_t LaunchRope(void* x, int dtype, int64_t batch, int64_t rows, int64_t row_stride, int64_t heads,
-                       int64_t head_dim, int64_t first_position, double theta, int64_t rope_dim, bool interleaved,
-                       cudaStream_t stream) {
+                       int64_t head_dim, int64_t first_position, const RopeTable& table, cudaStream_t stream) {
+  const int64_t rope_dim = table.rope_dim;
+  if (rope_dim > head_dim || rope_dim % 2 != 0 || rope_dim < 0 || rope_dim > 2 * kMaxRopePairs) {
+    return cudaErrorInvalidValue;
+  }
   const int64_t pairs = batch * rows * heads * (rope_dim / 2);
   if (pairs == 0) return cudaSuccess;
-  if (rope_dim > head_dim || rope_dim % 2 != 0 || !(theta > 0.0)) return cudaErrorInvalidValue;
   const unsigned grid = GridFor(pairs);
   switch (dtype) {
     case kF32:
       return Enqueue(Rope<float>, grid, 256, stream, static_cast<float*>(x), batch, rows, row_stride, heads, head_dim,
-                     first_position, theta, rope_dim, interleaved);
+                     first_position, table);
     case kF16:
       return Enqueue(Rope<__half>, grid, 256, stream, static_cast<__half*>(x), batch, rows, row_stride, heads,
-                     head_dim, first_position, theta, rope_dim, interleaved);
+                     head_dim, first_position, table);
     case kBF16:
       return Enqueue(Rope<__nv_bfloat16>, grid, 256, stream, static_cast<__nv_bfloat16*>(x), batch, rows, row_stride,
-                     heads, head_dim, first_position, theta, rope_dim, interleaved);
+                     heads, head_dim, first_position, table);
     default:
       return cudaErrorInvalidValue;
   }

@@ -21,23 +21,25 @@
 #include "server/backends/cuda/cuda_status.h"
 #include "server/backends/cuda/flash_plan.h"
 #include "server/backends/cuda/kernels.h"
+#include "server/backends/rope_frequencies.h"
 #include "server/backends/synthetic.h"
 
 namespace mha {
 namespace {
 
 // RoPE on a stateless call's projected or wire q and k on the device, in place: keys at 0..Tk-1, queries bottom-right
-// aligned at Tk-Tq..Tk-1 (the reference backend's RotateStateless).
+// aligned at Tk-Tq..Tk-1 (the reference backend's RotateStateless), with the frequencies of a Tk-token sequence.
 absl::Status RotateStateless(const AttentionShape& s, int dtype, char* q, int64_t q_row_stride, char* k,
                              int64_t kv_row_stride, cudaStream_t stream) {
   const HeadSpec& h = s.heads;
   if (!h.has_rope()) return absl::OkStatus();
+  const cuda::RopeTable table = cuda_internal::RopeTableOf(h, s.kv_len);
   RETURN_IF_CUDA_ERROR(cuda::LaunchRope(q, dtype, s.batch, s.q_len, q_row_stride, h.num_heads, h.head_dim,
-                                        s.kv_len - s.q_len, h.rope_theta, h.rope_dim, h.rope_interleaved, stream),
+                                        s.kv_len - s.q_len, table, stream),
                        "rotating the queries (RoPE)");
-  RETURN_IF_CUDA_ERROR(cuda::LaunchRope(k, dtype, s.batch, s.kv_len, kv_row_stride, h.num_kv_heads, h.head_dim, 0,
-                                        h.rope_theta, h.rope_dim, h.rope_interleaved, stream),
-                       "rotating the keys (RoPE)");
+  RETURN_IF_CUDA_ERROR(
+      cuda::LaunchRope(k, dtype, s.batch, s.kv_len, kv_row_stride, h.num_kv_heads, h.head_dim, 0, table, stream),
+      "rotating the keys (RoPE)");
   return absl::OkStatus();
 }
 
@@ -363,16 +365,18 @@ CudaBackend::~CudaBackend() = default;
 std::string CudaBackend::device() const { return impl_->Device(); }
 
 namespace cuda_internal {
-absl::Status CudaRopeSupport(const HeadSpec& h) {
-  if (!h.rope_scaling.scaled()) return absl::OkStatus();
-  return absl::UnimplementedError(absl::StrCat("the CUDA kernels rotate with plain rope_theta frequencies; rope_type '",
-                                               RopeTypeName(h.rope_scaling.type),
-                                               "' is computed on the CPU (BACKEND_AUTO picks it)"));
+cuda::RopeTable RopeTableOf(const HeadSpec& h, int64_t seq_len) {
+  cuda::RopeTable table;
+  const RopeFrequencies f = ComputeRopeFrequencies(h, seq_len);
+  std::copy(f.inv_freq.begin(), f.inv_freq.end(), table.inv_freq);
+  table.attention_factor = f.attention_factor;
+  table.rope_dim = h.rope_dim;
+  table.interleaved = h.rope_interleaved;
+  return table;
 }
 }  // namespace cuda_internal
 
 absl::Status CudaBackend::Supports(const AttentionProblem& problem) const {
-  RETURN_IF_ERROR_STATUS(cuda_internal::CudaRopeSupport(problem.shape.heads));
   RETURN_IF_ERROR_STATUS(cuda::CudaSupports(problem));
   const AttentionShape& s = problem.shape;
   // cuBLAS takes 32-bit dimensions: rows of the projections and their widths.

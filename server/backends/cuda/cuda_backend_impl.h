@@ -48,8 +48,9 @@ using cuda::CudaStatus;
     if (absl::Status _status = (expr); !_status.ok()) return _status; \
   } while (0)
 
-// OK, or UNIMPLEMENTED for scaled RoPE frequencies (computed on the host backends only so far).
-absl::Status CudaRopeSupport(const HeadSpec& h);
+// The kernels' RoPE frequencies for a sequence of seq_len tokens (rope_frequencies.h, every rope_type). h.has_rope()
+// must hold; rope_dim <= head_dim <= kMaxHeadDim, which PlanFlash and SupportsPaged check, fits the table.
+cuda::RopeTable RopeTableOf(const HeadSpec& h, int64_t seq_len);
 
 // Lane buffers above this size are freed when their call ends, so that one huge request does not pin its memory.
 inline constexpr int64_t kKeptLaneBytes = int64_t{1} << 30;

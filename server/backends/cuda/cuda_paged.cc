@@ -60,7 +60,8 @@ struct CudaBackend::Impl::PagedCall {
   cuda::PagedPlan plan;
   std::vector<cuda::PagedSequenceDesc> descs;
   std::vector<char*> table;  // device-addressable block pointers, sequences in order
-  Staged descs_in, units_in, table_in, qkv_in, x_in;
+  std::vector<double> rope;  // PagedParams::rope, empty without RoPE
+  Staged descs_in, units_in, table_in, rope_in, qkv_in, x_in;
   Staged heads_out, layer_out, weights_out;
   Staged stats_out[5];  // [H, n] per sequence, in `wanted`'s order
   Staged contribution_out;
@@ -77,7 +78,7 @@ struct CudaBackend::Impl::PagedCall {
     const int64_t rows = plan.rows, in_size = DTypeSize(pr.input_dtype);
     const int64_t qw = pr.heads.q_width(), width = qw + 2 * pr.heads.kv_width();
     Carver d(device), p(host);
-    for (Staged* x : {&descs_in, &units_in, &table_in, &qkv_in, &x_in, &heads_out, &layer_out, &weights_out,
+    for (Staged* x : {&descs_in, &units_in, &table_in, &rope_in, &qkv_in, &x_in, &heads_out, &layer_out, &weights_out,
                       &contribution_out, &stats_out[0], &stats_out[1], &stats_out[2], &stats_out[3], &stats_out[4]}) {
       x->device = d.Take(x->bytes);
       x->pinned = p.Take(x->bytes);
@@ -139,12 +140,18 @@ void DescribePaged(const PagedArgs& a, int multiprocessors, CudaBackend::Impl::P
     block += static_cast<int64_t>(seq.blocks.size());
     if (pr.return_weights) weights += h.num_heads * seq.new_tokens * seq.Keys();
     for (char* b : seq.blocks) c.table.push_back(b);
+    if (h.has_rope()) {
+      const cuda::RopeTable rope = RopeTableOf(h, seq.length + seq.new_tokens);
+      c.rope.insert(c.rope.end(), rope.inv_freq, rope.inv_freq + h.rope_dim / 2);
+      c.rope.push_back(rope.attention_factor);
+    }
   }
   const int64_t rows = c.plan.rows, qw = h.q_width(), width = qw + 2 * h.kv_width();
   if (c.layer) c.offsets = OffsetsFor(LayerShape(pr, rows), a.weights);
   c.descs_in.bytes = static_cast<int64_t>(c.descs.size() * sizeof(cuda::PagedSequenceDesc));
   c.units_in.bytes = static_cast<int64_t>(c.plan.units.size() * sizeof(cuda::PagedUnit));
   c.table_in.bytes = static_cast<int64_t>(c.table.size() * sizeof(char*));
+  c.rope_in.bytes = static_cast<int64_t>(c.rope.size() * sizeof(double));
   c.x_in.bytes = c.layer ? rows * pr.d_model * DTypeSize(pr.input_dtype) : 0;
   c.layer_out.bytes = c.layer ? rows * pr.d_model * 4 : 0;
   c.qkv_in.bytes = c.layer ? 0 : rows * width * 4;
@@ -170,6 +177,7 @@ absl::Status StagePaged(const PagedArgs& a, CudaBackend::Impl::PagedCall& c, cud
   RETURN_IF_ERROR_STATUS(CopyToDevice(c.descs_in, c.descs.data(), stream, "copying the sequences to the device"));
   RETURN_IF_ERROR_STATUS(CopyToDevice(c.units_in, c.plan.units.data(), stream, "copying the work units"));
   RETURN_IF_ERROR_STATUS(CopyToDevice(c.table_in, c.table.data(), stream, "copying the block table"));
+  RETURN_IF_ERROR_STATUS(CopyToDevice(c.rope_in, c.rope.data(), stream, "copying the RoPE frequencies"));
   const int64_t in_size = DTypeSize(pr.input_dtype), qw = pr.heads.q_width(), kvw = pr.heads.kv_width();
   const int64_t width = qw + 2 * kvw;
   for (size_t i = 0; i < a.sequences.size(); ++i) {
@@ -219,7 +227,7 @@ cuda::PagedParams ParamsOf(const PagedArgs& a, const CudaBackend::Impl::PagedCal
   p.cache_dtype = pr.cache.dtype;
   p.scale = h.scale;
   if (h.has_rope()) {
-    p.rope_theta = h.rope_theta;
+    p.rope = reinterpret_cast<const double*>(c.rope_in.device);
     p.rope_dim = static_cast<int>(h.rope_dim);
     p.rope_interleaved = h.rope_interleaved;
   }
@@ -389,7 +397,6 @@ absl::Status CudaBackend::Impl::FinishPaged(const PagedArgs& a, PagedCall& c, cu
 
 absl::Status CudaBackend::SupportsPaged(const PagedProblem& problem) const {
   const HeadSpec& h = problem.heads;
-  RETURN_IF_ERROR_STATUS(cuda_internal::CudaRopeSupport(h));
   if (problem.cache.Quantized()) {
     return absl::UnimplementedError(absl::StrCat("the CUDA paged kernels read fp32, fp16 and bf16 caches; a ",
                                                  DTypeName(problem.cache.dtype),

@@ -63,14 +63,24 @@ cudaError_t LaunchAttention(const AttentionParams& p, const FlashPlan& plan, cud
 // p.row_stats set wrote: the second pass of the weights-requested path.
 cudaError_t LaunchAttentionWeights(const AttentionParams& p, void* weights, int weights_dtype, cudaStream_t stream);
 
+// The rotary frequencies of one call, passed by value to the kernel (rope_frequencies.h computes them on the host:
+// one definition of every rope_type for all backends). Pair i < rope_dim / 2 turns by position * inv_freq[i]; cos
+// and sin are multiplied by attention_factor.
+inline constexpr int kMaxRopePairs = kMaxHeadDim / 2;
+struct RopeTable {
+  double inv_freq[kMaxRopePairs] = {};
+  double attention_factor = 1.0;
+  int64_t rope_dim = 0;  // even, at most 2 * kMaxRopePairs
+  bool interleaved = false;
+};
+
 // RoPE in place on head-packed rows of `dtype`: `batch` items of `rows` rows each, row r of item b at
 // (b * rows + r) * row_stride elements, `heads` heads of head_dim values from the row's start, at position
 // first_position + r. Pair i < rope_dim / 2 of each head, (i, i + rope_dim / 2) or (2i, 2i + 1) when interleaved,
-// turns by position * theta^(-2i / rope_dim): the angle in double (fp32 is off by 1e-3 rad at position 8192), the
-// rotation in fp32, rounded back to `dtype`.
+// turns by position * inv_freq[i]: the angle in double (fp32 is off by 1e-3 rad at position 8192), the rotation in
+// fp32 (cos and sin times the attention factor), rounded back to `dtype`.
 cudaError_t LaunchRope(void* x, int dtype, int64_t batch, int64_t rows, int64_t row_stride, int64_t heads,
-                       int64_t head_dim, int64_t first_position, double theta, int64_t rope_dim, bool interleaved,
-                       cudaStream_t stream);
+                       int64_t head_dim, int64_t first_position, const RopeTable& table, cudaStream_t stream);
 
 // Each head's share of a layer's output rows (backend.h's RowStats contribution): contribution_rows_by_heads[r, h]
 // = ||heads[r, h] W_O[h]|| / ||out[r]|| (0 for a zero output row), [rows, num_heads] row-major fp32 (the caller

@@ -40,10 +40,12 @@ __device__ __forceinline__ int64_t SequenceOfRow(const PagedParams& p, int64_t r
   return lo;
 }
 
-// Element d of head row x after RoPE at `position` (x itself without RoPE or past rope_dim): the rotation of pair
-// i by position * theta^(-2i / rope_dim), the angle in double as the host backends compute it, the product in fp32.
-__device__ __forceinline__ float RopedValue(const float* x, int64_t d, int64_t position, const PagedParams& p) {
-  if (p.rope_theta == 0 || d >= p.rope_dim) return x[d];
+// Element d of head row x after RoPE at `position` for sequence `seq` (x itself without RoPE or past rope_dim): the
+// rotation of pair i by position * inv_freq[i] (PagedParams::rope), the angle in double as the host backends compute
+// it, the product in fp32 with cos and sin times the attention factor.
+__device__ __forceinline__ float RopedValue(const float* x, int64_t d, int64_t position, int64_t seq,
+                                            const PagedParams& p) {
+  if (p.rope == nullptr || d >= p.rope_dim) return x[d];
   const int64_t half = p.rope_dim / 2;
   int64_t i, a, b;
   bool first;
@@ -58,8 +60,10 @@ __device__ __forceinline__ float RopedValue(const float* x, int64_t d, int64_t p
     a = i;
     b = i + half;
   }
-  const double angle = static_cast<double>(position) * pow(p.rope_theta, -2.0 * static_cast<double>(i) / p.rope_dim);
-  const float c = static_cast<float>(cos(angle)), s = static_cast<float>(sin(angle));
+  const double* frequencies = p.rope + seq * (half + 1);
+  const double angle = static_cast<double>(position) * frequencies[i];
+  const float c = static_cast<float>(cos(angle) * frequencies[half]);
+  const float s = static_cast<float>(sin(angle) * frequencies[half]);
   return first ? x[a] * c - x[b] * s : x[b] * c + x[a] * s;
 }
 
@@ -72,7 +76,8 @@ __device__ __forceinline__ int64_t PagedVisibleEnd(const PagedSequenceDesc& seq,
 template <typename CacheT>
 __global__ void __launch_bounds__(kPagedThreads) PagedAppendKernel(PagedParams p) {
   const int64_t row = blockIdx.x, g = blockIdx.y;
-  const PagedSequenceDesc seq = p.sequences[SequenceOfRow(p, row)];
+  const int64_t seq_index = SequenceOfRow(p, row);
+  const PagedSequenceDesc seq = p.sequences[seq_index];
   if (!seq.append) return;
   const int64_t dk = p.head_dim, bt = p.block_tokens, position = seq.length + (row - seq.row);
   CacheT* block = reinterpret_cast<CacheT*>(p.blocks[seq.block_offset + position / bt]);
@@ -81,7 +86,7 @@ __global__ void __launch_bounds__(kPagedThreads) PagedAppendKernel(PagedParams p
   const float* k = p.k + row * p.kv_stride + g * dk;
   const float* v = p.v + row * p.kv_stride + g * dk;
   for (int64_t d = threadIdx.x; d < dk; d += kPagedThreads) {
-    key[d * bt] = FromFloat<CacheT>(RopedValue(k, d, position, p));
+    key[d * bt] = FromFloat<CacheT>(RopedValue(k, d, position, seq_index, p));
     value[d] = FromFloat<CacheT>(v[d]);
   }
 }
@@ -179,7 +184,7 @@ __device__ __forceinline__ void LoadUnitQueries(const PagedParams& p, const Page
     float value = 0;
     if (r < rows && d < dk) {
       const int64_t token = u.token0 + r / u.heads, head = u.head0 + r % u.heads;
-      value = RopedValue(p.q + (seq.row + token) * p.q_stride + head * dk, d, seq.length + token, p);
+      value = RopedValue(p.q + (seq.row + token) * p.q_stride + head * dk, d, seq.length + token, u.seq, p);
     }
     q_shared[r][d] = value;
   }

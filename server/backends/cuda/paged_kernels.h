@@ -58,7 +58,9 @@ struct PagedParams {
   int64_t heads = 0, kv_heads = 0, head_dim = 0, block_tokens = 0;
   int cache_dtype = 1;  // DeviceDType (kernels.h): kF32, kF16, kBF16
   float scale = 1.0f;
-  double rope_theta = 0;  // 0: no RoPE
+  // RoPE: sequence s's frequencies at rope + s * (rope_dim / 2 + 1), its rope_dim / 2 inv_freq then its attention
+  // factor (rope_frequencies.h, for a sequence of length + new_tokens tokens: dynamic and longrope depend on it).
+  const double* rope = nullptr;  // null: no RoPE
   int rope_dim = 0;
   bool rope_interleaved = false;
   // Splits of the key range: split s of every unit covers keys [s * split_keys, (s + 1) * split_keys) (paged_plan.h
