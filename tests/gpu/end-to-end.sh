@@ -68,11 +68,12 @@ bench() {
   echo "$report"
   ((status == 0)) && grep -q ', errors 0)' <<<"$report"
 }
-# decode ARGS...: mha_client decode --backend cuda --cache_dtype bf16 --check: passes only when it exits 0, no call
-# failed and session 0's last step matched its reference.
+# decode DTYPE ARGS...: mha_client decode --backend cuda --cache_dtype DTYPE --check: passes only when it exits 0, no
+# call failed and session 0's last step matched its reference.
 decode() {
-  local report
-  report=$("$client" decode --target "$target" --backend cuda --cache_dtype bf16 --check "$@" 2>&1)
+  local report dtype=$1
+  shift
+  report=$("$client" decode --target "$target" --backend cuda --cache_dtype "$dtype" --check "$@" 2>&1)
   local status=$?
   echo "$report"
   ((status == 0)) && grep -q ' 0 errors$' <<<"$report" && grep -q '^  check .* OK$' <<<"$report"
@@ -92,10 +93,12 @@ for dtype in fp32 fp16 bf16; do
 done
 step "call --backend cuda --dtype bf16 --causal --weights --check" \
   "$client" call --target "$target" --backend cuda --dtype bf16 --batch 2 --seq 100 --causal --weights --check
-step "decode --backend cuda head sessions ${head_sessions[*]} --cache_dtype bf16 --check" \
-  decode "${head_sessions[@]}"
+for dtype in bf16 int8 fp8_e4m3; do
+  step "decode --backend cuda head sessions ${head_sessions[*]} --cache_dtype $dtype --check" \
+    decode "$dtype" "${head_sessions[@]}"
+done
 step "decode --backend cuda --session_layers demo ${layer_sessions[*]} --cache_dtype bf16 --check" \
-  decode --session_layers demo "${layer_sessions[@]}"
+  decode bf16 --session_layers demo "${layer_sessions[@]}"
 for backend in cuda cpu cuda cpu; do
   step "bench --backend $backend --dtype fp16 ${size[*]}" \
     bench --backend "$backend" --dtype fp16 "${size[@]}" "${calls[@]}"

@@ -46,7 +46,8 @@ emulated_cuda_targets() {  # emulated_cuda_targets <dir>
   local targets
   targets=$(ninja -C "$1" -t targets all 2>/dev/null)
   if grep -q '^backend_conformance_emulated_cuda_test:' <<<"$targets"; then
-    echo cuda_kernels_emulated_test cuda_backend_emulated_test backend_conformance_emulated_cuda_test paged_bench_emulated
+    echo cuda_kernels_emulated_test cuda_paged_quant_emulated_test cuda_backend_emulated_test \
+      backend_conformance_emulated_cuda_test paged_bench_emulated
   fi
 }
 

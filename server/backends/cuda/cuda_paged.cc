@@ -225,6 +225,10 @@ cuda::PagedParams ParamsOf(const PagedArgs& a, const CudaBackend::Impl::PagedCal
   p.head_dim = h.head_dim;
   p.block_tokens = pr.cache.block_tokens;
   p.cache_dtype = pr.cache.dtype;
+  if (pr.cache.Quantized()) {
+    p.key_part_bytes = pr.cache.KeyBytes();
+    p.head_part_bytes = pr.cache.HeadBytes();
+  }
   p.scale = h.scale;
   if (h.has_rope()) {
     p.rope = reinterpret_cast<const double*>(c.rope_in.device);
@@ -397,11 +401,6 @@ absl::Status CudaBackend::Impl::FinishPaged(const PagedArgs& a, PagedCall& c, cu
 
 absl::Status CudaBackend::SupportsPaged(const PagedProblem& problem) const {
   const HeadSpec& h = problem.heads;
-  if (problem.cache.Quantized()) {
-    return absl::UnimplementedError(absl::StrCat("the CUDA paged kernels read fp32, fp16 and bf16 caches; a ",
-                                                 DTypeName(problem.cache.dtype),
-                                                 " cache is computed on the CPU (BACKEND_AUTO picks it)"));
-  }
   if (h.head_dim > cuda::kMaxHeadDim) {
     return absl::UnimplementedError(
         absl::StrCat("the CUDA paged kernels compute head_dim up to ", cuda::kMaxHeadDim, ", got ", h.head_dim));

@@ -13,9 +13,9 @@
 namespace mha {
 namespace cuda {
 
-// Element types on the device, numbered as the wire's v1::DataType (FP32 = 1, FP16 = 2, BF16 = 3), so that the
-// kernels need no protobuf header.
-enum DeviceDType : int { kF32 = 1, kF16 = 2, kBF16 = 3 };
+// Element types on the device, numbered as the wire's v1::DataType (FP32 = 1, FP16 = 2, BF16 = 3; the 8-bit cache
+// dtypes INT8 = 4, FP8_E4M3 = 5, FP8_E5M2 = 6, for sessions' caches only), so that the kernels need no protobuf header.
+enum DeviceDType : int { kF32 = 1, kF16 = 2, kBF16 = 3, kI8 = 4, kE4M3 = 5, kE5M2 = 6 };
 
 // One attention call on head-packed rows. Token t of batch item b starts at (b * T + t) * row_stride elements;
 // head h's d_k values follow at h * head_dim (kv head for k and v). Rows may be wider than the heads (the fused

@@ -23,6 +23,9 @@ cudaError_t LaunchPagedAppend(const PagedParams& p, cudaStream_t stream) {
   if (p.rows == 0 || p.kv_heads == 0) return cudaSuccess;
   if (p.rows > kMaxGridX || p.kv_heads > kMaxGridYZ) return cudaErrorInvalidValue;
   const dim3 grid(static_cast<unsigned>(p.rows), static_cast<unsigned>(p.kv_heads));
+  const dim3 sequences_grid(static_cast<unsigned>(p.num_sequences), static_cast<unsigned>(p.kv_heads));
+  const bool code8 = p.cache_dtype == kI8 || p.cache_dtype == kE4M3 || p.cache_dtype == kE5M2;
+  if (code8 && (p.key_part_bytes <= 0 || p.head_part_bytes <= p.key_part_bytes)) return cudaErrorInvalidValue;
   switch (p.cache_dtype) {
     case kF32:
       return Enqueue(device::PagedAppendKernel<float>, grid, device::kPagedThreads, stream, p);
@@ -30,6 +33,12 @@ cudaError_t LaunchPagedAppend(const PagedParams& p, cudaStream_t stream) {
       return Enqueue(device::PagedAppendKernel<__half>, grid, device::kPagedThreads, stream, p);
     case kBF16:
       return Enqueue(device::PagedAppendKernel<__nv_bfloat16>, grid, device::kPagedThreads, stream, p);
+    case kI8:
+      return Enqueue(device::PagedQuantAppendKernel<kI8>, sequences_grid, device::kPagedThreads, stream, p);
+    case kE4M3:
+      return Enqueue(device::PagedQuantAppendKernel<kE4M3>, sequences_grid, device::kPagedThreads, stream, p);
+    case kE5M2:
+      return Enqueue(device::PagedQuantAppendKernel<kE5M2>, sequences_grid, device::kPagedThreads, stream, p);
     default:
       return cudaErrorInvalidValue;
   }
@@ -50,6 +59,15 @@ cudaError_t LaunchPagedAttention(const PagedParams& p, cudaStream_t stream) {
       break;
     case kBF16:
       split = device::SplitKernelFor<__nv_bfloat16>(p.head_dim);
+      break;
+    case kI8:
+      split = device::SplitKernelFor<device::Code8<kI8>>(p.head_dim);
+      break;
+    case kE4M3:
+      split = device::SplitKernelFor<device::Code8<kE4M3>>(p.head_dim);
+      break;
+    case kE5M2:
+      split = device::SplitKernelFor<device::Code8<kE5M2>>(p.head_dim);
       break;
     default:
       break;

@@ -17,6 +17,7 @@
 
 #include "server/backends/cuda/attention_kernels.cuh"
 #include "server/backends/cuda/paged_kernels.h"
+#include "server/backends/cuda/paged_quant.cuh"
 
 namespace mha {
 namespace cuda {
@@ -91,6 +92,33 @@ __global__ void __launch_bounds__(kPagedThreads) PagedAppendKernel(PagedParams p
   }
 }
 
+// An 8-bit cache's append: one block per appending sequence (grid.x) and KV head (grid.y), going through the blocks
+// its new tokens land in, each block's tokens in one write as every backend writes them (quant::WriteTokens): the
+// threads take the key channels (each channel's scale is the block's, grown by its new keys after RoPE), then the
+// new tokens' value rows (a scale per token).
+template <int kDtype>
+__global__ void __launch_bounds__(kPagedThreads) PagedQuantAppendKernel(PagedParams p) {
+  const int64_t seq_index = blockIdx.x, g = blockIdx.y;
+  const PagedSequenceDesc seq = p.sequences[seq_index];
+  if (!seq.append) return;
+  const int64_t dk = p.head_dim, bt = p.block_tokens, depth = (dk + 1) / 2 * 2, last = seq.length + seq.new_tokens;
+  for (int64_t t0 = seq.length; t0 < last;) {
+    const int64_t t1 = last < (t0 / bt + 1) * bt ? last : (t0 / bt + 1) * bt;
+    uint8_t* key_part = reinterpret_cast<uint8_t*>(p.blocks[seq.block_offset + t0 / bt]) + g * p.head_part_bytes;
+    const int64_t row0 = seq.row + (t0 - seq.length);
+    for (int64_t c = threadIdx.x; c < depth; c += kPagedThreads) {
+      const auto key = [&](int64_t i) {
+        return RopedValue(p.k + (row0 + i) * p.kv_stride + g * dk, c, t0 + i, seq_index, p);
+      };
+      WriteKeyChannel<kDtype>(key_part, c, dk, bt, t0 % bt, t1 - t0, key);
+    }
+    for (int64_t i = threadIdx.x; i < t1 - t0; i += kPagedThreads) {
+      WriteValueRow<kDtype>(key_part + p.key_part_bytes, t0 % bt + i, dk, bt, p.v + (row0 + i) * p.kv_stride + g * dk);
+    }
+    t0 = t1;
+  }
+}
+
 // 16 bytes of cache elements (aligned) as floats.
 template <typename CacheT>
 __device__ __forceinline__ void LoadVector(const CacheT* src, float* dst) {
@@ -139,6 +167,17 @@ __device__ __forceinline__ void LoadTile(const PagedParams& p, char* const* bloc
       value = ToFloat(kKey ? block[d * bt + j % bt] : block[j % bt * dk + d]);
     }
     tile[kKey ? d * (kTile + 1) + jj : jj * kDim + d] = value;
+  }
+}
+
+// LoadTile for the split kernel's cache type: elements, or an 8-bit cache's codes times their scales.
+template <typename CacheT, int kDim, bool kKey>
+__device__ __forceinline__ void LoadAnyTile(const PagedParams& p, char* const* blocks, int64_t base, int64_t t0,
+                                            int64_t end, float* tile) {
+  if constexpr (IsCode8<CacheT>::value) {
+    LoadCodeTile<CacheT::kCacheDtype, kDim, kKey>(p, blocks, base, t0, end, tile);
+  } else {
+    LoadTile<CacheT, kDim, kKey>(p, blocks, base, t0, end, tile);
   }
 }
 
@@ -233,7 +272,9 @@ __global__ void __launch_bounds__(kPagedThreads, 5) PagedSplitKernel(PagedParams
   const int64_t dk = p.head_dim, bt = p.block_tokens;
   const int rows = u.heads * u.tokens;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int64_t key_base = u.kv_head * 2 * dk * bt, value_base = key_base + dk * bt;
+  // KV head g's K and V within each block: elements of CacheT, or bytes of an 8-bit cache's parts.
+  const int64_t key_base = IsCode8<CacheT>::value ? u.kv_head * p.head_part_bytes : u.kv_head * 2 * dk * bt;
+  const int64_t value_base = key_base + (IsCode8<CacheT>::value ? p.key_part_bytes : dk * bt);
   char* const* blocks = p.blocks + seq.block_offset;
 
   LoadUnitQueries<kRows, kDim>(p, u, seq, q_shared);
@@ -246,8 +287,8 @@ __global__ void __launch_bounds__(kPagedThreads, 5) PagedSplitKernel(PagedParams
 
   for (int64_t t0 = begin; t0 < end; t0 += kTile) {
     __syncthreads();  // the previous tile's V (and, the first time, q_shared) is no longer read / now written
-    LoadTile<CacheT, kDim, true>(p, blocks, key_base, t0, end, tile);
-    if (kBothTiles) LoadTile<CacheT, kDim, false>(p, blocks, value_base, t0, end, v_tile);
+    LoadAnyTile<CacheT, kDim, true>(p, blocks, key_base, t0, end, tile);
+    if (kBothTiles) LoadAnyTile<CacheT, kDim, false>(p, blocks, value_base, t0, end, v_tile);
     __syncthreads();
     const int64_t j = t0 + lane;
     float score[kRowsPerWarp];
@@ -263,7 +304,7 @@ __global__ void __launch_bounds__(kPagedThreads, 5) PagedSplitKernel(PagedParams
     }
     if (!kBothTiles) {
       __syncthreads();  // every warp has read the K tile
-      LoadTile<CacheT, kDim, false>(p, blocks, value_base, t0, end, v_tile);
+      LoadAnyTile<CacheT, kDim, false>(p, blocks, value_base, t0, end, v_tile);
       __syncthreads();
     }
     #pragma unroll

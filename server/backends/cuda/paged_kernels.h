@@ -56,7 +56,9 @@ struct PagedParams {
   const float* v = nullptr;
   int64_t q_stride = 0, kv_stride = 0;
   int64_t heads = 0, kv_heads = 0, head_dim = 0, block_tokens = 0;
-  int cache_dtype = 1;  // DeviceDType (kernels.h): kF32, kF16, kBF16
+  int cache_dtype = 1;  // DeviceDType (kernels.h): kF32, kF16, kBF16, or the 8-bit kI8, kE4M3, kE5M2
+  // 8-bit caches (quantized_cache.h's layout): bytes of one KV head's K part, and of its K and V parts together.
+  int64_t key_part_bytes = 0, head_part_bytes = 0;
   float scale = 1.0f;
   // RoPE: sequence s's frequencies at rope + s * (rope_dim / 2 + 1), its rope_dim / 2 inv_freq then its attention
   // factor (rope_frequencies.h, for a sequence of length + new_tokens tokens: dynamic and longrope depend on it).
