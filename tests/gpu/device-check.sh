@@ -96,7 +96,7 @@ fi
 note "GPU: $(nvidia-smi -L | head -1)"
 
 # The GPU steps in order of priority (conformance, the sessions' decode benchmark, end to end, memcheck, flash_bench),
-# their timeouts adding up to 420 s so that the whole check fits one device call of at most 600 s with room to spare
+# their timeouts adding up to 480 s so that the whole check fits one device call of at most 600 s with room to spare
 # (bundle unpacking, cuBLAS search); the summary's last line says how long each took.
 step_seconds=
 # 2. Conformance: every case of the suite and the contract tests on the CUDA backend, against the reference; the
@@ -144,16 +144,24 @@ grep -q MISMATCH "$out/6-paged-bench.txt" && failed=1
 note "paged_bench: $(grep -c '^| [0-9]' "$out/6-paged-bench.txt") rows; $(grep -m1 '^copy D2D' "$out/6-paged-bench.txt")"
 note "paged_bench: $(grep -m1 '^decode at 32+' "$out/6-paged-bench.txt" || tail -1 "$out/6-paged-bench.txt")"
 step_seconds+="paged_bench $((SECONDS - started)) s, "
+# 6b. The 8-bit caches against bf16 in one run, at three sizes of 32+ sessions: tokens/s per size (target >= 1.7x).
+started=$SECONDS
+timeout 40 "$bin/paged_bench" --cache_dtype bf16,int8,fp8_e4m3 --shape 32:4096 --shape 32:16384 \
+  --shape 256:4096 --reps 10 --copy_mib 1024 >"$out/6b-paged-bench-8bit.txt" 2>&1 || failed=1
+grep -q MISMATCH "$out/6b-paged-bench-8bit.txt" && failed=1
+note "paged_bench 8-bit: $(grep -E '^(int8|fp8_e4m3) decode' "$out/6b-paged-bench-8bit.txt" | tr '\n' ' ')"
+step_seconds+="paged_bench 8-bit $((SECONDS - started)) s, "
 
 # 5. The whole layer through the gRPC server: CUDA against the CPU backend, fp16 on the wire, B=8 T=512 d=512; and
-# sessions on the CUDA backend (mha_client decode --check, head and layer sessions, bf16 caches), the KV cache in
+# sessions on the CUDA backend (mha_client decode --check, head sessions with bf16, int8 and fp8_e4m3 caches, layer
+# sessions with bf16), the KV cache in
 # CUDA managed memory by the server's log. The summary repeats the steps' count, the cache's place and tokens/s.
 started=$SECONDS
-timeout 80 bash "$root/tests/gpu/end-to-end.sh" "$bin/mha_server" "$bin/mha_client" >"$out/5-end-to-end.txt" 2>&1
+timeout 100 bash "$root/tests/gpu/end-to-end.sh" "$bin/mha_server" "$bin/mha_client" >"$out/5-end-to-end.txt" 2>&1
 status=$?
 ((status == 0)) || failed=1
 if ((status == 124)); then
-  note "end to end: stopped after 80 s ($(grep -c '^exit 0$' "$out/5-end-to-end.txt") steps had passed)"
+  note "end to end: stopped after 100 s ($(grep -c '^exit 0$' "$out/5-end-to-end.txt") steps had passed)"
 else
   note "$(tail -1 "$out/5-end-to-end.txt")"
 fi
@@ -162,15 +170,15 @@ note "end to end, sessions: $(grep -m1 -o 'KV cache: .*' "$out/5-end-to-end.txt"
   "layer $(grep -A4 '^## decode --backend cuda --session_layers' "$out/5-end-to-end.txt" | grep -m1 -o '[0-9.]* tokens/s' || echo '-')"
 step_seconds+="end to end $((SECONDS - started)) s, "
 
-# 3. compute-sanitizer memcheck on four small cases, two sessions' among them (a bf16 cache in 32-token blocks, the
-# paged kernels' append and split paths; a 2000-token cache split over the keys without append, with statistics),
-# beside an fp32 MHA call and a bf16 GQA causal masked one (the tensor-core kernel). It may be refused under some
+# 3. compute-sanitizer memcheck on five small cases, three sessions' among them (a bf16 cache in 32-token blocks, the
+# paged kernels' append and split paths; a 2000-token cache split over the keys without append, with statistics;
+# an int8 cache at head_dim 81), beside an fp32 MHA call and a bf16 GQA causal masked one (the tensor-core kernel). It may be refused under some
 # virtualisation; then say so. Run after the steps above: a timeout here (exit 124) is noted, not failed.
 started=$SECONDS
 sanitizer=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null || true)
 if [[ -n "$sanitizer" ]]; then
   timeout 40 "$sanitizer" --tool memcheck --error-exitcode 3 "$bin/backend_conformance_test" \
-    --gtest_filter='*mha_self_cuda:*gqa_causal_mask_bf16_to_bf16_cuda:*session_heads_decode_cache_bf16_block32_dk128_cuda:*decode_split_cache_without_append_cuda' \
+    --gtest_filter='*mha_self_cuda:*gqa_causal_mask_bf16_to_bf16_cuda:*session_heads_decode_cache_bf16_block32_dk128_cuda:*decode_split_cache_without_append_cuda:*session_heads_decode_dk81_mha_cache_int8_cuda' \
     --gtest_brief=1 >"$out/3-memcheck.txt" 2>&1
   status=$?
   note "memcheck: exit $status ($(grep -m1 -E 'ERROR SUMMARY' "$out/3-memcheck.txt" || echo 'no summary');" \
