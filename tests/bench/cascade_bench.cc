@@ -4,7 +4,7 @@
 // must read once (the prompt once, every session's own tokens) over the memory-read probe's median and its FLOPs
 // over the FMA peak. Each call's sessions are a copy no other call touched since (copies rotate over at least 2x the
 // last-level cache). Rounds interleave the probe and the cases; best and median are printed.
-//   build/bin/cascade_bench [--rounds 3] [--seconds 0.5] [--filter 32x2048]
+//   build/bin/cascade_bench [--rounds 3] [--seconds 0.5] [--filter "32x(2048"] (a part of the cases' names)
 #include <omp.h>
 
 #include <chrono>

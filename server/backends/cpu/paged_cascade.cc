@@ -2,10 +2,10 @@
 
 #include <algorithm>
 #include <limits>
-#include <map>
 
 #include "server/backends/cpu/paged_attention.h"
 #include "server/backends/cpu/scratch.h"
+#include "server/backends/shared_prefix.h"
 
 namespace mha::cpu {
 namespace {
@@ -46,27 +46,10 @@ void AddGroups(const PagedProblem& p, absl::Span<const PagedSequence> sequences,
 }  // namespace
 
 std::vector<SharedGroup> FindSharedPrefixes(const PagedProblem& p, absl::Span<const PagedSequence> sequences) {
-  const int64_t tb = p.cache.block_tokens;
-  // By first block: sequences that share any block share their first (a prefix is shared from its start).
-  std::map<const char*, std::vector<int64_t>> by_first;
-  for (size_t s = 0; s < sequences.size(); ++s) {
-    // Blocks below length / tb are full, and every row (append or not) sees all of their keys.
-    const PagedSequence& seq = sequences[s];
-    if (TakesDecodePath(p, seq) && seq.length >= tb) by_first[seq.blocks[0]].push_back(static_cast<int64_t>(s));
-  }
   std::vector<SharedGroup> groups;
-  for (const auto& [first, ids] : by_first) {
-    if (ids.size() < 2) continue;
-    const PagedSequence& lead = sequences[ids[0]];
-    int64_t blocks = lead.length / tb;
-    for (int64_t s : ids) {
-      const PagedSequence& seq = sequences[s];
-      int64_t common = 0;
-      const int64_t most = std::min(blocks, seq.length / tb);
-      while (common < most && seq.blocks[common] == lead.blocks[common]) ++common;
-      blocks = common;
-    }
-    AddGroups(p, sequences, ids, blocks, &groups);
+  const auto decoding = [&p](const PagedSequence& seq) { return TakesDecodePath(p, seq); };
+  for (const CommonPrefix& common : FindCommonPrefixes(sequences, p.cache.block_tokens, decoding)) {
+    AddGroups(p, sequences, common.members, common.blocks, &groups);
   }
   return groups;
 }
