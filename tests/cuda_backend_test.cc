@@ -345,6 +345,63 @@ TEST(PagedPlan, ManySequencesDoNotSplit) {
   EXPECT_GE(plan.split_keys, 4096);
 }
 
+// Cascade decode: six decoding sequences whose caches start with blocks A, B (five of them with C too), one that
+// starts with A but has two new tokens, one on other blocks, one alone.
+TEST(PagedPlan, SequencesStartingWithTheSameFullBlocksShareUnits) {
+  char a, b, c, other[6], alone;
+  std::vector<std::vector<char*>> tables;
+  for (int i = 0; i < 5; ++i) tables.push_back({&a, &b, &c, &other[i]});  // 60 tokens: A, B, C full
+  tables.push_back({&a, &b, &other[5]});                                   // 40 tokens: A, B full
+  tables.push_back({&a, &b, &c, &alone});                                  // two new tokens
+  tables.push_back({&alone, &b});
+  tables.push_back({&other[0]});
+  PagedProblem problem = DecodeProblem();
+  problem.cache.block_tokens = 16;
+  std::vector<PagedSequence> sequences(tables.size());
+  for (size_t i = 0; i < sequences.size(); ++i) {
+    sequences[i].blocks = tables[i];
+    sequences[i].length = i == 5 ? 40 : i == 7 ? 20 : i == 8 ? 10 : 60;
+    sequences[i].new_tokens = i == 6 ? 2 : 1;
+  }
+  const cuda::PagedPlan plan = cuda::PlanPaged(problem, sequences, 132);
+  EXPECT_THAT(plan.cascade, ::testing::UnorderedElementsAre(0, 1, 2, 3, 4, 5));
+  EXPECT_THAT(plan.shared_keys, ::testing::ElementsAre(32, 32, 32, 32, 32, 32, 0, 0, 0)) << "A and B: 2 x 16 keys";
+  // Own units: 8 KV heads of each sequence (the two-token one fits a unit too); shared: 8 x ceil(6 / 4).
+  ASSERT_EQ(plan.units.size(), 9u * 8 + 8 * 2);
+  std::map<std::pair<int, int>, int> covered;  // (sequence, head) -> shared units
+  for (const cuda::PagedUnit& u : plan.units) {
+    if (u.members == 0) continue;
+    EXPECT_EQ(u.heads, 4);
+    EXPECT_EQ(u.head0, u.kv_head * 4);
+    EXPECT_LE(u.members * u.heads, cuda::PagedRowsPerUnit(128));
+    for (int m = u.member0; m < u.member0 + u.members; ++m) {
+      for (int h = u.head0; h < u.head0 + u.heads; ++h) ++covered[{plan.cascade[m], h}];
+    }
+  }
+  EXPECT_EQ(covered.size(), 6u * 32);
+  for (const auto& [key, count] : covered) EXPECT_EQ(count, 1);
+  EXPECT_EQ(cuda::PagedSlotsOf(plan), 2 * plan.splits);
+}
+
+// A unit of 16 rows holds one sequence's group of 32 (MQA): stacking gains nothing, so nothing is stacked.
+TEST(PagedPlan, NoSharedUnitsWhenAGroupFillsAUnit) {
+  char a, b;
+  const std::vector<char*> table = {&a, &b};
+  PagedProblem problem = DecodeProblem();
+  problem.heads.num_kv_heads = 1;
+  problem.cache.block_tokens = 16;
+  std::vector<PagedSequence> sequences(2);
+  for (PagedSequence& seq : sequences) {
+    seq.blocks = table;
+    seq.length = 20;
+    seq.new_tokens = 1;
+  }
+  const cuda::PagedPlan plan = cuda::PlanPaged(problem, sequences, 132);
+  EXPECT_TRUE(plan.cascade.empty());
+  EXPECT_THAT(plan.shared_keys, ::testing::ElementsAre(0, 0));
+  EXPECT_EQ(cuda::PagedSlotsOf(plan), plan.splits);
+}
+
 TEST(PagedPlan, ShortCachesKeepOneSplitPerMinimumRange) {
   std::vector<char*> no_blocks;
   PagedSequence seq;

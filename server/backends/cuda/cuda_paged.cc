@@ -61,7 +61,7 @@ struct CudaBackend::Impl::PagedCall {
   std::vector<cuda::PagedSequenceDesc> descs;
   std::vector<char*> table;  // device-addressable block pointers, sequences in order
   std::vector<double> rope;  // PagedParams::rope, empty without RoPE
-  Staged descs_in, units_in, table_in, rope_in, qkv_in, x_in;
+  Staged descs_in, units_in, cascade_in, table_in, rope_in, qkv_in, x_in;
   Staged heads_out, layer_out, weights_out;
   Staged stats_out[5];  // [H, n] per sequence, in `wanted`'s order
   Staged contribution_out;
@@ -78,7 +78,7 @@ struct CudaBackend::Impl::PagedCall {
     const int64_t rows = plan.rows, in_size = DTypeSize(pr.input_dtype);
     const int64_t qw = pr.heads.q_width(), width = qw + 2 * pr.heads.kv_width();
     Carver d(device), p(host);
-    for (Staged* x : {&descs_in, &units_in, &table_in, &rope_in, &qkv_in, &x_in, &heads_out, &layer_out, &weights_out,
+    for (Staged* x : {&descs_in, &units_in, &cascade_in, &table_in, &rope_in, &qkv_in, &x_in, &heads_out, &layer_out, &weights_out,
                       &contribution_out, &stats_out[0], &stats_out[1], &stats_out[2], &stats_out[3], &stats_out[4]}) {
       x->device = d.Take(x->bytes);
       x->pinned = p.Take(x->bytes);
@@ -135,6 +135,7 @@ void DescribePaged(const PagedArgs& a, int multiprocessors, CudaBackend::Impl::P
     d.row = row;
     d.weights_offset = weights;
     d.append = seq.append ? 1 : 0;
+    d.shared_keys = c.plan.shared_keys[c.descs.size()];
     c.descs.push_back(d);
     row += seq.new_tokens;
     block += static_cast<int64_t>(seq.blocks.size());
@@ -150,6 +151,7 @@ void DescribePaged(const PagedArgs& a, int multiprocessors, CudaBackend::Impl::P
   if (c.layer) c.offsets = OffsetsFor(LayerShape(pr, rows), a.weights);
   c.descs_in.bytes = static_cast<int64_t>(c.descs.size() * sizeof(cuda::PagedSequenceDesc));
   c.units_in.bytes = static_cast<int64_t>(c.plan.units.size() * sizeof(cuda::PagedUnit));
+  c.cascade_in.bytes = static_cast<int64_t>(c.plan.cascade.size() * sizeof(int32_t));
   c.table_in.bytes = static_cast<int64_t>(c.table.size() * sizeof(char*));
   c.rope_in.bytes = static_cast<int64_t>(c.rope.size() * sizeof(double));
   c.x_in.bytes = c.layer ? rows * pr.d_model * DTypeSize(pr.input_dtype) : 0;
@@ -176,6 +178,7 @@ absl::Status StagePaged(const PagedArgs& a, CudaBackend::Impl::PagedCall& c, cud
   }
   RETURN_IF_ERROR_STATUS(CopyToDevice(c.descs_in, c.descs.data(), stream, "copying the sequences to the device"));
   RETURN_IF_ERROR_STATUS(CopyToDevice(c.units_in, c.plan.units.data(), stream, "copying the work units"));
+  RETURN_IF_ERROR_STATUS(CopyToDevice(c.cascade_in, c.plan.cascade.data(), stream, "copying the cascade groups"));
   RETURN_IF_ERROR_STATUS(CopyToDevice(c.table_in, c.table.data(), stream, "copying the block table"));
   RETURN_IF_ERROR_STATUS(CopyToDevice(c.rope_in, c.rope.data(), stream, "copying the RoPE frequencies"));
   const int64_t in_size = DTypeSize(pr.input_dtype), qw = pr.heads.q_width(), kvw = pr.heads.kv_width();
@@ -213,6 +216,7 @@ cuda::PagedParams ParamsOf(const PagedArgs& a, const CudaBackend::Impl::PagedCal
   p.sequences = reinterpret_cast<const cuda::PagedSequenceDesc*>(c.descs_in.device);
   p.blocks = reinterpret_cast<char* const*>(c.table_in.device);
   p.units = reinterpret_cast<const cuda::PagedUnit*>(c.units_in.device);
+  p.cascade = reinterpret_cast<const int32_t*>(c.cascade_in.device);  // null without shared units
   p.num_sequences = static_cast<int64_t>(c.descs.size());
   p.num_units = static_cast<int64_t>(c.plan.units.size());
   p.rows = c.plan.rows;
@@ -238,7 +242,7 @@ cuda::PagedParams ParamsOf(const PagedArgs& a, const CudaBackend::Impl::PagedCal
   p.splits = c.plan.splits;
   p.split_keys = c.plan.split_keys;
   p.partial_out = reinterpret_cast<float*>(c.partials);
-  p.partial_state = p.partial_out + c.plan.rows * h.num_heads * c.plan.splits * h.head_dim;
+  p.partial_state = p.partial_out + c.plan.rows * h.num_heads * cuda::PagedSlotsOf(c.plan) * h.head_dim;
   p.out = reinterpret_cast<float*>(c.heads_out.device);
   p.weights = reinterpret_cast<float*>(c.weights_out.device);
   float** stats[5] = {&p.lse, &p.entropy, &p.confidence, &p.distance, &p.sink};
@@ -417,8 +421,10 @@ int64_t CudaBackend::PagedWorkspaceBytes(const PagedProblem& problem) const {
   const HeadSpec& h = problem.heads;
   const int64_t rows = problem.new_tokens;
   // The splits are at most 2 per multiprocessor of the largest GPUs (about 132) and one per kMinSplitKeys keys.
+  // Twice that many slots where sequences may form cascade groups (paged_plan.h).
   const int64_t splits = std::clamp<int64_t>(problem.max_length / cuda::kMinSplitKeys, 1, 264);
-  int64_t bytes = rows * h.num_heads * splits * (h.head_dim + 5) * 4;
+  const int64_t slots = problem.sequences > 1 ? 2 * splits : splits;
+  int64_t bytes = rows * h.num_heads * slots * (h.head_dim + 5) * 4;
   bytes += rows * (h.q_width() + 2 * h.kv_width()) * 8;  // inputs (fp32) and projections
   bytes += rows * std::max<int64_t>(problem.d_model, h.q_width()) * 8;  // heads and output
   if (problem.return_weights) bytes += h.num_heads * rows * problem.max_length * 4;

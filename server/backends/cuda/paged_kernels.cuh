@@ -211,31 +211,63 @@ __device__ __forceinline__ float UpdateRow(RowState<kChunks>& st, float score, i
   return w;
 }
 
-// The unit's query rows (its heads x tokens, r = token * heads + head) into q_shared, rotated at each token's
-// position; zeros past the rows and head_dim.
+// Scratch slots per (row, head): the splits, twice over with shared units (paged_kernels.h's partial_out).
+__device__ __forceinline__ int64_t PagedSlots(const PagedParams& p) {
+  return p.cascade != nullptr ? 2 * p.splits : p.splits;
+}
+
+// Who row r of a unit is: its sequence's index and the fields of its PagedSequenceDesc the kernel reads, its new
+// token and query head. Plain fields (no initializers): the kernel keeps its rows' in shared memory.
+struct UnitRow {
+  int64_t length, new_tokens, row, weights_offset;
+  int32_t append, seq_index, token, head;
+
+  __device__ __forceinline__ int64_t Position() const { return length + token; }
+  __device__ __forceinline__ int64_t VisibleEnd() const { return append ? length + token + 1 : length; }
+  __device__ __forceinline__ int64_t Keys() const { return append ? length + new_tokens : length; }
+};
+
+__device__ __forceinline__ int UnitRows(const PagedUnit& u) {
+  return u.members > 0 ? u.members * u.heads : u.heads * u.tokens;
+}
+
+__device__ __forceinline__ UnitRow RowOfUnit(const PagedParams& p, const PagedUnit& u, int r) {
+  UnitRow row;
+  row.seq_index = u.members > 0 ? p.cascade[u.member0 + r / u.heads] : u.seq;
+  row.token = u.members > 0 ? 0 : u.token0 + r / u.heads;
+  row.head = u.head0 + r % u.heads;
+  const PagedSequenceDesc& seq = p.sequences[row.seq_index];
+  row.length = seq.length;
+  row.new_tokens = seq.new_tokens;
+  row.row = seq.row;
+  row.weights_offset = seq.weights_offset;
+  row.append = seq.append;
+  return row;
+}
+
+// The unit's query rows into q_shared, rotated at each token's position; zeros past the rows and head_dim.
 template <int kRows, int kDim>
-__device__ __forceinline__ void LoadUnitQueries(const PagedParams& p, const PagedUnit& u, const PagedSequenceDesc& seq,
+__device__ __forceinline__ void LoadUnitQueries(const PagedParams& p, int rows, const UnitRow* unit_rows,
                                                 float (*q_shared)[kDim]) {
-  const int rows = u.heads * u.tokens;
   const int64_t dk = p.head_dim;
   for (int idx = threadIdx.x; idx < kRows * kDim; idx += kPagedThreads) {
     const int r = idx / kDim, d = idx % kDim;
     float value = 0;
     if (r < rows && d < dk) {
-      const int64_t token = u.token0 + r / u.heads, head = u.head0 + r % u.heads;
-      value = RopedValue(p.q + (seq.row + token) * p.q_stride + head * dk, d, seq.length + token, u.seq, p);
+      const UnitRow& row = unit_rows[r];
+      value = RopedValue(p.q + (row.row + row.token) * p.q_stride + row.head * dk, d, row.Position(), row.seq_index, p);
     }
     q_shared[r][d] = value;
   }
 }
 
-// One row's result of a split, for the merge: this lane's part of its output, and (lane 0) its softmax state.
+// One row's result of a split, for the merge: this lane's part of its output, and (lane 0) its softmax state, in
+// slot `slot` of the row's.
 template <int kChunks>
-__device__ __forceinline__ void WriteSplitRow(const PagedParams& p, const PagedUnit& u, const PagedSequenceDesc& seq,
-                                              int64_t split, int r, const RowState<kChunks>& state, int lane) {
+__device__ __forceinline__ void WriteSplitRow(const PagedParams& p, const UnitRow& row, int64_t split_slot,
+                                              const RowState<kChunks>& state, int lane) {
   const int64_t dk = p.head_dim;
-  const int64_t token = u.token0 + r / u.heads, head = u.head0 + r % u.heads;
-  const int64_t slot = ((seq.row + token) * p.heads + head) * p.splits + split;
+  const int64_t slot = ((row.row + row.token) * p.heads + row.head) * PagedSlots(p) + split_slot;
   for (int c = 0; c < kChunks; ++c) {
     if (lane + 32 * c < dk) p.partial_out[slot * dk + lane + 32 * c] = state.acc[c];
   }
@@ -266,24 +298,29 @@ __global__ void __launch_bounds__(kPagedThreads, 5) PagedSplitKernel(PagedParams
   __shared__ float v_room[kBothTiles ? kTile * kDim : 1];
   float* const v_tile = kBothTiles ? v_room : tile;
   __shared__ float w_shared[kRows][kTile];
+  __shared__ UnitRow unit_rows[kRows];
   const PagedUnit u = p.units[blockIdx.x];
   const int64_t split = blockIdx.y;
-  const PagedSequenceDesc seq = p.sequences[u.seq];
   const int64_t dk = p.head_dim, bt = p.block_tokens;
-  const int rows = u.heads * u.tokens;
+  const int rows = UnitRows(u);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (threadIdx.x < rows) unit_rows[threadIdx.x] = RowOfUnit(p, u, threadIdx.x);
   // KV head g's K and V within each block: elements of CacheT, or bytes of an 8-bit cache's parts.
   const int64_t key_base = IsCode8<CacheT>::value ? u.kv_head * p.head_part_bytes : u.kv_head * 2 * dk * bt;
   const int64_t value_base = key_base + (IsCode8<CacheT>::value ? p.key_part_bytes : dk * bt);
-  char* const* blocks = p.blocks + seq.block_offset;
-
-  LoadUnitQueries<kRows, kDim>(p, u, seq, q_shared);
-  const int64_t begin = split * p.split_keys;
-  const int64_t unit_end = PagedVisibleEnd(seq, u.token0 + u.tokens - 1);
-  const int64_t end = unit_end < begin + p.split_keys ? unit_end : begin + p.split_keys;
+  // Keys: a shared unit's [0, shared_keys) of its first member's blocks (every member's), into the rows' second
+  // set of slots; a sequence's unit from its shared keys on.
+  const bool shared_unit = u.members > 0;
+  const PagedSequenceDesc lead = p.sequences[shared_unit ? p.cascade[u.member0] : u.seq];
+  char* const* blocks = p.blocks + lead.block_offset;
+  const int64_t unit_begin = shared_unit ? 0 : lead.shared_keys;
+  const int64_t unit_end = shared_unit ? lead.shared_keys : PagedVisibleEnd(lead, u.token0 + u.tokens - 1);
+  const int64_t begin = split * p.split_keys < unit_begin ? unit_begin : split * p.split_keys;
+  const int64_t end = unit_end < (split + 1) * p.split_keys ? unit_end : (split + 1) * p.split_keys;
   const bool stats = p.lse != nullptr || p.entropy != nullptr;
-  const int64_t keys = seq.append ? seq.length + seq.new_tokens : seq.length;
   RowState<kChunks> state[kRowsPerWarp];
+  __syncthreads();  // unit_rows
+  LoadUnitQueries<kRows, kDim>(p, rows, unit_rows, q_shared);
 
   for (int64_t t0 = begin; t0 < end; t0 += kTile) {
     __syncthreads();  // the previous tile's V (and, the first time, q_shared) is no longer read / now written
@@ -299,8 +336,7 @@ __global__ void __launch_bounds__(kPagedThreads, 5) PagedSplitKernel(PagedParams
       if (r >= rows) continue;
       float dot = 0;
       for (int64_t d = 0; d < dk; ++d) dot += q_shared[r][d] * tile[d * (kTile + 1) + lane];
-      const int64_t token = u.token0 + r / u.heads;
-      if (j < end && j < PagedVisibleEnd(seq, token)) score[rr] = dot * p.scale;
+      if (j < end && j < unit_rows[r].VisibleEnd()) score[rr] = dot * p.scale;
     }
     if (!kBothTiles) {
       __syncthreads();  // every warp has read the K tile
@@ -311,11 +347,11 @@ __global__ void __launch_bounds__(kPagedThreads, 5) PagedSplitKernel(PagedParams
     for (int rr = 0; rr < kRowsPerWarp; ++rr) {
       const int r = warp + rr * kPagedWarps;
       if (r >= rows) continue;
-      const int64_t token = u.token0 + r / u.heads, head = u.head0 + r % u.heads;
-      const float w = UpdateRow(state[rr], score[rr], j, seq.length + token, stats, p.sink_tokens);
+      const UnitRow& row = unit_rows[r];
+      const float w = UpdateRow(state[rr], score[rr], j, row.Position(), stats, p.sink_tokens);
       if (w < 0) continue;  // nothing visible to this row yet (the whole warp agrees)
       if (p.weights != nullptr && score[rr] != -INFINITY) {
-        p.weights[seq.weights_offset + (head * seq.new_tokens + token) * keys + j] = score[rr];
+        p.weights[row.weights_offset + (row.head * row.new_tokens + row.token) * row.Keys() + j] = score[rr];
       }
       w_shared[r][lane] = w;
       __syncwarp();
@@ -332,7 +368,7 @@ __global__ void __launch_bounds__(kPagedThreads, 5) PagedSplitKernel(PagedParams
   #pragma unroll
   for (int rr = 0; rr < kRowsPerWarp; ++rr) {
     const int r = warp + rr * kPagedWarps;
-    if (r < rows) WriteSplitRow(p, u, seq, split, r, state[rr], lane);
+    if (r < rows) WriteSplitRow(p, unit_rows[r], (shared_unit ? p.splits : 0) + split, state[rr], lane);
   }
 }
 
@@ -345,12 +381,14 @@ __global__ void __launch_bounds__(kPagedThreads) PagedMergeKernel(PagedParams p)
   const int64_t row = item / p.heads, head = item % p.heads;
   const PagedSequenceDesc seq = p.sequences[SequenceOfRow(p, row)];
   const int64_t token = row - seq.row, dk = p.head_dim;
-  const float* state = p.partial_state + item * p.splits * kPagedStateFields;
+  // Its own units' splits, then its shared units' when it is in a cascade group.
+  const int64_t stride = PagedSlots(p), slots = seq.shared_keys > 0 ? 2 * p.splits : p.splits;
+  const float* state = p.partial_state + item * stride * kPagedStateFields;
   float m = -INFINITY;
-  for (int s = 0; s < p.splits; ++s) m = fmaxf(m, state[s * kPagedStateFields]);
+  for (int s = 0; s < slots; ++s) m = fmaxf(m, state[s * kPagedStateFields]);
   float l = 0, a = 0, dist = 0, sink = 0;
   if (m != -INFINITY) {
-    for (int s = 0; s < p.splits; ++s) {
+    for (int s = 0; s < slots; ++s) {
       const float* st = state + s * kPagedStateFields;
       if (!(st[1] > 0) && !std::isnan(st[1])) continue;  // an empty split
       const float f = expf(st[0] - m);
@@ -363,10 +401,10 @@ __global__ void __launch_bounds__(kPagedThreads) PagedMergeKernel(PagedParams p)
   const float inverse = l > 0 ? 1.0f / l : 0.0f;
   for (int64_t d = lane; d < dk; d += 32) {
     float sum = 0;
-    for (int s = 0; s < p.splits; ++s) {
+    for (int s = 0; s < slots; ++s) {
       const float ms = state[s * kPagedStateFields];
       if (ms == -INFINITY) continue;
-      sum += expf(ms - m) * p.partial_out[(item * p.splits + s) * dk + d];
+      sum += expf(ms - m) * p.partial_out[(item * stride + s) * dk + d];
     }
     p.out[item * dk + d] = std::isnan(l) ? l : sum * inverse;
   }

@@ -35,19 +35,30 @@ struct PagedSequenceDesc {
   int64_t row = 0;             // its first row among the call's new-token rows (q, k, v, out)
   int64_t weights_offset = 0;  // element offset of its [H, n, keys] scores/weights in PagedParams::weights
   int32_t append = 1;          // 1: the new tokens join the cache (causal among them); 0: they see the cache alone
+  // Keys [0, shared_keys) are its cascade group's common blocks, which shared units compute for every member (its
+  // own units start there); 0: it is in no group.
+  int64_t shared_keys = 0;
 };
 
 // A work unit: query heads [head0, head0 + heads) of KV head `kv_head` (all in its group) for new tokens
 // [token0, token0 + tokens) of sequence `seq`; heads * tokens <= PagedRowsPerUnit. Row r of the unit is head
 // head0 + r % heads of token token0 + r / heads.
+// A shared unit (members > 0; cascade decode) stacks the rows of `members` sequences, PagedParams::cascade[member0
+// ..], each with one new token: row r is head head0 + r % heads of sequence cascade[member0 + r / heads]'s token;
+// members * heads <= PagedRowsPerUnit. It reads keys [0, shared_keys) of its first member's blocks, which are every
+// member's, once for all of them (FlashInfer's cascade attention), into their second set of split slots.
 struct PagedUnit {
   int32_t seq = 0, kv_head = 0, head0 = 0, heads = 0, token0 = 0, tokens = 0;
+  int32_t members = 0, member0 = 0;
 };
 
 struct PagedParams {
   const PagedSequenceDesc* sequences = nullptr;  // [num_sequences]
   char* const* blocks = nullptr;                 // block pointers, each sequence's from its block_offset
   const PagedUnit* units = nullptr;              // [num_units]
+  // The shared units' members (sequence indices); null without shared units. With them, each (row, head) has
+  // 2 x splits slots in the scratch below: its own units' splits, then its shared units' splits.
+  const int32_t* cascade = nullptr;
   int64_t num_sequences = 0, num_units = 0, rows = 0;  // rows: new tokens over all sequences
   // The new tokens' rows in fp32: q [rows, q_stride] (head h at h * head_dim), k and v [rows, kv_stride] (KV head g at
   // g * head_dim), before RoPE.
@@ -71,8 +82,8 @@ struct PagedParams {
   int64_t split_keys = 0;  // a multiple of kPagedTileKeys
   // Scratch: per (row, head, split) the unnormalised output [head_dim] and the softmax state
   // (max, sum, sum w (s - max), sum w |pos - j|, sink sum).
-  float* partial_out = nullptr;    // [rows, heads, splits, head_dim]
-  float* partial_state = nullptr;  // [rows, heads, splits, 5]
+  float* partial_out = nullptr;    // [rows, heads, slots, head_dim], slots = splits (2 x splits with `cascade`)
+  float* partial_state = nullptr;  // [rows, heads, slots, 5]
   // Outputs.
   float* out = nullptr;  // [rows, heads, head_dim] fp32
   // Scaled scores, then (after the merge) weights, fp32: sequence s's [heads, n, keys] at its weights_offset, keys =

@@ -2,8 +2,43 @@
 
 #include <algorithm>
 
+#include "server/backends/shared_prefix.h"
+
 namespace mha {
 namespace cuda {
+namespace {
+
+// The cascade groups among `sequences` (PlanPaged says which) and their shared units, added to `plan`.
+void AddSharedUnits(const PagedProblem& problem, absl::Span<const PagedSequence> sequences, PagedPlan* plan) {
+  const HeadSpec& h = problem.heads;
+  const int64_t tb = problem.cache.block_tokens, group = h.group_size();
+  const int64_t members_per_unit = PagedRowsPerUnit(h.head_dim) / group;
+  plan->shared_keys.assign(sequences.size(), 0);
+  if (members_per_unit < 2) return;
+  const auto decoding = [](const PagedSequence& seq) { return seq.new_tokens == 1; };
+  for (const CommonPrefix& common : FindCommonPrefixes(sequences, tb, decoding)) {
+    const std::vector<int64_t>& ids = common.members;
+    const int64_t blocks = common.blocks;
+    const int32_t member0 = static_cast<int32_t>(plan->cascade.size());
+    for (int64_t s : ids) {
+      plan->cascade.push_back(static_cast<int32_t>(s));
+      plan->shared_keys[s] = blocks * tb;
+    }
+    for (int64_t g = 0; g < h.num_kv_heads; ++g) {
+      for (int64_t m = 0; m < static_cast<int64_t>(ids.size()); m += members_per_unit) {
+        PagedUnit u;
+        u.kv_head = static_cast<int32_t>(g);
+        u.head0 = static_cast<int32_t>(g * group);
+        u.heads = static_cast<int32_t>(group);
+        u.member0 = static_cast<int32_t>(member0 + m);
+        u.members = static_cast<int32_t>(std::min<int64_t>(members_per_unit, static_cast<int64_t>(ids.size()) - m));
+        plan->units.push_back(u);
+      }
+    }
+  }
+}
+
+}  // namespace
 
 PagedPlan PlanPaged(const PagedProblem& problem, absl::Span<const PagedSequence> sequences, int multiprocessors) {
   const HeadSpec& h = problem.heads;
@@ -32,6 +67,7 @@ PagedPlan PlanPaged(const PagedProblem& problem, absl::Span<const PagedSequence>
       }
     }
   }
+  AddSharedUnits(problem, sequences, &plan);
   const int64_t units = std::max<int64_t>(1, static_cast<int64_t>(plan.units.size()));
   const int64_t wanted = (kBlocksPerMultiprocessor * std::max(1, multiprocessors) + units - 1) / units;
   const int64_t most = std::max<int64_t>(1, max_keys / kMinSplitKeys);
@@ -44,7 +80,7 @@ PagedPlan PlanPaged(const PagedProblem& problem, absl::Span<const PagedSequence>
 
 int64_t PagedScratchBytes(const PagedProblem& problem, const PagedPlan& plan) {
   const HeadSpec& h = problem.heads;
-  return plan.rows * h.num_heads * plan.splits * (h.head_dim + 5) * 4;
+  return plan.rows * h.num_heads * PagedSlotsOf(plan) * (h.head_dim + 5) * 4;
 }
 
 }  // namespace cuda

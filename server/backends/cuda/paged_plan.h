@@ -22,6 +22,8 @@ inline constexpr int kBlocksPerMultiprocessor = 8;
 
 struct PagedPlan {
   std::vector<PagedUnit> units;
+  std::vector<int32_t> cascade;      // the shared units' members (PagedParams::cascade); empty: no shared units
+  std::vector<int64_t> shared_keys;  // per sequence: PagedSequenceDesc::shared_keys
   int splits = 1;
   int64_t split_keys = kPagedTileKeys;  // a multiple of kPagedTileKeys
   int64_t rows = 0;                     // new tokens over all sequences
@@ -31,10 +33,16 @@ struct PagedPlan {
 // Units: for every sequence and KV head, its group's query heads times as many new tokens as fit
 // PagedRowsPerUnit (a group larger than that is cut by heads, one token per unit). Splits: enough for about
 // kBlocksPerMultiprocessor blocks per streaming multiprocessor (`multiprocessors`), at least kMinSplitKeys keys each.
+// Cascade groups: sequences decoding one token each whose caches start with the same full blocks (forks, sessions
+// that attached one prompt's blocks by prefix key), at least two, when a unit holds the rows of two or more of them
+// (GQA group <= PagedRowsPerUnit / 2): shared units read those blocks once per PagedRowsPerUnit / group members.
 PagedPlan PlanPaged(const PagedProblem& problem, absl::Span<const PagedSequence> sequences, int multiprocessors);
 
 // Scratch the kernels need beyond inputs and outputs for `plan`: the splits' partial outputs and states.
 int64_t PagedScratchBytes(const PagedProblem& problem, const PagedPlan& plan);
+
+// Scratch slots per (row, head) of `plan`: its splits, twice over with shared units.
+inline int64_t PagedSlotsOf(const PagedPlan& plan) { return plan.cascade.empty() ? plan.splits : 2 * plan.splits; }
 
 }  // namespace cuda
 }  // namespace mha
