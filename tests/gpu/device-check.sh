@@ -96,7 +96,7 @@ fi
 note "GPU: $(nvidia-smi -L | head -1)"
 
 # The GPU steps in order of priority (conformance, the sessions' decode benchmark, end to end, memcheck, flash_bench),
-# their timeouts adding up to 480 s so that the whole check fits one device call of at most 600 s with room to spare
+# their timeouts adding up to 520 s so that the whole check fits one device call of at most 600 s with room to spare
 # (bundle unpacking, cuBLAS search); the summary's last line says how long each took.
 step_seconds=
 # 2. Conformance: every case of the suite and the contract tests on the CUDA backend, against the reference; the
@@ -151,6 +151,14 @@ timeout 40 "$bin/paged_bench" --cache_dtype bf16,int8,fp8_e4m3 --shape 32:4096 -
 grep -q MISMATCH "$out/6b-paged-bench-8bit.txt" && failed=1
 note "paged_bench 8-bit: $(grep -E '^(int8|fp8_e4m3) decode' "$out/6b-paged-bench-8bit.txt" | tr '\n' ' ')"
 step_seconds+="paged_bench 8-bit $((SECONDS - started)) s, "
+# 6c. Cascade decode: 64 and 128 sessions sharing an 8192-token prefix with 256 tokens each of their own, against the
+# same sessions sharing nothing (target >= 8x at 64 x (8192 + 256)).
+started=$SECONDS
+timeout 40 "$bin/paged_bench" --shared_prefix 8192 --shape 64:8448 --shape 128:8448 --reps 10 --copy_mib 1024 \
+  >"$out/6c-paged-bench-cascade.txt" 2>&1 || failed=1
+grep -q MISMATCH "$out/6c-paged-bench-cascade.txt" && failed=1
+note "paged_bench cascade: $(grep -E '^cascade ' "$out/6c-paged-bench-cascade.txt" | tr '\n' ' ')"
+step_seconds+="paged_bench cascade $((SECONDS - started)) s, "
 
 # 5. The whole layer through the gRPC server: CUDA against the CPU backend, fp16 on the wire, B=8 T=512 d=512; and
 # sessions on the CUDA backend (mha_client decode --check, head sessions with bf16, int8 and fp8_e4m3 caches, layer

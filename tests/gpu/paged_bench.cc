@@ -3,12 +3,14 @@
 // in CI so that it never rots. Without a GPU it prints the driver's reason and exits 2.
 //
 //   paged_bench --probe                 says whether a GPU is usable (exit 0) or why not (exit 2)
-//   paged_bench [--quick] [--arena_max_gib N] [--shape SESSIONS:T ...] [--cache_dtype D[,D...]] [--copy_mib N]
-//               [--reps N]
+//   paged_bench [--quick] [--arena_max_gib N] [--shape SESSIONS:T ...] [--cache_dtype D[,D...]] [--shared_prefix N]
+//               [--copy_mib N] [--reps N]
 //
 // --shape replaces the table's sizes (repeat it for several); --cache_dtype the caches each size runs with, bf16
 // (the default), fp16, fp32, int8, fp8_e4m3, fp8_e5m2 (an 8-bit row also says its tokens/s against the bf16 row of
-// its size, when there is one); --copy_mib sizes the copy (default 4096); --reps the timed kernel runs (default 20).
+// its size, when there is one); --shared_prefix N adds, for each size and cache, a row whose sessions share their
+// first N tokens' blocks (cascade decode; its speedup is over the row sharing nothing); --copy_mib sizes the copy
+// (default 4096); --reps the timed kernel runs (default 20).
 // tests/emulated_cuda's paged_bench_emulated (ctest) runs this on the CUDA backend emulated on the CPU at a few small
 // shapes: the host side, the parameters and the check against the host.
 //
@@ -140,15 +142,17 @@ void Fill(char* dst, int64_t bytes, const char* tile, int64_t tile_bytes, cudaSt
 struct Layout {
   KvCacheLayout cache;
   int64_t sessions = 0, tokens = 0, blocks_per_session = 0;
+  int64_t shared_blocks = 0;  // every session's first blocks are session 0's (a shared prefix: cascade decode)
   std::vector<int64_t> block_index;  // [sessions * blocks_per_session] block numbers in the pool
   int64_t PoolBytes() const { return sessions * blocks_per_session * cache.BlockBytes(); }
   // A block's bytes per token (K and V, codes and scales) for every cached token.
   int64_t CacheBytesRead() const { return sessions * tokens * cache.BlockBytes() / kBlockTokens; }
 };
 
-Layout MakeLayout(int64_t sessions, int64_t tokens, const KvCacheLayout& cache) {
+Layout MakeLayout(int64_t sessions, int64_t tokens, const KvCacheLayout& cache, int64_t shared_tokens = 0) {
   Layout l;
   l.cache = cache;
+  l.shared_blocks = std::min(shared_tokens, tokens) / kBlockTokens;
   l.sessions = sessions;
   l.tokens = tokens;
   l.blocks_per_session = tokens / kBlockTokens + 1;
@@ -161,6 +165,9 @@ Layout MakeLayout(int64_t sessions, int64_t tokens, const KvCacheLayout& cache) 
     state ^= state >> 7;
     state ^= state << 17;
     std::swap(l.block_index[i], l.block_index[state % static_cast<uint64_t>(i + 1)]);
+  }
+  for (int64_t s = 1; s < sessions; ++s) {
+    for (int64_t b = 0; b < l.shared_blocks; ++b) l.block_index[s * l.blocks_per_session + b] = l.block_index[b];
   }
   return l;
 }
@@ -268,7 +275,8 @@ KernelResult TimeKernels(const Layout& l, char* pool, const std::vector<char>& t
   const PagedPlan plan = PlanPaged(problem, DecodeSequences(l, blocks, false), sms);
   const PagedPlan append_plan = PlanPaged(problem, DecodeSequences(l, blocks, true), sms);
   const std::vector<PagedUnit>& units = plan.units;
-  const int most_splits = std::max(plan.splits, append_plan.splits);
+  const int64_t most_slots = std::max(PagedSlotsOf(plan), PagedSlotsOf(append_plan));
+  for (int64_t s = 0; s < l.sessions; ++s) sequences[s].shared_keys = plan.shared_keys[s];
 
   PagedParams p;
   p.num_sequences = l.sessions;
@@ -291,12 +299,14 @@ KernelResult TimeKernels(const Layout& l, char* pool, const std::vector<char>& t
   PagedUnit* d_units = ToDevice(units);
   float *d_q = ToDevice(q), *d_k = ToDevice(kv), *d_v = ToDevice(kv);
   float *partial_out = nullptr, *partial_state = nullptr, *out = nullptr;
-  CHECK_CUDA(cudaMalloc(&partial_out, l.sessions * kHeads * most_splits * kHeadDim * sizeof(float)));
-  CHECK_CUDA(cudaMalloc(&partial_state, l.sessions * kHeads * most_splits * 5 * sizeof(float)));
+  int32_t* d_cascade = plan.cascade.empty() ? nullptr : ToDevice(plan.cascade);
+  CHECK_CUDA(cudaMalloc(&partial_out, l.sessions * kHeads * most_slots * kHeadDim * sizeof(float)));
+  CHECK_CUDA(cudaMalloc(&partial_state, l.sessions * kHeads * most_slots * 5 * sizeof(float)));
   CHECK_CUDA(cudaMalloc(&out, l.sessions * kHeads * kHeadDim * sizeof(float)));
   p.sequences = d_sequences;
   p.blocks = d_blocks;
   p.units = d_units;
+  p.cascade = d_cascade;
   p.q = d_q;
   p.k = d_k;
   p.v = d_v;
@@ -325,7 +335,7 @@ KernelResult TimeKernels(const Layout& l, char* pool, const std::vector<char>& t
   for (PagedSequenceDesc& s : sequences) s.append = 1;
   CHECK_CUDA(cudaMemcpy(d_sequences, sequences.data(), sequences.size() * sizeof(PagedSequenceDesc),
                         cudaMemcpyHostToDevice));
-  if (append_plan.units.size() != units.size()) {
+  if (append_plan.units.size() != units.size() || append_plan.cascade != plan.cascade) {
     std::fprintf(stderr, "the append plan has other units\n");
     std::exit(1);
   }
@@ -342,7 +352,8 @@ KernelResult TimeKernels(const Layout& l, char* pool, const std::vector<char>& t
   CHECK_CUDA(cudaStreamSynchronize(stream));
   for (void* x : {static_cast<void*>(d_blocks), static_cast<void*>(d_sequences), static_cast<void*>(d_units),
                   static_cast<void*>(d_q), static_cast<void*>(d_k), static_cast<void*>(d_v),
-                  static_cast<void*>(partial_out), static_cast<void*>(partial_state), static_cast<void*>(out)}) {
+                  static_cast<void*>(partial_out), static_cast<void*>(partial_state), static_cast<void*>(out),
+                  static_cast<void*>(d_cascade)}) {
     CHECK_CUDA(cudaFree(x));
   }
   return r;
@@ -398,6 +409,7 @@ struct Options {
   double arena_max_gib = 16;
   int64_t copy_mib = 4096;
   int reps = 20;
+  int64_t shared_prefix = 0;  // tokens; > 0: each size also runs with its sessions sharing that many
   std::vector<std::pair<int64_t, int64_t>> shapes;  // (sessions, T)
   std::vector<v1::DataType> dtypes;
 };
@@ -431,6 +443,8 @@ bool Parse(int argc, char** argv, Options* o) {
       o->copy_mib = std::max(1LL, std::atoll(argv[++i]));
     } else if (std::strcmp(argv[i], "--reps") == 0 && i + 1 < argc) {
       o->reps = std::max(1, std::atoi(argv[++i]));
+    } else if (std::strcmp(argv[i], "--shared_prefix") == 0 && i + 1 < argc) {
+      o->shared_prefix = std::max(0LL, std::atoll(argv[++i]));
     } else if (std::strcmp(argv[i], "--cache_dtype") == 0 && i + 1 < argc) {
       if (!ParseDtypes(argv[++i], &o->dtypes)) return false;
     } else if (std::strcmp(argv[i], "--shape") == 0 && i + 1 < argc &&
@@ -453,27 +467,37 @@ bool Parse(int argc, char** argv, Options* o) {
   return true;
 }
 
+// A row's tokens/s over another row's of the same size: an 8-bit cache's over bf16's ("bf16"), a shared prefix's
+// over the same sessions sharing nothing ("apart").
+struct Speedup {
+  std::string base;
+  v1::DataType dtype;
+  int64_t sessions = 0, tokens = 0;
+  double ratio = 0;
+};
+
 // What the table's rows add up to for the summary lines.
 struct Summary {
-  double best_ratio = 0, worst_ratio = INFINITY;  // bf16 rows at 32+ sessions, against the copy rate
+  double best_ratio = 0, worst_ratio = INFINITY;  // bf16 rows at 32+ sessions sharing nothing, against the copy rate
   int rows_32 = 0;
-  std::vector<std::pair<v1::DataType, double>> speedups;  // 8-bit rows at 32+ sessions: tokens/s over bf16's
+  std::vector<Speedup> speedups;  // rows at 32+ sessions
   bool mismatch = false;
   std::vector<std::string> notes;  // why a backend call did not run, each once
 };
 
 // One row of the table: size (sessions, T) with a cache of `tile`'s dtype. Returns its kernel's median ms, or a
-// negative value when the size did not fit. `bf16_ms`: the same size's bf16 row, or <= 0.
+// negative value when the size did not fit. `base_ms`: the row `base` names (bf16, apart) of the same size, or <= 0.
 double RunRow(const Options& o, const Layout& l, const std::vector<char>& tile, const char* d_tile,
               const cudaDeviceProp& props, absl::StatusOr<std::unique_ptr<CudaBackend>>& backend, double copy_gbs,
-              int64_t margin, double bf16_ms, cudaStream_t stream, Summary* sum) {
+              int64_t margin, const char* base, double base_ms, cudaStream_t stream, Summary* sum) {
   const std::string dtype = DTypeName(l.cache.dtype);
   const double gb = l.CacheBytesRead() / 1e9;
   size_t free_bytes = 0, total_bytes = 0;
   CHECK_CUDA(cudaMemGetInfo(&free_bytes, &total_bytes));
   if (l.PoolBytes() + margin > static_cast<int64_t>(free_bytes)) {
-    std::printf("| %lld | %lld | %s | %.2f | skipped: %.1f GiB of blocks, %.1f GiB free |||||||||\n",
-                static_cast<long long>(l.sessions), static_cast<long long>(l.tokens), dtype.c_str(), gb,
+    std::printf("| %lld | %lld | %lld | %s | %.2f | skipped: %.1f GiB of blocks, %.1f GiB free ||||||||||\n",
+                static_cast<long long>(l.sessions), static_cast<long long>(l.tokens),
+                static_cast<long long>(l.shared_blocks * kBlockTokens), dtype.c_str(), gb,
                 static_cast<double>(l.PoolBytes()) / kGiB, static_cast<double>(free_bytes) / kGiB);
     return -1;
   }
@@ -484,14 +508,14 @@ double RunRow(const Options& o, const Layout& l, const std::vector<char>& tile, 
   CHECK_CUDA(cudaFree(pool));
   const double gbs = gb / (k.ms.median * 1e-3), ratio = gbs / copy_gbs;
   const double tokens_per_s = static_cast<double>(l.sessions) / (k.ms.median * 1e-3);
-  std::string versus_bf16 = "-";
-  if (bf16_ms > 0 && l.cache.dtype != v1::BF16) {
-    char buf[32];
-    std::snprintf(buf, sizeof buf, "%.2fx", bf16_ms / k.ms.median);
-    versus_bf16 = buf;
-    if (l.sessions >= 32 && l.cache.Quantized()) sum->speedups.emplace_back(l.cache.dtype, bf16_ms / k.ms.median);
+  std::string versus = "-";
+  if (base_ms > 0) {
+    char buf[48];
+    std::snprintf(buf, sizeof buf, "%.2fx %s", base_ms / k.ms.median, base);
+    versus = buf;
+    if (l.sessions >= 32) sum->speedups.push_back({base, l.cache.dtype, l.sessions, l.tokens, base_ms / k.ms.median});
   }
-  if (l.sessions >= 32 && l.cache.dtype == v1::BF16) {
+  if (l.sessions >= 32 && l.cache.dtype == v1::BF16 && l.shared_blocks == 0) {
     sum->best_ratio = std::max(sum->best_ratio, ratio);
     sum->worst_ratio = std::min(sum->worst_ratio, ratio);
     ++sum->rows_32;
@@ -520,10 +544,12 @@ double RunRow(const Options& o, const Layout& l, const std::vector<char>& tile, 
   }
   const bool bad = !(max_diff < 2e-2f);
   sum->mismatch |= bad;
-  std::printf("| %lld | %lld | %s | %.2f | %d | %.3f / %.3f | %.0f | %.2f | %.0f | %s | %.3f | %s | %s | %.1e%s |\n",
-              static_cast<long long>(l.sessions), static_cast<long long>(l.tokens), dtype.c_str(), gb, k.splits,
-              k.ms.median, k.ms.best, gbs, ratio, tokens_per_s, versus_bf16.c_str(), k.append_ms, backend_ms.c_str(),
-              backend_gbs.c_str(), max_diff, bad ? " MISMATCH" : "");
+  std::printf(
+      "| %lld | %lld | %lld | %s | %.2f | %d | %.3f / %.3f | %.0f | %.2f | %.0f | %s | %.3f | %s | %s | %.1e%s |\n",
+      static_cast<long long>(l.sessions), static_cast<long long>(l.tokens),
+      static_cast<long long>(l.shared_blocks * kBlockTokens), dtype.c_str(), gb, k.splits, k.ms.median, k.ms.best, gbs,
+      ratio, tokens_per_s, versus.c_str(), k.append_ms, backend_ms.c_str(), backend_gbs.c_str(), max_diff,
+      bad ? " MISMATCH" : "");
   std::fflush(stdout);
   return k.ms.median;
 }
@@ -534,7 +560,8 @@ void PrintSummary(const Options& o, const Summary& sum, absl::StatusOr<std::uniq
               o.arena_max_gib);
   for (size_t i = 0; i < sum.notes.size(); ++i) std::printf("backend call note %zu: %s\n", i + 1, sum.notes[i].c_str());
   std::printf("\nGB/s: cache bytes read (sessions x T x the blocks' bytes per token) over the median kernel time; of"
-              " copy: that over the median D2D copy rate (read + write); x bf16: tokens/s over the bf16 row's\n");
+              " copy: that over the median D2D copy rate (read + write); speedup: tokens/s over the bf16 row's of the size, or"
+              " over the row whose sessions share nothing (apart); shared: tokens of each session in blocks all share\n");
   if (sum.rows_32 > 0) {
     std::printf("decode at 32+ sessions >= 75%% of copy bandwidth: %s (best ratio %.2f, worst %.2f, %d rows)%s\n",
                 sum.best_ratio >= 0.75 ? "PASS" : "FAIL", sum.best_ratio, sum.worst_ratio, sum.rows_32,
@@ -543,15 +570,23 @@ void PrintSummary(const Options& o, const Summary& sum, absl::StatusOr<std::uniq
   for (v1::DataType d : {v1::INT8, v1::FP8_E4M3, v1::FP8_E5M2}) {
     double best = 0, worst = INFINITY;
     int rows = 0;
-    for (const auto& [dtype, speedup] : sum.speedups) {
-      if (dtype != d) continue;
-      best = std::max(best, speedup);
-      worst = std::min(worst, speedup);
+    for (const Speedup& x : sum.speedups) {
+      if (x.dtype != d || x.base != "bf16") continue;
+      best = std::max(best, x.ratio);
+      worst = std::min(worst, x.ratio);
       ++rows;
     }
     if (rows == 0) continue;
     std::printf("%s decode at 32+ sessions >= 1.7x bf16's tokens/s: %s (best %.2fx, worst %.2fx, %d rows)\n",
                 DTypeName(d).c_str(), best >= 1.7 ? "PASS" : "FAIL", best, worst, rows);
+  }
+  // #57's cascade target: 64 sessions x (8192 shared + 256 own), bf16, >= 8x the same sessions sharing nothing.
+  for (const Speedup& x : sum.speedups) {
+    if (x.base != "apart" || x.dtype != v1::BF16) continue;
+    const bool target = x.sessions == 64 && x.tokens == 8192 + 256 && o.shared_prefix == 8192;
+    std::printf("cascade %lld x (%lld shared + %lld own) bf16: %.2fx apart%s\n", static_cast<long long>(x.sessions),
+                static_cast<long long>(o.shared_prefix), static_cast<long long>(x.tokens - o.shared_prefix), x.ratio,
+                target ? (x.ratio >= 8 ? " (>= 8x: PASS)" : " (>= 8x: FAIL)") : "");
   }
   if (sum.rows_32 == 0 && sum.mismatch) std::printf("outputs MISMATCH the host\n");
 }
@@ -561,7 +596,8 @@ int Main(int argc, char** argv) {
   if (!Parse(argc, argv, &o)) {
     std::fprintf(stderr,
                  "usage: paged_bench [--probe] [--quick] [--arena_max_gib N] [--shape SESSIONS:T ...]"
-                 " [--cache_dtype bf16|fp16|fp32|int8|fp8_e4m3|fp8_e5m2[,...]] [--copy_mib N] [--reps N]\n");
+                 " [--cache_dtype bf16|fp16|fp32|int8|fp8_e4m3|fp8_e5m2[,...]] [--shared_prefix N] [--copy_mib N]"
+                 " [--reps N]\n");
     return 64;
   }
   int count = 0;
@@ -600,15 +636,21 @@ int Main(int argc, char** argv) {
   }
   absl::StatusOr<std::unique_ptr<CudaBackend>> backend = CudaBackend::Create();
   Summary sum;
-  std::printf("| sessions | T | cache | cache GB | splits | kernel ms median / best | GB/s | of copy | tokens/s |"
-              " x bf16 | append+attn ms | backend ms | backend GB/s | max diff |\n"
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+  std::printf("| sessions | T | shared | cache | cache GB | splits | kernel ms median / best | GB/s | of copy |"
+              " tokens/s | speedup | append+attn ms | backend ms | backend GB/s | max diff |\n"
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   for (const auto& [sessions, tokens] : o.shapes) {
     double bf16_ms = -1;
     for (size_t i = 0; i < o.dtypes.size(); ++i) {
-      const Layout l = MakeLayout(sessions, tokens, CacheOf(o.dtypes[i]));
-      const double ms = RunRow(o, l, tiles[i], d_tiles[i], props, backend, copy.median, margin, bf16_ms, stream, &sum);
+      const KvCacheLayout cache = CacheOf(o.dtypes[i]);
+      const bool versus_bf16 = o.dtypes[i] != v1::BF16;
+      const double ms = RunRow(o, MakeLayout(sessions, tokens, cache), tiles[i], d_tiles[i], props, backend,
+                               copy.median, margin, "bf16", versus_bf16 ? bf16_ms : -1, stream, &sum);
       if (o.dtypes[i] == v1::BF16) bf16_ms = ms;
+      if (o.shared_prefix >= kBlockTokens && sessions > 1) {
+        RunRow(o, MakeLayout(sessions, tokens, cache, o.shared_prefix), tiles[i], d_tiles[i], props, backend,
+               copy.median, margin, "apart", ms, stream, &sum);
+      }
     }
   }
   for (char* d : d_tiles) CHECK_CUDA(cudaFree(d));
