@@ -383,6 +383,54 @@ TEST(PagedPlan, SequencesStartingWithTheSameFullBlocksShareUnits) {
   EXPECT_EQ(cuda::PagedSlotsOf(plan), 2 * plan.splits);
 }
 
+// Prefill chunks of 64+ tokens over a 16-bit cache at head_dim 64 or 128 take the dense path (the tensor-core flash
+// kernel over gathered K and V) and get no units; weights, statistics, an fp32 or 8-bit cache, or head_dim 80 keep
+// them on the split kernel.
+TEST(PagedPlan, LongChunksOfSixteenBitCachesTakeTheDensePath) {
+  std::vector<char*> no_blocks;
+  PagedProblem problem = DecodeProblem();
+  problem.cache = {8, 128, 32, v1::BF16};
+  std::vector<PagedSequence> sequences(3);
+  for (PagedSequence& seq : sequences) seq.blocks = no_blocks;
+  sequences[0].length = 100;
+  sequences[0].new_tokens = 64;  // dense: 164 keys
+  sequences[1].length = 1000;
+  sequences[1].new_tokens = 63;  // one token short
+  sequences[2].length = 0;
+  sequences[2].new_tokens = 200;  // dense: 200 keys
+  cuda::PagedPlan plan = cuda::PlanPaged(problem, sequences, 132);
+  EXPECT_THAT(plan.dense, ::testing::ElementsAre(true, false, true));
+  for (const cuda::PagedUnit& u : plan.units) EXPECT_EQ(u.seq, 1) << "dense sequences have no units";
+  EXPECT_EQ(plan.rows, 64 + 63 + 200);
+  // The larger of q [n, H, d_k] and K, V [keys, Hkv, d_k], 2 bytes each: 200 x 4096 + 2 x 200 x 1024.
+  EXPECT_EQ(plan.dense_scratch_bytes, (200 * 4096 + 2 * 200 * 1024) * 2);
+
+  const auto dense = [&](PagedProblem changed) { return cuda::TakesDensePath(changed, sequences[0]); };
+  EXPECT_TRUE(dense(problem));
+  PagedProblem p = problem;
+  p.return_weights = true;
+  EXPECT_FALSE(dense(p));
+  p = problem;
+  p.return_stats = true;
+  EXPECT_FALSE(dense(p));
+  for (v1::DataType cache : {v1::FP32, v1::INT8, v1::FP8_E4M3}) {
+    p = problem;
+    p.cache.dtype = cache;
+    EXPECT_FALSE(dense(p)) << DTypeName(cache);
+  }
+  p = problem;
+  p.cache.dtype = v1::FP16;
+  p.heads.head_dim = 64;
+  EXPECT_TRUE(dense(p));
+  p.heads.head_dim = 80;
+  EXPECT_FALSE(dense(p));
+  PagedSequence unseen = sequences[1];
+  unseen.length = 0;
+  unseen.new_tokens = 64;
+  unseen.append = false;  // sees no key at all
+  EXPECT_FALSE(cuda::TakesDensePath(problem, unseen));
+}
+
 // A unit of 16 rows holds one sequence's group of 32 (MQA): stacking gains nothing, so nothing is stacked.
 TEST(PagedPlan, NoSharedUnitsWhenAGroupFillsAUnit) {
   char a, b;

@@ -157,11 +157,6 @@ __global__ void __launch_bounds__(kContributionThreads)
 }
 
 
-// Blocks for a grid-stride loop over n elements.
-unsigned GridFor(int64_t n) {
-  const int64_t blocks = (n + 255) / 256;
-  return static_cast<unsigned>(blocks < 4096 ? (blocks < 1 ? 1 : blocks) : 4096);
-}
 
 template <typename S>
 cudaError_t ConvertFrom(const S* src, void* dst, int dst_dtype, int64_t n, cudaStream_t stream) {

@@ -69,6 +69,7 @@ struct CudaBackend::Impl::PagedCall {
   char* qkv_f32 = nullptr;    // layer, 16-bit wire: the projection widened to fp32
   char* heads_t = nullptr;    // layer, 16-bit wire: the heads narrowed for W_O
   char* partials = nullptr;
+  char* dense_scratch = nullptr;  // the dense path's q, k and v, one sequence at a time
   char* staged_blocks = nullptr;  // staging: every block of the call, in table order
   char* layer_matrices = nullptr;
   float *layer_biases = nullptr, *layer_staging = nullptr;
@@ -78,12 +79,14 @@ struct CudaBackend::Impl::PagedCall {
     const int64_t rows = plan.rows, in_size = DTypeSize(pr.input_dtype);
     const int64_t qw = pr.heads.q_width(), width = qw + 2 * pr.heads.kv_width();
     Carver d(device), p(host);
-    for (Staged* x : {&descs_in, &units_in, &cascade_in, &table_in, &rope_in, &qkv_in, &x_in, &heads_out, &layer_out, &weights_out,
-                      &contribution_out, &stats_out[0], &stats_out[1], &stats_out[2], &stats_out[3], &stats_out[4]}) {
+    for (Staged* x : {&descs_in, &units_in, &cascade_in, &table_in, &rope_in, &qkv_in, &x_in, &heads_out, &layer_out,
+                      &weights_out, &contribution_out, &stats_out[0], &stats_out[1], &stats_out[2], &stats_out[3],
+                      &stats_out[4]}) {
       x->device = d.Take(x->bytes);
       x->pinned = p.Take(x->bytes);
     }
     partials = d.Take(cuda::PagedScratchBytes(pr, plan));
+    dense_scratch = d.Take(plan.dense_scratch_bytes);
     if (layer) {
       projected = d.Take(rows * width * in_size);
       if (!wide) {
@@ -136,6 +139,7 @@ void DescribePaged(const PagedArgs& a, int multiprocessors, CudaBackend::Impl::P
     d.weights_offset = weights;
     d.append = seq.append ? 1 : 0;
     d.shared_keys = c.plan.shared_keys[c.descs.size()];
+    d.dense = c.plan.dense[c.descs.size()] ? 1 : 0;
     c.descs.push_back(d);
     row += seq.new_tokens;
     block += static_cast<int64_t>(seq.blocks.size());
@@ -251,6 +255,47 @@ cuda::PagedParams ParamsOf(const PagedArgs& a, const CudaBackend::Impl::PagedCal
   return p;
 }
 
+// The dense sequences (PagedPlan::dense), one after another in the call's dense scratch: their queries and gathered
+// K and V in the cache's 16-bit dtype, then the tensor-core flash kernel, causal bottom-right with append (token i
+// sees length + i + 1 keys) and over the cache alone without, writing their fp32 rows of the heads' output.
+absl::Status DensePaged(const PagedArgs& a, const CudaBackend::Impl::PagedCall& c, const cuda::PagedParams& p,
+                        cudaStream_t stream) {
+  const PagedProblem& pr = a.problem;
+  const HeadSpec& h = pr.heads;
+  for (size_t s = 0; s < a.sequences.size(); ++s) {
+    if (!c.plan.dense[s]) continue;
+    const PagedSequence& seq = a.sequences[s];
+    AttentionShape shape;
+    shape.batch = 1;
+    shape.q_len = seq.new_tokens;
+    shape.kv_len = seq.Keys();
+    shape.heads = h;
+    shape.heads.causal = seq.append;
+    absl::StatusOr<cuda::FlashPlan> plan = cuda::PlanFlash(shape, pr.cache.dtype);
+    if (!plan.ok()) return plan.status();
+    if (plan->kernel != cuda::FlashKernel::kTensorCore) {
+      return absl::InternalError("a dense paged sequence did not get the tensor-core kernel");
+    }
+    char* q = c.dense_scratch;
+    char* k = q + seq.new_tokens * h.q_width() * 2;
+    char* v = k + shape.kv_len * h.kv_width() * 2;
+    RETURN_IF_CUDA_ERROR(cuda::LaunchPagedDenseInputs(p, static_cast<int64_t>(s), seq.new_tokens, shape.kv_len, q, k,
+                                                      v, stream),
+                         "gathering a prefill chunk's keys and values");
+    cuda::AttentionParams ap = ShapeParams(shape, AttentionMask(), DeviceMask());
+    ap.q = q;
+    ap.k = k;
+    ap.v = v;
+    ap.q_row_stride = h.q_width();
+    ap.kv_row_stride = h.kv_width();
+    ap.dtype = pr.cache.dtype;
+    ap.out = c.heads_out.device + c.descs[s].row * h.q_width() * 4;
+    ap.out_dtype = cuda::kF32;
+    RETURN_IF_CUDA_ERROR(cuda::LaunchAttention(ap, *plan, stream), "launching a prefill chunk's attention");
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::Status CudaBackend::Impl::Paged(const PagedArgs& a) {
@@ -286,6 +331,7 @@ absl::Status CudaBackend::Impl::Paged(const PagedArgs& a) {
   const cuda::PagedParams p = ParamsOf(a, c, qkv);
   RETURN_IF_CUDA_ERROR(cuda::LaunchPagedAppend(p, stream), "launching the cache append");
   RETURN_IF_CUDA_ERROR(cuda::LaunchPagedAttention(p, stream), "launching paged attention");
+  RETURN_IF_ERROR_STATUS(DensePaged(a, c, p, stream));
   RETURN_IF_ERROR_STATUS(Stopped(a.stop));
   if (c.layer) RETURN_IF_ERROR_STATUS(OutputPaged(*lane, pr, c.offsets, c, c.plan.rows, c.contribution));
   return FinishPaged(a, c, stream);
@@ -425,6 +471,8 @@ int64_t CudaBackend::PagedWorkspaceBytes(const PagedProblem& problem) const {
   const int64_t splits = std::clamp<int64_t>(problem.max_length / cuda::kMinSplitKeys, 1, 264);
   const int64_t slots = problem.sequences > 1 ? 2 * splits : splits;
   int64_t bytes = rows * h.num_heads * slots * (h.head_dim + 5) * 4;
+  // The dense path's q, k and v of its largest sequence (paged_plan.h).
+  bytes += (problem.max_new_tokens * h.q_width() + 2 * problem.max_length * h.kv_width()) * 2;
   bytes += rows * (h.q_width() + 2 * h.kv_width()) * 8;  // inputs (fp32) and projections
   bytes += rows * std::max<int64_t>(problem.d_model, h.q_width()) * 8;  // heads and output
   if (problem.return_weights) bytes += h.num_heads * rows * problem.max_length * 4;

@@ -74,13 +74,38 @@ cudaError_t LaunchPagedAttention(const PagedParams& p, cudaStream_t stream) {
   }
   if (split == nullptr) return cudaErrorInvalidValue;
   const dim3 grid(static_cast<unsigned>(p.num_units), static_cast<unsigned>(p.splits));
-  if (const cudaError_t error = Enqueue(split, grid, device::kPagedThreads, stream, p); error != cudaSuccess) {
-    return error;
+  if (p.num_units > 0) {  // none when every sequence is dense
+    if (const cudaError_t error = Enqueue(split, grid, device::kPagedThreads, stream, p); error != cudaSuccess) {
+      return error;
+    }
   }
   const int64_t merge_blocks = (p.rows * p.heads + device::kPagedWarps - 1) / device::kPagedWarps;
   if (merge_blocks > kMaxGridX) return cudaErrorInvalidValue;
   return Enqueue(device::PagedMergeKernel, dim3(static_cast<unsigned>(merge_blocks)), device::kPagedThreads, stream,
                  p);
+}
+
+cudaError_t LaunchPagedDenseInputs(const PagedParams& p, int64_t seq, int64_t new_tokens, int64_t keys, void* q,
+                                   void* k, void* v, cudaStream_t stream) {
+  if (seq < 0 || seq >= p.num_sequences || new_tokens <= 0 || keys <= 0) return cudaErrorInvalidValue;
+  const unsigned q_grid = GridFor(new_tokens * p.heads * p.head_dim);
+  const unsigned kv_grid = GridFor(keys * p.kv_heads * p.head_dim);
+  cudaError_t error = cudaErrorInvalidValue;
+  if (p.cache_dtype == kF16) {
+    error = Enqueue(device::PagedDenseQueryKernel<__half>, q_grid, 256, stream, p, seq, static_cast<__half*>(q));
+    if (error == cudaSuccess) {
+      error = Enqueue(device::PagedDenseGatherKernel<__half>, kv_grid, 256, stream, p, seq, keys,
+                      static_cast<__half*>(k), static_cast<__half*>(v));
+    }
+  } else if (p.cache_dtype == kBF16) {
+    error = Enqueue(device::PagedDenseQueryKernel<__nv_bfloat16>, q_grid, 256, stream, p, seq,
+                    static_cast<__nv_bfloat16*>(q));
+    if (error == cudaSuccess) {
+      error = Enqueue(device::PagedDenseGatherKernel<__nv_bfloat16>, kv_grid, 256, stream, p, seq, keys,
+                      static_cast<__nv_bfloat16*>(k), static_cast<__nv_bfloat16*>(v));
+    }
+  }
+  return error;
 }
 
 }  // namespace cuda

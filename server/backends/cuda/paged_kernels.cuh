@@ -380,6 +380,7 @@ __global__ void __launch_bounds__(kPagedThreads) PagedMergeKernel(PagedParams p)
   if (item >= p.rows * p.heads) return;
   const int64_t row = item / p.heads, head = item % p.heads;
   const PagedSequenceDesc seq = p.sequences[SequenceOfRow(p, row)];
+  if (seq.dense) return;  // the dense path writes its rows
   const int64_t token = row - seq.row, dk = p.head_dim;
   // Its own units' splits, then its shared units' when it is in a cascade group.
   const int64_t stride = PagedSlots(p), slots = seq.shared_keys > 0 ? 2 * p.splits : p.splits;
@@ -427,6 +428,33 @@ __global__ void __launch_bounds__(kPagedThreads) PagedMergeKernel(PagedParams p)
     for (int64_t j = lane; j < keys; j += 32) {
       w[j] = j < visible && l > 0 ? expf(w[j] - m) * inverse : (std::isnan(l) ? l : 0.0f);
     }
+  }
+}
+
+// The dense path's queries (LaunchPagedDenseInputs): element e of sequence `s`'s q [n, heads, head_dim] in T.
+template <typename T>
+__global__ void PagedDenseQueryKernel(PagedParams p, int64_t s, T* q) {
+  const PagedSequenceDesc seq = p.sequences[s];
+  const int64_t dk = p.head_dim, total = seq.new_tokens * p.heads * dk;
+  for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < total;
+       e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t token = e / (p.heads * dk), head = e / dk % p.heads, d = e % dk;
+    q[e] = FromFloat<T>(RopedValue(p.q + (seq.row + token) * p.q_stride + head * dk, d, seq.length + token, s, p));
+  }
+}
+
+// The dense path's keys and values: element e of sequence `s`'s k and v [keys, kv_heads, head_dim], copied from its
+// blocks (the cache's dtype is T's).
+template <typename T>
+__global__ void PagedDenseGatherKernel(PagedParams p, int64_t s, int64_t keys, T* k, T* v) {
+  const PagedSequenceDesc seq = p.sequences[s];
+  const int64_t dk = p.head_dim, bt = p.block_tokens, total = keys * p.kv_heads * dk;
+  for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < total;
+       e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t j = e / (p.kv_heads * dk), g = e / dk % p.kv_heads, d = e % dk;
+    const T* block = reinterpret_cast<const T*>(p.blocks[seq.block_offset + j / bt]) + g * 2 * dk * bt;
+    k[e] = block[d * bt + j % bt];
+    v[e] = block[dk * bt + j % bt * dk + d];
   }
 }
 

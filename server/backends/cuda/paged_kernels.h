@@ -38,6 +38,9 @@ struct PagedSequenceDesc {
   // Keys [0, shared_keys) are its cascade group's common blocks, which shared units compute for every member (its
   // own units start there); 0: it is in no group.
   int64_t shared_keys = 0;
+  // 1: a prefill chunk the dense path computes (LaunchPagedDenseInputs, then the tensor-core flash kernel): it has
+  // no units, and the merge leaves its rows alone.
+  int32_t dense = 0;
 };
 
 // A work unit: query heads [head0, head0 + heads) of KV head `kv_head` (all in its group) for new tokens
@@ -104,8 +107,16 @@ cudaError_t LaunchPagedAppend(const PagedParams& p, cudaStream_t stream);
 
 // softmax(q k^T scale) v of every new token over its visible keys, read from the blocks in place: the split kernel
 // on a grid of (num_units, splits), then the merge of the splits into out, the statistics and the weights. Run after
-// LaunchPagedAppend on the same stream (new tokens see each other through the cache).
+// LaunchPagedAppend on the same stream (new tokens see each other through the cache). Dense sequences' rows are
+// left alone.
 cudaError_t LaunchPagedAttention(const PagedParams& p, cudaStream_t stream);
+
+// The dense path's inputs for sequence `seq` (a 16-bit cache, kF16 or kBF16), whose new_tokens and visible keys
+// (length + new_tokens with append, else length) the host passes: its new queries after RoPE, rounded to the
+// cache's dtype, into q [new_tokens, heads, head_dim], and its keys' K and V gathered from the blocks into k and v
+// [keys, kv_heads, head_dim]. Run after LaunchPagedAppend.
+cudaError_t LaunchPagedDenseInputs(const PagedParams& p, int64_t seq, int64_t new_tokens, int64_t keys, void* q,
+                                   void* k, void* v, cudaStream_t stream);
 
 }  // namespace cuda
 }  // namespace mha

@@ -40,18 +40,32 @@ void AddSharedUnits(const PagedProblem& problem, absl::Span<const PagedSequence>
 
 }  // namespace
 
+bool TakesDensePath(const PagedProblem& problem, const PagedSequence& seq) {
+  const int64_t dk = problem.heads.head_dim;
+  const bool sixteen_bit = problem.cache.dtype == v1::FP16 || problem.cache.dtype == v1::BF16;
+  return seq.new_tokens >= kDenseMinTokens && seq.Keys() > 0 && sixteen_bit && (dk == 64 || dk == 128) &&
+         !problem.return_weights && !problem.return_stats;
+}
+
 PagedPlan PlanPaged(const PagedProblem& problem, absl::Span<const PagedSequence> sequences, int multiprocessors) {
   const HeadSpec& h = problem.heads;
   const int64_t rows_per_unit = PagedRowsPerUnit(h.head_dim), group = h.group_size();
   const int64_t unit_heads = std::min(group, rows_per_unit), unit_tokens = std::max<int64_t>(1, rows_per_unit / group);
   PagedPlan plan;
   int64_t max_keys = 0;
+  plan.dense.assign(sequences.size(), false);
   for (size_t s = 0; s < sequences.size(); ++s) {
     const PagedSequence& seq = sequences[s];
     const int64_t keys = seq.Keys();
-    max_keys = std::max(max_keys, keys);
     plan.rows += seq.new_tokens;
     if (problem.return_weights) plan.weights_elements += h.num_heads * seq.new_tokens * keys;
+    if (TakesDensePath(problem, seq)) {
+      plan.dense[s] = true;
+      const int64_t elements = seq.new_tokens * h.q_width() + 2 * keys * h.kv_width();
+      plan.dense_scratch_bytes = std::max(plan.dense_scratch_bytes, elements * 2);
+      continue;
+    }
+    max_keys = std::max(max_keys, keys);
     for (int64_t g = 0; g < h.num_kv_heads; ++g) {
       for (int64_t t = 0; t < seq.new_tokens; t += unit_tokens) {
         for (int64_t h0 = 0; h0 < group; h0 += unit_heads) {

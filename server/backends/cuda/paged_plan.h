@@ -19,11 +19,15 @@ inline constexpr int64_t kMinSplitKeys = 256;
 // bandwidth, and each resident block has one tile (8 KiB in bf16 at head_dim 128) in flight, so about 8 of them
 // (the kernel's registers allow 7 at head_dim 128) keep enough bytes in flight to cover HBM's latency.
 inline constexpr int kBlocksPerMultiprocessor = 8;
+// New tokens from which a sequence's chunk takes the dense path: 4 query tiles of the tensor-core kernel's 16 rows.
+inline constexpr int64_t kDenseMinTokens = 64;
 
 struct PagedPlan {
   std::vector<PagedUnit> units;
   std::vector<int32_t> cascade;      // the shared units' members (PagedParams::cascade); empty: no shared units
   std::vector<int64_t> shared_keys;  // per sequence: PagedSequenceDesc::shared_keys
+  std::vector<bool> dense;           // per sequence: PagedSequenceDesc::dense
+  int64_t dense_scratch_bytes = 0;   // the largest dense sequence's q, k and v (LaunchPagedDenseInputs)
   int splits = 1;
   int64_t split_keys = kPagedTileKeys;  // a multiple of kPagedTileKeys
   int64_t rows = 0;                     // new tokens over all sequences
@@ -33,10 +37,17 @@ struct PagedPlan {
 // Units: for every sequence and KV head, its group's query heads times as many new tokens as fit
 // PagedRowsPerUnit (a group larger than that is cut by heads, one token per unit). Splits: enough for about
 // kBlocksPerMultiprocessor blocks per streaming multiprocessor (`multiprocessors`), at least kMinSplitKeys keys each.
+// Dense sequences (TakesDensePath) get no units: the tensor-core flash kernel computes them over their gathered K
+// and V, one after another in one scratch.
 // Cascade groups: sequences decoding one token each whose caches start with the same full blocks (forks, sessions
 // that attached one prompt's blocks by prefix key), at least two, when a unit holds the rows of two or more of them
 // (GQA group <= PagedRowsPerUnit / 2): shared units read those blocks once per PagedRowsPerUnit / group members.
 PagedPlan PlanPaged(const PagedProblem& problem, absl::Span<const PagedSequence> sequences, int multiprocessors);
+
+// Whether `seq`'s chunk takes the dense path: kDenseMinTokens or more new tokens over at least one visible key, a
+// 16-bit cache and a head_dim the tensor-core kernel computes (64, 128), and neither weights nor statistics asked
+// for (that kernel keeps no statistics).
+bool TakesDensePath(const PagedProblem& problem, const PagedSequence& seq);
 
 // Scratch the kernels need beyond inputs and outputs for `plan`: the splits' partial outputs and states.
 int64_t PagedScratchBytes(const PagedProblem& problem, const PagedPlan& plan);
