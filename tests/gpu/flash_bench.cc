@@ -5,6 +5,10 @@
 //
 //   flash_bench --probe        says whether a GPU is usable (exit 0) or why not (exit 2)
 //   flash_bench [--quick]      prints a Markdown table: T, d_k, H/Hkv, causal, ms, TFLOP/s, % of the GEMM rate
+//
+// Then a session's prefill through the paged kernels' dense path (paged_plan.h): one sequence appending T tokens to
+// an empty bf16 cache in 32-token blocks (LaunchPagedAppend), its queries rotated and its K and V gathered
+// (LaunchPagedDenseInputs), then the causal tensor-core kernel: the time of all three against the causal FLOPs.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -19,6 +23,7 @@
 #include "server/backends/cuda/cublas_api.h"
 #include "server/backends/cuda/flash_plan.h"
 #include "server/backends/cuda/kernels.h"
+#include "server/backends/cuda/paged_kernels.h"
 #include "tests/gpu/bench_util.h"
 
 namespace mha {
@@ -126,6 +131,62 @@ float CrossCheck(int64_t dk, int block_m, bool async_copies) {
   return worst;
 }
 
+// A session's prefill of t tokens (H = 32 over Hkv = 8, d_k) through the dense path: milliseconds of the append,
+// the dense inputs and the causal tensor-core kernel together.
+float PagedPrefillMs(int64_t t, int64_t dk, int reps) {
+  const int64_t h = 32, hkv = 8, bt = 32, blocks = (t + bt - 1) / bt, block_bytes = hkv * 2 * dk * bt * 2;
+  char* pool = nullptr;
+  CHECK_CUDA(cudaMalloc(&pool, blocks * block_bytes));
+  std::vector<char*> table(blocks);
+  for (int64_t b = 0; b < blocks; ++b) table[b] = pool + b * block_bytes;
+  std::vector<float> rows(t * (h + 2 * hkv) * dk);
+  for (size_t i = 0; i < rows.size(); ++i) rows[i] = bench::HashValue(i, 31);
+  PagedSequenceDesc seq;
+  seq.new_tokens = t;
+  seq.dense = 1;
+  char **d_table = nullptr, *scratch = nullptr;
+  float* d_rows = nullptr;
+  PagedSequenceDesc* d_seq = nullptr;
+  CHECK_CUDA(cudaMalloc(&d_table, blocks * sizeof(char*)));
+  CHECK_CUDA(cudaMalloc(&d_rows, rows.size() * 4));
+  CHECK_CUDA(cudaMalloc(&d_seq, sizeof(seq)));
+  CHECK_CUDA(cudaMalloc(&scratch, (t * h * dk + 2 * t * hkv * dk) * 2 + t * h * dk * 4));
+  CHECK_CUDA(cudaMemcpy(d_table, table.data(), blocks * sizeof(char*), cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMemcpy(d_rows, rows.data(), rows.size() * 4, cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMemcpy(d_seq, &seq, sizeof(seq), cudaMemcpyHostToDevice));
+  PagedParams p;
+  p.sequences = d_seq;
+  p.blocks = d_table;
+  p.num_sequences = 1;
+  p.rows = t;
+  p.q = d_rows;
+  p.k = d_rows + h * dk;
+  p.v = d_rows + (h + hkv) * dk;
+  p.q_stride = p.kv_stride = (h + 2 * hkv) * dk;
+  p.heads = h;
+  p.kv_heads = hkv;
+  p.head_dim = dk;
+  p.block_tokens = bt;
+  p.cache_dtype = kBF16;
+  char *q = scratch, *k = q + t * h * dk * 2, *v = k + t * hkv * dk * 2, *out = v + t * hkv * dk * 2;
+  const AttentionParams a = Params(q, k, v, out, 1, t, h, hkv, dk, true);
+  AttentionParams wide = a;
+  wide.out_dtype = kF32;
+  const FlashPlan plan = Plan(a);
+  const float ms = TimeMs(
+      [&] {
+        CHECK_CUDA(LaunchPagedAppend(p, nullptr));
+        CHECK_CUDA(LaunchPagedDenseInputs(p, 0, t, t, q, k, v, nullptr));
+        CHECK_CUDA(LaunchAttention(wide, plan, nullptr));
+      },
+      reps);
+  for (void* x : {static_cast<void*>(pool), static_cast<void*>(d_table), static_cast<void*>(d_rows),
+                  static_cast<void*>(d_seq), static_cast<void*>(scratch)}) {
+    cudaFree(x);
+  }
+  return ms;
+}
+
 int Main(int argc, char** argv) {
   const bool quick = argc > 1 && std::strcmp(argv[1], "--quick") == 0;
   const bool probe = argc > 1 && std::strcmp(argv[1], "--probe") == 0;  // only say whether a GPU is usable
@@ -195,6 +256,16 @@ int Main(int argc, char** argv) {
   }
   for (void* x : {static_cast<void*>(q), static_cast<void*>(k), static_cast<void*>(v), static_cast<void*>(o)}) {
     cudaFree(x);
+  }
+  std::printf("\n| paged prefill T | d_k | ms (append + gather + kernel) | TFLOP/s | of GEMM |\n|---|---|---|---|---|\n");
+  for (int64_t t : {1024, 4096, 16384}) {
+    if (quick && t != 4096) continue;
+    for (int64_t dk : {64, 128}) {
+      const float ms = PagedPrefillMs(t, dk, quick ? 3 : 5);
+      const double tflops = 4.0 * 32 * dk * (t * (t + 1) / 2.0) / (ms * 1e-3) / 1e12;
+      std::printf("| %lld | %lld | %.3f | %.1f | %.0f%% |\n", static_cast<long long>(t), static_cast<long long>(dk),
+                  ms, tflops, gemm > 0 ? 100 * tflops / gemm : 0.0);
+    }
   }
   return 0;
 }
