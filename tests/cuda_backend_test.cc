@@ -91,22 +91,6 @@ TEST(FlashPlan, Fp32AndOtherHeadDimsRunOnTheSimtKernel) {
   }
 }
 
-TEST(FlashPlan, SoftmaxStatisticsTakeTheSimtKernel) {
-  // The tensor-core kernel keeps no statistics accumulators: a call that asks for them runs on the SIMT kernel even
-  // at the head dims and dtypes the tensor cores take.
-  for (v1::DataType dtype : {v1::FP16, v1::BF16}) {
-    for (int64_t dk : {64, 128}) {
-      absl::StatusOr<cuda::FlashPlan> plan = cuda::PlanFlash(Shape(2, 1000, 1000, 32, 8, dk), dtype, true);
-      ASSERT_TRUE(plan.ok()) << plan.status();
-      EXPECT_EQ(plan->kernel, cuda::FlashKernel::kSimt) << dk;
-      EXPECT_EQ(plan->threads, 128);
-      EXPECT_EQ(plan->grid_y, 250);  // ceil(1000 / 4)
-    }
-  }
-  // Without them, the default: tensor cores.
-  EXPECT_EQ(cuda::PlanFlash(Shape(2, 1000, 1000, 32, 8, 64), v1::BF16, false)->kernel,
-            cuda::FlashKernel::kTensorCore);
-}
 
 TEST(FlashPlan, HeadDimAbove256IsUnimplemented) {
   absl::StatusOr<cuda::FlashPlan> plan = cuda::PlanFlash(Shape(1, 4, 4, 1, 1, 257), v1::FP32);
@@ -384,8 +368,8 @@ TEST(PagedPlan, SequencesStartingWithTheSameFullBlocksShareUnits) {
 }
 
 // Prefill chunks of 64+ tokens over a 16-bit cache at head_dim 64 or 128 take the dense path (the tensor-core flash
-// kernel over gathered K and V) and get no units; weights, statistics, an fp32 or 8-bit cache, or head_dim 80 keep
-// them on the split kernel.
+// kernel over gathered K and V) and get no units, statistics or not; weights, an fp32 or 8-bit cache, or head_dim 80
+// keep them on the split kernel.
 TEST(PagedPlan, LongChunksOfSixteenBitCachesTakeTheDensePath) {
   std::vector<char*> no_blocks;
   PagedProblem problem = DecodeProblem();
@@ -412,7 +396,7 @@ TEST(PagedPlan, LongChunksOfSixteenBitCachesTakeTheDensePath) {
   EXPECT_FALSE(dense(p));
   p = problem;
   p.return_stats = true;
-  EXPECT_FALSE(dense(p));
+  EXPECT_TRUE(dense(p));
   for (v1::DataType cache : {v1::FP32, v1::INT8, v1::FP8_E4M3}) {
     p = problem;
     p.cache.dtype = cache;

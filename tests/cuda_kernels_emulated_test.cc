@@ -41,7 +41,7 @@ struct Case {
   bool head_mask = false;
   bool fp32_out = false;     // the kernel writes fp32 (a 16-bit layer's heads are written in their own dtype)
   bool weights = false;      // row statistics, then the weights pass
-  bool stats = false;        // the softmax statistics (lse, entropy, confidence, distance, sink): the SIMT kernel
+  bool stats = false;        // the softmax statistics (lse, entropy, confidence, distance, sink)
 
   friend std::ostream& operator<<(std::ostream& os, const Case& c) { return os << c.name; }
 };
@@ -131,12 +131,9 @@ TEST_P(EmulatedKernelTest, MatchesTheReference) {
   }
 
   // The kernel, as the backend would launch it, with the case's variant of the plan.
-  absl::StatusOr<cuda::FlashPlan> planned = cuda::PlanFlash(shape, c.dtype, c.stats);
+  absl::StatusOr<cuda::FlashPlan> planned = cuda::PlanFlash(shape, c.dtype);
   ASSERT_TRUE(planned.ok()) << planned.status();
   cuda::FlashPlan plan = *planned;
-  if (c.stats) {
-    ASSERT_EQ(plan.kernel, cuda::FlashKernel::kSimt);
-  }
   if (c.block_m != 0) {
     ASSERT_EQ(plan.kernel, cuda::FlashKernel::kTensorCore);
     plan = cuda::TensorCoreVariant(plan, c.q_len, c.block_m, c.async_copies);
@@ -222,9 +219,9 @@ const Case kCases[] = {
     {"simt_fp32_dk64_causal_tq_gt_tk", v1::FP32, 0, true, 1, 30, 10, 2, 1, 64, true},
     {"simt_bf16_dk80_gqa", v1::BF16, 0, true, 2, 17, 33, 4, 2, 80, true, false, false, false, true},
     {"simt_fp16_dk256", v1::FP16, 0, true, 1, 6, 45, 2, 2, 256, false, true},
-    // The softmax statistics (the SIMT kernel, even where the tensor cores would take the call): several steps of
-    // 32 keys (the running max moves), rows that see no key (key length 0, causal with Tq > Tk), -inf mask entries,
-    // with the weights pass and the head mask beside them.
+    // The softmax statistics (SIMT kernel for fp32, the tensor cores' for 16-bit at head_dim 64 and 128): several
+    // tiles of keys (the running max moves), rows that see no key (key length 0, causal with Tq > Tk), -inf mask
+    // entries, with the weights pass and the head mask beside them; both tensor-core block sizes.
     {"stats_fp32_dk8_causal_lengths", v1::FP32, 0, true, 3, 13, 100, 4, 2, 8, true, true, false, false, false, false,
      true},
     {"stats_fp32_dk20_masks_weights", v1::FP32, 0, true, 2, 9, 70, 3, 3, 20, false, true, true, true, false, true,
@@ -235,6 +232,12 @@ const Case kCases[] = {
      true},
     {"stats_fp16_dk128_fp32_out", v1::FP16, 0, true, 1, 6, 45, 2, 2, 128, false, false, false, false, true, false,
      true},
+    {"stats_tc_bf16_dk64_4warps_causal_tq_gt_tk_lengths", v1::BF16, 64, true, 3, 150, 130, 4, 2, 64, true, true,
+     false, false, false, false, true},
+    {"stats_tc_fp16_dk128_8warps_weights_head_mask", v1::FP16, 128, true, 1, 140, 300, 2, 1, 128, true, false,
+     false, true, true, true, true},
+    {"stats_tc_bf16_dk128_additive", v1::BF16, 0, true, 2, 40, 200, 2, 2, 128, false, false, true, false, false,
+     false, true},
 };
 
 INSTANTIATE_TEST_SUITE_P(Kernels, EmulatedKernelTest, ::testing::ValuesIn(kCases),

@@ -99,7 +99,9 @@ TEST(CudaQuantCodes, Int8CodesRoundToNearestEvenAndSaturate) {
                                                     {std::numeric_limits<float>::quiet_NaN(), 0}};
   for (const auto& [x, code] : cases) {
     EXPECT_EQ(static_cast<int8_t>(EncodeCode<cuda::kI8>(x)), code) << x;
-    if (!std::isnan(x)) EXPECT_EQ(DecodeCode<cuda::kI8>(EncodeCode<cuda::kI8>(x)), static_cast<float>(code)) << x;
+    if (!std::isnan(x)) {
+      EXPECT_EQ(DecodeCode<cuda::kI8>(EncodeCode<cuda::kI8>(x)), static_cast<float>(code)) << x;
+    }
   }
 }
 

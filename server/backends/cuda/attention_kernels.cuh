@@ -85,7 +85,12 @@ struct SimtRowStats {
   __device__ __forceinline__ void Write(const AttentionParams& p, int64_t row, float m, float l, int lane) const {
     const float entropy_sum = WarpSum(entropy_lane), distance_sum = WarpSum(distance_lane),
                 sink_sum = WarpSum(sink_lane);
-    if (lane != 0) return;
+    if (lane == 0) StoreRowStats(p, row, m, l, entropy_sum, distance_sum, sink_sum);
+  }
+
+  // A row's statistics from its max m and sum l (natural units) and its sums A, D and K over all keys.
+  __device__ __forceinline__ static void StoreRowStats(const AttentionParams& p, int64_t row, float m, float l,
+                                                       float entropy_sum, float distance_sum, float sink_sum) {
     float lse = -INFINITY, entropy = 0.0f, confidence = 0.0f, distance = 0.0f, sink = 0.0f;
     if (l != l) {  // NaN: a NaN score
       lse = entropy = confidence = distance = sink = l;
@@ -292,7 +297,10 @@ __device__ __forceinline__ void LoadTile(T* shared, const T* global, int64_t str
   }
 }
 
-template <typename T, typename OutT, int kD, int kWarps, bool kAsync>
+// kStats: the softmax statistics too, as the SIMT kernel keeps them (SimtRowStats): each thread's shares of A, D
+// and K over its keys of its two rows beside its share of l, rescaled with it when the row's max moves, and added
+// over the quad at the end.
+template <typename T, typename OutT, int kD, int kWarps, bool kAsync, bool kStats = false>
 __global__ void __launch_bounds__(32 * kWarps) TensorCoreAttention(AttentionParams p) {
   constexpr int kThreads = 32 * kWarps, kBlockM = 16 * kWarps;
   constexpr int kRow = kD + 8;  // padded shared-memory row, in elements
@@ -355,6 +363,9 @@ __global__ void __launch_bounds__(32 * kWarps) TensorCoreAttention(AttentionPara
   const bool natural = p.additive != nullptr;
   const float score_scale = natural ? p.scale : p.scale * kLog2e, to_log2 = natural ? kLog2e : 1.0f;
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+  // kStats: this thread's shares of A = sum w (s - m) (natural units), D = sum w |pos - j| and K (sink keys' w).
+  float stat_a[2] = {0.0f, 0.0f}, stat_d[2] = {0.0f, 0.0f}, stat_k[2] = {0.0f, 0.0f};
+  const float to_natural = natural ? 1.0f : kLn2;
   float o[kD / 8][4];
   #pragma unroll
   for (int nb = 0; nb < kD / 8; ++nb) o[nb][0] = o[nb][1] = o[nb][2] = o[nb][3] = 0.0f;
@@ -438,6 +449,14 @@ __global__ void __launch_bounds__(32 * kWarps) TensorCoreAttention(AttentionPara
       const float m_new = fmaxf(m[r], tile_max[r]);
       base[r] = m_new == -INFINITY ? 0.0f : m_new;
       correction[r] = exp2f((m[r] - base[r]) * to_log2);
+      if constexpr (kStats) {  // as SimtRowStats::Add, before l moves to the new max
+        stat_a[r] = correction[r] == 0.0f ? 0.0f
+                                          : correction[r] * (stat_a[r] + (l[r] == 0.0f ? 0.0f
+                                                                                      : l[r] * (m[r] - base[r]) *
+                                                                                            to_natural));
+        stat_d[r] *= correction[r];
+        stat_k[r] *= correction[r];
+      }
       m[r] = m_new;
       l[r] *= correction[r];  // this thread's part of the row sum; the quad adds its parts at the end
     }
@@ -446,8 +465,18 @@ __global__ void __launch_bounds__(32 * kWarps) TensorCoreAttention(AttentionPara
       #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int r = e >> 1;
-        s[nb][e] = exp2f((s[nb][e] - base[r]) * to_log2);
+        const float score = s[nb][e];
+        s[nb][e] = exp2f((score - base[r]) * to_log2);
         l[r] += s[nb][e];
+        if constexpr (kStats) {
+          if (s[nb][e] != 0.0f) {  // a hidden key adds nothing (0 * -inf would be NaN); a NaN makes the row NaN
+            const int64_t j = key0 + nb * 8 + 2 * t + (e & 1);
+            const int64_t position = rows[r] + p.kv_len - p.q_len;  // bottom-right aligned
+            stat_a[r] = fmaf(s[nb][e], (score - base[r]) * to_natural, stat_a[r]);
+            stat_d[r] = fmaf(s[nb][e], fabsf(static_cast<float>(position - j)), stat_d[r]);
+            if (j < p.sink_tokens) stat_k[r] += s[nb][e];
+          }
+        }
       }
     }
     #pragma unroll
@@ -492,6 +521,18 @@ __global__ void __launch_bounds__(32 * kWarps) TensorCoreAttention(AttentionPara
     l[r] += __shfl_xor_sync(kFullMask, l[r], 1);
     l[r] += __shfl_xor_sync(kFullMask, l[r], 2);
     factor[r] = (l[r] == 0.0f ? 0.0f : 1.0f / l[r]) * (p.head_mask != nullptr ? p.head_mask[h] : 1.0f);
+    if constexpr (kStats) {
+      stat_a[r] += __shfl_xor_sync(kFullMask, stat_a[r], 1);
+      stat_a[r] += __shfl_xor_sync(kFullMask, stat_a[r], 2);
+      stat_d[r] += __shfl_xor_sync(kFullMask, stat_d[r], 1);
+      stat_d[r] += __shfl_xor_sync(kFullMask, stat_d[r], 2);
+      stat_k[r] += __shfl_xor_sync(kFullMask, stat_k[r], 1);
+      stat_k[r] += __shfl_xor_sync(kFullMask, stat_k[r], 2);
+      if (rows[r] < p.q_len && t == 0) {
+        SimtRowStats::StoreRowStats(p, (b * p.heads + h) * p.q_len + rows[r], natural ? m[r] : m[r] * kLn2, l[r],
+                                    stat_a[r], stat_d[r], stat_k[r]);
+      }
+    }
   }
   #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -558,7 +599,13 @@ struct AttentionLaunch {
 };
 
 template <typename T, typename OutT, int kD>
-void (*TensorCoreKernel(const FlashPlan& plan))(AttentionParams) {
+void (*TensorCoreKernel(const FlashPlan& plan, bool stats))(AttentionParams) {
+  if (stats) {  // the statistics' instantiations copy asynchronously, as PlanFlash plans
+    if (!plan.async_copies) return nullptr;
+    if (plan.block_m == 64) return &TensorCoreAttention<T, OutT, kD, 4, true, true>;
+    if (plan.block_m == 128) return &TensorCoreAttention<T, OutT, kD, 8, true, true>;
+    return nullptr;
+  }
   if (plan.block_m == 64) {
     return plan.async_copies ? &TensorCoreAttention<T, OutT, kD, 4, true> : &TensorCoreAttention<T, OutT, kD, 4, false>;
   }
@@ -581,12 +628,11 @@ void (*SimtKernel(const AttentionParams& p))(AttentionParams) {
 template <typename T, typename OutT>
 void (*TypedKernel(const AttentionParams& p, const FlashPlan& plan))(AttentionParams) {
   if (plan.kernel == FlashKernel::kTensorCore) {
-    if (p.wants_stats()) return nullptr;  // the statistics are the SIMT kernel's (PlanFlash with stats)
     if constexpr (std::is_same_v<T, float>) {
       return nullptr;
     } else {
-      if (p.head_dim == 64) return TensorCoreKernel<T, OutT, 64>(plan);
-      if (p.head_dim == 128) return TensorCoreKernel<T, OutT, 128>(plan);
+      if (p.head_dim == 64) return TensorCoreKernel<T, OutT, 64>(plan, p.wants_stats());
+      if (p.head_dim == 128) return TensorCoreKernel<T, OutT, 128>(plan, p.wants_stats());
       return nullptr;
     }
   }

@@ -76,7 +76,7 @@ absl::Status CudaBackend::Impl::Sdpa(const SdpaArgs& a) {
   const AttentionShape& s = a.shape;
   const HeadSpec& h = s.heads;
   const int t = a.q.dtype, out_dtype = a.out.dtype;
-  absl::StatusOr<cuda::FlashPlan> plan = cuda::PlanFlash(s, a.q.dtype, a.stats.softmax());
+  absl::StatusOr<cuda::FlashPlan> plan = cuda::PlanFlash(s, a.q.dtype);
   if (!plan.ok()) return plan.status();
   const int64_t in_size = DTypeSize(t), out_size = DTypeSize(out_dtype);
   const int64_t q_count = s.batch * s.q_len * h.q_width(), kv_count = s.batch * s.kv_len * h.kv_width();
@@ -234,7 +234,7 @@ absl::Status CudaBackend::Impl::Mha(const MhaArgs& a) {
   const HeadSpec& h = s.heads;
   const LayerWeights& w = a.weights;
   const int t = a.query.dtype, out_dtype = a.out.dtype;
-  absl::StatusOr<cuda::FlashPlan> plan = cuda::PlanFlash(s, a.query.dtype, a.stats.softmax());
+  absl::StatusOr<cuda::FlashPlan> plan = cuda::PlanFlash(s, a.query.dtype);
   if (!plan.ok()) return plan.status();
   const int64_t in_size = DTypeSize(t), out_size = DTypeSize(out_dtype);
   const int64_t q_width = h.q_width(), kv_width = h.kv_width();

@@ -257,7 +257,8 @@ cuda::PagedParams ParamsOf(const PagedArgs& a, const CudaBackend::Impl::PagedCal
 
 // The dense sequences (PagedPlan::dense), one after another in the call's dense scratch: their queries and gathered
 // K and V in the cache's 16-bit dtype, then the tensor-core flash kernel, causal bottom-right with append (token i
-// sees length + i + 1 keys) and over the cache alone without, writing their fp32 rows of the heads' output.
+// sees length + i + 1 keys) and over the cache alone without, writing their fp32 rows of the heads' output and the
+// statistics asked for.
 absl::Status DensePaged(const PagedArgs& a, const CudaBackend::Impl::PagedCall& c, const cuda::PagedParams& p,
                         cudaStream_t stream) {
   const PagedProblem& pr = a.problem;
@@ -291,6 +292,12 @@ absl::Status DensePaged(const PagedArgs& a, const CudaBackend::Impl::PagedCall& 
     ap.dtype = pr.cache.dtype;
     ap.out = c.heads_out.device + c.descs[s].row * h.q_width() * 4;
     ap.out_dtype = cuda::kF32;
+    // The statistics asked for: the sequence's [H, n] at H times its first row, the layout the merge writes.
+    float** stats[5] = {&ap.lse, &ap.entropy, &ap.confidence, &ap.distance, &ap.sink};
+    for (int i = 0; i < 5; ++i) {
+      if (c.wanted[i]) *stats[i] = reinterpret_cast<float*>(c.stats_out[i].device) + h.num_heads * c.descs[s].row;
+    }
+    ap.sink_tokens = p.sink_tokens;
     RETURN_IF_CUDA_ERROR(cuda::LaunchAttention(ap, *plan, stream), "launching a prefill chunk's attention");
   }
   return absl::OkStatus();

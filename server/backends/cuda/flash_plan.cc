@@ -6,7 +6,7 @@
 namespace mha {
 namespace cuda {
 
-absl::StatusOr<FlashPlan> PlanFlash(const AttentionShape& s, v1::DataType dtype, bool stats) {
+absl::StatusOr<FlashPlan> PlanFlash(const AttentionShape& s, v1::DataType dtype) {
   const HeadSpec& h = s.heads;
   if (h.head_dim > kMaxHeadDim) {
     return absl::UnimplementedError(
@@ -14,9 +14,8 @@ absl::StatusOr<FlashPlan> PlanFlash(const AttentionShape& s, v1::DataType dtype,
   }
   FlashPlan plan;
   plan.grid_x = s.batch * h.num_heads;
-  // The tensor-core kernel keeps no statistics accumulators (its registers hold 16 rows' worth of everything).
   const bool tensor_cores =
-      !stats && (dtype == v1::FP16 || dtype == v1::BF16) && (h.head_dim == 64 || h.head_dim == 128);
+      (dtype == v1::FP16 || dtype == v1::BF16) && (h.head_dim == 64 || h.head_dim == 128);
   if (tensor_cores) {
     plan.kernel = FlashKernel::kTensorCore;
     plan.block_n = kTcBlockN;
@@ -55,7 +54,7 @@ FlashPlan TensorCoreVariant(FlashPlan plan, int64_t q_len, int block_m, bool asy
 
 absl::Status CudaSupports(const AttentionProblem& problem) {
   // The kernel runs on the dtype of q/k/v on the device: the wire's.
-  absl::StatusOr<FlashPlan> plan = PlanFlash(problem.shape, problem.input_dtype, problem.return_stats);
+  absl::StatusOr<FlashPlan> plan = PlanFlash(problem.shape, problem.input_dtype);
   return plan.ok() ? absl::OkStatus() : plan.status();
 }
 

@@ -81,11 +81,10 @@ struct FlashPlan {
 #ifndef __CUDACC__
 
 // The plan for attention on q/k/v of `dtype` (on the device, as the wire or the projections made them). The
-// tensor-core kernel serves fp16 and bf16 with head_dim 64 or 128; every other case takes the SIMT kernel, and so
-// does a call that asks for the softmax statistics (`stats`: AttentionParams' lse .. sink), which only the SIMT
-// kernel computes. UNIMPLEMENTED when no kernel computes the shape (head_dim above kMaxHeadDim, a grid beyond
+// tensor-core kernel serves fp16 and bf16 with head_dim 64 or 128, softmax statistics included; every other case
+// takes the SIMT kernel. UNIMPLEMENTED when no kernel computes the shape (head_dim above kMaxHeadDim, a grid beyond
 // CUDA's limits).
-absl::StatusOr<FlashPlan> PlanFlash(const AttentionShape& shape, v1::DataType dtype, bool stats = false);
+absl::StatusOr<FlashPlan> PlanFlash(const AttentionShape& shape, v1::DataType dtype);
 
 // `plan` (a tensor-core plan) as another of the kernel's compiled variants: `block_m` query rows per block (64 or
 // 128: 4 or 8 warps of 16 rows), its tiles copied asynchronously or not. For the benchmark and the tests that

@@ -40,8 +40,8 @@ struct AttentionParams {
   float scale = 1.0f;
   // The softmax statistics of backend.h's RowStats (not contribution), fp32 [B, H, Tq] each, or null: lse, entropy,
   // confidence (max p), distance (sum p |pos - j|, pos = i + Tk - Tq) and sink (the p of keys j < sink_tokens). A
-  // row with no visible key gets lse -inf and zeros; a NaN row NaN everywhere. Only the SIMT kernel computes them
-  // (PlanFlash with stats set plans it): ChooseAttentionKernel has no tensor-core kernel for a call that asks.
+  // row with no visible key gets lse -inf and zeros; a NaN row NaN everywhere. Both kernels compute them (the
+  // tensor-core kernel in its asynchronous-copy variants, which PlanFlash plans).
   float* lse = nullptr;
   float* entropy = nullptr;
   float* confidence = nullptr;
@@ -55,8 +55,8 @@ struct AttentionParams {
 };
 
 // softmax(q k^T scale + mask) v for every (batch, head, query row), as `plan` (PlanFlash) says; writes
-// p.row_stats when set, and the softmax statistics p asks for (cudaErrorInvalidValue with a tensor-core plan). A
-// row with no visible key gets zeros.
+// p.row_stats when set, and the softmax statistics p asks for (cudaErrorInvalidValue with a tensor-core plan of
+// plain copies). A row with no visible key gets zeros.
 cudaError_t LaunchAttention(const AttentionParams& p, const FlashPlan& plan, cudaStream_t stream);
 
 // The attention weights [B, H, Tq, Tk] in weights_dtype, from the row statistics a LaunchAttention with

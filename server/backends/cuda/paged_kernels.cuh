@@ -304,7 +304,7 @@ __global__ void __launch_bounds__(kPagedThreads, 5) PagedSplitKernel(PagedParams
   const int64_t dk = p.head_dim, bt = p.block_tokens;
   const int rows = UnitRows(u);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (threadIdx.x < rows) unit_rows[threadIdx.x] = RowOfUnit(p, u, threadIdx.x);
+  if (static_cast<int>(threadIdx.x) < rows) unit_rows[threadIdx.x] = RowOfUnit(p, u, static_cast<int>(threadIdx.x));
   // KV head g's K and V within each block: elements of CacheT, or bytes of an 8-bit cache's parts.
   const int64_t key_base = IsCode8<CacheT>::value ? u.kv_head * p.head_part_bytes : u.kv_head * 2 * dk * bt;
   const int64_t value_base = key_base + (IsCode8<CacheT>::value ? p.key_part_bytes : dk * bt);
