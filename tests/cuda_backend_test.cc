@@ -367,9 +367,9 @@ TEST(PagedPlan, SequencesStartingWithTheSameFullBlocksShareUnits) {
   EXPECT_EQ(cuda::PagedSlotsOf(plan), 2 * plan.splits);
 }
 
-// Prefill chunks of 64+ tokens over a 16-bit cache at head_dim 64 or 128 take the dense path (the tensor-core flash
-// kernel over gathered K and V) and get no units, statistics or not; weights, an fp32 or 8-bit cache, or head_dim 80
-// keep them on the split kernel.
+// Prefill chunks of 64+ tokens over a 16-bit or 8-bit cache at head_dim 64 or 128 take the dense path (the
+// tensor-core flash kernel over gathered K and V) and get no units, statistics or not; weights, an fp32 cache, or
+// head_dim 80 keep them on the split kernel.
 TEST(PagedPlan, LongChunksOfSixteenBitCachesTakeTheDensePath) {
   std::vector<char*> no_blocks;
   PagedProblem problem = DecodeProblem();
@@ -397,10 +397,10 @@ TEST(PagedPlan, LongChunksOfSixteenBitCachesTakeTheDensePath) {
   p = problem;
   p.return_stats = true;
   EXPECT_TRUE(dense(p));
-  for (v1::DataType cache : {v1::FP32, v1::INT8, v1::FP8_E4M3}) {
+  for (v1::DataType cache : {v1::FP32, v1::INT8, v1::FP8_E4M3, v1::FP8_E5M2}) {
     p = problem;
     p.cache.dtype = cache;
-    EXPECT_FALSE(dense(p)) << DTypeName(cache);
+    EXPECT_EQ(dense(p), cache != v1::FP32) << DTypeName(cache);
   }
   p = problem;
   p.cache.dtype = v1::FP16;

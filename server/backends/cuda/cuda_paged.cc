@@ -256,7 +256,7 @@ cuda::PagedParams ParamsOf(const PagedArgs& a, const CudaBackend::Impl::PagedCal
 }
 
 // The dense sequences (PagedPlan::dense), one after another in the call's dense scratch: their queries and gathered
-// K and V in the cache's 16-bit dtype, then the tensor-core flash kernel, causal bottom-right with append (token i
+// K and V in PagedDenseDtype, then the tensor-core flash kernel, causal bottom-right with append (token i
 // sees length + i + 1 keys) and over the cache alone without, writing their fp32 rows of the heads' output and the
 // statistics asked for.
 absl::Status DensePaged(const PagedArgs& a, const CudaBackend::Impl::PagedCall& c, const cuda::PagedParams& p,
@@ -272,7 +272,8 @@ absl::Status DensePaged(const PagedArgs& a, const CudaBackend::Impl::PagedCall& 
     shape.kv_len = seq.Keys();
     shape.heads = h;
     shape.heads.causal = seq.append;
-    absl::StatusOr<cuda::FlashPlan> plan = cuda::PlanFlash(shape, pr.cache.dtype);
+    const auto dtype = static_cast<v1::DataType>(cuda::PagedDenseDtype(pr.cache.dtype));
+    absl::StatusOr<cuda::FlashPlan> plan = cuda::PlanFlash(shape, dtype);
     if (!plan.ok()) return plan.status();
     if (plan->kernel != cuda::FlashKernel::kTensorCore) {
       return absl::InternalError("a dense paged sequence did not get the tensor-core kernel");
@@ -289,7 +290,7 @@ absl::Status DensePaged(const PagedArgs& a, const CudaBackend::Impl::PagedCall& 
     ap.v = v;
     ap.q_row_stride = h.q_width();
     ap.kv_row_stride = h.kv_width();
-    ap.dtype = pr.cache.dtype;
+    ap.dtype = dtype;
     ap.out = c.heads_out.device + c.descs[s].row * h.q_width() * 4;
     ap.out_dtype = cuda::kF32;
     // The statistics asked for: the sequence's [H, n] at H times its first row, the layout the merge writes.

@@ -85,27 +85,40 @@ cudaError_t LaunchPagedAttention(const PagedParams& p, cudaStream_t stream) {
                  p);
 }
 
+namespace {
+
+// The dense inputs in T (the attention's dtype) from a cache of CacheT.
+template <typename CacheT, typename T>
+cudaError_t DenseInputs(const PagedParams& p, int64_t seq, int64_t new_tokens, int64_t keys, void* q, void* k,
+                        void* v, cudaStream_t stream) {
+  const cudaError_t error = Enqueue(device::PagedDenseQueryKernel<T>, GridFor(new_tokens * p.heads * p.head_dim), 256,
+                                    stream, p, seq, static_cast<T*>(q));
+  if (error != cudaSuccess) return error;
+  return Enqueue(device::PagedDenseGatherKernel<CacheT, T>, GridFor(keys * p.kv_heads * p.head_dim), 256, stream, p,
+                 seq, keys, static_cast<T*>(k), static_cast<T*>(v));
+}
+
+}  // namespace
+
+int PagedDenseDtype(int cache_dtype) { return cache_dtype == kF16 ? kF16 : kBF16; }
+
 cudaError_t LaunchPagedDenseInputs(const PagedParams& p, int64_t seq, int64_t new_tokens, int64_t keys, void* q,
                                    void* k, void* v, cudaStream_t stream) {
   if (seq < 0 || seq >= p.num_sequences || new_tokens <= 0 || keys <= 0) return cudaErrorInvalidValue;
-  const unsigned q_grid = GridFor(new_tokens * p.heads * p.head_dim);
-  const unsigned kv_grid = GridFor(keys * p.kv_heads * p.head_dim);
-  cudaError_t error = cudaErrorInvalidValue;
-  if (p.cache_dtype == kF16) {
-    error = Enqueue(device::PagedDenseQueryKernel<__half>, q_grid, 256, stream, p, seq, static_cast<__half*>(q));
-    if (error == cudaSuccess) {
-      error = Enqueue(device::PagedDenseGatherKernel<__half>, kv_grid, 256, stream, p, seq, keys,
-                      static_cast<__half*>(k), static_cast<__half*>(v));
-    }
-  } else if (p.cache_dtype == kBF16) {
-    error = Enqueue(device::PagedDenseQueryKernel<__nv_bfloat16>, q_grid, 256, stream, p, seq,
-                    static_cast<__nv_bfloat16*>(q));
-    if (error == cudaSuccess) {
-      error = Enqueue(device::PagedDenseGatherKernel<__nv_bfloat16>, kv_grid, 256, stream, p, seq, keys,
-                      static_cast<__nv_bfloat16*>(k), static_cast<__nv_bfloat16*>(v));
-    }
+  switch (p.cache_dtype) {
+    case kF16:
+      return DenseInputs<__half, __half>(p, seq, new_tokens, keys, q, k, v, stream);
+    case kBF16:
+      return DenseInputs<__nv_bfloat16, __nv_bfloat16>(p, seq, new_tokens, keys, q, k, v, stream);
+    case kI8:
+      return DenseInputs<device::Code8<kI8>, __nv_bfloat16>(p, seq, new_tokens, keys, q, k, v, stream);
+    case kE4M3:
+      return DenseInputs<device::Code8<kE4M3>, __nv_bfloat16>(p, seq, new_tokens, keys, q, k, v, stream);
+    case kE5M2:
+      return DenseInputs<device::Code8<kE5M2>, __nv_bfloat16>(p, seq, new_tokens, keys, q, k, v, stream);
+    default:
+      return cudaErrorInvalidValue;
   }
-  return error;
 }
 
 }  // namespace cuda

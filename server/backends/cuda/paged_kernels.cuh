@@ -443,18 +443,29 @@ __global__ void PagedDenseQueryKernel(PagedParams p, int64_t s, T* q) {
   }
 }
 
-// The dense path's keys and values: element e of sequence `s`'s k and v [keys, kv_heads, head_dim], copied from its
-// blocks (the cache's dtype is T's).
-template <typename T>
+// The dense path's keys and values: element e of sequence `s`'s k and v [keys, kv_heads, head_dim] in T, copied
+// from its blocks (CacheT is T), or an 8-bit cache's (Code8) codes times their scales, rounded to T.
+template <typename CacheT, typename T>
 __global__ void PagedDenseGatherKernel(PagedParams p, int64_t s, int64_t keys, T* k, T* v) {
   const PagedSequenceDesc seq = p.sequences[s];
   const int64_t dk = p.head_dim, bt = p.block_tokens, total = keys * p.kv_heads * dk;
   for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < total;
        e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t j = e / (p.kv_heads * dk), g = e / dk % p.kv_heads, d = e % dk;
-    const T* block = reinterpret_cast<const T*>(p.blocks[seq.block_offset + j / bt]) + g * 2 * dk * bt;
-    k[e] = block[d * bt + j % bt];
-    v[e] = block[dk * bt + j % bt * dk + d];
+    const int64_t j = e / (p.kv_heads * dk), g = e / dk % p.kv_heads, d = e % dk, slot = j % bt;
+    const char* block = p.blocks[seq.block_offset + j / bt];
+    if constexpr (IsCode8<CacheT>::value) {
+      constexpr int kDtype = CacheT::kCacheDtype;
+      const uint8_t* key_part = reinterpret_cast<const uint8_t*>(block) + g * p.head_part_bytes;
+      const uint8_t* value_part = key_part + p.key_part_bytes;
+      k[e] = FromFloat<T>(DecodeCode<kDtype>(key_part[KeyCodeAt<kDtype>(d, slot, bt)]) *
+                          ScaleOf(LoadScaleBits(key_part + KeyScaleAt(d, dk, bt))));
+      v[e] = FromFloat<T>(DecodeCode<kDtype>(value_part[ValueCodeAt<kDtype>(slot, d, dk)]) *
+                          ScaleOf(LoadScaleBits(value_part + ValueScaleAt(slot, dk, bt))));
+    } else {
+      const CacheT* head = reinterpret_cast<const CacheT*>(block) + g * 2 * dk * bt;
+      k[e] = head[d * bt + slot];
+      v[e] = head[dk * bt + slot * dk + d];
+    }
   }
 }
 

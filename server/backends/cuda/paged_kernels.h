@@ -111,10 +111,14 @@ cudaError_t LaunchPagedAppend(const PagedParams& p, cudaStream_t stream);
 // left alone.
 cudaError_t LaunchPagedAttention(const PagedParams& p, cudaStream_t stream);
 
-// The dense path's inputs for sequence `seq` (a 16-bit cache, kF16 or kBF16), whose new_tokens and visible keys
-// (length + new_tokens with append, else length) the host passes: its new queries after RoPE, rounded to the
-// cache's dtype, into q [new_tokens, heads, head_dim], and its keys' K and V gathered from the blocks into k and v
-// [keys, kv_heads, head_dim]. Run after LaunchPagedAppend.
+// The dtype the dense path computes in for a cache of `cache_dtype`: the cache's own 16-bit dtype, or bf16 for an
+// 8-bit cache (its codes times their scales need more than fp16's range would safely hold).
+int PagedDenseDtype(int cache_dtype);
+
+// The dense path's inputs for sequence `seq` (a 16-bit or 8-bit cache), whose new_tokens and visible keys (length +
+// new_tokens with append, else length) the host passes: its new queries after RoPE, rounded to PagedDenseDtype, into
+// q [new_tokens, heads, head_dim], and its keys' K and V gathered from the blocks (an 8-bit cache's dequantized,
+// rounded to bf16) into k and v [keys, kv_heads, head_dim]. Run after LaunchPagedAppend.
 cudaError_t LaunchPagedDenseInputs(const PagedParams& p, int64_t seq, int64_t new_tokens, int64_t keys, void* q,
                                    void* k, void* v, cudaStream_t stream);
 

@@ -42,9 +42,8 @@ void AddSharedUnits(const PagedProblem& problem, absl::Span<const PagedSequence>
 
 bool TakesDensePath(const PagedProblem& problem, const PagedSequence& seq) {
   const int64_t dk = problem.heads.head_dim;
-  const bool sixteen_bit = problem.cache.dtype == v1::FP16 || problem.cache.dtype == v1::BF16;
-  return seq.new_tokens >= kDenseMinTokens && seq.Keys() > 0 && sixteen_bit && (dk == 64 || dk == 128) &&
-         !problem.return_weights;
+  return seq.new_tokens >= kDenseMinTokens && seq.Keys() > 0 && problem.cache.dtype != v1::FP32 &&
+         (dk == 64 || dk == 128) && !problem.return_weights;
 }
 
 PagedPlan PlanPaged(const PagedProblem& problem, absl::Span<const PagedSequence> sequences, int multiprocessors) {

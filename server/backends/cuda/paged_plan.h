@@ -45,8 +45,8 @@ struct PagedPlan {
 PagedPlan PlanPaged(const PagedProblem& problem, absl::Span<const PagedSequence> sequences, int multiprocessors);
 
 // Whether `seq`'s chunk takes the dense path: kDenseMinTokens or more new tokens over at least one visible key, a
-// 16-bit cache and a head_dim the tensor-core kernel computes (64, 128), and no weights asked for (statistics are
-// computed there too).
+// 16-bit or 8-bit cache (the tensor cores take 16-bit operands: an fp32 cache stays on the split kernel), a head_dim
+// the tensor-core kernel computes (64, 128), and no weights asked for (statistics are computed there too).
 bool TakesDensePath(const PagedProblem& problem, const PagedSequence& seq);
 
 // Scratch the kernels need beyond inputs and outputs for `plan`: the splits' partial outputs and states.
