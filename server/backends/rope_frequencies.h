@@ -19,7 +19,7 @@ struct RopeFrequencies {
 };
 
 // The frequencies for a sequence whose largest rotated position is seq_len - 1 (dynamic and longrope depend on
-// it; the others do not). heads.has_rope() must hold.
+// it, RopeScaling::length_dependent; the others do not). heads.has_rope() must hold.
 RopeFrequencies ComputeRopeFrequencies(const HeadSpec& heads, int64_t seq_len);
 
 }  // namespace mha

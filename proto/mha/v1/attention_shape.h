@@ -33,6 +33,8 @@ struct RopeScaling {
   std::vector<double> short_factor, long_factor;
 
   bool scaled() const { return type != Type::kDefault; }
+  // Whether the frequencies depend on the sequence's length (dynamic, and longrope's switch).
+  bool length_dependent() const { return type == Type::kDynamic || type == Type::kLongrope; }
   bool operator==(const RopeScaling& o) const;
   bool operator!=(const RopeScaling& o) const { return !(*this == o); }
 };

@@ -60,7 +60,7 @@ struct CudaBackend::Impl::PagedCall {
   cuda::PagedPlan plan;
   std::vector<cuda::PagedSequenceDesc> descs;
   std::vector<char*> table;  // device-addressable block pointers, sequences in order
-  std::vector<double> rope;  // PagedParams::rope, empty without RoPE
+  std::vector<double> rope;  // PagedParams::rope: a table per sequence, or one (rope_per_sequence); empty without RoPE
   Staged descs_in, units_in, cascade_in, table_in, rope_in, qkv_in, x_in;
   Staged heads_out, layer_out, weights_out;
   Staged stats_out[5];  // [H, n] per sequence, in `wanted`'s order
@@ -145,7 +145,8 @@ void DescribePaged(const PagedArgs& a, int multiprocessors, CudaBackend::Impl::P
     block += static_cast<int64_t>(seq.blocks.size());
     if (pr.return_weights) weights += h.num_heads * seq.new_tokens * seq.Keys();
     for (char* b : seq.blocks) c.table.push_back(b);
-    if (h.has_rope()) {
+    // One table serves every sequence unless the frequencies depend on the length (computed on the host per call).
+    if (h.has_rope() && (c.rope.empty() || h.rope_scaling.length_dependent())) {
       const cuda::RopeTable rope = RopeTableOf(h, seq.length + seq.new_tokens);
       c.rope.insert(c.rope.end(), rope.inv_freq, rope.inv_freq + h.rope_dim / 2);
       c.rope.push_back(rope.attention_factor);
@@ -240,6 +241,7 @@ cuda::PagedParams ParamsOf(const PagedArgs& a, const CudaBackend::Impl::PagedCal
   p.scale = h.scale;
   if (h.has_rope()) {
     p.rope = reinterpret_cast<const double*>(c.rope_in.device);
+    p.rope_per_sequence = h.rope_scaling.length_dependent();
     p.rope_dim = static_cast<int>(h.rope_dim);
     p.rope_interleaved = h.rope_interleaved;
   }

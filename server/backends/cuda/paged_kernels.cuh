@@ -42,8 +42,8 @@ __device__ __forceinline__ int64_t SequenceOfRow(const PagedParams& p, int64_t r
 }
 
 // Element d of head row x after RoPE at `position` for sequence `seq` (x itself without RoPE or past rope_dim): the
-// rotation of pair i by position * inv_freq[i] (PagedParams::rope), the angle in double as the host backends compute
-// it, the product in fp32 with cos and sin times the attention factor.
+// rotation of pair i by position * inv_freq[i] (PagedParams::rope, the sequence's table or the call's one), the
+// angle in double as the host backends compute it, the product in fp32 with cos and sin times the attention factor.
 __device__ __forceinline__ float RopedValue(const float* x, int64_t d, int64_t position, int64_t seq,
                                             const PagedParams& p) {
   if (p.rope == nullptr || d >= p.rope_dim) return x[d];
@@ -61,7 +61,7 @@ __device__ __forceinline__ float RopedValue(const float* x, int64_t d, int64_t p
     a = i;
     b = i + half;
   }
-  const double* frequencies = p.rope + seq * (half + 1);
+  const double* frequencies = p.rope + (p.rope_per_sequence ? seq : 0) * (half + 1);
   const double angle = static_cast<double>(position) * frequencies[i];
   const float c = static_cast<float>(cos(angle) * frequencies[half]);
   const float s = static_cast<float>(sin(angle) * frequencies[half]);

@@ -74,9 +74,11 @@ struct PagedParams {
   // 8-bit caches (quantized_cache.h's layout): bytes of one KV head's K part, and of its K and V parts together.
   int64_t key_part_bytes = 0, head_part_bytes = 0;
   float scale = 1.0f;
-  // RoPE: sequence s's frequencies at rope + s * (rope_dim / 2 + 1), its rope_dim / 2 inv_freq then its attention
-  // factor (rope_frequencies.h, for a sequence of length + new_tokens tokens: dynamic and longrope depend on it).
+  // RoPE: sequence s's frequencies at rope + s * (rope_dim / 2 + 1) (rope_per_sequence), else one table at rope
+  // for every sequence: rope_dim / 2 inv_freq then the attention factor (rope_frequencies.h, for a sequence of
+  // length + new_tokens tokens: only dynamic and longrope depend on it).
   const double* rope = nullptr;  // null: no RoPE
+  bool rope_per_sequence = false;
   int rope_dim = 0;
   bool rope_interleaved = false;
   // Splits of the key range: split s of every unit covers keys [s * split_keys, (s + 1) * split_keys) (paged_plan.h
