@@ -21,7 +21,7 @@ class CommonPrefixTest : public ::testing::Test {
  protected:
   void Add(const std::string& blocks, int64_t length, int64_t new_tokens = 1) {
     std::vector<char*> table;
-    for (char name : blocks) table.push_back(&storage_[name]);
+    for (char name : blocks) table.push_back(&storage_[static_cast<unsigned char>(name)]);
     tables_.push_back(table);
     PagedSequence seq;
     seq.length = length;
