@@ -4,8 +4,9 @@
 // paged_kernels_int8_vnni.cc (AVX512-VNNI). The block layout is quantized_cache.h's.
 //
 // Scores: q times the block's key scales (per channel), rounded to int16 per row (its scale: the row's largest value
-// over the largest code whose sums stay within int32), against the keys' int8 codes: vpmaddwd adds the products of two depths of one key into its 32-bit lane,
-// exactly. Values: the probabilities times the value scales (per token), rounded to 7 bits per row (p >= 0, so
+// over the largest code whose sums stay within int32), against the keys' int8 codes: vpmaddwd adds the products of
+// two depths of one key into its 32-bit lane, exactly; AVX512-VNNI rounds q to int8 instead and adds four depths'
+// products per lane (Int8ScoresInQuads). Values: the probabilities times the value scales (per token), rounded to 7 bits per row (p >= 0, so
 // [0, 127]), against the values' codes: vpmaddubsw adds two keys' products of one column into 16 bits (at most
 // 2 x 127 x 127, no saturation), vpmaddwd two of those. Sums are exact integers; each row's result is converted to
 // fp32 and scaled once per block. Free of standard-library templates, like the kernels around it.
@@ -35,21 +36,31 @@ struct I8Avx512 {
     const __m512 old = _mm512_mul_ps(_mm512_loadu_ps(o), _mm512_set1_ps(factor));
     _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_set1_ps(scale), old));
   }
-  // kLanes values times `mul`, rounded to nearest even, as int16 and as bytes (each within the type's range).
-  static void ToInt16(const float* x, float mul, int16_t* out) {
-    const __m512i n = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x), _mm512_set1_ps(mul)));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtepi32_epi16(n));
+  // kLanes values x times their scales times `mul`, rounded to nearest even, as int16 and as bytes (each within the
+  // type's range).
+  static void ToInt16(const float* x, const float* scale, float mul, int16_t* out) {
+    const __m512 v = _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(x), _mm512_loadu_ps(scale)), _mm512_set1_ps(mul));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(v)));
   }
-  static void ToBytes(const float* x, float mul, uint8_t* out) {
-    const __m512i n = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x), _mm512_set1_ps(mul)));
+  static void ToBytes(const float* x, const float* scale, float mul, uint8_t* out) {
+    const __m512 v = _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(x), _mm512_loadu_ps(scale)), _mm512_set1_ps(mul));
+    const __m512i n = _mm512_cvtps_epi32(v);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtepi32_epi8(n));
   }
 };
 #if defined(__AVX512VNNI__)
 // AVX512-VNNI: vpdpwssd and vpdpbusd add the pairs' and quads' products into the accumulator in one instruction.
+// Written as inline assembly with the accumulator read and written in place: GCC 12's register allocation of the
+// intrinsics copies every accumulator twice per step, which spilled the values kernel's 16 to the stack.
 struct I8 : I8Avx512 {
-  static W AddPairs(W acc, int32_t pair, W k) { return _mm512_dpwssd_epi32(acc, _mm512_set1_epi32(pair), k); }
-  static W AddQuads(W acc, int32_t quad, W v) { return _mm512_dpbusd_epi32(acc, _mm512_set1_epi32(quad), v); }
+  static W AddPairs(W acc, int32_t pair, W k) {
+    __asm__("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(_mm512_set1_epi32(pair)), "v"(k));
+    return acc;
+  }
+  static W AddQuads(W acc, int32_t quad, W v) {  // the quad's bytes unsigned, v's signed
+    __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(_mm512_set1_epi32(quad)), "v"(v));
+    return acc;
+  }
 };
 #else
 struct I8 : I8Avx512 {
@@ -86,13 +97,15 @@ struct I8 {
     const __m256 old = _mm256_mul_ps(_mm256_loadu_ps(o), _mm256_set1_ps(factor));
     _mm256_storeu_ps(o, _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_set1_ps(scale), old));
   }
-  static void ToInt16(const float* x, float mul, int16_t* out) {
-    const __m256i n = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x), _mm256_set1_ps(mul)));
+  static void ToInt16(const float* x, const float* scale, float mul, int16_t* out) {
+    const __m256 v = _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x), _mm256_loadu_ps(scale)), _mm256_set1_ps(mul));
+    const __m256i n = _mm256_cvtps_epi32(v);
     const __m128i packed = _mm_packs_epi32(_mm256_castsi256_si128(n), _mm256_extracti128_si256(n, 1));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(out), packed);
   }
-  static void ToBytes(const float* x, float mul, uint8_t* out) {
-    const __m256i n = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x), _mm256_set1_ps(mul)));
+  static void ToBytes(const float* x, const float* scale, float mul, uint8_t* out) {
+    const __m256 v = _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x), _mm256_loadu_ps(scale)), _mm256_set1_ps(mul));
+    const __m256i n = _mm256_cvtps_epi32(v);
     const __m128i words = _mm_packs_epi32(_mm256_castsi256_si128(n), _mm256_extracti128_si256(n, 1));
     _mm_storel_epi64(reinterpret_cast<__m128i*>(out), _mm_packus_epi16(words, words));
   }
@@ -128,11 +141,11 @@ struct I8 {
   static void Update(float* o, W acc, float scale, float factor) {
     for (int i = 0; i < kLanes; ++i) o[i] = o[i] * factor + static_cast<float>(acc.x[i]) * scale;
   }
-  static void ToInt16(const float* x, float mul, int16_t* out) {
-    for (int i = 0; i < kLanes; ++i) out[i] = static_cast<int16_t>(__builtin_nearbyintf(x[i] * mul));
+  static void ToInt16(const float* x, const float* scale, float mul, int16_t* out) {
+    for (int i = 0; i < kLanes; ++i) out[i] = static_cast<int16_t>(__builtin_nearbyintf(x[i] * scale[i] * mul));
   }
-  static void ToBytes(const float* x, float mul, uint8_t* out) {
-    for (int i = 0; i < kLanes; ++i) out[i] = static_cast<uint8_t>(__builtin_nearbyintf(x[i] * mul));
+  static void ToBytes(const float* x, const float* scale, float mul, uint8_t* out) {
+    for (int i = 0; i < kLanes; ++i) out[i] = static_cast<uint8_t>(__builtin_nearbyintf(x[i] * scale[i] * mul));
   }
 };
 #endif
@@ -165,6 +178,31 @@ inline float ScaledRow(const float* x, const uint16_t* scale, int64_t n, float* 
   return m;
 }
 
+// out[c] = the bf16 scale[c] as fp32 for c < n, then zeros up to the next multiple of I8::kLanes: a block's scales,
+// widened once for all its rows.
+inline void WidenScales(const uint16_t* scale, int64_t n, float* out) {
+  int64_t c = 0;
+  for (; c + Isa::kLanes <= n; c += Isa::kLanes) Isa::Store(out + c, Isa::LoadBf16(scale + c));
+  for (; c < n; ++c) out[c] = ScaleOf(scale[c]);
+  for (; c % I8::kLanes != 0; ++c) out[c] = 0.0f;
+}
+
+// The largest |x[c] scale[c]| over c < n.
+inline float MaxAbsProduct(const float* x, const float* scale, int64_t n) {
+  Isa::V amax = Isa::Zero();
+  int64_t c = 0;
+  for (; c + Isa::kLanes <= n; c += Isa::kLanes) {
+    const Isa::V v = Isa::Mul(Isa::Load(x + c), Isa::Load(scale + c));
+    amax = Isa::Max(amax, Isa::Max(v, Isa::Sub(Isa::Zero(), v)));
+  }
+  float m = Isa::ReduceMax(amax);
+  for (; c < n; ++c) {
+    const float a = x[c] * scale[c] < 0 ? -x[c] * scale[c] : x[c] * scale[c];
+    m = a > m ? a : m;
+  }
+  return m;
+}
+
 // kRows rows' scores for kVectors vectors of keys from column j on: the whole depth in registers, kRows kVectors
 // independent chains of accumulation (a decode's 4 rows of one vector kept the products' latency exposed).
 template <int kRows, int kVectors>
@@ -188,24 +226,169 @@ inline void Int8ScoreBlock(int64_t pairs, const int32_t* q, const float* q_scale
   }
 }
 
+#if defined(__AVX512VNNI__)
+// AVX512-VNNI's scores in vpdpbusd, four depths of a key per 32-bit lane: twice the products per instruction of
+// vpdpwssd's pairs. q is rounded to int8 per row (instead of int16: vpdpbusd multiplies bytes), the keys' codes
+// taken as unsigned code + 128 (one xor per vector, shared by the rows) and 128 times the sum of the row's q codes
+// subtracted once per block: exact integer sums of q code times key code. Two pair rows of K^T (32 keys each) are
+// interleaved into quads within each 128-bit lane, so the accumulators hold keys 0-3, 8-11, 16-19, 24-27 (lo) and
+// 4-7, 12-15, 20-23, 28-31 (hi); the store puts them back in order.
+struct KeyQuads {
+  static __m512i Add(__m512i acc, __m512i keys, int32_t quad) {  // keys unsigned, the quad's bytes signed
+    __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(keys), "v"(_mm512_set1_epi32(quad)));
+    return acc;
+  }
+  // Pair row `a` and the next one `b` (32 keys each), as unsigned bytes, interleaved into quads.
+  static void Interleave(__m512i a, __m512i b, __m512i& lo, __m512i& hi) {
+    const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+    a = _mm512_xor_si512(a, flip);
+    b = _mm512_xor_si512(b, flip);
+    lo = _mm512_unpacklo_epi16(a, b);
+    hi = _mm512_unpackhi_epi16(a, b);
+  }
+  static void Store(float* s, __m512i lo, __m512i hi, int32_t offset, float scale) {
+    const __m512i idx0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i idx1 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    const __m512i off = _mm512_set1_epi32(offset);
+    lo = _mm512_sub_epi32(lo, off);
+    hi = _mm512_sub_epi32(hi, off);
+    const __m512 sc = _mm512_set1_ps(scale);
+    _mm512_storeu_ps(s, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_permutex2var_epi32(lo, idx0, hi)), sc));
+    _mm512_storeu_ps(s + 16, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_permutex2var_epi32(lo, idx1, hi)), sc));
+  }
+};
+
+// row[c] = x[c] scale[c] rounded to int8 at 127 / amax (amax = the largest |x[c] scale[c]|) for c < kVectors 16, the
+// products kept in registers between the two passes; returns the codes' sum.
+template <int kVectors>
+inline int32_t RowToInt8(const float* x, const float* scale, int8_t* row, float& amax) {
+  __m512 v[kVectors];
+  __m512 m = _mm512_setzero_ps();
+  MHA_UNROLL for (int i = 0; i < kVectors; ++i) {
+    v[i] = _mm512_mul_ps(_mm512_loadu_ps(x + 16 * i), _mm512_loadu_ps(scale + 16 * i));
+    m = _mm512_max_ps(m, _mm512_abs_ps(v[i]));
+  }
+  amax = _mm512_reduce_max_ps(m);
+  const __m512 mul = _mm512_set1_ps(amax > 0 ? 127.0f / amax : 0.0f);
+  __m512i sum = _mm512_setzero_si512();
+  MHA_UNROLL for (int i = 0; i < kVectors; ++i) {
+    const __m512i n = _mm512_cvtps_epi32(_mm512_mul_ps(v[i], mul));
+    sum = _mm512_add_epi32(sum, n);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(row + 16 * i), _mm512_cvtepi32_epi8(n));
+  }
+  return _mm512_reduce_add_epi32(sum);
+}
+
+// The same for any depth: x zero-padded to n, a multiple of 16.
+inline int32_t RowToInt8Padded(const float* x, int64_t n, const float* scale, int8_t* row, float& amax) {
+  amax = MaxAbsProduct(x, scale, n);
+  const __m512 mul = _mm512_set1_ps(amax > 0 ? 127.0f / amax : 0.0f);
+  __m512i sum = _mm512_setzero_si512();
+  for (int64_t c = 0; c < n; c += 16) {
+    const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(x + c), _mm512_loadu_ps(scale + c));
+    const __m512i codes = _mm512_cvtps_epi32(_mm512_mul_ps(v, mul));
+    sum = _mm512_add_epi32(sum, codes);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(row + c), _mm512_cvtepi32_epi8(codes));
+  }
+  return _mm512_reduce_add_epi32(sum);
+}
+
+// kRows rows' scores of the 32 keys at kt (pair rows 2 ldk bytes apart) over `pairs` depth pairs.
+template <int kRows>
+inline void QuadScoreBlock(int64_t pairs, const int32_t* q, const int32_t* q_sum, const float* q_scale,
+                           const int8_t* kt, int64_t ldk, float* s, int64_t lds, Ahead& ahead) {
+  __m512i lo[kRows], hi[kRows];
+  MHA_UNROLL for (int r = 0; r < kRows; ++r) lo[r] = hi[r] = _mm512_setzero_si512();
+  const auto step = [&](int64_t i, __m512i a, __m512i b) {
+    __m512i klo, khi;
+    KeyQuads::Interleave(a, b, klo, khi);
+    MHA_UNROLL for (int r = 0; r < kRows; ++r) {
+      const int32_t quad = q[r * kInt8MaxDepth / 4 + i];
+      lo[r] = KeyQuads::Add(lo[r], klo, quad);
+      hi[r] = KeyQuads::Add(hi[r], khi, quad);
+    }
+  };
+  int64_t i = 0;
+  for (; 2 * i + 1 < pairs; ++i) {
+    if ((i & 1) == 0) ahead.Step();
+    step(i, _mm512_loadu_si512(kt + 2 * i * 2 * ldk), _mm512_loadu_si512(kt + (2 * i + 1) * 2 * ldk));
+  }
+  // An odd last pair row is paired with code 0 (times q's zero padding).
+  if (2 * i < pairs) step(i, _mm512_loadu_si512(kt + 2 * i * 2 * ldk), _mm512_setzero_si512());
+  MHA_UNROLL for (int r = 0; r < kRows; ++r) KeyQuads::Store(s + r * lds, lo[r], hi[r], 128 * q_sum[r], q_scale[r]);
+}
+
+// Int8Scores for keys a multiple of 32 on AVX512-VNNI.
+void Int8ScoresInQuads(int64_t rows, int64_t keys, int64_t depth, const float* q, int64_t ldq, const int8_t* kt,
+                       int64_t ldk, const uint16_t* key_scales, float* s, int64_t lds, const void* ahead_bytes,
+                       int64_t ahead_size) {
+  const int64_t pairs = (depth + 1) / 2, quads = (pairs + 1) / 2;
+  int32_t codes[kInt8MaxRows * kInt8MaxDepth / 4];
+  int32_t q_sum[kInt8MaxRows];
+  float q_scale[kInt8MaxRows];
+  float scale[kInt8MaxDepth + 2 * I8::kLanes];
+  WidenScales(key_scales, depth, scale);
+  for (int64_t r = 0; r < rows; ++r) {
+    // Depth quads as int32 words, little-endian: depth 4i in the low byte (padding depths zero).
+    int8_t* row = reinterpret_cast<int8_t*>(codes + r * kInt8MaxDepth / 4);
+    float amax;
+    if (depth == 128) {
+      q_sum[r] = RowToInt8<8>(q + r * ldq, scale, row, amax);
+    } else if (depth == 64) {
+      q_sum[r] = RowToInt8<4>(q + r * ldq, scale, row, amax);
+    } else {
+      float x[kInt8MaxDepth + I8::kLanes] = {};  // zero-padded to whole vectors
+      for (int64_t c = 0; c < depth; ++c) x[c] = q[r * ldq + c];
+      q_sum[r] = RowToInt8Padded(x, (4 * quads + 15) / 16 * 16, scale, row, amax);
+    }
+    q_scale[r] = amax / 127.0f;
+  }
+  constexpr int kRows = 8;
+  Ahead ahead(ahead_bytes, ahead_size, keys / 32 * ((rows + kRows - 1) / kRows) * quads / 2);
+  for (int64_t j = 0; j < keys; j += 32) {
+    for (int64_t r = 0; r < rows; r += kRows) {
+      WithRows<kRows>(rows - r < kRows ? rows - r : kRows, [&](auto height) {
+        QuadScoreBlock<decltype(height)::kValue>(pairs, codes + r * kInt8MaxDepth / 4, q_sum + r, q_scale + r,
+                                                 kt + 2 * j, ldk, s + r * lds + j, lds, ahead);
+      });
+    }
+  }
+}
+#endif
+
 // PagedKernels::scores over an INT8 block (keys a multiple of 16, depth up to kInt8MaxDepth, rows up to
 // kInt8MaxRows): `kt` is the block's K codes (depth pairs), `key_scales` its per-channel bf16 scales.
 void Int8Scores(int64_t rows, int64_t keys, int64_t depth, const float* q, int64_t ldq, const void* kt_bytes,
                 int64_t ldk, const uint16_t* key_scales, float* s, int64_t lds, const void* ahead_bytes,
                 int64_t ahead_size) {
+#if defined(__AVX512VNNI__)
+  if (keys % 32 == 0) {
+    Int8ScoresInQuads(rows, keys, depth, q, ldq, static_cast<const int8_t*>(kt_bytes), ldk, key_scales, s, lds,
+                      ahead_bytes, ahead_size);
+    return;
+  }
+#endif
   const int64_t pairs = (depth + 1) / 2;
   // |q code| times 127 times the depth stays within int32.
   const float q_max = static_cast<float>(2147483647 / (254 * pairs) < 32767 ? 2147483647 / (254 * pairs) : 32767);
   int32_t codes[kInt8MaxRows * kInt8MaxDepth / 2];
   float q_scale[kInt8MaxRows];
+  float scale[kInt8MaxDepth + 2 * I8::kLanes];
+  WidenScales(key_scales, depth, scale);
+  const int64_t whole = depth / I8::kLanes * I8::kLanes;
   for (int64_t r = 0; r < rows; ++r) {
-    float scaled[kInt8MaxDepth + 2 * I8::kLanes];
-    const float amax = ScaledRow(q + r * ldq, key_scales, depth, scaled);
+    const float* x = q + r * ldq;
+    const float amax = MaxAbsProduct(x, scale, depth);
     q_scale[r] = amax / q_max;
+    const float mul = amax > 0 ? q_max / amax : 0.0f;
     // Depth pairs as int32 words, little-endian: depth 2i in the low half (the padding depth of an odd one zero).
     int16_t* row = reinterpret_cast<int16_t*>(codes + r * kInt8MaxDepth / 2);
-    for (int64_t c = 0; c < 2 * pairs; c += I8::kLanes)
-      I8::ToInt16(scaled + c, amax > 0 ? q_max / amax : 0.0f, row + c);
+    for (int64_t c = 0; c < whole; c += I8::kLanes) I8::ToInt16(x + c, scale + c, mul, row + c);
+    if (whole < 2 * pairs) {  // the last depths through a zero-padded copy (q's row may end at depth)
+      float tail[I8::kLanes] = {};
+      for (int64_t c = whole; c < depth; ++c) tail[c - whole] = x[c];
+      I8::ToInt16(tail, scale + whole, mul, row + whole);
+    }
   }
   const int8_t* kt = static_cast<const int8_t*>(kt_bytes);
   // Two vectors of keys where the block has them (16 accumulators on AVX-512, 8 on AVX2), else one.
@@ -274,14 +457,22 @@ void Int8Values(int64_t rows, int64_t keys, int64_t width, const float* p, int64
   const int64_t quads = (keys + 3) / 4;
   int32_t codes[kInt8MaxRows * kInt8MaxKeys / 4];
   float p_scale[kInt8MaxRows];
+  float scale[kInt8MaxKeys + 2 * I8::kLanes];
+  WidenScales(value_scales, keys, scale);
+  const int64_t whole_keys = keys / I8::kLanes * I8::kLanes;
   for (int64_t r = 0; r < rows; ++r) {
-    float scaled[kInt8MaxKeys + 2 * I8::kLanes];
-    const float amax = ScaledRow(p + r * ldp, value_scales, keys, scaled);  // p >= 0
+    const float* x = p + r * ldp;
+    const float amax = MaxAbsProduct(x, scale, keys);  // p >= 0
     p_scale[r] = amax / 127.0f;
+    const float mul = amax > 0 ? 127.0f / amax : 0.0f;
     // Key quads as int32 words, little-endian: key 4i in the low byte (keys past `keys` zero).
     uint8_t* row = reinterpret_cast<uint8_t*>(codes + r * kInt8MaxKeys / 4);
-    for (int64_t j = 0; j < 4 * quads; j += I8::kLanes)
-      I8::ToBytes(scaled + j, amax > 0 ? 127.0f / amax : 0.0f, row + j);
+    for (int64_t j = 0; j < whole_keys; j += I8::kLanes) I8::ToBytes(x + j, scale + j, mul, row + j);
+    if (whole_keys < 4 * quads) {  // the last keys through a zero-padded copy
+      float tail[I8::kLanes] = {};
+      for (int64_t j = whole_keys; j < keys; ++j) tail[j - whole_keys] = x[j];
+      I8::ToBytes(tail, scale + whole_keys, mul, row + whole_keys);
+    }
   }
   const int8_t* v = static_cast<const int8_t*>(v_bytes);
   constexpr int kRows = I8::kValueRows, kVectors = 4;
