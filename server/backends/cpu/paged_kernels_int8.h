@@ -6,10 +6,11 @@
 // Scores: q times the block's key scales (per channel), rounded to int16 per row (its scale: the row's largest value
 // over the largest code whose sums stay within int32), against the keys' int8 codes: vpmaddwd adds the products of
 // two depths of one key into its 32-bit lane, exactly; AVX512-VNNI rounds q to int8 instead and adds four depths'
-// products per lane (Int8ScoresInQuads). Values: the probabilities times the value scales (per token), rounded to 7 bits per row (p >= 0, so
-// [0, 127]), against the values' codes: vpmaddubsw adds two keys' products of one column into 16 bits (at most
-// 2 x 127 x 127, no saturation), vpmaddwd two of those. Sums are exact integers; each row's result is converted to
-// fp32 and scaled once per block. Free of standard-library templates, like the kernels around it.
+// products per lane (Int8ScoresInQuads). Values: the probabilities times the value scales (per token), rounded to 7
+// bits per row (p >= 0, so [0, 127]), against the values' codes: vpmaddubsw adds two keys' products of one column
+// into 16 bits (at most 2 x 127 x 127, no saturation), vpmaddwd two of those. Sums are exact integers; each row's
+// result is converted to fp32 and scaled once per block. Free of standard-library templates, like the kernels around
+// it.
 
 // The largest depth, block and rows the 8-bit kernels take (their per-row buffers live on the stack); deeper heads or
 // larger blocks take the gather path (paged_attention.h).
