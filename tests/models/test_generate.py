@@ -49,9 +49,10 @@ def test_the_integration_generates_transformers_tokens(server, model_type):
 
 
 # A rounded cache's prompt logits against transformers': its largest difference over the largest logit. These random
-# weights' wide spread amplifies every rounding from layer to layer (bf16 1.7%, int8 4-6% measured), so greedy tokens
-# drift apart once two logits are close; the counts are printed.
-CACHE_TOLERANCE = {"bf16": 0.04, "int8": 0.12}
+# weights' wide spread amplifies every rounding from layer to layer (bf16 up to 2.9%; int8 up to 5.8% where the CPU
+# keeps q in int16, up to 13.5% (Phi-3) on AVX512-VNNI, whose kernels round q to int8 as well: docs/MODELS.md), so
+# greedy tokens drift apart once two logits are close; the counts are printed.
+CACHE_TOLERANCE = {"bf16": 0.04, "int8": 0.16}
 
 
 @pytest.mark.parametrize("model_type", sorted(configs()))
