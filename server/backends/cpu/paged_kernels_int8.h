@@ -259,6 +259,13 @@ struct KeyQuads {
   }
 };
 
+// 16 values v times `mul` rounded to int8 codes into row; returns sum plus the codes.
+inline __m512i StoreCodes(__m512 v, __m512 mul, int8_t* row, __m512i sum) {
+  const __m512i codes = _mm512_cvtps_epi32(_mm512_mul_ps(v, mul));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(row), _mm512_cvtepi32_epi8(codes));
+  return _mm512_add_epi32(sum, codes);
+}
+
 // row[c] = x[c] scale[c] rounded to int8 at 127 / amax (amax = the largest |x[c] scale[c]|) for c < kVectors 16, the
 // products kept in registers between the two passes; returns the codes' sum.
 template <int kVectors>
@@ -272,24 +279,17 @@ inline int32_t RowToInt8(const float* x, const float* scale, int8_t* row, float&
   amax = _mm512_reduce_max_ps(m);
   const __m512 mul = _mm512_set1_ps(amax > 0 ? 127.0f / amax : 0.0f);
   __m512i sum = _mm512_setzero_si512();
-  MHA_UNROLL for (int i = 0; i < kVectors; ++i) {
-    const __m512i n = _mm512_cvtps_epi32(_mm512_mul_ps(v[i], mul));
-    sum = _mm512_add_epi32(sum, n);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(row + 16 * i), _mm512_cvtepi32_epi8(n));
-  }
+  MHA_UNROLL for (int i = 0; i < kVectors; ++i) sum = StoreCodes(v[i], mul, row + 16 * i, sum);
   return _mm512_reduce_add_epi32(sum);
 }
 
-// The same for any depth: x zero-padded to n, a multiple of 16.
+// The same for n a multiple of 16 (x zero-padded to n where the depth is not).
 inline int32_t RowToInt8Padded(const float* x, int64_t n, const float* scale, int8_t* row, float& amax) {
   amax = MaxAbsProduct(x, scale, n);
   const __m512 mul = _mm512_set1_ps(amax > 0 ? 127.0f / amax : 0.0f);
   __m512i sum = _mm512_setzero_si512();
   for (int64_t c = 0; c < n; c += 16) {
-    const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(x + c), _mm512_loadu_ps(scale + c));
-    const __m512i codes = _mm512_cvtps_epi32(_mm512_mul_ps(v, mul));
-    sum = _mm512_add_epi32(sum, codes);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(row + c), _mm512_cvtepi32_epi8(codes));
+    sum = StoreCodes(_mm512_mul_ps(_mm512_loadu_ps(x + c), _mm512_loadu_ps(scale + c)), mul, row + c, sum);
   }
   return _mm512_reduce_add_epi32(sum);
 }
@@ -337,6 +337,8 @@ void Int8ScoresInQuads(int64_t rows, int64_t keys, int64_t depth, const float* q
       q_sum[r] = RowToInt8<8>(q + r * ldq, scale, row, amax);
     } else if (depth == 64) {
       q_sum[r] = RowToInt8<4>(q + r * ldq, scale, row, amax);
+    } else if (depth % 16 == 0) {  // whole vectors of quads: no padding to add
+      q_sum[r] = RowToInt8Padded(q + r * ldq, depth, scale, row, amax);
     } else {
       float x[kInt8MaxDepth + I8::kLanes] = {};  // zero-padded to whole vectors
       for (int64_t c = 0; c < depth; ++c) x[c] = q[r * ldq + c];
