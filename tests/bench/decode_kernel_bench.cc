@@ -1,9 +1,9 @@
-// The CPU decode kernels alone (tile_kernels.h: PagedKernels' scores and values, and the online softmax between
-// them) on cache parts held in L2, one thread: what one block of one KV head costs in compute, apart from memory, per
-// cache dtype, as decode_bench's roofline cannot split it. One decode row group (4 query rows, GQA 4, d_k 128)
-// against 48 parts of a block each (random keys and values written in the cache's layout and dtype); the three
-// kernels timed apart and together, rounds interleaving the dtypes; best and median ns per part, elements (keys and
-// values) per ns, and that rate over the bf16 cache's of the same run.
+// The CPU decode kernels alone (tile_kernels.h: PagedKernels' scores and values, and between them the online softmax
+// of the fp32 set, as the decode path pairs them) on cache parts held in L2, one thread: what one block of one KV
+// head costs in compute, apart from memory, per cache dtype, as decode_bench's roofline cannot split it. One decode
+// row group (4 query rows, GQA 4, d_k 128) against 48 parts of a block each (random keys and values written in the
+// cache's layout and dtype); the three kernels timed apart and together, rounds interleaving the dtypes; best and
+// median ns per part, elements (keys and values) per ns, and that rate over the bf16 cache's of the same run.
 //   build/bin/decode_kernel_bench [--isa avx512bf16] [--rounds 5] [--block_tokens 32] [--repeats 200]
 #include <algorithm>
 #include <chrono>
@@ -62,7 +62,8 @@ class KernelCase {
   int64_t Elements() const { return 2 * kDepth * cache_.block_tokens; }
 
   // `repeats` passes over the parts: scores (1), softmax (2), values (4), as `mask` says; ns per part.
-  double Run(const kernels::TileKernels& set, int mask, int repeats) {
+  // `set`'s decode kernels, and `softmax`'s online softmax (the decode path takes it from the fp32 set).
+  double Run(const kernels::TileKernels& set, const kernels::TileKernels& softmax, int mask, int repeats) {
     const kernels::PagedKernels& k = set.paged[cache_.dtype - 1];
     const int64_t tb = cache_.block_tokens;
     const Clock::time_point start = Clock::now();
@@ -74,7 +75,7 @@ class KernelCase {
           k.scores(kRows, tb, kDepth, q_.data(), kDepth, key_part, tb, KeyScales(key_part), s_.data(), tb, nullptr, 0);
         }
         if (mask & 2) {
-          set.online_softmax(kRows, tb, visible_.data(), s_.data(), tb, max_.data(), sum_.data(), factor_.data(),
+          softmax.online_softmax(kRows, tb, visible_.data(), s_.data(), tb, max_.data(), sum_.data(), factor_.data(),
                              /*log2_units=*/true);
         }
         if (mask & 4) {
@@ -127,6 +128,14 @@ const kernels::TileKernels* KernelSet(std::string* isa) {
   return nullptr;
 }
 
+// The fp32 set whose softmax the CPU backend's decode path runs beside `isa`'s decode kernels: AVX-512's beside the
+// bf16 sets (whose own softmax keeps bf16's precision, for bf16 requests), else the set itself.
+const kernels::TileKernels* SoftmaxSet(const std::string& isa, const kernels::TileKernels* set) {
+  if (isa != "amx" && isa != "avx512bf16") return set;
+  const kernels::TileKernels* fp32 = kernels::TileKernelsFor("avx512");
+  return fp32 != nullptr ? fp32 : set;
+}
+
 // Per case, the series of each timing: scores, softmax, values, and all three in turn.
 struct Series {
   std::vector<double> ns[4];
@@ -155,6 +164,7 @@ int Main(int argc, char** argv) {
     std::fprintf(stderr, "this CPU does not run the kernel set %s\n", flags.isa.c_str());
     return 1;
   }
+  const kernels::TileKernels* softmax = SoftmaxSet(flags.isa, set);
   std::vector<KernelCase> cases;
   for (v1::DataType dtype : {v1::FP32, v1::FP16, v1::BF16, v1::INT8, v1::FP8_E4M3, v1::FP8_E5M2}) {
     cases.emplace_back(dtype, flags.block_tokens);
@@ -164,11 +174,11 @@ int Main(int argc, char** argv) {
               flags.isa.c_str(), static_cast<long long>(flags.block_tokens), static_cast<int>(kRows),
               static_cast<long long>(kDepth), flags.rounds);
   std::vector<Series> series(cases.size());
-  for (KernelCase& c : cases) c.Run(*set, 7, std::max(1, flags.repeats / 10));  // warm-up
+  for (KernelCase& c : cases) c.Run(*set, *softmax, 7, std::max(1, flags.repeats / 10));  // warm-up
   for (int round = 0; round < flags.rounds; ++round) {
     for (size_t i = 0; i < cases.size(); ++i) {
       const int masks[4] = {1, 2, 4, 7};
-      for (int t = 0; t < 4; ++t) series[i].ns[t].push_back(cases[i].Run(*set, masks[t], flags.repeats));
+      for (int t = 0; t < 4; ++t) series[i].ns[t].push_back(cases[i].Run(*set, *softmax, masks[t], flags.repeats));
     }
   }
   Print(cases, series);
