@@ -367,6 +367,114 @@ TEST(PagedPlan, SequencesStartingWithTheSameFullBlocksShareUnits) {
   EXPECT_EQ(cuda::PagedSlotsOf(plan), 2 * plan.splits);
 }
 
+// The target shape of cascade decode on tensor cores: 64 sessions decoding over 8192 shared tokens and 256 of their
+// own (bf16, GQA 4, d_k 128, 32-token blocks).
+struct CascadeShape {
+  std::vector<char> shared = std::vector<char>(256), own = std::vector<char>(64 * 9);
+  std::vector<std::vector<char*>> tables;
+  std::vector<PagedSequence> sequences;
+
+  explicit CascadeShape(int64_t sessions = 64) : tables(sessions), sequences(sessions) {
+    for (int64_t s = 0; s < sessions; ++s) {
+      for (char& b : shared) tables[s].push_back(&b);
+      for (int i = 0; i < 9; ++i) tables[s].push_back(&own[s * 9 + i]);
+      sequences[s].blocks = tables[s];
+      sequences[s].length = 8192 + 256 - 1;
+      sequences[s].new_tokens = 1;
+    }
+  }
+  static PagedProblem Problem(v1::DataType cache = v1::BF16) {
+    PagedProblem problem = DecodeProblem();
+    problem.cache = {8, 128, 32, cache};
+    return problem;
+  }
+};
+
+// A 16-bit or 8-bit cache at head_dim 64 or 128 stacks 64 / group members per shared unit, on the cascade kernel
+// (the plan's last units), with shared splits of its own; each member's own units split its own keys only.
+TEST(PagedPlan, CascadeOnTensorCoresStacksSixteenMembersPerUnitAtGqa4) {
+  for (v1::DataType cache : {v1::BF16, v1::FP16, v1::INT8, v1::FP8_E4M3}) {
+    CascadeShape shape;
+    const PagedProblem problem = CascadeShape::Problem(cache);
+    ASSERT_TRUE(cuda::CascadeOnTensorCores(problem)) << DTypeName(cache);
+    const cuda::PagedPlan plan = cuda::PlanPaged(problem, shape.sequences, 132);
+    ASSERT_EQ(plan.cascade.size(), 64u);
+    EXPECT_THAT(plan.shared_keys, ::testing::Each(8192));
+    ASSERT_EQ(plan.units.size(), 64u * 8 + 8 * 4) << "own units, then 8 KV heads x 64 / 16 shared units";
+    EXPECT_EQ(plan.mma_units, 8 * 4);
+    std::map<std::pair<int, int>, int> covered;  // (sequence, head) -> shared units
+    for (size_t i = 0; i < plan.units.size(); ++i) {
+      const cuda::PagedUnit& u = plan.units[i];
+      EXPECT_EQ(u.members > 0, i >= 64u * 8) << "shared units come last";
+      if (u.members == 0) continue;
+      EXPECT_EQ(u.members, 16);
+      EXPECT_EQ(u.members * u.heads, cuda::kCascadeRows);
+      for (int m = u.member0; m < u.member0 + u.members; ++m) {
+        for (int h = u.head0; h < u.head0 + u.heads; ++h) ++covered[{plan.cascade[m], h}];
+      }
+    }
+    EXPECT_EQ(covered.size(), 64u * 32);
+    for (const auto& [key, count] : covered) EXPECT_EQ(count, 1);
+    // 32 shared units want 132 x 8 / 32 = 33 splits; 8192 keys allow 8 of kMinCascadeSplitKeys.
+    EXPECT_EQ(plan.shared_splits, 8);
+    EXPECT_EQ(plan.shared_split_keys, 1024);
+    // The own units split their 256 keys (8448 - 8192), not the whole cache: 256 keys are one split.
+    EXPECT_EQ(plan.splits, 1);
+    EXPECT_EQ(cuda::PagedSlotsOf(plan), plan.splits + plan.shared_splits);
+  }
+}
+
+// Shared splits are whole tiles of the cascade kernel and cover the longest shared range.
+TEST(PagedPlan, CascadeSplitsAreWholeTilesCoveringTheSharedKeys) {
+  CascadeShape shape(2);
+  shape.tables[1].resize(40);  // 40 shared blocks and one of its own: the group shares 1280 keys
+  shape.tables[1].push_back(&shape.own[9]);
+  shape.sequences[1].blocks = shape.tables[1];
+  shape.sequences[1].length = 40 * 32;
+  const cuda::PagedPlan plan = cuda::PlanPaged(CascadeShape::Problem(), shape.sequences, 132);
+  EXPECT_THAT(plan.shared_keys, ::testing::ElementsAre(1280, 1280));
+  EXPECT_EQ(plan.mma_units, 8);
+  EXPECT_EQ(plan.shared_split_keys % cuda::kCascadeTileKeys, 0);
+  EXPECT_GE(plan.shared_splits * plan.shared_split_keys, 1280);
+  EXPECT_EQ(plan.shared_splits, 1) << "1280 keys allow one split of kMinCascadeSplitKeys";
+}
+
+// Weights, statistics, an fp32 cache or head_dim 80 keep the shared units on the split kernel (16 rows each), which
+// split the whole key range.
+TEST(PagedPlan, CascadeStaysOnTheSplitKernelForWhatTheTensorCoresDoNotCompute) {
+  std::vector<PagedProblem> problems(4, CascadeShape::Problem());
+  problems[0].return_weights = true;
+  problems[1].return_stats = true;
+  problems[2].cache.dtype = v1::FP32;
+  problems[3].heads.head_dim = problems[3].cache.head_dim = 80;
+  for (const PagedProblem& problem : problems) {
+    EXPECT_FALSE(cuda::CascadeOnTensorCores(problem));
+    CascadeShape shape;
+    const cuda::PagedPlan plan = cuda::PlanPaged(problem, shape.sequences, 132);
+    EXPECT_EQ(plan.mma_units, 0);
+    ASSERT_EQ(plan.units.size(), 64u * 8 + 8 * 16) << "shared units of 4 members";
+    EXPECT_EQ(plan.shared_splits, plan.splits);
+    EXPECT_EQ(plan.shared_split_keys, plan.split_keys);
+    EXPECT_GE(plan.splits * plan.split_keys, 8448) << "the split kernel's shared units need the whole range";
+  }
+}
+
+// MQA on tensor cores: a unit of 64 rows stacks two members' groups of 32; a group of 64 fills a unit alone.
+TEST(PagedPlan, CascadeOnTensorCoresStacksTwoGroupsOfThirtyTwo) {
+  CascadeShape shape(4);
+  PagedProblem problem = CascadeShape::Problem();
+  problem.heads.num_kv_heads = problem.cache.num_kv_heads = 1;
+  const cuda::PagedPlan plan = cuda::PlanPaged(problem, shape.sequences, 132);
+  EXPECT_EQ(plan.mma_units, 2);
+  for (const cuda::PagedUnit& u : plan.units) {
+    if (u.members > 0) {
+      EXPECT_EQ(u.members, 2);
+    }
+  }
+  problem.heads.num_heads = 64;
+  EXPECT_FALSE(cuda::CascadeOnTensorCores(problem));
+}
+
 // Prefill chunks of 64+ tokens over a 16-bit or 8-bit cache at head_dim 64 or 128 take the dense path (the
 // tensor-core flash kernel over gathered K and V) and get no units, statistics or not; weights, an fp32 cache, or
 // head_dim 80 keep them on the split kernel.

@@ -46,6 +46,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/string_view.h"
 #include "server/backends/backend.h"
@@ -250,7 +251,8 @@ struct KernelResult {
   Stats ms;
   float append_ms = 0;  // LaunchPagedAppend + LaunchPagedAttention with append = true, median of 5
   int splits = 0;
-  float max_diff = 0;  // the first and last sessions against the host
+  int shared_splits = 0;  // the shared units' (cascade decode), 0 without them
+  float max_diff = 0;     // the first and last sessions against the host
 };
 
 // The kernels alone on blocks in `pool` (device memory).
@@ -281,6 +283,7 @@ KernelResult TimeKernels(const Layout& l, char* pool, const std::vector<char>& t
   PagedParams p;
   p.num_sequences = l.sessions;
   p.num_units = static_cast<int64_t>(units.size());
+  p.num_mma_units = plan.mma_units;
   p.rows = l.sessions;
   p.q_stride = kHeads * kHeadDim;
   p.kv_stride = kKvHeads * kHeadDim;
@@ -317,6 +320,8 @@ KernelResult TimeKernels(const Layout& l, char* pool, const std::vector<char>& t
   KernelResult r;
   p.splits = r.splits = plan.splits;
   p.split_keys = plan.split_keys;
+  p.shared_splits = r.shared_splits = plan.shared_splits;
+  p.shared_split_keys = plan.shared_split_keys;
   CHECK_CUDA(cudaMemsetAsync(out, 0xff, l.sessions * kHeads * kHeadDim * sizeof(float), stream));  // NaN
   r.ms = TimeMs(stream, [&] { CHECK_CUDA(LaunchPagedAttention(p, stream)); }, reps);
   CHECK_CUDA(cudaStreamSynchronize(stream));
@@ -335,12 +340,15 @@ KernelResult TimeKernels(const Layout& l, char* pool, const std::vector<char>& t
   for (PagedSequenceDesc& s : sequences) s.append = 1;
   CHECK_CUDA(cudaMemcpy(d_sequences, sequences.data(), sequences.size() * sizeof(PagedSequenceDesc),
                         cudaMemcpyHostToDevice));
-  if (append_plan.units.size() != units.size() || append_plan.cascade != plan.cascade) {
+  if (append_plan.units.size() != units.size() || append_plan.cascade != plan.cascade ||
+      append_plan.mma_units != plan.mma_units) {
     std::fprintf(stderr, "the append plan has other units\n");
     std::exit(1);
   }
   p.splits = append_plan.splits;
   p.split_keys = append_plan.split_keys;
+  p.shared_splits = append_plan.shared_splits;
+  p.shared_split_keys = append_plan.shared_split_keys;
   r.append_ms = TimeMs(
                     stream,
                     [&] {
@@ -543,12 +551,14 @@ double RunRow(const Options& o, const Layout& l, const std::vector<char>& tile, 
     }
   }
   const bool bad = !(max_diff < 2e-2f);
+  // Own splits, then the shared units' (cascade decode) after a +.
+  const std::string splits = absl::StrCat(k.splits, k.shared_splits > 0 ? absl::StrCat("+", k.shared_splits) : "");
   sum->mismatch |= bad;
   std::printf(
-      "| %lld | %lld | %lld | %s | %.2f | %d | %.3f / %.3f | %.0f | %.2f | %.0f | %s | %.3f | %s | %s | %.1e%s |\n",
+      "| %lld | %lld | %lld | %s | %.2f | %s | %.3f / %.3f | %.0f | %.2f | %.0f | %s | %.3f | %s | %s | %.1e%s |\n",
       static_cast<long long>(l.sessions), static_cast<long long>(l.tokens),
-      static_cast<long long>(l.shared_blocks * kBlockTokens), dtype.c_str(), gb, k.splits, k.ms.median, k.ms.best, gbs,
-      ratio, tokens_per_s, versus.c_str(), k.append_ms, backend_ms.c_str(), backend_gbs.c_str(), max_diff,
+      static_cast<long long>(l.shared_blocks * kBlockTokens), dtype.c_str(), gb, splits.c_str(), k.ms.median, k.ms.best,
+      gbs, ratio, tokens_per_s, versus.c_str(), k.append_ms, backend_ms.c_str(), backend_gbs.c_str(), max_diff,
       bad ? " MISMATCH" : "");
   std::fflush(stdout);
   return k.ms.median;
@@ -561,7 +571,8 @@ void PrintSummary(const Options& o, const Summary& sum, absl::StatusOr<std::uniq
   for (size_t i = 0; i < sum.notes.size(); ++i) std::printf("backend call note %zu: %s\n", i + 1, sum.notes[i].c_str());
   std::printf("\nGB/s: cache bytes read (sessions x T x the blocks' bytes per token) over the median kernel time; of"
               " copy: that over the median D2D copy rate (read + write); speedup: tokens/s over the bf16 row's of the size, or"
-              " over the row whose sessions share nothing (apart); shared: tokens of each session in blocks all share\n");
+              " over the row whose sessions share nothing (apart); shared: tokens of each session in blocks all share;"
+              " splits: the key splits of each session's own units, + those of the shared units (cascade)\n");
   if (sum.rows_32 > 0) {
     std::printf("decode at 32+ sessions >= 75%% of copy bandwidth: %s (best ratio %.2f, worst %.2f, %d rows)%s\n",
                 sum.best_ratio >= 0.75 ? "PASS" : "FAIL", sum.best_ratio, sum.worst_ratio, sum.rows_32,

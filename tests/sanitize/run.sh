@@ -57,7 +57,7 @@ emulated_cuda_targets() {  # emulated_cuda_targets <dir>
 # minute to four each) and the emulated server's rehearsal (its warm-up alone took minutes) run in the plain build
 # only; every kernel variant and the backend's host paths still run here. ctest's names of parameterized cases end
 # in "  # GetParam() = ...", hence the "( |$)" after a whole case name.
-slow_emulated='^emulated_cuda:.*(demo_sized|bf16_core|dk16_causal_mask_lengths|sdpa_dk128_partial_tiles_masks_fp16|causal_long_keys|ScratchFromALargeCall|ConcurrentCalls|session_heads_long_cache_split_kv|session_heads_cascade_long|session_heads_decode_cache_(fp16|bf16|int8|fp8_e4m3|fp8_e5m2)(_wire(_bf16)?|_stats)?_cuda( |$)|decode_split_cache|_deep_)|^cuda_server_emulated$|^paged_bench_emulated$'
+slow_emulated='^emulated_cuda:.*(demo_sized|bf16_core|dk16_causal_mask_lengths|sdpa_dk128_partial_tiles_masks_fp16|causal_long_keys|ScratchFromALargeCall|ConcurrentCalls|session_heads_long_cache_split_kv|session_heads_cascade_long|session_heads_decode_cache_(fp16|bf16|int8|fp8_e4m3|fp8_e5m2)(_wire(_bf16)?|_stats)?_cuda( |$)|decode_split_cache|_deep_)|^cuda_server_emulated$|^paged_bench_emulated(_cascade)?$'
 
 run_asan() {
   configure build-asan address,undefined
@@ -75,9 +75,10 @@ run_asan() {
     export ASAN_OPTIONS="$options:detect_stack_use_after_return=0"
     ctest --test-dir build-asan --output-on-failure -j "$jobs" -L cpp_emulated -E "$slow_emulated"
     # The paged kernels' planner paths on the emulated device: unaligned lengths, two key splits, several sessions
-    # (ctest's 32 sessions take the same path as 4 and ten times as long here).
+    # (ctest's 32 sessions take the same path as 4 and ten times as long here), sessions sharing a block (the
+    # cascade kernel).
     build-asan/bin/paged_bench_emulated --shape 2:100 --shape 1:600 --shape 4:64 --cache_dtype bf16,int8 \
-      --copy_mib 1 --reps 1
+      --shared_prefix 32 --copy_mib 1 --reps 1
   fi
 }
 

@@ -297,6 +297,65 @@ __device__ __forceinline__ void LoadTile(T* shared, const T* global, int64_t str
   }
 }
 
+// The max and the sum over the quad of threads that holds one row of an MMA accumulator (lanes 4g .. 4g + 3).
+__device__ __forceinline__ float QuadMax(float x) {
+  x = fmaxf(x, __shfl_xor_sync(kFullMask, x, 1));
+  return fmaxf(x, __shfl_xor_sync(kFullMask, x, 2));
+}
+__device__ __forceinline__ float QuadSum(float x) {
+  x += __shfl_xor_sync(kFullMask, x, 1);
+  return x + __shfl_xor_sync(kFullMask, x, 2);
+}
+
+// This thread's two rows of O (the accumulator layout: rows g and g + 8) times their corrections.
+template <int kD>
+__device__ __forceinline__ void RescaleOutput(float (&o)[kD / 8][4], const float (&correction)[2]) {
+  #pragma unroll
+  for (int nb = 0; nb < kD / 8; ++nb) {
+    o[nb][0] *= correction[0];
+    o[nb][1] *= correction[0];
+    o[nb][2] *= correction[1];
+    o[nb][3] *= correction[1];
+  }
+}
+
+// This warp's 16 query rows, from `rows` in shared memory (row stride kRow elements), as A fragments for the kD / 16
+// k-steps of S = Q K^T.
+template <typename T, int kD, int kRow>
+__device__ __forceinline__ void LoadQueryFragments(uint32_t (&q_frag)[kD / 16][4], const T* rows, int lane) {
+  const T* base = rows + (lane >> 2) * kRow + 2 * (lane & 3);
+  #pragma unroll
+  for (int kk = 0; kk < kD / 16; ++kk) {
+    q_frag[kk][0] = Pair(base + kk * 16);
+    q_frag[kk][1] = Pair(base + 8 * kRow + kk * 16);
+    q_frag[kk][2] = Pair(base + kk * 16 + 8);
+    q_frag[kk][3] = Pair(base + 8 * kRow + kk * 16 + 8);
+  }
+}
+
+// O += P V over one tile of kN keys: P is this warp's weights in S's accumulator layout (s[kN / 8][4], whose two
+// neighbouring 8-key blocks make one A fragment), V the tile's [kN][kD] rows in shared memory (row stride kRow).
+template <typename T, int kD, int kN, int kRow>
+__device__ __forceinline__ void AccumulateValues(float (&o)[kD / 8][4], const float (&s)[kN / 8][4],
+                                                 const T* v_shared, int lane) {
+  #pragma unroll
+  for (int kk = 0; kk < kN / 16; ++kk) {
+    const uint32_t a[4] = {Mma<T>::Pack(s[2 * kk][0], s[2 * kk][1]), Mma<T>::Pack(s[2 * kk][2], s[2 * kk][3]),
+                           Mma<T>::Pack(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                           Mma<T>::Pack(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+    // One transposed ldmatrix gives B fragments for 16 keys x 16 dims: matrix m holds keys kk*16 + 8 (m % 2)..
+    // and dims (nb + m / 2) * 8.., so r[0], r[1] are B for dims nb*8.. and r[2], r[3] for dims (nb+1)*8..
+    const T* value_rows = v_shared + (kk * 16 + ((lane >> 3) & 1) * 8 + (lane & 7)) * kRow + (lane >> 4) * 8;
+    #pragma unroll
+    for (int nb = 0; nb < kD / 8; nb += 2) {
+      uint32_t b[4];
+      LoadMatricesTransposed(b, value_rows + nb * 8);
+      Mma<T>::Run(o[nb], a, b[0], b[1]);
+      Mma<T>::Run(o[nb + 1], a, b[2], b[3]);
+    }
+  }
+}
+
 // kStats: the softmax statistics too, as the SIMT kernel keeps them (SimtRowStats): each thread's shares of A, D
 // and K over its keys of its two rows beside its share of l, rescaled with it when the row's max moves, and added
 // over the quad at the end.
@@ -336,16 +395,7 @@ __global__ void __launch_bounds__(32 * kWarps) TensorCoreAttention(AttentionPara
   }
   __syncthreads();
   uint32_t q_frag[kD / 16][4];
-  {
-    const T* base = q_shared + (warp * 16 + g) * kRow + 2 * t;
-    #pragma unroll
-    for (int kk = 0; kk < kD / 16; ++kk) {
-      q_frag[kk][0] = Pair(base + kk * 16);
-      q_frag[kk][1] = Pair(base + 8 * kRow + kk * 16);
-      q_frag[kk][2] = Pair(base + kk * 16 + 8);
-      q_frag[kk][3] = Pair(base + 8 * kRow + kk * 16 + 8);
-    }
-  }
+  LoadQueryFragments<T, kD, kRow>(q_frag, q_shared + warp * 16 * kRow, lane);
 
   // This thread's two query rows.
   const int64_t rows[2] = {row0 + warp * 16 + g, row0 + warp * 16 + g + 8};
@@ -444,8 +494,7 @@ __global__ void __launch_bounds__(32 * kWarps) TensorCoreAttention(AttentionPara
     float correction[2], base[2];
     #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(kFullMask, tile_max[r], 1));
-      tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(kFullMask, tile_max[r], 2));
+      tile_max[r] = QuadMax(tile_max[r]);
       const float m_new = fmaxf(m[r], tile_max[r]);
       base[r] = m_new == -INFINITY ? 0.0f : m_new;
       correction[r] = exp2f((m[r] - base[r]) * to_log2);
@@ -479,13 +528,7 @@ __global__ void __launch_bounds__(32 * kWarps) TensorCoreAttention(AttentionPara
         }
       }
     }
-    #pragma unroll
-    for (int nb = 0; nb < kD / 8; ++nb) {
-      o[nb][0] *= correction[0];
-      o[nb][1] *= correction[0];
-      o[nb][2] *= correction[1];
-      o[nb][3] *= correction[1];
-    }
+    RescaleOutput<kD>(o, correction);
     if constexpr (kAsync) {
       // V(tile) has landed and every warp is done with k_shared: K(tile + 1) goes on its way during O += P V.
       WaitCopies();
@@ -497,37 +540,18 @@ __global__ void __launch_bounds__(32 * kWarps) TensorCoreAttention(AttentionPara
       CommitCopies();
     }
     // O += P V: P's A fragments are S's accumulators of two neighbouring 8-key blocks.
-    #pragma unroll
-    for (int kk = 0; kk < kTcBlockN / 16; ++kk) {
-      const uint32_t a[4] = {Mma<T>::Pack(s[2 * kk][0], s[2 * kk][1]), Mma<T>::Pack(s[2 * kk][2], s[2 * kk][3]),
-                             Mma<T>::Pack(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                             Mma<T>::Pack(s[2 * kk + 1][2], s[2 * kk + 1][3])};
-      // One transposed ldmatrix gives B fragments for 16 keys x 16 dims: matrix m holds keys kk*16 + 8 (m % 2)..
-      // and dims (nb + m / 2) * 8.., so r[0], r[1] are B for dims nb*8.. and r[2], r[3] for dims (nb+1)*8..
-      const T* value_rows = v_shared + (kk * 16 + ((lane >> 3) & 1) * 8 + (lane & 7)) * kRow + (lane >> 4) * 8;
-      #pragma unroll
-      for (int nb = 0; nb < kD / 8; nb += 2) {
-        uint32_t b[4];
-        LoadMatricesTransposed(b, value_rows + nb * 8);
-        Mma<T>::Run(o[nb], a, b[0], b[1]);
-        Mma<T>::Run(o[nb + 1], a, b[2], b[3]);
-      }
-    }
+    AccumulateValues<T, kD, kTcBlockN, kRow>(o, s, v_shared, lane);
   }
 
   float factor[2];
   #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    l[r] += __shfl_xor_sync(kFullMask, l[r], 1);
-    l[r] += __shfl_xor_sync(kFullMask, l[r], 2);
+    l[r] = QuadSum(l[r]);
     factor[r] = (l[r] == 0.0f ? 0.0f : 1.0f / l[r]) * (p.head_mask != nullptr ? p.head_mask[h] : 1.0f);
     if constexpr (kStats) {
-      stat_a[r] += __shfl_xor_sync(kFullMask, stat_a[r], 1);
-      stat_a[r] += __shfl_xor_sync(kFullMask, stat_a[r], 2);
-      stat_d[r] += __shfl_xor_sync(kFullMask, stat_d[r], 1);
-      stat_d[r] += __shfl_xor_sync(kFullMask, stat_d[r], 2);
-      stat_k[r] += __shfl_xor_sync(kFullMask, stat_k[r], 1);
-      stat_k[r] += __shfl_xor_sync(kFullMask, stat_k[r], 2);
+      stat_a[r] = QuadSum(stat_a[r]);
+      stat_d[r] = QuadSum(stat_d[r]);
+      stat_k[r] = QuadSum(stat_k[r]);
       if (rows[r] < p.q_len && t == 0) {
         SimtRowStats::StoreRowStats(p, (b * p.heads + h) * p.q_len + rows[r], natural ? m[r] : m[r] * kLn2, l[r],
                                     stat_a[r], stat_d[r], stat_k[r]);

@@ -224,6 +224,7 @@ cuda::PagedParams ParamsOf(const PagedArgs& a, const CudaBackend::Impl::PagedCal
   p.cascade = reinterpret_cast<const int32_t*>(c.cascade_in.device);  // null without shared units
   p.num_sequences = static_cast<int64_t>(c.descs.size());
   p.num_units = static_cast<int64_t>(c.plan.units.size());
+  p.num_mma_units = c.plan.mma_units;
   p.rows = c.plan.rows;
   p.q = qkv;
   p.k = qkv + qw;
@@ -247,6 +248,8 @@ cuda::PagedParams ParamsOf(const PagedArgs& a, const CudaBackend::Impl::PagedCal
   }
   p.splits = c.plan.splits;
   p.split_keys = c.plan.split_keys;
+  p.shared_splits = c.plan.shared_splits;
+  p.shared_split_keys = c.plan.shared_split_keys;
   p.partial_out = reinterpret_cast<float*>(c.partials);
   p.partial_state = p.partial_out + c.plan.rows * h.num_heads * cuda::PagedSlotsOf(c.plan) * h.head_dim;
   p.out = reinterpret_cast<float*>(c.heads_out.device);
@@ -477,7 +480,8 @@ int64_t CudaBackend::PagedWorkspaceBytes(const PagedProblem& problem) const {
   const HeadSpec& h = problem.heads;
   const int64_t rows = problem.new_tokens;
   // The splits are at most 2 per multiprocessor of the largest GPUs (about 132) and one per kMinSplitKeys keys.
-  // Twice that many slots where sequences may form cascade groups (paged_plan.h).
+  // Where sequences may form cascade groups, as many again for the shared splits (paged_plan.h: the split kernel's
+  // equal the splits, the cascade kernel's are at most one per kMinCascadeSplitKeys keys).
   const int64_t splits = std::clamp<int64_t>(problem.max_length / cuda::kMinSplitKeys, 1, 264);
   const int64_t slots = problem.sequences > 1 ? 2 * splits : splits;
   int64_t bytes = rows * h.num_heads * slots * (h.head_dim + 5) * 4;

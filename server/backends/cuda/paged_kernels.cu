@@ -8,6 +8,7 @@
 
 #include "server/backends/cuda/enqueue.cuh"
 #include "server/backends/cuda/kernels.h"
+#include "server/backends/cuda/paged_cascade.cuh"
 #include "server/backends/cuda/paged_kernels.cuh"
 #include "server/backends/cuda/paged_kernels.h"
 
@@ -16,6 +17,36 @@ namespace cuda {
 namespace {
 
 constexpr int64_t kMaxGridX = 0x7fffffff;
+
+// The cascade kernel for p's cache dtype and head_dim (paged_cascade.cuh), or null.
+void (*CascadeKernelOf(const PagedParams& p))(PagedParams) {
+  switch (p.cache_dtype) {
+    case kF16:
+      return device::CascadeKernelFor<__half, __half>(p.head_dim);
+    case kBF16:
+      return device::CascadeKernelFor<__nv_bfloat16, __nv_bfloat16>(p.head_dim);
+    case kI8:
+      return device::CascadeKernelFor<device::Code8<kI8>, __nv_bfloat16>(p.head_dim);
+    case kE4M3:
+      return device::CascadeKernelFor<device::Code8<kE4M3>, __nv_bfloat16>(p.head_dim);
+    case kE5M2:
+      return device::CascadeKernelFor<device::Code8<kE5M2>, __nv_bfloat16>(p.head_dim);
+    default:
+      return nullptr;
+  }
+}
+
+// The shared units of the cascade kernel, when the plan has them.
+cudaError_t LaunchCascade(const PagedParams& p, cudaStream_t stream) {
+  if (p.num_mma_units == 0) return cudaSuccess;
+  void (*cascade)(PagedParams) = CascadeKernelOf(p);
+  if (cascade == nullptr || p.cascade == nullptr || p.num_mma_units > kMaxGridX || p.shared_splits < 1 ||
+      p.shared_splits > kMaxGridYZ || p.shared_split_keys % kCascadeTileKeys != 0) {
+    return cudaErrorInvalidValue;
+  }
+  const dim3 grid(static_cast<unsigned>(p.num_mma_units), static_cast<unsigned>(p.shared_splits));
+  return Enqueue(cascade, grid, device::kCascadeThreads, stream, p);
+}
 
 }  // namespace
 
@@ -46,7 +77,8 @@ cudaError_t LaunchPagedAppend(const PagedParams& p, cudaStream_t stream) {
 
 cudaError_t LaunchPagedAttention(const PagedParams& p, cudaStream_t stream) {
   if (p.rows == 0) return cudaSuccess;
-  if (p.num_units > kMaxGridX || p.splits < 1 || p.splits > kMaxGridYZ || p.split_keys % kPagedTileKeys != 0) {
+  if (p.num_units > kMaxGridX || p.num_mma_units < 0 || p.num_mma_units > p.num_units || p.splits < 1 ||
+      p.splits > kMaxGridYZ || p.split_keys % kPagedTileKeys != 0) {
     return cudaErrorInvalidValue;
   }
   void (*split)(PagedParams) = nullptr;
@@ -73,12 +105,14 @@ cudaError_t LaunchPagedAttention(const PagedParams& p, cudaStream_t stream) {
       break;
   }
   if (split == nullptr) return cudaErrorInvalidValue;
-  const dim3 grid(static_cast<unsigned>(p.num_units), static_cast<unsigned>(p.splits));
-  if (p.num_units > 0) {  // none when every sequence is dense
+  const int64_t split_units = p.num_units - p.num_mma_units;
+  const dim3 grid(static_cast<unsigned>(split_units), static_cast<unsigned>(p.splits));
+  if (split_units > 0) {  // none when every sequence is dense
     if (const cudaError_t error = Enqueue(split, grid, device::kPagedThreads, stream, p); error != cudaSuccess) {
       return error;
     }
   }
+  if (const cudaError_t error = LaunchCascade(p, stream); error != cudaSuccess) return error;
   const int64_t merge_blocks = (p.rows * p.heads + device::kPagedWarps - 1) / device::kPagedWarps;
   if (merge_blocks > kMaxGridX) return cudaErrorInvalidValue;
   return Enqueue(device::PagedMergeKernel, dim3(static_cast<unsigned>(merge_blocks)), device::kPagedThreads, stream,

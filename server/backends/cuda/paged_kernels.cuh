@@ -211,9 +211,10 @@ __device__ __forceinline__ float UpdateRow(RowState<kChunks>& st, float score, i
   return w;
 }
 
-// Scratch slots per (row, head): the splits, twice over with shared units (paged_kernels.h's partial_out).
+// Scratch slots per (row, head): the splits, then the shared splits with shared units (paged_kernels.h's
+// partial_out).
 __device__ __forceinline__ int64_t PagedSlots(const PagedParams& p) {
-  return p.cascade != nullptr ? 2 * p.splits : p.splits;
+  return p.cascade != nullptr ? p.splits + p.shared_splits : p.splits;
 }
 
 // Who row r of a unit is: its sequence's index and the fields of its PagedSequenceDesc the kernel reads, its new
@@ -315,8 +316,8 @@ __global__ void __launch_bounds__(kPagedThreads, 5) PagedSplitKernel(PagedParams
   char* const* blocks = p.blocks + lead.block_offset;
   const int64_t unit_begin = shared_unit ? 0 : lead.shared_keys;
   const int64_t unit_end = shared_unit ? lead.shared_keys : PagedVisibleEnd(lead, u.token0 + u.tokens - 1);
-  const int64_t begin = split * p.split_keys < unit_begin ? unit_begin : split * p.split_keys;
-  const int64_t end = unit_end < (split + 1) * p.split_keys ? unit_end : (split + 1) * p.split_keys;
+  const int64_t begin = unit_begin + split * p.split_keys;
+  const int64_t end = unit_end < begin + p.split_keys ? unit_end : begin + p.split_keys;
   const bool stats = p.lse != nullptr || p.entropy != nullptr;
   RowState<kChunks> state[kRowsPerWarp];
   __syncthreads();  // unit_rows
@@ -383,7 +384,7 @@ __global__ void __launch_bounds__(kPagedThreads) PagedMergeKernel(PagedParams p)
   if (seq.dense) return;  // the dense path writes its rows
   const int64_t token = row - seq.row, dk = p.head_dim;
   // Its own units' splits, then its shared units' when it is in a cascade group.
-  const int64_t stride = PagedSlots(p), slots = seq.shared_keys > 0 ? 2 * p.splits : p.splits;
+  const int64_t stride = PagedSlots(p), slots = seq.shared_keys > 0 ? stride : p.splits;
   const float* state = p.partial_state + item * stride * kPagedStateFields;
   float m = -INFINITY;
   for (int s = 0; s < slots; ++s) m = fmaxf(m, state[s * kPagedStateFields]);
@@ -443,29 +444,41 @@ __global__ void PagedDenseQueryKernel(PagedParams p, int64_t s, T* q) {
   }
 }
 
+// Channel d of key j's K (kKey) or V of KV head g, from a sequence's block table `blocks`, as float: the cache's
+// element, or an 8-bit cache's (Code8) code times its scale.
+template <typename CacheT, bool kKey>
+__device__ __forceinline__ float CachedAt(const PagedParams& p, char* const* blocks, int64_t g, int64_t j, int64_t d) {
+  const int64_t dk = p.head_dim, bt = p.block_tokens, slot = j % bt;
+  const char* block = blocks[j / bt];
+  if constexpr (IsCode8<CacheT>::value) {
+    constexpr int kDtype = CacheT::kCacheDtype;
+    const uint8_t* key_part = reinterpret_cast<const uint8_t*>(block) + g * p.head_part_bytes;
+    if constexpr (kKey) {
+      return DecodeCode<kDtype>(key_part[KeyCodeAt<kDtype>(d, slot, bt)]) *
+             ScaleOf(LoadScaleBits(key_part + KeyScaleAt(d, dk, bt)));
+    }
+    const uint8_t* value_part = key_part + p.key_part_bytes;
+    return DecodeCode<kDtype>(value_part[ValueCodeAt<kDtype>(slot, d, dk)]) *
+           ScaleOf(LoadScaleBits(value_part + ValueScaleAt(slot, dk, bt)));
+  } else {
+    const CacheT* head = reinterpret_cast<const CacheT*>(block) + g * 2 * dk * bt;
+    return ToFloat(kKey ? head[d * bt + slot] : head[dk * bt + slot * dk + d]);
+  }
+}
+
 // The dense path's keys and values: element e of sequence `s`'s k and v [keys, kv_heads, head_dim] in T, copied
-// from its blocks (CacheT is T), or an 8-bit cache's (Code8) codes times their scales, rounded to T.
+// from its blocks (CacheT is T: exact through float), or an 8-bit cache's (Code8) codes times their scales, rounded
+// to T.
 template <typename CacheT, typename T>
 __global__ void PagedDenseGatherKernel(PagedParams p, int64_t s, int64_t keys, T* k, T* v) {
   const PagedSequenceDesc seq = p.sequences[s];
-  const int64_t dk = p.head_dim, bt = p.block_tokens, total = keys * p.kv_heads * dk;
+  const int64_t dk = p.head_dim, total = keys * p.kv_heads * dk;
+  char* const* blocks = p.blocks + seq.block_offset;
   for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < total;
        e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t j = e / (p.kv_heads * dk), g = e / dk % p.kv_heads, d = e % dk, slot = j % bt;
-    const char* block = p.blocks[seq.block_offset + j / bt];
-    if constexpr (IsCode8<CacheT>::value) {
-      constexpr int kDtype = CacheT::kCacheDtype;
-      const uint8_t* key_part = reinterpret_cast<const uint8_t*>(block) + g * p.head_part_bytes;
-      const uint8_t* value_part = key_part + p.key_part_bytes;
-      k[e] = FromFloat<T>(DecodeCode<kDtype>(key_part[KeyCodeAt<kDtype>(d, slot, bt)]) *
-                          ScaleOf(LoadScaleBits(key_part + KeyScaleAt(d, dk, bt))));
-      v[e] = FromFloat<T>(DecodeCode<kDtype>(value_part[ValueCodeAt<kDtype>(slot, d, dk)]) *
-                          ScaleOf(LoadScaleBits(value_part + ValueScaleAt(slot, dk, bt))));
-    } else {
-      const CacheT* head = reinterpret_cast<const CacheT*>(block) + g * 2 * dk * bt;
-      k[e] = head[d * bt + slot];
-      v[e] = head[dk * bt + slot * dk + d];
-    }
+    const int64_t j = e / (p.kv_heads * dk), g = e / dk % p.kv_heads, d = e % dk;
+    k[e] = FromFloat<T>(CachedAt<CacheT, true>(p, blocks, g, j, d));
+    v[e] = FromFloat<T>(CachedAt<CacheT, false>(p, blocks, g, j, d));
   }
 }
 

@@ -26,6 +26,9 @@ inline constexpr int kPagedTileKeys = 32;
 
 // The most query rows a unit computes: 16, or 8 at head_dim above 128 (the unit's shared memory stays under 48 KiB).
 inline constexpr int PagedRowsPerUnit(int64_t head_dim) { return head_dim > 128 ? 8 : 16; }
+// The most query rows a shared unit of the cascade kernel (tensor cores) stacks, and the keys per tile it reads.
+inline constexpr int kCascadeRows = 64;
+inline constexpr int kCascadeTileKeys = 64;
 
 // One sequence of a paged call.
 struct PagedSequenceDesc {
@@ -48,8 +51,9 @@ struct PagedSequenceDesc {
 // head0 + r % heads of token token0 + r / heads.
 // A shared unit (members > 0; cascade decode) stacks the rows of `members` sequences, PagedParams::cascade[member0
 // ..], each with one new token: row r is head head0 + r % heads of sequence cascade[member0 + r / heads]'s token;
-// members * heads <= PagedRowsPerUnit. It reads keys [0, shared_keys) of its first member's blocks, which are every
-// member's, once for all of them (FlashInfer's cascade attention), into their second set of split slots.
+// members * heads <= PagedRowsPerUnit (kCascadeRows for the cascade kernel's). It reads keys [0, shared_keys) of its
+// first member's blocks, which are every member's, once for all of them (FlashInfer's cascade attention), into their
+// shared split slots.
 struct PagedUnit {
   int32_t seq = 0, kv_head = 0, head0 = 0, heads = 0, token0 = 0, tokens = 0;
   int32_t members = 0, member0 = 0;
@@ -60,9 +64,12 @@ struct PagedParams {
   char* const* blocks = nullptr;                 // block pointers, each sequence's from its block_offset
   const PagedUnit* units = nullptr;              // [num_units]
   // The shared units' members (sequence indices); null without shared units. With them, each (row, head) has
-  // 2 x splits slots in the scratch below: its own units' splits, then its shared units' splits.
+  // splits + shared_splits slots in the scratch below: its own units' splits, then its shared units' splits.
   const int32_t* cascade = nullptr;
   int64_t num_sequences = 0, num_units = 0, rows = 0;  // rows: new tokens over all sequences
+  // The last num_mma_units of `units` are shared units the cascade kernel (tensor cores) computes; the split kernel
+  // computes the others.
+  int64_t num_mma_units = 0;
   // The new tokens' rows in fp32: q [rows, q_stride] (head h at h * head_dim), k and v [rows, kv_stride] (KV head g at
   // g * head_dim), before RoPE.
   const float* q = nullptr;
@@ -81,13 +88,18 @@ struct PagedParams {
   bool rope_per_sequence = false;
   int rope_dim = 0;
   bool rope_interleaved = false;
-  // Splits of the key range: split s of every unit covers keys [s * split_keys, (s + 1) * split_keys) (paged_plan.h
-  // chooses them: at least kMinSplitKeys keys each, enough to fill the GPU).
+  // Splits of each unit's key range: split s covers keys [begin + s * split_keys, begin + (s + 1) * split_keys), begin
+  // the sequence's shared_keys for its own units, else 0 (paged_plan.h chooses them: at least kMinSplitKeys keys
+  // each, enough to fill the GPU).
   int splits = 1;
   int64_t split_keys = 0;  // a multiple of kPagedTileKeys
+  // The shared units' splits of [0, shared_keys): split s covers [s * shared_split_keys, (s + 1) *
+  // shared_split_keys). The split kernel's shared units use splits and split_keys (the planner sets these equal).
+  int shared_splits = 0;
+  int64_t shared_split_keys = 0;  // a multiple of kPagedTileKeys (of kCascadeTileKeys for the cascade kernel)
   // Scratch: per (row, head, split) the unnormalised output [head_dim] and the softmax state
   // (max, sum, sum w (s - max), sum w |pos - j|, sink sum).
-  float* partial_out = nullptr;    // [rows, heads, slots, head_dim], slots = splits (2 x splits with `cascade`)
+  float* partial_out = nullptr;    // [rows, heads, slots, head_dim], slots = splits (+ shared_splits with `cascade`)
   float* partial_state = nullptr;  // [rows, heads, slots, 5]
   // Outputs.
   float* out = nullptr;  // [rows, heads, head_dim] fp32
@@ -108,9 +120,9 @@ struct PagedParams {
 cudaError_t LaunchPagedAppend(const PagedParams& p, cudaStream_t stream);
 
 // softmax(q k^T scale) v of every new token over its visible keys, read from the blocks in place: the split kernel
-// on a grid of (num_units, splits), then the merge of the splits into out, the statistics and the weights. Run after
-// LaunchPagedAppend on the same stream (new tokens see each other through the cache). Dense sequences' rows are
-// left alone.
+// on a grid of (num_units - num_mma_units, splits), the cascade kernel on (num_mma_units, shared_splits), then the
+// merge of the splits into out, the statistics and the weights. Run after LaunchPagedAppend on the same stream (new
+// tokens see each other through the cache). Dense sequences' rows are left alone.
 cudaError_t LaunchPagedAttention(const PagedParams& p, cudaStream_t stream);
 
 // The dtype the dense path computes in for a cache of `cache_dtype`: the cache's own 16-bit dtype, or bf16 for an
