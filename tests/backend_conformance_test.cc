@@ -1202,7 +1202,7 @@ std::vector<SessionCase> SessionCases() {
     cases.push_back(fork);
   }
   // Cascade decode: four sessions sharing a prompt's blocks (forks) decode together, every cache dtype; a prompt of
-  // several shared splits; statistics; a layer.
+  // several shared splits; statistics; blocks of 12 keys; a layer.
   for (v1::DataType cache : {v1::FP32, v1::FP16, v1::BF16, v1::INT8, v1::FP8_E4M3, v1::FP8_E5M2}) {
     SessionCase cascade;
     cascade.name = "session_heads_cascade_cache_" + DTypeName(cache);
@@ -1222,6 +1222,10 @@ std::vector<SessionCase> SessionCases() {
     cascade.name = "session_heads_cascade_stats_bf16";
     cascade.steps = {{200}};
     cascade.stats = true;
+    cases.push_back(cascade);
+    cascade.name = "session_heads_cascade_block12_bf16";  // blocks of 12 keys: tiles straddle blocks
+    cascade.stats = false;
+    cascade.block_tokens = 12;
     cases.push_back(cascade);
     cascade = SessionCase();
     cascade.name = "session_layer_cascade_block32";
