@@ -1348,6 +1348,110 @@ INSTANTIATE_TEST_SUITE_P(Backends, SessionConformanceTest,
                          TestName<SessionConformanceTest::ParamType>);
 
 // ---------------------------------------------------------------------------------------------------------------
+// Cascade decode's statistics: four forks of a 40-token prompt (two full shared blocks of 16) decode one token each
+// in one call, every statistic asked for with 8 sink keys (all shared: the sink mass and distance come mostly from
+// the shared blocks' split), every backend against the reference at the PagedStatsTest's tolerance.
+
+struct CascadeStatsCase {
+  std::string name;
+  v1::DataType cache_dtype;
+};
+
+std::ostream& operator<<(std::ostream& os, const CascadeStatsCase& c) { return os << c.name; }
+
+class CascadeStatsTest : public ::testing::TestWithParam<std::tuple<CascadeStatsCase, std::string>> {};
+
+// The call's outputs and five statistics per sequence (lse, entropy, confidence, distance, sink mass: [H] each).
+std::vector<std::vector<float>> CascadeStep(Backend& backend, v1::DataType cache_dtype) {
+  constexpr int64_t kSessions = 4, kWidth = 8 * 64, kKvWidth = 2 * 64;
+  PagedProblem p;
+  p.heads.num_heads = 8;
+  p.heads.num_kv_heads = 2;
+  p.heads.head_dim = 64;
+  p.heads.causal = true;
+  p.heads.scale = 0.125f;
+  p.cache = {2, 64, 16, cache_dtype};
+  p.input_dtype = p.output_dtype = v1::FP32;
+  TestCaches caches(p.cache, &backend);
+  std::vector<std::vector<float>> q, k, v, got;
+  std::vector<PagedSequence> sequences(kSessions);
+  const auto add = [&](int64_t id, int64_t n, uint32_t seed) {
+    caches.Reserve(id, n);
+    q.push_back(RandomVector(n * kWidth, seed, 1.0f));
+    k.push_back(RandomVector(n * kKvWidth, seed + 1, 1.0f));
+    v.push_back(RandomVector(n * kKvWidth, seed + 2, 1.0f));
+    got.emplace_back(n * kWidth, std::nanf(""));
+    PagedSequence seq;
+    seq.blocks = caches[id].blocks;
+    seq.length = caches[id].length;
+    seq.new_tokens = n;
+    seq.q = {q.back().data(), v1::FP32};
+    seq.k = {k.back().data(), v1::FP32};
+    seq.v = {v.back().data(), v1::FP32};
+    seq.out = {got.back().data(), v1::FP32};
+    return seq;
+  };
+  const auto run = [&](absl::Span<const PagedSequence> seqs, bool stats) {
+    PagedArgs args;
+    args.problem = p;
+    args.problem.return_stats = stats;
+    args.problem.sequences = static_cast<int64_t>(seqs.size());
+    for (const PagedSequence& seq : seqs) {
+      args.problem.new_tokens += seq.new_tokens;
+      args.problem.max_new_tokens = std::max(args.problem.max_new_tokens, seq.new_tokens);
+      args.problem.max_length = std::max(args.problem.max_length, seq.Keys());
+    }
+    args.sequences = seqs;
+    const absl::Status status = backend.PagedAttention(args);
+    EXPECT_TRUE(status.ok()) << status;
+  };
+  const PagedSequence prompt = add(0, 40, 51);
+  run(absl::MakeConstSpan(&prompt, 1), false);
+  caches[0].length = 40;
+  for (int64_t id = 1; id < kSessions; ++id) caches.Fork(0, id);
+  q.clear(), k.clear(), v.clear(), got.clear();
+  std::vector<std::vector<float>> stats(kSessions * 5, std::vector<float>(8, std::nanf("")));
+  for (int64_t id = 0; id < kSessions; ++id) {
+    sequences[id] = add(id, 1, 61 + 3 * static_cast<uint32_t>(id));
+    std::vector<float>* s = &stats[id * 5];
+    sequences[id].stats = {s[0].data(), s[1].data(), s[2].data(), s[3].data(), s[4].data(), nullptr, 8};
+  }
+  run(sequences, true);
+  got.insert(got.end(), stats.begin(), stats.end());
+  return got;
+}
+
+TEST_P(CascadeStatsTest, MatchesTheReference) {
+  const v1::DataType cache = std::get<0>(GetParam()).cache_dtype;
+  const std::string& label = std::get<1>(GetParam());
+  absl::StatusOr<std::unique_ptr<Backend>> backend = Create(label);
+  if (absl::IsUnavailable(backend.status())) GTEST_SKIP() << label << ": " << backend.status().message();
+  ASSERT_TRUE(backend.ok()) << backend.status();
+  PagedProblem probe;
+  probe.heads.num_heads = 8;
+  probe.heads.num_kv_heads = 2;
+  probe.heads.head_dim = 64;
+  probe.cache = {2, 64, 16, cache};
+  probe.return_stats = true;
+  if (absl::Status supported = (*backend)->SupportsPaged(probe); !supported.ok()) {
+    GTEST_SKIP() << label << ": " << supported.message();
+  }
+  std::unique_ptr<Backend> reference = *Create(std::string(kReferenceBackend));
+  const std::vector<std::vector<float>> want = CascadeStep(*reference, cache), got = CascadeStep(**backend, cache);
+  ASSERT_EQ(got.size(), want.size());
+  const char* names[] = {"lse", "entropy", "confidence", "distance", "sink mass"};
+  for (size_t k = 0; k < want.size(); ++k) {
+    EXPECT_TRUE(AllClose(got[k], want[k], 3e-2, 3e-2)) << (k < 4 ? "output" : names[(k - 4) % 5]) << " " << k;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, CascadeStatsTest,
+                         ::testing::Combine(::testing::Values(CascadeStatsCase{"cascade_stats_bf16", v1::BF16},
+                                                              CascadeStatsCase{"cascade_stats_int8", v1::INT8}),
+                                            ::testing::ValuesIn(Labels())),
+                         TestName<CascadeStatsTest::ParamType>);
+
+// ---------------------------------------------------------------------------------------------------------------
 // Softmax statistics of paged calls (the decode path of few rows, the prefill path of many) and new tokens that
 // attend to a cache without joining it (ExtendItem.append = false), every backend against the reference.
 

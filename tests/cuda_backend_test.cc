@@ -439,14 +439,16 @@ TEST(PagedPlan, CascadeSplitsAreWholeTilesCoveringTheSharedKeys) {
   EXPECT_EQ(plan.shared_splits, 1) << "1280 keys allow one split of kMinCascadeSplitKeys";
 }
 
-// Weights, statistics, an fp32 cache or head_dim 80 keep the shared units on the split kernel (16 rows each), which
-// split the whole key range.
+// Weights, an fp32 cache or head_dim 80 keep the shared units on the split kernel (16 rows each), which split the
+// whole key range; statistics do not.
 TEST(PagedPlan, CascadeStaysOnTheSplitKernelForWhatTheTensorCoresDoNotCompute) {
-  std::vector<PagedProblem> problems(4, CascadeShape::Problem());
+  PagedProblem with_stats = CascadeShape::Problem();
+  with_stats.return_stats = true;
+  EXPECT_TRUE(cuda::CascadeOnTensorCores(with_stats));
+  std::vector<PagedProblem> problems(3, CascadeShape::Problem());
   problems[0].return_weights = true;
-  problems[1].return_stats = true;
-  problems[2].cache.dtype = v1::FP32;
-  problems[3].heads.head_dim = problems[3].cache.head_dim = 80;
+  problems[1].cache.dtype = v1::FP32;
+  problems[2].heads.head_dim = problems[2].cache.head_dim = 80;
   for (const PagedProblem& problem : problems) {
     EXPECT_FALSE(cuda::CascadeOnTensorCores(problem));
     CascadeShape shape;

@@ -9,8 +9,8 @@
 // does (attention_kernels.cuh), and streams 64-key tiles of K and V from the blocks through shared memory. K keeps
 // the cache's transposed layout there ([head_dim][keys]): a transposed ldmatrix reads it as the B fragments of S =
 // Q K^T. Every row sees every shared key (they precede all members' new tokens); the split's output and softmax
-// state go to the rows' shared split slots, for the merge. No weights and no statistics (paged_plan.h's
-// CascadeOnTensorCores leaves those calls on the split kernel's shared units).
+// state (with the statistics' sums when asked for) go to the rows' shared split slots, for the merge. No weights
+// (paged_plan.h's CascadeOnTensorCores leaves those calls on the split kernel's shared units).
 #ifndef MHA_SERVER_BACKENDS_CUDA_PAGED_CASCADE_CUH_
 #define MHA_SERVER_BACKENDS_CUDA_PAGED_CASCADE_CUH_
 
@@ -99,12 +99,23 @@ __device__ MHA_CASCADE_NOINLINE void StageCascadeQueries(const PagedParams& p, i
   }
 }
 
+// The online softmax of this thread's two rows of the accumulator layout (rows g and g + 8): the running max m (log2
+// domain) and this thread's share of the sum l; with kStats, its shares of the statistics' sums as the split kernel
+// keeps them (RowState): A = sum w (s - m) in natural units, D = sum w |position - j| and the sink keys' w.
+template <bool kStats>
+struct CascadeRows {
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+  float a[2] = {0.0f, 0.0f}, dist[2] = {0.0f, 0.0f}, sink[2] = {0.0f, 0.0f};
+  int64_t position[2] = {0, 0};  // the rows' query positions (kStats)
+};
+
 // S's scores (this thread's two rows, keys key0 + nb * 8 + 2t (+1)) scaled into the log2 domain, keys at or past
-// `end` hidden; then the online softmax: m and l move to the tile's max, s becomes the weights exp2(s - m), and
-// `correction` is what the rows' earlier output must be multiplied by.
-template <int kN>
+// `end` hidden; then the online softmax: the rows' state moves to the tile's max, s becomes the weights exp2(s - m),
+// and `correction` is what the rows' earlier output must be multiplied by.
+template <int kN, bool kStats>
 __device__ __forceinline__ void CascadeSoftmax(float (&s)[kN / 8][4], int64_t key0, int64_t end, float score_scale,
-                                               int t, float (&m)[2], float (&l)[2], float (&correction)[2]) {
+                                               int t, int64_t sink_tokens, CascadeRows<kStats>& st,
+                                               float (&correction)[2]) {
   float tile_max[2] = {-INFINITY, -INFINITY};
   #pragma unroll
   for (int nb = 0; nb < kN / 8; ++nb) {
@@ -118,26 +129,43 @@ __device__ __forceinline__ void CascadeSoftmax(float (&s)[kN / 8][4], int64_t ke
   float base[2];
   #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    const float m_new = fmaxf(m[r], QuadMax(tile_max[r]));
+    const float m_new = fmaxf(st.m[r], QuadMax(tile_max[r]));
     base[r] = m_new == -INFINITY ? 0.0f : m_new;
-    correction[r] = exp2f(m[r] - base[r]);  // 0 while m was -inf
-    m[r] = m_new;
-    l[r] *= correction[r];  // this thread's part of the row sum; the quad adds its parts at the end
+    correction[r] = exp2f(st.m[r] - base[r]);  // 0 while m was -inf
+    if constexpr (kStats) {  // as the split kernel's UpdateRow, before l moves to the new max
+      const float kept = st.l[r] > 0.0f ? st.l[r] * (st.m[r] - base[r]) * kLn2 : 0.0f;
+      st.a[r] = correction[r] == 0.0f ? 0.0f : correction[r] * (st.a[r] + kept);
+      st.dist[r] *= correction[r];
+      st.sink[r] *= correction[r];
+    }
+    st.m[r] = m_new;
+    st.l[r] *= correction[r];  // this thread's part of the row sum; the quad adds its parts at the end
   }
   #pragma unroll
   for (int nb = 0; nb < kN / 8; ++nb) {
     #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      s[nb][e] = exp2f(s[nb][e] - base[e >> 1]);
-      l[e >> 1] += s[nb][e];
+      const int r = e >> 1;
+      const float score = s[nb][e];
+      s[nb][e] = exp2f(score - base[r]);
+      st.l[r] += s[nb][e];
+      if constexpr (kStats) {
+        if (s[nb][e] != 0.0f) {  // a hidden key adds nothing (0 * -inf would be NaN)
+          const int64_t j = key0 + nb * 8 + 2 * t + (e & 1);
+          st.a[r] = fmaf(s[nb][e], (score - base[r]) * kLn2, st.a[r]);
+          st.dist[r] = fmaf(s[nb][e], fabsf(static_cast<float>(st.position[r] - j)), st.dist[r]);
+          if (j < sink_tokens) st.sink[r] += s[nb][e];
+        }
+      }
     }
   }
 }
 
 // Grid (num_mma_units, shared_splits), kCascadeThreads threads: unit num_units - num_mma_units + blockIdx.x over
 // shared keys [split * shared_split_keys, ...) of its first member's blocks. T: the products' dtype (the cache's
-// 16-bit one, bf16 for an 8-bit cache); kD: head_dim, 64 or 128.
-template <typename T, typename CacheT, int kD>
+// 16-bit one, bf16 for an 8-bit cache); kD: head_dim, 64 or 128; kStats: the statistics' sums too (PagedParams' lse
+// or entropy asked for).
+template <typename T, typename CacheT, int kD, bool kStats>
 __global__ void __launch_bounds__(kCascadeThreads) PagedCascadeKernel(PagedParams p) {
   constexpr int kN = kCascadeTileKeys, kRowK = kN + 8, kRowV = kD + 8;  // padded rows, in elements
   static_assert(kCascadeRows <= kN, "Q's staging must fit in the V tile");
@@ -161,7 +189,12 @@ __global__ void __launch_bounds__(kCascadeThreads) PagedCascadeKernel(PagedParam
   const int64_t begin = split * p.shared_split_keys;
   const int64_t end = lead.shared_keys < begin + p.shared_split_keys ? lead.shared_keys : begin + p.shared_split_keys;
   const float score_scale = p.scale * kLog2e;
-  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+  CascadeRows<kStats> st;
+  #pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int unit_row = warp * 16 + g + 8 * r;
+    if (kStats && unit_row < rows) st.position[r] = unit_rows[unit_row].Position();
+  }
   float o[kD / 8][4];
   #pragma unroll
   for (int nb = 0; nb < kD / 8; ++nb) o[nb][0] = o[nb][1] = o[nb][2] = o[nb][3] = 0.0f;
@@ -187,15 +220,20 @@ __global__ void __launch_bounds__(kCascadeThreads) PagedCascadeKernel(PagedParam
       }
     }
     float correction[2];
-    CascadeSoftmax<kN>(s, key0, end, score_scale, t, m, l, correction);
+    CascadeSoftmax<kN, kStats>(s, key0, end, score_scale, t, p.sink_tokens, st, correction);
     RescaleOutput<kD>(o, correction);
     AccumulateValues<T, kD, kN, kRowV>(o, s, v_shared, lane);
   }
 
-  // The split's unnormalised output and state (m in natural units, l; no statistics) in each row's shared slot.
+  // The split's unnormalised output and state (natural units) in each row's shared slot.
   #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    l[r] = QuadSum(l[r]);
+    st.l[r] = QuadSum(st.l[r]);
+    if constexpr (kStats) {
+      st.a[r] = QuadSum(st.a[r]);
+      st.dist[r] = QuadSum(st.dist[r]);
+      st.sink[r] = QuadSum(st.sink[r]);
+    }
     const int unit_row = warp * 16 + g + 8 * r;
     if (unit_row >= rows) continue;
     const UnitRow& row = unit_rows[unit_row];
@@ -208,18 +246,25 @@ __global__ void __launch_bounds__(kCascadeThreads) PagedCascadeKernel(PagedParam
     }
     if (t == 0) {
       float* state = p.partial_state + slot * kPagedStateFields;
-      state[0] = m[r] * kLn2;  // -inf stays -inf: an empty split
-      state[1] = l[r];
-      state[2] = state[3] = state[4] = 0.0f;
+      state[0] = st.m[r] * kLn2;  // -inf stays -inf: an empty split
+      state[1] = st.l[r];
+      state[2] = st.a[r];  // zeros without kStats
+      state[3] = st.dist[r];
+      state[4] = st.sink[r];
     }
   }
 }
 
-// The cascade kernel for the cache dtype (kF16, kBF16 or an 8-bit one) and head_dim (64 or 128); null otherwise.
+// The cascade kernel for the cache dtype (kF16, kBF16 or an 8-bit one), head_dim (64 or 128) and whether the
+// statistics are asked for; null otherwise.
 template <typename CacheT, typename T>
-void (*CascadeKernelFor(int64_t head_dim))(PagedParams) {
-  if (head_dim == 64) return &PagedCascadeKernel<T, CacheT, 64>;
-  if (head_dim == 128) return &PagedCascadeKernel<T, CacheT, 128>;
+void (*CascadeKernelFor(int64_t head_dim, bool stats))(PagedParams) {
+  if (head_dim == 64) {
+    return stats ? &PagedCascadeKernel<T, CacheT, 64, true> : &PagedCascadeKernel<T, CacheT, 64, false>;
+  }
+  if (head_dim == 128) {
+    return stats ? &PagedCascadeKernel<T, CacheT, 128, true> : &PagedCascadeKernel<T, CacheT, 128, false>;
+  }
   return nullptr;
 }
 

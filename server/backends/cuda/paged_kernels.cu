@@ -18,19 +18,20 @@ namespace {
 
 constexpr int64_t kMaxGridX = 0x7fffffff;
 
-// The cascade kernel for p's cache dtype and head_dim (paged_cascade.cuh), or null.
+// The cascade kernel for p's cache dtype, head_dim and statistics (paged_cascade.cuh), or null.
 void (*CascadeKernelOf(const PagedParams& p))(PagedParams) {
+  const bool stats = p.lse != nullptr || p.entropy != nullptr;
   switch (p.cache_dtype) {
     case kF16:
-      return device::CascadeKernelFor<__half, __half>(p.head_dim);
+      return device::CascadeKernelFor<__half, __half>(p.head_dim, stats);
     case kBF16:
-      return device::CascadeKernelFor<__nv_bfloat16, __nv_bfloat16>(p.head_dim);
+      return device::CascadeKernelFor<__nv_bfloat16, __nv_bfloat16>(p.head_dim, stats);
     case kI8:
-      return device::CascadeKernelFor<device::Code8<kI8>, __nv_bfloat16>(p.head_dim);
+      return device::CascadeKernelFor<device::Code8<kI8>, __nv_bfloat16>(p.head_dim, stats);
     case kE4M3:
-      return device::CascadeKernelFor<device::Code8<kE4M3>, __nv_bfloat16>(p.head_dim);
+      return device::CascadeKernelFor<device::Code8<kE4M3>, __nv_bfloat16>(p.head_dim, stats);
     case kE5M2:
-      return device::CascadeKernelFor<device::Code8<kE5M2>, __nv_bfloat16>(p.head_dim);
+      return device::CascadeKernelFor<device::Code8<kE5M2>, __nv_bfloat16>(p.head_dim, stats);
     default:
       return nullptr;
   }

@@ -60,7 +60,7 @@ void ChooseSplits(int64_t keys, int64_t units, int multiprocessors, int64_t min_
 bool CascadeOnTensorCores(const PagedProblem& problem) {
   const int64_t dk = problem.heads.head_dim;
   return problem.cache.dtype != v1::FP32 && (dk == 64 || dk == 128) && !problem.return_weights &&
-         !problem.return_stats && problem.heads.group_size() <= kCascadeRows / 2;
+         problem.heads.group_size() <= kCascadeRows / 2;
 }
 
 bool TakesDensePath(const PagedProblem& problem, const PagedSequence& seq) {

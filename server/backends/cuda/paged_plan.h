@@ -55,8 +55,7 @@ PagedPlan PlanPaged(const PagedProblem& problem, absl::Span<const PagedSequence>
 
 // Whether the call's shared units run on the cascade kernel (tensor cores, kCascadeRows stacked rows): a 16-bit or
 // 8-bit cache (an 8-bit one's codes times their scales rounded to bf16, as the dense path rounds them), head_dim 64 or
-// 128, a GQA group of at most kCascadeRows / 2, neither weights nor statistics asked for (the split kernel's shared
-// units compute those).
+// 128, a GQA group of at most kCascadeRows / 2, no weights asked for (the split kernel's shared units write those).
 bool CascadeOnTensorCores(const PagedProblem& problem);
 
 // Whether `seq`'s chunk takes the dense path: kDenseMinTokens or more new tokens over at least one visible key, a
