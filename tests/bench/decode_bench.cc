@@ -20,6 +20,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "proto/mha/v1/tensor_codec.h"
 #include "server/backends/cpu/cpu_backend.h"
 #include "server/backends/quantized_cache.h"
@@ -434,19 +435,27 @@ void PrintDecodes(const Stats& p, const std::vector<DecodeCase>& decodes,
 
 // Each case's median against its roofline: min(the memory-read probe's median, its dtype's best rate from cache:
 // what the kernels can compute, which this VM's neighbours only ever slow down). A case whose ceiling is under the
-// probe is bound by arithmetic; the ceiling's multiply-adds per second say how hard (against the fp32 FMA peak's,
-// though the 8-bit kernels multiply in integers). Tokens per second against the bf16 cache's at the same shape:
-// what a smaller cache buys.
-void PrintRoofline(const Stats& p, const PeakResult& peak, const std::vector<DecodeCase>& decodes,
+// probe is bound by arithmetic; the ceiling's multiply-adds per second say how hard: against the fp32 FMA peak's
+// (%FMA), and against the peak of the dot-product instruction the dtype's kernels multiply with where the CPU has
+// it (%dot: vdpbf16ps for bf16 and FP8, vpdpbusd for INT8; "-" otherwise). Tokens per second against the bf16
+// cache's at the same shape: what a smaller cache buys.
+void PrintRoofline(const Stats& p, const PeakResult& peak, const DotPeaks& dots, const std::vector<DecodeCase>& decodes,
                    const std::vector<std::vector<double>>& rates, const std::vector<DecodeCase>& ceilings,
                    const std::vector<std::vector<double>>& ceiling_rates) {
-  std::printf("%-10s %8s %12s %11s %8s %8s\n", "ceiling", "KV MiB", "GB/s best", "GB/s med", "GMAC/s", "%FMA");
+  std::printf("%-10s %8s %12s %11s %8s %8s %8s\n", "ceiling", "KV MiB", "GB/s best", "GB/s med", "GMAC/s", "%FMA",
+              "%dot");
   bool larger = false;
   for (size_t c = 0; c < ceilings.size(); ++c) {
     const Stats s = Of(ceiling_rates[c], true);
     const double gmacs = s.median * ceilings[c].MacsPerCall() / ceilings[c].BytesPerCall();
-    std::printf("%-10s %8.1f %12.1f %11.1f %8.0f %7.0f%%\n", DTypeName(ceilings[c].dtype()).c_str(),
-                ceilings[c].BytesPerCall() / 1048576.0, s.best, s.median, gmacs, 100 * 2 * gmacs / peak.gflops);
+    const v1::DataType dtype = ceilings[c].dtype();
+    const double dot = dtype == v1::INT8                                                  ? dots.int8_gmacs
+                       : dtype == v1::BF16 || dtype == v1::FP8_E4M3 || dtype == v1::FP8_E5M2 ? dots.bf16_gmacs
+                                                                                           : 0;
+    const std::string dot_share = dot > 0 ? absl::StrFormat("%.0f%%", 100 * gmacs / dot) : "-";
+    std::printf("%-10s %8.1f %12.1f %11.1f %8.0f %7.0f%% %8s\n", DTypeName(dtype).c_str(),
+                ceilings[c].BytesPerCall() / 1048576.0, s.best, s.median, gmacs, 100 * 2 * gmacs / peak.gflops,
+                dot_share.c_str());
     larger = larger || ceilings[c].BytesPerCall() > LastLevelCacheBytes();
   }
   if (larger) {
@@ -539,10 +548,12 @@ int Main(int argc, char** argv) {
   }
   const Stats p = Of(probe, true);
   const PeakResult peak = MeasurePeak(threads, 0.3);
-  std::printf("memory-read probe: %.1f GB/s best, %.1f median (%d rounds); fp32 FMA peak %.0f GFLOP/s\n", p.best,
-              p.median, flags.rounds, peak.gflops);
+  const DotPeaks dots = MeasureDotPeaks(threads, 0.3);
+  std::printf("memory-read probe: %.1f GB/s best, %.1f median (%d rounds); fp32 FMA peak %.0f GFLOP/s; "
+              "vdpbf16ps %.0f, vpdpbusd %.0f GMAC/s (0: not on this CPU)\n",
+              p.best, p.median, flags.rounds, peak.gflops, dots.bf16_gmacs, dots.int8_gmacs);
   PrintDecodes(p, decodes, decode_rates);
-  if (!ceilings.empty()) PrintRoofline(p, peak, decodes, decode_rates, ceilings, ceiling_rates);
+  if (!ceilings.empty()) PrintRoofline(p, peak, dots, decodes, decode_rates, ceilings, ceiling_rates);
   if (!flags.json_out.empty()) WriteJson(flags.json_out, p, decodes, decode_rates, prefills, extend_s, stateless_s);
   PrintPrefills(peak, prefills, extend_s, stateless_s);
   return 0;
