@@ -1361,9 +1361,8 @@ std::ostream& operator<<(std::ostream& os, const CascadeStatsCase& c) { return o
 
 class CascadeStatsTest : public ::testing::TestWithParam<std::tuple<CascadeStatsCase, std::string>> {};
 
-// The call's outputs and five statistics per sequence (lse, entropy, confidence, distance, sink mass: [H] each).
-std::vector<std::vector<float>> CascadeStep(Backend& backend, v1::DataType cache_dtype) {
-  constexpr int64_t kSessions = 4, kWidth = 8 * 64, kKvWidth = 2 * 64;
+// The test's heads (H = 8 over Hkv = 2, d_k = 64) and cache (blocks of 16 tokens).
+PagedProblem CascadeProblem(v1::DataType cache_dtype) {
   PagedProblem p;
   p.heads.num_heads = 8;
   p.heads.num_kv_heads = 2;
@@ -1372,6 +1371,13 @@ std::vector<std::vector<float>> CascadeStep(Backend& backend, v1::DataType cache
   p.heads.scale = 0.125f;
   p.cache = {2, 64, 16, cache_dtype};
   p.input_dtype = p.output_dtype = v1::FP32;
+  return p;
+}
+
+// The call's outputs and five statistics per sequence (lse, entropy, confidence, distance, sink mass: [H] each).
+std::vector<std::vector<float>> CascadeStep(Backend& backend, v1::DataType cache_dtype) {
+  constexpr int64_t kSessions = 4, kWidth = 8 * 64, kKvWidth = 2 * 64;
+  const PagedProblem p = CascadeProblem(cache_dtype);
   TestCaches caches(p.cache, &backend);
   std::vector<std::vector<float>> q, k, v, got;
   std::vector<PagedSequence> sequences(kSessions);
@@ -1427,11 +1433,7 @@ TEST_P(CascadeStatsTest, MatchesTheReference) {
   absl::StatusOr<std::unique_ptr<Backend>> backend = Create(label);
   if (absl::IsUnavailable(backend.status())) GTEST_SKIP() << label << ": " << backend.status().message();
   ASSERT_TRUE(backend.ok()) << backend.status();
-  PagedProblem probe;
-  probe.heads.num_heads = 8;
-  probe.heads.num_kv_heads = 2;
-  probe.heads.head_dim = 64;
-  probe.cache = {2, 64, 16, cache};
+  PagedProblem probe = CascadeProblem(cache);
   probe.return_stats = true;
   if (absl::Status supported = (*backend)->SupportsPaged(probe); !supported.ok()) {
     GTEST_SKIP() << label << ": " << supported.message();
