@@ -339,9 +339,11 @@ std::vector<DecodeCase> DecodeCases() {
   decodes.emplace_back("decode_32x1024_bf16", 32, 1023, Heads(32, 8, 128), v1::BF16);
   decodes.emplace_back("decode_32x1024_fp32", 32, 1023, Heads(32, 8, 128), v1::FP32);
   decodes.emplace_back("decode_32x2048_bf16", 32, 2047, Heads(32, 8, 128), v1::BF16);
+  decodes.emplace_back("decode_32x2048_fp32", 32, 2047, Heads(32, 8, 128), v1::FP32);
   // fp16 caches, as llama.cpp's CPU flash attention decodes by default.
   decodes.emplace_back("decode_1x8192_fp16", 1, 8191, Heads(32, 8, 128), v1::FP16);
   decodes.emplace_back("decode_32x1024_fp16", 32, 1023, Heads(32, 8, 128), v1::FP16);
+  decodes.emplace_back("decode_32x2048_fp16", 32, 2047, Heads(32, 8, 128), v1::FP16);
   // 8-bit caches (a byte per element plus bf16 scales): against bf16 at the same shapes, and a 16K context.
   for (v1::DataType dtype : {v1::INT8, v1::FP8_E4M3}) {
     decodes.emplace_back(absl::StrCat("decode_1x8192_", DTypeName(dtype)), 1, 8191, Heads(32, 8, 128), dtype);

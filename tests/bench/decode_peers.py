@@ -35,8 +35,10 @@ CASES = [
     ("decode_32x1024_bf16", 32, 1023, torch.bfloat16),
     ("decode_32x1024_fp32", 32, 1023, torch.float32),
     ("decode_32x2048_bf16", 32, 2047, torch.bfloat16),
+    ("decode_32x2048_fp32", 32, 2047, torch.float32),
     ("decode_1x8192_fp16", 1, 8191, torch.float16),
     ("decode_32x1024_fp16", 32, 1023, torch.float16),
+    ("decode_32x2048_fp16", 32, 2047, torch.float16),
 ]
 H, HKV, DK = 32, 8, 128
 
