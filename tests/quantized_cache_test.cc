@@ -152,6 +152,9 @@ extern const PagedKernels kPagedKernels[kPagedDtypes];
 namespace avx512vnni {
 extern const PagedKernels kInt8PagedKernels;
 }
+namespace avx512bf16 {
+extern const PagedKernels kFp8PagedKernels[2];  // E4M3, E5M2
+}
 }  // namespace kernels
 namespace {
 
@@ -279,6 +282,60 @@ TEST_P(Int8KernelsTest, VnniScoresAreQsInt8CodesTimesTheKeys) {
 // 80: a partial vector of columns on every set; 128 and 64: the VNNI set's rows in registers; 78: an odd number
 // of depth pairs (the last quad half padding); 36: a partial vector of q's codes.
 INSTANTIATE_TEST_SUITE_P(Depths, Int8KernelsTest, ::testing::Values(80, 128, 64, 78, 36));
+
+// ---------------------------------------------------------------------------------------------------------------
+// The FP8 kernels on AVX512-BF16 read a code as bf16 2^-120 (E4M3) or 2^-112 (E5M2) short of its value and fold that
+// factor into q times the key scales and into the weights times the value scales: a channel's keys or a token's
+// values near the codes' range (20000 and 200000 here: E4M3 scales of 45 and 446, so q 20 times its scale and a
+// weight 1 times its scale pass 2^8) must not overflow that fold to inf. Against the AVX-512 set's kernels, which
+// widen every code to fp32.
+class Fp8LargeValuesTest : public ::testing::TestWithParam<v1::DataType> {};
+
+TEST_P(Fp8LargeValuesTest, ScoresAndValuesMatchTheWideningKernels) {
+  if (kernels::TileKernelsFor("avx512bf16") == nullptr) GTEST_SKIP() << "this CPU has no AVX512-BF16";
+  constexpr int64_t depth = 128, tokens = 32, rows = 4;
+  const KvCacheLayout cache{1, depth, tokens, GetParam()};
+  std::mt19937 rng(3);
+  std::normal_distribution<float> normal;
+  std::vector<float> k(tokens * depth), v(tokens * depth), q(rows * depth), p(rows * tokens);
+  for (auto* x : {&k, &v, &q}) {
+    for (float& e : *x) e = normal(rng);
+  }
+  for (float& e : p) e = std::min(1.0f, std::fabs(normal(rng)));
+  k[5 * depth + 7] = 20000.0f;   // token 5, channel 7
+  v[9 * depth + 3] = 200000.0f;  // token 9, column 3
+  for (int64_t r = 0; r < rows; ++r) {
+    q[r * depth + 7] = 20.0f;
+    p[r * tokens + 9] = 1.0f;
+  }
+  std::vector<char> block(cache.BlockBytes());
+  quant::WriteTokens(cache, block.data(), 0, 0, tokens, k.data(), depth, v.data(), depth);
+  const char* key_part = block.data() + cache.KeyPart(0);
+  const char* value_part = block.data() + cache.ValuePart(0);
+  const auto* key_scales = reinterpret_cast<const uint16_t*>(key_part + quant::KeyScalesOffset(cache));
+  const auto* value_scales = reinterpret_cast<const uint16_t*>(value_part + quant::ValueScalesOffset(cache));
+  const int e4m3 = GetParam() == v1::FP8_E4M3 ? 0 : 1;
+  const kernels::PagedKernels* sets[2] = {&kernels::avx512::kPagedKernels[GetParam() - 1],
+                                          &kernels::avx512bf16::kFp8PagedKernels[e4m3]};
+  std::vector<float> s[2], o[2];
+  for (int i = 0; i < 2; ++i) {
+    s[i].assign(rows * tokens, 0.0f);
+    o[i].assign(rows * depth, 0.0f);
+    sets[i]->scores(rows, tokens, depth, q.data(), depth, key_part, tokens, key_scales, s[i].data(), tokens, nullptr,
+                    0);
+    sets[i]->values(rows, tokens, depth, p.data(), tokens, value_part, value_scales, nullptr, o[i].data(), depth,
+                    nullptr, 0);
+  }
+  // The bf16 set rounds q times the scales, and the weights times theirs, to bf16 (2^-9 of each product).
+  double s_norm = 0, o_norm = 0;
+  for (float x : s[0]) s_norm = std::max<double>(s_norm, std::fabs(x));
+  for (float x : o[0]) o_norm = std::max<double>(o_norm, std::fabs(x));
+  for (size_t i = 0; i < s[0].size(); ++i) ASSERT_NEAR(s[1][i], s[0][i], 4e-3 * s_norm) << "score " << i;
+  for (size_t i = 0; i < o[0].size(); ++i) ASSERT_NEAR(o[1][i], o[0][i], 4e-3 * o_norm) << "output " << i;
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, Fp8LargeValuesTest, ::testing::Values(v1::FP8_E4M3, v1::FP8_E5M2),
+                         [](const auto& info) { return DTypeName(info.param); });
 
 // ---------------------------------------------------------------------------------------------------------------
 // Accuracy of a decode token (GQA groups of 4, d_k 128, 2048 cached tokens written one at a time as a decode writes

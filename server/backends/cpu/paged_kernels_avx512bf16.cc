@@ -42,7 +42,8 @@ __m512bh AsPairs(__m512i x) { return reinterpret_cast<__m512bh>(x); }
 // An FP8 cache's codes (E4M3 or E5M2), which the kernels below read as bf16: a code's exponent and mantissa bits
 // placed in bf16's read 2^-120 (E4M3) or 2^-112 (E5M2) of its value (the callers fold that into the scales). Exact
 // but for FP8's subnormal codes, which vdpbf16ps reads as zero: under 2^-6 of a code unit, a 28672th of the
-// channel's or token's largest value (E4M3).
+// channel's or token's largest value (E4M3). Where that factor would carry q or the weights past fp32's range (keys
+// or values of tens of thousands), the block takes the widening kernels (ScaledRowsFit).
 template <bool kE4m3>
 struct Fp8 {
   uint8_t bits;
@@ -276,15 +277,33 @@ void ValuesOf(int64_t rows, int64_t keys, int64_t width, const float* p, int64_t
                        ahead_size);
 }
 
-// out[i] = x[i] times the bf16 scale[i] times `unit`, for i < n.
-void TimesScales(const float* x, const uint16_t* scale, int64_t n, float unit, float* out) {
+// out[i] = x[i] times the bf16 scale[i] times `unit`, for i < n; returns the largest |out[i]| (NaN lanes dropped).
+float TimesScales(const float* x, const uint16_t* scale, int64_t n, float unit, float* out) {
+  __m512 amax = _mm512_setzero_ps();
   for (int64_t i = 0; i < n; i += 16) {
     const __mmask16 m = Mask(n - i);
     const __m512i words = _mm512_maskz_loadu_epi16(static_cast<__mmask32>(m), scale + i);
     const __m512i bits = _mm512_cvtepu16_epi32(_mm512_castsi512_si256(words));
     const __m512 s = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(bits, 16)), _mm512_set1_ps(unit));
-    _mm512_mask_storeu_ps(out + i, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + i), s));
+    const __m512 y = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + i), s);
+    _mm512_mask_storeu_ps(out + i, m, y);
+    amax = _mm512_max_ps(_mm512_abs_ps(y), amax);
   }
+  return _mm512_reduce_max_ps(amax);
+}
+
+// Each row of x[rows, n] (stride ldx) TimesScales into out[rows, n]; whether every product stays below 2^127, so
+// that its rounding to bf16 and its products with the codes stay finite. With kFp8Unit folded in, q times a key
+// scale (or a weight times a value scale) of 2^7 or more (E4M3; 2^15, E5M2) does not: keys or values of tens of
+// thousands. Such blocks take the widening kernels instead.
+bool ScaledRowsFit(int64_t rows, const float* x, int64_t ldx, const uint16_t* scale, int64_t n, float unit,
+                   float* out) {
+  float amax = 0.0f;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float m = TimesScales(x + r * ldx, scale, n, unit, out + r * n);
+    amax = m > amax ? m : amax;
+  }
+  return amax < 0x1p127f;
 }
 
 template <bool kE4m3>
@@ -296,13 +315,13 @@ template <bool kE4m3>
 void Fp8Scores(int64_t rows, int64_t keys, int64_t depth, const float* q, int64_t ldq, const void* kt_bytes,
                int64_t ldk, const uint16_t* key_scales, float* s, int64_t lds, const void* ahead_bytes,
                int64_t ahead_size) {
-  if (depth > kQuantizedMaxElements || rows > kQuantizedMaxRows) {
+  alignas(64) float scaled[kQuantizedMaxRows * kQuantizedMaxElements];
+  if (depth > kQuantizedMaxElements || rows > kQuantizedMaxRows ||
+      !ScaledRowsFit(rows, q, ldq, key_scales, depth, kFp8Unit<kE4m3>, scaled)) {
     avx512::kPagedKernels[FallbackIndex(static_cast<const Fp8<kE4m3>*>(nullptr))].scores(
         rows, keys, depth, q, ldq, kt_bytes, ldk, key_scales, s, lds, ahead_bytes, ahead_size);
     return;
   }
-  alignas(64) float scaled[kQuantizedMaxRows * kQuantizedMaxElements];
-  for (int64_t r = 0; r < rows; ++r) TimesScales(q + r * ldq, key_scales, depth, kFp8Unit<kE4m3>, scaled + r * depth);
   ScoresOf<Fp8<kE4m3>>(rows, keys, depth, scaled, depth, kt_bytes, ldk, nullptr, s, lds, ahead_bytes, ahead_size);
 }
 
@@ -310,13 +329,13 @@ template <bool kE4m3>
 void Fp8Values(int64_t rows, int64_t keys, int64_t width, const float* p, int64_t ldp, const void* v_bytes,
                const uint16_t* value_scales, const float* o_scale, float* o, int64_t ldo, const void* ahead_bytes,
                int64_t ahead_size) {
-  if (keys > kQuantizedMaxElements || rows > kQuantizedMaxRows) {
+  alignas(64) float scaled[kQuantizedMaxRows * kQuantizedMaxElements];
+  if (keys > kQuantizedMaxElements || rows > kQuantizedMaxRows ||
+      !ScaledRowsFit(rows, p, ldp, value_scales, keys, kFp8Unit<kE4m3>, scaled)) {
     avx512::kPagedKernels[FallbackIndex(static_cast<const Fp8<kE4m3>*>(nullptr))].values(
         rows, keys, width, p, ldp, v_bytes, value_scales, o_scale, o, ldo, ahead_bytes, ahead_size);
     return;
   }
-  alignas(64) float scaled[kQuantizedMaxRows * kQuantizedMaxElements];
-  for (int64_t r = 0; r < rows; ++r) TimesScales(p + r * ldp, value_scales, keys, kFp8Unit<kE4m3>, scaled + r * keys);
   ValuesOf<Fp8<kE4m3>>(rows, keys, width, scaled, keys, v_bytes, nullptr, o_scale, o, ldo, ahead_bytes, ahead_size);
 }
 
