@@ -5,7 +5,7 @@
 //  - prefill chunks through Extend (paged attention) against the same stateless causal call.
 // Rounds interleave the probe and every case (this VM's neighbours move its bandwidth); best and median are printed.
 //   build/bin/decode_bench [--rounds 3] [--seconds 0.5] [--filter decode_1x8192] [--warm] [--json results.jsonl]
-//                          [--isa avx2]
+//                          [--isa avx2] [--block_tokens 32]
 #include <omp.h>
 
 #include <algorithm>
@@ -290,6 +290,8 @@ struct Flags {
   bool warm = false;
   std::string json_out;  // also write the results here as JSON lines
   std::string isa = "auto";  // the CPU backend's kernel set (tile_kernels.h): avx2, avx512, ... as this CPU runs
+  // The caches' block size (the server's --kv_block_tokens) for every case but the block_* ones, which set theirs.
+  int64_t block_tokens = 32;
 };
 
 Flags Parse(int argc, char** argv) {
@@ -304,6 +306,7 @@ Flags Parse(int argc, char** argv) {
     if (name == "--filter") flags.filter = argv[i + 1];
     if (name == "--json") flags.json_out = argv[i + 1];
     if (name == "--isa") flags.isa = argv[i + 1];
+    if (name == "--block_tokens") flags.block_tokens = std::atoll(argv[i + 1]);
   }
   return flags;
 }
@@ -331,37 +334,41 @@ void WriteJson(const std::string& path, const Stats& probe, const std::vector<De
   std::fclose(f);
 }
 
-std::vector<DecodeCase> DecodeCases() {
+std::vector<DecodeCase> DecodeCases(int64_t tb) {
   std::vector<DecodeCase> decodes;
   decodes.reserve(32);
-  decodes.emplace_back("decode_1x8192_bf16", 1, 8191, Heads(32, 8, 128), v1::BF16);
-  decodes.emplace_back("decode_1x8192_fp32", 1, 8191, Heads(32, 8, 128), v1::FP32);
-  decodes.emplace_back("decode_32x1024_bf16", 32, 1023, Heads(32, 8, 128), v1::BF16);
-  decodes.emplace_back("decode_32x1024_fp32", 32, 1023, Heads(32, 8, 128), v1::FP32);
-  decodes.emplace_back("decode_32x2048_bf16", 32, 2047, Heads(32, 8, 128), v1::BF16);
-  decodes.emplace_back("decode_32x2048_fp32", 32, 2047, Heads(32, 8, 128), v1::FP32);
+  decodes.emplace_back("decode_1x8192_bf16", 1, 8191, Heads(32, 8, 128), v1::BF16, tb);
+  decodes.emplace_back("decode_1x8192_fp32", 1, 8191, Heads(32, 8, 128), v1::FP32, tb);
+  decodes.emplace_back("decode_32x1024_bf16", 32, 1023, Heads(32, 8, 128), v1::BF16, tb);
+  decodes.emplace_back("decode_32x1024_fp32", 32, 1023, Heads(32, 8, 128), v1::FP32, tb);
+  decodes.emplace_back("decode_32x2048_bf16", 32, 2047, Heads(32, 8, 128), v1::BF16, tb);
+  decodes.emplace_back("decode_32x2048_fp32", 32, 2047, Heads(32, 8, 128), v1::FP32, tb);
   // fp16 caches, as llama.cpp's CPU flash attention decodes by default.
-  decodes.emplace_back("decode_1x8192_fp16", 1, 8191, Heads(32, 8, 128), v1::FP16);
-  decodes.emplace_back("decode_32x1024_fp16", 32, 1023, Heads(32, 8, 128), v1::FP16);
-  decodes.emplace_back("decode_32x2048_fp16", 32, 2047, Heads(32, 8, 128), v1::FP16);
+  decodes.emplace_back("decode_1x8192_fp16", 1, 8191, Heads(32, 8, 128), v1::FP16, tb);
+  decodes.emplace_back("decode_32x1024_fp16", 32, 1023, Heads(32, 8, 128), v1::FP16, tb);
+  decodes.emplace_back("decode_32x2048_fp16", 32, 2047, Heads(32, 8, 128), v1::FP16, tb);
   // 8-bit caches (a byte per element plus bf16 scales): against bf16 at the same shapes, and a 16K context.
   for (v1::DataType dtype : {v1::INT8, v1::FP8_E4M3}) {
-    decodes.emplace_back(absl::StrCat("decode_1x8192_", DTypeName(dtype)), 1, 8191, Heads(32, 8, 128), dtype);
-    decodes.emplace_back(absl::StrCat("decode_32x2048_", DTypeName(dtype)), 32, 2047, Heads(32, 8, 128), dtype);
+    decodes.emplace_back(absl::StrCat("decode_1x8192_", DTypeName(dtype)), 1, 8191, Heads(32, 8, 128), dtype, tb);
+    decodes.emplace_back(absl::StrCat("decode_32x2048_", DTypeName(dtype)), 32, 2047, Heads(32, 8, 128), dtype, tb);
   }
   for (v1::DataType dtype : {v1::BF16, v1::INT8, v1::FP8_E4M3}) {
-    decodes.emplace_back(absl::StrCat("decode_1x16384_", DTypeName(dtype)), 1, 16383, Heads(32, 8, 128), dtype);
+    decodes.emplace_back(absl::StrCat("decode_1x16384_", DTypeName(dtype)), 1, 16383, Heads(32, 8, 128), dtype,
+                         tb);
   }
   // Caches that stay in a 32 MiB L3 under --warm (8 and 16 MiB): the kernels' ceiling on CPUs whose last level is
   // that small (one Zen 4 or 5 CCD).
-  decodes.emplace_back("decode_1x2048_bf16", 1, 2047, Heads(32, 8, 128), v1::BF16);
-  decodes.emplace_back("decode_1x2048_fp32", 1, 2047, Heads(32, 8, 128), v1::FP32);
-  decodes.emplace_back("decode_1x2048_int8", 1, 2047, Heads(32, 8, 128), v1::INT8);
-  decodes.emplace_back("decode_1x2048_fp8_e4m3", 1, 2047, Heads(32, 8, 128), v1::FP8_E4M3);
-  // The block size (--kv_block_tokens): the layout's one free parameter.
-  for (int64_t tb : {16, 64, 128}) {
-    decodes.emplace_back(absl::StrCat("decode_1x8192_bf16_block", tb), 1, 8191, Heads(32, 8, 128), v1::BF16, tb);
-    decodes.emplace_back(absl::StrCat("decode_1x8192_fp32_block", tb), 1, 8191, Heads(32, 8, 128), v1::FP32, tb);
+  decodes.emplace_back("decode_1x2048_bf16", 1, 2047, Heads(32, 8, 128), v1::BF16, tb);
+  decodes.emplace_back("decode_1x2048_fp32", 1, 2047, Heads(32, 8, 128), v1::FP32, tb);
+  decodes.emplace_back("decode_1x2048_int8", 1, 2047, Heads(32, 8, 128), v1::INT8, tb);
+  decodes.emplace_back("decode_1x2048_fp8_e4m3", 1, 2047, Heads(32, 8, 128), v1::FP8_E4M3, tb);
+  // The block size (--kv_block_tokens): the layout's one free parameter (an 8-bit cache's key scales cover a block).
+  for (int64_t b : {16, 64, 128}) {
+    decodes.emplace_back(absl::StrCat("decode_1x8192_bf16_block", b), 1, 8191, Heads(32, 8, 128), v1::BF16, b);
+    decodes.emplace_back(absl::StrCat("decode_1x8192_fp32_block", b), 1, 8191, Heads(32, 8, 128), v1::FP32, b);
+    if (b > 32) {
+      decodes.emplace_back(absl::StrCat("decode_1x8192_int8_block", b), 1, 8191, Heads(32, 8, 128), v1::INT8, b);
+    }
   }
   return decodes;
 }
@@ -371,7 +378,8 @@ std::vector<DecodeCase> DecodeCases() {
 // memory is not what waits. (At 2048 tokens the 8-bit calls are short enough, 0.2 ms, that their rate scatters by
 // 1.7x between calls; a smaller session's call is as much the thread pool's as the kernels'. Where the last-level
 // cache is smaller, PrintRoofline says so.)
-std::vector<DecodeCase> CeilingCases(const std::vector<DecodeCase>& decodes, const std::vector<bool>& wanted) {
+std::vector<DecodeCase> CeilingCases(const std::vector<DecodeCase>& decodes, const std::vector<bool>& wanted,
+                                     int64_t tb) {
   std::vector<DecodeCase> ceilings;
   ceilings.reserve(8);
   for (size_t i = 0; i < decodes.size(); ++i) {
@@ -381,10 +389,10 @@ std::vector<DecodeCase> CeilingCases(const std::vector<DecodeCase>& decodes, con
     });
     if (wanted[i] && !have) {
       const HeadSpec heads = Heads(32, 8, 128);
-      const double per_token = KvCacheBytes(heads, 1024, dtype, 32) / 1024;
+      const double per_token = KvCacheBytes(heads, 1024, dtype, tb) / 1024;
       const int64_t tokens = std::clamp<int64_t>(static_cast<int64_t>((16 << 20) / per_token) / 1024 * 1024, 2048,
                                                  8192);
-      ceilings.emplace_back(absl::StrCat("ceiling_", DTypeName(dtype)), 1, tokens - 1, heads, dtype);
+      ceilings.emplace_back(absl::StrCat("ceiling_", DTypeName(dtype)), 1, tokens - 1, heads, dtype, tb);
     }
   }
   return ceilings;
@@ -511,17 +519,21 @@ int Main(int argc, char** argv) {
     std::fprintf(stderr, "%s\n", backend.status().ToString().c_str());
     return 1;
   }
+  if (flags.block_tokens < 1 || flags.block_tokens > 1024) {
+    std::fprintf(stderr, "--block_tokens: %lld is not in [1, 1024]\n", static_cast<long long>(flags.block_tokens));
+    return 1;
+  }
   const int threads = omp_get_max_threads();
-  std::vector<DecodeCase> decodes = DecodeCases();
+  std::vector<DecodeCase> decodes = DecodeCases(flags.block_tokens);
   std::vector<PrefillCase> prefills = PrefillCases();
   const auto wanted = [&](const std::string& name) {
     return flags.filter.empty() || name.find(flags.filter) != std::string::npos;
   };
   std::vector<bool> decode_wanted;
   for (const DecodeCase& c : decodes) decode_wanted.push_back(wanted(c.name()));
-  std::vector<DecodeCase> ceilings = CeilingCases(decodes, decode_wanted);
-  std::printf("threads %d, last-level cache %lld MiB; preparing caches...\n", threads,
-              static_cast<long long>(LastLevelCacheBytes() >> 20));
+  std::vector<DecodeCase> ceilings = CeilingCases(decodes, decode_wanted, flags.block_tokens);
+  std::printf("threads %d, last-level cache %lld MiB, blocks of %lld tokens; preparing caches...\n", threads,
+              static_cast<long long>(LastLevelCacheBytes() >> 20), static_cast<long long>(flags.block_tokens));
   for (size_t i = 0; i < decodes.size(); ++i) {
     if (decode_wanted[i]) decodes[i].Prepare(backend->get(), flags.warm);
   }
