@@ -281,6 +281,7 @@ inline int32_t RowToInt8(const float* x, const float* scale, int8_t* row, float&
   __m512i sum = _mm512_setzero_si512();
   // Four vectors' codes packed into one by two saturating packs (in range already) and one dword permute: three
   // shuffles where four vpmovdb stores took two uops each.
+  static_assert(kVectors % 4 == 0, "whole groups of four vectors");
   const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
   MHA_UNROLL for (int i = 0; i < kVectors; i += 4) {
     __m512i c[4];
