@@ -42,8 +42,8 @@ __m512bh AsPairs(__m512i x) { return reinterpret_cast<__m512bh>(x); }
 // An FP8 cache's codes (E4M3 or E5M2), which the kernels below read as bf16: a code's exponent and mantissa bits
 // placed in bf16's read 2^-120 (E4M3) or 2^-112 (E5M2) of its value (the callers fold that into the scales). Exact
 // but for FP8's subnormal codes, which vdpbf16ps reads as zero: under 2^-6 of a code unit, a 28672th of the
-// channel's or token's largest value (E4M3). Where that factor would carry q or the weights past fp32's range (keys
-// or values of tens of thousands), the block takes the widening kernels (ScaledRowsFit).
+// channel's or token's largest value (E4M3). Where that factor would carry q or the weights past fp32's range (E4M3:
+// keys of thousands against a large q, values from 57344), the block takes the widening kernels (ScaledRowsFit).
 template <bool kE4m3>
 struct Fp8 {
   uint8_t bits;
@@ -294,8 +294,8 @@ float TimesScales(const float* x, const uint16_t* scale, int64_t n, float unit, 
 
 // Each row of x[rows, n] (stride ldx) TimesScales into out[rows, n]; whether every product stays below 2^127, so
 // that its rounding to bf16 and its products with the codes stay finite. With kFp8Unit folded in, q times a key
-// scale (or a weight times a value scale) of 2^7 or more (E4M3; 2^15, E5M2) does not: keys or values of tens of
-// thousands. Such blocks take the widening kernels instead.
+// scale (or a weight times a value scale) of 2^7 or more (E4M3; 2^15, E5M2) does not: for E4M3 a channel's keys of
+// 57344 / q and more, a token's values of 57344 and more. Such blocks take the widening kernels instead.
 bool ScaledRowsFit(int64_t rows, const float* x, int64_t ldx, const uint16_t* scale, int64_t n, float unit,
                    float* out) {
   float amax = 0.0f;
