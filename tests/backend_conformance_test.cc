@@ -1347,6 +1347,25 @@ INSTANTIATE_TEST_SUITE_P(Backends, SessionConformanceTest,
                          ::testing::Combine(::testing::ValuesIn(SessionCases()), ::testing::ValuesIn(Labels())),
                          TestName<SessionConformanceTest::ParamType>);
 
+// The backend `label` names, where it runs paged calls like `probe`; null with *skip saying why where this CPU lacks
+// its instructions or it refuses such calls (null with *skip empty: it failed otherwise, a test failure).
+std::unique_ptr<Backend> PagedBackend(const std::string& label, const PagedProblem& probe, std::string* skip) {
+  absl::StatusOr<std::unique_ptr<Backend>> backend = Create(label);
+  if (absl::IsUnavailable(backend.status())) {
+    *skip = absl::StrCat(label, ": ", backend.status().message());
+    return nullptr;
+  }
+  if (!backend.ok()) {
+    ADD_FAILURE() << backend.status();
+    return nullptr;
+  }
+  if (absl::Status supported = (*backend)->SupportsPaged(probe); !supported.ok()) {
+    *skip = absl::StrCat(label, ": ", supported.message());
+    return nullptr;
+  }
+  return *std::move(backend);
+}
+
 // ---------------------------------------------------------------------------------------------------------------
 // Cascade decode's statistics: four forks of a 40-token prompt (two full shared blocks of 16) decode one token each
 // in one call, every statistic asked for with 8 sink keys (all shared: the sink mass and distance come mostly from
@@ -1429,17 +1448,14 @@ std::vector<std::vector<float>> CascadeStep(Backend& backend, v1::DataType cache
 
 TEST_P(CascadeStatsTest, MatchesTheReference) {
   const v1::DataType cache = std::get<0>(GetParam()).cache_dtype;
-  const std::string& label = std::get<1>(GetParam());
-  absl::StatusOr<std::unique_ptr<Backend>> backend = Create(label);
-  if (absl::IsUnavailable(backend.status())) GTEST_SKIP() << label << ": " << backend.status().message();
-  ASSERT_TRUE(backend.ok()) << backend.status();
   PagedProblem probe = CascadeProblem(cache);
   probe.return_stats = true;
-  if (absl::Status supported = (*backend)->SupportsPaged(probe); !supported.ok()) {
-    GTEST_SKIP() << label << ": " << supported.message();
-  }
+  std::string skip;
+  const std::unique_ptr<Backend> backend = PagedBackend(std::get<1>(GetParam()), probe, &skip);
+  if (!skip.empty()) GTEST_SKIP() << skip;
+  ASSERT_NE(backend, nullptr);
   std::unique_ptr<Backend> reference = *Create(std::string(kReferenceBackend));
-  const std::vector<std::vector<float>> want = CascadeStep(*reference, cache), got = CascadeStep(**backend, cache);
+  const std::vector<std::vector<float>> want = CascadeStep(*reference, cache), got = CascadeStep(*backend, cache);
   ASSERT_EQ(got.size(), want.size());
   const char* names[] = {"lse", "entropy", "confidence", "distance", "sink mass"};
   for (size_t k = 0; k < want.size(); ++k) {
@@ -1524,21 +1540,18 @@ class PagedStatsTest : public ::testing::TestWithParam<std::tuple<PagedStatsCase
 
 TEST_P(PagedStatsTest, MatchesTheReference) {
   const PagedStatsCase& c = std::get<0>(GetParam());
-  const std::string& label = std::get<1>(GetParam());
-  absl::StatusOr<std::unique_ptr<Backend>> backend = Create(label);
-  if (absl::IsUnavailable(backend.status())) GTEST_SKIP() << label << ": " << backend.status().message();
-  ASSERT_TRUE(backend.ok()) << backend.status();
   PagedProblem probe;
   probe.heads.num_heads = 4;
   probe.heads.num_kv_heads = 2;
   probe.heads.head_dim = 16;
   probe.cache = {2, 16, 16, c.cache_dtype};
   probe.return_stats = true;
-  if (absl::Status supported = (*backend)->SupportsPaged(probe); !supported.ok()) {
-    GTEST_SKIP() << label << ": " << supported.message();
-  }
+  std::string skip;
+  const std::unique_ptr<Backend> backend = PagedBackend(std::get<1>(GetParam()), probe, &skip);
+  if (!skip.empty()) GTEST_SKIP() << skip;
+  ASSERT_NE(backend, nullptr);
   std::unique_ptr<Backend> reference = *Create(std::string(kReferenceBackend));
-  const std::vector<std::vector<float>> want = PagedStep(*reference, c), got = PagedStep(**backend, c);
+  const std::vector<std::vector<float>> want = PagedStep(*reference, c), got = PagedStep(*backend, c);
   ASSERT_EQ(got.size(), want.size());
   const double tolerance = c.cache_dtype == v1::FP32 ? 1e-4 : 3e-2;
   const char* names[] = {"output", "lse", "entropy", "confidence", "distance", "sink mass"};
