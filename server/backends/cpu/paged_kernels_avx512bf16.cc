@@ -36,6 +36,7 @@ namespace {
 constexpr int64_t kMaxElements = 1024;
 // Register blocks: up to 8 rows of 32 keys (16 accumulators) for scores; up to 4 rows of 64 columns for values.
 constexpr int kScoreRows = 8, kValueRows = 4, kValueChunks = 2;
+constexpr int64_t kPanel = 32 * kValueChunks;  // the columns of a values register block
 
 __m512bh AsPairs(__m512i x) { return reinterpret_cast<__m512bh>(x); }
 
@@ -148,7 +149,25 @@ constexpr int FallbackIndex(const uint16_t*) { return 2; }
 constexpr int FallbackIndex(const Fp8<true>*) { return 4; }
 constexpr int FallbackIndex(const Fp8<false>*) { return 5; }
 
-// PagedKernels::scores for a K^T of bf16 (or FP8 codes, q already times their scales).
+// Scores of the (up to) kScoreRows rows at qb (bf16, kMaxElements apart) against the K^T at kt.
+template <typename E>
+void RowGroupScores(int64_t height, int64_t keys, int64_t depth, const uint16_t* qb, const E* kt, int64_t ldk,
+                    float* s, int64_t lds, Ahead& ahead) {
+  for (int64_t j = 0; j < keys; j += 32) {
+    WithRows<kScoreRows>(height, [&](auto block) {
+      ScoreBlock<decltype(block)::kValue>(depth, qb, kt + j, ldk, keys - j, s + j, lds, ahead);
+    });
+  }
+}
+
+// The prefetches of a scores kernel's `rows` rows over a K^T of `keys` x `depth`: spread over its steps.
+Ahead ScoresAhead(int64_t rows, int64_t keys, int64_t depth, const void* ahead_bytes, int64_t ahead_size) {
+  const int64_t row_blocks = (rows + kScoreRows - 1) / kScoreRows;
+  const int64_t sets = SetsFor(rows < kScoreRows ? rows : kScoreRows);
+  return Ahead(ahead_bytes, ahead_size, (keys + 31) / 32 * row_blocks * ((depth + 1) / 2) / sets);
+}
+
+// PagedKernels::scores for a K^T of bf16.
 template <typename E>
 void ScoresOf(int64_t rows, int64_t keys, int64_t depth, const float* q, int64_t ldq, const void* kt_bytes,
               int64_t ldk, const uint16_t* key_scales, float* s, int64_t lds, const void* ahead_bytes,
@@ -160,19 +179,13 @@ void ScoresOf(int64_t rows, int64_t keys, int64_t depth, const float* q, int64_t
     return;
   }
   alignas(64) uint16_t qb[kScoreRows * kMaxElements];
-  const int64_t row_blocks = (rows + kScoreRows - 1) / kScoreRows;
-  const int64_t sets = SetsFor(rows < kScoreRows ? rows : kScoreRows);
-  Ahead ahead(ahead_bytes, ahead_size, (keys + 31) / 32 * row_blocks * ((depth + 1) / 2) / sets);
+  Ahead ahead = ScoresAhead(rows, keys, depth, ahead_bytes, ahead_size);
   for (int64_t i = 0; i < rows; i += kScoreRows) {
     const int64_t height = rows - i < kScoreRows ? rows - i : kScoreRows;
     for (int64_t r = 0; r < height; ++r) {
       ToBf16(q + (i + r) * ldq, depth, (depth + 31) / 32 * 32, 1.0f, qb + r * kMaxElements);
     }
-    for (int64_t j = 0; j < keys; j += 32) {
-      WithRows<kScoreRows>(height, [&](auto block) {
-        ScoreBlock<decltype(block)::kValue>(depth, qb, kt + j, ldk, keys - j, s + i * lds + j, lds, ahead);
-      });
-    }
+    RowGroupScores(height, keys, depth, qb, kt, ldk, s + i * lds, lds, ahead);
   }
 }
 
@@ -231,8 +244,25 @@ void ValueBlock(const ValueParts<E>& v, const uint16_t* pb, int64_t ldv, int64_t
   }
 }
 
-// PagedKernels::prefill_values for bf16 V parts (or FP8 codes, p already times their scales; and ::values, one
-// part).
+// o = o_scale o + p V for the (up to) kValueRows rows at pb (bf16, kMaxElements apart), every panel of columns.
+template <typename E>
+void RowGroupValues(int64_t height, const void* const* parts, int64_t blocks, int64_t block_keys, int64_t last_keys,
+                    int64_t width, const uint16_t* pb, const float* o_scale, float* o, int64_t ldo, Ahead& ahead) {
+  for (int64_t c = 0; c < width; c += kPanel) {
+    const ValueParts<E> v{parts, blocks, block_keys, last_keys, c};
+    WithRows<kValueRows>(height, [&](auto block) {
+      ValueBlock<decltype(block)::kValue>(v, pb, width, width - c, o_scale, o + c, ldo, ahead);
+    });
+  }
+}
+
+// The prefetches of a values kernel's `rows` rows over `keys` x `width` values: spread over its steps.
+Ahead ValuesAhead(int64_t rows, int64_t keys, int64_t width, const void* ahead_bytes, int64_t ahead_size) {
+  const int64_t row_blocks = (rows + kValueRows - 1) / kValueRows;
+  return Ahead(ahead_bytes, ahead_size, (keys + 1) / 2 * ((width + kPanel - 1) / kPanel) * row_blocks);
+}
+
+// PagedKernels::prefill_values for bf16 V parts (and ::values, one part).
 template <typename E>
 void ValuesOverPartsOf(int64_t rows, const void* const* parts, const uint16_t* const* value_scales, int64_t blocks,
                        int64_t block_keys, int64_t last_keys, int64_t width, const float* p, int64_t ldp,
@@ -245,25 +275,18 @@ void ValuesOverPartsOf(int64_t rows, const void* const* parts, const uint16_t* c
     return;
   }
   alignas(64) uint16_t pb[kValueRows * kMaxElements];
-  constexpr int64_t kPanel = 32 * kValueChunks;
-  const int64_t row_blocks = (rows + kValueRows - 1) / kValueRows;
-  Ahead ahead(ahead_bytes, ahead_size, (keys + 1) / 2 * ((width + kPanel - 1) / kPanel) * row_blocks);
+  Ahead ahead = ValuesAhead(rows, keys, width, ahead_bytes, ahead_size);
   for (int64_t i = 0; i < rows; i += kValueRows) {
     const int64_t height = rows - i < kValueRows ? rows - i : kValueRows;
     for (int64_t r = 0; r < height; ++r) {
       ToBf16(p + (i + r) * ldp, keys, (keys + 31) / 32 * 32, 1.0f, pb + r * kMaxElements);
     }
-    for (int64_t c = 0; c < width; c += kPanel) {
-      const ValueParts<E> v{parts, blocks, block_keys, last_keys, c};
-      WithRows<kValueRows>(height, [&](auto block) {
-        ValueBlock<decltype(block)::kValue>(v, pb, width, width - c, o_scale == nullptr ? nullptr : o_scale + i,
-                                            o + i * ldo + c, ldo, ahead);
-      });
-    }
+    RowGroupValues<E>(height, parts, blocks, block_keys, last_keys, width, pb,
+                      o_scale == nullptr ? nullptr : o_scale + i, o + i * ldo, ldo, ahead);
   }
 }
 
-// PagedKernels::values for a bf16 V (or FP8 codes, as above).
+// PagedKernels::values for a bf16 V.
 template <typename E>
 void ValuesOf(int64_t rows, int64_t keys, int64_t width, const float* p, int64_t ldp, const void* v_bytes,
               const uint16_t* value_scales, const float* o_scale, float* o, int64_t ldo, const void* ahead_bytes,
@@ -277,66 +300,88 @@ void ValuesOf(int64_t rows, int64_t keys, int64_t width, const float* p, int64_t
                        ahead_size);
 }
 
-// out[i] = x[i] times the bf16 scale[i] times `unit`, for i < n; returns the largest |out[i]| (NaN lanes dropped).
-float TimesScales(const float* x, const uint16_t* scale, int64_t n, float unit, float* out) {
-  __m512 amax = _mm512_setzero_ps();
-  for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 m = Mask(n - i);
-    const __m512i words = _mm512_maskz_loadu_epi16(static_cast<__mmask32>(m), scale + i);
-    const __m512i bits = _mm512_cvtepu16_epi32(_mm512_castsi512_si256(words));
-    const __m512 s = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(bits, 16)), _mm512_set1_ps(unit));
-    const __m512 y = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + i), s);
-    _mm512_mask_storeu_ps(out + i, m, y);
-    amax = _mm512_max_ps(_mm512_abs_ps(y), amax);
-  }
-  return _mm512_reduce_max_ps(amax);
-}
-
-// Each row of x[rows, n] (stride ldx) TimesScales into out[rows, n]; whether every product stays below 2^127, so
-// that its rounding to bf16 and its products with the codes stay finite. With kFp8Unit folded in, q times a key
-// scale (or a weight times a value scale) of 2^7 or more (E4M3; 2^15, E5M2) does not: for E4M3 a channel's keys of
-// 57344 / q and more, a token's values of 57344 and more. Such blocks take the widening kernels instead.
-bool ScaledRowsFit(int64_t rows, const float* x, int64_t ldx, const uint16_t* scale, int64_t n, float unit,
-                   float* out) {
-  float amax = 0.0f;
-  for (int64_t r = 0; r < rows; ++r) {
-    const float m = TimesScales(x + r * ldx, scale, n, unit, out + r * n);
-    amax = m > amax ? m : amax;
-  }
-  return amax < 0x1p127f;
-}
-
 template <bool kE4m3>
 constexpr float kFp8Unit = kE4m3 ? 0x1p120f : 0x1p112f;  // Fp8's codes read as bf16 are this much short
 
+// out[c] = the bf16 scale[c] times `unit` as fp32 for c < n (then zeros up to a multiple of 16): a block's scales,
+// widened once for all its rows.
+void WidenScales(const uint16_t* scale, int64_t n, float unit, float* out) {
+  for (int64_t c = 0; c < n; c += 16) {
+    const __mmask16 m = Mask(n - c);
+    const __m512i words = _mm512_maskz_loadu_epi16(static_cast<__mmask32>(m), scale + c);
+    const __m512i bits = _mm512_cvtepu16_epi32(_mm512_castsi512_si256(words));
+    _mm512_storeu_ps(out + c, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(bits, 16)), _mm512_set1_ps(unit)));
+  }
+}
+
+// Each row of x[rows, n] (stride ldx) times the widened scales (WidenScales), rounded to bf16 into out (rows
+// kMaxElements apart, zero from n to the next multiple of 32); whether every product stays below 2^127, so that its
+// products with the codes stay finite. With kFp8Unit folded in, q times a key scale (or a weight times a value
+// scale) of 2^7 or more (E4M3; 2^15, E5M2) does not: for E4M3 a channel's keys of 57344 / q and more, a token's
+// values of 57344 and more. Such blocks take the widening kernels instead. NaN products are not counted.
+bool ScaledRowsFit(int64_t rows, const float* x, int64_t ldx, const float* scale, int64_t n, uint16_t* out) {
+  __m512 amax = _mm512_setzero_ps();
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < n; c += 32) {
+      // Both factors loaded under the mask: past n, zero times zero.
+      const __mmask16 m0 = Mask(n - c), m1 = Mask(n - c - 16);
+      const float* row = x + r * ldx + c;
+      const __m512 lo = _mm512_mul_ps(_mm512_maskz_loadu_ps(m0, row), _mm512_maskz_loadu_ps(m0, scale + c));
+      const __m512 hi = _mm512_mul_ps(_mm512_maskz_loadu_ps(m1, row + 16), _mm512_maskz_loadu_ps(m1, scale + c + 16));
+      amax = _mm512_max_ps(_mm512_abs_ps(lo), _mm512_max_ps(_mm512_abs_ps(hi), amax));
+      _mm512_storeu_si512(out + r * kMaxElements + c, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
+    }
+  }
+  // Every lane against the bound (_mm512_reduce_max_ps here drew GCC 12's false "used uninitialized" warning).
+  return _mm512_cmp_ps_mask(amax, _mm512_set1_ps(0x1p127f), _CMP_LT_OQ) == 0xffff;
+}
+
 // The FP8 caches on the same dot products, their codes read as bf16 as they are loaded (Fp8): q and the weights
-// times the block's scales first (on the stack: rows and depth or keys up to the 8-bit caches' limits).
+// times the block's scales and rounded to bf16 first (on the stack: rows and depth or keys up to the 8-bit caches'
+// limits).
 template <bool kE4m3>
 void Fp8Scores(int64_t rows, int64_t keys, int64_t depth, const float* q, int64_t ldq, const void* kt_bytes,
                int64_t ldk, const uint16_t* key_scales, float* s, int64_t lds, const void* ahead_bytes,
                int64_t ahead_size) {
-  alignas(64) float scaled[kQuantizedMaxRows * kQuantizedMaxElements];
+  alignas(64) float scale[kQuantizedMaxElements + 16];
+  alignas(64) uint16_t qb[kQuantizedMaxRows * kMaxElements];
+  if (depth <= kQuantizedMaxElements && rows <= kQuantizedMaxRows) {
+    WidenScales(key_scales, depth, kFp8Unit<kE4m3>, scale);
+  }
   if (depth > kQuantizedMaxElements || rows > kQuantizedMaxRows ||
-      !ScaledRowsFit(rows, q, ldq, key_scales, depth, kFp8Unit<kE4m3>, scaled)) {
+      !ScaledRowsFit(rows, q, ldq, scale, depth, qb)) {
     avx512::kPagedKernels[FallbackIndex(static_cast<const Fp8<kE4m3>*>(nullptr))].scores(
         rows, keys, depth, q, ldq, kt_bytes, ldk, key_scales, s, lds, ahead_bytes, ahead_size);
     return;
   }
-  ScoresOf<Fp8<kE4m3>>(rows, keys, depth, scaled, depth, kt_bytes, ldk, nullptr, s, lds, ahead_bytes, ahead_size);
+  const Fp8<kE4m3>* kt = static_cast<const Fp8<kE4m3>*>(kt_bytes);
+  Ahead ahead = ScoresAhead(rows, keys, depth, ahead_bytes, ahead_size);
+  for (int64_t i = 0; i < rows; i += kScoreRows) {
+    const int64_t height = rows - i < kScoreRows ? rows - i : kScoreRows;
+    RowGroupScores(height, keys, depth, qb + i * kMaxElements, kt, ldk, s + i * lds, lds, ahead);
+  }
 }
 
 template <bool kE4m3>
 void Fp8Values(int64_t rows, int64_t keys, int64_t width, const float* p, int64_t ldp, const void* v_bytes,
                const uint16_t* value_scales, const float* o_scale, float* o, int64_t ldo, const void* ahead_bytes,
                int64_t ahead_size) {
-  alignas(64) float scaled[kQuantizedMaxRows * kQuantizedMaxElements];
-  if (keys > kQuantizedMaxElements || rows > kQuantizedMaxRows ||
-      !ScaledRowsFit(rows, p, ldp, value_scales, keys, kFp8Unit<kE4m3>, scaled)) {
+  alignas(64) float scale[kQuantizedMaxElements + 16];
+  alignas(64) uint16_t pb[kQuantizedMaxRows * kMaxElements];
+  if (keys <= kQuantizedMaxElements && rows <= kQuantizedMaxRows) {
+    WidenScales(value_scales, keys, kFp8Unit<kE4m3>, scale);
+  }
+  if (keys > kQuantizedMaxElements || rows > kQuantizedMaxRows || !ScaledRowsFit(rows, p, ldp, scale, keys, pb)) {
     avx512::kPagedKernels[FallbackIndex(static_cast<const Fp8<kE4m3>*>(nullptr))].values(
         rows, keys, width, p, ldp, v_bytes, value_scales, o_scale, o, ldo, ahead_bytes, ahead_size);
     return;
   }
-  ValuesOf<Fp8<kE4m3>>(rows, keys, width, scaled, keys, v_bytes, nullptr, o_scale, o, ldo, ahead_bytes, ahead_size);
+  Ahead ahead = ValuesAhead(rows, keys, width, ahead_bytes, ahead_size);
+  for (int64_t i = 0; i < rows; i += kValueRows) {
+    const int64_t height = rows - i < kValueRows ? rows - i : kValueRows;
+    RowGroupValues<Fp8<kE4m3>>(height, &v_bytes, 1, keys, keys, width, pb + i * kMaxElements,
+                               o_scale == nullptr ? nullptr : o_scale + i, o + i * ldo, ldo, ahead);
+  }
 }
 
 }  // namespace
