@@ -284,54 +284,92 @@ TEST_P(Int8KernelsTest, VnniScoresAreQsInt8CodesTimesTheKeys) {
 INSTANTIATE_TEST_SUITE_P(Depths, Int8KernelsTest, ::testing::Values(80, 128, 64, 78, 36));
 
 // ---------------------------------------------------------------------------------------------------------------
-// The FP8 kernels on AVX512-BF16 read a code as bf16 2^-120 (E4M3) or 2^-112 (E5M2) short of its value and fold that
-// factor into q times the key scales and into the weights times the value scales: a channel's keys or a token's
-// values near the codes' range (20000 and 200000 here: E4M3 scales of 45 and 446, so q 20 times its scale and a
-// weight 1 times its scale pass 2^8) must not overflow that fold to inf. Against the AVX-512 set's kernels, which
-// widen every code to fp32.
-class Fp8LargeValuesTest : public ::testing::TestWithParam<v1::DataType> {};
+// The FP8 kernels on AVX512-BF16 against the AVX-512 set's, which widen every code to fp32: one block of `tokens`
+// keys and values ([tokens, depth] each), the scores of `rows` rows of q over all of them, and the outputs of `rows`
+// rows of weights p ([rows, tokens]) over the first `value_keys`, added to outputs of 1 rescaled by 0.5, 1, 1.5 ...
+struct Fp8SetsRun {
+  std::vector<float> s[2], o[2];  // [0]: widening, [1]: AVX512-BF16
+};
 
-TEST_P(Fp8LargeValuesTest, ScoresAndValuesMatchTheWideningKernels) {
-  if (kernels::TileKernelsFor("avx512bf16") == nullptr) GTEST_SKIP() << "this CPU has no AVX512-BF16";
-  constexpr int64_t depth = 128, tokens = 32, rows = 4;
-  const KvCacheLayout cache{1, depth, tokens, GetParam()};
-  std::mt19937 rng(3);
-  std::normal_distribution<float> normal;
-  std::vector<float> k(tokens * depth), v(tokens * depth), q(rows * depth), p(rows * tokens);
-  for (auto* x : {&k, &v, &q}) {
-    for (float& e : *x) e = normal(rng);
-  }
-  for (float& e : p) e = std::min(1.0f, std::fabs(normal(rng)));
-  k[5 * depth + 7] = 20000.0f;   // token 5, channel 7
-  v[9 * depth + 3] = 200000.0f;  // token 9, column 3
-  for (int64_t r = 0; r < rows; ++r) {
-    q[r * depth + 7] = 20.0f;
-    p[r * tokens + 9] = 1.0f;
-  }
+Fp8SetsRun RunFp8Sets(v1::DataType dtype, int64_t depth, int64_t tokens, int64_t rows, int64_t value_keys,
+                      const std::vector<float>& k, const std::vector<float>& v, const std::vector<float>& q,
+                      const std::vector<float>& p) {
+  const KvCacheLayout cache{1, depth, tokens, dtype};
   std::vector<char> block(cache.BlockBytes());
   quant::WriteTokens(cache, block.data(), 0, 0, tokens, k.data(), depth, v.data(), depth);
   const char* key_part = block.data() + cache.KeyPart(0);
   const char* value_part = block.data() + cache.ValuePart(0);
   const auto* key_scales = reinterpret_cast<const uint16_t*>(key_part + quant::KeyScalesOffset(cache));
   const auto* value_scales = reinterpret_cast<const uint16_t*>(value_part + quant::ValueScalesOffset(cache));
-  const int e4m3 = GetParam() == v1::FP8_E4M3 ? 0 : 1;
-  const kernels::PagedKernels* sets[2] = {&kernels::avx512::kPagedKernels[GetParam() - 1],
-                                          &kernels::avx512bf16::kFp8PagedKernels[e4m3]};
-  std::vector<float> s[2], o[2];
+  const kernels::PagedKernels* sets[2] = {&kernels::avx512::kPagedKernels[dtype - 1],
+                                          &kernels::avx512bf16::kFp8PagedKernels[dtype == v1::FP8_E4M3 ? 0 : 1]};
+  std::vector<float> o_scale(rows);
+  for (int64_t r = 0; r < rows; ++r) o_scale[r] = 0.5f * static_cast<float>(r + 1);
+  Fp8SetsRun run;
   for (int i = 0; i < 2; ++i) {
-    s[i].assign(rows * tokens, 0.0f);
-    o[i].assign(rows * depth, 0.0f);
-    sets[i]->scores(rows, tokens, depth, q.data(), depth, key_part, tokens, key_scales, s[i].data(), tokens, nullptr,
-                    0);
-    sets[i]->values(rows, tokens, depth, p.data(), tokens, value_part, value_scales, nullptr, o[i].data(), depth,
+    run.s[i].assign(rows * tokens, 0.0f);
+    run.o[i].assign(rows * depth, 1.0f);
+    sets[i]->scores(rows, tokens, depth, q.data(), depth, key_part, tokens, key_scales, run.s[i].data(), tokens,
                     nullptr, 0);
+    sets[i]->values(rows, value_keys, depth, p.data(), tokens, value_part, value_scales, o_scale.data(),
+                    run.o[i].data(), depth, nullptr, 0);
   }
-  // The bf16 set rounds q times the scales, and the weights times theirs, to bf16 (2^-9 of each product).
+  return run;
+}
+
+// The bf16 set rounds q times the scales, and the weights times theirs, to bf16 (2^-9 of each product).
+void ExpectTheSetsAgree(const Fp8SetsRun& run) {
   double s_norm = 0, o_norm = 0;
-  for (float x : s[0]) s_norm = std::max<double>(s_norm, std::fabs(x));
-  for (float x : o[0]) o_norm = std::max<double>(o_norm, std::fabs(x));
-  for (size_t i = 0; i < s[0].size(); ++i) ASSERT_NEAR(s[1][i], s[0][i], 4e-3 * s_norm) << "score " << i;
-  for (size_t i = 0; i < o[0].size(); ++i) ASSERT_NEAR(o[1][i], o[0][i], 4e-3 * o_norm) << "output " << i;
+  for (float x : run.s[0]) s_norm = std::max<double>(s_norm, std::fabs(x));
+  for (float x : run.o[0]) o_norm = std::max<double>(o_norm, std::fabs(x));
+  for (size_t i = 0; i < run.s[0].size(); ++i) ASSERT_NEAR(run.s[1][i], run.s[0][i], 4e-3 * s_norm) << "score " << i;
+  for (size_t i = 0; i < run.o[0].size(); ++i) ASSERT_NEAR(run.o[1][i], run.o[0][i], 4e-3 * o_norm) << "output " << i;
+}
+
+std::vector<float> Normal(int64_t n, std::mt19937& rng, bool magnitude = false) {
+  std::normal_distribution<float> normal;
+  std::vector<float> x(n);
+  for (float& e : x) e = magnitude ? std::min(1.0f, std::fabs(normal(rng))) : normal(rng);
+  return x;
+}
+
+// Shapes: depth (80 and 36: a partial vector; 78: an odd pair), 12 rows (a scores group of 8 and one of 4; values
+// groups of 4), the values over 7, 20 and 32 keys (a block the decode has partly seen).
+class Fp8KernelsTest : public ::testing::TestWithParam<std::tuple<v1::DataType, int64_t, int64_t>> {};
+
+TEST_P(Fp8KernelsTest, TheBf16SetMatchesTheWideningKernels) {
+  if (kernels::TileKernelsFor("avx512bf16") == nullptr) GTEST_SKIP() << "this CPU has no AVX512-BF16";
+  const auto [dtype, depth, value_keys] = GetParam();
+  constexpr int64_t tokens = 32, rows = 12;
+  std::mt19937 rng(7);
+  const std::vector<float> k = Normal(tokens * depth, rng), v = Normal(tokens * depth, rng);
+  const std::vector<float> q = Normal(rows * depth, rng), p = Normal(rows * tokens, rng, true);
+  ExpectTheSetsAgree(RunFp8Sets(dtype, depth, tokens, rows, value_keys, k, v, q, p));
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, Fp8KernelsTest,
+                         ::testing::Combine(::testing::Values(v1::FP8_E4M3, v1::FP8_E5M2),
+                                            ::testing::Values(128, 80, 78, 36), ::testing::Values(7, 20, 32)));
+
+// The FP8 kernels on AVX512-BF16 read a code as bf16 2^-120 (E4M3) or 2^-112 (E5M2) short of its value and fold that
+// factor into q times the key scales and into the weights times the value scales: a channel's keys or a token's
+// values near the codes' range (20000 and 200000 here: E4M3 scales of 45 and 446, so q 20 times its scale and a
+// weight 1 times its scale pass 2^8) must not overflow that fold to inf.
+class Fp8LargeValuesTest : public ::testing::TestWithParam<v1::DataType> {};
+
+TEST_P(Fp8LargeValuesTest, ScoresAndValuesMatchTheWideningKernels) {
+  if (kernels::TileKernelsFor("avx512bf16") == nullptr) GTEST_SKIP() << "this CPU has no AVX512-BF16";
+  constexpr int64_t depth = 128, tokens = 32, rows = 4;
+  std::mt19937 rng(3);
+  std::vector<float> k = Normal(tokens * depth, rng), v = Normal(tokens * depth, rng), q = Normal(rows * depth, rng);
+  std::vector<float> p = Normal(rows * tokens, rng, true);
+  k[5 * depth + 7] = 20000.0f;   // token 5, channel 7
+  v[9 * depth + 3] = 200000.0f;  // token 9, column 3
+  for (int64_t r = 0; r < rows; ++r) {
+    q[r * depth + 7] = 20.0f;
+    p[r * tokens + 9] = 1.0f;
+  }
+  ExpectTheSetsAgree(RunFp8Sets(GetParam(), depth, tokens, rows, tokens, k, v, q, p));
 }
 
 INSTANTIATE_TEST_SUITE_P(Dtypes, Fp8LargeValuesTest, ::testing::Values(v1::FP8_E4M3, v1::FP8_E5M2),
