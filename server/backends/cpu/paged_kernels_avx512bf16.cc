@@ -336,6 +336,17 @@ bool ScaledRowsFit(int64_t rows, const float* x, int64_t ldx, const float* scale
   return _mm512_cmp_ps_mask(amax, _mm512_set1_ps(0x1p127f), _CMP_LT_OQ) == 0xffff;
 }
 
+// x's rows times the block's bf16 `scales` times `unit` (widened once), rounded to bf16 into out as ScaledRowsFit
+// does; false where they exceed the stack buffers (kQuantizedMaxRows rows of kQuantizedMaxElements) or fp32's range,
+// and the caller takes the widening kernels.
+bool ScaledRows(int64_t rows, const float* x, int64_t ldx, const uint16_t* scales, int64_t n, float unit,
+                uint16_t* out) {
+  if (n > kQuantizedMaxElements || rows > kQuantizedMaxRows) return false;
+  alignas(64) float widened[kQuantizedMaxElements + 16];
+  WidenScales(scales, n, unit, widened);
+  return ScaledRowsFit(rows, x, ldx, widened, n, out);
+}
+
 // The FP8 caches on the same dot products, their codes read as bf16 as they are loaded (Fp8): q and the weights
 // times the block's scales and rounded to bf16 first (on the stack: rows and depth or keys up to the 8-bit caches'
 // limits).
@@ -343,13 +354,8 @@ template <bool kE4m3>
 void Fp8Scores(int64_t rows, int64_t keys, int64_t depth, const float* q, int64_t ldq, const void* kt_bytes,
                int64_t ldk, const uint16_t* key_scales, float* s, int64_t lds, const void* ahead_bytes,
                int64_t ahead_size) {
-  alignas(64) float scale[kQuantizedMaxElements + 16];
   alignas(64) uint16_t qb[kQuantizedMaxRows * kMaxElements];
-  if (depth <= kQuantizedMaxElements && rows <= kQuantizedMaxRows) {
-    WidenScales(key_scales, depth, kFp8Unit<kE4m3>, scale);
-  }
-  if (depth > kQuantizedMaxElements || rows > kQuantizedMaxRows ||
-      !ScaledRowsFit(rows, q, ldq, scale, depth, qb)) {
+  if (!ScaledRows(rows, q, ldq, key_scales, depth, kFp8Unit<kE4m3>, qb)) {
     avx512::kPagedKernels[FallbackIndex(static_cast<const Fp8<kE4m3>*>(nullptr))].scores(
         rows, keys, depth, q, ldq, kt_bytes, ldk, key_scales, s, lds, ahead_bytes, ahead_size);
     return;
@@ -366,12 +372,8 @@ template <bool kE4m3>
 void Fp8Values(int64_t rows, int64_t keys, int64_t width, const float* p, int64_t ldp, const void* v_bytes,
                const uint16_t* value_scales, const float* o_scale, float* o, int64_t ldo, const void* ahead_bytes,
                int64_t ahead_size) {
-  alignas(64) float scale[kQuantizedMaxElements + 16];
   alignas(64) uint16_t pb[kQuantizedMaxRows * kMaxElements];
-  if (keys <= kQuantizedMaxElements && rows <= kQuantizedMaxRows) {
-    WidenScales(value_scales, keys, kFp8Unit<kE4m3>, scale);
-  }
-  if (keys > kQuantizedMaxElements || rows > kQuantizedMaxRows || !ScaledRowsFit(rows, p, ldp, scale, keys, pb)) {
+  if (!ScaledRows(rows, p, ldp, value_scales, keys, kFp8Unit<kE4m3>, pb)) {
     avx512::kPagedKernels[FallbackIndex(static_cast<const Fp8<kE4m3>*>(nullptr))].values(
         rows, keys, width, p, ldp, v_bytes, value_scales, o_scale, o, ldo, ahead_bytes, ahead_size);
     return;
