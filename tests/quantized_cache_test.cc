@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <limits>
 #include <memory>
 #include <random>
 #include <string>
@@ -59,6 +60,57 @@ TEST(Fp8, RoundsToNearestEvenAndSaturates) {
   EXPECT_EQ(DecodeE5m2(EncodeE5m2(1e9f)), 57344.0f);
   EXPECT_EQ(DecodeE4m3(EncodeE4m3(1e-30f)), 0.0f);
 }
+
+// The code a search over every finite code picks for x: the nearest value, ties to the even code, saturating.
+uint8_t NearestCode(float x, float (*decode)(uint8_t), int max_code) {
+  if (std::isnan(x)) return 0x7f;
+  const uint8_t sign = std::signbit(x) ? 0x80 : 0;
+  const double a = std::fabs(static_cast<double>(x));
+  if (a >= decode(static_cast<uint8_t>(max_code))) return sign | static_cast<uint8_t>(max_code);
+  int best = 0;
+  for (int code = 1; code <= max_code; ++code) {
+    const double d = std::fabs(decode(static_cast<uint8_t>(code)) - a), best_d = std::fabs(decode(best) - a);
+    if (d < best_d || (d == best_d && code % 2 == 0)) best = code;
+  }
+  return sign | static_cast<uint8_t>(best);
+}
+
+struct Fp8Format {
+  const char* name;
+  uint8_t (*encode)(float);
+  float (*decode)(uint8_t);
+  int max_code;
+};
+
+class Fp8EncodeTest : public ::testing::TestWithParam<Fp8Format> {};
+
+// Every code's value, the midpoints between neighbours and the floats next to them, and random floats of every
+// scale from far below the smallest subnormal to past the largest value, of both signs.
+TEST_P(Fp8EncodeTest, EveryFloatTakesTheNearestCodeTiesToEven) {
+  const Fp8Format& f = GetParam();
+  std::vector<float> xs = {0.0f, std::numeric_limits<float>::infinity(), std::numeric_limits<float>::max(),
+                           std::numeric_limits<float>::denorm_min()};
+  for (int code = 0; code <= f.max_code; ++code) {
+    const float value = f.decode(static_cast<uint8_t>(code));
+    const float next = code < f.max_code ? f.decode(static_cast<uint8_t>(code + 1)) : 2 * value;
+    const float middle = (value + next) / 2;  // exact: neighbours differ in a few low bits
+    xs.insert(xs.end(), {value, middle, std::nextafter(middle, 0.0f), std::nextafter(middle, next)});
+  }
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<float> mantissa(1.0f, 2.0f);
+  std::uniform_int_distribution<int> exponent(-30, 20);
+  for (int i = 0; i < 20000; ++i) xs.push_back(std::ldexp(mantissa(rng), exponent(rng)));
+  for (const float x : xs) {
+    for (const float signed_x : {x, -x}) {
+      ASSERT_EQ(f.encode(signed_x), NearestCode(signed_x, f.decode, f.max_code)) << f.name << " " << signed_x;
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Formats, Fp8EncodeTest,
+                         ::testing::Values(Fp8Format{"e4m3", &EncodeE4m3, &DecodeE4m3, 0x7e},
+                                           Fp8Format{"e5m2", &EncodeE5m2, &DecodeE5m2, 0x7b}),
+                         [](const auto& info) { return std::string(info.param.name); });
 
 TEST(Scales, RoundUpToBf16SoThatTheLargestValueFits) {
   for (float x : {1.0f, 0.3f, 1.0f / 127, 3e-20f, 7777.7f}) {

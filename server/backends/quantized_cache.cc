@@ -33,19 +33,38 @@ struct Fp8Table {
     }
     return sign * value[magnitude];
   }
-  // Nearest code, ties to the even one; saturating at the largest finite value.
-  uint8_t Encode(float x) const {
-    if (std::isnan(x)) return 0x7f;
-    const uint8_t sign = std::signbit(x) ? 0x80 : 0;
-    const float a = std::fabs(x);
-    if (a >= value[kMaxCode]) return sign | kMaxCode;
-    const int above = static_cast<int>(std::lower_bound(value.begin(), value.end(), a) - value.begin());
-    if (above == 0) return sign;
-    const float up = value[above] - a, down = a - value[above - 1];
-    const int code = up < down ? above : down < up ? above - 1 : (above % 2 == 0 ? above : above - 1);
-    return sign | static_cast<uint8_t>(code);
-  }
 };
+
+// x rounded to an integer, ties to even, for |x| <= 2^22: fp32's own rounding of a sum at 2^23's spacing
+// (nearbyint without its library call; no -ffast-math here to fold the two additions away).
+float RoundToEven(float x) {
+  constexpr float kShift = 0x1.8p23f;
+  return (x + kShift) - kShift;
+}
+
+// The FP8 code nearest x, ties to the even code (the even mantissa), saturating at the largest finite value: the
+// mantissa rounded in x's own bits, and subnormals as multiples of the smallest one.
+template <int kExponentBits>
+uint8_t EncodeFp8(float x) {
+  using Table = Fp8Table<kExponentBits>;
+  constexpr int kMantissaBits = Table::kMantissaBits, kDropped = 23 - kMantissaBits;
+  constexpr uint32_t kBias = Table::kBias;
+  constexpr float kMaxValue = kExponentBits == 4 ? 448.0f : 57344.0f;
+  constexpr float kMinNormal = kExponentBits == 4 ? 0x1p-6f : 0x1p-14f;
+  constexpr float kPerSubnormal = kExponentBits == 4 ? 0x1p9f : 0x1p16f;  // 1 / the smallest subnormal
+  if (std::isnan(x)) return 0x7f;
+  const uint8_t sign = std::signbit(x) ? 0x80 : 0;
+  const float a = std::fabs(x);
+  if (a >= kMaxValue) return sign | Table::kMaxCode;
+  if (a < kMinNormal) {  // a subnormal code, or the smallest normal's (2^kMantissaBits multiples)
+    return sign | static_cast<uint8_t>(RoundToEven(a * kPerSubnormal));
+  }
+  uint32_t bits;
+  std::memcpy(&bits, &a, sizeof(bits));
+  bits += ((1u << (kDropped - 1)) - 1) + ((bits >> kDropped) & 1);  // a carry out of the mantissa lifts the exponent
+  const uint32_t exponent = (bits >> 23) - 127 + kBias, mantissa = (bits >> kDropped) & ((1u << kMantissaBits) - 1);
+  return sign | static_cast<uint8_t>((exponent << kMantissaBits) | mantissa);
+}
 
 const Fp8Table<4>& E4m3() {
   static const Fp8Table<4> table;
@@ -64,7 +83,7 @@ uint8_t Encode(v1::DataType dtype, float x) {
       return EncodeE5m2(x);
     default: {
       if (std::isnan(x)) return 0;  // no int8 code is NaN; a NaN input has no meaning a cache could keep
-      const float code = std::clamp(std::nearbyint(x), -127.0f, 127.0f);
+      const float code = std::clamp(RoundToEven(std::clamp(x, -128.0f, 128.0f)), -127.0f, 127.0f);
       return static_cast<uint8_t>(static_cast<int8_t>(code));
     }
   }
@@ -136,9 +155,9 @@ float ScaleValue(uint16_t bits) {
   return x;
 }
 
-uint8_t EncodeE4m3(float x) { return E4m3().Encode(x); }
+uint8_t EncodeE4m3(float x) { return EncodeFp8<4>(x); }
 float DecodeE4m3(uint8_t code) { return E4m3().Decode(code); }
-uint8_t EncodeE5m2(float x) { return E5m2().Encode(x); }
+uint8_t EncodeE5m2(float x) { return EncodeFp8<5>(x); }
 float DecodeE5m2(uint8_t code) { return E5m2().Decode(code); }
 
 int64_t KeyCodeOffset(const KvCacheLayout& cache, int64_t c, int64_t j) {
