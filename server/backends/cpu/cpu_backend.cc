@@ -169,7 +169,7 @@ absl::StatusOr<cpu::PagedQkv> ProjectPaged(const PagedArgs& a, const cpu::PagedR
   float* projected = cpu::Grown(scratch.projected, n * (qw + 2 * kvw));
   if (p.d_model == 0) {
     const cpu::PagedQkv out{projected, projected + n * qw, projected + n * (qw + kvw), qw, kvw, kvw};
-    for (size_t s = 0; s < a.sequences.size(); ++s) {
+    cpu::ForEachSequence(a.sequences, [&](size_t s) {
       const PagedSequence& seq = a.sequences[s];
       const int64_t r0 = rows.first_row[s];
       const struct {
@@ -196,15 +196,15 @@ absl::StatusOr<cpu::PagedQkv> ProjectPaged(const PagedArgs& a, const cpu::PagedR
                         count * width, parts[part].to + first * width);
         }
       }
-    }
+    });
     return out;
   }
   const LayerWeights& w = a.weights;
   float* x = scratch.inputs[0].Room(n * p.d_model);
-  for (size_t s = 0; s < a.sequences.size(); ++s) {
+  cpu::ForEachSequence(a.sequences, [&](size_t s) {
     const PagedSequence& seq = a.sequences[s];
     DecodeToFloat(seq.x.dtype, seq.x.data, seq.new_tokens * p.d_model, x + rows.first_row[s] * p.d_model);
-  }
+  });
   if (w.fused_qkv) {
     const int64_t width = qw + 2 * kvw;
     if (absl::Status status = Linear(x, n, p.d_model, p.d_model, w.w_q, w.ld_q, w.b_q, width, projected, width, stop);
@@ -273,13 +273,13 @@ absl::Status HeadContributions(const HeadSpec& h, int64_t batch, int64_t q_len, 
 void RotatePaged(const PagedArgs& a, const cpu::PagedRows& rows, const cpu::PagedQkv& qkv) {
   const HeadSpec& h = a.problem.heads;
   if (!h.has_rope()) return;
-  for (size_t s = 0; s < a.sequences.size(); ++s) {
+  cpu::ForEachSequence(a.sequences, [&](size_t s) {
     const PagedSequence& seq = a.sequences[s];
     const RopeAngles angles(h, seq.length, seq.new_tokens);
     const int64_t r0 = rows.first_row[s];
     angles.RotateRows(seq.new_tokens, seq.length, h.num_heads, qkv.q + r0 * qkv.ldq, qkv.ldq);
     angles.RotateRows(seq.new_tokens, seq.length, h.num_kv_heads, qkv.k + r0 * qkv.ldk, qkv.ldk);
-  }
+  });
 }
 
 // How a layer call (MultiHeadAttention) runs: bf16 projections straight from the wire's bytes (`bf16`), writing

@@ -9,6 +9,7 @@
 #include <limits>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "proto/mha/v1/tensor_codec.h"
 #include "server/backends/cpu/attention_core.h"
 #include "server/backends/cpu/paged_cascade.h"
@@ -137,13 +138,28 @@ DecodeScratch& ThreadDecodeScratch() {
 constexpr int64_t kLookaheadBytes = 16 << 10;
 int64_t LookaheadParts(int64_t half) { return std::max<int64_t>(1, kLookaheadBytes / std::max<int64_t>(half, 1)); }
 
+// Where a block's parts and an 8-bit cache's scales lie, in bytes: KvCacheLayout's and quantized_cache.h's
+// offsets, computed once per unit rather than once per part (a part computes in half a microsecond).
+struct PartBytes {
+  int64_t head, key, value;
+  int64_t key_scales, value_scales;  // from the K part and the V part; -1 where the cache has no scales
+
+  explicit PartBytes(const KvCacheLayout& c)
+      : head(c.HeadBytes()), key(c.KeyBytes()), value(c.ValueBytes()),
+        key_scales(c.Quantized() ? quant::KeyScalesOffset(c) : -1),
+        value_scales(c.Quantized() ? quant::ValueScalesOffset(c) : -1) {}
+  static const uint16_t* Scales(const char* part, int64_t offset) {
+    return offset < 0 ? nullptr : reinterpret_cast<const uint16_t*>(part + offset);
+  }
+};
+
 // The address of part k of a unit (k = (block - b0) Hkv + KV head), or past its end, of the next unit's first
 // block (`after`, may be null); null past that.
-const char* PartAhead(const KvCacheLayout& c, const PagedSequence& seq, const Unit& unit, const char* after,
+const char* PartAhead(int64_t Hkv, int64_t head_bytes, const PagedSequence& seq, const Unit& unit, const char* after,
                       int64_t k) {
-  const int64_t Hkv = c.num_kv_heads, parts = (unit.b1 - unit.b0) * Hkv;
-  if (k < parts) return seq.blocks[unit.b0 + k / Hkv] + c.KeyPart(k % Hkv);
-  if (after != nullptr && k - parts < Hkv) return after + c.KeyPart(k - parts);
+  const int64_t parts = (unit.b1 - unit.b0) * Hkv;
+  if (k < parts) return seq.blocks[unit.b0 + k / Hkv] + (k % Hkv) * head_bytes;
+  if (after != nullptr && k - parts < Hkv) return after + (k - parts) * head_bytes;
   return nullptr;
 }
 
@@ -156,8 +172,9 @@ void RunUnit(const kernels::TileKernels& tiles, const kernels::PagedKernels& dec
   const HeadSpec& h = p.heads;
   const KvCacheLayout& c = p.cache;
   const int64_t dk = h.head_dim, tb = c.block_tokens, G = h.group_size(), n = seq.new_tokens, rows = G * n;
-  const int64_t Hkv = h.num_kv_heads, key_bytes = c.KeyBytes(), value_bytes = c.ValueBytes();
-  const int64_t distance = LookaheadParts(key_bytes);
+  const int64_t Hkv = h.num_kv_heads;
+  const PartBytes bytes(c);
+  const int64_t distance = LookaheadParts(bytes.key);
   DecodeScratch& t = ThreadDecodeScratch();
   float* queries = Grown(t.queries, Hkv * rows * dk);
   float* scores = Grown(t.scores, rows * tb);
@@ -190,14 +207,14 @@ void RunUnit(const kernels::TileKernels& tiles, const kernels::PagedKernels& dec
       seen = std::max(seen, block_visible[r]);
     }
     for (int64_t g = 0; g < Hkv; ++g) {
-      const char* part = seq.blocks[b] + c.KeyPart(g);
-      const char* value_part = part + key_bytes;
+      const char* part = seq.blocks[b] + g * bytes.head;
+      const char* value_part = part + bytes.key;
       // The next part: this block's next head, or the next block's first; its K^T streams in during these
       // scores, its V during these values.
-      const char* next = PartAhead(c, seq, unit, after, (b - unit.b0) * Hkv + g + distance);
+      const char* next = PartAhead(Hkv, bytes.head, seq, unit, after, (b - unit.b0) * Hkv + g + distance);
       float* acc = part_of_unit + g * PartialFloats(h, rows);
-      decode.scores(rows, tb, dk, queries + g * rows * dk, dk, part, tb, KeyScales(c, part), scores, tb, next,
-                    key_bytes);
+      decode.scores(rows, tb, dk, queries + g * rows * dk, dk, part, tb, PartBytes::Scales(part, bytes.key_scales),
+                    scores, tb, next, bytes.key);
       if (seq.stats.entropy != nullptr) {  // lse alone comes from the plain kernel's max and sum
         const kernels::SoftmaxStatsBlock stats{b * tb, query_pos, seq.stats.sink_tokens, acc + rows * (dk + 2)};
         tiles.online_softmax_stats(rows, keys, block_visible, scores, tb, acc + rows * dk, acc + rows * dk + rows,
@@ -206,8 +223,8 @@ void RunUnit(const kernels::TileKernels& tiles, const kernels::PagedKernels& dec
         tiles.online_softmax(rows, keys, block_visible, scores, tb, acc + rows * dk, acc + rows * dk + rows, factor,
                              plan.log2_units);
       }
-      decode.values(rows, seen, dk, scores, tb, value_part, ValueScales(c, value_part), factor, acc, dk,
-                    next == nullptr ? nullptr : next + key_bytes, value_bytes);
+      decode.values(rows, seen, dk, scores, tb, value_part, PartBytes::Scales(value_part, bytes.value_scales), factor,
+                    acc, dk, next == nullptr ? nullptr : next + bytes.key, bytes.value);
     }
   }
 }
@@ -247,7 +264,11 @@ absl::Status DecodeSequences(const kernels::TileKernels& tiles, const kernels::P
                              const float* q, int64_t ldq, float* heads, int64_t ldh, const StopSignal* stop) {
   const DecodePlan plan = PlanDecode(p, sequences, omp_get_max_threads());
   if (plan.seq_index.empty()) return absl::OkStatus();
-  std::vector<float> partials(plan.partial_floats);
+  // The calling thread's, kept across calls (every unit fills its own part): a fresh zeroed vector cost a decode
+  // step of 32 sessions more than its merges.
+  thread_local ScratchVector<float> partial_scratch;
+  float* const partials = Grown(partial_scratch, plan.partial_floats);
+  const absl::Cleanup release = [] { ReleaseIfLarge(partial_scratch, kKeptCallScratchBytes); };
   std::atomic<bool> stopped{false};
   // Polled before each unit: once `stop` says stop, the units left are skipped.
   const auto Stopping = [&] {
@@ -261,7 +282,7 @@ absl::Status DecodeSequences(const kernels::TileKernels& tiles, const kernels::P
     if (Stopping()) continue;
     const SharedUnit& unit = plan.shared_units[u];
     RunSharedBlocks(tiles, decode, p, plan.groups[unit.group], sequences, rows.first_row, q, ldq, plan.q_scale,
-                    plan.log2_units, unit.b0, unit.b1, partials.data() + unit.partial);
+                    plan.log2_units, unit.b0, unit.b1, partials + unit.partial);
   }
   if (stopped) return stop->Check();
   const int64_t units = static_cast<int64_t>(plan.units.size());
@@ -275,7 +296,7 @@ absl::Status DecodeSequences(const kernels::TileKernels& tiles, const kernels::P
     const char* after = nullptr;
     if (u + threads < units) after = sequences[plan.units[u + threads].seq].blocks[plan.units[u + threads].b0];
     RunUnit(tiles, decode, p, plan, sequences[unit.seq], rows.first_row[unit.seq], q, ldq, unit, after,
-            partials.data());
+            partials);
   }
   if (stopped) return stop->Check();
   const int64_t Hkv = p.heads.num_kv_heads, decoding = static_cast<int64_t>(plan.seq_index.size());
@@ -283,7 +304,7 @@ absl::Status DecodeSequences(const kernels::TileKernels& tiles, const kernels::P
   for (int64_t pair = 0; pair < decoding * Hkv; ++pair) {
     const int64_t d = pair / Hkv, s = plan.seq_index[d];
     MergeHead(p, plan, plan.seq_units[d], plan.seq_units[d + 1], pair % Hkv, s, sequences[s], rows.first_row[s],
-              partials.data(), heads, ldh);
+              partials, heads, ldh);
   }
   return absl::OkStatus();
 }
@@ -394,42 +415,75 @@ bool TakesDecodePath(const PagedProblem& problem, const PagedSequence& seq) {
          problem.cache.block_tokens % 16 == 0 && QuantizedKernelsTake(problem.cache);
 }
 
+void ForEachSequence(absl::Span<const PagedSequence> sequences, absl::FunctionRef<void(size_t)> each) {
+  const bool short_ones = sequences.size() > 1 && std::all_of(sequences.begin(), sequences.end(), [](const auto& seq) {
+                            return seq.new_tokens <= kShortSequenceTokens;
+                          });
+  const int64_t count = static_cast<int64_t>(sequences.size());
+#pragma omp parallel for schedule(dynamic, 1) if (short_ones)
+  for (int64_t s = 0; s < count; ++s) each(static_cast<size_t>(s));
+}
+
+namespace {
+
+// n rows of dk elements of type T at `rows` (dense) into the columns of K^T at `kt` (row stride ld elements).
+template <typename T>
+void Transpose(int64_t n, int64_t dk, const char* rows, char* kt, int64_t ld) {
+  for (int64_t d = 0; d < dk; ++d) {
+    for (int64_t i = 0; i < n; ++i) {
+      T x;
+      std::memcpy(&x, rows + (i * dk + d) * sizeof(T), sizeof(T));
+      std::memcpy(kt + (d * ld + i) * sizeof(T), &x, sizeof(T));
+    }
+  }
+}
+
+// n new tokens' k and v of KV head g (fp32 rows of d_k at k and v, strides ldk and ldv) into a 16- or 32-bit block
+// at slots slot0.., rounded to its dtype. The keys are encoded as rows, then transposed into K^T's columns: encoded
+// one K^T element at a time, a decode step's single token cost a conversion call per depth.
+void WriteHead(const KvCacheLayout& c, char* block, int64_t g, int64_t slot0, int64_t n, const float* k,
+               int64_t ldk, const float* v, int64_t ldv) {
+  const int64_t dk = c.head_dim, tb = c.block_tokens;
+  const size_t element = DTypeSize(c.dtype);
+  thread_local std::vector<char> encoded;
+  encoded.resize(n * dk * element);
+  for (int64_t i = 0; i < n; ++i) EncodeFromFloat(c.dtype, k + i * ldk, dk, encoded.data() + i * dk * element);
+  char* key_part = block + (c.KeyOffset(g) + slot0) * element;
+  if (element == 2) {
+    Transpose<uint16_t>(n, dk, encoded.data(), key_part, tb);
+  } else {
+    Transpose<uint32_t>(n, dk, encoded.data(), key_part, tb);
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    EncodeFromFloat(c.dtype, v + i * ldv, dk, block + (c.ValueOffset(g) + (slot0 + i) * dk) * element);
+  }
+}
+
+}  // namespace
+
 void WriteTokens(const KvCacheLayout& c, absl::Span<const PagedSequence> sequences, const PagedRows& rows,
                  const float* k, int64_t ldk, const float* v, int64_t ldv) {
   const int64_t dk = c.head_dim, tb = c.block_tokens, Hkv = c.num_kv_heads;
-  const size_t element = DTypeSize(c.dtype);
-  for (size_t s = 0; s < sequences.size(); ++s) {
+  ForEachSequence(sequences, [&](size_t s) {
     const PagedSequence& seq = sequences[s];
-    if (!seq.append) continue;
-    // Block by block: a block's new slots of a K^T row are contiguous, so each row's run is encoded in one call.
+    if (!seq.append) return;
+    // Block by block: a block's new slots of a K^T row are contiguous.
     const int64_t first_block = seq.length / tb, last_block = (seq.length + seq.new_tokens - 1) / tb;
 #pragma omp parallel for schedule(static) if (seq.new_tokens * Hkv * dk > (1 << 16))
     for (int64_t b = first_block; b <= last_block; ++b) {
       const int64_t t0 = std::max(seq.length, b * tb), t1 = std::min(seq.length + seq.new_tokens, (b + 1) * tb);
       const int64_t row0 = rows.first_row[s] + t0 - seq.length, slot0 = t0 - b * tb, n = t1 - t0;
-      char* block = seq.blocks[b];
-      if (c.Quantized()) {  // each head's new tokens of this block in one write, as every backend writes them
-        for (int64_t g = 0; g < Hkv; ++g) {
-          quant::WriteTokens(c, block, g, slot0, n, k + row0 * ldk + g * dk, ldk, v + row0 * ldv + g * dk, ldv);
-        }
-        continue;
-      }
-      // A head's rows copied together first, then transposed from there: read column by column from the projections,
-      // each element would lie a page away from the last.
-      std::vector<float> rows_of_head(n * dk), run(n);
-      for (int64_t g = 0; g < Hkv; ++g) {
-        for (int64_t i = 0; i < n; ++i) std::memcpy(&rows_of_head[i * dk], k + (row0 + i) * ldk + g * dk, dk * 4);
-        for (int64_t d = 0; d < dk; ++d) {
-          for (int64_t i = 0; i < n; ++i) run[i] = rows_of_head[i * dk + d];
-          EncodeFromFloat(c.dtype, run.data(), n, block + (c.KeyOffset(g) + d * tb + slot0) * element);
-        }
-        for (int64_t i = 0; i < n; ++i) {
-          EncodeFromFloat(c.dtype, v + (row0 + i) * ldv + g * dk, dk,
-                          block + (c.ValueOffset(g) + (slot0 + i) * dk) * element);
+      for (int64_t g = 0; g < Hkv; ++g) {  // an 8-bit cache's head's new tokens in one write, as every backend's
+        const float* head_k = k + row0 * ldk + g * dk;
+        const float* head_v = v + row0 * ldv + g * dk;
+        if (c.Quantized()) {
+          quant::WriteTokens(c, seq.blocks[b], g, slot0, n, head_k, ldk, head_v, ldv);
+        } else {
+          WriteHead(c, seq.blocks[b], g, slot0, n, head_k, ldk, head_v, ldv);
         }
       }
     }
-  }
+  });
 }
 
 absl::Status PagedAttend(const kernels::TileKernels& fp32_tiles, const kernels::PagedKernels& decode,

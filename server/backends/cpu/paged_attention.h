@@ -17,6 +17,7 @@
 
 #include <cstdint>
 
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/types/span.h"
 #include "server/backends/backend.h"
@@ -51,6 +52,14 @@ struct PagedQkv {
   float* v;
   int64_t ldq, ldk, ldv;
 };
+
+// Calls each(s) for every sequence s of a call: a batch of short appends (more than one sequence, none of more than
+// kShortSequenceTokens new tokens: a decode step) one sequence per thread of the calling team, whose per-sequence
+// work (conversions, RoPE angles, cache writes) is otherwise serial at a few microseconds each; any other call's
+// sequences one after another, each parallel inside as its size asks. `each` must be safe to run for distinct
+// sequences at once.
+inline constexpr int64_t kShortSequenceTokens = 16;
+void ForEachSequence(absl::Span<const PagedSequence> sequences, absl::FunctionRef<void(size_t)> each);
 
 // Writes the new tokens' k and v (fp32 rows of Hkv d_k values, row stride ldk / ldv) into their slots of every
 // sequence's cache, rounded to the cache's dtype.
