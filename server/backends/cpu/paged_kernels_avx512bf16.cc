@@ -160,11 +160,13 @@ void RowGroupScores(int64_t height, int64_t keys, int64_t depth, const uint16_t*
   }
 }
 
-// The prefetches of a scores kernel's `rows` rows over a K^T of `keys` x `depth`: spread over its steps.
-Ahead ScoresAhead(int64_t rows, int64_t keys, int64_t depth, const void* ahead_bytes, int64_t ahead_size) {
+// The prefetches of a scores kernel's `rows` rows over a K^T of `keys` x `depth` (at `here`, or null: none of it
+// into L1): spread over its steps.
+Ahead ScoresAhead(int64_t rows, int64_t keys, int64_t depth, const void* ahead_bytes, int64_t ahead_size,
+                  const void* here = nullptr) {
   const int64_t row_blocks = (rows + kScoreRows - 1) / kScoreRows;
   const int64_t sets = SetsFor(rows < kScoreRows ? rows : kScoreRows);
-  return Ahead(ahead_bytes, ahead_size, (keys + 31) / 32 * row_blocks * ((depth + 1) / 2) / sets);
+  return Ahead(ahead_bytes, ahead_size, (keys + 31) / 32 * row_blocks * ((depth + 1) / 2) / sets, here);
 }
 
 // PagedKernels::scores for a K^T of bf16.
@@ -179,7 +181,7 @@ void ScoresOf(int64_t rows, int64_t keys, int64_t depth, const float* q, int64_t
     return;
   }
   alignas(64) uint16_t qb[kScoreRows * kMaxElements];
-  Ahead ahead = ScoresAhead(rows, keys, depth, ahead_bytes, ahead_size);
+  Ahead ahead = ScoresAhead(rows, keys, depth, ahead_bytes, ahead_size, kt_bytes);
   for (int64_t i = 0; i < rows; i += kScoreRows) {
     const int64_t height = rows - i < kScoreRows ? rows - i : kScoreRows;
     for (int64_t r = 0; r < height; ++r) {
@@ -256,10 +258,12 @@ void RowGroupValues(int64_t height, const void* const* parts, int64_t blocks, in
   }
 }
 
-// The prefetches of a values kernel's `rows` rows over `keys` x `width` values: spread over its steps.
-Ahead ValuesAhead(int64_t rows, int64_t keys, int64_t width, const void* ahead_bytes, int64_t ahead_size) {
+// The prefetches of a values kernel's `rows` rows over `keys` x `width` values (at `here`, as ScoresAhead's): spread
+// over its steps.
+Ahead ValuesAhead(int64_t rows, int64_t keys, int64_t width, const void* ahead_bytes, int64_t ahead_size,
+                  const void* here = nullptr) {
   const int64_t row_blocks = (rows + kValueRows - 1) / kValueRows;
-  return Ahead(ahead_bytes, ahead_size, (keys + 1) / 2 * ((width + kPanel - 1) / kPanel) * row_blocks);
+  return Ahead(ahead_bytes, ahead_size, (keys + 1) / 2 * ((width + kPanel - 1) / kPanel) * row_blocks, here);
 }
 
 // PagedKernels::prefill_values for bf16 V parts (and ::values, one part).
@@ -275,7 +279,7 @@ void ValuesOverPartsOf(int64_t rows, const void* const* parts, const uint16_t* c
     return;
   }
   alignas(64) uint16_t pb[kValueRows * kMaxElements];
-  Ahead ahead = ValuesAhead(rows, keys, width, ahead_bytes, ahead_size);
+  Ahead ahead = ValuesAhead(rows, keys, width, ahead_bytes, ahead_size, blocks == 1 ? parts[0] : nullptr);
   for (int64_t i = 0; i < rows; i += kValueRows) {
     const int64_t height = rows - i < kValueRows ? rows - i : kValueRows;
     for (int64_t r = 0; r < height; ++r) {

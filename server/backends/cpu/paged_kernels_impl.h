@@ -31,6 +31,11 @@ inline uint16_t HalfBits(E4m3 x) {
 inline uint16_t HalfBits(E5m2 x) { return static_cast<uint16_t>(x.bits << 8); }
 template <typename E>
 inline constexpr bool kIsFp8 = sizeof(E) == 1;
+// Whether a part's own lines are prefetched into L1 as it is read (Ahead's `here`): fp32 on AVX-512, whose kernel
+// waits on its loads; the 16-bit and FP8 widening kernels and the AVX2 set are bound by their instructions, and the
+// prefetches cost them more than they save (docs/PERFORMANCE.md).
+template <typename E>
+inline constexpr bool kPrefetchPart = Isa::kLanes == 16 && sizeof(E) == 4;
 // The factor an FP8 element's widened value is short of the code's value.
 constexpr float WidenedFactor(E4m3) { return 256.0f; }
 constexpr float WidenedFactor(E5m2) { return 1.0f; }
@@ -228,7 +233,8 @@ void PagedScores(int64_t rows, int64_t keys, int64_t depth, const float* q, int6
                       : keys % (kMid * Isa::kLanes) == 0 ? kMid
                                                          : Isa::kPagedVectors;
   const int64_t row_blocks = (rows + Isa::kPagedAccumulators / vectors - 1) / (Isa::kPagedAccumulators / vectors);
-  Ahead ahead(ahead_bytes, ahead_size, keys / (vectors * Isa::kLanes) * row_blocks * depth / 2);
+  Ahead ahead(ahead_bytes, ahead_size, keys / (vectors * Isa::kLanes) * row_blocks * depth / 2,
+              kPrefetchPart<E> ? kt_bytes : nullptr);
   if (vectors == kGroup) {
     PagedScoreGroups<E, kGroup>(rows, keys, depth, q, ldq, kt, ldk, s, lds, ahead);
   } else if (vectors == kMid) {
@@ -348,7 +354,8 @@ void ValuesOverParts(int64_t rows, const void* const* parts, const uint16_t* con
     const int64_t last = g + count == blocks ? last_keys : block_keys;
     // The next group's first part (as long as `ahead`, a part's V) streams in while this group computes.
     Ahead ahead(g + count < blocks ? parts[g + count] : ahead_bytes, ahead_size,
-                ((count - 1) * block_keys + last) * panels * row_blocks);
+                ((count - 1) * block_keys + last) * panels * row_blocks,
+                kPrefetchPart<E> && count == 1 ? parts[g] : nullptr);
     for (int64_t c = 0; c < width; c += kPanel) {
       const int64_t left = width - c;
       const int64_t vectors = left >= kPanel ? kVectors : (left + Isa::kLanes - 1) / Isa::kLanes;
