@@ -7,8 +7,7 @@
 // Spreads prefetches over a loop's steps: Step() issues the next `per_step` cache lines of [next, end) into L2 and,
 // where the kernel names the part it reads (`here`), as many lines of that part from kHereLead bytes on into L1.
 // Why both: the lines far ahead keep the memory busy while a part computes, and the near ones turn its loads from L2
-// hits into L1 hits (2026-12-06, Zen 4, 32 x 2048 decode with memory at 55-61 GB/s: bf16 34-36 GB/s without them,
-// 40-43 with; docs/PERFORMANCE.md).
+// hits into L1 hits, which on fast memory is what the load-bound kernels wait on (docs/PERFORMANCE.md).
 struct Ahead {
   static constexpr int64_t kHereLead = 1024;
   const char* next;

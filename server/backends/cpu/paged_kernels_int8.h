@@ -158,9 +158,8 @@ inline float ScaleOf(uint16_t bits) {
   return x;
 }
 
-// Whether a part's own lines are prefetched into L1 as the kernels read them (Ahead's `here`): on AVX512-VNNI,
-// whose kernels then wait on their loads (decode 32 x 2048 on a Zen 4: 22-27 GB/s without, 28-30 with); the other
-// sets' pairs are bound by their instructions.
+// Whether a part's own lines are prefetched into L1 as the kernels read them (Ahead's `here`): on AVX512-VNNI, whose
+// kernels wait on their loads; the other sets' pairs are bound by their instructions (docs/PERFORMANCE.md).
 #if defined(__AVX512VNNI__)
 constexpr bool kInt8PrefetchPart = true;
 #else
