@@ -138,19 +138,11 @@ DecodeScratch& ThreadDecodeScratch() {
 constexpr int64_t kLookaheadBytes = 16 << 10;
 int64_t LookaheadParts(int64_t half) { return std::max<int64_t>(1, kLookaheadBytes / std::max<int64_t>(half, 1)); }
 
-// Where a block's parts and an 8-bit cache's scales lie, in bytes: KvCacheLayout's and quantized_cache.h's
-// offsets, computed once per unit rather than once per part (a part computes in half a microsecond).
+// A block's part sizes in bytes (KvCacheLayout's, computed once per unit rather than once per part: its functions
+// are out of line, and a part computes in half a microsecond).
 struct PartBytes {
   int64_t head, key, value;
-  int64_t key_scales, value_scales;  // from the K part and the V part; -1 where the cache has no scales
-
-  explicit PartBytes(const KvCacheLayout& c)
-      : head(c.HeadBytes()), key(c.KeyBytes()), value(c.ValueBytes()),
-        key_scales(c.Quantized() ? quant::KeyScalesOffset(c) : -1),
-        value_scales(c.Quantized() ? quant::ValueScalesOffset(c) : -1) {}
-  static const uint16_t* Scales(const char* part, int64_t offset) {
-    return offset < 0 ? nullptr : reinterpret_cast<const uint16_t*>(part + offset);
-  }
+  explicit PartBytes(const KvCacheLayout& c) : head(c.HeadBytes()), key(c.KeyBytes()), value(c.ValueBytes()) {}
 };
 
 // The address of part k of a unit (k = (block - b0) Hkv + KV head), or past its end, of the next unit's first
@@ -213,8 +205,8 @@ void RunUnit(const kernels::TileKernels& tiles, const kernels::PagedKernels& dec
       // scores, its V during these values.
       const char* next = PartAhead(Hkv, bytes.head, seq, unit, after, (b - unit.b0) * Hkv + g + distance);
       float* acc = part_of_unit + g * PartialFloats(h, rows);
-      decode.scores(rows, tb, dk, queries + g * rows * dk, dk, part, tb, PartBytes::Scales(part, bytes.key_scales),
-                    scores, tb, next, bytes.key);
+      decode.scores(rows, tb, dk, queries + g * rows * dk, dk, part, tb, KeyScales(c, part), scores, tb, next,
+                    bytes.key);
       if (seq.stats.entropy != nullptr) {  // lse alone comes from the plain kernel's max and sum
         const kernels::SoftmaxStatsBlock stats{b * tb, query_pos, seq.stats.sink_tokens, acc + rows * (dk + 2)};
         tiles.online_softmax_stats(rows, keys, block_visible, scores, tb, acc + rows * dk, acc + rows * dk + rows,
@@ -223,8 +215,8 @@ void RunUnit(const kernels::TileKernels& tiles, const kernels::PagedKernels& dec
         tiles.online_softmax(rows, keys, block_visible, scores, tb, acc + rows * dk, acc + rows * dk + rows, factor,
                              plan.log2_units);
       }
-      decode.values(rows, seen, dk, scores, tb, value_part, PartBytes::Scales(value_part, bytes.value_scales), factor,
-                    acc, dk, next == nullptr ? nullptr : next + bytes.key, bytes.value);
+      decode.values(rows, seen, dk, scores, tb, value_part, ValueScales(c, value_part), factor, acc, dk,
+                    next == nullptr ? nullptr : next + bytes.key, bytes.value);
     }
   }
 }
@@ -445,14 +437,14 @@ void WriteHead(const KvCacheLayout& c, char* block, int64_t g, int64_t slot0, in
                int64_t ldk, const float* v, int64_t ldv) {
   const int64_t dk = c.head_dim, tb = c.block_tokens;
   const size_t element = DTypeSize(c.dtype);
-  thread_local std::vector<char> encoded;
-  encoded.resize(n * dk * element);
-  for (int64_t i = 0; i < n; ++i) EncodeFromFloat(c.dtype, k + i * ldk, dk, encoded.data() + i * dk * element);
+  thread_local ScratchVector<char> scratch;  // at most a block's keys of one head
+  char* encoded = Grown(scratch, n * dk * static_cast<int64_t>(element));
+  for (int64_t i = 0; i < n; ++i) EncodeFromFloat(c.dtype, k + i * ldk, dk, encoded + i * dk * element);
   char* key_part = block + (c.KeyOffset(g) + slot0) * element;
   if (element == 2) {
-    Transpose<uint16_t>(n, dk, encoded.data(), key_part, tb);
+    Transpose<uint16_t>(n, dk, encoded, key_part, tb);
   } else {
-    Transpose<uint32_t>(n, dk, encoded.data(), key_part, tb);
+    Transpose<uint32_t>(n, dk, encoded, key_part, tb);
   }
   for (int64_t i = 0; i < n; ++i) {
     EncodeFromFloat(c.dtype, v + i * ldv, dk, block + (c.ValueOffset(g) + (slot0 + i) * dk) * element);
