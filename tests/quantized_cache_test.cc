@@ -244,15 +244,16 @@ class Int8KernelsTest : public ::testing::TestWithParam<int64_t> {
     block_.resize(cache_.BlockBytes());
     quant::WriteTokens(cache_, block_.data(), 0, 0, 32, k.data(), depth_, v.data(), depth_);
   }
-  Int8Outputs Run(const kernels::PagedKernels& set) const {
+  // value_keys: 29 rounds the weights row by row; 32 (whole vectors), four rows at once on the AVX-512 sets.
+  Int8Outputs Run(const kernels::PagedKernels& set, int64_t value_keys = 29) const {
     const char* key_part = block_.data() + cache_.KeyPart(0);
     const char* value_part = block_.data() + cache_.ValuePart(0);
     const auto* value_scales = reinterpret_cast<const uint16_t*>(value_part + quant::ValueScalesOffset(cache_));
     const std::vector<float> o_scale = {0.5f, 1.0f, 2.0f, 0.0f, 1.5f};
     Int8Outputs out{std::vector<float>(5 * 32), std::vector<float>(5 * depth_, 1.0f)};
     set.scores(5, 32, depth_, q_.data(), depth_, key_part, 32, KeyScales(), out.s.data(), 32, nullptr, 0);
-    set.values(5, 29, depth_, p_.data(), 32, value_part, value_scales, o_scale.data(), out.o.data(), depth_, nullptr,
-               0);
+    set.values(5, value_keys, depth_, p_.data(), 32, value_part, value_scales, o_scale.data(), out.o.data(), depth_,
+               nullptr, 0);
     return out;
   }
   const uint16_t* KeyScales() const {
@@ -298,20 +299,22 @@ class Int8KernelsTest : public ::testing::TestWithParam<int64_t> {
 // The sets that multiply q's int16 codes in pairs of depths (portable, AVX2, AVX-512) agree exactly, and every
 // set's values agree (the same byte codes of the weights).
 TEST_P(Int8KernelsTest, EverySetComputesTheSameSums) {
-  std::vector<float> want_s, want_o;
-  for (const Int8Set& set : Int8Sets()) {
-    if (!set.runs) continue;
-    const Int8Outputs out = Run(*set.kernels);
-    if (want_s.empty()) {
-      want_s = out.s;
-      want_o = out.o;
-      continue;
-    }
-    if (std::string(set.name) != "avx512vnni") {
-      EXPECT_EQ(out.s, want_s) << set.name;
-    }
-    for (size_t i = 0; i < out.o.size(); ++i) {
-      EXPECT_NEAR(out.o[i], want_o[i], 1e-5 * (1 + std::fabs(want_o[i]))) << set.name;
+  for (const int64_t value_keys : {29, 32}) {
+    std::vector<float> want_s, want_o;
+    for (const Int8Set& set : Int8Sets()) {
+      if (!set.runs) continue;
+      const Int8Outputs out = Run(*set.kernels, value_keys);
+      if (want_s.empty()) {
+        want_s = out.s;
+        want_o = out.o;
+        continue;
+      }
+      if (std::string(set.name) != "avx512vnni") {
+        EXPECT_EQ(out.s, want_s) << set.name;
+      }
+      for (size_t i = 0; i < out.o.size(); ++i) {
+        EXPECT_NEAR(out.o[i], want_o[i], 1e-5 * (1 + std::fabs(want_o[i]))) << set.name << " keys " << value_keys;
+      }
     }
   }
 }

@@ -235,6 +235,71 @@ inline void Int8ScoreBlock(int64_t pairs, const int32_t* q, const float* q_scale
   }
 }
 
+#if defined(__AVX512BW__)
+// Lanes 4r..4r+3 of the result: the largest of x[r]'s 16 lanes (kAdd: their sum as int32): four rows' horizontal
+// reductions in six shuffles, their latency paid once, where one row's took four shuffles in a row.
+template <bool kAdd>
+inline __m512 ReduceFourRows(const __m512 (&x)[4]) {
+  const auto op = [](__m512 a, __m512 b) {
+    if constexpr (kAdd) {
+      return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(a), _mm512_castps_si512(b)));
+    } else {
+      return _mm512_max_ps(a, b);
+    }
+  };
+  // Rows 0 and 1 (2 and 3) to eight lanes each, then each row to one 128-bit lane, then within those lanes.
+  const __m512 x01 = op(_mm512_shuffle_f32x4(x[0], x[1], 0x44), _mm512_shuffle_f32x4(x[0], x[1], 0xee));
+  const __m512 x23 = op(_mm512_shuffle_f32x4(x[2], x[3], 0x44), _mm512_shuffle_f32x4(x[2], x[3], 0xee));
+  __m512 z = op(_mm512_shuffle_f32x4(x01, x23, 0x88), _mm512_shuffle_f32x4(x01, x23, 0xdd));
+  z = op(z, _mm512_permute_ps(z, 0x4e));
+  return op(z, _mm512_permute_ps(z, 0xb1));
+}
+
+// out[r] = lane 4r of z (ReduceFourRows' results).
+inline void StoreFourRows(__m512 z, float* out) {
+  const __m512i first = _mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+  _mm_storeu_ps(out, _mm512_castps512_ps128(_mm512_permutexvar_ps(first, z)));
+}
+
+// 127 over each row's largest magnitude (lanes 4r..4r+3 of amax), 0 where that is 0 (a row of zeros keeps zero
+// codes).
+inline __m512 FourRowsMultipliers(__m512 amax) {
+  const __mmask16 positive = _mm512_cmp_ps_mask(amax, _mm512_setzero_ps(), _CMP_GT_OQ);
+  return _mm512_maskz_div_ps(positive, _mm512_set1_ps(127.0f), amax);
+}
+
+// Four rows r of row_count (the rest repeat row 0, their results unused) of the weights x_r[j] >= 0, j < 16 vectors:
+// codes[r] = x_r[j] scale[j] rounded to 7 bits at 127 / amax_r (amax_r the largest x_r[j] scale[j]); p_scale[r] =
+// amax_r / 127. Int8Values' rounding per row, the rows' reductions and divisions shared.
+inline void FourRowsToBytes(int64_t row_count, int64_t vectors, const float* x, int64_t ldx, const float* scale,
+                            uint8_t* codes, int64_t ld_codes, float* p_scale) {
+  alignas(64) float products[4][kInt8MaxKeys];
+  __m512 m[4];
+  MHA_UNROLL for (int r = 0; r < 4; ++r) {
+    const float* row = x + (r < row_count ? r : 0) * ldx;
+    m[r] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < vectors; ++i) {
+      const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(row + 16 * i), _mm512_loadu_ps(scale + 16 * i));
+      _mm512_store_ps(products[r] + 16 * i, v);
+      m[r] = _mm512_max_ps(m[r], v);
+    }
+  }
+  const __m512 amax = ReduceFourRows</*kAdd=*/false>(m);
+  const __m512 mul = FourRowsMultipliers(amax);
+  MHA_UNROLL for (int r = 0; r < 4; ++r) {
+    if (r >= row_count) break;
+    const __m512 row_mul = _mm512_shuffle_f32x4(mul, mul, 0x55 * r);
+    for (int64_t i = 0; i < vectors; ++i) {
+      const __m512i n = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_load_ps(products[r] + 16 * i), row_mul));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + r * ld_codes + 16 * i), _mm512_cvtepi32_epi8(n));
+    }
+  }
+  float amax_rows[4];
+  StoreFourRows(amax, amax_rows);
+  for (int64_t r = 0; r < row_count && r < 4; ++r) p_scale[r] = amax_rows[r] / 127.0f;
+}
+#endif
+
 #if defined(__AVX512VNNI__)
 // AVX512-VNNI's scores in vpdpbusd, four depths of a key per 32-bit lane: twice the products per instruction of
 // vpdpwssd's pairs. q is rounded to int8 per row (instead of int16: vpdpbusd multiplies bytes), the keys' codes
@@ -274,33 +339,53 @@ inline __m512i StoreCodes(__m512 v, __m512 mul, int8_t* row, __m512i sum) {
   return _mm512_add_epi32(sum, codes);
 }
 
-// row[c] = x[c] scale[c] rounded to int8 at 127 / amax (amax = the largest |x[c] scale[c]|) for c < kVectors 16, the
-// products kept in registers between the two passes; returns the codes' sum.
+// Four rows r of row_count (the rest repeat row 0, their results unused): codes[r] = x_r[c] scale[c] rounded to int8
+// at 127 / amax_r (amax_r = the largest |x_r[c] scale[c]|) for c < kVectors 16; q_sum[r] = the codes' sum, q_scale[r]
+// = amax_r / 127. The rows interleaved so that their reductions and the division overlap.
 template <int kVectors>
-inline int32_t RowToInt8(const float* x, const float* scale, int8_t* row, float& amax) {
-  __m512 v[kVectors];
-  __m512 m = _mm512_setzero_ps();
-  MHA_UNROLL for (int i = 0; i < kVectors; ++i) {
-    v[i] = _mm512_mul_ps(_mm512_loadu_ps(x + 16 * i), _mm512_loadu_ps(scale + 16 * i));
-    m = _mm512_max_ps(m, _mm512_abs_ps(v[i]));
+inline void FourRowsToInt8(int64_t row_count, const float* x, int64_t ldx, const float* scale, int8_t* codes,
+                           int64_t ld_codes, int32_t* q_sum, float* q_scale) {
+  static_assert(kVectors % 4 == 0, "whole groups of four vectors");
+  alignas(64) float products[4][kVectors * 16];
+  __m512 m[4];
+  MHA_UNROLL for (int r = 0; r < 4; ++r) {
+    const float* row = x + (r < row_count ? r : 0) * ldx;
+    m[r] = _mm512_setzero_ps();
+    MHA_UNROLL for (int i = 0; i < kVectors; ++i) {
+      const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(row + 16 * i), _mm512_loadu_ps(scale + 16 * i));
+      _mm512_store_ps(products[r] + 16 * i, v);
+      m[r] = _mm512_max_ps(m[r], _mm512_abs_ps(v));
+    }
   }
-  amax = _mm512_reduce_max_ps(m);
-  const __m512 mul = _mm512_set1_ps(amax > 0 ? 127.0f / amax : 0.0f);
-  __m512i sum = _mm512_setzero_si512();
+  const __m512 amax = ReduceFourRows</*kAdd=*/false>(m);
+  const __m512 mul = FourRowsMultipliers(amax);
   // Four vectors' codes packed into one by two saturating packs (in range already) and one dword permute: three
   // shuffles where four vpmovdb stores took two uops each.
-  static_assert(kVectors % 4 == 0, "whole groups of four vectors");
   const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-  MHA_UNROLL for (int i = 0; i < kVectors; i += 4) {
-    __m512i c[4];
-    MHA_UNROLL for (int j = 0; j < 4; ++j) {
-      c[j] = _mm512_cvtps_epi32(_mm512_mul_ps(v[i + j], mul));
-      sum = _mm512_add_epi32(sum, c[j]);
+  __m512 sums[4];
+  MHA_UNROLL for (int r = 0; r < 4; ++r) {
+    sums[r] = _mm512_setzero_ps();
+    if (r >= row_count) continue;
+    const __m512 row_mul = _mm512_shuffle_f32x4(mul, mul, 0x55 * r);
+    __m512i sum = _mm512_setzero_si512();
+    MHA_UNROLL for (int i = 0; i < kVectors; i += 4) {
+      __m512i c[4];
+      MHA_UNROLL for (int j = 0; j < 4; ++j) {
+        c[j] = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_load_ps(products[r] + 16 * (i + j)), row_mul));
+        sum = _mm512_add_epi32(sum, c[j]);
+      }
+      const __m512i bytes = _mm512_packs_epi16(_mm512_packs_epi32(c[0], c[1]), _mm512_packs_epi32(c[2], c[3]));
+      _mm512_storeu_si512(codes + r * ld_codes + 16 * i, _mm512_permutexvar_epi32(order, bytes));
     }
-    const __m512i bytes = _mm512_packs_epi16(_mm512_packs_epi32(c[0], c[1]), _mm512_packs_epi32(c[2], c[3]));
-    _mm512_storeu_si512(row + 16 * i, _mm512_permutexvar_epi32(order, bytes));
+    sums[r] = _mm512_castsi512_ps(sum);
   }
-  return _mm512_reduce_add_epi32(sum);
+  float amax_rows[4], sum_rows[4];
+  StoreFourRows(amax, amax_rows);
+  StoreFourRows(ReduceFourRows</*kAdd=*/true>(sums), sum_rows);
+  for (int64_t r = 0; r < row_count && r < 4; ++r) {
+    __builtin_memcpy(&q_sum[r], &sum_rows[r], sizeof(int32_t));
+    q_scale[r] = amax_rows[r] / 127.0f;
+  }
 }
 
 // The same for n a multiple of 16 (x zero-padded to n where the depth is not).
@@ -349,15 +434,21 @@ void Int8ScoresInQuads(int64_t rows, int64_t keys, int64_t depth, const float* q
   float q_scale[kInt8MaxRows];
   float scale[kInt8MaxDepth + 2 * I8::kLanes];
   WidenScales(key_scales, depth, scale);
-  for (int64_t r = 0; r < rows; ++r) {
-    // Depth quads as int32 words, little-endian: depth 4i in the low byte (padding depths zero).
-    int8_t* row = reinterpret_cast<int8_t*>(codes + r * kInt8MaxDepth / 4);
-    float amax;
+  // Depth quads as int32 words, little-endian: depth 4i in the low byte (padding depths zero).
+  int8_t* const rows_codes = reinterpret_cast<int8_t*>(codes);
+  const bool common = depth == 128 || depth == 64;
+  for (int64_t r = 0; common && r < rows; r += 4) {
+    int8_t* row = rows_codes + r * kInt8MaxDepth;
     if (depth == 128) {
-      q_sum[r] = RowToInt8<8>(q + r * ldq, scale, row, amax);
-    } else if (depth == 64) {
-      q_sum[r] = RowToInt8<4>(q + r * ldq, scale, row, amax);
-    } else if (depth % 16 == 0) {  // whole vectors of quads: no padding to add
+      FourRowsToInt8<8>(rows - r, q + r * ldq, ldq, scale, row, kInt8MaxDepth, q_sum + r, q_scale + r);
+    } else {
+      FourRowsToInt8<4>(rows - r, q + r * ldq, ldq, scale, row, kInt8MaxDepth, q_sum + r, q_scale + r);
+    }
+  }
+  for (int64_t r = 0; !common && r < rows; ++r) {
+    int8_t* row = rows_codes + r * kInt8MaxDepth;
+    float amax;
+    if (depth % 16 == 0) {  // whole vectors of quads: no padding to add
       q_sum[r] = RowToInt8Padded(q + r * ldq, depth, scale, row, amax);
     } else {
       float x[kInt8MaxDepth + I8::kLanes] = {};  // zero-padded to whole vectors
@@ -483,7 +574,14 @@ void Int8Values(int64_t rows, int64_t keys, int64_t width, const float* p, int64
   float scale[kInt8MaxKeys + 2 * I8::kLanes];
   WidenScales(value_scales, keys, scale);
   const int64_t whole_keys = keys / I8::kLanes * I8::kLanes;
-  for (int64_t r = 0; r < rows; ++r) {
+  int64_t r = 0;
+#if defined(__AVX512BW__)
+  for (; keys % 16 == 0 && r < rows; r += 4) {
+    uint8_t* row = reinterpret_cast<uint8_t*>(codes + r * kInt8MaxKeys / 4);
+    FourRowsToBytes(rows - r, keys / 16, p + r * ldp, ldp, scale, row, kInt8MaxKeys, p_scale + r);
+  }
+#endif
+  for (; r < rows; ++r) {
     const float* x = p + r * ldp;
     const float amax = MaxAbsProduct(x, scale, keys);  // p >= 0
     p_scale[r] = amax / 127.0f;
