@@ -83,13 +83,20 @@ struct I8 {
   static W KeyPairs(const int8_t* p) {
     return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
+  // The adds into the accumulator written as inline assembly, in place: through the intrinsics GCC 12 added into
+  // the product's register and copied that back to the accumulator's, a copy per add, and spilled one of the
+  // scores kernel's accumulators to the stack.
+  static W AddInPlace(W acc, W x) {
+    __asm__("vpaddd %1, %0, %0" : "+x"(acc) : "x"(x));
+    return acc;
+  }
   static W AddPairs(W acc, int32_t pair, W k) {
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_set1_epi32(pair), k));
+    return AddInPlace(acc, _mm256_madd_epi16(_mm256_set1_epi32(pair), k));
   }
   static W ValueQuads(const int8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
   static W AddQuads(W acc, int32_t quad, W v) {
     const W pairs = _mm256_maddubs_epi16(_mm256_set1_epi32(quad), v);
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+    return AddInPlace(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
   }
   static void StoreScaled(float* out, W acc, float scale) {
     _mm256_storeu_ps(out, _mm256_mul_ps(_mm256_cvtepi32_ps(acc), _mm256_set1_ps(scale)));
