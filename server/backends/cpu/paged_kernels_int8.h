@@ -497,11 +497,14 @@ void Int8Scores(int64_t rows, int64_t keys, int64_t depth, const float* q, int64
   float scale[kInt8MaxDepth + 2 * I8::kLanes];
   WidenScales(key_scales, depth, scale);
   const int64_t whole = depth / I8::kLanes * I8::kLanes;
+  // Two passes: every row's largest product first, so that the rows' reductions overlap rather than each row's
+  // rounding waiting on its own.
+  float amax[kInt8MaxRows];
+  for (int64_t r = 0; r < rows; ++r) amax[r] = MaxAbsProduct(q + r * ldq, scale, depth);
   for (int64_t r = 0; r < rows; ++r) {
     const float* x = q + r * ldq;
-    const float amax = MaxAbsProduct(x, scale, depth);
-    q_scale[r] = amax / q_max;
-    const float mul = amax > 0 ? q_max / amax : 0.0f;
+    q_scale[r] = amax[r] / q_max;
+    const float mul = amax[r] > 0 ? q_max / amax[r] : 0.0f;
     // Depth pairs as int32 words, little-endian: depth 2i in the low half (the padding depth of an odd one zero).
     int16_t* row = reinterpret_cast<int16_t*>(codes + r * kInt8MaxDepth / 2);
     for (int64_t c = 0; c < whole; c += I8::kLanes) I8::ToInt16(x + c, scale + c, mul, row + c);
@@ -588,11 +591,13 @@ void Int8Values(int64_t rows, int64_t keys, int64_t width, const float* p, int64
     FourRowsToBytes(rows - r, keys / 16, p + r * ldp, ldp, scale, row, kInt8MaxKeys, p_scale + r);
   }
 #endif
+  // The other rows in two passes, as Int8Scores' (p >= 0).
+  float amax[kInt8MaxRows];
+  for (int64_t i = r; i < rows; ++i) amax[i] = MaxAbsProduct(p + i * ldp, scale, keys);
   for (; r < rows; ++r) {
     const float* x = p + r * ldp;
-    const float amax = MaxAbsProduct(x, scale, keys);  // p >= 0
-    p_scale[r] = amax / 127.0f;
-    const float mul = amax > 0 ? 127.0f / amax : 0.0f;
+    p_scale[r] = amax[r] / 127.0f;
+    const float mul = amax[r] > 0 ? 127.0f / amax[r] : 0.0f;
     // Key quads as int32 words, little-endian: key 4i in the low byte (keys past `keys` zero).
     uint8_t* row = reinterpret_cast<uint8_t*>(codes + r * kInt8MaxKeys / 4);
     for (int64_t j = 0; j < whole_keys; j += I8::kLanes) I8::ToBytes(x + j, scale + j, mul, row + j);
