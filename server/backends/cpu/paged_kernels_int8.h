@@ -295,7 +295,7 @@ inline void FourRowsToBytes(int64_t row_count, int64_t vectors, const float* x, 
   const __m512 mul = FourRowsMultipliers(amax);
   MHA_UNROLL for (int r = 0; r < 4; ++r) {
     if (r >= row_count) break;
-    const __m512 row_mul = _mm512_shuffle_f32x4(mul, mul, 0x55 * r);
+    const __m512 row_mul = _mm512_permutexvar_ps(_mm512_set1_epi32(4 * r), mul);  // lane 4r everywhere
     for (int64_t i = 0; i < vectors; ++i) {
       const __m512i n = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_load_ps(products[r] + 16 * i), row_mul));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + r * ld_codes + 16 * i), _mm512_cvtepi32_epi8(n));
@@ -373,7 +373,7 @@ inline void FourRowsToInt8(int64_t row_count, const float* x, int64_t ldx, const
   MHA_UNROLL for (int r = 0; r < 4; ++r) {
     sums[r] = _mm512_setzero_ps();
     if (r >= row_count) continue;
-    const __m512 row_mul = _mm512_shuffle_f32x4(mul, mul, 0x55 * r);
+    const __m512 row_mul = _mm512_permutexvar_ps(_mm512_set1_epi32(4 * r), mul);  // lane 4r everywhere
     __m512i sum = _mm512_setzero_si512();
     MHA_UNROLL for (int i = 0; i < kVectors; i += 4) {
       __m512i c[4];
