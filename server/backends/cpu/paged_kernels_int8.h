@@ -275,23 +275,32 @@ inline __m512 FourRowsMultipliers(__m512 amax) {
   return _mm512_maskz_div_ps(positive, _mm512_set1_ps(127.0f), amax);
 }
 
+// products[r][c] = x_r[c] scale[c] for c < 16 vectors, four rows r (those from row_count on repeat row 0); returns
+// each row's largest |product| in lanes 4r..4r+3. kVectors > 0: `vectors` is that constant (the loops unrolled).
+template <int kVectors>
+inline __m512 FourRowsProducts(int64_t row_count, int64_t vectors, const float* x, int64_t ldx, const float* scale,
+                               float (&products)[4][kInt8MaxKeys]) {
+  const int64_t n = kVectors > 0 ? kVectors : vectors;
+  __m512 m[4];
+  MHA_UNROLL for (int r = 0; r < 4; ++r) {
+    const float* row = x + (r < row_count ? r : 0) * ldx;
+    m[r] = _mm512_setzero_ps();
+    MHA_UNROLL for (int64_t i = 0; i < n; ++i) {
+      const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(row + 16 * i), _mm512_loadu_ps(scale + 16 * i));
+      _mm512_store_ps(products[r] + 16 * i, v);
+      m[r] = _mm512_max_ps(m[r], _mm512_abs_ps(v));
+    }
+  }
+  return ReduceFourRows</*kAdd=*/false>(m);
+}
+
 // Four rows r of row_count (the rest repeat row 0, their results unused) of the weights x_r[j] >= 0, j < 16 vectors:
 // codes[r] = x_r[j] scale[j] rounded to 7 bits at 127 / amax_r (amax_r the largest x_r[j] scale[j]); p_scale[r] =
 // amax_r / 127. Int8Values' rounding per row, the rows' reductions and divisions shared.
 inline void FourRowsToBytes(int64_t row_count, int64_t vectors, const float* x, int64_t ldx, const float* scale,
                             uint8_t* codes, int64_t ld_codes, float* p_scale) {
   alignas(64) float products[4][kInt8MaxKeys];
-  __m512 m[4];
-  MHA_UNROLL for (int r = 0; r < 4; ++r) {
-    const float* row = x + (r < row_count ? r : 0) * ldx;
-    m[r] = _mm512_setzero_ps();
-    for (int64_t i = 0; i < vectors; ++i) {
-      const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(row + 16 * i), _mm512_loadu_ps(scale + 16 * i));
-      _mm512_store_ps(products[r] + 16 * i, v);
-      m[r] = _mm512_max_ps(m[r], v);
-    }
-  }
-  const __m512 amax = ReduceFourRows</*kAdd=*/false>(m);
+  const __m512 amax = FourRowsProducts<0>(row_count, vectors, x, ldx, scale, products);
   const __m512 mul = FourRowsMultipliers(amax);
   MHA_UNROLL for (int r = 0; r < 4; ++r) {
     if (r >= row_count) break;
@@ -353,18 +362,8 @@ template <int kVectors>
 inline void FourRowsToInt8(int64_t row_count, const float* x, int64_t ldx, const float* scale, int8_t* codes,
                            int64_t ld_codes, int32_t* q_sum, float* q_scale) {
   static_assert(kVectors % 4 == 0, "whole groups of four vectors");
-  alignas(64) float products[4][kVectors * 16];
-  __m512 m[4];
-  MHA_UNROLL for (int r = 0; r < 4; ++r) {
-    const float* row = x + (r < row_count ? r : 0) * ldx;
-    m[r] = _mm512_setzero_ps();
-    MHA_UNROLL for (int i = 0; i < kVectors; ++i) {
-      const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(row + 16 * i), _mm512_loadu_ps(scale + 16 * i));
-      _mm512_store_ps(products[r] + 16 * i, v);
-      m[r] = _mm512_max_ps(m[r], _mm512_abs_ps(v));
-    }
-  }
-  const __m512 amax = ReduceFourRows</*kAdd=*/false>(m);
+  alignas(64) float products[4][kInt8MaxKeys];
+  const __m512 amax = FourRowsProducts<kVectors>(row_count, kVectors, x, ldx, scale, products);
   const __m512 mul = FourRowsMultipliers(amax);
   // Four vectors' codes packed into one by two saturating packs (in range already) and one dword permute: three
   // shuffles where four vpmovdb stores took two uops each.
