@@ -34,6 +34,12 @@ struct RowCount {
   static constexpr int kValue = kN;
 };
 
+// A constant bool passed as a value, as RowCount passes an int: a generic lambda's compile-time switch.
+template <bool kB>
+struct Flag {
+  static constexpr bool kValue = kB;
+};
+
 // Calls f(RowCount<n>{}) with the register block height n = rows (1..kMax).
 template <int kMax, typename F>
 inline void WithRows(int64_t rows, F&& f) {

@@ -107,6 +107,18 @@ inline Isa::V LoadElementsPartial(const E* p, int n) {
 #include "server/backends/cpu/paged_kernels_common.h"  // Ahead, WithRows
 #include "server/backends/cpu/paged_kernels_int8.h"    // Int8Scores, Int8Values, ScaleOf
 
+// acc + a b, the sum left in acc's register. On AVX2 written as inline assembly: through the intrinsic GCC 12 let
+// the sum land in a or b's register once the key loop was unrolled, and the copies back cost the front end what the
+// FMAs need.
+inline Isa::V AddProduct(Isa::V acc, Isa::V a, Isa::V b) {
+#if defined(__AVX2__) && !defined(__AVX512F__)
+  __asm__("vfmadd231ps %2, %1, %0" : "+x"(acc) : "x"(a), "x"(b));
+  return acc;
+#else
+  return Isa::Fma(a, b, acc);
+#endif
+}
+
 // Paired bf16 (AVX2): 2 kLanes bf16 elements loaded as one vector of pairs, split into their even elements (each
 // pair's low word shifted up) and odd ones (the high word masked): two instructions per 2 kLanes elements where
 // widening each half takes four, which on AVX2 share the ports with the FMAs that bound the 16-bit decode. The
@@ -160,26 +172,24 @@ inline void PagedScoreBlock(int64_t depth, const float* q, int64_t ldq, const E*
       MHA_UNROLL for (int v = 0; v < kVectors; ++v) acc[h][r][v] = Isa::Zero();
     }
   }
-  int64_t c = 0;
-  for (; c + kSets <= depth; c += kSets) {
-    ahead.Step();
-    MHA_UNROLL for (int h = 0; h < kSets; ++h) {
-      V b[kVectors];
-      LoadVectors<E, kVectors>(kt + (c + h) * ldk, b);
-      MHA_UNROLL for (int r = 0; r < kRows; ++r) {
-        const V a = Isa::Broadcast(q + r * ldq + c + h);
-        MHA_UNROLL for (int v = 0; v < kVectors; ++v) acc[h][r][v] = Isa::Fma(a, b[v], acc[h][r][v]);
-      }
-    }
-  }
-  for (; c < depth; ++c) {  // an odd depth's last row
+  // kDepths depths an iteration (two where one set of accumulators takes them all) and one Step per two depths, as
+  // PagedScores counts them: the loop's and the prefetches' bookkeeping, which on AVX2 competed with the FMAs for
+  // the front end, paid once per two depths.
+  constexpr int kDepths = kSets == 1 ? 2 : kSets;
+  const auto depth_row = [&](int64_t c, V (&sums)[kRows][kVectors]) {
     V b[kVectors];
     LoadVectors<E, kVectors>(kt + c * ldk, b);
     MHA_UNROLL for (int r = 0; r < kRows; ++r) {
       const V a = Isa::Broadcast(q + r * ldq + c);
-      MHA_UNROLL for (int v = 0; v < kVectors; ++v) acc[0][r][v] = Isa::Fma(a, b[v], acc[0][r][v]);
+      MHA_UNROLL for (int v = 0; v < kVectors; ++v) sums[r][v] = AddProduct(sums[r][v], a, b[v]);
     }
+  };
+  int64_t c = 0;
+  for (; c + kDepths <= depth; c += kDepths) {
+    MHA_UNROLL for (int d = 0; d < kDepths; d += 2) ahead.Step();
+    MHA_UNROLL for (int d = 0; d < kDepths; ++d) depth_row(c + d, acc[d % kSets]);
   }
+  for (; c < depth; ++c) depth_row(c, acc[0]);  // the depths that fill no iteration
   MHA_UNROLL for (int r = 0; r < kRows; ++r) {
     V sums[kVectors];
     MHA_UNROLL for (int v = 0; v < kVectors; ++v) {
@@ -274,23 +284,41 @@ inline void PagedValueBlock(const ValueParts<E>& v, int64_t width, const float* 
       MHA_UNROLL for (int x = 0; x < kVectors; x += 2) ToPairedOrder(&acc[r][x], &acc[r][x + 1]);
     }
   }
-  const auto part = [&](const E* rows, const float* pp, int64_t keys) {
-    for (int64_t j = 0; j < keys; ++j) {
+  // One key's products; kPartial: the last vector holds last_lanes columns (a test hoisted out of the key loop).
+  const auto key = [&](const E* row, const float* pp, auto partial) {
+    V b[kVectors];
+    if constexpr (kPairs) {
+      LoadVectors<E, kVectors>(row, b);
+    } else {
+      MHA_UNROLL for (int x = 0; x < kVectors; ++x) {
+        b[x] = decltype(partial)::kValue && x == kVectors - 1 ? LoadElementsPartial(row + x * Isa::kLanes, last_lanes)
+                                                               : LoadElements(row + x * Isa::kLanes);
+      }
+    }
+    MHA_UNROLL for (int r = 0; r < kRows; ++r) {
+      const V a = Isa::Broadcast(pp + r * ldp);
+      MHA_UNROLL for (int x = 0; x < kVectors; ++x) acc[r][x] = AddProduct(acc[r][x], a, b[x]);
+    }
+  };
+  // Two keys a step: the loop's and the prefetches' bookkeeping, which on AVX2 competed with the FMAs for the
+  // front end, paid once per pair (ValuesOverParts counts the steps so).
+  const auto keys_of = [&](const E* rows, const float* pp, int64_t keys, auto partial) {
+    int64_t j = 0;
+    for (; j + 2 <= keys; j += 2) {
       ahead.Step();
-      V b[kVectors];
-      if constexpr (kPairs) {
-        LoadVectors<E, kVectors>(rows + j * width, b);
-      } else {
-        MHA_UNROLL for (int x = 0; x < kVectors; ++x) {
-          const E* row = rows + j * width + x * Isa::kLanes;
-          b[x] = x == kVectors - 1 && last_lanes < Isa::kLanes ? LoadElementsPartial(row, last_lanes)
-                                                                : LoadElements(row);
-        }
-      }
-      MHA_UNROLL for (int r = 0; r < kRows; ++r) {
-        const V a = Isa::Broadcast(pp + r * ldp + j);
-        MHA_UNROLL for (int x = 0; x < kVectors; ++x) acc[r][x] = Isa::Fma(a, b[x], acc[r][x]);
-      }
+      key(rows + j * width, pp + j, partial);
+      key(rows + (j + 1) * width, pp + j + 1, partial);
+    }
+    if (j < keys) {
+      ahead.Step();
+      key(rows + j * width, pp + j, partial);
+    }
+  };
+  const auto part = [&](const E* rows, const float* pp, int64_t keys) {
+    if (last_lanes < Isa::kLanes) {
+      keys_of(rows, pp, keys, Flag<true>{});
+    } else {
+      keys_of(rows, pp, keys, Flag<false>{});
     }
   };
   // One part without the loop over parts: on AVX2 its bookkeeping took registers the accumulators need.
@@ -354,7 +382,7 @@ void ValuesOverParts(int64_t rows, const void* const* parts, const uint16_t* con
     const int64_t last = g + count == blocks ? last_keys : block_keys;
     // The next group's first part (as long as `ahead`, a part's V) streams in while this group computes.
     Ahead ahead(g + count < blocks ? parts[g + count] : ahead_bytes, ahead_size,
-                ((count - 1) * block_keys + last) * panels * row_blocks,
+                ((count - 1) * ((block_keys + 1) / 2) + (last + 1) / 2) * panels * row_blocks,
                 kPrefetchPart<E> && count == 1 ? parts[g] : nullptr);
     for (int64_t c = 0; c < width; c += kPanel) {
       const int64_t left = width - c;
