@@ -430,6 +430,78 @@ TEST_P(Fp8LargeValuesTest, ScoresAndValuesMatchTheWideningKernels) {
 INSTANTIATE_TEST_SUITE_P(Dtypes, Fp8LargeValuesTest, ::testing::Values(v1::FP8_E4M3, v1::FP8_E5M2),
                          [](const auto& info) { return DTypeName(info.param); });
 
+// Every set whose FP8 kernels widen the codes (portable through fp16's bits; AVX2 and AVX-512 through fp32's, their
+// factor folded into q times the key scales and the weights times the value scales) computes the block's scores and
+// values from the cache's decoded keys and values, to fp32's rounding: with ordinary values, and with a key channel
+// and a token's values near the codes' range, whose fold passes fp32's range and takes the fp16 route (E4M3; E5M2's
+// factor is 2^112, and its range 57344 keeps the fold finite).
+class Fp8WideningTest : public ::testing::TestWithParam<std::tuple<v1::DataType, bool>> {};
+
+TEST_P(Fp8WideningTest, EverySetComputesFromTheDecodedCache) {
+  const auto [dtype, large] = GetParam();
+  constexpr int64_t depth = 78, tokens = 32, rows = 4;  // a partial last vector of columns on every set
+  std::mt19937 rng(11);
+  std::vector<float> k = Normal(tokens * depth, rng), v = Normal(tokens * depth, rng), q = Normal(rows * depth, rng);
+  std::vector<float> p = Normal(rows * tokens, rng, true);
+  if (large) {
+    k[5 * depth + 7] = 200000.0f;  // E4M3's key scale 446, and q of 1 or more times it past 2^8
+    v[9 * depth + 3] = 200000.0f;
+    for (int64_t r = 0; r < rows; ++r) {
+      q[r * depth + 7] = 2.0f;
+      p[r * tokens + 9] = 1.0f;
+    }
+  }
+  const KvCacheLayout cache{1, depth, tokens, dtype};
+  std::vector<char> block(cache.BlockBytes());
+  quant::WriteTokens(cache, block.data(), 0, 0, tokens, k.data(), depth, v.data(), depth);
+  const char* key_part = block.data() + cache.KeyPart(0);
+  const char* value_part = block.data() + cache.ValuePart(0);
+  const auto* key_scales = reinterpret_cast<const uint16_t*>(key_part + quant::KeyScalesOffset(cache));
+  const auto* value_scales = reinterpret_cast<const uint16_t*>(value_part + quant::ValueScalesOffset(cache));
+  std::vector<double> want_s(rows * tokens), want_o(rows * depth);
+  double s_norm = 0, o_norm = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t j = 0; j < tokens; ++j) {
+      for (int64_t c = 0; c < depth; ++c) {
+        want_s[r * tokens + j] += q[r * depth + c] * quant::KeyAt(cache, block.data(), 0, j, c);
+      }
+      s_norm = std::max(s_norm, std::fabs(want_s[r * tokens + j]));
+    }
+    for (int64_t c = 0; c < depth; ++c) {
+      want_o[r * depth + c] = 1.0;
+      for (int64_t j = 0; j < tokens; ++j) {
+        want_o[r * depth + c] += p[r * tokens + j] * quant::ValueAt(cache, block.data(), 0, j, c);
+      }
+      o_norm = std::max(o_norm, std::fabs(want_o[r * depth + c]));
+    }
+  }
+  __builtin_cpu_init();
+  const struct {
+    const char* name;
+    const kernels::PagedKernels* set;
+    bool runs;
+  } sets[] = {{"portable", &kernels::portable::kPagedKernels[dtype - 1], true},
+              {"avx2", &kernels::avx2::kPagedKernels[dtype - 1], kernels::TileKernelsFor("avx2") != nullptr},
+              {"avx512", &kernels::avx512::kPagedKernels[dtype - 1], kernels::TileKernelsFor("avx512") != nullptr}};
+  for (const auto& [name, set, runs] : sets) {
+    if (!runs) continue;
+    std::vector<float> s(rows * tokens), o(rows * depth, 1.0f);
+    const std::vector<float> o_scale(rows, 1.0f);
+    set->scores(rows, tokens, depth, q.data(), depth, key_part, tokens, key_scales, s.data(), tokens, nullptr, 0);
+    set->values(rows, tokens, depth, p.data(), tokens, value_part, value_scales, o_scale.data(), o.data(), depth,
+                nullptr, 0);
+    for (size_t i = 0; i < s.size(); ++i) ASSERT_NEAR(s[i], want_s[i], 1e-5 * s_norm) << name << " score " << i;
+    for (size_t i = 0; i < o.size(); ++i) ASSERT_NEAR(o[i], want_o[i], 1e-5 * o_norm) << name << " output " << i;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, Fp8WideningTest,
+                         ::testing::Combine(::testing::Values(v1::FP8_E4M3, v1::FP8_E5M2), ::testing::Bool()),
+                         [](const auto& info) {
+                           return std::string(DTypeName(std::get<0>(info.param))) +
+                                  (std::get<1>(info.param) ? "_large" : "");
+                         });
+
 // ---------------------------------------------------------------------------------------------------------------
 // Accuracy of a decode token (GQA groups of 4, d_k 128, 2048 cached tokens written one at a time as a decode writes
 // them): ||out - exact|| / ||exact|| over all its heads, exact = float64 attention over the keys and values before

@@ -29,6 +29,30 @@ inline uint16_t HalfBits(E4m3 x) {
   return static_cast<uint16_t>(((x.bits & 0x80u) << 8) | ((x.bits & 0x7fu) << 7));
 }
 inline uint16_t HalfBits(E5m2 x) { return static_cast<uint16_t>(x.bits << 8); }
+// FP8 codes read as fp32's bits, the sign in fp32's and the exponent and mantissa bits in the low ones of fp32's:
+// 2^-120 (E4M3) or 2^-112 (E5M2) of the code's value, subnormal codes included (as fp32 subnormals; nothing here
+// sets denormals-are-zero), in three instructions per vector where fp16's route takes five. The kernels fold the
+// factor into q times the key scales and the weights times the value scales; where that passes fp32's range (q
+// times a key scale, or a weight times a value scale, of 2^8 or more for E4M3: keys or values near 10^5) a call
+// takes the fp16 route (Via), whose factor of 256 or 1 does not.
+template <typename Half8>
+struct InFp32Bits {
+  using Via = Half8;
+  uint8_t bits;
+};
+template <typename E>
+inline constexpr bool kInFp32Bits = false;
+template <typename H>
+inline constexpr bool kInFp32Bits<InFp32Bits<H>> = true;
+// The FP8 types a set's kernels take: fp32's bits where its widening has them in three instructions (AVX2, AVX-512),
+// fp16's in plain loops.
+#if defined(__AVX2__)
+using E4m3Code = InFp32Bits<E4m3>;
+using E5m2Code = InFp32Bits<E5m2>;
+#else
+using E4m3Code = E4m3;
+using E5m2Code = E5m2;
+#endif
 template <typename E>
 inline constexpr bool kIsFp8 = sizeof(E) == 1;
 // Whether a part's own lines are prefetched into L1 as it is read (Ahead's `here`): fp32 on AVX-512, whose kernel
@@ -39,6 +63,13 @@ inline constexpr bool kPrefetchPart = Isa::kLanes == 16 && sizeof(E) == 4;
 // The factor an FP8 element's widened value is short of the code's value.
 constexpr float WidenedFactor(E4m3) { return 256.0f; }
 constexpr float WidenedFactor(E5m2) { return 1.0f; }
+constexpr float WidenedFactor(InFp32Bits<E4m3>) { return 0x1p120f; }
+constexpr float WidenedFactor(InFp32Bits<E5m2>) { return 0x1p112f; }
+template <typename H>
+inline uint32_t Fp32Bits(InFp32Bits<H> x) {
+  constexpr int kShift = WidenedFactor(H{}) != 1.0f ? 20 : 21;  // E4M3's 3 mantissa bits, E5M2's 2
+  return (static_cast<uint32_t>(x.bits & 0x80u) << 24) | (static_cast<uint32_t>(x.bits & 0x7fu) << kShift);
+}
 
 inline Isa::V LoadElements(const float* p) { return Isa::Load(p); }
 inline Isa::V LoadElements(const Half* p) { return Isa::LoadHalf(&p->bits); }
@@ -66,6 +97,23 @@ inline Isa::V LoadElements(const E* p) {
 #endif
 }
 
+#if defined(__AVX2__)
+template <typename H>
+inline Isa::V LoadElements(const InFp32Bits<H>* p) {
+  constexpr bool kE4m3 = WidenedFactor(H{}) != 1.0f;
+  // Sign-extended, the shift puts the sign's copies in fp32's sign and the exponent's top bits, which the mask clears.
+  constexpr int kShift = kE4m3 ? 20 : 21;
+  constexpr int kMask = static_cast<int>(kE4m3 ? 0x87f00000u : 0x8fe00000u);
+#if defined(__AVX512F__)
+  const __m512i x = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm512_castsi512_ps(_mm512_and_si512(_mm512_slli_epi32(x, kShift), _mm512_set1_epi32(kMask)));
+#else
+  const __m256i x = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(x, kShift), _mm256_set1_epi32(kMask)));
+#endif
+}
+#endif
+
 inline float Widen(float x) { return x; }
 inline float Widen(Half x) {
   // IEEE binary16 to binary32, exactly (subnormals, infinities and NaN included).
@@ -89,6 +137,13 @@ inline float Widen(Half x) {
 }
 inline float Widen(E4m3 x) { return Widen(Half{HalfBits(x)}); }
 inline float Widen(E5m2 x) { return Widen(Half{HalfBits(x)}); }
+template <typename H>
+inline float Widen(InFp32Bits<H> x) {
+  const uint32_t bits = Fp32Bits(x);
+  float f;
+  __builtin_memcpy(&f, &bits, sizeof(f));
+  return f;
+}
 inline float Widen(Bf16 x) {
   const uint32_t bits = static_cast<uint32_t>(x.bits) << 16;
   float f;
@@ -231,8 +286,17 @@ void PagedScores(int64_t rows, int64_t keys, int64_t depth, const float* q, int6
   // An FP8 block's q times its key scales, per channel (each row's zeros past depth reach into the next row's).
   float scaled[kInt8MaxRows * kInt8MaxDepth + 16];
   if constexpr (kIsFp8<E>) {
+    float largest = 0.0f;
     for (int64_t r = 0; r < rows; ++r) {
-      ScaledRow(q + r * ldq, key_scales, depth, scaled + r * depth, WidenedFactor(E{}));
+      const float m = ScaledRow(q + r * ldq, key_scales, depth, scaled + r * depth, WidenedFactor(E{}));
+      largest = m > largest ? m : largest;
+    }
+    if constexpr (kInFp32Bits<E>) {
+      if (!(largest <= __FLT_MAX__)) {  // the factor carried a product past fp32's range (or q holds a NaN)
+        PagedScores<typename E::Via>(rows, keys, depth, q, ldq, kt_bytes, ldk, key_scales, s, lds, ahead_bytes,
+                                     ahead_size);
+        return;
+      }
     }
     q = scaled;
     ldq = depth;
@@ -404,8 +468,17 @@ void PagedValues(int64_t rows, int64_t keys, int64_t width, const float* p, int6
                  int64_t ahead_size) {
   float scaled[kInt8MaxRows * kInt8MaxKeys + 16];  // an FP8 block's p times its value scales, per token
   if constexpr (kIsFp8<E>) {
+    float largest = 0.0f;
     for (int64_t r = 0; r < rows; ++r) {
-      ScaledRow(p + r * ldp, value_scales, keys, scaled + r * keys, WidenedFactor(E{}));
+      const float m = ScaledRow(p + r * ldp, value_scales, keys, scaled + r * keys, WidenedFactor(E{}));
+      largest = m > largest ? m : largest;
+    }
+    if constexpr (kInFp32Bits<E>) {
+      if (!(largest <= __FLT_MAX__)) {  // as PagedScores'
+        PagedValues<typename E::Via>(rows, keys, width, p, ldp, v_bytes, value_scales, o_scale, o, ldo, ahead_bytes,
+                                     ahead_size);
+        return;
+      }
     }
     p = scaled;
     ldp = keys;
@@ -450,4 +523,4 @@ constexpr PagedKernels KernelsOf() {
 extern const PagedKernels kPagedKernels[kPagedDtypes] = {
     KernelsOf<float>(), KernelsOf<Half>(),  KernelsOf<Bf16>(),
     {&Int8Scores, &Int8Values, &ScoresInRowGroups<&Int8Scores>, &ValuesPartByPart<&Int8Values>},
-    KernelsOf<E4m3>(), KernelsOf<E5m2>()};
+    KernelsOf<E4m3Code>(), KernelsOf<E5m2Code>()};
