@@ -346,16 +346,29 @@ struct Fp8SetsRun {
   std::vector<float> s[2], o[2];  // [0]: widening, [1]: AVX512-BF16
 };
 
+// One block of `tokens` keys and values ([tokens, depth] each) written to an FP8 cache: its key and value parts and
+// their scales, as the kernels take them.
+struct Fp8Block {
+  Fp8Block(v1::DataType dtype, int64_t depth, int64_t tokens, const std::vector<float>& k, const std::vector<float>& v)
+      : cache{1, depth, tokens, dtype}, bytes(cache.BlockBytes()) {
+    quant::WriteTokens(cache, bytes.data(), 0, 0, tokens, k.data(), depth, v.data(), depth);
+    key_part = bytes.data() + cache.KeyPart(0);
+    value_part = bytes.data() + cache.ValuePart(0);
+    key_scales = reinterpret_cast<const uint16_t*>(key_part + quant::KeyScalesOffset(cache));
+    value_scales = reinterpret_cast<const uint16_t*>(value_part + quant::ValueScalesOffset(cache));
+  }
+  KvCacheLayout cache;
+  std::vector<char> bytes;
+  const char* key_part = nullptr;
+  const char* value_part = nullptr;
+  const uint16_t* key_scales = nullptr;
+  const uint16_t* value_scales = nullptr;
+};
+
 Fp8SetsRun RunFp8Sets(v1::DataType dtype, int64_t depth, int64_t tokens, int64_t rows, int64_t value_keys,
                       const std::vector<float>& k, const std::vector<float>& v, const std::vector<float>& q,
                       const std::vector<float>& p) {
-  const KvCacheLayout cache{1, depth, tokens, dtype};
-  std::vector<char> block(cache.BlockBytes());
-  quant::WriteTokens(cache, block.data(), 0, 0, tokens, k.data(), depth, v.data(), depth);
-  const char* key_part = block.data() + cache.KeyPart(0);
-  const char* value_part = block.data() + cache.ValuePart(0);
-  const auto* key_scales = reinterpret_cast<const uint16_t*>(key_part + quant::KeyScalesOffset(cache));
-  const auto* value_scales = reinterpret_cast<const uint16_t*>(value_part + quant::ValueScalesOffset(cache));
+  const Fp8Block b(dtype, depth, tokens, k, v);
   const kernels::PagedKernels* sets[2] = {&kernels::avx512::kPagedKernels[dtype - 1],
                                           &kernels::avx512bf16::kFp8PagedKernels[dtype == v1::FP8_E4M3 ? 0 : 1]};
   std::vector<float> o_scale(rows);
@@ -364,9 +377,9 @@ Fp8SetsRun RunFp8Sets(v1::DataType dtype, int64_t depth, int64_t tokens, int64_t
   for (int i = 0; i < 2; ++i) {
     run.s[i].assign(rows * tokens, 0.0f);
     run.o[i].assign(rows * depth, 1.0f);
-    sets[i]->scores(rows, tokens, depth, q.data(), depth, key_part, tokens, key_scales, run.s[i].data(), tokens,
+    sets[i]->scores(rows, tokens, depth, q.data(), depth, b.key_part, tokens, b.key_scales, run.s[i].data(), tokens,
                     nullptr, 0);
-    sets[i]->values(rows, value_keys, depth, p.data(), tokens, value_part, value_scales, o_scale.data(),
+    sets[i]->values(rows, value_keys, depth, p.data(), tokens, b.value_part, b.value_scales, o_scale.data(),
                     run.o[i].data(), depth, nullptr, 0);
   }
   return run;
@@ -451,26 +464,20 @@ TEST_P(Fp8WideningTest, EverySetComputesFromTheDecodedCache) {
       p[r * tokens + 9] = 1.0f;
     }
   }
-  const KvCacheLayout cache{1, depth, tokens, dtype};
-  std::vector<char> block(cache.BlockBytes());
-  quant::WriteTokens(cache, block.data(), 0, 0, tokens, k.data(), depth, v.data(), depth);
-  const char* key_part = block.data() + cache.KeyPart(0);
-  const char* value_part = block.data() + cache.ValuePart(0);
-  const auto* key_scales = reinterpret_cast<const uint16_t*>(key_part + quant::KeyScalesOffset(cache));
-  const auto* value_scales = reinterpret_cast<const uint16_t*>(value_part + quant::ValueScalesOffset(cache));
+  const Fp8Block b(dtype, depth, tokens, k, v);
   std::vector<double> want_s(rows * tokens), want_o(rows * depth);
   double s_norm = 0, o_norm = 0;
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t j = 0; j < tokens; ++j) {
       for (int64_t c = 0; c < depth; ++c) {
-        want_s[r * tokens + j] += q[r * depth + c] * quant::KeyAt(cache, block.data(), 0, j, c);
+        want_s[r * tokens + j] += q[r * depth + c] * quant::KeyAt(b.cache, b.bytes.data(), 0, j, c);
       }
       s_norm = std::max(s_norm, std::fabs(want_s[r * tokens + j]));
     }
     for (int64_t c = 0; c < depth; ++c) {
       want_o[r * depth + c] = 1.0;
       for (int64_t j = 0; j < tokens; ++j) {
-        want_o[r * depth + c] += p[r * tokens + j] * quant::ValueAt(cache, block.data(), 0, j, c);
+        want_o[r * depth + c] += p[r * tokens + j] * quant::ValueAt(b.cache, b.bytes.data(), 0, j, c);
       }
       o_norm = std::max(o_norm, std::fabs(want_o[r * depth + c]));
     }
@@ -487,8 +494,8 @@ TEST_P(Fp8WideningTest, EverySetComputesFromTheDecodedCache) {
     if (!runs) continue;
     std::vector<float> s(rows * tokens), o(rows * depth, 1.0f);
     const std::vector<float> o_scale(rows, 1.0f);
-    set->scores(rows, tokens, depth, q.data(), depth, key_part, tokens, key_scales, s.data(), tokens, nullptr, 0);
-    set->values(rows, tokens, depth, p.data(), tokens, value_part, value_scales, o_scale.data(), o.data(), depth,
+    set->scores(rows, tokens, depth, q.data(), depth, b.key_part, tokens, b.key_scales, s.data(), tokens, nullptr, 0);
+    set->values(rows, tokens, depth, p.data(), tokens, b.value_part, b.value_scales, o_scale.data(), o.data(), depth,
                 nullptr, 0);
     for (size_t i = 0; i < s.size(); ++i) ASSERT_NEAR(s[i], want_s[i], 1e-5 * s_norm) << name << " score " << i;
     for (size_t i = 0; i < o.size(); ++i) ASSERT_NEAR(o[i], want_o[i], 1e-5 * o_norm) << name << " output " << i;
