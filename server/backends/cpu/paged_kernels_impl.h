@@ -31,7 +31,7 @@ inline uint16_t HalfBits(E4m3 x) {
 inline uint16_t HalfBits(E5m2 x) { return static_cast<uint16_t>(x.bits << 8); }
 // FP8 codes read as fp32's bits, the sign in fp32's and the exponent and mantissa bits in the low ones of fp32's:
 // 2^-120 (E4M3) or 2^-112 (E5M2) of the code's value, subnormal codes included (as fp32 subnormals; nothing here
-// sets denormals-are-zero), in three instructions per vector where fp16's route takes five. The kernels fold the
+// sets denormals-are-zero), in three instructions per vector where E4M3's fp16 route takes five. The kernels fold the
 // factor into q times the key scales and the weights times the value scales; where that passes fp32's range (q
 // times a key scale, or a weight times a value scale, of 2^8 or more for E4M3: keys or values near 10^5) a call
 // takes the fp16 route (Via), whose factor of 256 or 1 does not.
