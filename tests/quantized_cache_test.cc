@@ -357,6 +357,8 @@ struct Fp8Block {
     key_scales = reinterpret_cast<const uint16_t*>(key_part + quant::KeyScalesOffset(cache));
     value_scales = reinterpret_cast<const uint16_t*>(value_part + quant::ValueScalesOffset(cache));
   }
+  Fp8Block(const Fp8Block&) = delete;  // the pointers below point into `bytes`
+  Fp8Block& operator=(const Fp8Block&) = delete;
   KvCacheLayout cache;
   std::vector<char> bytes;
   const char* key_part = nullptr;
