@@ -275,39 +275,58 @@ inline __m512 FourRowsMultipliers(__m512 amax) {
   return _mm512_maskz_div_ps(positive, _mm512_set1_ps(127.0f), amax);
 }
 
-// products[r][c] = x_r[c] scale[c] for c < 16 vectors, four rows r (those from row_count on repeat row 0); returns
-// each row's largest |product| in lanes 4r..4r+3. kVectors > 0: `vectors` is that constant (the loops unrolled).
+// products[r][c] = x_r[c] scale[c] (the bf16 scales) for c < 16 vectors, four rows r (those from row_count on repeat
+// row 0); returns each row's largest |product| in lanes 4r..4r+3. kVectors > 0: `vectors` is that constant, the loops
+// unrolled, the scales widened once into registers and each row's largest taken in a tree (a block's rounding of its
+// rows is a chain of latencies that its dot products wait on).
 template <int kVectors>
-inline __m512 FourRowsProducts(int64_t row_count, int64_t vectors, const float* x, int64_t ldx, const float* scale,
+inline __m512 FourRowsProducts(int64_t row_count, int64_t vectors, const float* x, int64_t ldx, const uint16_t* scale,
                                float (&products)[4][kInt8MaxKeys]) {
+  constexpr int kHeld = kVectors > 0 ? kVectors : 1;
   const int64_t n = kVectors > 0 ? kVectors : vectors;
+  __m512 s[kHeld];
+  if constexpr (kVectors > 0) {
+    MHA_UNROLL for (int i = 0; i < kVectors; ++i) s[i] = Isa::LoadBf16(scale + 16 * i);
+  }
   __m512 m[4];
   MHA_UNROLL for (int r = 0; r < 4; ++r) {
     const float* row = x + (r < row_count ? r : 0) * ldx;
-    m[r] = _mm512_setzero_ps();
+    __m512 a[kHeld] = {};
     MHA_UNROLL for (int64_t i = 0; i < n; ++i) {
-      const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(row + 16 * i), _mm512_loadu_ps(scale + 16 * i));
+      const __m512 widened = kVectors > 0 ? s[i] : Isa::LoadBf16(scale + 16 * i);
+      const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(row + 16 * i), widened);
       _mm512_store_ps(products[r] + 16 * i, v);
-      m[r] = _mm512_max_ps(m[r], _mm512_abs_ps(v));
+      if constexpr (kVectors > 0) {
+        a[i] = _mm512_abs_ps(v);
+      } else {
+        a[0] = _mm512_max_ps(a[0], _mm512_abs_ps(v));
+      }
     }
+    MHA_UNROLL for (int w = 1; w < kHeld; w *= 2) {
+      MHA_UNROLL for (int i = 0; i + w < kHeld; i += 2 * w) a[i] = _mm512_max_ps(a[i], a[i + w]);
+    }
+    m[r] = a[0];
   }
   return ReduceFourRows</*kAdd=*/false>(m);
 }
 
 // Four rows r of row_count (the rest repeat row 0, their results unused) of the weights x_r[j] >= 0, j < 16 vectors:
 // codes[r] = x_r[j] scale[j] rounded to 7 bits at 127 / amax_r (amax_r the largest x_r[j] scale[j]); p_scale[r] =
-// amax_r / 127. Int8Values' rounding per row, the rows' reductions and divisions shared.
-inline void FourRowsToBytes(int64_t row_count, int64_t vectors, const float* x, int64_t ldx, const float* scale,
+// amax_r / 127. Int8Values' rounding per row, the rows' reductions and divisions shared. kVectors > 0: `vectors` is
+// that constant (the loops unrolled: the common blocks' rounding is a chain of latencies the values wait on).
+template <int kVectors>
+inline void FourRowsToBytes(int64_t row_count, int64_t vectors, const float* x, int64_t ldx, const uint16_t* scale,
                             uint8_t* codes, int64_t ld_codes, float* p_scale) {
+  const int64_t n = kVectors > 0 ? kVectors : vectors;
   alignas(64) float products[4][kInt8MaxKeys];
-  const __m512 amax = FourRowsProducts<0>(row_count, vectors, x, ldx, scale, products);
+  const __m512 amax = FourRowsProducts<kVectors>(row_count, n, x, ldx, scale, products);
   const __m512 mul = FourRowsMultipliers(amax);
   MHA_UNROLL for (int r = 0; r < 4; ++r) {
     if (r >= row_count) break;
     const __m512 row_mul = _mm512_permutexvar_ps(_mm512_set1_epi32(4 * r), mul);  // lane 4r everywhere
-    for (int64_t i = 0; i < vectors; ++i) {
-      const __m512i n = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_load_ps(products[r] + 16 * i), row_mul));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + r * ld_codes + 16 * i), _mm512_cvtepi32_epi8(n));
+    MHA_UNROLL for (int64_t i = 0; i < n; ++i) {
+      const __m512i c = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_load_ps(products[r] + 16 * i), row_mul));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + r * ld_codes + 16 * i), _mm512_cvtepi32_epi8(c));
     }
   }
   float amax_rows[4];
@@ -355,19 +374,20 @@ inline __m512i StoreCodes(__m512 v, __m512 mul, int8_t* row, __m512i sum) {
   return _mm512_add_epi32(sum, codes);
 }
 
-// Four rows r of row_count (the rest repeat row 0, their results unused): codes[r] = x_r[c] scale[c] rounded to int8
-// at 127 / amax_r (amax_r = the largest |x_r[c] scale[c]|) for c < kVectors 16; q_sum[r] = the codes' sum, q_scale[r]
-// = amax_r / 127. The rows interleaved so that their reductions and the division overlap.
+// Four rows r of row_count (the rest repeat row 0, their results unused): codes[r] = x_r[c] scale[c] (the bf16
+// scales) rounded to int8 at 127 / amax_r (amax_r = the largest |x_r[c] scale[c]|) for c < kVectors 16; q_sum[r] =
+// the codes' sum, q_scale[r] = amax_r / 127. The rows interleaved so that their reductions and the division overlap.
 template <int kVectors>
-inline void FourRowsToInt8(int64_t row_count, const float* x, int64_t ldx, const float* scale, int8_t* codes,
+inline void FourRowsToInt8(int64_t row_count, const float* x, int64_t ldx, const uint16_t* scale, int8_t* codes,
                            int64_t ld_codes, int32_t* q_sum, float* q_scale) {
   static_assert(kVectors % 4 == 0, "whole groups of four vectors");
   alignas(64) float products[4][kInt8MaxKeys];
   const __m512 amax = FourRowsProducts<kVectors>(row_count, kVectors, x, ldx, scale, products);
   const __m512 mul = FourRowsMultipliers(amax);
   // Four vectors' codes packed into one by two saturating packs (in range already) and one dword permute: three
-  // shuffles where four vpmovdb stores took two uops each.
+  // shuffles where four vpmovdb stores took two uops each; their sum in one vpdpbusd against bytes of 1.
   const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  const __m512i ones = _mm512_set1_epi8(1);
   __m512 sums[4];
   MHA_UNROLL for (int r = 0; r < 4; ++r) {
     sums[r] = _mm512_setzero_ps();
@@ -378,10 +398,11 @@ inline void FourRowsToInt8(int64_t row_count, const float* x, int64_t ldx, const
       __m512i c[4];
       MHA_UNROLL for (int j = 0; j < 4; ++j) {
         c[j] = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_load_ps(products[r] + 16 * (i + j)), row_mul));
-        sum = _mm512_add_epi32(sum, c[j]);
       }
-      const __m512i bytes = _mm512_packs_epi16(_mm512_packs_epi32(c[0], c[1]), _mm512_packs_epi32(c[2], c[3]));
-      _mm512_storeu_si512(codes + r * ld_codes + 16 * i, _mm512_permutexvar_epi32(order, bytes));
+      const __m512i bytes = _mm512_permutexvar_epi32(
+          order, _mm512_packs_epi16(_mm512_packs_epi32(c[0], c[1]), _mm512_packs_epi32(c[2], c[3])));
+      _mm512_storeu_si512(codes + r * ld_codes + 16 * i, bytes);
+      sum = _mm512_dpbusd_epi32(sum, ones, bytes);
     }
     sums[r] = _mm512_castsi512_ps(sum);
   }
@@ -438,19 +459,19 @@ void Int8ScoresInQuads(int64_t rows, int64_t keys, int64_t depth, const float* q
   int32_t codes[kInt8MaxRows * kInt8MaxDepth / 4];
   int32_t q_sum[kInt8MaxRows];
   float q_scale[kInt8MaxRows];
-  float scale[kInt8MaxDepth + 2 * I8::kLanes];
-  WidenScales(key_scales, depth, scale);
   // Depth quads as int32 words, little-endian: depth 4i in the low byte (padding depths zero).
   int8_t* const rows_codes = reinterpret_cast<int8_t*>(codes);
   const bool common = depth == 128 || depth == 64;
   for (int64_t r = 0; common && r < rows; r += 4) {
     int8_t* row = rows_codes + r * kInt8MaxDepth;
     if (depth == 128) {
-      FourRowsToInt8<8>(rows - r, q + r * ldq, ldq, scale, row, kInt8MaxDepth, q_sum + r, q_scale + r);
+      FourRowsToInt8<8>(rows - r, q + r * ldq, ldq, key_scales, row, kInt8MaxDepth, q_sum + r, q_scale + r);
     } else {
-      FourRowsToInt8<4>(rows - r, q + r * ldq, ldq, scale, row, kInt8MaxDepth, q_sum + r, q_scale + r);
+      FourRowsToInt8<4>(rows - r, q + r * ldq, ldq, key_scales, row, kInt8MaxDepth, q_sum + r, q_scale + r);
     }
   }
+  float scale[kInt8MaxDepth + 2 * I8::kLanes];
+  if (!common) WidenScales(key_scales, depth, scale);
   for (int64_t r = 0; !common && r < rows; ++r) {
     int8_t* row = rows_codes + r * kInt8MaxDepth;
     float amax;
@@ -580,17 +601,22 @@ void Int8Values(int64_t rows, int64_t keys, int64_t width, const float* p, int64
   const int64_t quads = (keys + 3) / 4;
   int32_t codes[kInt8MaxRows * kInt8MaxKeys / 4];
   float p_scale[kInt8MaxRows];
-  float scale[kInt8MaxKeys + 2 * I8::kLanes];
-  WidenScales(value_scales, keys, scale);
   const int64_t whole_keys = keys / I8::kLanes * I8::kLanes;
   int64_t r = 0;
 #if defined(__AVX512BW__)
   for (; keys % 16 == 0 && r < rows; r += 4) {
     uint8_t* row = reinterpret_cast<uint8_t*>(codes + r * kInt8MaxKeys / 4);
-    FourRowsToBytes(rows - r, keys / 16, p + r * ldp, ldp, scale, row, kInt8MaxKeys, p_scale + r);
+    const float* x = p + r * ldp;
+    if (keys == 32) {  // the default block
+      FourRowsToBytes<2>(rows - r, 2, x, ldp, value_scales, row, kInt8MaxKeys, p_scale + r);
+    } else {
+      FourRowsToBytes<0>(rows - r, keys / 16, x, ldp, value_scales, row, kInt8MaxKeys, p_scale + r);
+    }
   }
 #endif
   // The other rows in two passes, as Int8Scores' (p >= 0).
+  float scale[kInt8MaxKeys + 2 * I8::kLanes];
+  if (r < rows) WidenScales(value_scales, keys, scale);
   float amax[kInt8MaxRows];
   for (int64_t i = r; i < rows; ++i) amax[i] = MaxAbsProduct(p + i * ldp, scale, keys);
   for (; r < rows; ++r) {
