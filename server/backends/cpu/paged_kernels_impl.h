@@ -65,10 +65,15 @@ constexpr float WidenedFactor(E4m3) { return 256.0f; }
 constexpr float WidenedFactor(E5m2) { return 1.0f; }
 constexpr float WidenedFactor(InFp32Bits<E4m3>) { return 0x1p120f; }
 constexpr float WidenedFactor(InFp32Bits<E5m2>) { return 0x1p112f; }
+// Where InFp32Bits puts a code's exponent and mantissa bits: shifted left by 20 (E4M3's 3 mantissa bits) or 21
+// (E5M2's 2), under this mask with the sign.
+template <typename H>
+inline constexpr int kFp32BitsShift = WidenedFactor(H{}) != 1.0f ? 20 : 21;
+template <typename H>
+inline constexpr uint32_t kFp32BitsMask = 0x80000000u | (0x7fu << kFp32BitsShift<H>);
 template <typename H>
 inline uint32_t Fp32Bits(InFp32Bits<H> x) {
-  constexpr int kShift = WidenedFactor(H{}) != 1.0f ? 20 : 21;  // E4M3's 3 mantissa bits, E5M2's 2
-  return (static_cast<uint32_t>(x.bits & 0x80u) << 24) | (static_cast<uint32_t>(x.bits & 0x7fu) << kShift);
+  return (static_cast<uint32_t>(x.bits & 0x80u) << 24) | (static_cast<uint32_t>(x.bits & 0x7fu) << kFp32BitsShift<H>);
 }
 
 inline Isa::V LoadElements(const float* p) { return Isa::Load(p); }
@@ -100,10 +105,9 @@ inline Isa::V LoadElements(const E* p) {
 #if defined(__AVX2__)
 template <typename H>
 inline Isa::V LoadElements(const InFp32Bits<H>* p) {
-  constexpr bool kE4m3 = WidenedFactor(H{}) != 1.0f;
   // Sign-extended, the shift puts the sign's copies in fp32's sign and the exponent's top bits, which the mask clears.
-  constexpr int kShift = kE4m3 ? 20 : 21;
-  constexpr int kMask = static_cast<int>(kE4m3 ? 0x87f00000u : 0x8fe00000u);
+  constexpr int kShift = kFp32BitsShift<H>;
+  constexpr int kMask = static_cast<int>(kFp32BitsMask<H>);
 #if defined(__AVX512F__)
   const __m512i x = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return _mm512_castsi512_ps(_mm512_and_si512(_mm512_slli_epi32(x, kShift), _mm512_set1_epi32(kMask)));
@@ -278,6 +282,20 @@ inline void PagedScoreGroups(int64_t rows, int64_t keys, int64_t depth, const fl
   }
 }
 
+// out (rows x n, dense) = x's rows (row stride ldx) times the bf16 scales per column times E's widened factor: an
+// FP8 block's q times its key scales, or weights times its value scales. Whether every product stayed within fp32's
+// range (false also where x holds a NaN): where not, an InFp32Bits call takes its fp16 route (Via), whose factor does
+// not carry them past it.
+template <typename E>
+inline bool ScaledFp8Rows(int64_t rows, const float* x, int64_t ldx, const uint16_t* scales, int64_t n, float* out) {
+  float largest = 0.0f;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float m = ScaledRow(x + r * ldx, scales, n, out + r * n, WidenedFactor(E{}));
+    largest = m > largest ? m : largest;
+  }
+  return largest <= __FLT_MAX__;
+}
+
 template <typename E>
 void PagedScores(int64_t rows, int64_t keys, int64_t depth, const float* q, int64_t ldq, const void* kt_bytes,
                  int64_t ldk, const uint16_t* key_scales, float* s, int64_t lds, const void* ahead_bytes,
@@ -286,13 +304,9 @@ void PagedScores(int64_t rows, int64_t keys, int64_t depth, const float* q, int6
   // An FP8 block's q times its key scales, per channel (each row's zeros past depth reach into the next row's).
   float scaled[kInt8MaxRows * kInt8MaxDepth + 16];
   if constexpr (kIsFp8<E>) {
-    float largest = 0.0f;
-    for (int64_t r = 0; r < rows; ++r) {
-      const float m = ScaledRow(q + r * ldq, key_scales, depth, scaled + r * depth, WidenedFactor(E{}));
-      largest = m > largest ? m : largest;
-    }
+    [[maybe_unused]] const bool in_range = ScaledFp8Rows<E>(rows, q, ldq, key_scales, depth, scaled);
     if constexpr (kInFp32Bits<E>) {
-      if (!(largest <= __FLT_MAX__)) {  // the factor carried a product past fp32's range (or q holds a NaN)
+      if (!in_range) {
         PagedScores<typename E::Via>(rows, keys, depth, q, ldq, kt_bytes, ldk, key_scales, s, lds, ahead_bytes,
                                      ahead_size);
         return;
@@ -468,13 +482,9 @@ void PagedValues(int64_t rows, int64_t keys, int64_t width, const float* p, int6
                  int64_t ahead_size) {
   float scaled[kInt8MaxRows * kInt8MaxKeys + 16];  // an FP8 block's p times its value scales, per token
   if constexpr (kIsFp8<E>) {
-    float largest = 0.0f;
-    for (int64_t r = 0; r < rows; ++r) {
-      const float m = ScaledRow(p + r * ldp, value_scales, keys, scaled + r * keys, WidenedFactor(E{}));
-      largest = m > largest ? m : largest;
-    }
+    [[maybe_unused]] const bool in_range = ScaledFp8Rows<E>(rows, p, ldp, value_scales, keys, scaled);
     if constexpr (kInFp32Bits<E>) {
-      if (!(largest <= __FLT_MAX__)) {  // as PagedScores'
+      if (!in_range) {
         PagedValues<typename E::Via>(rows, keys, width, p, ldp, v_bytes, value_scales, o_scale, o, ldo, ahead_bytes,
                                      ahead_size);
         return;
