@@ -277,8 +277,8 @@ inline __m512 FourRowsMultipliers(__m512 amax) {
 
 // products[r][c] = x_r[c] scale[c] (the bf16 scales) for c < 16 vectors, four rows r (those from row_count on repeat
 // row 0); returns each row's largest |product| in lanes 4r..4r+3. kVectors > 0: `vectors` is that constant, the loops
-// unrolled, the scales widened once into registers and each row's largest taken in a tree (a block's rounding of its
-// rows is a chain of latencies that its dot products wait on).
+// unrolled, the scales widened once into registers rather than reloaded for each row, and each row's largest taken
+// in a tree rather than a chain (q's rounding costs a block about half of what its dot products do: PERFORMANCE.md).
 template <int kVectors>
 inline __m512 FourRowsProducts(int64_t row_count, int64_t vectors, const float* x, int64_t ldx, const uint16_t* scale,
                                float (&products)[4][kInt8MaxKeys]) {
@@ -313,7 +313,7 @@ inline __m512 FourRowsProducts(int64_t row_count, int64_t vectors, const float* 
 // Four rows r of row_count (the rest repeat row 0, their results unused) of the weights x_r[j] >= 0, j < 16 vectors:
 // codes[r] = x_r[j] scale[j] rounded to 7 bits at 127 / amax_r (amax_r the largest x_r[j] scale[j]); p_scale[r] =
 // amax_r / 127. Int8Values' rounding per row, the rows' reductions and divisions shared. kVectors > 0: `vectors` is
-// that constant (the loops unrolled: the common blocks' rounding is a chain of latencies the values wait on).
+// that constant (the loops unrolled: the values' loop waits on this rounding).
 template <int kVectors>
 inline void FourRowsToBytes(int64_t row_count, int64_t vectors, const float* x, int64_t ldx, const uint16_t* scale,
                             uint8_t* codes, int64_t ld_codes, float* p_scale) {
