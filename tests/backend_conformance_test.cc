@@ -1168,6 +1168,13 @@ std::vector<SessionCase> SessionCases() {
     heads.rope_theta = 10000;
     heads.steps = {{600, 1}, {1, 1}, {1, 30}, {1, 1}, {1, 1}, {1, 1}};
     cases.push_back(heads);
+    // The block size DEPLOY.md suggests for INT8 where memory is fast (64 tokens) at the common head_dim of 128.
+    SessionCase wide = heads;
+    wide.name = "session_heads_decode_block64_dk128_cache_" + DTypeName(cache);
+    wide.head_dim = 128;
+    wide.block_tokens = 64;
+    wide.steps = {{200, 1}, {1, 1}, {1, 10}, {1, 1}};
+    cases.push_back(wide);
     heads.name += "_wire_bf16";
     heads.input_dtype = heads.output_dtype = v1::BF16;
     cases.push_back(heads);
