@@ -1,6 +1,6 @@
 // The decode kernels for bf16 caches, and for FP8 caches read as bf16 as they are loaded (Fp8 below), on
-// AVX512-BF16's dot products (compiled with -mavx512f -mavx512bw -mavx512bf16; used by the avx512bf16 and amx sets,
-// whose CPUs have the instruction).
+// AVX512-BF16's dot products (compiled with -mavx512f -mavx512bw -mavx512dq -mavx512bf16; used by the avx512bf16 and
+// amx sets, whose CPUs have the instructions).
 //
 // Why: a bf16 cache carries twice the elements per byte of an fp32 one, and widening each to fp32 for an FMA made
 // the decode compute-bound before it was memory-bound (G = 4 query rows per KV head: four FMA lanes per element).
@@ -340,12 +340,40 @@ bool ScaledRowsFit(int64_t rows, const float* x, int64_t ldx, const float* scale
   return _mm512_cmp_ps_mask(amax, _mm512_set1_ps(0x1p127f), _CMP_LT_OQ) == 0xffff;
 }
 
+// ScaledRowsFit for n = 32 kChunks, the bf16 scales times `unit` widened into registers once for all rows (a part's
+// q or weights, scaled once per part: through the loops above this cost an FP8 part about a tenth of its time). The
+// largest product by vrangeps (the larger magnitude of two in one instruction). A NaN product drops its pair from the
+// check, as ScaledRowsFit drops it alone: its row's results are NaN either way.
+template <int kChunks>
+bool ScaledRowsFixed(int64_t rows, const float* x, int64_t ldx, const uint16_t* scales, float unit, uint16_t* out) {
+  __m512 s[2 * kChunks];
+  MHA_UNROLL for (int i = 0; i < 2 * kChunks; ++i) {
+    const __m512i bits = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + 16 * i)));
+    s[i] = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(bits, 16)), _mm512_set1_ps(unit));
+  }
+  __m512 amax = _mm512_setzero_ps();
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* row = x + r * ldx;
+    MHA_UNROLL for (int c = 0; c < kChunks; ++c) {
+      const __m512 lo = _mm512_mul_ps(_mm512_loadu_ps(row + 32 * c), s[2 * c]);
+      const __m512 hi = _mm512_mul_ps(_mm512_loadu_ps(row + 32 * c + 16), s[2 * c + 1]);
+      amax = _mm512_max_ps(_mm512_range_ps(lo, hi, 0x0b), amax);  // 0x0b: the larger |.|, its sign cleared
+      _mm512_storeu_si512(out + r * kMaxElements + 32 * c, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
+    }
+  }
+  return _mm512_cmp_ps_mask(amax, _mm512_set1_ps(0x1p127f), _CMP_LT_OQ) == 0xffff;
+}
+
 // x's rows times the block's bf16 `scales` times `unit` (widened once), rounded to bf16 into out as ScaledRowsFit
 // does; false where they exceed the stack buffers (kQuantizedMaxRows rows of kQuantizedMaxElements) or fp32's range,
 // and the caller takes the widening kernels.
 bool ScaledRows(int64_t rows, const float* x, int64_t ldx, const uint16_t* scales, int64_t n, float unit,
                 uint16_t* out) {
   if (n > kQuantizedMaxElements || rows > kQuantizedMaxRows) return false;
+  // A decode's d_k of 128 or 64, a block of 32 or 64 keys.
+  if (n == 128) return ScaledRowsFixed<4>(rows, x, ldx, scales, unit, out);
+  if (n == 64) return ScaledRowsFixed<2>(rows, x, ldx, scales, unit, out);
+  if (n == 32) return ScaledRowsFixed<1>(rows, x, ldx, scales, unit, out);
   alignas(64) float widened[kQuantizedMaxElements + 16];
   WidenScales(scales, n, unit, widened);
   return ScaledRowsFit(rows, x, ldx, widened, n, out);

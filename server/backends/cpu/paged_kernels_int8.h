@@ -283,6 +283,11 @@ template <int kVectors>
 inline __m512 FourRowsProducts(int64_t row_count, int64_t vectors, const float* x, int64_t ldx, const uint16_t* scale,
                                float (&products)[4][kInt8MaxKeys]) {
   constexpr int kHeld = kVectors > 0 ? kVectors : 1;
+#if defined(__AVX512DQ__)
+  constexpr bool kPairwise = kVectors > 0 && kVectors % 2 == 0;
+#else
+  constexpr bool kPairwise = false;
+#endif
   const int64_t n = kVectors > 0 ? kVectors : vectors;
   __m512 s[kHeld];
   if constexpr (kVectors > 0) {
@@ -296,13 +301,20 @@ inline __m512 FourRowsProducts(int64_t row_count, int64_t vectors, const float* 
       const __m512 widened = kVectors > 0 ? s[i] : Isa::LoadBf16(scale + 16 * i);
       const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(row + 16 * i), widened);
       _mm512_store_ps(products[r] + 16 * i, v);
-      if constexpr (kVectors > 0) {
+      if constexpr (kPairwise) {
+        a[i] = v;
+      } else if constexpr (kVectors > 0) {
         a[i] = _mm512_abs_ps(v);
       } else {
         a[0] = _mm512_max_ps(a[0], _mm512_abs_ps(v));
       }
     }
-    MHA_UNROLL for (int w = 1; w < kHeld; w *= 2) {
+#if defined(__AVX512DQ__)
+    if constexpr (kPairwise) {  // the tree's first level: the larger |.| of each pair, sign cleared, by vrangeps
+      MHA_UNROLL for (int i = 0; i < kHeld; i += 2) a[i] = _mm512_range_ps(a[i], a[i + 1], 0x0b);
+    }
+#endif
+    MHA_UNROLL for (int w = kPairwise ? 2 : 1; w < kHeld; w *= 2) {
       MHA_UNROLL for (int i = 0; i + w < kHeld; i += 2 * w) a[i] = _mm512_max_ps(a[i], a[i + w]);
     }
     m[r] = a[0];

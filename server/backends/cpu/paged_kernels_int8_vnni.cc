@@ -1,7 +1,7 @@
-// The INT8 caches' decode kernels on AVX512-VNNI (compiled with -mavx512f -mavx512bw -mavx512vnni; used in place of
-// the AVX-512 set's where the CPU has the instructions: Ice Lake and later, Zen 4 and later). vpdpwssd and vpdpbusd
-// fold the AVX-512 set's multiply, widening add and accumulate into one instruction each: an INT8 decode step at
-// G = 4 query rows per KV head runs out of arithmetic before memory without them (docs/PERFORMANCE.md).
+// The INT8 caches' decode kernels on AVX512-VNNI (compiled with -mavx512f -mavx512bw -mavx512dq -mavx512vnni; used in
+// place of the AVX-512 set's where the CPU has the instructions: Ice Lake and later, Zen 4 and later). vpdpwssd and
+// vpdpbusd fold the AVX-512 set's multiply, widening add and accumulate into one instruction each: an INT8 decode step
+// at G = 4 query rows per KV head runs out of arithmetic before memory without them (docs/PERFORMANCE.md).
 #include <immintrin.h>
 
 #include <cstdint>

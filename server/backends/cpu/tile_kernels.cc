@@ -40,18 +40,19 @@ bool AmxPermitted() {
   return permitted;
 }
 
-// AVX512-F, AVX512-BW and AVX512-BF16 (CPUID leaf 7), with the OS's XCR0 enabling the ZMM state (bits 5..7); with
-// `tiles`, AMX-TILE and AMX-BF16 too, and XCR0's tile state (bits 17, 18). Read directly rather than through
-// __builtin_cpu_supports, whose feature names for AMX clang 14 does not know.
+// AVX512-F, AVX512-BW, AVX512-DQ and AVX512-BF16 (CPUID leaf 7; every CPU with BF16 has DQ), with the OS's XCR0
+// enabling the ZMM state (bits 5..7); with `tiles`, AMX-TILE and AMX-BF16 too, and XCR0's tile state (bits 17, 18).
+// Read directly rather than through __builtin_cpu_supports, whose feature names for AMX clang 14 does not know.
 bool CpuHasAvx512Bf16(bool tiles) {
   unsigned a = 0, b = 0, c = 0, d = 0;
   if (!__get_cpuid(1, &a, &b, &c, &d) || !((c >> 27) & 1)) return false;  // OSXSAVE: xgetbv may run
   if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-  const bool avx512f = (b >> 16) & 1, avx512bw = (b >> 30) & 1, amx_bf16 = (d >> 22) & 1, amx_tile = (d >> 24) & 1;
+  const bool avx512f = (b >> 16) & 1, avx512dq = (b >> 17) & 1, avx512bw = (b >> 30) & 1;
+  const bool amx_bf16 = (d >> 22) & 1, amx_tile = (d >> 24) & 1;
   unsigned a1 = 0, b1 = 0, c1 = 0, d1 = 0;
   if (!__get_cpuid_count(7, 1, &a1, &b1, &c1, &d1)) return false;
   const bool avx512_bf16 = (a1 >> 5) & 1;
-  if (!(avx512f && avx512bw && avx512_bf16) || (tiles && !(amx_bf16 && amx_tile))) return false;
+  if (!(avx512f && avx512bw && avx512dq && avx512_bf16) || (tiles && !(amx_bf16 && amx_tile))) return false;
   unsigned xcr0_lo = 0, xcr0_hi = 0;
   __asm__("xgetbv" : "=a"(xcr0_lo), "=d"(xcr0_hi) : "c"(0));
   constexpr unsigned kZmmState = 0xE0, kTileState = 0x60000;
@@ -64,10 +65,11 @@ bool CpuHasF16c() {
   return __get_cpuid(1, &a, &b, &c, &d) && ((c >> 29) & 1);
 }
 
-// AVX512-VNNI (CPUID leaf 7, ECX bit 11), asked where the AVX-512 sets already run.
+// AVX512-VNNI and AVX512-DQ (CPUID leaf 7, ECX bit 11 and EBX bit 17; every CPU with VNNI has DQ), asked where the
+// AVX-512 sets already run.
 bool CpuHasAvx512Vnni() {
   unsigned a = 0, b = 0, c = 0, d = 0;
-  return __get_cpuid_count(7, 0, &a, &b, &c, &d) && ((c >> 11) & 1);
+  return __get_cpuid_count(7, 0, &a, &b, &c, &d) && ((c >> 11) & 1) && ((b >> 17) & 1);
 }
 
 // The INT8 caches' decode kernels of a set over the AVX-512 set's: VNNI's where the CPU has it.
