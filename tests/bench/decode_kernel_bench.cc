@@ -3,7 +3,8 @@
 // head costs in compute, apart from memory, per cache dtype, as decode_bench's roofline cannot split it. One decode
 // row group (4 query rows, GQA 4, d_k 128) against 48 parts of a block each (random keys and values written in the
 // cache's layout and dtype); the three kernels timed apart and together, rounds interleaving the dtypes; best and
-// median ns per part, elements (keys and values) per ns, and that rate over the bf16 cache's of the same run.
+// median ns per part, elements (keys and values) per ns, and that rate over the bf16 cache's of the same run; then
+// what writing a token costs the 8-bit caches.
 //   build/bin/decode_kernel_bench [--isa avx512bf16] [--rounds 5] [--block_tokens 32] [--repeats 200]
 #include <algorithm>
 #include <chrono>
@@ -42,6 +43,7 @@ class KernelCase {
     for (float& x : q_) x *= 0.1f;  // scores of a few units: the exps stay in range
     for (int64_t b = 0; b < kParts; ++b) {
       const std::vector<float> k = Random(tb * kDepth, 100 + b), v = Random(tb * kDepth, 200 + b);
+      if (b == 0) k0_ = k, v0_ = v;
       char* block = Block(b);
       if (cache_.Quantized()) {
         quant::WriteTokens(cache_, block, 0, 0, tb, k.data(), kDepth, v.data(), kDepth);
@@ -58,6 +60,7 @@ class KernelCase {
   }
 
   v1::DataType dtype() const { return cache_.dtype; }
+  bool Quantized() const { return cache_.Quantized(); }
   int64_t PartBytes() const { return cache_.HeadBytes(); }
   int64_t Elements() const { return 2 * kDepth * cache_.block_tokens; }
 
@@ -87,6 +90,20 @@ class KernelCase {
     return std::chrono::duration<double, std::nano>(Clock::now() - start).count() / (repeats * kParts);
   }
 
+  // An 8-bit cache's writes (quant::WriteTokens) of block 0's tokens again, `repeats` times: one token a call (a
+  // decode step's, its channels' scales growing as keys arrive) or the whole block in one; ns per token.
+  double Write(bool one_at_a_time, int repeats) {
+    const int64_t tb = cache_.block_tokens, step = one_at_a_time ? 1 : tb;
+    const Clock::time_point start = Clock::now();
+    for (int r = 0; r < repeats; ++r) {
+      for (int64_t j = 0; j < tb; j += step) {
+        quant::WriteTokens(cache_, Block(0), 0, j, step, k0_.data() + j * kDepth, kDepth, v0_.data() + j * kDepth,
+                           kDepth);
+      }
+    }
+    return std::chrono::duration<double, std::nano>(Clock::now() - start).count() / (repeats * tb);
+  }
+
  private:
   char* Block(int64_t b) { return blocks_.data() + b * cache_.BlockBytes(); }
   const uint16_t* KeyScales(const char* key_part) const {
@@ -100,7 +117,7 @@ class KernelCase {
 
   KvCacheLayout cache_;
   std::vector<char> blocks_;
-  std::vector<float> q_, s_, acc_, max_, sum_, factor_;
+  std::vector<float> k0_, v0_, q_, s_, acc_, max_, sum_, factor_;
   std::vector<int64_t> visible_;
 };
 
@@ -182,6 +199,20 @@ int Main(int argc, char** argv) {
     }
   }
   Print(cases, series);
+  // The 8-bit caches' writes, which a decode step makes once per session and KV head (the 16- and 32-bit caches'
+  // are a conversion and a copy).
+  std::printf("8-bit cache writes, ns per token of one KV head (median of %d rounds): one token a call (decode), a "
+              "block in one call (prefill)\n",
+              flags.rounds);
+  for (KernelCase& c : cases) {
+    if (!c.Quantized()) continue;
+    std::vector<double> one, block;
+    for (int round = 0; round < flags.rounds; ++round) {
+      one.push_back(c.Write(true, flags.repeats));
+      block.push_back(c.Write(false, flags.repeats));
+    }
+    std::printf("%-10s %9.0f %9.0f\n", DTypeName(c.dtype()).c_str(), Of(one, false).median, Of(block, false).median);
+  }
   return 0;
 }
 
