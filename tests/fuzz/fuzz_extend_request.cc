@@ -3,8 +3,8 @@
 // small (fuzz_env.h) compute on the reference backend and the CPU backend, each on a reservation of its own, the
 // last one committed. Sessions persist from input to input in one store with a small pool, so that inputs meet
 // caches of every length, shared blocks and evictions. A session is made on first use by its id's first letter:
-// "L" a layer session over "tiny", "b" a head session with a bf16 cache, "f" one with fp16, else fp32 with RoPE
-// (fuzz_seeds.cc writes requests against them). Findings: sanitizer reports, an error code the contract does not
+// "L" a layer session over "tiny", "b" a head session with a bf16 cache, "f" one with fp16, "i" INT8 with RoPE, "4"
+// FP8 E4M3 with RoPE, "5" FP8 E5M2 with RoPE, else fp32 with RoPE (fuzz_seeds.cc writes requests against them). Findings: sanitizer reports, an error code the contract does not
 // name for a step, results that do not match their items.
 #include <string>
 #include <vector>
@@ -30,6 +30,18 @@ SessionStore& Store() {
   return *store;
 }
 
+// The cache dtype of a head session whose id starts with `letter`.
+v1::DataType CacheDtype(char letter) {
+  switch (letter) {
+    case 'b': return v1::BF16;
+    case 'f': return v1::FP16;
+    case 'i': return v1::INT8;
+    case '4': return v1::FP8_E4M3;
+    case '5': return v1::FP8_E5M2;
+    default: return v1::FP32;
+  }
+}
+
 // Creates session `id` when it does not exist (and may be made), as the first-letter rule says.
 void Ensure(const Env& env, const std::string& id) {
   if (Store().View(id, 0, {}, "session_id").ok()) return;
@@ -41,7 +53,7 @@ void Ensure(const Env& env, const std::string& id) {
     create.mutable_heads()->set_num_kv_heads(1);
     create.mutable_heads()->set_head_dim(4);
     if (id[0] != 'b' && id[0] != 'f') create.mutable_heads()->set_rope_theta(10000);
-    create.set_cache_dtype(id[0] == 'b' ? v1::BF16 : id[0] == 'f' ? v1::FP16 : v1::FP32);
+    create.set_cache_dtype(CacheDtype(id[0]));
     create.set_num_layers(2);
   }
   absl::StatusOr<SessionConfig> config = ValidateCreateSession(create, env.context);

@@ -481,7 +481,7 @@ void CodecSeeds(Corpus& c) {
 }
 
 // Extend requests against fuzz_extend_request's sessions (its first-letter rule): decode steps and prefills of head
-// sessions (fp32 with RoPE, bf16, fp16 caches), a layer session over "tiny", a ragged call of three, weights, and
+// sessions (fp32 with RoPE, bf16, fp16, INT8 and FP8 caches), a layer session over "tiny", a ragged call of three, weights, and
 // near-misses (a repeated id, mixed kinds, a short k, a wrong width, an expected_length that is off).
 void ExtendSeeds(Corpus& c) {
   const auto heads = [](v1::ExtendItem* item, const std::string& id, int64_t n, v1::DataType dtype, float phase) {
@@ -510,6 +510,23 @@ void ExtendSeeds(Corpus& c) {
   v1::ExtendRequest fp16;
   heads(fp16.add_items(), "f1", 33, v1::FP16, 6);
   c.Add("fp16_cache", fp16);
+  // The 8-bit caches: a prefill across a block's end, then one that grows a key channel's scale (the block's
+  // earlier keys requantized) and a value's, and FP8's decode steps.
+  v1::ExtendRequest int8;
+  heads(int8.add_items(), "i1", 20, v1::FP32, 8);
+  c.Add("int8_cache", int8);
+  v1::ExtendRequest outlier;
+  heads(outlier.add_items(), "i1", 2, v1::FP32, 9);
+  FloatsToTensor({0.5f, -300.0f, 0.25f, 1e30f, 1.0f, 2.0f, -3.0f, 4.0f}, {2, 1, 4}, v1::FP32,
+                 outlier.mutable_items(0)->mutable_k());
+  FloatsToTensor({1e-30f, 7.0f, -1e20f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f}, {2, 1, 4}, v1::FP32,
+                 outlier.mutable_items(0)->mutable_v());
+  c.Add("int8_outlier", outlier);
+  v1::ExtendRequest fp8;
+  heads(fp8.add_items(), "41", 1, v1::FP32, 10);
+  heads(fp8.add_items(), "51", 3, v1::BF16, 11);
+  fp8.set_return_attention_weights(true);
+  c.Add("fp8_caches", fp8);
   v1::ExtendRequest layer;
   v1::ExtendItem* x = layer.add_items();
   x->set_session_id("L1");
