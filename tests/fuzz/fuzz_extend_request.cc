@@ -1,19 +1,18 @@
 // A serialized ExtendRequest through what the server does with it (session_service.cc): parse, validate what the
-// request says by itself, find (or here, create) its sessions, validate against them, reserve blocks, and when
-// small (fuzz_env.h) compute on the reference backend and the CPU backend, each on a reservation of its own, the
-// last one committed. Sessions persist from input to input in one store with a small pool, so that inputs meet
-// caches of every length, shared blocks and evictions. A session is made on first use by its id's first letter:
-// "L" a layer session over "tiny", "b" a head session with a bf16 cache, "f" one with fp16, "i" INT8 with RoPE, "4"
-// FP8 E4M3 with RoPE, "5" FP8 E5M2 with RoPE, else fp32 with RoPE (fuzz_seeds.cc writes requests against them). Findings: sanitizer reports, an error code the contract does not
-// name for a step, results that do not match their items.
+// request says by itself, find (or here, create) its sessions, then fuzz_extend.h's steps: validate against
+// them, reserve blocks, and when small compute on the reference and the CPU backend. Sessions persist from input to
+// input in one store with a small pool, so that inputs meet caches of every length, shared blocks and evictions. A
+// session is made on first use by its id's first letter: "L" a layer session over "tiny", "b" a head session with a
+// bf16 cache, "f" one with fp16, "i" INT8 with RoPE, "4" FP8 E4M3 with RoPE, "5" FP8 E5M2 with RoPE, else fp32 with
+// RoPE (fuzz_seeds.cc writes requests against them). Findings: sanitizer reports, an error code the contract does
+// not name for a step, results that do not match their items.
 #include <string>
 #include <vector>
 
-#include "proto/mha/v1/tensor_codec.h"
-#include "server/sessions/execute_session.h"
 #include "server/sessions/session_store.h"
 #include "server/sessions/validate_session.h"
 #include "tests/fuzz/fuzz_env.h"
+#include "tests/fuzz/fuzz_extend.h"
 
 namespace mha::fuzz {
 namespace {
@@ -62,23 +61,6 @@ void Ensure(const Env& env, const std::string& id) {
   if (!created.ok() && created.code() != absl::StatusCode::kResourceExhausted) Fail("creating a session", created);
 }
 
-void CheckResults(const ExtendPlan& plan, const v1::ExtendResponse& response) {
-  if (response.results_size() != static_cast<int>(plan.items.size())) {
-    Fail("results do not match items", absl::InternalError(""));
-  }
-  for (int i = 0; i < response.results_size(); ++i) {
-    const v1::ExtendResult& result = response.results(i);
-    CheckOutput(result.output(), "output");
-    if (result.output().shape(0) != plan.items[i].new_tokens || result.output().dtype() != plan.paged.output_dtype) {
-      Fail("output shape or dtype", absl::InternalError(ShapeString(result.output().shape())));
-    }
-    if (plan.paged.return_weights) CheckOutput(result.attention_weights(), "attention_weights");
-    if (result.length() != plan.items[i].length + plan.items[i].new_tokens) {
-      Fail("length after the call", absl::InternalError(""));
-    }
-  }
-}
-
 }  // namespace
 }  // namespace mha::fuzz
 
@@ -89,37 +71,13 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   v1::ExtendRequest request;
   if (!request.ParseFromArray(data, static_cast<int>(size))) return -1;
   Count(Stage::kParsed);
-  absl::StatusOr<std::vector<std::string>> ids = ValidateExtendRequest(request, /*max_items=*/1024);
-  if (!ids.ok()) {
-    CheckRefusal(ids.status(), {absl::StatusCode::kInvalidArgument});
-    return 0;
-  }
+  absl::StatusOr<std::vector<std::string>> ids = ExtendIds(request);
+  if (!ids.ok()) return 0;
   for (const std::string& id : *ids) Ensure(env, id);
-  absl::StatusOr<ExtendPlan> plan = ValidateExtendHeld(request, Store(), {}, env.context);
-  if (!plan.ok()) {
-    CheckRefusal(plan.status(), {absl::StatusCode::kInvalidArgument, absl::StatusCode::kNotFound,
-                                 absl::StatusCode::kFailedPrecondition, absl::StatusCode::kOutOfRange,
-                                 absl::StatusCode::kUnimplemented, absl::StatusCode::kResourceExhausted});
-    return 0;
-  }
-  Count(Stage::kValid);
-  if (!SmallEnough(*plan)) return 0;
-  const std::vector<Backend*> backends = {env.reference, env.cpu};
-  for (size_t b = 0; b < backends.size(); ++b) {
-    ExtendPlan on = *plan;
-    on.backend = backends[b];
-    if (!on.backend->SupportsPaged(on.paged).ok()) continue;
-    absl::StatusOr<ExtendReservation> reservation = Store().Reserve(on.reserve);
-    if (!reservation.ok()) {
-      CheckRefusal(reservation.status(), {absl::StatusCode::kResourceExhausted});
-      return 0;
-    }
-    Count(Stage::kComputed);
-    v1::ExtendResponse response;
-    const absl::Status status = ExecuteExtend(on, *reservation, nullptr, &response);
-    if (!status.ok()) Fail("execution failed", status);
-    CheckResults(on, response);
-    if (b + 1 == backends.size()) reservation->Commit();
+  const absl::StatusOr<ExtendPlan> plan = ValidateStep(env, Store(), request);
+  if (plan.ok()) {
+    Count(Stage::kValid);
+    ComputeStep(env, Store(), *plan);
   }
   // Keep the caches short, so that later inputs still fit: every session of the call cut back to under 64 tokens.
   for (const std::string& id : *ids) Store().Truncate(id, static_cast<int64_t>(size % 64), {}).IgnoreError();

@@ -549,6 +549,64 @@ void ExtendSeeds(Corpus& c) {
   c.Add("expected_length", expected);
 }
 
+// CreateSession requests for fuzz_create_session: head sessions with each cache dtype (GQA, MQA, an odd d_k), every
+// RoPE scaling type, a configuration per cache, prefix keys, and layer sessions over "tiny" and "gqa".
+void CreateSessionSeeds(Corpus& c) {
+  const auto heads = [](int h, int kv, int d, v1::DataType dtype) {
+    v1::CreateSessionRequest r;
+    r.mutable_heads()->set_num_heads(h);
+    r.mutable_heads()->set_num_kv_heads(kv);
+    r.mutable_heads()->set_head_dim(d);
+    r.set_cache_dtype(dtype);
+    return r;
+  };
+  const std::pair<const char*, v1::DataType> dtypes[] = {{"fp32", v1::FP32},  {"bf16", v1::BF16},
+                                                         {"fp16", v1::FP16},  {"int8", v1::INT8},
+                                                         {"fp8_e4m3", v1::FP8_E4M3}, {"fp8_e5m2", v1::FP8_E5M2}};
+  for (const auto& [name, dtype] : dtypes) c.Add(std::string("gqa_") + name, heads(4, 2, 8, dtype));
+  c.Add("mqa_odd_dk_int8", heads(3, 1, 5, v1::INT8));
+  const char* types[] = {"linear", "dynamic", "yarn", "longrope", "llama3"};
+  for (const char* type : types) {
+    v1::CreateSessionRequest r = heads(2, 1, 8, v1::INT8);
+    v1::HeadConfig& h = *r.mutable_heads();
+    h.set_rope_theta(10000);
+    v1::RopeScaling& s = *h.mutable_rope_scaling();
+    s.set_rope_type(type);
+    s.set_factor(4);
+    s.set_original_max_position_embeddings(8);
+    if (std::string(type) == "llama3") {
+      s.set_low_freq_factor(1);
+      s.set_high_freq_factor(4);
+    }
+    if (std::string(type) == "longrope") {
+      for (int i = 0; i < 4; ++i) {
+        s.add_short_factor(1.0 + i);
+        s.add_long_factor(2.0 + i);
+      }
+    }
+    c.Add(std::string("rope_") + type, r);
+  }
+  v1::CreateSessionRequest layered = heads(2, 2, 4, v1::FP8_E4M3);
+  layered.set_num_layers(3);
+  layered.add_layer_heads()->set_scale(0.5f);
+  layered.add_layer_heads()->set_rope_theta(500000);
+  v1::HeadConfig* partial = layered.add_layer_heads();
+  partial->set_rope_theta(10000);
+  partial->set_rope_dim(2);
+  partial->set_rope_interleaved(true);
+  c.Add("layer_heads", layered);
+  v1::CreateSessionRequest prefix = heads(2, 1, 4, v1::BF16);
+  prefix.add_prefix_keys("block-0");
+  prefix.add_prefix_keys("block-1");
+  prefix.set_max_tokens(64);
+  c.Add("prefix_keys", prefix);
+  v1::CreateSessionRequest layers;
+  layers.add_layers("tiny");
+  layers.add_layers("gqa");
+  layers.set_cache_dtype(v1::INT8);
+  c.Add("layer_session", layers);
+}
+
 // KServe v2 requests on the fuzz env's "tiny" layer (d_model 8) and the "sdpa" model: raw and typed contents,
 // a BOOL mask, INT64 key lengths, parameters, requested outputs, shared memory, and a misnamed input.
 void KServeSeeds(Corpus& c) {
@@ -626,7 +684,7 @@ int main(int argc, char** argv) {
   const std::filesystem::path root = argv[1];
   const std::pair<const char*, std::function<void(mha::Corpus&)>> targets[] = {
       {"fuzz_mha_request", mha::MhaSeeds},     {"fuzz_sdpa_request", mha::SdpaSeeds},
-      {"fuzz_extend_request", mha::ExtendSeeds},
+      {"fuzz_extend_request", mha::ExtendSeeds},       {"fuzz_create_session", mha::CreateSessionSeeds},
       {"fuzz_load_layer_request", mha::LoadLayerSeeds}, {"fuzz_safetensors", mha::SafetensorsSeeds},
       {"fuzz_npy", mha::NpySeeds},             {"fuzz_tensor_codec", mha::CodecSeeds},
       {"fuzz_request_reader", mha::RequestReaderSeeds}, {"fuzz_kserve_request", mha::KServeSeeds}};

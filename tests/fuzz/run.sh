@@ -2,7 +2,7 @@
 # Builds the libFuzzer targets in build-fuzz/ (clang, ASan + UBSan, -DMHA_FUZZ=ON), writes their seed corpora and runs
 # every target in turn (docs/FUZZING.md).
 #
-#   tests/fuzz/run.sh --ci            each target for a bounded time: 12 s each, about 110 s of fuzzing in all (CI)
+#   tests/fuzz/run.sh --ci            each target for a bounded time: 12 s each, about 120 s of fuzzing in all (CI)
 #   tests/fuzz/run.sh --execs N       each target for N executions (by hand: --execs 1000000)
 #   tests/fuzz/run.sh --seconds S     each target for S seconds
 #   tests/fuzz/run.sh ... -- ARGS     ARGS go to every libFuzzer run (e.g. -- -jobs=2)
@@ -31,7 +31,7 @@ while [[ $# -gt 0 ]]; do
 done
 
 targets=(${MHA_FUZZ_TARGETS:-fuzz_tensor_codec fuzz_request_reader fuzz_npy fuzz_safetensors fuzz_load_layer_request
-  fuzz_sdpa_request fuzz_extend_request fuzz_mha_request fuzz_kserve_request})
+  fuzz_sdpa_request fuzz_extend_request fuzz_create_session fuzz_mha_request fuzz_kserve_request})
 
 if [[ ! -f $build/build.ninja ]]; then
   # -O1: the targets run seconds each in CI, where compile time matters more than executions per second.
