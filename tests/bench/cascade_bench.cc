@@ -2,8 +2,8 @@
 // that share a prompt's blocks (forks of one prefilled session, as prefix keys attach them) against the same
 // sessions sharing nothing (each its own copy of the prompt), beside the step's roofline: the larger of the bytes it
 // must read once (the prompt once, every session's own tokens) over the memory-read probe's median and its FLOPs
-// over the FMA peak. Each call's sessions are a copy no other call touched since (copies rotate over at least 2x the
-// last-level cache). Rounds interleave the probe and the cases; best and median are printed.
+// over the FMA peak. Each call's sessions are a copy no other call touched since (copies rotate over at least 4x the
+// last-level cache: RotationBytes). Rounds interleave the probe and the cases; best and median are printed.
 //   build/bin/cascade_bench [--rounds 3] [--seconds 0.5] [--filter "32x(2048"] (a part of the cases' names)
 #include <omp.h>
 
@@ -48,7 +48,7 @@ class CascadeCase {
 
   void Prepare(CpuBackend* backend) {
     backend_ = backend;
-    const int64_t evict = 2 * std::max<int64_t>(LastLevelCacheBytes(), int64_t{32} << 20);
+    const int64_t evict = RotationBytes();
     copies_ = static_cast<int>(std::max<double>(1, std::ceil(evict / BytesOnce())));
     SessionStoreOptions options;
     options.capacity_bytes = static_cast<int64_t>(copies_ * BytesOnce() * 1.2) + (int64_t{256} << 20);

@@ -1,7 +1,7 @@
 // The KV-cache sessions on the CPU backend, in process (no gRPC), as ratios measured in one run:
 //  - decode steps (one new token per session) against the memory-read probe: K/V bytes the attention read per
 //    second, each call on sessions whose caches no other call touched since (the working set rotates over several
-//    copies, 2x the last-level cache, as a server with many sessions sees it);
+//    copies, 4x the last-level cache: RotationBytes, as a server with many sessions sees it);
 //  - prefill chunks through Extend (paged attention) against the same stateless causal call.
 // Rounds interleave the probe and every case (this VM's neighbours move its bandwidth); best and median are printed.
 //   build/bin/decode_bench [--rounds 3] [--seconds 0.5] [--filter decode_1x8192] [--warm] [--json results.jsonl]
@@ -58,8 +58,7 @@ class DecodeCase {
   // computed: what decode reads is the same either way).
   void Prepare(CpuBackend* backend, bool warm) {
     backend_ = backend;
-    // Twice the caches a call could hit in, at least 64 MiB (two vCPUs may sit on two CCXs' L3s).
-    const int64_t evict = 2 * std::max<int64_t>(LastLevelCacheBytes(), int64_t{32} << 20);
+    const int64_t evict = RotationBytes();
     copies_ = static_cast<int>(std::max<int64_t>(1, (evict + BytesPerCall() - 1) / BytesPerCall()));
     if (warm) copies_ = 1;
     SessionStoreOptions options;

@@ -4,7 +4,7 @@ Hugging Face's StaticCache decodes this way: K and V preallocated [B, Hkv, T_max
 step's new key and value written at its position (index_copy_), then torch.nn.functional.scaled_dot_product_attention
 of the step's queries [B, H, 1, d_k] over the cache with enable_gqa=True. Here the cache is sliced to the tokens
 it holds (StaticCache passes the whole T_max with a mask, which reads more: this is the peer at its best). As in
-decode_bench, every call uses caches no other call touched since (copies rotating over twice the last-level cache),
+decode_bench, every call uses caches no other call touched since (copies rotating over 4x the last-level cache),
 and the rate is K/V bytes read per second: T 2 Hkv d_k sizeof(dtype) per sequence.
 
 Runs in the peers' virtual environment (tests/bench/peers-env.sh). Prints one JSON object per line:
@@ -54,7 +54,7 @@ def run_case(name, batch, length, dtype, seconds):
     t_max = length + 1
     element = torch.tensor([], dtype=dtype).element_size()
     bytes_per_call = batch * t_max * 2 * HKV * DK * element
-    copies = max(1, -(-2 * last_level_cache_bytes() // bytes_per_call))
+    copies = max(1, -(-4 * last_level_cache_bytes() // bytes_per_call))
     caches = [(torch.randn(batch, HKV, t_max, DK).to(dtype), torch.randn(batch, HKV, t_max, DK).to(dtype))
               for _ in range(copies)]
     q = torch.randn(batch, H, 1, DK).to(dtype)

@@ -90,6 +90,8 @@ int64_t LastLevelCacheBytes() {
   return bytes;
 }
 
+int64_t RotationBytes() { return 4 * std::max<int64_t>(LastLevelCacheBytes(), int64_t{32} << 20); }
+
 BandwidthResult MeasureReadBandwidth(int threads, int passes) {
   BandwidthResult result;
   result.threads = threads;

@@ -13,6 +13,11 @@ namespace mha::bench {
 // least 32 MiB when neither says.
 int64_t LastLevelCacheBytes();
 
+// The bytes a benchmark's calls rotate over so that each reads its data from memory, as a server with many
+// sessions does: 4x max(the last-level cache, 32 MiB; two vCPUs may sit on two CCXs' L3s). Not 2x: Zen 4's L3
+// keeps part of a cyclic working set twice its size (a single session's decode then read past the probe).
+int64_t RotationBytes();
+
 struct BandwidthResult {
   double gb_per_s = 0;  // best pass, 1e9 bytes per second, all threads together
   double median_gb_per_s = 0;
