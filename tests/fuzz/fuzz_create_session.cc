@@ -68,8 +68,8 @@ bool MakeStep(const SessionConfig& config, const std::string& id, int64_t tokens
   return true;
 }
 
-// Session `id`'s step, a fork, the fork truncated and stepped; each step computed only when small (ComputeStep).
-// A step of the session's own configuration, within its max_tokens, must validate.
+// `tokens` new tokens into session `id`'s last cache, computed only when small (ComputeStep); whether they were. A
+// step of the session's own configuration, within its max_tokens, must validate.
 bool Step(const Env& env, const SessionConfig& config, const std::string& id, int64_t tokens) {
   v1::ExtendRequest request;
   if (!MakeStep(config, id, tokens, &request)) return false;
@@ -78,7 +78,8 @@ bool Step(const Env& env, const SessionConfig& config, const std::string& id, in
   return ComputeStep(env, Store(), *plan);
 }
 
-// `length`: the tokens the session starts with (attached from the prefix cache).
+// Session `id`'s step, a fork, the fork truncated to one token and stepped again. `length`: the tokens the session
+// starts with (attached from the prefix cache).
 void Live(const Env& env, const SessionConfig& config, const std::string& id, int64_t length) {
   const int64_t limit = config.max_tokens > 0 ? config.max_tokens : Store().options().max_tokens;
   const int64_t wanted = config.prefix_keys.empty() ? 2 : kBlockTokens + 1;
