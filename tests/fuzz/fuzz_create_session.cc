@@ -6,11 +6,9 @@
 // writers, both backends' kernels, Fork and Truncate. Findings: sanitizer reports, a refusal with a code the contract
 // does not name for that call, a step that fails on a session the server made, a fork or truncate of it refused.
 #include <algorithm>
-#include <cmath>
 #include <string>
 #include <vector>
 
-#include "proto/mha/v1/tensor_codec.h"
 #include "server/sessions/session_store.h"
 #include "server/sessions/validate_session.h"
 #include "tests/fuzz/fuzz_env.h"
@@ -35,18 +33,6 @@ SessionStore& Store() {
   return *store;
 }
 
-// A [rows, heads, dim] tensor ([rows, dim] when heads is 0) of fixed values.
-void Fill(int64_t rows, int64_t heads, int64_t dim, v1::Tensor* t) {
-  const int64_t n = rows * (heads == 0 ? 1 : heads) * dim;
-  std::vector<float> values(n);
-  for (int64_t i = 0; i < n; ++i) values[i] = std::sin(0.61f * static_cast<float>(i)) * 0.8f;
-  if (heads == 0) {
-    FloatsToTensor(values, {rows, dim}, v1::FP32, t);
-  } else {
-    FloatsToTensor(values, {rows, heads, dim}, v1::FP32, t);
-  }
-}
-
 // One item of `tokens` new tokens into the last cache of session `id` (configured by `config`), or nothing when its
 // tensors would be wider than kMaxWidth.
 bool MakeStep(const SessionConfig& config, const std::string& id, int64_t tokens, v1::ExtendRequest* request) {
@@ -57,14 +43,14 @@ bool MakeStep(const SessionConfig& config, const std::string& id, int64_t tokens
   if (config.is_layer_session()) {
     const int64_t d_model = config.layers[cache].d_model;
     if (d_model > kMaxWidth) return false;
-    Fill(tokens, 0, d_model, item->mutable_x());
+    FillFixed({tokens, d_model}, item->mutable_x());
     return true;
   }
   const HeadSpec& h = config.HeadsOf(cache);
   if (h.q_width() > kMaxWidth) return false;
-  Fill(tokens, h.num_heads, h.head_dim, item->mutable_q());
-  Fill(tokens, h.num_kv_heads, h.head_dim, item->mutable_k());
-  Fill(tokens, h.num_kv_heads, h.head_dim, item->mutable_v());
+  FillFixed({tokens, h.num_heads, h.head_dim}, item->mutable_q());
+  FillFixed({tokens, h.num_kv_heads, h.head_dim}, item->mutable_k());
+  FillFixed({tokens, h.num_kv_heads, h.head_dim}, item->mutable_v());
   return true;
 }
 

@@ -16,17 +16,24 @@
 #include "server/config/server_options.h"
 
 namespace mha::fuzz {
+
+void FillFixed(absl::Span<const int64_t> shape, v1::Tensor* t) {
+  int64_t n = 1;
+  for (const int64_t d : shape) n *= d;
+  std::vector<float> values(n);
+  const int64_t offset = shape.empty() ? 0 : shape[0];
+  for (int64_t i = 0; i < n; ++i) values[i] = std::sin(0.37f * static_cast<float>(i + offset)) * 0.3f;
+  FloatsToTensor(values, shape, v1::FP32, t);
+}
+
 namespace {
 
-// A [rows, cols] tensor ([rows] when cols is 0) of fixed, varied values (no randomness: a run must be reproducible
-// from its input alone).
+// A [rows, cols] tensor ([rows] when cols is 0) of FillFixed's values.
 void Fill(int64_t rows, int64_t cols, v1::Tensor* t) {
-  std::vector<float> values(cols == 0 ? rows : rows * cols);
-  for (size_t i = 0; i < values.size(); ++i) values[i] = std::sin(0.37f * static_cast<float>(i + rows)) * 0.3f;
   if (cols == 0) {
-    FloatsToTensor(values, {rows}, v1::FP32, t);
+    FillFixed({rows}, t);
   } else {
-    FloatsToTensor(values, {rows, cols}, v1::FP32, t);
+    FillFixed({rows, cols}, t);
   }
 }
 

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/types/span.h"
 #include "proto/mha/v1/attention.pb.h"
 #include "server/backends/registry.h"
 #include "server/calls/validate.h"
@@ -57,6 +58,10 @@ void ResetSharedMemory(const Env& env);
 
 // The output of a computed call, in the response or (output_shared_memory) only described there.
 void CheckComputedOutput(const AttentionPlan& plan, const v1::Tensor& tensor);
+
+// A tensor of `shape` holding fixed, varied fp32 values (no randomness: a run must be reproducible from its input
+// alone).
+void FillFixed(absl::Span<const int64_t> shape, v1::Tensor* t);
 
 // Whether a plan is small enough to compute (kMaxComputeFlops, kMaxComputeBytes).
 bool SmallEnough(const AttentionPlan& plan);
