@@ -259,22 +259,45 @@ class Int8KernelsTest : public ::testing::TestWithParam<int64_t> {
   const uint16_t* KeyScales() const {
     return reinterpret_cast<const uint16_t*>(block_.data() + cache_.KeyPart(0) + quant::KeyScalesOffset(cache_));
   }
-  // Score (r, j) as the VNNI set defines it: row r of q times the key scales, rounded to int8 codes at 127 over its
-  // largest magnitude (fp32 operations in the kernel's order), times key j's codes, summed exactly.
+  // Score (r, j) as the VNNI set defines it, over rows' groups of four (the 5 rows: 0-3 and 4): row r of q times the
+  // key scales; the depths whose largest |value| over the group reaches half the group's largest (when at most 16
+  // do) kept in fp32, the others rounded to int8 codes at 127 over their largest magnitude in the row (fp32
+  // operations in the kernel's order), times key j's codes, summed exactly.
   double QuadScore(int64_t r, int64_t j) const {
-    std::vector<float> x(depth_);
-    float amax = 0;
-    for (int64_t c = 0; c < depth_; ++c) {
-      x[c] = q_[r * depth_ + c] * quant::ScaleValue(KeyScales()[c]);
-      amax = std::max(amax, std::fabs(x[c]));
+    const int64_t first = r / 4 * 4, last = std::min<int64_t>(first + 4, 5);
+    std::vector<float> x(depth_), column(depth_, 0.0f);
+    for (int64_t row = first; row < last; ++row) {
+      for (int64_t c = 0; c < depth_; ++c) {
+        const float e = q_[row * depth_ + c] * quant::ScaleValue(KeyScales()[c]);
+        column[c] = std::max(column[c], std::fabs(e));
+        if (row == r) x[c] = e;
+      }
     }
+    const float half = 0.5f * *std::max_element(column.begin(), column.end());
+    std::vector<bool> apart(depth_);
+    float rest = 0;
+    int64_t count = 0;
+    for (int64_t c = 0; c < depth_; ++c) {
+      apart[c] = column[c] >= half;
+      count += apart[c] ? 1 : 0;
+      if (!apart[c]) rest = std::max(rest, column[c]);
+    }
+    float amax = 0;
+    for (int64_t c = 0; c < depth_; ++c) amax = std::max(amax, std::fabs(x[c]));
+    const bool split = count <= 16 && half > 0;
+    if (split) amax = std::min(amax, rest);
     const float mul = 127.0f / amax;
     int64_t sum = 0;
+    double kept = 0;
     for (int64_t c = 0; c < depth_; ++c) {
       const auto code = static_cast<int8_t>(block_[cache_.KeyPart(0) + quant::KeyCodeOffset(cache_, c, j)]);
-      sum += static_cast<int64_t>(std::nearbyint(x[c] * mul)) * code;
+      if (split && apart[c]) {
+        kept += static_cast<double>(x[c]) * code;
+      } else {
+        sum += static_cast<int64_t>(std::nearbyint(x[c] * mul)) * code;
+      }
     }
-    return static_cast<double>(sum) * (amax / 127.0f);
+    return static_cast<double>(sum) * (amax / 127.0f) + kept;
   }
 
   // How far score (r, j) may move when row r's q (times the key scales) is rounded to int8 instead of int16: half
@@ -320,7 +343,7 @@ TEST_P(Int8KernelsTest, EverySetComputesTheSameSums) {
 }
 
 // AVX512-VNNI multiplies four depths at once in bytes (vpdpbusd): its scores are q's int8 codes times the keys',
-// key by key in order, and differ from the int16 sets' by that rounding only.
+// key by key in order, plus its largest depths in fp32, and differ from the int16 sets' by that rounding only.
 TEST_P(Int8KernelsTest, VnniScoresAreQsInt8CodesTimesTheKeys) {
   const std::vector<Int8Set> sets = Int8Sets();
   if (!sets.back().runs) GTEST_SKIP() << "this CPU has no AVX512-VNNI";
@@ -330,6 +353,38 @@ TEST_P(Int8KernelsTest, VnniScoresAreQsInt8CodesTimesTheKeys) {
       const double want = QuadScore(r, j);
       EXPECT_NEAR(quads.s[r * 32 + j], want, 1e-5 * (1 + std::fabs(want))) << "row " << r << " key " << j;
       EXPECT_NEAR(quads.s[r * 32 + j], pairs.s[r * 32 + j], QRoundingBound(r, j)) << "row " << r << " key " << j;
+    }
+  }
+}
+
+// Where two depths of q times the key scales are about 20 times the rest (a real model's large key channels), the
+// VNNI set keeps them out of the int8 rounding: its scores are within half a step of the other depths' largest value
+// of the exact sums, where rounding every depth at the large ones' step would move them up to 20 times as far.
+TEST_P(Int8KernelsTest, VnniKeepsTheLargestDepthsOutOfItsInt8Rounding) {
+  const std::vector<Int8Set> sets = Int8Sets();
+  if (!sets.back().runs) GTEST_SKIP() << "this CPU has no AVX512-VNNI";
+  for (int64_t r = 0; r < 5; ++r) {  // q times the scale: +-1, the others' largest about 0.05
+    for (const int64_t c : {int64_t{3}, depth_ - 2}) {
+      q_[r * depth_ + c] = (r % 2 == 0 ? 1.0f : -1.0f) / quant::ScaleValue(KeyScales()[c]);
+    }
+  }
+  const Int8Outputs quads = Run(*sets.back().kernels);
+  for (int64_t r = 0; r < 5; ++r) {
+    for (int64_t j = 0; j < 32; ++j) {
+      double exact = 0, rest = 0, codes = 0;  // rest: the other depths' largest over the row's group of four
+      for (int64_t c = 0; c < depth_; ++c) {
+        const double x = static_cast<double>(q_[r * depth_ + c]) * quant::ScaleValue(KeyScales()[c]);
+        const auto code = static_cast<int8_t>(block_[cache_.KeyPart(0) + quant::KeyCodeOffset(cache_, c, j)]);
+        exact += x * code;
+        codes += std::abs(code);
+        const bool large = c == 3 || c == depth_ - 2;
+        for (int64_t row = r / 4 * 4; !large && row < std::min<int64_t>(r / 4 * 4 + 4, 5); ++row) {
+          rest = std::max(rest, std::fabs(static_cast<double>(q_[row * depth_ + c]) *
+                                          quant::ScaleValue(KeyScales()[c])));
+        }
+      }
+      EXPECT_NEAR(quads.s[r * 32 + j], exact, 0.5 * rest / 127 * codes * (1 + 1e-4) + 1e-4 * std::fabs(exact))
+          << "row " << r << " key " << j;
     }
   }
 }

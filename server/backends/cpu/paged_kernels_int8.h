@@ -386,15 +386,58 @@ inline __m512i StoreCodes(__m512 v, __m512 mul, int8_t* row, __m512i sum) {
   return _mm512_add_epi32(sum, codes);
 }
 
-// Four rows r of row_count (the rest repeat row 0, their results unused): codes[r] = x_r[c] scale[c] (the bf16
-// scales) rounded to int8 at 127 / amax_r (amax_r = the largest |x_r[c] scale[c]|) for c < kVectors 16; q_sum[r] =
-// the codes' sum, q_scale[r] = amax_r / 127. The rows interleaved so that their reductions and the division overlap.
+// A row group's depths kept out of q's int8 rounding (SplitChannels below): at most this many, else none.
+inline constexpr int kMaxSplitChannels = 16;
+
+// Four rows' depths whose |q times the key scale| reaches half the rows' largest, each row's value of them in fp32.
+// Real models' keys have a few channels many times larger than the rest (SmolLM2's: the largest channel 8-13 times
+// the median's RMS), and q times those channels' scales would set the step of every other depth's int8 code: 2.4 times
+// the logit error of the cache's own key codes (docs/PERFORMANCE.md). Those depths are zero in the int8 codes and
+// added in fp32 after the integer sums (AddSplitChannels), so the other depths round at their own largest value.
+struct SplitChannels {
+  int count = 0;
+  int depth[kMaxSplitChannels];
+  float q[4][kMaxSplitChannels];  // rows r of the group: x_r[depth] scale[depth]
+};
+
+// Four rows r of row_count (the rest repeat row 0, their results unused): the depths SplitChannels keeps apart (when
+// at most kMaxSplitChannels reach half the rows' largest |x_r[c] scale[c]|), and for the others codes[r] = x_r[c]
+// scale[c] (the bf16 scales) rounded to int8 at 127 / amax_r (amax_r = the largest of those |x_r[c] scale[c]|), the
+// split depths' codes zero, for c < kVectors 16; q_sum[r] = the codes' sum, q_scale[r] = amax_r / 127. The rows
+// interleaved so that their reductions and the division overlap.
 template <int kVectors>
 inline void FourRowsToInt8(int64_t row_count, const float* x, int64_t ldx, const uint16_t* scale, int8_t* codes,
-                           int64_t ld_codes, int32_t* q_sum, float* q_scale) {
+                           int64_t ld_codes, int32_t* q_sum, float* q_scale, SplitChannels* split) {
   static_assert(kVectors % 4 == 0, "whole groups of four vectors");
   alignas(64) float products[4][kInt8MaxKeys];
-  const __m512 amax = FourRowsProducts<kVectors>(row_count, kVectors, x, ldx, scale, products);
+  __m512 amax = FourRowsProducts<kVectors>(row_count, kVectors, x, ldx, scale, products);
+  // Each depth's largest |product| over the rows, against half the largest of all (amax's lanes hold the rows').
+  const __m512 half = _mm512_set1_ps(0.5f * _mm512_reduce_max_ps(amax));
+  __mmask16 apart[kVectors];
+  __m512 rest = _mm512_setzero_ps();
+  int count = 0;
+  MHA_UNROLL for (int i = 0; i < kVectors; ++i) {
+    const __m512 m = _mm512_range_ps(
+        _mm512_range_ps(_mm512_load_ps(products[0] + 16 * i), _mm512_load_ps(products[1] + 16 * i), 0x0b),
+        _mm512_range_ps(_mm512_load_ps(products[2] + 16 * i), _mm512_load_ps(products[3] + 16 * i), 0x0b), 0x0b);
+    apart[i] = _mm512_cmp_ps_mask(m, half, _CMP_GE_OQ);
+    rest = _mm512_mask_max_ps(rest, static_cast<__mmask16>(~apart[i]), rest, m);
+    count += __builtin_popcount(apart[i]);
+  }
+  split->count = 0;
+  if (count <= kMaxSplitChannels && half[0] > 0.0f) {
+    // The rows' step is set by the other depths: amax_r over them is at most min(amax_r, their largest).
+    amax = _mm512_min_ps(amax, _mm512_set1_ps(_mm512_reduce_max_ps(rest)));
+    MHA_UNROLL for (int i = 0; i < kVectors; ++i) {
+      for (unsigned bits = apart[i]; bits != 0; bits &= bits - 1) {
+        const int c = 16 * i + __builtin_ctz(bits), k = split->count++;
+        split->depth[k] = c;
+        MHA_UNROLL for (int r = 0; r < 4; ++r) split->q[r][k] = products[r][c];
+      }
+    }
+  } else {
+    MHA_UNROLL for (int i = 0; i < kVectors; ++i) apart[i] = 0;
+  }
   const __m512 mul = FourRowsMultipliers(amax);
   // Four vectors' codes packed into one by two saturating packs (in range already) and one dword permute: three
   // shuffles where four vpmovdb stores took two uops each; their sum in one vpdpbusd against bytes of 1.
@@ -409,7 +452,8 @@ inline void FourRowsToInt8(int64_t row_count, const float* x, int64_t ldx, const
     MHA_UNROLL for (int i = 0; i < kVectors; i += 4) {
       __m512i c[4];
       MHA_UNROLL for (int j = 0; j < 4; ++j) {
-        c[j] = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_load_ps(products[r] + 16 * (i + j)), row_mul));
+        c[j] = _mm512_maskz_cvtps_epi32(static_cast<__mmask16>(~apart[i + j]),
+                                        _mm512_mul_ps(_mm512_load_ps(products[r] + 16 * (i + j)), row_mul));
       }
       const __m512i bytes = _mm512_permutexvar_epi32(
           order, _mm512_packs_epi16(_mm512_packs_epi32(c[0], c[1]), _mm512_packs_epi32(c[2], c[3])));
@@ -427,15 +471,81 @@ inline void FourRowsToInt8(int64_t row_count, const float* x, int64_t ldx, const
   }
 }
 
-// The same for n a multiple of 16 (x zero-padded to n where the depth is not).
-inline int32_t RowToInt8Padded(const float* x, int64_t n, const float* scale, int8_t* row, float& amax) {
-  amax = MaxAbsProduct(x, scale, n);
-  const __m512 mul = _mm512_set1_ps(amax > 0 ? 127.0f / amax : 0.0f);
-  __m512i sum = _mm512_setzero_si512();
-  for (int64_t c = 0; c < n; c += 16) {
-    sum = StoreCodes(_mm512_mul_ps(_mm512_loadu_ps(x + c), _mm512_loadu_ps(scale + c)), mul, row + c, sum);
+// s[r][j] += the split depths' q times key j's codes, for rows r < rows (at most 4) and keys j < keys (a multiple
+// of 32) of the pair rows at kt (ldk keys apart).
+inline void AddSplitChannels(const SplitChannels& split, int64_t rows, int64_t keys, const int8_t* kt, int64_t ldk,
+                             float* s, int64_t lds) {
+  for (int64_t j = 0; j < keys; j += 32) {
+    __m512 acc[4][2];
+    MHA_UNROLL for (int r = 0; r < 4; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int k = 0; k < split.count; ++k) {
+      const int c = split.depth[k];
+      // Pair row c / 2 holds keys j.. as (depth 2i, depth 2i + 1) byte pairs: this depth's byte, sign-extended.
+      __m512i w = _mm512_loadu_si512(kt + (c / 2) * 2 * ldk + 2 * j);
+      if (c % 2 == 0) w = _mm512_slli_epi16(w, 8);
+      w = _mm512_srai_epi16(w, 8);
+      const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_castsi512_si256(w)));
+      const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(w, 1)));
+      MHA_UNROLL for (int r = 0; r < 4; ++r) {
+        const __m512 q = _mm512_set1_ps(split.q[r][k]);
+        acc[r][0] = _mm512_fmadd_ps(q, lo, acc[r][0]);
+        acc[r][1] = _mm512_fmadd_ps(q, hi, acc[r][1]);
+      }
+    }
+    for (int64_t r = 0; r < rows && r < 4; ++r) {
+      float* out = s + r * lds + j;
+      _mm512_storeu_ps(out, _mm512_add_ps(_mm512_loadu_ps(out), acc[r][0]));
+      _mm512_storeu_ps(out + 16, _mm512_add_ps(_mm512_loadu_ps(out + 16), acc[r][1]));
+    }
   }
-  return _mm512_reduce_add_epi32(sum);
+}
+
+// FourRowsToInt8 for any depth, in plain loops over zero-padded copies (`padded`: the depth rounded up to whole
+// vectors of quads), with the same codes, sums and split depths.
+inline void FourRowsToInt8Padded(int64_t row_count, const float* x, int64_t ldx, int64_t depth, int64_t padded,
+                                 const float* scale, int8_t* codes, int64_t ld_codes, int32_t* q_sum, float* q_scale,
+                                 SplitChannels* split) {
+  alignas(64) float products[4][kInt8MaxDepth + I8::kLanes] = {};
+  float column[kInt8MaxDepth] = {}, amax[4] = {}, top = 0.0f;
+  for (int r = 0; r < 4; ++r) {
+    const float* row = x + (r < row_count ? r : 0) * ldx;
+    for (int64_t c = 0; c < depth; ++c) {
+      products[r][c] = row[c] * scale[c];
+      const float a = products[r][c] < 0 ? -products[r][c] : products[r][c];
+      column[c] = a > column[c] ? a : column[c];
+      amax[r] = a > amax[r] ? a : amax[r];
+      top = a > top ? a : top;
+    }
+  }
+  const float half = 0.5f * top;
+  float rest = 0.0f;
+  int count = 0;
+  for (int64_t c = 0; c < depth; ++c) {
+    if (column[c] >= half) ++count;
+    if (column[c] < half && column[c] > rest) rest = column[c];
+  }
+  split->count = 0;
+  if (count <= kMaxSplitChannels && half > 0.0f) {
+    for (int r = 0; r < 4; ++r) amax[r] = amax[r] < rest ? amax[r] : rest;
+    for (int64_t c = 0; c < depth; ++c) {
+      if (column[c] < half) continue;
+      const int k = split->count++;
+      split->depth[k] = static_cast<int>(c);
+      for (int r = 0; r < 4; ++r) {
+        split->q[r][k] = products[r][c];
+        products[r][c] = 0.0f;
+      }
+    }
+  }
+  for (int64_t r = 0; r < row_count && r < 4; ++r) {
+    const __m512 mul = _mm512_set1_ps(amax[r] > 0 ? 127.0f / amax[r] : 0.0f);
+    __m512i sum = _mm512_setzero_si512();
+    for (int64_t c = 0; c < padded; c += 16) {
+      sum = StoreCodes(_mm512_load_ps(products[r] + c), mul, codes + r * ld_codes + c, sum);
+    }
+    q_sum[r] = _mm512_reduce_add_epi32(sum);
+    q_scale[r] = amax[r] / 127.0f;
+  }
 }
 
 // kRows rows' scores of the 32 keys at kt (pair rows 2 ldk bytes apart) over `pairs` depth pairs.
@@ -474,27 +584,21 @@ void Int8ScoresInQuads(int64_t rows, int64_t keys, int64_t depth, const float* q
   // Depth quads as int32 words, little-endian: depth 4i in the low byte (padding depths zero).
   int8_t* const rows_codes = reinterpret_cast<int8_t*>(codes);
   const bool common = depth == 128 || depth == 64;
+  SplitChannels split[kInt8MaxRows / 4];
   for (int64_t r = 0; common && r < rows; r += 4) {
     int8_t* row = rows_codes + r * kInt8MaxDepth;
+    SplitChannels* group = &split[r / 4];
     if (depth == 128) {
-      FourRowsToInt8<8>(rows - r, q + r * ldq, ldq, key_scales, row, kInt8MaxDepth, q_sum + r, q_scale + r);
+      FourRowsToInt8<8>(rows - r, q + r * ldq, ldq, key_scales, row, kInt8MaxDepth, q_sum + r, q_scale + r, group);
     } else {
-      FourRowsToInt8<4>(rows - r, q + r * ldq, ldq, key_scales, row, kInt8MaxDepth, q_sum + r, q_scale + r);
+      FourRowsToInt8<4>(rows - r, q + r * ldq, ldq, key_scales, row, kInt8MaxDepth, q_sum + r, q_scale + r, group);
     }
   }
   float scale[kInt8MaxDepth + 2 * I8::kLanes];
   if (!common) WidenScales(key_scales, depth, scale);
-  for (int64_t r = 0; !common && r < rows; ++r) {
-    int8_t* row = rows_codes + r * kInt8MaxDepth;
-    float amax;
-    if (depth % 16 == 0) {  // whole vectors of quads: no padding to add
-      q_sum[r] = RowToInt8Padded(q + r * ldq, depth, scale, row, amax);
-    } else {
-      float x[kInt8MaxDepth + I8::kLanes] = {};  // zero-padded to whole vectors
-      for (int64_t c = 0; c < depth; ++c) x[c] = q[r * ldq + c];
-      q_sum[r] = RowToInt8Padded(x, (4 * quads + 15) / 16 * 16, scale, row, amax);
-    }
-    q_scale[r] = amax / 127.0f;
+  for (int64_t r = 0; !common && r < rows; r += 4) {
+    FourRowsToInt8Padded(rows - r, q + r * ldq, ldq, depth, (4 * quads + 15) / 16 * 16, scale,
+                         rows_codes + r * kInt8MaxDepth, kInt8MaxDepth, q_sum + r, q_scale + r, &split[r / 4]);
   }
   constexpr int kRows = 8;
   Ahead ahead(ahead_bytes, ahead_size, keys / 32 * ((rows + kRows - 1) / kRows) * quads / 2, kt);  // VNNI
@@ -505,6 +609,9 @@ void Int8ScoresInQuads(int64_t rows, int64_t keys, int64_t depth, const float* q
                                                  kt + 2 * j, ldk, s + r * lds + j, lds, ahead);
       });
     }
+  }
+  for (int64_t r = 0; r < rows; r += 4) {
+    if (split[r / 4].count > 0) AddSplitChannels(split[r / 4], rows - r, keys, kt, ldk, s + r * lds, lds);
   }
 }
 #endif
