@@ -261,8 +261,8 @@ class Int8KernelsTest : public ::testing::TestWithParam<int64_t> {
   }
   // Score (r, j) as the VNNI set defines it, over rows' groups of four (the 5 rows: 0-3 and 4): row r of q times the
   // key scales; the depths whose largest |value| over the group reaches half the group's largest (when at most 16
-  // do) kept in fp32, the others rounded to int8 codes at 127 over their largest magnitude in the row (fp32
-  // operations in the kernel's order), times key j's codes, summed exactly.
+  // do) kept in fp32, the others rounded to int8 codes at 127 over the smaller of the row's largest magnitude and
+  // theirs over the group (fp32 operations in the kernel's order), times key j's codes, summed exactly.
   double QuadScore(int64_t r, int64_t j) const {
     const int64_t first = r / 4 * 4, last = std::min<int64_t>(first + 4, 5);
     std::vector<float> x(depth_), column(depth_, 0.0f);

@@ -393,7 +393,7 @@ inline constexpr int kMaxSplitChannels = 16;
 // Real models' keys have a few channels many times larger than the rest (SmolLM2's: the largest channel 8-13 times
 // the median's RMS), and q times those channels' scales would set the step of every other depth's int8 code: 2.4 times
 // the logit error of the cache's own key codes (docs/PERFORMANCE.md). Those depths are zero in the int8 codes and
-// added in fp32 after the integer sums (AddSplitChannels), so the other depths round at their own largest value.
+// added in fp32 after the integer sums (AddSplitChannels), so the other depths round at a step their own values set.
 struct SplitChannels {
   int count = 0;
   int depth[kMaxSplitChannels];
@@ -402,9 +402,10 @@ struct SplitChannels {
 
 // Four rows r of row_count (the rest repeat row 0, their results unused): the depths SplitChannels keeps apart (when
 // at most kMaxSplitChannels reach half the rows' largest |x_r[c] scale[c]|), and for the others codes[r] = x_r[c]
-// scale[c] (the bf16 scales) rounded to int8 at 127 / amax_r (amax_r = the largest of those |x_r[c] scale[c]|), the
-// split depths' codes zero, for c < kVectors 16; q_sum[r] = the codes' sum, q_scale[r] = amax_r / 127. The rows
-// interleaved so that their reductions and the division overlap.
+// scale[c] (the bf16 scales) rounded to int8 at 127 / amax_r (amax_r = the row's largest |x_r[c] scale[c]|, or with
+// depths split the smaller of that and the other depths' largest over the four rows), the split depths' codes zero,
+// for c < kVectors 16; q_sum[r] = the codes' sum, q_scale[r] = amax_r / 127. The rows interleaved so that their
+// reductions and the division overlap.
 template <int kVectors>
 inline void FourRowsToInt8(int64_t row_count, const float* x, int64_t ldx, const uint16_t* scale, int8_t* codes,
                            int64_t ld_codes, int32_t* q_sum, float* q_scale, SplitChannels* split) {
@@ -521,14 +522,17 @@ inline void FourRowsToInt8Padded(int64_t row_count, const float* x, int64_t ldx,
   float rest = 0.0f;
   int count = 0;
   for (int64_t c = 0; c < depth; ++c) {
-    if (column[c] >= half) ++count;
-    if (column[c] < half && column[c] > rest) rest = column[c];
+    if (column[c] >= half) {
+      ++count;
+    } else if (column[c] > rest) {
+      rest = column[c];
+    }
   }
   split->count = 0;
   if (count <= kMaxSplitChannels && half > 0.0f) {
     for (int r = 0; r < 4; ++r) amax[r] = amax[r] < rest ? amax[r] : rest;
     for (int64_t c = 0; c < depth; ++c) {
-      if (column[c] < half) continue;
+      if (!(column[c] >= half)) continue;  // the predicate `count` counted
       const int k = split->count++;
       split->depth[k] = static_cast<int>(c);
       for (int r = 0; r < 4; ++r) {
