@@ -41,7 +41,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "bench"))
 import mhaclient  # noqa: E402
 from local_server import local_server  # noqa: E402
 
-DTYPES = ["fp32", "bf16", "int8", "fp8_e4m3", "fp8_e5m2"]  # those compared (--dtypes); fp32 first, the base
+DTYPES = ["fp32", "bf16", "int8", "fp8_e4m3", "fp8_e5m2"]  # --dtypes picks among them; fp32, the base, always first
 
 
 def model_configs():
@@ -150,16 +150,16 @@ def checkpoint():
     return tokenizer, models[0], models[1]
 
 
-def compare_generations(client, attention, reference, served, prompt, tokens):
+def compare_generations(client, attention, reference, served, prompt, tokens, dtypes):
     """Greedy tokens of transformers and of each cache dtype; each cache's attention outputs against the fp32
     cache's up to its first different token."""
     config = served.config
     row = {"transformers": generate(reference, prompt, tokens)}
     outputs = {}
-    for dtype in DTYPES:
+    for dtype in dtypes:
         row[dtype] = generate(served, prompt, tokens, attention, client, dtype)
         outputs[dtype] = list(attention.outputs)
-    for dtype in DTYPES:
+    for dtype in dtypes:
         first_diff = next((i for i, (a, b) in enumerate(zip(row[dtype], row["fp32"])) if a != b), tokens)
         # Step i (0: the prompt) computes token i: the steps up to the first different token compare.
         errors = relative_errors(outputs[dtype], outputs["fp32"], (first_diff + 1) * config.num_hidden_layers)
@@ -182,12 +182,12 @@ def key_outliers(keys):
     return {"median": float(np.median(ratios)), "max": float(np.max(ratios))}
 
 
-def compare_text(client, attention, served, chunks):
+def compare_text(client, attention, served, chunks, dtypes):
     """Each cache dtype read each chunk of token ids one token a decode step, in a session of its own, scored as
     llama-perplexity scores a chunk (the next-token predictions of its second half): its perplexity, the mean KL
     divergence of its next-token distributions from the fp32 cache's, the share of the same top token; and its
     attention outputs against the fp32 cache's over every layer and step."""
-    scored = {dtype: {"nll": [], "kl": [], "same": [], "errors": []} for dtype in DTYPES}
+    scored = {dtype: {"nll": [], "kl": [], "same": [], "errors": []} for dtype in dtypes}
     keys = []
     for ids in chunks:
         first = len(ids) // 2
@@ -195,7 +195,7 @@ def compare_text(client, attention, served, chunks):
         attention.keys = keys
         want = teacher_forced(served, ids, attention, client, "fp32")[first:].double()
         reference_outputs, attention.keys = list(attention.outputs), None
-        for dtype in DTYPES:
+        for dtype in dtypes:
             got = want if dtype == "fp32" else teacher_forced(served, ids, attention, client, dtype)[first:].double()
             scored[dtype]["nll"] += (-got.gather(1, targets[:, None]).squeeze(1)).tolist()
             scored[dtype]["kl"] += (want.exp() * (want - got)).sum(-1).tolist()
@@ -223,7 +223,7 @@ def text_chunks(tokenizer, size, count):
     return [ids[c * size:(c + 1) * size] for c in range(min(count, len(ids) // size))]
 
 
-def run(server_target, args):
+def run(server_target, args, dtypes):
     client = mhaclient.MhaClient(server_target, timeout=60.0)
     client.wait_ready(timeout=30)
     attention = Attention(args.backend)
@@ -234,26 +234,28 @@ def run(server_target, args):
         question = "Why is the sky blue? Answer in three sentences."
         prompt = list(tokenizer.apply_chat_template([{"role": "user", "content": question}],
                                                     add_generation_prompt=True, tokenize=True)["input_ids"])
-        results["smollm2"] = compare_generations(client, attention, reference, served, prompt, args.tokens)
-        for dtype in ["transformers"] + DTYPES:
+        results["smollm2"] = compare_generations(client, attention, reference, served, prompt, args.tokens,
+                                                 dtypes)
+        for dtype in ["transformers"] + dtypes:
             results["smollm2"][dtype + "_text"] = tokenizer.decode(results["smollm2"][dtype])
         chunks = text_chunks(tokenizer, args.text_tokens, args.text_chunks)
-        results["smollm2"]["text"] = compare_text(client, attention, served, chunks)
+        results["smollm2"]["text"] = compare_text(client, attention, served, chunks, dtypes)
     else:
         with tempfile.TemporaryDirectory() as folder:
             for family, reference, served, prompt in random_models(folder):
-                results[family] = compare_generations(client, attention, reference, served, prompt, args.tokens)
+                results[family] = compare_generations(client, attention, reference, served, prompt, args.tokens,
+                                                      dtypes)
     client.close()
     return results
 
 
-def print_results(results):
+def print_results(results, dtypes):
     # The attention output's error against the fp32 cache over every layer of the steps up to the first token that
     # differs (after it the inputs differ).
     print("%-9s %-9s %-14s %-20s %-12s %-12s" % ("model", "cache", "= generate()", "first token != fp32",
                                                  "rel err max", "rel err mean"))
     for family, row in results.items():
-        for dtype in DTYPES:
+        for dtype in dtypes:
             same_hf = all(a == b for a, b in zip(row[dtype], row["transformers"]))
             s = row[dtype + "_summary"]
             first = "none of %d" % len(row[dtype]) if s["first_difference"] is None else str(s["first_difference"])
@@ -271,13 +273,13 @@ def print_results(results):
                                                                  "KL max", "same top-1", "rel err max",
                                                                  "rel err mean"))
         base = text["fp32"]["perplexity"]
-        for dtype in DTYPES:
+        for dtype in dtypes:
             s = text[dtype]
             change = "%+.3f%%" % (100.0 * (s["perplexity"] / base - 1.0))
             print("%-9s %-11.4f %-10s %-10.5f %-10.4f %-11.4f %-12.4f %-12.4f" % (
                 dtype, s["perplexity"], change, s["kl_mean"], s["kl_max"], s["same_top1"], s["rel_error_max"],
                 s["rel_error_mean"]))
-        for dtype in ["transformers"] + DTYPES:
+        for dtype in ["transformers"] + dtypes:
             print("%-12s %r" % (dtype, row[dtype + "_text"]))
 
 
@@ -292,12 +294,12 @@ def main():
     parser.add_argument("--dtypes", default=",".join(DTYPES), help="the cache dtypes compared (fp32 always)")
     parser.add_argument("--json")
     args = parser.parse_args()
-    DTYPES[:] = ["fp32"] + [d for d in args.dtypes.split(",") if d != "fp32"]  # the base first, as every table reads
+    dtypes = ["fp32"] + [d for d in args.dtypes.split(",") if d != "fp32"]  # the base first, as the tables read
     server_args = ["--kv_cache_mb", "512", "--log_level", "warn"]
     with tempfile.TemporaryDirectory() as work, local_server(args.server, work, *server_args) as target:
         sys.path.insert(0, mhaclient.generate_stubs(os.path.join(work, "stubs")))
-        results = run(target, args)
-    print_results(results)
+        results = run(target, args, dtypes)
+    print_results(results, dtypes)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

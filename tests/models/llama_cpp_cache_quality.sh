@@ -24,9 +24,9 @@ run() {  # cache type, then llama-perplexity's further arguments
 }
 run f32 --kl-divergence-base "$base" | grep -oE "Final estimate.*" | sed "s/^/f32: /"
 printf '%-5s %-28s %-22s %-12s %-22s\n' cache "PPL(Q)" "mean KLD" "max KLD" "same top p"
+field() { grep -m1 "^$1" <<<"$out" | cut -d: -f2 | xargs; }  # a statistic of the last run's output
 for cache in f16 bf16 q8_0 q4_0; do
   out=$(run "$cache" --kl-divergence --kl-divergence-base "$base")
-  field() { grep -m1 "^$1" <<<"$out" | cut -d: -f2 | xargs; }
   printf '%-5s %-28s %-22s %-12s %-22s\n' "$cache" "$(field 'Mean PPL(Q)')" "$(field 'Mean    KLD')" \
     "$(field 'Maximum KLD')" "$(field 'Same top p')"
 done
