@@ -249,7 +249,9 @@ recover() {
   status=0
   wait "$decode_pid" || status=$?
   decode_pid=""
-  [[ $status -eq 0 ]] || fail "recover: mha_client decode exited with $status: $(cat "$work/recover-client.log")"
+  # Its report (first_error among it) is on stdout, its log on stderr: both, to say why.
+  [[ $status -eq 0 ]] ||
+    fail "recover: mha_client decode exited with $status: $(cat "$work/recover.json" "$work/recover-client.log")"
   affinity recovered "$work/recover.json" "$victim" "${replica_logs[@]}" ||
     fail "recover: $(cat "$work/recover.json")"
   echo "scale-out: recover: phase in $((SECONDS - t0)) s"
