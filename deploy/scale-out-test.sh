@@ -249,7 +249,7 @@ recover() {
   status=0
   wait "$decode_pid" || status=$?
   decode_pid=""
-  # Its report (first_error among it) is on stdout, its log on stderr: both, to say why.
+  # Its report (with first_error) is on stdout, its log on stderr: both, to say why.
   [[ $status -eq 0 ]] ||
     fail "recover: mha_client decode exited with $status: $(cat "$work/recover.json" "$work/recover-client.log")"
   affinity recovered "$work/recover.json" "$victim" "${replica_logs[@]}" ||
