@@ -94,7 +94,8 @@ def main():
     parser.add_argument("--max_rss_growth_mib", type=float)
     parser.add_argument("--max_probe_s", type=float)
     args = parser.parse_args()
-    sys.path.insert(0, mhaclient.generate_stubs(tempfile.mkdtemp(prefix="mha-stubs-")))
+    stubs = tempfile.TemporaryDirectory(prefix="mha-stubs-")  # removed at exit; the imports are loaded by then
+    sys.path.insert(0, mhaclient.generate_stubs(stubs.name))
     from mha.v1 import attention_pb2 as pb
     from mha.v1 import attention_pb2_grpc as pbg
 

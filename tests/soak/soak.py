@@ -959,7 +959,8 @@ def parse_args():
 
 def main():
     args = parse_args()
-    sys.path.insert(0, mhaclient.generate_stubs(tempfile.mkdtemp(prefix="mha_soak_stubs_"), REPO_ROOT))
+    stubs = tempfile.TemporaryDirectory(prefix="mha_soak_stubs_")  # removed at exit; the imports are loaded by then
+    sys.path.insert(0, mhaclient.generate_stubs(stubs.name, REPO_ROOT))
 
     log = tempfile.NamedTemporaryFile(prefix="mha_soak_server_", suffix=".log", delete=False)
     metrics_port = free_port()
@@ -1046,7 +1047,9 @@ def main():
     for f in failures[:20]:
         print("FAIL:", f)
     if failures:
-        print("server log:", log.name)
+        print("server log:", log.name)  # kept for the failure's story
+    else:
+        os.unlink(log.name)
     print("soak: %d passed, %d failed" % (0 if failures else 1, 1 if failures else 0))
     return 1 if failures else 0
 
