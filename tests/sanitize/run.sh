@@ -105,6 +105,8 @@ run_tsan() {
 case $mode in
   asan) run_asan ;;
   tsan) run_tsan ;;
-  all) run_asan && run_tsan ;;
+  # Each a command of its own: a function on the left of && runs with errexit off, so a failed ctest inside it
+  # would go on, and only its last command's status would count.
+  all) run_asan; run_tsan ;;
   *) echo "usage: $0 [asan|tsan|all]" >&2; exit 2 ;;
 esac
