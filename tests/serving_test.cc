@@ -328,6 +328,24 @@ TEST_P(BatchingTest, IncompatibleCallsAreNotBatched) {
   EXPECT_EQ(responses[2].attention_weights().shape_size(), 4);
 }
 
+// The demo layer fixes no RoPE, so a call may set its own (ResolveHeads): calls that rotate differently compute
+// apart, each with its own, and calls that rotate alike still share a batch.
+TEST_P(BatchingTest, CallsRotatingDifferentlyAreNotBatchedTogether) {
+  std::vector<v1::MultiHeadAttentionRequest> requests;
+  for (uint32_t seed = 1; seed <= 4; ++seed) {
+    requests.push_back(DemoRequest(1, 12, seed, GetParam()));
+    if (seed % 2 == 0) requests.back().mutable_heads()->set_rope_theta(10000.0);
+  }
+  const std::vector<v1::MultiHeadAttentionResponse> batched = RunTogether(requests);
+  EXPECT_EQ(CallsJoiningABatch(server_->metrics().Text()), 2);  // two batches of 2
+  for (size_t i = 0; i < requests.size(); ++i) {
+    v1::MultiHeadAttentionResponse alone;
+    ASSERT_TRUE(Call(requests[i], &alone).ok());
+    EXPECT_TRUE(testing::AllClose(TensorToFloats(batched[i].output()), TensorToFloats(alone.output()), 1e-6, 1e-5))
+        << "call " << i;
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Backends, BatchingTest, ::testing::Values(v1::BACKEND_CPU, v1::BACKEND_REFERENCE),
                          [](const auto& info) { return info.param == v1::BACKEND_CPU ? "Cpu" : "Reference"; });
 

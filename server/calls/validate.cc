@@ -367,7 +367,8 @@ absl::StatusOr<MhaPlan> ValidateMultiHeadAttention(const v1::MultiHeadAttentionR
       plan.head_mask.empty() && plan.shared_inputs.empty() && plan.output_to == nullptr) {
     plan.batch_key = absl::StrCat("mha|", reinterpret_cast<uintptr_t>(plan.backend), "|",
                                   reinterpret_cast<uintptr_t>(plan.layer.get()), "|", q_len, "|", query.dtype(), "|",
-                                  plan.problem.output_dtype, "|", plan.problem.return_weights, "|", s.heads.causal);
+                                  plan.problem.output_dtype, "|", plan.problem.return_weights, "|", s.heads.causal,
+                                  "|", RopeKey(s.heads));
   }
   plan.shapes = absl::StrCat("query", ShapeString(query.shape()),
                              request.has_key() ? absl::StrCat(" key", ShapeString(key->shape())) : " self",

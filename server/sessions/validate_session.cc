@@ -185,12 +185,6 @@ absl::Status ResolveLayerHeads(const v1::CreateSessionRequest& r, const HeadSpec
   return absl::OkStatus();
 }
 
-// The scaled-RoPE part of an Extend's batch key: empty for plain frequencies (nearly every call), else the
-// configuration's wire form.
-std::string RopeScalingKey(const HeadSpec& heads) {
-  return heads.rope_scaling.scaled() ? HeadConfigOf(heads).rope_scaling().SerializeAsString() : std::string();
-}
-
 }  // namespace
 
 absl::StatusOr<SessionConfig> ValidateCreateSession(const v1::CreateSessionRequest& r,
@@ -400,10 +394,9 @@ absl::StatusOr<ExtendPlan> ValidateExtendHeld(const v1::ExtendRequest& r, const 
   plan.batch_key = absl::StrCat(
       "extend|", reinterpret_cast<uintptr_t>(plan.backend), "|", reinterpret_cast<uintptr_t>(plan.layer.get()), "|",
       p.heads.num_heads, "|", p.heads.num_kv_heads, "|", p.heads.head_dim, "|",
-      absl::bit_cast<uint32_t>(p.heads.scale), "|", absl::bit_cast<uint64_t>(p.heads.rope_theta), "|",
-      p.heads.rope_dim, "|", p.heads.rope_interleaved, "|", RopeScalingKey(p.heads),
-      "|", p.cache.dtype, "|", p.cache.block_tokens, "|", p.input_dtype, "|", p.output_dtype, "|", p.return_weights,
-      "|", plan.stats.lse, plan.stats.head_stats, plan.stats.row_stats, "|", plan.stats.sink_tokens);
+      absl::bit_cast<uint32_t>(p.heads.scale), "|", RopeKey(p.heads), "|", p.cache.dtype, "|", p.cache.block_tokens,
+      "|", p.input_dtype, "|", p.output_dtype, "|", p.return_weights, "|", plan.stats.lse, plan.stats.head_stats,
+      plan.stats.row_stats, "|", plan.stats.sink_tokens);
   plan.shapes = absl::StrCat("items=", p.sequences, " tokens=", p.new_tokens, " max_length=", p.max_length,
                              " layer_index=", r.layer_index(),
                              first.layer_session ? absl::StrCat(" layer=", first.layer.name)

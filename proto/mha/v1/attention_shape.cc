@@ -5,6 +5,7 @@
 #include <iterator>
 #include <utility>
 
+#include "absl/base/casts.h"
 #include "absl/strings/str_cat.h"
 #include "proto/mha/v1/tensor_codec.h"
 
@@ -309,6 +310,12 @@ v1::HeadConfig HeadConfigOf(const HeadSpec& heads) {
     for (double f : r.long_factor) w->add_long_factor(f);
   }
   return c;
+}
+
+std::string RopeKey(const HeadSpec& heads) {
+  if (!heads.has_rope()) return "none";
+  return absl::StrCat(absl::bit_cast<uint64_t>(heads.rope_theta), "/", heads.rope_dim, "/", heads.rope_interleaved,
+                      "/", heads.rope_scaling.scaled() ? HeadConfigOf(heads).rope_scaling().SerializeAsString() : "");
 }
 
 double VisiblePairs(const AttentionShape& s) {

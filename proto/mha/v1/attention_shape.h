@@ -90,6 +90,10 @@ absl::StatusOr<HeadSpec> ResolveHeads(const v1::HeadConfig& config, const HeadSp
 // The wire form of a resolved configuration: every field filled in.
 v1::HeadConfig HeadConfigOf(const HeadSpec& heads);
 
+// The RoPE of `heads` as a string that two configurations share iff they rotate alike: for batch keys, since a
+// call may set RoPE that its layer leaves open (ResolveHeads).
+std::string RopeKey(const HeadSpec& heads);
+
 // (query, key) pairs that causal masking leaves visible: Tq Tk without causal, sum over i of
 // clamp(i + Tk - Tq + 1, 0, Tk) with it (T (T + 1) / 2 for Tq = Tk = T). key_lengths and additive masks are not
 // counted: they are data, not shape.
