@@ -262,6 +262,26 @@ TEST(TensorWire, ARepeatedTensorFieldMergesAsInProtobuf) {
   EXPECT_EQ(message.SerializeAsString(), protobuf.SerializeAsString());
 }
 
+// Each occurrence of a tensor's data parses the header read so far: a few are accepted (the last wins, as in
+// protobuf), more are refused naming the field, so that millions of empty ones cannot hold the decoder for hours.
+TEST(TensorWire, ATensorsDataOccursAtMostFourTimes) {
+  for (int occurrences : {4, 5}) {
+    std::string body = MakeTensor({1}, v1::FP32, "").SerializeAsString();
+    for (int i = 0; i < occurrences; ++i) body += std::string("\x1a\x04") + static_cast<char>('a' + i) + "bcd";
+    const std::string bytes = std::string("\x0a") + static_cast<char>(body.size()) + body;
+    v1::MultiHeadAttentionRequest protobuf, message;
+    ASSERT_TRUE(protobuf.ParseFromString(bytes));
+    const Decoded decoded = Decode(Split(bytes, 7), &message);
+    if (occurrences == 4) {
+      ASSERT_TRUE(decoded.status.ok()) << decoded.status;
+      EXPECT_EQ(decoded.data.at(1), protobuf.query().data());
+    } else {
+      EXPECT_EQ(decoded.status.code(), absl::StatusCode::kInvalidArgument);
+      EXPECT_THAT(decoded.status.message(), HasSubstr("field 1's data occurs more than 4 times in its tensor"));
+    }
+  }
+}
+
 TEST(TensorWire, DecodeAcceptsExactlyThePrefixesProtobufAccepts) {
   const std::string bytes = SampleRequest().SerializeAsString();
   for (size_t n = 0; n <= bytes.size(); ++n) {

@@ -18,6 +18,10 @@ namespace {
 constexpr int kVarint = 0, kFixed64 = 1, kLengthDelimited = 2, kStartGroup = 3, kEndGroup = 4, kFixed32 = 5;
 constexpr int kMaxGroupDepth = 100;  // protobuf's default recursion limit
 constexpr int kTensorDataField = 3;  // mha.v1.Tensor.data
+// How often one tensor's data field may occur (protobuf lets the last win; its writers put it once). Each occurrence
+// parses the header read so far, so without a bound a large header followed by millions of empty data fields would
+// hold a handler for hours.
+constexpr int kMaxDataOccurrences = 4;
 
 void AppendVarint(uint64_t value, std::string* out) {
   while (value >= 0x80) {
@@ -262,11 +266,15 @@ bool ReadTag(SliceReader* reader, size_t end_remaining, int* field, int* wire_ty
 absl::Status SplitTensor(int field, size_t size, TensorSink* sink, SliceReader* reader, Rest* header) {
   if (size > reader->remaining()) return Malformed("a length past the end");
   const size_t end = reader->remaining() - size;
-  int sub_field, wire_type;
+  int sub_field, wire_type, occurrences = 0;
   absl::Status status;
   while (ReadTag(reader, end, &sub_field, &wire_type, &status)) {
     if (reader->remaining() < end) return Malformed("a tensor's field crosses its end");
     if (sub_field == kTensorDataField && wire_type == kLengthDelimited) {
+      if (++occurrences > kMaxDataOccurrences) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("field ", field, "'s data occurs more than ", kMaxDataOccurrences, " times in its tensor"));
+      }
       uint64_t bytes;
       if (!reader->ReadLength(&bytes)) return Malformed("truncated length");
       if (reader->remaining() < end || bytes > reader->remaining() - end) return Malformed("a length past the end");

@@ -61,8 +61,8 @@ class TensorSink {
   virtual ~TensorSink() = default;
   // Field `field`'s data begins: `bytes` bytes follow through Append (bounded by the message's size). `header` is
   // the tensor as read so far: its shape and dtype when they come before the data, as protobuf writes them. False
-  // refuses the data (the decode then fails with INVALID_ARGUMENT). Called again if the field's data occurs again;
-  // the last one wins, as in protobuf.
+  // refuses the data (the decode then fails with INVALID_ARGUMENT). Called again if the field's data occurs again
+  // (at most 4 times in one tensor, else INVALID_ARGUMENT); the last one wins, as in protobuf.
   virtual bool Begin(int field, const v1::Tensor& header, size_t bytes) = 0;
   // The next `n` bytes of the data begun last.
   virtual void Append(const char* data, size_t n) = 0;
