@@ -440,6 +440,31 @@ TEST(SessionStoreTables, ForksBlockTablesCountAgainstThePool) {
   EXPECT_EQ(store.View(source, 0, {}, "session_id")->length, 1000 * kTokens);
 }
 
+// A session's head configurations are its memory too: longrope's lists, up to head_dim / 2 doubles each per cache,
+// count against the pool when the session is created and again for each fork, which copies them.
+TEST(SessionStoreTables, EveryCachesRopeListsCountAgainstThePool) {
+  SessionStoreOptions options;
+  options.capacity_bytes = BlockPool::kChunkBytes;
+  options.block_tokens = kTokens;
+  SessionStore store(options, nullptr);
+  constexpr int64_t kCaches = 4, kPairs = 512;
+  SessionConfig plain = HeadSession(kCaches);
+  plain.layer_heads.assign(kCaches, plain.heads);
+  SessionConfig listed = plain;
+  for (HeadSpec& heads : listed.layer_heads) {
+    heads.rope_scaling.short_factor.assign(kPairs, 1.0);
+    heads.rope_scaling.long_factor.assign(kPairs, 1.0);
+  }
+  constexpr int64_t kListBytes = kCaches * 2 * kPairs * sizeof(double);
+  ASSERT_OK(store.Create(plain, "plain", {}).status());
+  const int64_t plain_bytes = store.activity().table_bytes;
+  ASSERT_OK(store.Create(listed, "listed", {}).status());
+  const int64_t listed_bytes = store.activity().table_bytes - plain_bytes;
+  EXPECT_GE(listed_bytes - plain_bytes, kListBytes);
+  ASSERT_OK(store.Fork("listed", "fork", {}).status());
+  EXPECT_GE(store.activity().table_bytes - plain_bytes - listed_bytes, kListBytes);
+}
+
 // A block size new to the pool, with the pool half empty around blocks of another size (F10 of #54): it takes the
 // free runs between them, and nobody is evicted.
 TEST(SessionStoreCompaction, ANewBlockSizeTakesFreeRunsBetweenOtherSizesInsteadOfEvicting) {

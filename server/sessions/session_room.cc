@@ -217,6 +217,17 @@ std::string SessionStore::FullMessage(const std::string& owner, int64_t needed, 
   return message;
 }
 
+namespace {
+
+// A head configuration's heap: longrope's lists of frequency divisors (up to head_dim / 2 each, and a session may
+// hold one per cache).
+int64_t HeapBytes(const HeadSpec& heads) {
+  return static_cast<int64_t>((heads.rope_scaling.short_factor.capacity() +
+                               heads.rope_scaling.long_factor.capacity()) * sizeof(double));
+}
+
+}  // namespace
+
 int64_t SessionStore::TableBytes(const std::string& key, const Session& s) {
   // The map's node (its links and the pair), the strings' characters, and every vector's capacity.
   int64_t bytes = static_cast<int64_t>(sizeof(std::pair<const std::string, Session>)) + 32;
@@ -226,7 +237,12 @@ int64_t SessionStore::TableBytes(const std::string& key, const Session& s) {
   bytes += static_cast<int64_t>(s.config.layers.capacity() * sizeof(SessionLayer));
   bytes += static_cast<int64_t>(s.prefix_keys.capacity() * sizeof(std::string) + s.prefix_scope.size());
   for (const std::string& key : s.prefix_keys) bytes += static_cast<int64_t>(key.size());
-  for (const SessionLayer& layer : s.config.layers) bytes += static_cast<int64_t>(layer.name.size());
+  for (const SessionLayer& layer : s.config.layers) {
+    bytes += static_cast<int64_t>(layer.name.size()) + HeapBytes(layer.heads);
+  }
+  bytes += static_cast<int64_t>(s.config.layer_heads.capacity() * sizeof(HeadSpec)) + HeapBytes(s.config.heads);
+  for (const HeadSpec& heads : s.config.layer_heads) bytes += HeapBytes(heads);
+  bytes += static_cast<int64_t>(s.config.cache_salt.size());
   return bytes;
 }
 
