@@ -191,6 +191,33 @@ std::vector<BadScaling> BadScalings() {
          for (int i = 0; i < 8; ++i) r(c)->add_long_factor(i == 3 ? 0 : 2);
        },
        "heads.rope_scaling.long_factor[3] must be finite and > 0, got 0"},
+      // Finite fields whose frequencies would not be: NaN outputs (every rotated dim) if accepted.
+      {"yarn_theta_one",
+       [&](C* c) {
+         c->set_rope_theta(1);
+         r(c)->set_rope_type("yarn");
+         r(c)->set_original_max_position_embeddings(4096);
+       },
+       "heads.rope_theta must not be 1 with rope_type 'yarn' (its ramp divides by log(rope_theta))"},
+      {"yarn_mscale_divisor_zero",
+       [&](C* c) {
+         r(c)->set_rope_type("yarn");
+         r(c)->set_factor(std::exp(1.0));
+         r(c)->set_original_max_position_embeddings(4096);
+         r(c)->set_mscale(1);
+         r(c)->set_mscale_all_dim(-10);
+       },
+       "heads.rope_scaling.mscale_all_dim makes the attention factor's divisor 0.1 mscale_all_dim log(factor) + 1 "
+       "zero; set attention_factor or another mscale_all_dim"},
+      {"longrope_original_one",
+       [&](C* c) {
+         r(c)->set_rope_type("longrope");
+         r(c)->set_original_max_position_embeddings(1);
+         for (int i = 0; i < 8; ++i) r(c)->add_short_factor(1);
+         for (int i = 0; i < 8; ++i) r(c)->add_long_factor(2);
+       },
+       "heads.rope_scaling.original_max_position_embeddings must be > 1 with rope_type 'longrope' and factor > 1 "
+       "unless attention_factor is set (its default divides by log(original_max_position_embeddings))"},
   };
 }
 

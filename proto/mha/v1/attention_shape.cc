@@ -165,6 +165,30 @@ absl::Status ResolveRopeScaling(const v1::RopeScaling& r, int64_t rope_dim, absl
   return absl::OkStatus();
 }
 
+// What finite fields can still make infinite in the scaled frequencies (server/backends/rope_frequencies.cc computes
+// them as transformers does): yarn's ramp divides by log(rope_theta), its mscale ratio by
+// 0.1 mscale_all_dim log(factor) + 1, and longrope's default attention factor by log(original).
+absl::Status CheckRopeDivisors(const HeadSpec& h, absl::string_view field) {
+  using T = RopeScaling::Type;
+  const RopeScaling& r = h.rope_scaling;
+  const double original = static_cast<double>(r.original_max_position_embeddings);
+  const double factor = r.factor != 0 ? r.factor : static_cast<double>(r.max_position_embeddings) / original;
+  if (r.type == T::kYarn && h.rope_theta == 1.0) {
+    return Invalid(field, "rope_theta", " must not be 1 with rope_type 'yarn' (its ramp divides by log(rope_theta))");
+  }
+  const std::string scaling = absl::StrCat(field, ".rope_scaling");
+  if (r.type == T::kYarn && r.attention_factor == 0 && r.mscale != 0 && r.mscale_all_dim != 0 && factor > 1 &&
+      0.1 * r.mscale_all_dim * std::log(factor) + 1.0 == 0.0) {
+    return Invalid(scaling, "mscale_all_dim", " makes the attention factor's divisor 0.1 mscale_all_dim "
+                   "log(factor) + 1 zero; set attention_factor or another mscale_all_dim");
+  }
+  if (r.type == T::kLongrope && r.attention_factor == 0 && factor > 1 && original == 1) {
+    return Invalid(scaling, "original_max_position_embeddings", " must be > 1 with rope_type 'longrope' and factor > 1 "
+                   "unless attention_factor is set (its default divides by log(original_max_position_embeddings))");
+  }
+  return absl::OkStatus();
+}
+
 // The rope fields of `c` over what `known` fixes, into *h (whose head_dim is resolved).
 absl::Status ResolveRope(const v1::HeadConfig& c, const HeadSpec& known, absl::string_view known_from,
                          absl::string_view field, HeadSpec* h) {
@@ -205,7 +229,7 @@ absl::Status ResolveRope(const v1::HeadConfig& c, const HeadSpec& known, absl::s
                                 RopeTypeName(known.rope_scaling.type), "); leave it unset to use that"));
   }
   h->rope_scaling = known.rope_scaling.scaled() ? known.rope_scaling : given;
-  return absl::OkStatus();
+  return CheckRopeDivisors(*h, field);
 }
 
 }  // namespace
