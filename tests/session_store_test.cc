@@ -122,6 +122,17 @@ TEST_F(SessionStoreTest, MaxSessionsIsALimit) {
   EXPECT_EQ(store_.Create(HeadSession(), "", {}).status().code(), absl::StatusCode::kResourceExhausted);
 }
 
+// Heads and head_dim are the client's (up to 2^31 each): a block of 2^26 KV heads of 2^30 dims would wrap to 0
+// bytes in int64 arithmetic; it is refused for its size.
+TEST_F(SessionStoreTest, ABlockPastTheChunkIsRefusedHoweverLarge) {
+  SessionConfig config = HeadSession();
+  config.heads.num_heads = config.heads.num_kv_heads = int64_t{1} << 26;
+  config.heads.head_dim = int64_t{1} << 30;
+  const absl::StatusOr<v1::SessionInfo> created = store_.Create(config, "", {});
+  EXPECT_EQ(created.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(created.status().message(), HasSubstr("more than the pool's"));
+}
+
 TEST_F(SessionStoreTest, MaxTokensDefaultsToTheServersAndCannotPassIt) {
   SessionConfig config = HeadSession();
   EXPECT_EQ(store_.Create(config, "", {})->max_tokens(), 1000);

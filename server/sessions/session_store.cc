@@ -175,10 +175,17 @@ absl::StatusOr<v1::SessionInfo> SessionStore::Create(const SessionConfig& given,
   for (int64_t c = 0; c < config.num_caches; ++c) {
     const HeadSpec& heads = config.HeadsOf(c);
     caches[c].layout = {heads.num_kv_heads, heads.head_dim, options_.block_tokens, config.cache_dtype};
-    if (caches[c].layout.BlockBytes() > pool_chunk_bytes_) {
+    // The elements alone first, in double: heads and head_dim are the client's (each up to 2^31), and their
+    // product in int64 could wrap past the chunk's size.
+    const double elements = 2.0 * static_cast<double>(heads.num_kv_heads) * static_cast<double>(heads.head_dim) *
+                            static_cast<double>(options_.block_tokens);
+    const bool too_large = elements * static_cast<double>(DTypeSize(config.cache_dtype)) > pool_chunk_bytes_;
+    if (too_large || caches[c].layout.BlockBytes() > pool_chunk_bytes_) {
       return absl::InvalidArgumentError(absl::StrCat(
           "a cache block of ", config.is_layer_session() ? "layer '" + config.layers[c].name + "'" : "these heads",
-          " would take ", caches[c].layout.BlockBytes(),
+          " would take ",
+          too_large ? absl::StrCat(elements * static_cast<double>(DTypeSize(config.cache_dtype)))
+                    : absl::StrCat(caches[c].layout.BlockBytes()),
           " bytes (2 Hkv d_k --kv_block_tokens sizeof(cache_dtype), and an 8-bit cache's scales), more than the pool's ",
           pool_chunk_bytes_, "-byte chunks; the server needs a smaller --kv_block_tokens (or, "
           "below 64 MiB, whose chunks are a 32nd of it, a larger --kv_cache_mb)"));
