@@ -127,6 +127,24 @@ TEST_F(EmulatedCudaBackendTest, ReportsTheEmulatedDevice) {
   EXPECT_EQ(backend->concurrent_calls(), 2);
 }
 
+// Layer inputs of two dtypes in one Extend are refused when the call is chosen a backend (BACKEND_AUTO then takes
+// it to the CPU), not at compute with INTERNAL for every call batched with it.
+TEST_F(EmulatedCudaBackendTest, PagedCallsMixingInputDtypesAreUnimplemented) {
+  std::unique_ptr<CudaBackend> backend = Create();
+  ASSERT_NE(backend, nullptr);
+  PagedProblem problem;
+  problem.heads.num_heads = problem.heads.num_kv_heads = 2;
+  problem.heads.head_dim = 64;
+  problem.d_model = 128;
+  problem.cache = {2, 64, 32, v1::FP16};
+  problem.input_dtype = v1::FP16;
+  EXPECT_TRUE(backend->SupportsPaged(problem).ok());
+  problem.mixed_inputs = true;
+  const absl::Status status = backend->SupportsPaged(problem);
+  EXPECT_EQ(status.code(), absl::StatusCode::kUnimplemented);
+  EXPECT_THAT(status.message(), HasSubstr("this call's items mix them"));
+}
+
 TEST_F(EmulatedCudaBackendTest, ACallLargerThanTheDeviceIsRefusedUpFront) {
   emulation::SetDeviceMemory(1 * kMiB);
   std::unique_ptr<CudaBackend> backend = Create();

@@ -195,6 +195,18 @@ TEST(CudaSupports, EveryDtypeUpToHeadDim256) {
   }
 }
 
+// The kernels read q, k and v of one dtype: a call mixing them is refused before it is queued, so that BACKEND_AUTO
+// takes it to the CPU (validate.cc's ChooseBackend) instead of failing at compute.
+TEST(CudaSupports, MixedInputDtypesAreUnimplemented) {
+  AttentionProblem problem;
+  problem.shape = Shape(2, 9, 9, 4, 2, 64);
+  problem.input_dtype = v1::FP16;
+  problem.mixed_inputs = true;
+  const absl::Status status = cuda::CudaSupports(problem);
+  EXPECT_EQ(status.code(), absl::StatusCode::kUnimplemented);
+  EXPECT_THAT(status.message(), HasSubstr("this call mixes them"));
+}
+
 TEST(CudaSupports, RopeAndSoftmaxStatistics) {
   for (v1::DataType dtype : {v1::FP32, v1::FP16, v1::BF16}) {
     AttentionProblem problem;

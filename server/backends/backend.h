@@ -70,6 +70,7 @@ struct RowStats {
 struct AttentionProblem {
   AttentionShape shape;
   v1::DataType input_dtype = v1::FP32;
+  bool mixed_inputs = false;  // the activations come in more than one dtype (input_dtype: the first not FP32)
   v1::DataType output_dtype = v1::FP32;
   bool return_weights = false;
   bool return_stats = false;  // lse or head statistics (RowStats)
@@ -206,6 +207,7 @@ struct PagedProblem {
   int64_t d_model = 0;     // with a layer; 0 for projected q, k, v
   KvCacheLayout cache;
   v1::DataType input_dtype = v1::FP32;
+  bool mixed_inputs = false;  // the items' inputs come in more than one dtype (input_dtype: the first not FP32)
   v1::DataType output_dtype = v1::FP32;
   bool return_weights = false;
   bool return_stats = false;   // lse or head statistics

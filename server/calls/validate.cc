@@ -97,6 +97,14 @@ v1::DataType InputDtype(std::initializer_list<const v1::Tensor*> tensors) {
   return v1::FP32;
 }
 
+// Whether the activations come in more than one dtype (which not every backend computes).
+bool MixedDtypes(std::initializer_list<const v1::Tensor*> tensors) {
+  for (const v1::Tensor* t : tensors) {
+    if (t->dtype() != (*tensors.begin())->dtype()) return true;
+  }
+  return false;
+}
+
 // Masks, output dtype, backend, response size, work and working memory: the parts MHA and SDPA share.
 // plan->problem.shape and input_dtype are set.
 template <typename Request>
@@ -361,6 +369,7 @@ absl::StatusOr<MhaPlan> ValidateMultiHeadAttention(const v1::MultiHeadAttentionR
   s.d_v_in = layer.d_v_in;
   s.heads = layer.heads;
   plan.problem.input_dtype = InputDtype({&query, key, value});
+  plan.problem.mixed_inputs = MixedDtypes({&query, key, value});
   RETURN_IF_ERROR(ValidateHeadMask(request, &plan));
   RETURN_IF_ERROR(ValidateCommon(request, context, query.dtype(), batch * q_len * d_model, &plan));
   if (plan.layer != nullptr && plan.kv_source == KvSource::kQuery && !request.has_attn_mask() && !plan.stats.any() &&
@@ -409,6 +418,7 @@ absl::StatusOr<SdpaPlan> ValidateScaledDotProductAttention(const v1::ScaledDotPr
   from_shapes.head_dim = q.shape(3);
   ASSIGN_OR_RETURN(s.heads, ResolveHeads(request.heads(), from_shapes, "the q and k shapes", /*d_model=*/0, "heads"));
   plan.problem.input_dtype = InputDtype({&q, &k, &v});
+  plan.problem.mixed_inputs = MixedDtypes({&q, &k, &v});
   plan.q = &q;
   plan.k = &k;
   plan.v = &v;

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <map>
+#include <utility>
 
 #include "absl/base/casts.h"
 #include "absl/strings/str_cat.h"
@@ -185,6 +186,17 @@ absl::Status ResolveLayerHeads(const v1::CreateSessionRequest& r, const HeadSpec
   return absl::OkStatus();
 }
 
+// Whether `item`'s inputs (x, or q, k and v) differ in dtype from each other or from the first item's.
+bool MixedInputs(const v1::ExtendItem& item, const v1::ExtendItem& first) {
+  const v1::DataType want = first.has_x() ? first.x().dtype() : first.q().dtype();
+  const std::pair<bool, const v1::Tensor*> inputs[] = {
+      {item.has_x(), &item.x()}, {item.has_q(), &item.q()}, {item.has_k(), &item.k()}, {item.has_v(), &item.v()}};
+  for (const auto& [present, t] : inputs) {
+    if (present && t->dtype() != want) return true;
+  }
+  return false;
+}
+
 }  // namespace
 
 absl::StatusOr<SessionConfig> ValidateCreateSession(const v1::CreateSessionRequest& r,
@@ -330,6 +342,7 @@ absl::StatusOr<ExtendPlan> ValidateExtendHeld(const v1::ExtendRequest& r, const 
                             {item.prefix_keys().begin(), item.prefix_keys().end()}});
     const v1::DataType dtype = item.has_x() ? item.x().dtype() : item.q().dtype();
     if (p.input_dtype == v1::FP32 && dtype != v1::FP32) p.input_dtype = dtype;
+    p.mixed_inputs |= MixedInputs(item, r.items(0));
     p.sequences += 1;
     p.new_tokens += n;
     p.max_new_tokens = std::max(p.max_new_tokens, n);
@@ -387,6 +400,7 @@ absl::StatusOr<ExtendPlan> ValidateExtendHeld(const v1::ExtendRequest& r, const 
   s.d_model = s.d_kv_in = s.d_v_in = p.d_model;
   s.heads = p.heads;
   plan.problem.input_dtype = p.input_dtype;
+  plan.problem.mixed_inputs = p.mixed_inputs;
   plan.problem.output_dtype = p.output_dtype;
   plan.problem.return_weights = p.return_weights;
   // Steps of calls with one key compute as one ragged paged call: what PagedArgs shares across its sequences. The
@@ -395,7 +409,7 @@ absl::StatusOr<ExtendPlan> ValidateExtendHeld(const v1::ExtendRequest& r, const 
       "extend|", reinterpret_cast<uintptr_t>(plan.backend), "|", reinterpret_cast<uintptr_t>(plan.layer.get()), "|",
       p.heads.num_heads, "|", p.heads.num_kv_heads, "|", p.heads.head_dim, "|",
       absl::bit_cast<uint32_t>(p.heads.scale), "|", RopeKey(p.heads), "|", p.cache.dtype, "|", p.cache.block_tokens,
-      "|", p.input_dtype, "|", p.output_dtype, "|", p.return_weights, "|", plan.stats.lse, plan.stats.head_stats,
+      "|", p.input_dtype, p.mixed_inputs ? "+" : "", "|", p.output_dtype, "|", p.return_weights, "|", plan.stats.lse, plan.stats.head_stats,
       plan.stats.row_stats, "|", plan.stats.sink_tokens);
   plan.shapes = absl::StrCat("items=", p.sequences, " tokens=", p.new_tokens, " max_length=", p.max_length,
                              " layer_index=", r.layer_index(),

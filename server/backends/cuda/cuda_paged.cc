@@ -464,6 +464,9 @@ absl::Status CudaBackend::Impl::FinishPaged(const PagedArgs& a, PagedCall& c, cu
 
 absl::Status CudaBackend::SupportsPaged(const PagedProblem& problem) const {
   const HeadSpec& h = problem.heads;
+  if (problem.mixed_inputs) {
+    return absl::UnimplementedError("the CUDA backend computes one input dtype per call; this call's items mix them");
+  }
   if (h.head_dim > cuda::kMaxHeadDim) {
     return absl::UnimplementedError(
         absl::StrCat("the CUDA paged kernels compute head_dim up to ", cuda::kMaxHeadDim, ", got ", h.head_dim));
