@@ -5,12 +5,24 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <random>
+#include <string>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "proto/mha/v1/attention_shape.h"
 
 namespace mha::bench {
+
+// Ends the benchmark with exit status 1 when a timed call failed: its time says nothing, and the smoke tests
+// (tests/bench/CMakeLists.txt) must fail.
+inline void ExitUnlessOk(const absl::Status& status, const std::string& what) {
+  if (status.ok()) return;
+  std::fprintf(stderr, "%s: %s\n", what.c_str(), status.ToString().c_str());
+  std::exit(1);
+}
 
 // n values uniform in [-1, 1] from `seed`.
 inline std::vector<float> Random(int64_t n, uint32_t seed) {

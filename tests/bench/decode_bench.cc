@@ -213,7 +213,7 @@ class PrefillCase {
     a.out = {out_.data(), v1::FP32};
     const auto start = Clock::now();
     const absl::Status status = backend_->MultiHeadAttention(a);
-    if (!status.ok()) std::fprintf(stderr, "%s: %s\n", name_.c_str(), status.ToString().c_str());
+    ExitUnlessOk(status, name_);
     return std::chrono::duration<double>(Clock::now() - start).count();
   }
 
@@ -230,7 +230,7 @@ class PrefillCase {
     a.out = {out_.data(), v1::FP32};
     const auto start = Clock::now();
     const absl::Status status = backend_->ScaledDotProductAttention(a);
-    if (!status.ok()) std::fprintf(stderr, "%s: %s\n", name_.c_str(), status.ToString().c_str());
+    ExitUnlessOk(status, name_);
     return std::chrono::duration<double>(Clock::now() - start).count();
   }
 
@@ -262,7 +262,7 @@ class PrefillCase {
     const auto start = Clock::now();
     const absl::Status status = backend_->PagedAttention(args);
     const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
-    if (!status.ok()) std::fprintf(stderr, "%s: %s\n", name_.c_str(), status.ToString().c_str());
+    ExitUnlessOk(status, name_);
     r.Commit();
     return seconds;
   }

@@ -11,6 +11,7 @@
 #include "absl/types/span.h"
 #include "server/backends/cpu/cpu_backend.h"
 #include "server/sessions/session_store.h"
+#include "tests/bench/bench_util.h"
 
 namespace mha::bench {
 
@@ -45,7 +46,7 @@ inline double DecodeStep(CpuBackend& backend, SessionStore& store, absl::Span<co
   const auto start = std::chrono::steady_clock::now();
   const absl::Status status = backend.PagedAttention(args);
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  if (!status.ok()) std::fprintf(stderr, "%s: %s\n", name.c_str(), status.ToString().c_str());
+  ExitUnlessOk(status, name);
   return seconds;
 }
 
