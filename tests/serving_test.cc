@@ -135,7 +135,7 @@ TEST_F(ServingTest, ShutdownStopsALongCallAtTheEndOfItsGracePeriod) {
   stub_.reset();  // nothing serves any more
 }
 
-TEST(ServingShutdown, HealthIsNotServingAndNewCallsAreUnavailableWhileDraining) {
+TEST(ServingShutdown, HealthStopsAnsweringServingAndNewCallsAreUnavailableWhileDraining) {
   // Over loopback TCP, as a load balancer sees it (an in-process channel cannot outlive its server's shutdown).
   ServerOptions options;
   options.listen = "127.0.0.1:0";
@@ -166,7 +166,8 @@ TEST(ServingShutdown, HealthIsNotServingAndNewCallsAreUnavailableWhileDraining) 
   ASSERT_TRUE((*server)->scheduler().AwaitRunning(absl::Seconds(30)));
   std::thread stopper([&] { (*server)->Shutdown(absl::Seconds(3)); });
 
-  // Health flips before gRPC stops taking calls; poll briefly (bounded) for the flip.
+  // Health flips to NOT_SERVING just before gRPC stops taking calls, after which the check itself is refused
+  // (UNKNOWN here): a load balancer sees either, never SERVING again. Poll briefly (bounded) for the change.
   grpc::health::v1::HealthCheckResponse::ServingStatus seen = grpc::health::v1::HealthCheckResponse::SERVING;
   for (int i = 0; i < 100 && seen == grpc::health::v1::HealthCheckResponse::SERVING; ++i) {
     seen = health_status();
