@@ -26,6 +26,7 @@ namespace mha {
 namespace {
 
 using ::mha::testing::AllClose;
+using ::mha::testing::NaNCount;
 using ::mha::testing::RandomVector;
 
 // kExtremes: finite extremes a client may send (PyTorch masks with torch.finfo(torch.float32).min), shared by the
@@ -626,6 +627,10 @@ TEST_P(ConformanceTest, MatchesTheReference) {
   std::vector<std::vector<float>> want_stats, got_stats;
   const std::vector<float> want = p.Run(*reference, &want_weights, &want_stats);
   const std::vector<float> got = p.Run(**backend, &got_weights, &got_stats);
+  // The buffers start NaN-filled and AllClose lets NaN match NaN: the reference must have written every element.
+  EXPECT_EQ(NaNCount(want), 0);
+  EXPECT_EQ(NaNCount(want_weights), 0);
+  for (const std::vector<float>& stat : want_stats) EXPECT_EQ(NaNCount(stat), 0);
   EXPECT_TRUE(AllClose(got, want, c.atol, c.rtol)) << "output";
   if (c.weights) {
     EXPECT_TRUE(AllClose(got_weights, want_weights, c.atol, c.rtol)) << "attention weights";
@@ -1307,14 +1312,17 @@ TEST_P(SessionConformanceTest, ExtendsMatchTheReference) {
   ASSERT_OK(Drive(c, got));
   for (int64_t id : {int64_t{0}, int64_t{1}, int64_t{2}, int64_t{99}}) {
     if (want.tokens(id).empty()) continue;
+    EXPECT_EQ(NaNCount(want.outputs(id)), 0) << "session " << id << ": the reference left outputs unwritten";
     EXPECT_TRUE(AllClose(got.outputs(id), want.outputs(id), BackendTolerance(c), BackendTolerance(c)))
         << "session " << id << " against the reference";
     for (size_t step = 0; step < want.weights(id).size(); ++step) {
+      EXPECT_EQ(NaNCount(want.weights(id)[step]), 0) << "session " << id << ": the reference's weights of " << step;
       EXPECT_TRUE(AllClose(got.weights(id)[step], want.weights(id)[step], BackendTolerance(c), BackendTolerance(c)))
           << "session " << id << " weights of its call " << step;
     }
     ASSERT_EQ(got.stats(id).size(), want.stats(id).size());
     for (size_t step = 0; step < want.stats(id).size(); ++step) {
+      EXPECT_EQ(NaNCount(want.stats(id)[step]), 0) << "session " << id << ": the reference's statistics of " << step;
       // Distances are in tokens: relative tolerance matters for them.
       EXPECT_TRUE(AllClose(got.stats(id)[step], want.stats(id)[step], 10 * BackendTolerance(c), 1e-3))
           << "session " << id << " statistics (lse, entropy, confidence, distance, sink, contribution) of its call "

@@ -45,7 +45,15 @@ inline std::vector<float> RandomVector(int64_t n, uint32_t seed, float bound = 1
   return v;
 }
 
-// Checks |got - want| <= atol + rtol * |want| elementwise and that got has no NaN; reports the worst element.
+// Checks |got - want| <= atol + rtol * |want| elementwise and that got is NaN exactly where want is (where a NaN
+// input propagates); reports the worst element. A buffer both sides leave NaN-filled passes: check want with NaNCount.
+// How many elements of x are NaN.
+inline int64_t NaNCount(const std::vector<float>& x) {
+  int64_t n = 0;
+  for (float v : x) n += std::isnan(v) ? 1 : 0;
+  return n;
+}
+
 inline ::testing::AssertionResult AllClose(const std::vector<float>& got, const std::vector<float>& want,
                                            double atol, double rtol) {
   if (got.size() != want.size()) {
