@@ -279,10 +279,13 @@ TEST_F(SessionServiceTest, An8BitCacheStoresAByteAnElementPlusItsScales) {
     v1::ExtendResponse response;
     ASSERT_TRUE(Extend(ExtendOf({QkvItem(info.session_id(), 20)}), &response).ok());
     ASSERT_TRUE(Extend(ExtendOf({QkvItem(info.session_id(), 1, 7)}), &response).ok());
+    int listed_times = 0;
     for (const v1::SessionInfo& listed : List()) {
       if (listed.session_id() != info.session_id()) continue;
+      ++listed_times;
       EXPECT_EQ(listed.cache_bytes(), 2 * (8 * 32 + 2 * 8 + 32 * 8 + 2 * 32));
     }
+    EXPECT_EQ(listed_times, 1);
     ASSERT_TRUE(Close(info.session_id()).ok());
   }
 }
@@ -597,7 +600,7 @@ TEST_F(ShortIdleTest, IdleSessionsExpireAndSaySo) {
 }
 
 // Many threads on one session: every call ends with a status the contract allows, none crashes the server, and
-// the session's length is what its successful calls made it.
+// whatever is left open holds no more bytes than whole blocks of its length.
 TEST_F(SessionServiceTest, ConcurrentExtendForkTruncateCloseOfOneSession) {
   Created(HeadSession("shared"));
   std::atomic<int> unexpected{0};

@@ -85,7 +85,8 @@ def test_admin_token_reaches_layer_management(secure_server, pki):
 
 def unfinished_call_over_tls(server, pki, headers, mib):
     """Opens one MultiHeadAttention call over mutual TLS with `headers` added, sends the first 64 KiB of a message
-    that says `mib` MiB and waits up to 5 s for the server's answer; its grpc-status, or None if none came."""
+    that says `mib` MiB and waits up to 5 s for the server's answer: its grpc-status, "waiting" if none came (the
+    server waits for the rest), "reset" or "closed" if the stream or the connection ended without one."""
     context = ssl.create_default_context(cafile=str(pki / "ca.pem"))
     context.load_cert_chain(str(pki / "client.pem"), str(pki / "client.key"))
     context.set_alpn_protocols(["h2"])
@@ -106,17 +107,17 @@ def unfinished_call_over_tls(server, pki, headers, mib):
             try:
                 received = sock.recv(1 << 16)
             except socket.timeout:
-                return None
+                return "waiting"
             if not received:
-                return None
+                return "closed"
             for event in conn.receive_data(received):
                 fields = dict(getattr(event, "headers", []) or [])
                 if "grpc-status" in fields:
                     return int(fields["grpc-status"])
                 if isinstance(event, h2.events.StreamReset):
-                    return None
+                    return "reset"
             sock.sendall(conn.data_to_send())
-    return None
+    return "waiting"
 
 
 def test_a_call_without_a_token_is_refused_before_its_message_arrives(secure_server, pki):
@@ -125,4 +126,4 @@ def test_a_call_without_a_token_is_refused_before_its_message_arrives(secure_ser
     assert unfinished_call_over_tls(secure_server, pki, [], 16) == 16
     assert unfinished_call_over_tls(secure_server, pki, [("authorization", "Bearer not-a-token-0123456789")], 16) == 16
     # A valid token passes the gate: the server waits for the rest of the message.
-    assert unfinished_call_over_tls(secure_server, pki, [("authorization", "Bearer " + COMPUTE_TOKEN)], 16) is None
+    assert unfinished_call_over_tls(secure_server, pki, [("authorization", "Bearer " + COMPUTE_TOKEN)], 16) == "waiting"
