@@ -177,8 +177,9 @@ step_seconds+="end to end $((SECONDS - started)) s, "
 
 # 3. compute-sanitizer memcheck on five small cases, three sessions' among them (a bf16 cache in 32-token blocks, the
 # paged kernels' append and split paths; a 2000-token cache split over the keys without append, with statistics;
-# an int8 cache at head_dim 81), beside an fp32 MHA call and a bf16 GQA causal masked one (the tensor-core kernel). It may be refused under some
-# virtualisation; then say so. Run after the steps above: a timeout here (exit 124) is noted, not failed.
+# an int8 cache at head_dim 81), beside an fp32 MHA call and a bf16 GQA causal masked one (the tensor-core kernel).
+# It may be refused under some virtualisation; then say so. Run after the steps above: a memory error (exit 3) or a
+# test failing under it (exit 1) fails the check; a timeout here (exit 124) or a refusal is noted, not failed.
 started=$SECONDS
 sanitizer=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null || true)
 if [[ -n "$sanitizer" ]]; then
@@ -188,7 +189,7 @@ if [[ -n "$sanitizer" ]]; then
   status=$?
   note "memcheck: exit $status ($(grep -m1 -E 'ERROR SUMMARY' "$out/3-memcheck.txt" || echo 'no summary');" \
     "$(grep -E '^\[  (PASSED|FAILED|SKIPPED)' "$out/3-memcheck.txt" | tr '\n' ' '))"
-  [[ $status -eq 3 ]] && failed=1
+  [[ $status -eq 3 || $status -eq 1 ]] && failed=1
 else
   note "memcheck: compute-sanitizer not found" | tee "$out/3-memcheck.txt"
 fi
