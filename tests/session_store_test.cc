@@ -244,6 +244,17 @@ TEST_F(SessionStoreTest, ClosedSessionsAreNotFoundAndSaySo) {
   EXPECT_THAT(unknown.message(), HasSubstr("no session 'never'"));
 }
 
+// One id created and closed over and over: the ends remembered for NOT_FOUND's message stay bounded (each reuse
+// left its older end's place behind), and the latest end is the one told.
+TEST_F(SessionStoreTest, AnIdReusedOverAndOverKeepsTheRecentEndsBounded) {
+  for (int i = 0; i < 5000; ++i) {
+    ASSERT_OK(store_.Create(HeadSession(), "again", {}).status());
+    ASSERT_OK(store_.Close("again", {}));
+  }
+  EXPECT_LE(store_.activity().recent_ends, 4096);
+  EXPECT_THAT(store_.View("again", 0, {}, "session_id").status().message(), HasSubstr("closed"));
+}
+
 TEST_F(SessionStoreTest, IdleSessionsExpireAndSaySo) {
   const std::string id = Create();
   EXPECT_EQ(store_.ExpireIdle(absl::Now() + absl::Seconds(5)), 0);

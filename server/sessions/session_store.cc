@@ -457,13 +457,14 @@ void SessionStore::EndSession(std::map<std::string, Session>::iterator it, EndRe
     // Only a server scope shares indexed blocks across tokens: another's sessions may still hold some charged here.
     if (options_.prefix_scope_server) prefix_.ForgetOwner(s.owner);
   }
-  if (ended_.size() >= kRecentEnds) {
-    ended_.erase(end_order_.front());
+  while (end_order_.size() >= kRecentEnds) {
+    const auto& [old_key, order] = end_order_.front();
+    if (const auto old = ended_.find(old_key); old != ended_.end() && old->second.order == order) ended_.erase(old);
     end_order_.pop_front();
   }
   const std::string& key = it->first;
-  if (ended_.count(key) == 0) end_order_.push_back(key);
-  ended_[key] = {reason, absl::Now(), s.config.idle_timeout};
+  end_order_.emplace_back(key, ++ends_);
+  ended_[key] = {reason, absl::Now(), s.config.idle_timeout, ends_};
   if (reason != EndReason::kClosed && metrics_ != nullptr) {
     metrics_->RecordEviction(reason == EndReason::kExpired     ? "idle_timeout"
                              : reason == EndReason::kDisplaced ? "session_limit"
@@ -518,6 +519,7 @@ SessionStore::Activity SessionStore::activity() const {
   a.prefix_blocks = prefix_.blocks();
   a.prefix_bytes = prefix_.bytes();
   a.prefix_idle_bytes = prefix_.idle_bytes();
+  a.recent_ends = static_cast<int64_t>(end_order_.size());
   return a;
 }
 

@@ -38,6 +38,7 @@
 
 #include <cstdint>
 #include <deque>
+#include <utility>
 #include <map>
 #include <memory>
 #include <string>
@@ -218,6 +219,7 @@ class SessionStore {
     int64_t prefix_blocks = 0;      // blocks findable by prefix key
     int64_t prefix_bytes = 0;       // their bytes
     int64_t prefix_idle_bytes = 0;  // of those, in blocks no session references
+    int64_t recent_ends = 0;        // ends remembered for NOT_FOUND's messages (at most kRecentEnds)
   };
   Activity activity() const;
   // Ends every open session (the server stops), counted as evictions for `reason`; returns what they were.
@@ -260,6 +262,7 @@ class SessionStore {
     EndReason reason;
     absl::Time when;
     absl::Duration idle_timeout;
+    uint64_t order = 0;  // its place in end_order_
   };
 
   // Session `id` of `owner`, or NOT_FOUND naming `field` (why, when it ended recently).
@@ -344,10 +347,13 @@ class SessionStore {
   int64_t table_bytes_ ABSL_GUARDED_BY(mu_) = 0;                 // every session's TableBytes, and prefix_'s
   PrefixCache prefix_ ABSL_GUARDED_BY(mu_);
   int64_t prefix_tables_ ABSL_GUARDED_BY(mu_) = 0;  // prefix_.table_bytes() as counted in table_bytes_
-  // The recent ends by key, for NOT_FOUND's message: at most kRecentEnds, oldest first out.
+  // The recent ends by key, for NOT_FOUND's message, and the order they came in: at most kRecentEnds of each, the
+  // oldest out first. An id ended, reused and ended again leaves its older place in end_order_ behind (its order no
+  // longer matches ended_'s), so the deque, not the map, is what is bounded.
   static constexpr size_t kRecentEnds = 4096;
   std::map<std::string, End> ended_ ABSL_GUARDED_BY(mu_);
-  std::deque<std::string> end_order_ ABSL_GUARDED_BY(mu_);
+  std::deque<std::pair<std::string, uint64_t>> end_order_ ABSL_GUARDED_BY(mu_);
+  uint64_t ends_ ABSL_GUARDED_BY(mu_) = 0;
   // Last, so that it goes first: its starter thread may still start a call on the store until it is gone.
   SessionSequencer sequencer_;
 };
