@@ -3,7 +3,10 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <memory>
 #include <string_view>
+#include <utility>
+#include <vector>
 
 #include "absl/random/random.h"
 #include "absl/strings/ascii.h"
@@ -11,6 +14,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "grpcpp/impl/codegen/proto_utils.h"
+#include "proto/mha/v1/tensor_wire.h"
 #include "server/base/grpc_status.h"
 #include "server/base/log_safe.h"
 #include "spdlog/spdlog.h"
@@ -253,6 +257,17 @@ absl::Status Serialize(const google::protobuf::Message& response, grpc::ByteBuff
       grpc::SerializationTraits<google::protobuf::Message>::Serialize(response, out, &own_buffer);
   if (status.ok()) return absl::OkStatus();
   return absl::InternalError(absl::StrCat("cannot serialize the response: ", status.error_message()));
+}
+
+absl::Status SerializeHolding(const google::protobuf::Message& response, InflightHold hold, grpc::ByteBuffer* out) {
+  if (absl::Status status = Serialize(response, out); !status.ok() || hold.bytes() == 0) return status;
+  std::vector<grpc::Slice> slices;
+  if (!out->Dump(&slices).ok()) return absl::OkStatus();  // an empty message: nothing to hold
+  const auto keep = std::make_shared<const InflightHold>(std::move(hold));
+  for (grpc::Slice& slice : slices) slice = SliceKeeping(std::move(slice), keep);
+  grpc::ByteBuffer held(slices.data(), slices.size());
+  out->Swap(&held);
+  return absl::OkStatus();
 }
 
 }  // namespace mha

@@ -21,6 +21,7 @@
 #include "server/base/log_budget.h"
 #include "server/calls/request_reader.h"
 #include "server/metrics/metrics.h"
+#include "server/scheduling/inflight_hold.h"
 #include "server/sessions/session_store.h"
 #include "server/transport/auth.h"
 
@@ -146,6 +147,11 @@ class Call {
 
 // Serializes an OK call's response into `out`; INTERNAL should serialization fail.
 absl::Status Serialize(const google::protobuf::Message& response, grpc::ByteBuffer* out);
+
+// Serialize, with the serialized bytes keeping `hold` (the response's share of the in-flight memory) until gRPC lets
+// go of them, once sent or once the call ends unsent: a client that never reads cannot make the server hold more
+// than --max_inflight_mb.
+absl::Status SerializeHolding(const google::protobuf::Message& response, InflightHold hold, grpc::ByteBuffer* out);
 
 // A call that answers at once, on the handler's thread: admits `call` for `role`, then answers with what
 // `handle(request, &response, &detail)` returns (Status; `detail` is the log line's, "-" unless set).

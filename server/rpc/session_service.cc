@@ -181,7 +181,7 @@ class ExtendWork final : public WorkItem {
     reservation_ = ExtendReservation();  // gives back what was not committed, before the sessions go
     parts_.sessions->Touch(hold_.ids());
     hold_.Release();
-    if (status.ok()) status = Serialize(response_, call_.response());
+    if (status.ok()) status = SerializeHolding(response_, TakeResponseHold(), call_.response());
     CallOutcome outcome;
     outcome.detail = plan_.shapes;
     outcome.backend = plan_.backend->name();

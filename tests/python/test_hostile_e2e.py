@@ -331,6 +331,54 @@ def test_responses_never_read_stay_counted_against_the_inflight_memory(tmp_path,
         assert call_sdpa_status(s.target, request) == "status=OK"
 
 
+def test_extend_responses_never_read_stay_counted_against_the_inflight_memory(tmp_path, stubs_dir):
+    # The same through sessions: 16 head sessions, one Extend each of 256 tokens asking for the [1, 256, 256] weights
+    # (a 264 KiB response), sent over connections that never read. Only a few compute under a 1 MiB allowance; with
+    # the responses' share given back as compute ended, all 16 did.
+    from mha.v1 import attention_pb2 as pb
+    from mha.v1 import attention_pb2_grpc as pbg
+    rng = np.random.default_rng(1)
+    with run_server(tmp_path, "--max_inflight_mb", "1", "--inline_max_mflop", "0") as s:
+        with grpc.insecure_channel(s.target) as channel:
+            stub = pbg.AttentionStub(channel)
+            ids = []
+            for _ in range(16):
+                create = pb.CreateSessionRequest()
+                create.heads.num_heads = 1
+                create.heads.head_dim = 8
+                ids.append(stub.CreateSession(create, timeout=10).session.session_id)
+        messages = []
+        for session_id in ids:
+            request = pb.ExtendRequest(return_attention_weights=True)
+            item = request.items.add(session_id=session_id)
+            for name in ("q", "k", "v"):
+                tensor = getattr(item, name)
+                tensor.shape.extend([256, 1, 8])
+                tensor.dtype = pb.FP16
+                tensor.data = rng.standard_normal((256, 1, 8)).astype(np.float16).tobytes()
+            messages.append(request.SerializeToString())
+        # One call at a time, each on a connection of its own: a call finds the ones before it computed, so only
+        # their unsent responses can hold the allowance.
+        sockets = []
+        try:
+            for message in messages:
+                sockets.append(calls_never_read(s.port, "/mha.v1.Attention/Extend", [message]))
+                time.sleep(0.1)
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline:
+                log = open(s.log_path).read()
+                if log.count("rpc=Extend ") >= 16:
+                    break
+                time.sleep(0.1)
+            answered = log.count("rpc=Extend ")
+            computed = answered - log.count("status=RESOURCE_EXHAUSTED")
+            assert answered == 16, log[-3000:]
+            assert 1 <= computed <= 4, log[-3000:]
+        finally:
+            for sock in sockets:
+                sock.close()
+
+
 def call_sdpa_status(target, request):
     from mha.v1 import attention_pb2_grpc as pbg
     with grpc.insecure_channel(target) as channel:
