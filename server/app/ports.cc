@@ -12,6 +12,10 @@
 namespace mha {
 namespace {
 
+// The health-only port's bounds: streams one connection may hold open, and gRPC's memory on the port.
+constexpr int kHealthStreamsPerConnection = 16;
+constexpr size_t kHealthMemoryBytes = size_t{64} << 20;
+
 // Leaves gRPC's server reflection (registered for every builder by InitProtoReflectionServerBuilderPlugin) out of
 // one server: the health-only port serves health alone, and where tokens are required reflection is not served,
 // since gRPC 1.51 offers no hook that checks a token before the reflection service answers.
@@ -91,6 +95,12 @@ absl::StatusOr<std::unique_ptr<HealthOnlyPort>> HealthOnlyPort::Start(const std:
   std::unique_ptr<HealthOnlyPort> health(new HealthOnlyPort());
   grpc::ServerBuilder builder;
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  // Probes need a stream or two; the port is plaintext and asks no token, so what one peer may hold open (Watch
+  // streams) is bounded per connection, and gRPC's memory on this port as a whole.
+  builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, kHealthStreamsPerConnection);
+  grpc::ResourceQuota quota("mha_health");
+  quota.Resize(kHealthMemoryBytes);
+  builder.SetResourceQuota(quota);
   builder.SetOption(std::make_unique<WithoutReflection>());
   health->unimplemented_ = std::make_unique<UnimplementedService>();
   builder.RegisterCallbackGenericService(health->unimplemented_.get());

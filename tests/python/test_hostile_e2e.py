@@ -114,6 +114,39 @@ def test_the_health_only_port_serves_health_alone(tmp_path):
         assert reflection_code(s.target) == grpc.StatusCode.OK
 
 
+def test_the_health_only_port_bounds_the_streams_one_connection_holds(tmp_path, stubs_dir):
+    # The port is plaintext and asks no token: 16 Watch streams of one connection are answered, the 17th waits for
+    # one of them to end (HTTP/2's MAX_CONCURRENT_STREAMS), instead of each peer holding as many as it opens.
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    port = free_port()
+    with run_server(tmp_path, "--health_listen", "127.0.0.1:%d" % port):
+        with grpc.insecure_channel("127.0.0.1:%d" % port) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            streams = [stub.Watch(health_pb2.HealthCheckRequest(), timeout=30) for _ in range(17)]
+            first = {}
+
+            def read_first(i):
+                try:
+                    first[i] = next(streams[i]).status
+                except grpc.RpcError:
+                    pass
+
+            readers = [threading.Thread(target=read_first, args=(i,), daemon=True) for i in range(17)]
+            for reader in readers:
+                reader.start()
+            deadline = time.monotonic() + 10
+            while len(first) < 16 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            time.sleep(0.5)  # the 17th, were it admitted, answers at once as the others did
+            assert len(first) == 16
+            waiting = next(i for i in range(17) if i not in first)
+            streams[(waiting + 1) % 17].cancel()
+            readers[waiting].join(timeout=10)
+            assert first.get(waiting) == health_pb2.HealthCheckResponse.SERVING
+            for stream in streams:
+                stream.cancel()
+
+
 def test_with_tokens_required_reflection_is_not_served(tmp_path):
     tokens = tmp_path / "tokens"
     tokens.write_text("compute-token-0123456789\n")
