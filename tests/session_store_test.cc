@@ -5,12 +5,15 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <sstream>
 #include <string>
 #include <vector>
 
 #include "absl/time/clock.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "spdlog/sinks/ostream_sink.h"
+#include "spdlog/spdlog.h"
 #include "tests/test_util.h"
 
 namespace mha {
@@ -490,6 +493,51 @@ TEST(SessionStoreTables, EveryCachesRopeListsCountAgainstThePool) {
   EXPECT_GE(listed_bytes - plain_bytes, kListBytes);
   ASSERT_OK(store.Fork("listed", "fork", {}).status());
   EXPECT_GE(store.activity().table_bytes - plain_bytes - listed_bytes, kListBytes);
+}
+
+// One call that needs most of the pool evicts about 70 idle sessions at once: their end lines are bounded per second
+// (the metrics count every one), so that a client cannot turn session churn into log volume.
+TEST(SessionStoreLog, ManySessionsEndingAtOnceWriteABoundedNumberOfLines) {
+  // The default logger writes into `lines` while this lives.
+  struct Capture {
+    std::ostringstream lines;
+    const std::shared_ptr<spdlog::logger> before = spdlog::default_logger();
+    Capture() {
+      spdlog::set_default_logger(
+          std::make_shared<spdlog::logger>("capture", std::make_shared<spdlog::sinks::ostream_sink_mt>(lines)));
+    }
+    ~Capture() { spdlog::set_default_logger(before); }
+  } capture;
+  {
+    SessionStoreOptions options;
+    options.capacity_bytes = BlockPool::kChunkBytes;  // 2048 blocks of 1 KiB
+    options.block_tokens = kTokens;
+    options.max_sessions = 200;
+    options.max_tokens = 2000 * kTokens;
+    SessionStore store(options, nullptr);
+    for (int i = 0; i < 100; ++i) {
+      const std::string id = store.Create(HeadSession(), "", {})->session_id();
+      const SessionHold hold = HoldSessions(store, {id});
+      const ReserveItem item{id, 0, 16 * kTokens};
+      absl::StatusOr<ExtendReservation> r = store.Reserve({&item, 1});
+      ASSERT_OK(r.status());
+      r->Commit();
+    }
+    const std::string big = store.Create(HeadSession(), "big", {})->session_id();
+    const SessionHold hold = HoldSessions(store, {big});
+    const ReserveItem item{big, 0, 1500 * kTokens};
+    absl::StatusOr<ExtendReservation> r = store.Reserve({&item, 1});
+    ASSERT_OK(r.status());
+    EXPECT_LT(store.activity().open, 40);  // about 70 evicted for it
+  }
+  const std::string log = capture.lines.str();
+  int64_t evicted_lines = 0;
+  for (size_t at = log.find("evicted to make room"); at != std::string::npos;
+       at = log.find("evicted to make room", at + 1)) {
+    ++evicted_lines;
+  }
+  EXPECT_GE(evicted_lines, 1);
+  EXPECT_LE(evicted_lines, 20);
 }
 
 // A block size new to the pool, with the pool half empty around blocks of another size (F10 of #54): it takes the

@@ -186,8 +186,8 @@ absl::StatusOr<v1::SessionInfo> SessionStore::Create(const SessionConfig& given,
           " would take ",
           too_large ? absl::StrCat(elements * static_cast<double>(DTypeSize(config.cache_dtype)))
                     : absl::StrCat(caches[c].layout.BlockBytes()),
-          " bytes (2 Hkv d_k --kv_block_tokens sizeof(cache_dtype), and an 8-bit cache's scales), more than the pool's ",
-          pool_chunk_bytes_, "-byte chunks; the server needs a smaller --kv_block_tokens (or, "
+          " bytes (2 Hkv d_k --kv_block_tokens sizeof(cache_dtype), and an 8-bit cache's scales), more than the ",
+          "pool's ", pool_chunk_bytes_, "-byte chunks; the server needs a smaller --kv_block_tokens (or, "
           "below 64 MiB, whose chunks are a 32nd of it, a larger --kv_cache_mb)"));
     }
   }
@@ -470,15 +470,21 @@ void SessionStore::EndSession(std::map<std::string, Session>::iterator it, EndRe
                              : reason == EndReason::kDisplaced ? "session_limit"
                                                                : "cache_full");
   }
-  if (reason == EndReason::kExpired) {
-    spdlog::info("session {} expired: idle for more than {}", s.id, Seconds(s.config.idle_timeout));
-  } else if (reason == EndReason::kEvicted) {
-    spdlog::warn("session {} evicted to make room in the KV cache (least recently used, idle {}; {} of {} bytes "
-                 "in use)", s.id, Seconds(absl::Now() - s.last_used), pool_.used_bytes() + table_bytes_,
-                 pool_capacity_);
-  } else if (reason == EndReason::kDisplaced) {
-    spdlog::warn("session {} evicted to make room for a session of a token below its share of --max_sessions "
-                 "(least recently used of a token over its share, idle {})", s.id, Seconds(absl::Now() - s.last_used));
+  int64_t left_out = 0;
+  if (reason != EndReason::kClosed && end_lines_.Take(absl::Now(), &left_out)) {
+    const std::string more =
+        left_out > 0 ? absl::StrCat(" (", left_out, " more session end(s) not logged before this one)") : "";
+    if (reason == EndReason::kExpired) {
+      spdlog::info("session {} expired: idle for more than {}{}", s.id, Seconds(s.config.idle_timeout), more);
+    } else if (reason == EndReason::kEvicted) {
+      spdlog::warn("session {} evicted to make room in the KV cache (least recently used, idle {}; {} of {} bytes "
+                   "in use){}", s.id, Seconds(absl::Now() - s.last_used), pool_.used_bytes() + table_bytes_,
+                   pool_capacity_, more);
+    } else if (reason == EndReason::kDisplaced) {
+      spdlog::warn("session {} evicted to make room for a session of a token below its share of --max_sessions "
+                   "(least recently used of a token over its share, idle {}){}", s.id,
+                   Seconds(absl::Now() - s.last_used), more);
+    }
   }
   sessions_.erase(it);
 }

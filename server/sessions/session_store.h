@@ -38,10 +38,10 @@
 
 #include <cstdint>
 #include <deque>
-#include <utility>
 #include <map>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -52,6 +52,7 @@
 #include "absl/types/span.h"
 #include "proto/mha/v1/attention.pb.h"
 #include "server/backends/backend.h"
+#include "server/base/log_budget.h"
 #include "server/metrics/metrics.h"
 #include "server/sessions/block_pool.h"
 #include "server/sessions/prefix_cache.h"
@@ -356,6 +357,10 @@ class SessionStore {
   uint64_t ends_ ABSL_GUARDED_BY(mu_) = 0;
   // Last, so that it goes first: its starter thread may still start a call on the store until it is gone.
   SessionSequencer sequencer_;
+  // The lines saying why sessions ended (expired, evicted): one call that needs the whole pool, or a client that
+  // creates sessions to be evicted, ends many at once; the metrics count every end.
+  static constexpr int kEndLinesPerSecond = 20;
+  LogBudget end_lines_{kEndLinesPerSecond};
 };
 
 }  // namespace mha
