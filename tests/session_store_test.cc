@@ -49,6 +49,16 @@ SessionHold HoldSessions(SessionStore& store, std::vector<std::string> ids) {
   return SessionHold(&store.sequencer(), std::move(ids));
 }
 
+// A pool of one chunk (2048 blocks of 1 KiB) for up to `max_sessions` sessions of up to `max_tokens` tokens.
+SessionStoreOptions OneChunk(int max_sessions, int64_t max_tokens) {
+  SessionStoreOptions options;
+  options.capacity_bytes = BlockPool::kChunkBytes;
+  options.block_tokens = kTokens;
+  options.max_sessions = max_sessions;
+  options.max_tokens = max_tokens;
+  return options;
+}
+
 class SessionStoreTest : public ::testing::Test {
  protected:
   explicit SessionStoreTest(int64_t capacity = 4 << 20) : store_(Options(capacity), nullptr) {}
@@ -441,12 +451,7 @@ TEST_F(TightStoreTest, NeverPastThePool) {
 // Block tables count against the pool (F4 of #54): forks share blocks, but each one's table is new memory, so
 // forking a long session over and over evicts older forks instead of growing the heap past --kv_cache_mb.
 TEST(SessionStoreTables, ForksBlockTablesCountAgainstThePool) {
-  SessionStoreOptions options;
-  options.capacity_bytes = BlockPool::kChunkBytes;  // 2048 blocks of 1 KiB
-  options.block_tokens = kTokens;
-  options.max_sessions = 1000;
-  options.max_tokens = 1000 * kTokens;
-  SessionStore store(options, nullptr);
+  SessionStore store(OneChunk(1000, 1000 * kTokens), nullptr);
   const std::string source = store.Create(HeadSession(), "source", {})->session_id();
   const SessionHold hold = HoldSessions(store, {source});  // as the forks' calls do
   const ReserveItem item{source, 0, 1000 * kTokens};
@@ -473,10 +478,7 @@ TEST(SessionStoreTables, ForksBlockTablesCountAgainstThePool) {
 // A session's head configurations are its memory too: longrope's lists, up to head_dim / 2 doubles each per cache,
 // count against the pool when the session is created and again for each fork, which copies them.
 TEST(SessionStoreTables, EveryCachesRopeListsCountAgainstThePool) {
-  SessionStoreOptions options;
-  options.capacity_bytes = BlockPool::kChunkBytes;
-  options.block_tokens = kTokens;
-  SessionStore store(options, nullptr);
+  SessionStore store(OneChunk(8, 1000), nullptr);
   constexpr int64_t kCaches = 4, kPairs = 512;
   SessionConfig plain = HeadSession(kCaches);
   plain.layer_heads.assign(kCaches, plain.heads);
@@ -509,12 +511,7 @@ TEST(SessionStoreLog, ManySessionsEndingAtOnceWriteABoundedNumberOfLines) {
     ~Capture() { spdlog::set_default_logger(before); }
   } capture;
   {
-    SessionStoreOptions options;
-    options.capacity_bytes = BlockPool::kChunkBytes;  // 2048 blocks of 1 KiB
-    options.block_tokens = kTokens;
-    options.max_sessions = 200;
-    options.max_tokens = 2000 * kTokens;
-    SessionStore store(options, nullptr);
+    SessionStore store(OneChunk(200, 2000 * kTokens), nullptr);
     for (int i = 0; i < 100; ++i) {
       const std::string id = store.Create(HeadSession(), "", {})->session_id();
       const SessionHold hold = HoldSessions(store, {id});

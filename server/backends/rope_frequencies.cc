@@ -17,19 +17,9 @@ std::vector<double> Plain(double theta, int64_t dim) {
   return inv_freq;
 }
 
-// YaRN's mscale (the paper's Eq. 21): 0.1 mscale ln(scale) + 1, or 1 for scale <= 1.
-double YarnMscale(double scale, double mscale) { return scale <= 1 ? 1.0 : 0.1 * mscale * std::log(scale) + 1.0; }
-
-// The factor yarn and longrope default to: max_position_embeddings / original_max_position_embeddings.
-double FactorOf(const RopeScaling& r) {
-  return r.factor != 0 ? r.factor
-                       : static_cast<double>(r.max_position_embeddings) /
-                             static_cast<double>(r.original_max_position_embeddings);
-}
-
 RopeFrequencies Yarn(const HeadSpec& h) {
   const RopeScaling& r = h.rope_scaling;
-  const double dim = static_cast<double>(h.rope_dim), base = h.rope_theta, factor = FactorOf(r);
+  const double dim = static_cast<double>(h.rope_dim), base = h.rope_theta, factor = r.Factor();
   RopeFrequencies out;
   out.attention_factor = r.attention_factor != 0 ? r.attention_factor
                          : r.mscale != 0 && r.mscale_all_dim != 0
@@ -60,7 +50,7 @@ RopeFrequencies Yarn(const HeadSpec& h) {
 
 RopeFrequencies Longrope(const HeadSpec& h, int64_t seq_len) {
   const RopeScaling& r = h.rope_scaling;
-  const double factor = FactorOf(r), original = static_cast<double>(r.original_max_position_embeddings);
+  const double factor = r.Factor(), original = static_cast<double>(r.original_max_position_embeddings);
   RopeFrequencies out;
   out.attention_factor = r.attention_factor != 0 ? r.attention_factor
                          : factor <= 1.0         ? 1.0

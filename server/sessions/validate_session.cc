@@ -197,6 +197,18 @@ bool MixedInputs(const v1::ExtendItem& item, const v1::ExtendItem& first) {
   return false;
 }
 
+// Steps of calls with one key compute as one ragged paged call: what PagedArgs shares across its sequences. The
+// layer_index does not enter it; each sequence brings its own cache.
+std::string BatchKey(const ExtendPlan& plan) {
+  const PagedProblem& p = plan.paged;
+  return absl::StrCat(
+      "extend|", reinterpret_cast<uintptr_t>(plan.backend), "|", reinterpret_cast<uintptr_t>(plan.layer.get()), "|",
+      p.heads.num_heads, "|", p.heads.num_kv_heads, "|", p.heads.head_dim, "|",
+      absl::bit_cast<uint32_t>(p.heads.scale), "|", RopeKey(p.heads), "|", p.cache.dtype, "|", p.cache.block_tokens,
+      "|", p.input_dtype, p.mixed_inputs ? "+" : "", "|", p.output_dtype, "|", p.return_weights, "|",
+      plan.stats.lse, plan.stats.head_stats, plan.stats.row_stats, "|", plan.stats.sink_tokens);
+}
+
 }  // namespace
 
 absl::StatusOr<SessionConfig> ValidateCreateSession(const v1::CreateSessionRequest& r,
@@ -403,14 +415,7 @@ absl::StatusOr<ExtendPlan> ValidateExtendHeld(const v1::ExtendRequest& r, const 
   plan.problem.mixed_inputs = p.mixed_inputs;
   plan.problem.output_dtype = p.output_dtype;
   plan.problem.return_weights = p.return_weights;
-  // Steps of calls with one key compute as one ragged paged call: what PagedArgs shares across its sequences. The
-  // layer_index does not enter it; each sequence brings its own cache.
-  plan.batch_key = absl::StrCat(
-      "extend|", reinterpret_cast<uintptr_t>(plan.backend), "|", reinterpret_cast<uintptr_t>(plan.layer.get()), "|",
-      p.heads.num_heads, "|", p.heads.num_kv_heads, "|", p.heads.head_dim, "|",
-      absl::bit_cast<uint32_t>(p.heads.scale), "|", RopeKey(p.heads), "|", p.cache.dtype, "|", p.cache.block_tokens,
-      "|", p.input_dtype, p.mixed_inputs ? "+" : "", "|", p.output_dtype, "|", p.return_weights, "|", plan.stats.lse, plan.stats.head_stats,
-      plan.stats.row_stats, "|", plan.stats.sink_tokens);
+  plan.batch_key = BatchKey(plan);
   plan.shapes = absl::StrCat("items=", p.sequences, " tokens=", p.new_tokens, " max_length=", p.max_length,
                              " layer_index=", r.layer_index(),
                              first.layer_session ? absl::StrCat(" layer=", first.layer.name)

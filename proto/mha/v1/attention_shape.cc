@@ -171,18 +171,17 @@ absl::Status ResolveRopeScaling(const v1::RopeScaling& r, int64_t rope_dim, absl
 absl::Status CheckRopeDivisors(const HeadSpec& h, absl::string_view field) {
   using T = RopeScaling::Type;
   const RopeScaling& r = h.rope_scaling;
-  const double original = static_cast<double>(r.original_max_position_embeddings);
-  const double factor = r.factor != 0 ? r.factor : static_cast<double>(r.max_position_embeddings) / original;
+  const double factor = r.Factor();
   if (r.type == T::kYarn && h.rope_theta == 1.0) {
     return Invalid(field, "rope_theta", " must not be 1 with rope_type 'yarn' (its ramp divides by log(rope_theta))");
   }
   const std::string scaling = absl::StrCat(field, ".rope_scaling");
-  if (r.type == T::kYarn && r.attention_factor == 0 && r.mscale != 0 && r.mscale_all_dim != 0 && factor > 1 &&
-      0.1 * r.mscale_all_dim * std::log(factor) + 1.0 == 0.0) {
+  if (r.type == T::kYarn && r.attention_factor == 0 && r.mscale != 0 && r.mscale_all_dim != 0 &&
+      YarnMscale(factor, r.mscale_all_dim) == 0.0) {
     return Invalid(scaling, "mscale_all_dim", " makes the attention factor's divisor 0.1 mscale_all_dim "
                    "log(factor) + 1 zero; set attention_factor or another mscale_all_dim");
   }
-  if (r.type == T::kLongrope && r.attention_factor == 0 && factor > 1 && original == 1) {
+  if (r.type == T::kLongrope && r.attention_factor == 0 && factor > 1 && r.original_max_position_embeddings == 1) {
     return Invalid(scaling, "original_max_position_embeddings", " must be > 1 with rope_type 'longrope' and factor > 1 "
                    "unless attention_factor is set (its default divides by log(original_max_position_embeddings))");
   }

@@ -6,6 +6,7 @@
 #ifndef MHA_PROTO_ATTENTION_SHAPE_H_
 #define MHA_PROTO_ATTENTION_SHAPE_H_
 
+#include <cmath>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -35,9 +36,21 @@ struct RopeScaling {
   bool scaled() const { return type != Type::kDefault; }
   // Whether the frequencies depend on the sequence's length (dynamic, and longrope's switch).
   bool length_dependent() const { return type == Type::kDynamic || type == Type::kLongrope; }
+  // The factor, or where it is 0 (yarn and longrope's default) max_position_embeddings /
+  // original_max_position_embeddings.
+  double Factor() const {
+    return factor != 0 ? factor
+                       : static_cast<double>(max_position_embeddings) /
+                             static_cast<double>(original_max_position_embeddings);
+  }
   bool operator==(const RopeScaling& o) const;
   bool operator!=(const RopeScaling& o) const { return !(*this == o); }
 };
+
+// YaRN's mscale (the paper's Eq. 21): 0.1 mscale ln(scale) + 1, or 1 for scale <= 1.
+inline double YarnMscale(double scale, double mscale) {
+  return scale <= 1 ? 1.0 : 0.1 * mscale * std::log(scale) + 1.0;
+}
 
 // "default", "linear", "dynamic", "yarn", "longrope", "llama3".
 const char* RopeTypeName(RopeScaling::Type type);

@@ -54,7 +54,8 @@ FlashPlan TensorCoreVariant(FlashPlan plan, int64_t q_len, int block_m, bool asy
 
 absl::Status CudaSupports(const AttentionProblem& problem) {
   if (problem.mixed_inputs) {
-    return absl::UnimplementedError("the CUDA backend computes query, key and value of one dtype; this call mixes them");
+    return absl::UnimplementedError(
+        "the CUDA backend computes query, key and value of one dtype; this call mixes them");
   }
   // The kernel runs on the dtype of q/k/v on the device: the wire's.
   absl::StatusOr<FlashPlan> plan = PlanFlash(problem.shape, problem.input_dtype);
